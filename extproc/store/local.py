@@ -1,0 +1,42 @@
+"""The default store: limiter state in this process, no external service.
+
+Every call runs on the event loop thread and completes without awaiting, so acquire and release are atomic
+with respect to each other without locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from extproc.core.clock import Clock, monotonic
+from extproc.core.limiter import JointLimiter, KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
+
+
+class LocalStore:
+    """`LimiterStore` backed by an in-process `JointLimiter`."""
+
+    def __init__(self, clock: Clock = monotonic) -> None:
+        self.limiter = JointLimiter(clock=clock)
+
+    async def acquire(self, keys: Sequence[str], tokens: int) -> Lease | Rejection:
+        return self.limiter.acquire(keys, tokens)
+
+    async def release(self, lease: Lease, actual_tokens: int) -> bool:
+        return self.limiter.release(lease, actual_tokens)
+
+    async def status(self, keys: Sequence[str]) -> RateLimitStatus:
+        return self.limiter.status(keys)
+
+    async def apply_limits(
+        self, specs: Mapping[str, LimitSpec], defaults: Mapping[str, LimitSpec] | None = None
+    ) -> None:
+        self.limiter.apply_limits(specs, defaults)
+
+    async def set_scale(self, key: str, scale: float) -> None:
+        self.limiter.set_scale(key, scale)
+
+    def snapshot(self) -> list[KeySnapshot]:
+        return self.limiter.snapshot()
+
+    def prune(self) -> int:
+        return self.limiter.prune()
