@@ -109,3 +109,17 @@ def count_chat_prompt(
 
 def _compact_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+
+
+def compact_json(value: Any) -> str:
+    """The exact text `count_chat_prompt` tokenizes for tools and tool calls, so byte bounds can use it."""
+    return _compact_json(value)
+
+
+def utf8_len(text: str) -> int:
+    """UTF-8 length of text as the tokenizer sees it.
+
+    A lone surrogate (legal as a JSON escape) counts as the 3 bytes of the U+FFFD tiktoken substitutes for it,
+    so byte-based bounds stay valid for any decoded JSON string.
+    """
+    return len(text.encode("utf-8", "surrogatepass"))
