@@ -1,0 +1,357 @@
+"""Settle a reservation against what the backend actually produced.
+
+A `ResponseUsageTracker` sees every response body chunk, in order, and keeps the best knowledge of the
+request's usage at every moment, so settlement works however the response ends.
+
+Settlement facts the server relies on:
+
+* `usage.reported` is True once the backend's own `usage` object was seen (a non-streaming body, the
+  include_usage event at the end of a stream, or continuous usage on every event). Its `completion_tokens`
+  is then authoritative; tokens of content events after the last usage object are counted and added.
+* Without a usage object, `completion_tokens` is counted with tiktoken from the text that passed:
+  `delta.content`, `delta.reasoning_content` (or `delta.reasoning`), tool call / function call names and
+  arguments (chat) and `text` (completions), over all choices. Each delta is tokenized on its own, so the
+  count can differ from tokenizing the concatenated answer by the token-boundary effect at each delta join
+  (real backends send about one token per delta, where the two agree). For a non-tiktoken backend the count
+  is an estimate in the sidecar's encoding.
+* `prompt_tokens` is None unless reported: the server keeps its own count from admission.
+* A stream cut mid-way (client disconnect, backend failure) gets no usage event; `usage` is valid at any
+  time and then reports what was counted so far.
+* `error_seen` is True after an SSE error event (`event: error`, `data: {"error": ...}`,
+  `data: {"object": "error", ...}`) or a JSON error body. A streaming request answered with a JSON body (an
+  error before streaming began) is recognised by its leading `{` and parsed as JSON.
+* Nothing here raises on malformed input: garbage, truncated JSON, non-JSON bodies and oversized events are
+  skipped and usage reports what is known. Memory is bounded by `max_buffer_bytes`: streaming keeps only the
+  current incomplete event, non-streaming keeps the body up to the cap and counts nothing beyond it.
+* With `strip_usage_chunk=True` (the sidecar injected include_usage; the client did not ask) the usage-only
+  event (`"choices": []` plus usage) is removed from the bytes sent to the client. To do so an incomplete
+  trailing event is held back and released with the next chunk or by `finish()`; the caller must send what
+  `finish()` returns. Other events' `"usage": null` fields are left as they are. With False, bytes never
+  change and nothing is held back.
+* `finish()` on a non-streaming body parses and may tokenize up to `max_buffer_bytes` of JSON: run it in a
+  worker thread for large bodies. Streaming work per event is small (one JSON event, a few short deltas).
+* A tracker is not thread-safe; use one per response.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.admission.tokens import content_texts, count_text
+
+_SSE = "sse"
+_JSON = "json"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a request consumed, as far as it is known."""
+
+    prompt_tokens: int | None  # as reported by the backend, None if not reported
+    completion_tokens: int  # reported, or counted from what passed
+    reported: bool  # True when the backend's own usage object was seen
+
+
+def _count_int(value: Any) -> int | None:
+    if type(value) is int and value >= 0:
+        return value
+    return None
+
+
+class ResponseUsageTracker:
+    """Follows one response body (SSE or JSON) to learn its token usage; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        streaming: bool,
+        encoding: str,
+        strip_usage_chunk: bool = False,
+        max_buffer_bytes: int = 8 << 20,
+    ) -> None:
+        self._encoding = encoding
+        self._strip = strip_usage_chunk and streaming
+        self._cap = max_buffer_bytes
+        self._mode: str | None = None if streaming else _JSON
+        self._finished = False
+        # SSE parser state: the current partial line and the current event's fields.
+        self._line = bytearray()
+        self._line_overflow = False
+        self._data: list[bytes] = []
+        self._data_size = 0
+        self._event_overflow = False
+        self._event_name = b""
+        # Strip mode: raw bytes of the incomplete current event, held back until it is known to be kept.
+        self._held = bytearray()
+        self._passthrough = False  # current event outgrew the cap: its bytes are released as they come
+        # JSON body state.
+        self._body = bytearray()
+        self._body_overflow = False
+        # Results.
+        self._usage_seen = False
+        self._reported_prompt: int | None = None
+        self._reported_completion: int | None = None
+        self._counted_total = 0
+        self._counted_since_report = 0
+        self._error = False
+        self.done_seen = False  # `data: [DONE]` arrived: the backend finished the stream normally
+
+    # ----------------------------------------------------------------------------------------------------
+    # Public API
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """Observe the next body chunk; return None to pass it unchanged, or the bytes to send instead."""
+        if not chunk:
+            return None
+        if self._mode is None:
+            head = chunk.lstrip()
+            if not head:
+                return None  # leading whitespace decides nothing and passes through
+            self._mode = _JSON if head[:1] in (b"{", b"[") else _SSE
+        if self._mode == _JSON:
+            self._buffer_json(chunk)
+            return None
+        out = self._feed_sse(chunk)
+        if out is None or out == chunk:
+            return None
+        return bytes(out)
+
+    def finish(self) -> bytes | None:
+        """End of the body: settle anything pending; return bytes held back (None when there are none)."""
+        if self._finished:
+            return None
+        self._finished = True
+        if self._mode == _JSON:
+            self._settle_json()
+            return None
+        if self._mode != _SSE:
+            return None
+        out = bytearray() if self._strip else None
+        if self._line or self._line_overflow:
+            self._process_line(self._take_line(b""), out)
+        if self._data or self._event_overflow or self._event_name or self._held:
+            self._dispatch(out)
+        return bytes(out) if out else None
+
+    @property
+    def usage(self) -> Usage:
+        """Best knowledge so far; valid at any time, e.g. after a disconnect mid-stream."""
+        if self._reported_completion is not None:
+            completion = self._reported_completion + self._counted_since_report
+        else:
+            completion = self._counted_total
+        return Usage(
+            prompt_tokens=self._reported_prompt,
+            completion_tokens=completion,
+            reported=self._usage_seen,
+        )
+
+    @property
+    def error_seen(self) -> bool:
+        """An SSE error event or an {"error": ...} JSON body was seen."""
+        return self._error
+
+    # ----------------------------------------------------------------------------------------------------
+    # SSE
+
+    def _feed_sse(self, chunk: bytes) -> bytearray | None:
+        out = bytearray() if self._strip else None
+        pos = 0
+        size = len(chunk)
+        while pos < size:
+            nl = chunk.find(b"\n", pos)
+            if nl < 0:
+                piece = chunk[pos:]
+                self._hold(piece, out)
+                if not self._line_overflow:
+                    self._line += piece
+                    if len(self._line) > self._cap:
+                        self._line_overflow = True
+                        self._line.clear()
+                break
+            segment = chunk[pos : nl + 1]
+            self._hold(segment, out)
+            self._process_line(self._take_line(segment[:-1]), out)
+            pos = nl + 1
+        return out
+
+    def _hold(self, raw: bytes, out: bytearray | None) -> None:
+        """Strip mode: keep the current event's raw bytes until its fate is known, within the cap."""
+        if out is None:
+            return
+        if self._passthrough:
+            out += raw
+            return
+        self._held += raw
+        if len(self._held) > self._cap:
+            # Too large to hold: release it unparsed for stripping; a usage event is never this big.
+            out += self._held
+            self._held.clear()
+            self._passthrough = True
+
+    def _take_line(self, tail: bytes) -> bytes | None:
+        """The complete current line (without its EOL), or None if it overflowed the cap."""
+        if self._line_overflow:
+            self._line_overflow = False
+            self._line.clear()
+            return None
+        if self._line:
+            line = bytes(self._line) + tail
+            self._line.clear()
+        else:
+            line = tail
+        return line[:-1] if line.endswith(b"\r") else line
+
+    def _process_line(self, line: bytes | None, out: bytearray | None) -> None:
+        if line is None:
+            self._event_overflow = True
+            return
+        if not line:
+            self._dispatch(out)
+            return
+        if line.startswith(b":"):
+            return  # comment / keep-alive
+        field, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        if field == b"data":
+            if self._event_overflow:
+                return
+            self._data.append(value)
+            self._data_size += len(value)
+            if self._data_size > self._cap:
+                self._event_overflow = True
+                self._data.clear()
+        elif field == b"event":
+            self._event_name = value
+        # id:, retry: and unknown fields carry nothing for usage
+
+    def _dispatch(self, out: bytearray | None) -> None:
+        """An event is complete: learn from it, then release or drop its held bytes."""
+        drop = False
+        if self._event_name == b"error":
+            self._error = True
+        if self._data and not self._event_overflow:
+            drop = self._handle_data(b"\n".join(self._data))
+        if out is not None and not self._passthrough:
+            if not drop:
+                out += self._held
+            self._held.clear()
+        self._data.clear()
+        self._data_size = 0
+        self._event_overflow = False
+        self._event_name = b""
+        self._passthrough = False
+
+    def _handle_data(self, data: bytes) -> bool:
+        """Absorb one event's data; True when it is the usage-only event the client did not ask for."""
+        if data.strip() == b"[DONE]":
+            self.done_seen = True
+            return False
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
+            return False
+        if not isinstance(obj, dict):
+            return False
+        self._check_error(obj)
+        choices = obj.get("choices")
+        counted = 0
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    counted += self._count_choice(choice, "delta")
+        self._counted_total += counted
+        self._counted_since_report += counted
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            return False
+        self._take_usage(usage)
+        return self._strip and (choices is None or choices == [])
+
+    # ----------------------------------------------------------------------------------------------------
+    # JSON
+
+    def _buffer_json(self, chunk: bytes) -> None:
+        if self._body_overflow:
+            return
+        if len(self._body) + len(chunk) > self._cap:
+            self._body_overflow = True
+            self._body = bytearray()  # release the memory, not just the length
+            return
+        self._body += chunk
+
+    def _settle_json(self) -> None:
+        if self._body_overflow or not self._body:
+            return
+        try:
+            obj = json.loads(bytes(self._body))
+        except (ValueError, RecursionError):
+            return
+        finally:
+            self._body = bytearray()
+        if not isinstance(obj, dict):
+            return
+        self._check_error(obj)
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self._take_usage(usage)
+            if self._reported_completion is not None:
+                return  # authoritative: no need to tokenize the answer
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    self._counted_total += self._count_choice(choice, "message")
+
+    # ----------------------------------------------------------------------------------------------------
+    # Shared
+
+    def _check_error(self, obj: Mapping[str, Any]) -> None:
+        if obj.get("error") is not None or obj.get("object") == "error":
+            self._error = True
+
+    def _take_usage(self, usage: Mapping[str, Any]) -> None:
+        self._usage_seen = True
+        prompt = _count_int(usage.get("prompt_tokens"))
+        if prompt is not None:
+            self._reported_prompt = prompt
+        completion = _count_int(usage.get("completion_tokens"))
+        if completion is not None:
+            self._reported_completion = completion
+            self._counted_since_report = 0
+
+    def _count_choice(self, choice: Mapping[str, Any], key: str) -> int:
+        """Tokens of the generated text in one choice (`delta` for chunks, `message` for bodies)."""
+        texts: list[str] = []
+        text = choice.get("text")  # completions
+        if isinstance(text, str):
+            texts.append(text)
+        part = choice.get(key)
+        if isinstance(part, dict):
+            texts.extend(content_texts(part.get("content")))
+            reasoning = part.get("reasoning_content")
+            if not isinstance(reasoning, str):
+                reasoning = part.get("reasoning")
+            if isinstance(reasoning, str):
+                texts.append(reasoning)
+            tool_calls = part.get("tool_calls")
+            if isinstance(tool_calls, list):
+                for call in tool_calls:
+                    if isinstance(call, dict):
+                        _function_texts(call.get("function"), texts)
+            _function_texts(part.get("function_call"), texts)
+        return sum(count_text(t, self._encoding) for t in texts)
+
+
+def _function_texts(function: Any, texts: list[str]) -> None:
+    """The generated name and arguments of a tool or function call (both are decoded tokens)."""
+    if not isinstance(function, dict):
+        return
+    for field in ("name", "arguments"):
+        value = function.get(field)
+        if isinstance(value, str):
+            texts.append(value)
