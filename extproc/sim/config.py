@@ -1,0 +1,77 @@
+"""Every simulator knob in one dataclass, with defaults describing a real Llama-3-8B / H100 deployment.
+
+The CLI maps flags one to one onto these fields and the programmatic entry takes the dataclass, so tests,
+benchmarks and `python -m extproc.sim` all configure the simulator the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from extproc.admission.tokens import DEFAULT_ENCODING
+from extproc.sim.geometry import DEFAULT_BLOCK_SIZE, GpuDeployment, ModelGeometry, derive_num_gpu_blocks
+from extproc.sim.metrics import LegacyKvMetric
+from extproc.sim.scheduler import Overflow, SchedulerConfig, StepTiming
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "llama-3-8b"
+    max_model_len: int = 8192
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_gpu_blocks: int | None = None  # None: derive from geometry
+    geometry: ModelGeometry = field(default_factory=ModelGeometry)
+    gpu: GpuDeployment = field(default_factory=GpuDeployment)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    timing: StepTiming = field(default_factory=StepTiming)
+    time_scale: float = 1.0
+    overflow: Overflow = Overflow.PREEMPT
+    oom_restart_seconds: float = 30.0
+    seed: int = 0
+    output_len_median: float = 128.0
+    output_len_sigma: float = 1.0
+    legacy_kv_metric: LegacyKvMetric = LegacyKvMetric.OFF
+    encoding: str = DEFAULT_ENCODING
+
+    def resolved_num_gpu_blocks(self) -> int:
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        return derive_num_gpu_blocks(self.geometry, self.gpu, self.block_size)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            overflow=self.overflow,
+        )
+
+    def cache_info(self) -> dict[str, str]:
+        """Labels of `vllm:cache_config_info`, a subset of vLLM's CacheConfig.metrics_info()."""
+        return {
+            "block_size": str(self.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "False",
+            "gpu_memory_utilization": str(self.gpu.gpu_memory_utilization),
+            "num_gpu_blocks": str(self.resolved_num_gpu_blocks()),
+            "num_cpu_blocks": "None",
+        }
+
+    def validate(self) -> None:
+        """Refuse configurations vLLM would refuse, before any request meets them."""
+        blocks = self.resolved_num_gpu_blocks()
+        if blocks <= 0:
+            raise ValueError("no memory left for the KV cache: lower weights/overhead or raise GPU memory")
+        if blocks * self.block_size < self.max_model_len:
+            # vLLM: "The model's max seq len is larger than the maximum number of tokens that can be
+            # stored in KV cache". One full-length sequence must fit, or preemption could loop forever.
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds KV capacity "
+                f"{blocks * self.block_size} tokens ({blocks} blocks of {self.block_size})"
+            )
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
