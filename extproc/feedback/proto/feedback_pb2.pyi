@@ -1,0 +1,62 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVER_KIND_UNSPECIFIED: _ClassVar[ServerKind]
+    SERVER_KIND_VLLM: _ClassVar[ServerKind]
+    SERVER_KIND_SGLANG: _ClassVar[ServerKind]
+    SERVER_KIND_TGI: _ClassVar[ServerKind]
+    SERVER_KIND_TRTLLM: _ClassVar[ServerKind]
+    SERVER_KIND_TRITON: _ClassVar[ServerKind]
+SERVER_KIND_UNSPECIFIED: ServerKind
+SERVER_KIND_VLLM: ServerKind
+SERVER_KIND_SGLANG: ServerKind
+SERVER_KIND_TGI: ServerKind
+SERVER_KIND_TRTLLM: ServerKind
+SERVER_KIND_TRITON: ServerKind
+
+class WatchRequest(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KvSample(_message.Message):
+    __slots__ = ("node", "endpoint", "model", "server_kind", "kv_usage", "requests_waiting", "requests_running", "preemptions_total", "kv_capacity_tokens", "sample_time", "up", "error", "scrape_duration_seconds")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVER_KIND_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TIME_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SCRAPE_DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    endpoint: str
+    model: str
+    server_kind: ServerKind
+    kv_usage: float
+    requests_waiting: float
+    requests_running: float
+    preemptions_total: float
+    kv_capacity_tokens: int
+    sample_time: _timestamp_pb2.Timestamp
+    up: bool
+    error: str
+    scrape_duration_seconds: float
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ..., server_kind: _Optional[_Union[ServerKind, str]] = ..., kv_usage: _Optional[float] = ..., requests_waiting: _Optional[float] = ..., requests_running: _Optional[float] = ..., preemptions_total: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., sample_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., up: _Optional[bool] = ..., error: _Optional[str] = ..., scrape_duration_seconds: _Optional[float] = ...) -> None: ...
