@@ -1,0 +1,197 @@
+"""The running sidecar: gRPC ext_proc server, health, admin HTTP, config reload and graceful shutdown.
+
+Shutdown order matters for capacity accounting: first report NOT_SERVING (readiness fails, so Kubernetes and
+Envoy stop sending new work), then stop accepting RPCs while in-flight streams finish within the grace
+period, then settle whatever is still open with what is known, and only then close the loop. No lease is
+left unsettled and no refund is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from extproc import __version__
+from extproc.config import Config, ConfigWatcher, load_config
+from extproc.core.clock import Clock, monotonic
+from extproc.core.ports import LimiterStore
+from extproc.metrics import Metrics
+from extproc.server import Deps, ExtProcServicer
+from extproc.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+PRUNE_INTERVAL_S = 30.0
+
+
+@dataclass
+class Sidecar:
+    config: Config
+    config_path: Path | None = None
+    store: LimiterStore | None = None
+    clock: Clock = monotonic
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def __post_init__(self) -> None:
+        self._local = LocalStore(clock=self.clock) if self.store is None else None
+        self.store = self.store or self._local
+        self.executor = ThreadPoolExecutor(
+            max_workers=self.config.admission.tokenizer_threads, thread_name_prefix="tokenize"
+        )
+        assert self.store is not None
+        self.servicer = ExtProcServicer(
+            Deps(
+                config=lambda: self.config,
+                store=self.store,
+                metrics=self.metrics,
+                executor=self.executor,
+                clock=self.clock,
+            )
+        )
+        self.health = health.aio.HealthServicer()
+        self.ready = False
+        self.grpc_server: grpc.aio.Server | None = None
+        self.grpc_port: int | None = None
+        self.admin_runner: web.AppRunner | None = None
+        self.admin_port: int | None = None
+        self.watcher: ConfigWatcher | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.metrics.info.labels(__version__).set(1)
+        self.metrics.watch_limits(self.store.snapshot, self._exported_key)
+
+    def _exported_key(self, key: str) -> bool:
+        specs, _ = self.config.limit_specs()
+        return key in specs
+
+    async def apply_config(self, config: Config) -> None:
+        """Make a config current: new requests see new limits; in-flight leases are untouched."""
+        assert self.store is not None
+        specs, defaults = config.limit_specs()
+        await self.store.apply_limits(specs, defaults)
+        self.config = config
+        logging.getLogger().setLevel(config.log_level)
+
+    async def _reload(self, config: Config) -> None:
+        try:
+            await self.apply_config(config)
+        except Exception:
+            self.metrics.config_reloads.labels("refused").inc()
+            raise
+        self.metrics.config_reloads.labels("applied").inc()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.apply_config(self.config)
+        size = self.config.server.max_receive_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", size),
+                ("grpc.max_send_message_length", size),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.grpc_port = server.add_insecure_port(self.config.server.grpc_listen)
+        if not self.grpc_port:
+            raise RuntimeError(f"cannot listen on {self.config.server.grpc_listen}")
+        await server.start()
+        self.grpc_server = server
+        await self._start_admin()
+        if self.config_path is not None:
+            self.watcher = ConfigWatcher(
+                self.config_path, self._reload, self.config.server.config_poll_seconds
+            )
+            self.watcher.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._prune_loop(), name="prune"))
+        for service in ("", EXTPROC_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.ready = True
+        log.info(
+            "sidecar started",
+            extra={
+                "grpc": self.config.server.grpc_listen,
+                "admin": self.config.server.admin_listen,
+                "version": __version__,
+            },
+        )
+
+    async def _start_admin(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        host, _, port = self.config.server.admin_listen.rpartition(":")
+        site = web.TCPSite(runner, host.strip("[]"), int(port))
+        await site.start()
+        self.admin_runner = runner
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.admin_port = sockets[0].getsockname()[1] if sockets else int(port)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        if self.ready:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready\n")
+
+    async def _prune_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PRUNE_INTERVAL_S)
+            if self._local is not None:
+                self._local.prune()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: fail readiness, let in-flight streams finish within the grace period, settle the rest."""
+        grace = self.config.server.shutdown_grace_seconds if grace_s is None else grace_s
+        self.ready = False
+        await self.health.enter_graceful_shutdown()
+        if self.watcher is not None:
+            await self.watcher.stop()
+        for task in self._tasks:
+            task.cancel()
+        if self.grpc_server is not None:
+            log.info("draining ext_proc streams", extra={"grace_seconds": grace})
+            await self.grpc_server.stop(grace)
+        self.servicer.settle_open_streams()
+        await self.servicer.drain()
+        if self.admin_runner is not None:
+            await self.admin_runner.cleanup()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        log.info("sidecar stopped")
+
+
+async def serve(config_path: Path) -> None:
+    """Run until SIGTERM or SIGINT, then drain and exit."""
+    config = load_config(config_path)
+    sidecar = Sidecar(config=config, config_path=config_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await sidecar.start()
+    await stop.wait()
+    log.info("shutdown requested")
+    await sidecar.stop()

@@ -1,0 +1,378 @@
+"""The sidecar's configuration: one YAML file, which becomes the Kubernetes ConfigMap.
+
+Everything is validated when the file is loaded, and every error names the key path that is wrong
+(`limits.models.llama.max_concurrency: must be an integer >= 0`), because the operator reading the log line
+is usually editing a ConfigMap under pressure. Unknown keys are errors too: a misspelt limit that silently
+falls back to a default is worse than a refused reload.
+
+`ConfigWatcher` polls the file for changes. A ConfigMap volume replaces a `..data` symlink atomically, which
+inotify on the file itself misses, so the watcher compares the resolved target and its stat on every poll.
+A new file that fails validation is refused with a log line and the running config stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.admission.request import ModelPolicy
+from extproc.admission.tokens import DEFAULT_ENCODING, get_encoding
+from extproc.core.limiter import LimitSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "*"
+"""Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message starts with the offending key path."""
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    header: str | None = None
+    default: str = "default"
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_body_bytes: int = 1 << 20
+    tokenizer_threads: int = 2
+    inject_include_usage: bool = True
+    reject_unknown_models: bool = False
+    tenant: TenantConfig = field(default_factory=TenantConfig)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    global_: LimitSpec = field(default_factory=LimitSpec)
+    models: Mapping[str, LimitSpec] = field(default_factory=dict)
+    tenant_default: LimitSpec = field(default_factory=LimitSpec)
+    tenants: Mapping[str, LimitSpec] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    grpc_listen: str = "127.0.0.1:50051"
+    admin_listen: str = "127.0.0.1:9464"
+    max_receive_message_bytes: int = 16 << 20
+    shutdown_grace_seconds: float = 30.0
+    config_poll_seconds: float = 1.0
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    models: Mapping[str, ModelPolicy] = field(
+        default_factory=lambda: {DEFAULT_MODEL: ModelPolicy(context_window=8192)}
+    )
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    adaptive: Mapping[str, Any] = field(default_factory=dict)
+    feedback: Mapping[str, Any] = field(default_factory=dict)
+    log_level: str = "INFO"
+
+    def model_policy(self, model: str) -> ModelPolicy | None:
+        """Policy for a served model name; None when unknown and unknown models are refused."""
+        policy = self.models.get(model)
+        if policy is not None:
+            return policy
+        if self.admission.reject_unknown_models:
+            return None
+        return self.models.get(DEFAULT_MODEL) or ModelPolicy(context_window=8192)
+
+    def limit_specs(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
+        """Keys with explicit limits, and per-prefix defaults for keys first seen at run time."""
+        specs: dict[str, LimitSpec] = {"global": self.limits.global_}
+        for name, spec in self.limits.models.items():
+            if name != DEFAULT_MODEL:
+                specs[f"model:{name}"] = spec
+        for name, spec in self.limits.tenants.items():
+            specs[f"tenant:{name}"] = spec
+        defaults: dict[str, LimitSpec] = {"tenant:": self.limits.tenant_default}
+        if DEFAULT_MODEL in self.limits.models:
+            defaults["model:"] = self.limits.models[DEFAULT_MODEL]
+        return specs, defaults
+
+
+# -- parsing helpers ---------------------------------------------------------------------------------------
+
+
+class _Section:
+    """A mapping being read, which remembers its path and refuses keys nobody asked for."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path or '<root>'}: must be a mapping, got {type(data).__name__}")
+        self.data: Mapping[str, Any] = data
+        self.path = path
+        self.seen: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def get(self, name: str) -> Any:
+        self.seen.add(name)
+        return self.data.get(name)
+
+    def section(self, name: str) -> _Section:
+        return _Section(self.get(name), self.key(name))
+
+    def integer(self, name: str, default: int | None, minimum: int = 0) -> int | None:
+        value = self.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{self.key(name)}: must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def required_integer(self, name: str, default: int, minimum: int = 0) -> int:
+        value = self.integer(name, default, minimum)
+        assert value is not None
+        return value
+
+    def number(self, name: str, default: float, minimum: float = 0.0) -> float:
+        value = self.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise ConfigError(f"{self.key(name)}: must be a number >= {minimum}, got {value!r}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.key(name)}: must be true or false, got {value!r}")
+        return value
+
+    def string(self, name: str, default: str | None) -> str | None:
+        value = self.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{self.key(name)}: must be a non-empty string, got {value!r}")
+        return value
+
+    def raw_mapping(self, name: str) -> Mapping[str, Any]:
+        value = self.get(name)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{self.key(name)}: must be a mapping, got {type(value).__name__}")
+        return dict(value)
+
+    def done(self) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            raise ConfigError(f"{self.key(str(unknown[0]))}: unknown key")
+
+
+def _listen(section: _Section, name: str, default: str) -> str:
+    value = section.string(name, default)
+    assert value is not None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{section.key(name)}: must be host:port, got {value!r}")
+    return value
+
+
+def _limit_spec(section: _Section) -> LimitSpec:
+    spec = LimitSpec(
+        max_concurrency=section.integer("max_concurrency", None, minimum=0),
+        tokens_per_minute=section.integer("tokens_per_minute", None, minimum=1),
+    )
+    section.done()
+    return spec
+
+
+def _limit_map(section: _Section) -> dict[str, LimitSpec]:
+    out: dict[str, LimitSpec] = {}
+    for name in section.data:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{section.path}: names must be non-empty strings, got {name!r}")
+        out[name] = _limit_spec(section.section(name))
+    section.done()
+    return out
+
+
+def _model_policy(section: _Section, base: ModelPolicy | None) -> ModelPolicy:
+    context_window = section.integer("context_window", base.context_window if base else None, minimum=1)
+    if context_window is None:
+        raise ConfigError(f"{section.key('context_window')}: required")
+    encoding = section.string("encoding", base.encoding if base else DEFAULT_ENCODING)
+    assert encoding is not None
+    try:
+        get_encoding(encoding)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{section.key('encoding')}: unknown tiktoken encoding {encoding!r}") from exc
+    default_max = section.required_integer(
+        "default_max_tokens", base.default_max_tokens if base else 1024, minimum=1
+    )
+    section.done()
+    return ModelPolicy(context_window=context_window, encoding=encoding, default_max_tokens=default_max)
+
+
+def parse_config(data: Any) -> Config:
+    """Build a validated `Config` from parsed YAML."""
+    root = _Section(data, "")
+
+    srv = root.section("server")
+    server = ServerConfig(
+        grpc_listen=_listen(srv, "grpc_listen", ServerConfig.grpc_listen),
+        admin_listen=_listen(srv, "admin_listen", ServerConfig.admin_listen),
+        max_receive_message_bytes=srv.required_integer(
+            "max_receive_message_bytes", ServerConfig.max_receive_message_bytes, minimum=1024
+        ),
+        shutdown_grace_seconds=srv.number("shutdown_grace_seconds", ServerConfig.shutdown_grace_seconds),
+        config_poll_seconds=srv.number("config_poll_seconds", ServerConfig.config_poll_seconds, minimum=0.05),
+    )
+    srv.done()
+
+    adm = root.section("admission")
+    ten = adm.section("tenant")
+    tenant = TenantConfig(
+        header=(ten.string("header", None) or "").lower() or None,
+        default=ten.string("default", "default") or "default",
+    )
+    ten.done()
+    admission = AdmissionConfig(
+        max_body_bytes=adm.required_integer("max_body_bytes", AdmissionConfig.max_body_bytes, minimum=1),
+        tokenizer_threads=adm.required_integer("tokenizer_threads", 2, minimum=1),
+        inject_include_usage=adm.boolean("inject_include_usage", True),
+        reject_unknown_models=adm.boolean("reject_unknown_models", False),
+        tenant=tenant,
+    )
+    adm.done()
+    # grpc drops a message larger than its receive limit without telling the handler; Envoy then times out.
+    if admission.max_body_bytes + 64 * 1024 > server.max_receive_message_bytes:
+        raise ConfigError(
+            "server.max_receive_message_bytes: must exceed admission.max_body_bytes by at least 64 KiB "
+            f"({server.max_receive_message_bytes} <= {admission.max_body_bytes} + 65536)"
+        )
+
+    mdl = root.section("models")
+    default_policy = (
+        _model_policy(mdl.section(DEFAULT_MODEL), None)
+        if DEFAULT_MODEL in mdl.data
+        else ModelPolicy(context_window=8192)
+    )
+    models: dict[str, ModelPolicy] = {DEFAULT_MODEL: default_policy}
+    for name in mdl.data:
+        if name == DEFAULT_MODEL:
+            continue
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"models: names must be non-empty strings, got {name!r}")
+        models[name] = _model_policy(mdl.section(name), default_policy)
+    mdl.done()
+
+    lim = root.section("limits")
+    limits = LimitsConfig(
+        global_=_limit_spec(lim.section("global")),
+        models=_limit_map(lim.section("models")),
+        tenant_default=_limit_spec(lim.section("tenant_default")),
+        tenants=_limit_map(lim.section("tenants")),
+    )
+    lim.done()
+
+    adaptive = root.raw_mapping("adaptive")
+    feedback = root.raw_mapping("feedback")
+    log_level = (root.string("log_level", "INFO") or "INFO").upper()
+    if log_level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ConfigError(f"log_level: must be one of debug, info, warning, error, got {log_level!r}")
+    root.done()
+    return Config(
+        server=server,
+        admission=admission,
+        models=models,
+        limits=limits,
+        adaptive=adaptive,
+        feedback=feedback,
+        log_level=log_level,
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML config file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"<file>: cannot read {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"<file>: invalid YAML in {path}: {exc}") from exc
+    return parse_config(data)
+
+
+def _fingerprint(path: Path) -> tuple[str, bytes] | None:
+    try:
+        real = os.path.realpath(path)
+        return real, hashlib.sha256(Path(real).read_bytes()).digest()
+    except OSError:
+        return None
+
+
+class ConfigWatcher:
+    """Polls a config file and hands each valid new version to `on_change`; keeps the old one otherwise."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_change: Callable[[Config], Awaitable[None]],
+        interval_s: float,
+    ) -> None:
+        self.path = Path(path)
+        self.on_change = on_change
+        self.interval_s = interval_s
+        self._last = _fingerprint(self.path)
+        self._task: asyncio.Task[None] | None = None
+        self.reloads = 0
+        self.failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="config-watcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def check(self) -> bool:
+        """Reload if the file changed; returns True when a new config was applied."""
+        current = _fingerprint(self.path)
+        if current is None or current == self._last:
+            return False
+        self._last = current
+        try:
+            config = load_config(self.path)
+        except ConfigError as exc:
+            self.failures += 1
+            log.error("config reload refused, keeping the running config", extra={"error": str(exc)})
+            return False
+        await self.on_change(config)
+        self.reloads += 1
+        log.info("config reloaded", extra={"path": str(self.path)})
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check()
+            except Exception:
+                log.exception("config reload failed, keeping the running config")

@@ -1,0 +1,128 @@
+"""Prometheus metrics of the sidecar, all named `extproc_*` with the unit in the name.
+
+Each `Metrics` owns its registry so that several sidecars (tests, benchmarks) can live in one process.
+Label values are bounded: models not named in the config are reported as `other`, and per-key limit gauges
+are exported only for configured keys, never for every tenant a client ever claimed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.core.limiter import KeySnapshot
+
+DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _LimitCollector(Collector):
+    """Reads the limiter's key state at scrape time, so the gauges can never drift from the truth."""
+
+    def __init__(
+        self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[str], bool]
+    ) -> None:
+        self._snapshot = snapshot
+        self._exported = exported
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        conc = GaugeMetricFamily(
+            "extproc_limit_concurrency",
+            "Effective concurrency limit per key (base limit times adaptive scale).",
+            labels=["key"],
+        )
+        tpm = GaugeMetricFamily(
+            "extproc_limit_tokens_per_minute",
+            "Effective tokens-per-minute limit per key (base limit times adaptive scale).",
+            labels=["key"],
+        )
+        active = GaugeMetricFamily(
+            "extproc_key_active_requests", "Leases currently held per limited key.", labels=["key"]
+        )
+        avail = GaugeMetricFamily(
+            "extproc_tokens_available", "Tokens in the key's bucket now (negative: debt).", labels=["key"]
+        )
+        scale = GaugeMetricFamily(
+            "extproc_limit_scale_ratio", "Adaptive scale applied to the key's base limits.", labels=["key"]
+        )
+        for snap in self._snapshot():
+            if not self._exported(snap.key):
+                continue
+            if snap.effective_concurrency is not None:
+                conc.add_metric([snap.key], snap.effective_concurrency)
+            if snap.effective_tokens_per_minute is not None:
+                tpm.add_metric([snap.key], snap.effective_tokens_per_minute)
+            if snap.tokens_available is not None:
+                avail.add_metric([snap.key], snap.tokens_available)
+            active.add_metric([snap.key], snap.active)
+            scale.add_metric([snap.key], snap.scale)
+        yield from (conc, tpm, active, avail, scale)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "extproc_requests",
+            "Requests seen by the sidecar, by decision (admitted, rejected, passthrough) and reason.",
+            ["decision", "reason", "model"],
+            registry=r,
+        )
+        self.active = Gauge("extproc_active_requests", "Admitted requests not yet settled.", registry=r)
+        self.streams = Gauge("extproc_streams_active", "Open ext_proc gRPC streams.", registry=r)
+        self.tokens_reserved = Counter(
+            "extproc_tokens_reserved",
+            "Tokens reserved at admission (prompt + completion).",
+            ["model"],
+            registry=r,
+        )
+        self.tokens_refunded = Counter(
+            "extproc_tokens_refunded",
+            "Reserved tokens given back at settlement (reservation minus actual).",
+            ["model"],
+            registry=r,
+        )
+        self.tokens_overrun = Counter(
+            "extproc_tokens_overrun",
+            "Tokens used beyond the reservation, charged as bucket debt.",
+            ["model"],
+            registry=r,
+        )
+        self.tokens_settled = Counter(
+            "extproc_tokens_settled", "Tokens actually charged at settlement.", ["model", "kind"], registry=r
+        )
+        self.settlements = Counter(
+            "extproc_settlements",
+            "Leases settled, by how the response ended (completed, aborted, upstream_error, rejected).",
+            ["outcome"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "extproc_decision_seconds",
+            "Time from receiving the request body to the admission decision, tokenizing included.",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.tokenize_seconds = Histogram(
+            "extproc_tokenize_seconds",
+            "Time spent counting prompt tokens per request (in a worker thread).",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "extproc_config_reloads",
+            "Config reload attempts by result (applied, refused).",
+            ["result"],
+            registry=r,
+        )
+        self.info = Gauge(
+            "extproc_build_info", "Constant 1, labelled with the sidecar version.", ["version"], registry=r
+        )
+
+    def watch_limits(
+        self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[str], bool]
+    ) -> None:
+        self.registry.register(_LimitCollector(snapshot, exported))

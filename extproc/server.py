@@ -1,0 +1,411 @@
+"""The ext_proc servicer: one `StreamHandler` per Envoy stream, which is one HTTP request.
+
+Envoy sends request headers, the BUFFERED request body, response headers and STREAMED response body chunks.
+Admission happens on the request body: validate, count prompt tokens (in a worker thread, so other streams
+keep flowing), check the context window, then take slots and tokens from the store, or answer the client
+directly with an OpenAI-style error. The response side watches usage so the lease settles to what the
+backend really produced.
+
+However the stream ends (end of response, client disconnect, upstream reset, Envoy's message timeout,
+sidecar shutdown) the handler's `finish` runs from the generator's `finally`, with a gRPC done-callback as a
+backstop, and the lease settles exactly once. Whether a response is complete is decided only by seeing
+`end_of_stream` on the response, never by how the RPC ended: Envoy ends every RPC the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc import responses as r
+from extproc.admission.errors import AdmissionError, error_body
+from extproc.admission.request import (
+    Endpoint,
+    ModelPolicy,
+    ParsedRequest,
+    Reservation,
+    count_prompt_tokens,
+    endpoint_for,
+    parse_request,
+    plan_reservation,
+    prompt_token_lower_bound,
+    with_include_usage,
+)
+from extproc.admission.usage import ResponseUsageTracker
+from extproc.config import Config
+from extproc.core.clock import Clock, monotonic
+from extproc.core.limiter import Lease, Reason, Rejection
+from extproc.core.ports import LimiterStore
+from extproc.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_BACKGROUND: set[asyncio.Future[Any]] = set()
+"""Strong references to fire-and-forget settlements, so the event loop cannot drop them mid-flight."""
+
+_TENANT_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+
+
+@dataclass
+class Deps:
+    """What every stream needs; `config` is read per request so a reload applies to new requests only."""
+
+    config: Callable[[], Config]
+    store: LimiterStore
+    metrics: Metrics
+    executor: Executor | None = None
+    clock: Clock = monotonic
+
+
+def _headers(message: pb.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in message.headers.headers:
+        raw = h.raw_value if h.raw_value else h.value.encode("utf-8")
+        out[h.key.lower()] = raw.decode("utf-8", "replace")
+    return out
+
+
+@dataclass(eq=False)
+class StreamHandler:
+    deps: Deps
+    endpoint: Endpoint | None = None
+    tenant: str = "default"
+    model_label: str = "unknown"
+    body_parts: list[bytes] = field(default_factory=list)
+    body_size: int = 0
+    parsed: ParsedRequest | None = None
+    policy: ModelPolicy | None = None
+    plan: Reservation | None = None
+    lease: Lease | None = None
+    strip_usage: bool = False
+    tracker: ResponseUsageTracker | None = None
+    upstream_status: int | None = None
+    completed: bool = False
+    closed: bool = False
+
+    # -- dispatch ------------------------------------------------------------------------------------------
+
+    async def handle(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            return self._on_request_headers(request.request_headers)
+        if kind == "request_body":
+            return await self._on_request_body(request.request_body)
+        if kind == "response_headers":
+            return self._on_response_headers(request.response_headers)
+        if kind == "response_body":
+            return self._on_response_body(request.response_body)
+        if kind == "request_trailers":
+            return r.continue_trailers(response=False)
+        if kind == "response_trailers":
+            self.completed = True
+            return r.continue_trailers(response=True)
+        raise ValueError(f"unexpected ext_proc message {kind!r}")
+
+    # -- request -------------------------------------------------------------------------------------------
+
+    def _on_request_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        headers = _headers(message)
+        config = self.deps.config()
+        self.endpoint = endpoint_for(headers.get(":method", ""), headers.get(":path", ""))
+        if self.endpoint is None:
+            self.deps.metrics.requests.labels("passthrough", "not_admitted_endpoint", "none").inc()
+            return r.continue_request_headers(passthrough=True)
+        tenant_header = config.admission.tenant.header
+        claimed = headers.get(tenant_header, "") if tenant_header else ""
+        self.tenant = claimed if _TENANT_RE.match(claimed) else config.admission.tenant.default
+        if message.end_of_stream:
+            return self._refuse(
+                AdmissionError(
+                    400,
+                    "The request body is empty; a JSON object is required.",
+                    code="invalid_json",
+                    param=None,
+                )
+            )
+        length = headers.get("content-length")
+        cap = config.admission.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > cap:
+            return self._refuse(_too_large(int(length), cap))
+        return r.continue_request_headers()
+
+    async def _on_request_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.endpoint is None or self.lease is not None:
+            return r.continue_request_body()
+        config = self.deps.config()
+        self.body_size += len(message.body)
+        if self.body_size > config.admission.max_body_bytes:
+            return self._refuse(_too_large(self.body_size, config.admission.max_body_bytes))
+        self.body_parts.append(message.body)
+        if not message.end_of_stream:
+            return r.continue_request_body()
+        started = self.deps.clock()
+        raw = b"".join(self.body_parts)
+        self.body_parts.clear()
+        try:
+            plan = await self._plan(raw, config)
+        except AdmissionError as exc:
+            return self._refuse(exc)
+        assert self.parsed is not None
+        keys = ["global", f"model:{self.parsed.model}", f"tenant:{self.tenant}"]
+        result = await self._acquire(keys, plan.total)
+        self.deps.metrics.decision_seconds.observe(self.deps.clock() - started)
+        if isinstance(result, Rejection):
+            return self._rate_limited(result, plan)
+        self.lease = result
+        self.plan = plan
+        metrics = self.deps.metrics
+        metrics.requests.labels("admitted", "ok", self.model_label).inc()
+        metrics.tokens_reserved.labels(self.model_label).inc(plan.total)
+        metrics.active.inc()
+        new_body = with_include_usage(self.parsed) if config.admission.inject_include_usage else None
+        if new_body is None:
+            return r.continue_request_body()
+        self.strip_usage = True
+        return r.continue_request_body(set_headers=[("content-length", str(len(new_body)))], body=new_body)
+
+    async def _plan(self, raw: bytes, config: Config) -> Reservation:
+        assert self.endpoint is not None
+        parsed = parse_request(self.endpoint, raw)
+        policy = config.model_policy(parsed.model)
+        self.model_label = parsed.model if parsed.model in config.models else "other"
+        if policy is None:
+            raise AdmissionError(
+                404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
+            )
+        self.parsed, self.policy = parsed, policy
+        if parsed.prompt_count == 1:
+            lower = prompt_token_lower_bound(parsed, policy.encoding)
+            if lower >= policy.context_window:
+                raise AdmissionError(
+                    400,
+                    f"This model's maximum context length is {policy.context_window} tokens. However, your "
+                    f"request has at least {lower} input tokens. Please reduce the length of the input.",
+                    code="context_length_exceeded",
+                    param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
+                )
+        t0 = self.deps.clock()
+        loop = asyncio.get_running_loop()
+        counts = await loop.run_in_executor(self.deps.executor, count_prompt_tokens, parsed, policy.encoding)
+        self.deps.metrics.tokenize_seconds.observe(self.deps.clock() - t0)
+        return plan_reservation(parsed, counts, policy)
+
+    async def _acquire(self, keys: list[str], tokens: int) -> Lease | Rejection:
+        """Acquire so that a lease granted while this stream is being cancelled is given back, not leaked."""
+        future = asyncio.ensure_future(self.deps.store.acquire(keys, tokens))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            store, pending = self.deps.store, _BACKGROUND
+
+            def give_back(done: asyncio.Future[Lease | Rejection]) -> None:
+                if done.cancelled() or done.exception() is not None:
+                    return
+                lease = done.result()
+                if isinstance(lease, Lease):
+                    task = asyncio.ensure_future(store.release(lease, 0))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+
+            future.add_done_callback(give_back)
+            raise
+
+    def _refuse(self, exc: AdmissionError) -> pb.ProcessingResponse:
+        self.closed = True
+        self.deps.metrics.requests.labels(
+            "rejected", exc.code or f"http_{exc.status}", self.model_label
+        ).inc()
+        log.info(
+            "request refused",
+            extra={"status": exc.status, "code": exc.code, "param": exc.param, "model": self.model_label},
+        )
+        return r.immediate(exc.status, exc.body(), details=f"extproc_{exc.code or exc.status}")
+
+    def _rate_limited(self, rej: Rejection, plan: Reservation) -> pb.ProcessingResponse:
+        self.closed = True
+        assert self.parsed is not None
+        self.deps.metrics.requests.labels("rejected", rej.reason.value, self.model_label).inc()
+        status = rej.status
+        if rej.reason is Reason.CONCURRENCY:
+            kind = "requests"
+            message = (
+                f"Rate limit reached for {self.parsed.model} on concurrent requests ({rej.key}): "
+                f"Limit {status.limit_requests}. "
+                f"Please try again in {r.format_duration(rej.retry_after_s or 0)}."
+            )
+        elif rej.reason is Reason.TOKENS:
+            kind = "tokens"
+            message = (
+                f"Rate limit reached for {self.parsed.model} on tokens per min (TPM) ({rej.key}): "
+                f"Limit {status.limit_tokens}, Remaining {status.remaining_tokens}, Requested {plan.total}. "
+                f"Please try again in {r.format_duration(rej.retry_after_s or 0)}."
+            )
+        else:
+            kind = "tokens"
+            message = (
+                f"Request too large for {self.parsed.model} on tokens per min (TPM) ({rej.key}): "
+                f"Limit {status.limit_tokens}, Requested {plan.total}. "
+                "Reduce the prompt or max_tokens; retrying cannot succeed."
+            )
+        headers = [
+            *r.retry_headers(rej.retry_after_s),
+            *r.ratelimit_headers(status),
+            ("x-extproc-reject-reason", rej.reason.value),
+        ]
+        log.info(
+            "request rate limited",
+            extra={
+                "reason": rej.reason.value,
+                "key": rej.key,
+                "tokens": plan.total,
+                "model": self.model_label,
+            },
+        )
+        body = error_body(message, type=kind, code="rate_limit_exceeded")
+        return r.immediate(429, body, headers, details=f"extproc_rate_limited_{rej.reason.value}")
+
+    # -- response ------------------------------------------------------------------------------------------
+
+    def _on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        if self.lease is None:
+            return r.continue_response_headers()
+        headers = _headers(message)
+        status = headers.get(":status", "")
+        self.upstream_status = int(status) if status.isdigit() else None
+        streaming = "text/event-stream" in headers.get("content-type", "")
+        ok = self.upstream_status is not None and self.upstream_status < 400
+        assert self.policy is not None
+        self.tracker = ResponseUsageTracker(
+            streaming=streaming,
+            encoding=self.policy.encoding,
+            strip_usage_chunk=self.strip_usage and streaming and ok,
+        )
+        if message.end_of_stream:
+            self.completed = True
+        return r.continue_response_headers(r.ratelimit_headers(self.lease.status))
+
+    def _on_response_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.tracker is None:
+            return r.continue_response_body()
+        out = self.tracker.feed(message.body)
+        if message.end_of_stream:
+            tail = self.tracker.finish()
+            if tail is not None:
+                out = (message.body if out is None else out) + tail
+            self.completed = True
+        return r.continue_response_body(out)
+
+    # -- settlement ----------------------------------------------------------------------------------------
+
+    def settlement(self) -> tuple[int, str, int, int]:
+        """(actual tokens, outcome, prompt, completion) under the rules in docs/admission.md."""
+        assert self.plan is not None
+        prompt = self.plan.prompt_tokens
+        completion = 0
+        usage = self.tracker.usage if self.tracker is not None else None
+        if usage is not None:
+            if usage.reported and usage.prompt_tokens is not None:
+                prompt = usage.prompt_tokens
+            completion = usage.completion_tokens
+        upstream_error = self.upstream_status is not None and self.upstream_status >= 400
+        if upstream_error:
+            outcome = "upstream_error"
+        elif self.completed:
+            outcome = "completed"
+        else:
+            outcome = "aborted"
+        return prompt + completion, outcome, prompt, completion
+
+    def finish(self) -> asyncio.Future[bool] | None:
+        """Settle the lease if this stream holds one; safe to call any number of times."""
+        lease = self.lease
+        if lease is None or lease.settled:
+            return None
+        actual, outcome, prompt, completion = self.settlement()
+        metrics = self.deps.metrics
+        future = asyncio.ensure_future(self.deps.store.release(lease, actual))
+        lease_model = self.model_label
+
+        def account(done: asyncio.Future[bool]) -> None:
+            if done.cancelled() or done.exception() is not None or not done.result():
+                return
+            metrics.active.dec()
+            metrics.settlements.labels(outcome).inc()
+            metrics.tokens_settled.labels(lease_model, "prompt").inc(prompt)
+            metrics.tokens_settled.labels(lease_model, "completion").inc(completion)
+            delta = lease.reserved_tokens - actual
+            if delta > 0:
+                metrics.tokens_refunded.labels(lease_model).inc(delta)
+            elif delta < 0:
+                metrics.tokens_overrun.labels(lease_model).inc(-delta)
+            log.debug(
+                "lease settled",
+                extra={
+                    "outcome": outcome,
+                    "reserved": lease.reserved_tokens,
+                    "actual": actual,
+                    "model": lease_model,
+                },
+            )
+
+        future.add_done_callback(account)
+        return future
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, deps: Deps) -> None:
+        self.deps = deps
+        self._pending: set[asyncio.Future[bool]] = set()
+        self._open: set[StreamHandler] = set()
+
+    def _finish(self, stream: StreamHandler) -> None:
+        future = stream.finish()
+        if future is not None:
+            self._pending.add(future)
+            future.add_done_callback(self._pending.discard)
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = StreamHandler(self.deps)
+        self._open.add(stream)
+        self.deps.metrics.streams.inc()
+        context.add_done_callback(lambda _ctx: self._finish(stream))
+        try:
+            async for request in request_iterator:
+                yield await stream.handle(request)
+                if stream.closed:
+                    break
+        finally:
+            self._open.discard(stream)
+            self.deps.metrics.streams.dec()
+            self._finish(stream)
+
+    def settle_open_streams(self) -> None:
+        """On shutdown after the grace period: settle what is still open with what is known."""
+        for stream in list(self._open):
+            self._finish(stream)
+
+    async def drain(self) -> None:
+        """Wait for settlements already started, so shutdown never drops a refund."""
+        while self._pending:
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+def _too_large(size: int, cap: int) -> AdmissionError:
+    return AdmissionError(
+        413,
+        f"Request body of {size} bytes exceeds the limit of {cap} bytes.",
+        code="request_too_large",
+        param=None,
+    )

