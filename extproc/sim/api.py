@@ -278,10 +278,10 @@ async def _stream(
             if resp is None:
                 return _error_response(err)
             await resp.write(_sse(err.body()))
-            # The engine died: cut the stream without [DONE] or a terminating chunk, as a crashed
-            # server would, so clients cannot mistake it for a complete answer.
-            if request.transport is not None:
-                request.transport.close()
+            # The engine died: end the body without [DONE] and close the connection, so a client
+            # cannot mistake the partial answer for a complete one but still reads the error event.
+            resp.force_close()
+            await resp.write_eof()
             return resp
         if resp is None:
             resp = web.StreamResponse(

@@ -39,9 +39,11 @@ class SimServer:
     async def start(self) -> None:
         # handler_cancellation: a client disconnect cancels its handler, which aborts the sequence and
         # frees its KV blocks, as vLLM does on http.disconnect.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, shutdown_timeout=1.0)
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
