@@ -68,6 +68,7 @@ class Sidecar:
         self.admin_port: int | None = None
         self.watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
         self.metrics.info.labels(__version__).set(1)
         self.metrics.watch_limits(self.store.snapshot, self._exported_key)
 
@@ -164,6 +165,9 @@ class Sidecar:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: fail readiness, let in-flight streams finish within the grace period, settle the rest."""
+        if self._stopped:
+            return
+        self._stopped = True
         grace = self.config.server.shutdown_grace_seconds if grace_s is None else grace_s
         self.ready = False
         await self.health.enter_graceful_shutdown()

@@ -185,8 +185,8 @@ def _listen(section: _Section, name: str, default: str) -> str:
     value = section.string(name, default)
     assert value is not None
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{section.key(name)}: must be host:port, got {value!r}")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{section.key(name)}: must be host:port (port 0 picks a free port), got {value!r}")
     return value
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+EPSILON_TOKENS = 1e-6
+"""Float slack: after waiting exactly the advertised time, rounding must not leave a request a hair short."""
+
 
 @dataclass
 class TokenBucket:
@@ -44,7 +47,7 @@ class TokenBucket:
         if amount > self.capacity:
             return math.inf
         missing = amount - self.tokens
-        if missing <= 0:
+        if missing <= EPSILON_TOKENS:
             return 0.0
         return missing / self.rate_per_second
 

@@ -1,0 +1,380 @@
+"""The ext_proc servicer driven over a real gRPC channel, message by message, as Envoy drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.app import Sidecar
+from extproc.config import parse_config
+from extproc.core.clock import FakeClock
+from extproc.metrics import Metrics
+
+BASE_CONFIG: dict[str, Any] = {
+    "server": {"grpc_listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"},
+    "admission": {"max_body_bytes": 4096, "tenant": {"header": "x-tenant"}},
+    "models": {"*": {"context_window": 1000, "default_max_tokens": 100}},
+    "limits": {
+        "global": {"max_concurrency": 2, "tokens_per_minute": 6000},
+        "tenants": {"small": {"tokens_per_minute": 600}},
+    },
+}
+
+
+def headers_msg(method: str, path: str, eos: bool = False, **extra: str) -> pb.ProcessingRequest:
+    items = {":method": method, ":path": path, ":authority": "gw", **extra}
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
+            ),
+            end_of_stream=eos,
+        )
+    )
+
+
+def body_msg(body: bytes, eos: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=eos))
+
+
+def resp_headers_msg(status: int, content_type: str, eos: bool = False) -> pb.ProcessingRequest:
+    items = {":status": str(status), "content-type": content_type}
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
+            ),
+            end_of_stream=eos,
+        )
+    )
+
+
+def resp_body_msg(body: bytes, eos: bool = False) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=eos))
+
+
+def chat(max_tokens: int = 50, stream: bool = False, content: str = "hello there") -> bytes:
+    body: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": content}],
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+class Stream:
+    """One ext_proc stream: send a message, read the reply, like Envoy does."""
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.call = stub.Process()
+
+    async def send(self, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        await self.call.write(message)
+        response = await asyncio.wait_for(self.call.read(), 10)
+        assert response is not grpc.aio.EOF
+        return response  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+class Harness:
+    def __init__(self, sidecar: Sidecar, channel: grpc.aio.Channel) -> None:
+        self.sidecar = sidecar
+        self.stub = pb_grpc.ExternalProcessorStub(channel)
+
+    def stream(self) -> Stream:
+        return Stream(self.stub)
+
+    def metric(self, name: str, **labels: str) -> float:
+        families = text_string_to_metric_families(
+            __import__("prometheus_client").generate_latest(self.sidecar.metrics.registry).decode()
+        )
+        for family in families:
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+    async def settled(self) -> None:
+        """Wait until no lease is open and every settlement has been accounted."""
+        await eventually(lambda: self.metric("extproc_active_requests") == 0)
+        await self.sidecar.servicer.drain()
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    clock = FakeClock()
+    sidecar = Sidecar(config=parse_config(BASE_CONFIG), clock=clock, metrics=Metrics())
+    await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
+    try:
+        yield Harness(sidecar, channel)
+    finally:
+        await channel.close()
+        await sidecar.stop(grace_s=1)
+
+
+async def eventually(check: Any, limit_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while True:
+        if check():
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+async def test_non_llm_path_passes_through_with_mode_override(harness: Harness) -> None:
+    s = harness.stream()
+    reply = await s.send(headers_msg("GET", "/v1/models", eos=True))
+    assert reply.HasField("request_headers")
+    assert reply.mode_override.request_body_mode == reply.mode_override.NONE
+    assert reply.mode_override.response_body_mode == reply.mode_override.NONE
+    await s.close()
+    assert harness.metric("extproc_requests_total", decision="passthrough") == 1
+
+
+async def test_content_length_over_cap_is_413_before_the_body(harness: Harness) -> None:
+    s = harness.stream()
+    reply = await s.send(headers_msg("POST", "/v1/chat/completions", **{"content-length": "5000"}))
+    assert reply.immediate_response.status.code == 413
+    error = json.loads(reply.immediate_response.body)["error"]
+    assert error["code"] == "request_too_large"
+    s.cancel()
+
+
+async def test_body_over_cap_is_413_even_without_content_length(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    reply = await s.send(body_msg(b"x" * 5000))
+    assert reply.immediate_response.status.code == 413
+    s.cancel()
+
+
+async def test_invalid_json_is_400_naming_the_problem(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    reply = await s.send(body_msg(b"{not json"))
+    assert reply.immediate_response.status.code == 400
+    error = json.loads(reply.immediate_response.body)["error"]
+    assert error["code"] == "invalid_json"
+    assert header_map(reply.immediate_response.headers)["content-type"] == "application/json"
+    s.cancel()
+    assert harness.metric("extproc_active_requests") == 0
+
+
+async def test_context_overflow_is_400(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    reply = await s.send(body_msg(chat(max_tokens=995)))
+    assert reply.immediate_response.status.code == 400
+    assert json.loads(reply.immediate_response.body)["error"]["code"] == "context_length_exceeded"
+    s.cancel()
+
+
+async def test_empty_body_on_llm_path_is_400(harness: Harness) -> None:
+    s = harness.stream()
+    reply = await s.send(headers_msg("POST", "/v1/chat/completions", eos=True))
+    assert reply.immediate_response.status.code == 400
+    s.cancel()
+
+
+async def test_full_buffered_exchange_settles_to_reported_usage(harness: Harness) -> None:
+    s = harness.stream()
+    assert (await s.send(headers_msg("POST", "/v1/chat/completions"))).HasField("request_headers")
+    reply = await s.send(body_msg(chat(max_tokens=50)))
+    assert reply.HasField("request_body")
+    assert not reply.request_body.response.HasField("body_mutation")  # not streamed: body untouched
+    assert harness.metric("extproc_active_requests") == 1
+    reserved = harness.metric("extproc_tokens_reserved_total", model="other")
+    assert reserved > 50
+    reply = await s.send(resp_headers_msg(200, "application/json"))
+    added = header_map(reply.response_headers.response.header_mutation)
+    assert added["x-ratelimit-limit-requests"] == "2"
+    assert added["x-ratelimit-remaining-requests"] == "1"
+    assert added["x-ratelimit-limit-tokens"] == "6000"  # global is the only key with a TPM limit here
+    usage = {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}
+    body = json.dumps({"choices": [{"message": {"content": "x"}}], "usage": usage}).encode()
+    await s.send(resp_body_msg(body[:10]))
+    await s.send(resp_body_msg(body[10:], eos=True))
+    await s.close()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="completed") == 1
+    assert harness.metric("extproc_tokens_refunded_total", model="other") == reserved - 19
+
+
+async def test_streamed_request_gets_include_usage_and_the_chunk_is_hidden(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    reply = await s.send(body_msg(chat(stream=True)))
+    mutated = json.loads(reply.request_body.response.body_mutation.body)
+    assert mutated["stream_options"] == {"include_usage": True}
+    cl = header_map(reply.request_body.response.header_mutation)["content-length"]
+    assert int(cl) == len(reply.request_body.response.body_mutation.body)
+    await s.send(resp_headers_msg(200, "text/event-stream"))
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":" hi"}}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":1,"total_tokens":12}}\n\n'
+    r1 = await s.send(resp_body_msg(chunk))
+    r2 = await s.send(resp_body_msg(usage + b"data: [DONE]\n\n"))
+    r3 = await s.send(resp_body_msg(b"", eos=True))
+    seen = b"".join(
+        r.response_body.response.body_mutation.body
+        if r.response_body.response.HasField("body_mutation")
+        else raw
+        for r, raw in ((r1, chunk), (r2, usage + b"data: [DONE]\n\n"), (r3, b""))
+    )
+    assert b"usage" not in seen
+    assert b" hi" in seen and b"[DONE]" in seen
+    await s.close()
+    await harness.settled()
+    assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="prompt", model="other") == 11
+
+
+async def test_concurrency_limit_rejects_with_retry_after_and_ratelimit_headers(harness: Harness) -> None:
+    held = []
+    for _ in range(2):
+        s = harness.stream()
+        await s.send(headers_msg("POST", "/v1/chat/completions"))
+        assert (await s.send(body_msg(chat()))).HasField("request_body")
+        held.append(s)
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    reply = await s.send(body_msg(chat()))
+    immediate = reply.immediate_response
+    assert immediate.status.code == 429
+    headers = header_map(immediate.headers)
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-extproc-reject-reason"] == "concurrency"
+    error = json.loads(immediate.body)["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+    s.cancel()
+    for s in held:
+        s.cancel()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+
+
+async def test_tokens_exhausted_then_admitted_after_refill(harness: Harness) -> None:
+    clock = harness.sidecar.clock
+    assert isinstance(clock, FakeClock)
+
+    async def attempt() -> pb.ProcessingResponse:
+        s = harness.stream()
+        await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant": "small"}))
+        reply = await s.send(body_msg(chat(max_tokens=250)))
+        if reply.HasField("request_body"):
+            await s.send(resp_headers_msg(200, "application/json"))
+            usage = {"prompt_tokens": 10, "completion_tokens": 250, "total_tokens": 260}
+            await s.send(resp_body_msg(json.dumps({"usage": usage}).encode(), eos=True))
+            await s.close()
+            await harness.settled()
+        else:
+            s.cancel()
+        return reply
+
+    assert (await attempt()).HasField("request_body")
+    assert (await attempt()).HasField("request_body")
+    rejected = await attempt()
+    assert rejected.immediate_response.status.code == 429
+    headers = header_map(rejected.immediate_response.headers)
+    assert headers["x-extproc-reject-reason"] == "tokens"
+    wait_ms = int(headers["retry-after-ms"])
+    clock.advance(wait_ms / 1000)
+    again = await attempt()
+    assert again.HasField("request_body"), (headers, header_map(again.immediate_response.headers))
+
+
+async def test_request_larger_than_bucket_is_not_retryable(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant": "small"}))
+    reply = await s.send(body_msg(chat(max_tokens=900)))
+    headers = header_map(reply.immediate_response.headers)
+    assert reply.immediate_response.status.code == 429
+    assert headers["x-should-retry"] == "false"
+    assert "retry-after" not in headers
+    s.cancel()
+
+
+async def test_stream_cancelled_mid_response_releases_and_refunds_unstreamed(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100, stream=True)))
+    reserved = harness.metric("extproc_tokens_reserved_total", model="other")
+    await s.send(resp_headers_msg(200, "text/event-stream"))
+    for word in (" one", " two", " three"):
+        await s.send(
+            resp_body_msg(b'data: {"choices":[{"index":0,"delta":{"content":"' + word.encode() + b'"}}]}\n\n')
+        )
+    s.cancel()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 3
+    prompt = harness.metric("extproc_tokens_settled_total", kind="prompt", model="other")
+    assert harness.metric("extproc_tokens_refunded_total", model="other") == reserved - prompt - 3
+
+
+async def test_stream_cancelled_after_admission_before_response_refunds_completion(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    await s.close()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 0
+
+
+async def test_upstream_error_refunds_the_completion_reservation(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    await s.send(resp_headers_msg(503, "application/json"))
+    await s.send(resp_body_msg(b'{"error":{"message":"down"}}', eos=True))
+    await s.close()
+    await harness.settled()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+    assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 0
+
+
+async def test_unknown_model_refused_when_configured(harness: Harness) -> None:
+    config = dict(BASE_CONFIG, admission={**BASE_CONFIG["admission"], "reject_unknown_models": True})
+    await harness.sidecar.apply_config(parse_config(config))
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    reply = await s.send(body_msg(chat()))
+    assert reply.immediate_response.status.code == 404
+    assert json.loads(reply.immediate_response.body)["error"]["code"] == "model_not_found"
+    s.cancel()
+
+
+async def test_shutdown_settles_open_streams(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat()))
+    assert harness.metric("extproc_active_requests") == 1
+    await harness.sidecar.stop(grace_s=0.2)
+    assert harness.metric("extproc_active_requests") == 0
+    assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
