@@ -1,0 +1,46 @@
+# One-command entry points. `make install` is implied by the others and is idempotent.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test test-fast lint proto bench bench-full clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Start the local stack: simulator + sidecar + Envoy on 127.0.0.1 (Ctrl-C stops it).
+run: $(STAMP)
+	$(BIN)/python -m extproc stack
+
+## Lint, type-check and run every test: unit, component and end-to-end (real Envoy).
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+## Unit and component tests only (no Envoy processes).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+lint: $(STAMP)
+	$(BIN)/ruff check extproc tests bench
+	$(BIN)/ruff format --check extproc tests bench
+	$(BIN)/mypy extproc
+
+## Regenerate the gRPC code of proto/ (CI fails when the committed code is stale).
+proto: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/gen_proto.sh
+
+## Short benchmark run (under five minutes); results go to bench/results/.
+bench: $(STAMP)
+	$(BIN)/python -m bench --short
+
+bench-full: $(STAMP)
+	$(BIN)/python -m bench --full
+
+clean:
+	rm -rf $(VENV) run .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

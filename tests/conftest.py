@@ -1,0 +1,15 @@
+"""Marks every test under tests/e2e as `e2e`, so `pytest -m "not e2e"` runs without starting processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+E2E_DIR = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if E2E_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
