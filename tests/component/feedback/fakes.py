@@ -1,0 +1,122 @@
+"""Test doubles: an inference server serving canned metric pages and a tiny Kubernetes API server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from aiohttp import web
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
+
+Mode = Literal["ok", "garbage", "timeout", "500"]
+T = TypeVar("T")
+
+
+class _HttpServer:
+    def __init__(self) -> None:
+        self.app = web.Application()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+class FakeInferenceServer(_HttpServer):
+    """Serves `page` at /metrics; `mode` switches to garbage, a hang, or HTTP 500."""
+
+    def __init__(self, page: str, path: str = "/metrics") -> None:
+        super().__init__()
+        self.page = page
+        self.mode: Mode = "ok"
+        self.hits = 0
+        self._release = asyncio.Event()
+        self.app.router.add_get(path, self._metrics)
+
+    async def stop(self) -> None:
+        self._release.set()  # hanging handlers return so shutdown does not wait for them
+        await super().stop()
+
+    @classmethod
+    def from_file(cls, name: str, path: str = "/metrics") -> FakeInferenceServer:
+        return cls((DATA / name).read_text(), path)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        if self.mode == "timeout":
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._release.wait(), 30)
+        if self.mode == "500":
+            return web.Response(status=500, text="internal error")
+        if self.mode == "garbage":
+            return web.Response(text="<html><body>oops</body></html>", content_type="text/html")
+        return web.Response(text=self.page, content_type="text/plain")
+
+
+class FakeKubeApi(_HttpServer):
+    """`GET /api/v1/pods`: returns `pods` filtered by the node field selector; records the queries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pods: list[dict[str, Any]] = []
+        self.queries: list[dict[str, str]] = []
+        self.auth: list[str] = []
+        self.fail = False
+        self.app.router.add_get("/api/v1/pods", self._pods)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _pods(self, request: web.Request) -> web.Response:
+        self.queries.append(dict(request.query))
+        self.auth.append(request.headers.get("Authorization", ""))
+        if self.fail:
+            return web.json_response({"kind": "Status", "code": 500}, status=500)
+        node = request.query.get("fieldSelector", "").removeprefix("spec.nodeName=")
+        items = [p for p in self.pods if p["spec"]["nodeName"] == node]
+        return web.json_response({"kind": "PodList", "apiVersion": "v1", "items": items})
+
+
+def pod(
+    name: str, node: str, ip: str, *, annotations: dict[str, str] | None = None, phase: str = "Running"
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "llm", "annotations": annotations or {}},
+        "spec": {"nodeName": node},
+        "status": {"phase": phase, "podIP": ip},
+    }
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]] | Callable[[], T | None], deadline_s: float = 10.0
+) -> T:
+    """Poll until `probe` returns a truthy value, failing after `deadline_s` seconds."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        result = probe()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.05)

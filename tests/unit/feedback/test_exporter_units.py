@@ -1,0 +1,131 @@
+"""Exporter building blocks without sockets: hub fan-out bounds, target specs, pod-to-target mapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from extproc.exporter.cli import build_parser, config_from_args
+from extproc.exporter.discovery import KubeDiscovery, KubeDiscoveryConfig
+from extproc.exporter.hub import SampleHub
+from extproc.exporter.targets import Target, load_targets_file, parse_target_spec
+from extproc.feedback.logfmt import RateLimitedLog
+from extproc.feedback.parse import ServerKind
+from extproc.feedback.sample import FeedSample, from_proto, to_proto
+
+
+def sample(endpoint: str = "10.0.0.1:8000", model: str = "m", kv: float = 0.5, t: float = 1.0) -> FeedSample:
+    return FeedSample("n", endpoint, model, ServerKind.VLLM, kv, 1.0, 2.0, 3.0, 1600, t, True)
+
+
+async def test_slow_subscriber_keeps_only_newest_per_key() -> None:
+    hub = SampleHub()
+    slow = hub.subscribe()
+    fast = hub.subscribe()
+    for i in range(1000):
+        hub.publish([sample(kv=i / 1000), sample(endpoint="10.0.0.2:8000", kv=i / 1000)])
+        if i == 500:
+            assert len(await fast.next_batch()) == 2
+    assert slow.pending == 2  # bounded by keys, not by publishes
+    batch = await slow.next_batch()
+    assert sorted(s.kv_usage or 0 for s in batch) == [0.999, 0.999]
+    slow.close()
+    assert hub.subscribers == 1
+
+
+async def test_new_subscription_is_primed_and_filtered() -> None:
+    hub = SampleHub()
+    hub.publish([sample(model="a"), sample(model="b")])
+    sub = hub.subscribe(["b"])
+    assert [s.model for s in await sub.next_batch()] == ["b"]
+    hub.forget_endpoint("10.0.0.1:8000")
+    assert hub.latest() == []
+
+
+def test_proto_round_trip_keeps_unknowns_unknown() -> None:
+    s = sample(t=1700000000.25)
+    assert from_proto(to_proto(s)) == s
+    down = FeedSample.down("n", "e:1", "m", None, "timeout: x", 5.5)
+    back = from_proto(to_proto(down))
+    assert back == down
+    assert back.kv_usage is None and back.kv_capacity_tokens is None
+
+
+def test_target_specs_and_file(tmp_path: Path) -> None:
+    t = parse_target_spec("url=http://127.0.0.1:8000/metrics,kind=vllm,model=llama")
+    assert t == Target("http://127.0.0.1:8000/metrics", ServerKind.VLLM, "llama")
+    assert t.endpoint == "127.0.0.1:8000"
+    assert Target("http://[fd00::1]:9/metrics").endpoint == "[fd00::1]:9"
+    assert parse_target_spec("url=http://h/metrics,kind=auto").kind is None
+    with pytest.raises(ValueError, match="kind"):
+        parse_target_spec("url=http://h/metrics,kind=llamacpp")
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_target_spec("url=http://h/metrics,port=3")
+    with pytest.raises(ValueError, match="url"):
+        parse_target_spec("kind=vllm")
+    f = tmp_path / "t.yaml"
+    f.write_text(
+        "targets:\n  - url: http://a:8000/metrics\n  - url: http://b:8002/metrics\n    kind: triton\n"
+    )
+    assert [x.kind for x in load_targets_file(f)] == [None, ServerKind.TRITON]
+    f.write_text("targets:\n  - kind: vllm\n")
+    with pytest.raises(ValueError, match=r"targets\[0\]"):
+        load_targets_file(f)
+
+
+def test_cli_builds_config() -> None:
+    args = build_parser().parse_args(
+        ["--node-name", "n1", "--target", "url=http://127.0.0.1:8000/metrics", "--grpc-address", ":7000"]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.grpc_host, cfg.grpc_port, cfg.metrics_port) == ("0.0.0.0", 7000, 9465)
+    assert cfg.scrape_interval == 1.0 and cfg.node_name == "n1"
+
+
+async def test_pods_to_targets() -> None:
+    async with aiohttp.ClientSession() as session:
+        d = KubeDiscovery(
+            session, KubeDiscoveryConfig(label_selector="a=b", node_name="n", default_port=8000, ca_path=None)
+        )
+        pods = {
+            "items": [
+                {"metadata": {"name": "a"}, "status": {"phase": "Running", "podIP": "10.1.0.5"}},
+                {
+                    "metadata": {
+                        "name": "b",
+                        "annotations": {
+                            "extproc.io/metrics-port": "8080",
+                            "extproc.io/server-kind": "trtllm",
+                            "extproc.io/model": "llama",
+                        },
+                    },
+                    "status": {"phase": "Running", "podIP": "10.1.0.6"},
+                },
+                {
+                    "metadata": {"name": "c", "deletionTimestamp": "x"},
+                    "status": {"phase": "Running", "podIP": "1.1.1.1"},
+                },
+                {"metadata": {"name": "d"}, "status": {"phase": "Running"}},
+                {
+                    "metadata": {"name": "e", "annotations": {"extproc.io/metrics-port": "oops"}},
+                    "status": {"phase": "Running", "podIP": "10.1.0.7"},
+                },
+            ]
+        }
+        targets = d.targets_from_pod_list(pods)
+    assert targets == [
+        Target("http://10.1.0.5:8000/metrics"),
+        Target("http://10.1.0.6:8080/prometheus/metrics", ServerKind.TRTLLM, "llama"),
+    ]
+
+
+def test_rate_limited_log() -> None:
+    now = [0.0]
+    rl = RateLimitedLog(10.0, clock=lambda: now[0])
+    assert rl.allow("t") == (True, 0)
+    assert rl.allow("t") == (False, 0)
+    assert rl.allow("t") == (False, 0)
+    now[0] = 10.0
+    assert rl.allow("t") == (True, 2)
