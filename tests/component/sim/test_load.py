@@ -118,6 +118,11 @@ async def test_client_giving_up_while_queued_leaves_the_queue(
     sim = await start_sim(num_gpu_blocks=1000, max_num_seqs=1, time_scale=5.0)
     url = sim.url + "/v1/chat/completions"
     running = asyncio.create_task(post_json(http, url, chat_body(max_tokens=3000)))
+
+    async def one_running() -> bool:
+        return (await metrics(http, sim))[RUNNING] == 1
+
+    await poll(one_running)  # the long request holds the only seat before the short one arrives
     queued = asyncio.create_task(post_json(http, url, chat_body(max_tokens=10)))
 
     async def one_waiting() -> bool:
