@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+LINTED := extproc tests $(wildcard bench)
 
 .PHONY: install run test test-fast lint proto bench bench-full clean
 
@@ -27,8 +28,8 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e"
 
 lint: $(STAMP)
-	$(BIN)/ruff check extproc tests bench
-	$(BIN)/ruff format --check extproc tests bench
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy extproc
 
 ## Regenerate the gRPC code of proto/ (CI fails when the committed code is stale).
