@@ -104,7 +104,14 @@ class Exporter:
             self._targets = []
             await self._relist_once()
 
-        self._server = grpc.aio.server()
+        # Sidecars ping every 10 s to detect dead nodes; accept that without GOAWAY "too_many_pings".
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_ping_strikes", 0),
+            ]
+        )
         service = KvFeedService(self.hub, self.metrics)
         feedback_pb2_grpc.add_KvFeedServicer_to_server(service, self._server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

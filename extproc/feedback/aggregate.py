@@ -1,0 +1,79 @@
+"""Per-model-pool aggregation of the newest samples (pure: the caller passes `now`).
+
+A pool is every endpoint serving the same model name. Its KV usage is the max over fresh endpoints by
+default (the fullest server preempts first, and the sidecar cannot steer requests away from it), the mean
+as an option; waiting, running and KV capacity are summed. Samples that are down (up=false) or older than
+the staleness window (by the sidecar's own receive time, so exporter clock skew cannot fake freshness) are
+excluded. A pool with no fresh sample is stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from extproc.feedback.sample import FeedSample
+
+KvMode = Literal["max", "mean"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSample:
+    """A sample and when this process received it (its clock, not the exporter's)."""
+
+    sample: FeedSample
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """Aggregate of one pool at `now`."""
+
+    pool: str
+    kv_usage: float | None
+    requests_waiting: float
+    requests_running: float
+    kv_capacity_tokens: int | None
+    endpoints_fresh: int
+    endpoints_known: int
+    newest_at: float | None
+    stale: bool
+
+
+def aggregate(
+    samples: Iterable[StoredSample],
+    now: float,
+    stale_after: Callable[[str], float],
+    kv_mode: KvMode = "max",
+) -> dict[str, PoolSnapshot]:
+    """Snapshots of every pool that has at least one sample (fresh or not)."""
+    known: dict[str, int] = {}
+    fresh: dict[str, list[StoredSample]] = {}
+    for stored in samples:
+        pool = stored.sample.model
+        known[pool] = known.get(pool, 0) + 1
+        fresh.setdefault(pool, [])
+        age = now - stored.received_at
+        if stored.sample.up and age <= stale_after(pool):
+            fresh[pool].append(stored)
+
+    out: dict[str, PoolSnapshot] = {}
+    for pool, items in fresh.items():
+        usages = [s.sample.kv_usage for s in items if s.sample.kv_usage is not None]
+        kv: float | None = None
+        if usages:
+            kv = max(usages) if kv_mode == "max" else sum(usages) / len(usages)
+        caps = [s.sample.kv_capacity_tokens for s in items if s.sample.kv_capacity_tokens]
+        out[pool] = PoolSnapshot(
+            pool=pool,
+            kv_usage=kv,
+            requests_waiting=sum(s.sample.requests_waiting or 0.0 for s in items),
+            requests_running=sum(s.sample.requests_running or 0.0 for s in items),
+            kv_capacity_tokens=sum(c for c in caps if c) if caps else None,
+            endpoints_fresh=len(items),
+            endpoints_known=known[pool],
+            newest_at=max((s.received_at for s in items), default=None),
+            stale=not items,
+        )
+    return out

@@ -1,0 +1,152 @@
+"""`FeedbackLoop`: what the sidecar instantiates to turn the KV feed into per-pool limit scales.
+
+Wiring (see docs/feedback.md): the sidecar builds a `SubscriberConfig`, per-pool `AdaptiveConfig`s and an
+`on_update(pool, state)` callback, awaits `start()` at startup and `stop()` at shutdown, and multiplies
+each pool's base limits by `state.scale`. Pools are keyed by the model name as served.
+
+Evaluation happens on the event loop: at once for the pool of each arriving sample (so a drop applies
+within one scrape), and for every pool on a periodic tick (so staleness and gradual recovery advance with
+no samples arriving). `on_update` runs only when a pool's state changed (ignoring `updated_at`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
+from extproc.feedback.aggregate import KvMode, PoolSnapshot, aggregate
+from extproc.feedback.metrics import FeedbackMetrics
+from extproc.feedback.sample import FeedSample
+from extproc.feedback.subscriber import FeedSubscriber, Sleeper, SubscriberConfig
+
+log = logging.getLogger(__name__)
+
+OnUpdate = Callable[[str, ControllerState], None]
+
+
+def _same(a: ControllerState, b: ControllerState) -> bool:
+    return (a.kv_usage, a.waiting, a.target_scale, a.scale, a.stale) == (
+        b.kv_usage,
+        b.waiting,
+        b.target_scale,
+        b.scale,
+        b.stale,
+    )
+
+
+class FeedbackLoop:
+    """Subscriber + aggregation + one adaptive controller per pool."""
+
+    def __init__(
+        self,
+        subscriber: SubscriberConfig,
+        adaptive: Mapping[str, AdaptiveConfig] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_update: OnUpdate | None = None,
+        *,
+        default_adaptive: AdaptiveConfig | None = None,
+        metrics: FeedbackMetrics | None = None,
+        tick_interval: float = 0.25,
+        kv_aggregation: KvMode = "max",
+        sleeper: Sleeper = asyncio.sleep,
+    ) -> None:
+        if tick_interval <= 0:
+            raise ValueError("feedback.tick_interval: must be > 0")
+        self._configs = dict(adaptive or {})
+        self._default = default_adaptive or AdaptiveConfig()
+        self._clock = clock
+        self._on_update = on_update
+        self._metrics = metrics
+        self._tick_interval = tick_interval
+        self._kv_mode = kv_aggregation
+        self._controllers: dict[str, AdaptiveController] = {}
+        self._snapshots: dict[str, PoolSnapshot] = {}
+        self._tick_task: asyncio.Task[None] | None = None
+        self.subscriber = FeedSubscriber(
+            subscriber, clock=clock, on_sample=self._on_sample, sleeper=sleeper, metrics=metrics
+        )
+        now = clock()
+        for pool in self._configs:
+            self._controller(pool, now)
+
+    # -- public API --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.subscriber.start()
+        self._tick_task = asyncio.create_task(self._tick_loop(), name="feedback-tick")
+        self.evaluate()
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_task
+            self._tick_task = None
+        await self.subscriber.stop()
+
+    def states(self) -> dict[str, ControllerState]:
+        """Current state of every known pool (configured pools and pools seen in the feed)."""
+        return {pool: c.state for pool, c in self._controllers.items()}
+
+    def state(self, pool: str) -> ControllerState | None:
+        c = self._controllers.get(pool)
+        return c.state if c is not None else None
+
+    def snapshots(self) -> dict[str, PoolSnapshot]:
+        return dict(self._snapshots)
+
+    def capacity_tokens(self, pool: str) -> int | None:
+        """KV capacity of the pool's fresh endpoints in tokens, None when unknown or stale."""
+        snap = self._snapshots.get(pool)
+        return snap.kv_capacity_tokens if snap is not None and not snap.stale else None
+
+    def evaluate(self, pools: set[str] | None = None) -> None:
+        """Re-aggregate and step the controllers of `pools` (all when None) at `clock()`."""
+        now = self._clock()
+        snaps = aggregate(self.subscriber.samples(), now, self._stale_after, self._kv_mode)
+        self._snapshots = snaps
+        targets = set(self._controllers) | set(snaps) if pools is None else pools
+        for pool in targets:
+            ctl = self._controller(pool, now)
+            before = ctl.state
+            snap = snaps.get(pool)
+            if snap is None or snap.stale:
+                state = ctl.observe(None, 0.0 if snap is None else snap.requests_waiting, None, now)
+            else:
+                state = ctl.observe(snap.kv_usage, snap.requests_waiting, snap.newest_at, now)
+            if self._metrics is not None:
+                self._metrics.observe_state(pool, state, self.capacity_tokens(pool))
+            if not _same(before, state) and self._on_update is not None:
+                try:
+                    self._on_update(pool, state)
+                except Exception:
+                    log.exception("feedback on_update failed", extra={"pool": pool})
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _stale_after(self, pool: str) -> float:
+        return self._configs.get(pool, self._default).stale_after_seconds
+
+    def _controller(self, pool: str, now: float) -> AdaptiveController:
+        ctl = self._controllers.get(pool)
+        if ctl is None:
+            ctl = AdaptiveController(self._configs.get(pool, self._default), now=now)
+            self._controllers[pool] = ctl
+            log.info("pool added", extra={"pool": pool})
+        return ctl
+
+    def _on_sample(self, sample: FeedSample) -> None:
+        self.evaluate({sample.model})
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_interval)
+            try:
+                self.subscriber.prune(self._clock())
+                self.evaluate()
+            except Exception:
+                log.exception("feedback tick failed")

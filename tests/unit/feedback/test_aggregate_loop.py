@@ -1,0 +1,166 @@
+"""Aggregation, backoff, sample store and FeedbackLoop evaluation, all on an injected clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.core.adaptive import AdaptiveConfig, ControllerState
+from extproc.feedback.aggregate import StoredSample, aggregate
+from extproc.feedback.loop import FeedbackLoop
+from extproc.feedback.metrics import register_feedback_metrics
+from extproc.feedback.parse import ServerKind
+from extproc.feedback.sample import FeedSample
+from extproc.feedback.subscriber import FeedSubscriber, SubscriberConfig, backoff_delay
+
+
+def s(
+    endpoint: str,
+    kv: float | None,
+    waiting: float = 0,
+    *,
+    model: str = "m",
+    up: bool = True,
+    cap: int | None = 1000,
+    t: float = 1.0,
+) -> FeedSample:
+    return FeedSample("node", endpoint, model, ServerKind.VLLM, kv, waiting, 1.0, 0.0, cap, t, up)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def five(_pool: str) -> float:
+    return 5.0
+
+
+def test_aggregate_max_sum_and_exclusions() -> None:
+    stored = [
+        StoredSample(s("a:1", 0.5, 2), 100.0),
+        StoredSample(s("b:1", 0.9, 3), 99.0),
+        StoredSample(s("c:1", None, 1, cap=None), 100.0),
+        StoredSample(s("d:1", 0.99, 50, up=False), 100.0),  # down: excluded
+        StoredSample(s("e:1", 0.99, 50), 90.0),  # too old: excluded
+        StoredSample(s("x:1", 0.1, model="other"), 80.0),
+    ]
+    snaps = aggregate(stored, 100.0, five)
+    m = snaps["m"]
+    assert m.kv_usage == pytest.approx(0.9)
+    assert m.requests_waiting == 6 and m.requests_running == 3
+    assert m.kv_capacity_tokens == 2000
+    assert (m.endpoints_fresh, m.endpoints_known, m.newest_at, m.stale) == (3, 5, 100.0, False)
+    assert snaps["other"].stale and snaps["other"].kv_usage is None
+    assert aggregate(stored, 100.0, five, "mean")["m"].kv_usage == pytest.approx(0.7)
+
+
+def test_backoff_grows_caps_and_jitters() -> None:
+    cfg = SubscriberConfig(exporters=("h:1",), backoff_initial=0.5, backoff_max=4.0, backoff_jitter=0.5)
+    rng = random.Random(7)
+    delays = [backoff_delay(i, cfg, rng) for i in range(8)]
+    for i, d in enumerate(delays):
+        base = min(4.0, 0.5 * 2**i)
+        assert base * 0.5 <= d <= base
+    assert len({round(d, 6) for d in delays[4:]}) > 1  # jittered at the cap
+
+
+def test_subscriber_config_validation() -> None:
+    with pytest.raises(ValueError, match="exporters"):
+        SubscriberConfig()
+    with pytest.raises(ValueError, match="host:port"):
+        SubscriberConfig(exporters=("nohost",))
+    with pytest.raises(ValueError, match="backoff_jitter"):
+        SubscriberConfig(exporters=("h:1",), backoff_jitter=1.0)
+
+
+def test_replayed_sample_does_not_refresh_freshness() -> None:
+    clock = Clock()
+    seen: list[FeedSample] = []
+    sub = FeedSubscriber(SubscriberConfig(exporters=("h:1",)), clock=clock, on_sample=seen.append)
+    sub.ingest(s("a:1", 0.5, t=10.0))
+    clock.now = 200.0
+    sub.ingest(s("a:1", 0.5, t=10.0))  # exporter replays its cache after a reconnect
+    assert sub.samples()[0].received_at == 100.0
+    sub.ingest(s("a:1", 0.6, t=11.0))
+    assert sub.samples()[0].received_at == 200.0
+    assert len(seen) == 2
+    sub.prune(200.0 + 301.0)
+    assert sub.samples() == []
+
+
+def make_loop(clock: Clock, updates: list[tuple[str, ControllerState]]) -> FeedbackLoop:
+    return FeedbackLoop(
+        SubscriberConfig(exporters=("127.0.0.1:1",)),
+        {"m": AdaptiveConfig(), "idle": AdaptiveConfig(stale_scale=0.5)},
+        clock,
+        lambda pool, state: updates.append((pool, state)),
+        metrics=register_feedback_metrics(CollectorRegistry()),
+    )
+
+
+def test_loop_drops_at_once_recovers_and_goes_stale() -> None:
+    clock = Clock()
+    updates: list[tuple[str, ControllerState]] = []
+    loop = make_loop(clock, updates)
+    assert loop.states()["m"].stale and loop.states()["idle"].scale == 0.5
+    loop.subscriber.ingest(s("a:1", 0.3, t=1.0))
+    st = loop.states()["m"]
+    assert not st.stale and st.target_scale == 1.0 and st.scale == pytest.approx(0.6)
+    assert updates[-1][0] == "m"
+    assert loop.capacity_tokens("m") == 1000
+
+    clock.now += 4.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=2.0))
+    assert loop.states()["m"].scale == pytest.approx(0.8)
+    clock.now += 1.0
+    loop.subscriber.ingest(s("a:1", 0.95, t=3.0))  # one noisy sample: drop at once
+    assert loop.states()["m"].scale == pytest.approx(0.6)
+    clock.now += 1.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=4.0))
+    assert loop.states()["m"].scale == pytest.approx(0.65)
+
+    n = len(updates)
+    loop.evaluate()  # nothing changed at the same instant: no callback
+    assert len(updates) == n
+
+    clock.now += 5.5  # no samples: stale
+    loop.evaluate()
+    st = loop.states()["m"]
+    assert st.stale and st.scale == pytest.approx(0.6)
+    assert loop.capacity_tokens("m") is None
+    assert updates[-1] == ("m", st)
+
+
+def test_loop_learns_unconfigured_pools_from_the_feed() -> None:
+    clock = Clock()
+    updates: list[tuple[str, ControllerState]] = []
+    loop = make_loop(clock, updates)
+    loop.subscriber.ingest(s("a:1", 0.9, model="new-model"))
+    assert "new-model" in loop.states()
+    assert loop.state("new-model") is not None and loop.state("nope") is None
+
+
+def test_loop_down_sample_makes_pool_stale() -> None:
+    clock = Clock()
+    loop = make_loop(clock, [])
+    loop.subscriber.ingest(s("a:1", 0.1, t=1.0))
+    clock.now += 1
+    loop.subscriber.ingest(s("a:1", None, t=2.0, up=False))
+    assert loop.states()["m"].stale
+
+
+def test_on_update_exceptions_do_not_escape() -> None:
+    clock = Clock()
+
+    def boom(pool: str, state: ControllerState) -> None:
+        raise RuntimeError("sidecar bug")
+
+    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, boom)
+    loop.subscriber.ingest(s("a:1", 0.1))
+    assert "m" in loop.states()
