@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from aiohttp import web
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 
 Mode = Literal["ok", "garbage", "timeout", "500"]
-T = TypeVar("T")
 
 
 class _HttpServer:
@@ -106,17 +105,15 @@ def pod(
     }
 
 
-async def eventually(
-    probe: Callable[[], Awaitable[T | None]] | Callable[[], T | None], deadline_s: float = 10.0
-) -> T:
-    """Poll until `probe` returns a truthy value, failing after `deadline_s` seconds."""
+async def eventually(probe: Callable[[], Any], deadline_s: float = 10.0) -> Any:
+    """Poll until `probe` (sync or async) returns a truthy value, failing after `deadline_s` seconds."""
     deadline = time.monotonic() + deadline_s
     while True:
         result = probe()
         if asyncio.iscoroutine(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if time.monotonic() > deadline:
             raise AssertionError("condition not met before the deadline")
         await asyncio.sleep(0.05)

@@ -94,11 +94,13 @@ async def test_subscribers_receive_samples_and_down_targets(vllm: FakeInferenceS
 
             for mode, reason in (("garbage", "parse"), ("500", "http_status"), ("timeout", "timeout")):
                 vllm.mode = mode  # type: ignore[assignment]
-                down = await eventually(
-                    lambda reason=reason: next(
+
+                def newest_down(reason: str = reason) -> FeedSample | None:
+                    return next(
                         (x for x in reversed(second.samples) if not x.up and x.error.startswith(reason)), None
                     )
-                )
+
+                down = await eventually(newest_down)
                 assert down.model == MODEL  # reported against the model seen before
                 assert down.kv_usage is None
             vllm.mode = "ok"
