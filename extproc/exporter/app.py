@@ -157,6 +157,7 @@ class Exporter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self.hub.close_all()
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace)
             self._server = None

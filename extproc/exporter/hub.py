@@ -36,8 +36,13 @@ class Subscription:
         return len(self._pending)
 
     async def next_batch(self) -> list[FeedSample]:
-        """Everything newer than what was last returned; waits while there is nothing."""
+        """Everything newer than what was last returned; waits while there is nothing.
+
+        Returns an empty list once the subscription is closed (the stream should then end).
+        """
         while not self._pending:
+            if self.closed:
+                return []
             self._event.clear()
             await self._event.wait()
         batch = list(self._pending.values())
@@ -48,6 +53,7 @@ class Subscription:
         if not self.closed:
             self.closed = True
             self._hub._subs.discard(self)
+            self._event.set()
 
 
 class SampleHub:
@@ -74,6 +80,12 @@ class SampleHub:
         """Drop a target that discovery removed, so new subscribers are not told about it."""
         for key in [k for k in self._latest if k[1] == endpoint]:
             del self._latest[key]
+
+    def close_all(self) -> None:
+        """End every stream (shutdown): subscribers see a clean end and reconnect elsewhere or later."""
+        for sub in list(self._subs):
+            sub._pending.clear()
+            sub.close()
 
     def subscribe(self, models: Iterable[str] = ()) -> Subscription:
         """A new subscription, primed with the newest sample of every matching key."""

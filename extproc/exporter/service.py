@@ -30,7 +30,7 @@ class KvFeedService(feedback_pb2_grpc.KvFeedServicer):
         self._metrics.subscribers.set(self._hub.subscribers)
         log.info("subscriber connected", extra={"peer": context.peer(), "models": list(request.models)})
         try:
-            while True:
+            while not sub.closed:
                 for sample in await sub.next_batch():
                     yield to_proto(sample)
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -129,3 +130,13 @@ def test_rate_limited_log() -> None:
     assert rl.allow("t") == (False, 0)
     now[0] = 10.0
     assert rl.allow("t") == (True, 2)
+
+
+async def test_close_all_ends_waiting_subscribers() -> None:
+    hub = SampleHub()
+    sub = hub.subscribe()
+    waiter = asyncio.create_task(sub.next_batch())
+    await asyncio.sleep(0)
+    hub.close_all()
+    assert await waiter == []
+    assert sub.closed and hub.subscribers == 0
