@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import DEFAULT_MODEL, Config, ConfigError, ConfigWatcher, load_config, parse_config
+from extproc.core.limiter import LimitSpec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_usable() -> None:
+    config = parse_config({})
+    assert config.server.grpc_listen == "127.0.0.1:50051"
+    assert config.models[DEFAULT_MODEL].context_window == 8192
+    specs, defaults = config.limit_specs()
+    assert specs == {"global": LimitSpec()}
+    assert defaults == {"tenant:": LimitSpec()}
+
+
+def test_shipped_configs_are_valid() -> None:
+    for path in [REPO / "config" / "local.yaml", *sorted((REPO / "k8s").rglob("config.yaml"))]:
+        load_config(path)
+
+
+def test_limit_keys_and_model_defaults() -> None:
+    config = parse_config(
+        {
+            "models": {
+                "*": {"context_window": 4096, "default_max_tokens": 100},
+                "big": {"context_window": 32768},
+            },
+            "limits": {
+                "global": {"max_concurrency": 10},
+                "models": {"*": {"max_concurrency": 2}, "big": {"tokens_per_minute": 1000}},
+                "tenant_default": {"tokens_per_minute": 50},
+                "tenants": {"acme": {"max_concurrency": 3}},
+            },
+        }
+    )
+    assert config.models["big"].default_max_tokens == 100  # inherited from "*"
+    assert config.model_policy("unknown") == config.models["*"]
+    specs, defaults = config.limit_specs()
+    assert specs == {
+        "global": LimitSpec(max_concurrency=10),
+        "model:big": LimitSpec(tokens_per_minute=1000),
+        "tenant:acme": LimitSpec(max_concurrency=3),
+    }
+    assert defaults == {"tenant:": LimitSpec(tokens_per_minute=50), "model:": LimitSpec(max_concurrency=2)}
+
+
+def test_unknown_models_refused_when_configured() -> None:
+    config = parse_config(
+        {"admission": {"reject_unknown_models": True}, "models": {"m": {"context_window": 10}}}
+    )
+    assert config.model_policy("other") is None
+    assert config.model_policy("m") is not None
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"limits": {"models": {"m": {"max_concurrency": -1}}}}, "limits.models.m.max_concurrency"),
+        ({"limits": {"global": {"tokens_per_minute": 0}}}, "limits.global.tokens_per_minute"),
+        ({"limits": {"global": {"max_concurency": 3}}}, "limits.global.max_concurency"),
+        ({"limits": {"global": {"max_concurrency": True}}}, "limits.global.max_concurrency"),
+        ({"limits": {"global": {"max_concurrency": 1.5}}}, "limits.global.max_concurrency"),
+        ({"limits": {"global": []}}, "limits.global"),
+        ({"server": {"grpc_listen": "nohost"}}, "server.grpc_listen"),
+        ({"server": {"admin_listen": "h:99999"}}, "server.admin_listen"),
+        ({"server": {"max_receive_message_bytes": 1 << 20}}, "server.max_receive_message_bytes"),
+        ({"admission": {"max_body_bytes": 0}}, "admission.max_body_bytes"),
+        ({"admission": {"inject_include_usage": "yes"}}, "admission.inject_include_usage"),
+        ({"admission": {"tenant": {"header": ""}}}, "admission.tenant.header"),
+        ({"models": {"m": {"encoding": "no_such_encoding"}}}, "models.m.encoding"),
+        ({"models": {"m": {"context_window": 0}}}, "models.m.context_window"),
+        ({"models": {"m": {"colour": "red"}}}, "models.m.colour"),
+        ({"log_level": "chatty"}, "log_level"),
+        ({"surprise": 1}, "surprise"),
+        ([1, 2], "<root>"),
+    ],
+)
+def test_errors_name_the_key(data: Any, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("limits: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def _configmap_dir(root: Path, version: str, data: dict[str, Any]) -> None:
+    """Lay out a directory the way a Kubernetes ConfigMap volume does and swap `..data` atomically."""
+    target = root / f"..{version}"
+    target.mkdir()
+    (target / "config.yaml").write_text(yaml.safe_dump(data))
+    link = root / "..data_tmp"
+    link.symlink_to(target.name)
+    os.replace(link, root / "..data")
+    if not (root / "config.yaml").exists():
+        (root / "config.yaml").symlink_to("..data/config.yaml")
+
+
+async def test_watcher_follows_configmap_symlink_swaps_and_refuses_invalid(tmp_path: Path) -> None:
+    _configmap_dir(tmp_path, "v1", {"limits": {"global": {"max_concurrency": 1}}})
+    applied: list[Config] = []
+
+    async def on_change(config: Config) -> None:
+        applied.append(config)
+
+    watcher = ConfigWatcher(tmp_path / "config.yaml", on_change, interval_s=3600)
+    assert await watcher.check() is False  # unchanged since start
+
+    _configmap_dir(tmp_path, "v2", {"limits": {"global": {"max_concurrency": 7}}})
+    assert await watcher.check() is True
+    assert applied[-1].limits.global_.max_concurrency == 7
+
+    _configmap_dir(tmp_path, "v3", {"limits": {"global": {"max_concurrency": -7}}})
+    assert await watcher.check() is False
+    assert watcher.failures == 1
+    assert len(applied) == 1
+
+    _configmap_dir(tmp_path, "v4", {"limits": {"global": {"max_concurrency": 9}}})
+    assert await watcher.check() is True
+    assert applied[-1].limits.global_.max_concurrency == 9
+
+
+async def test_watcher_task_polls_by_itself(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("log_level: info\n")
+    seen = asyncio.Event()
+
+    async def on_change(_config: Config) -> None:
+        seen.set()
+
+    watcher = ConfigWatcher(path, on_change, interval_s=0.01)
+    watcher.start()
+    path.write_text("log_level: debug\n")
+    await asyncio.wait_for(seen.wait(), 5)
+    await watcher.stop()
