@@ -132,3 +132,15 @@ async def test_context_overflow_and_bad_requests(start_sim: SimFactory, http: ai
     async with http.post(sim.url + "/v1/chat/completions", json={"model": "llama-3-8b"}) as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["code"] == 400
+
+
+async def test_build_app_works_with_aiohttp_test_utilities() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from extproc.sim import SimConfig, build_app
+
+    app = build_app(SimConfig(time_scale=500.0, num_gpu_blocks=600))
+    async with TestClient(TestServer(app, handler_cancellation=True)) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=3))
+        assert resp.status == 200
+        assert (await resp.json())["usage"]["completion_tokens"] == 3
