@@ -124,6 +124,16 @@ class Engine:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+            self._task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        """A dead step loop would hang every request; make it loud and fail what is in flight."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("engine step loop died", exc_info=task.exception())
+        for t in self._tracked.values():
+            t.sink.put_nowait(Event(t.index, EventKind.ERROR, message="engine step loop failed"))
+        self._tracked.clear()
 
     async def stop(self) -> None:
         if self._task is not None:

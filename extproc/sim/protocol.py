@@ -89,6 +89,9 @@ def parse_request(body: Any, chat: bool, header_override: str | None, served_mod
     n = _optional_int(body, "n", 1) or 1
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
+    if options is not None and not stream:
+        # vLLM's request validator refuses this combination rather than ignoring it.
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage", False))
     override = _optional_int(body, OUTPUT_TOKENS_FIELD, 0)
     if header_override is not None:

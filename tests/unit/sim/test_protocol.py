@@ -83,7 +83,10 @@ def test_stream_usage_only_when_streaming() -> None:
     msgs = [{"role": "user", "content": "x"}]
     opts = {"include_usage": True}
     assert parse({"messages": msgs, "stream": True, "stream_options": opts}).include_usage
-    assert not parse({"messages": msgs, "stream": False, "stream_options": opts}).include_usage
+    assert not parse({"messages": msgs, "stream": True, "stream_options": {}}).include_usage
+    with pytest.raises(ApiError) as e:
+        parse({"messages": msgs, "stream": False, "stream_options": opts})
+    assert e.value.param == "stream_options"
 
 
 def test_prompt_forms_are_counted() -> None:
