@@ -26,6 +26,7 @@ from extproc import __version__
 from extproc.config import Config, ConfigWatcher, load_config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
+from extproc.feedback.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
 from extproc.server import Deps, ExtProcServicer
 from extproc.store.local import LocalStore
@@ -51,6 +52,7 @@ class Sidecar:
             max_workers=self.config.admission.tokenizer_threads, thread_name_prefix="tokenize"
         )
         assert self.store is not None
+        self.feedback = FeedbackRuntime(self.metrics.registry, self._set_scale, clock=self.clock)
         self.servicer = ExtProcServicer(
             Deps(
                 config=lambda: self.config,
@@ -58,6 +60,8 @@ class Sidecar:
                 metrics=self.metrics,
                 executor=self.executor,
                 clock=self.clock,
+                kv_budget=self.feedback.budget,
+                budget_changed=self.feedback.budget_changed,
             )
         )
         self.health = health.aio.HealthServicer()
@@ -68,6 +72,8 @@ class Sidecar:
         self.admin_port: int | None = None
         self.watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._scale_tasks: set[asyncio.Future[None]] = set()
+        self._started = False
         self._stopped = False
         self.metrics.info.labels(__version__).set(1)
         self.metrics.watch_limits(self.store.snapshot, self._exported_key)
@@ -76,6 +82,16 @@ class Sidecar:
         specs, _ = self.config.limit_specs()
         return key in specs
 
+    def _set_scale(self, key: str, scale: float) -> None:
+        """Adaptive feedback runs on the event loop; the in-process store applies a scale at once."""
+        if self._local is not None:
+            self._local.limiter.set_scale(key, scale)
+            return
+        assert self.store is not None
+        task = asyncio.ensure_future(self.store.set_scale(key, scale))
+        self._scale_tasks.add(task)
+        task.add_done_callback(self._scale_tasks.discard)
+
     async def apply_config(self, config: Config) -> None:
         """Make a config current: new requests see new limits; in-flight leases are untouched."""
         assert self.store is not None
@@ -83,6 +99,8 @@ class Sidecar:
         await self.store.apply_limits(specs, defaults)
         self.config = config
         logging.getLogger().setLevel(config.log_level)
+        if self._started:
+            await self.feedback.apply(config.feedback)
 
     async def _reload(self, config: Config) -> None:
         try:
@@ -95,6 +113,7 @@ class Sidecar:
     # -- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._started = True
         await self.apply_config(self.config)
         size = self.config.server.max_receive_message_bytes
         server = grpc.aio.server(
@@ -173,6 +192,7 @@ class Sidecar:
         await self.health.enter_graceful_shutdown()
         if self.watcher is not None:
             await self.watcher.stop()
+        await self.feedback.stop()
         for task in self._tasks:
             task.cancel()
         if self.grpc_server is not None:

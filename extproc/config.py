@@ -18,7 +18,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,10 @@ import yaml
 
 from extproc.admission.request import ModelPolicy
 from extproc.admission.tokens import DEFAULT_ENCODING, get_encoding
+from extproc.core.adaptive import AdaptiveConfig
 from extproc.core.limiter import LimitSpec
+from extproc.exporter.targets import Target, target_from_mapping
+from extproc.feedback.subscriber import SubscriberConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,28 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class KvBudgetConfig:
+    enabled: bool = False
+    target_utilization: float = 0.9
+    capacity_share: float = 1.0
+
+
+@dataclass(frozen=True)
+class FeedbackConfig:
+    """KV-cache feedback: where samples come from and how each pool's limits react to them."""
+
+    subscriber: SubscriberConfig | None = None
+    kv_aggregation: str = "max"
+    adaptive_default: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    adaptive_pools: Mapping[str, AdaptiveConfig] = field(default_factory=dict)
+    kv_budget: KvBudgetConfig = field(default_factory=KvBudgetConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.subscriber is not None
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -78,8 +103,7 @@ class Config:
         default_factory=lambda: {DEFAULT_MODEL: ModelPolicy(context_window=8192)}
     )
     limits: LimitsConfig = field(default_factory=LimitsConfig)
-    adaptive: Mapping[str, Any] = field(default_factory=dict)
-    feedback: Mapping[str, Any] = field(default_factory=dict)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     log_level: str = "INFO"
 
     def model_policy(self, model: str) -> ModelPolicy | None:
@@ -167,13 +191,13 @@ class _Section:
             raise ConfigError(f"{self.key(name)}: must be a non-empty string, got {value!r}")
         return value
 
-    def raw_mapping(self, name: str) -> Mapping[str, Any]:
+    def string_list(self, name: str) -> tuple[str, ...]:
         value = self.get(name)
         if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{self.key(name)}: must be a mapping, got {type(value).__name__}")
-        return dict(value)
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{self.key(name)}: must be a list of non-empty strings, got {value!r}")
+        return tuple(value)
 
     def done(self) -> None:
         unknown = sorted(set(self.data) - self.seen)
@@ -224,6 +248,107 @@ def _model_policy(section: _Section, base: ModelPolicy | None) -> ModelPolicy:
     )
     section.done()
     return ModelPolicy(context_window=context_window, encoding=encoding, default_max_tokens=default_max)
+
+
+_ADAPTIVE_KEYS = (
+    "low_watermark",
+    "high_watermark",
+    "min_scale",
+    "waiting_low",
+    "waiting_high",
+    "recovery_per_second",
+    "stale_after_seconds",
+    "stale_scale",
+)
+
+
+def _adaptive(section: _Section, base: AdaptiveConfig) -> AdaptiveConfig:
+    values: dict[str, Any] = {}
+    for key in _ADAPTIVE_KEYS:
+        value = section.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{section.key(key)}: must be a number, got {value!r}")
+        values[key] = float(value)
+    try:
+        config = replace(base, **values)
+    except ValueError as exc:
+        # AdaptiveConfig names the field as "adaptive.<key>"; put it under this section's path.
+        message = str(exc).removeprefix("adaptive.")
+        raise ConfigError(f"{section.path}.{message}") from None
+    return config
+
+
+def _feedback(root: _Section) -> FeedbackConfig:
+    fb = root.section("feedback")
+    targets: list[Target] = []
+    raw_targets = fb.get("direct_targets") or []
+    if not isinstance(raw_targets, list):
+        raise ConfigError(f"{fb.key('direct_targets')}: must be a list of {{url, kind, model}} mappings")
+    for i, item in enumerate(raw_targets):
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{fb.key('direct_targets')}[{i}]: must be a mapping with url, kind, model")
+        try:
+            targets.append(target_from_mapping(dict(item)))
+        except ValueError as exc:
+            raise ConfigError(f"{fb.key('direct_targets')}[{i}]: {exc}") from None
+    exporters = fb.string_list("exporters")
+    service = fb.string("service", None)
+    aggregation = fb.string("kv_aggregation", "max") or "max"
+    if aggregation not in ("max", "mean"):
+        raise ConfigError(f"{fb.key('kv_aggregation')}: must be max or mean, got {aggregation!r}")
+    resolve = fb.number("resolve_interval_seconds", 10.0, minimum=0.1)
+    subscriber: SubscriberConfig | None = None
+    if exporters or service or targets:
+        try:
+            subscriber = SubscriberConfig(
+                exporters=exporters,
+                service=service,
+                resolve_interval=resolve,
+                direct_targets=tuple(targets),
+                scrape_interval=fb.number("scrape_interval_seconds", 1.0, minimum=0.05),
+            )
+        except ValueError as exc:
+            message = str(exc).replace("subscriber: ", "exporters: ", 1).removeprefix("subscriber.")
+            raise ConfigError(f"feedback.{message}") from None
+    else:
+        fb.get("scrape_interval_seconds")
+    fb.done()
+
+    ad = root.section("adaptive")
+    pools_section = ad.section("pools")
+    default = _adaptive(ad, AdaptiveConfig())
+    pools: dict[str, AdaptiveConfig] = {}
+    for name in pools_section.data:
+        pool = pools_section.section(str(name))
+        pools[str(name)] = _adaptive(pool, default)
+        pool.done()
+    pools_section.done()
+    ad.done()
+
+    kb = root.section("kv_budget")
+    target = kb.number("target_utilization", 0.9, minimum=0.01)
+    share = kb.number("capacity_share", 1.0, minimum=0.01)
+    if target > 1:
+        raise ConfigError(f"kv_budget.target_utilization: must be in (0, 1], got {target}")
+    if share > 1:
+        raise ConfigError(f"kv_budget.capacity_share: must be in (0, 1], got {share}")
+    budget = KvBudgetConfig(
+        enabled=kb.boolean("enabled", False), target_utilization=target, capacity_share=share
+    )
+    kb.done()
+    if budget.enabled and subscriber is None:
+        raise ConfigError(
+            "kv_budget.enabled: needs a KV feed (feedback.exporters, service or direct_targets)"
+        )
+    return FeedbackConfig(
+        subscriber=subscriber,
+        kv_aggregation=aggregation,
+        adaptive_default=default,
+        adaptive_pools=pools,
+        kv_budget=budget,
+    )
 
 
 def parse_config(data: Any) -> Config:
@@ -288,8 +413,7 @@ def parse_config(data: Any) -> Config:
     )
     lim.done()
 
-    adaptive = root.raw_mapping("adaptive")
-    feedback = root.raw_mapping("feedback")
+    feedback = _feedback(root)
     log_level = (root.string("log_level", "INFO") or "INFO").upper()
     if log_level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError(f"log_level: must be one of debug, info, warning, error, got {log_level!r}")
@@ -299,7 +423,6 @@ def parse_config(data: Any) -> Config:
         admission=admission,
         models=models,
         limits=limits,
-        adaptive=adaptive,
         feedback=feedback,
         log_level=log_level,
     )

@@ -43,6 +43,7 @@ from extproc.admission.request import (
 from extproc.admission.usage import ResponseUsageTracker
 from extproc.config import Config
 from extproc.core.clock import Clock, monotonic
+from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.metrics import Metrics
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 _BACKGROUND: set[asyncio.Future[Any]] = set()
 """Strong references to fire-and-forget settlements, so the event loop cannot drop them mid-flight."""
+
+KV_RETRY_AFTER_S = 1.0
+"""Retry hint for a KV-budget refusal: running sequences finish and free blocks continuously."""
 
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
 
@@ -64,6 +68,8 @@ class Deps:
     metrics: Metrics
     executor: Executor | None = None
     clock: Clock = monotonic
+    kv_budget: Callable[[str], KvBudget | None] = lambda _pool: None
+    budget_changed: Callable[[str], None] = lambda _pool: None
 
 
 def _headers(message: pb.HttpHeaders) -> dict[str, str]:
@@ -86,6 +92,7 @@ class StreamHandler:
     policy: ModelPolicy | None = None
     plan: Reservation | None = None
     lease: Lease | None = None
+    budget: KvBudget | None = None
     strip_usage: bool = False
     tracker: ResponseUsageTracker | None = None
     upstream_status: int | None = None
@@ -156,6 +163,12 @@ class StreamHandler:
         except AdmissionError as exc:
             return self._refuse(exc)
         assert self.parsed is not None
+        budget = self.deps.kv_budget(self.parsed.model)
+        if budget is not None:
+            fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens)
+            if not fits:
+                self.deps.metrics.decision_seconds.observe(self.deps.clock() - started)
+                return self._kv_rejected(plan, headroom or 0)
         keys = ["global", f"model:{self.parsed.model}", f"tenant:{self.tenant}"]
         result = await self._acquire(keys, plan.total)
         self.deps.metrics.decision_seconds.observe(self.deps.clock() - started)
@@ -163,6 +176,10 @@ class StreamHandler:
             return self._rate_limited(result, plan)
         self.lease = result
         self.plan = plan
+        if budget is not None:
+            budget.admit(self._budget_id(), plan.prompt_tokens, plan.completion_tokens)
+            self.budget = budget
+            self.deps.budget_changed(self.parsed.model)
         metrics = self.deps.metrics
         metrics.requests.labels("admitted", "ok", self.model_label).inc()
         metrics.tokens_reserved.labels(self.model_label).inc(plan.total)
@@ -229,6 +246,24 @@ class StreamHandler:
             extra={"status": exc.status, "code": exc.code, "param": exc.param, "model": self.model_label},
         )
         return r.immediate(exc.status, exc.body(), details=f"extproc_{exc.code or exc.status}")
+
+    def _budget_id(self) -> str:
+        assert self.lease is not None
+        return str(self.lease.lease_id)
+
+    def _kv_rejected(self, plan: Reservation, headroom: int) -> pb.ProcessingResponse:
+        """The pool's KV cache cannot take this request's footprint now; sequences finishing will free it."""
+        self.closed = True
+        assert self.parsed is not None
+        self.deps.metrics.requests.labels("rejected", "kv_budget", self.model_label).inc()
+        message = (
+            f"The KV cache of {self.parsed.model} is at its admission target: this request needs up to "
+            f"{plan.total} tokens of KV cache and {max(0, headroom)} are available. Please try again shortly."
+        )
+        headers = [*r.retry_headers(KV_RETRY_AFTER_S), ("x-extproc-reject-reason", "kv_budget")]
+        log.info("request refused by kv budget", extra={"tokens": plan.total, "headroom": headroom})
+        body = error_body(message, type="tokens", code="rate_limit_exceeded")
+        return r.immediate(429, body, headers, details="extproc_rate_limited_kv_budget")
 
     def _rate_limited(self, rej: Rejection, plan: Reservation) -> pb.ProcessingResponse:
         self.closed = True
@@ -297,6 +332,8 @@ class StreamHandler:
         if self.tracker is None:
             return r.continue_response_body()
         out = self.tracker.feed(message.body)
+        if self.budget is not None:
+            self.budget.progress(self._budget_id(), self.tracker.usage.completion_tokens)
         if message.end_of_stream:
             tail = self.tracker.finish()
             if tail is not None:
@@ -331,6 +368,9 @@ class StreamHandler:
         if lease is None or lease.settled:
             return None
         actual, outcome, prompt, completion = self.settlement()
+        if self.budget is not None and self.parsed is not None:
+            self.budget.release(self._budget_id(), completion if outcome == "completed" else None)
+            self.deps.budget_changed(self.parsed.model)
         metrics = self.deps.metrics
         future = asyncio.ensure_future(self.deps.store.release(lease, actual))
         lease_model = self.model_label

@@ -39,10 +39,12 @@ class Ports:
     grpc: int = 50051
     admin: int = 9464
     upstream: int = 8000
+    exporter: int = 50061
+    exporter_metrics: int = 9465
 
     @classmethod
     def free(cls) -> Ports:
-        return cls(*(free_port() for _ in range(5)))
+        return cls(*(free_port() for _ in range(7)))
 
 
 def free_port() -> int:
@@ -80,12 +82,19 @@ def render_envoy_config(ports: Ports, template: Path = ENVOY_TEMPLATE) -> dict[s
     return config
 
 
-def sidecar_config_with_ports(config: dict[str, Any], ports: Ports) -> dict[str, Any]:
+def sidecar_config_with_ports(
+    config: dict[str, Any], ports: Ports, with_exporter: bool = False
+) -> dict[str, Any]:
+    """The sidecar config pointed at the stack's ports (and at its exporter, when it runs one)."""
     out = dict(config)
     server = dict(out.get("server") or {})
     server["grpc_listen"] = f"127.0.0.1:{ports.grpc}"
     server["admin_listen"] = f"127.0.0.1:{ports.admin}"
     out["server"] = server
+    if with_exporter:
+        feedback = dict(out.get("feedback") or {})
+        feedback["exporters"] = [f"127.0.0.1:{ports.exporter}"]
+        out["feedback"] = feedback
     return out
 
 
@@ -157,6 +166,8 @@ class LocalStack:
     sim_args: Sequence[str] = ()
     workdir: Path | None = None
     with_sidecar: bool = True
+    with_exporter: bool = False
+    model: str = "llama-3-8b"
     envoy_template: Path = ENVOY_TEMPLATE
     processes: dict[str, Process] = field(default_factory=dict)
 
@@ -182,7 +193,7 @@ class LocalStack:
     def write_sidecar_config(self, config: dict[str, Any]) -> None:
         """Write (or rewrite, for reload tests) the sidecar's config file atomically."""
         tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump(sidecar_config_with_ports(config, self.ports)))
+        tmp.write_text(yaml.safe_dump(sidecar_config_with_ports(config, self.ports, self.with_exporter)))
         tmp.replace(self.config_path)
 
     def start(self) -> LocalStack:
@@ -214,6 +225,8 @@ class LocalStack:
             self.workdir,
         )
         self.processes["simulator"] = sim
+        if self.with_exporter:
+            self.start_exporter()
         if self.with_sidecar:
             if self.sidecar_config_file is None:
                 config = self.sidecar_config
@@ -250,8 +263,37 @@ class LocalStack:
             wait_http(f"{self.admin_url}/readyz", proc=self.processes["sidecar"])
         wait_http(f"http://127.0.0.1:{self.ports.envoy_admin}/ready", proc=envoy)
 
+    def start_exporter(self) -> Process:
+        """The KV-cache exporter scraping the simulator, as a DaemonSet pod would on a GPU node."""
+        assert self.workdir is not None
+        exporter = Process.start(
+            "exporter",
+            [
+                sys.executable,
+                "-m",
+                "extproc.exporter",
+                "--node-name",
+                "local",
+                "--grpc-address",
+                f"127.0.0.1:{self.ports.exporter}",
+                "--metrics-address",
+                f"127.0.0.1:{self.ports.exporter_metrics}",
+                "--target",
+                f"url={self.upstream_url}/metrics,kind=vllm,model={self.model}",
+            ],
+            self.workdir,
+        )
+        self.processes["exporter"] = exporter
+        wait_http(f"http://127.0.0.1:{self.ports.exporter_metrics}/healthz", proc=exporter)
+        return exporter
+
+    def stop_process(self, name: str) -> None:
+        proc = self.processes.pop(name, None)
+        if proc is not None:
+            proc.stop()
+
     def stop(self) -> None:
-        for name in ("envoy", "sidecar", "simulator"):
+        for name in ("envoy", "sidecar", "exporter", "simulator"):
             proc = self.processes.pop(name, None)
             if proc is not None:
                 proc.stop()
@@ -287,16 +329,21 @@ Local stack is up:
   sidecar gRPC (ext_proc)     127.0.0.1:{grpc}
   sidecar metrics             http://127.0.0.1:{admin}/metrics
   simulator (vLLM-like)       http://127.0.0.1:{upstream}   (KV usage: /metrics)
+  KV-cache exporter           127.0.0.1:{exporter} (feed), http://127.0.0.1:{exporter_metrics}/metrics
   logs and rendered configs   {workdir}
 
 Try:
   curl -s http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model":"llama-3-8b","max_tokens":64,"messages":[{{"role":"user","content":"Hello"}}]}}'
 
-See a 429 from the concurrency limit (8 slots for llama-3-8b in config/local.yaml):
+See a 429 from the concurrency limit (8 slots for llama-3-8b in config/local.yaml; for the first seconds the
+KV feed is not fresh yet and the limits sit at 60%):
   for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}}\\n' \\
     http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model":"llama-3-8b","max_tokens":2000,"messages":[{{"role":"user","content":"Hi"}}]}}' & done; wait
+
+Watch the adaptive scale follow the simulator's KV usage:
+  curl -s http://127.0.0.1:{admin}/metrics | grep -E '^extproc_(kv_usage|adaptive_scale|limit_conc)'
 
 Edit {config} to change limits; the sidecar reloads it without a restart.
 Ctrl-C stops everything.
@@ -306,7 +353,9 @@ Ctrl-C stops everything.
 def run_stack(config: Path | None) -> int:
     """Foreground `make run`: start the stack with the documented ports and wait for Ctrl-C."""
     workdir = REPO / "run"
-    stack = LocalStack(sidecar_config_file=(config or LOCAL_CONFIG).resolve(), workdir=workdir)
+    stack = LocalStack(
+        sidecar_config_file=(config or LOCAL_CONFIG).resolve(), workdir=workdir, with_exporter=True
+    )
     try:
         stack.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
@@ -323,6 +372,8 @@ def run_stack(config: Path | None) -> int:
             grpc=p.grpc,
             admin=p.admin,
             upstream=p.upstream,
+            exporter=p.exporter,
+            exporter_metrics=p.exporter_metrics,
             workdir=workdir,
             config=stack.config_path,
         ),

@@ -1,0 +1,228 @@
+"""The KV feedback loop on localhost: simulator → exporter → sidecar → Envoy, all real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from extproc.stack import LocalStack, Ports
+from tests.e2e.conftest import Stack
+
+MODEL = "llama-3-8b"
+BASE_SLOTS = 10
+CONFIG: dict[str, Any] = {
+    "models": {"*": {"context_window": 2048, "default_max_tokens": 256}},
+    "limits": {"models": {MODEL: {"max_concurrency": BASE_SLOTS}}},
+    # Fast recovery keeps the test short; production defaults recover at 0.05 per second.
+    "adaptive": {"recovery_per_second": 1.0, "stale_after_seconds": 2.0},
+}
+# 256 blocks of 16 tokens: six 2k-token sequences overflow it. A decode step takes 10 ms.
+SIM_ARGS = [
+    "--model",
+    MODEL,
+    "--num-gpu-blocks",
+    "256",
+    "--max-model-len",
+    "2048",
+    "--step-base-ms",
+    "10",
+    "--decode-per-seq-ms",
+    "0",
+    "--prefill-per-token-ms",
+    "0",
+]
+SCALE = "extproc_adaptive_scale_ratio"
+LIMIT = "extproc_limit_concurrency"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Any:
+    local = LocalStack(ports=Ports.free(), sidecar_config=CONFIG, sim_args=SIM_ARGS, with_exporter=True)
+    local.start()
+    try:
+        yield Stack(local)
+    finally:
+        local.stop()
+
+
+def wait_for(check: Any, limit_s: float, what: str) -> float:
+    start = time.monotonic()
+    while True:
+        if check():
+            return time.monotonic() - start
+        if time.monotonic() - start > limit_s:
+            raise AssertionError(f"{what}: not within {limit_s}s")
+        time.sleep(0.05)
+
+
+def scale(stack: Stack) -> float:
+    return stack.sidecar(SCALE, pool=MODEL)
+
+
+def fill_kv(stack: Stack, count: int = 6) -> list[socket.socket]:
+    """Long streams sent straight to the simulator (bypassing the gateway) that fill its KV cache."""
+    host, port = stack.stack.upstream_url.removeprefix("http://").split(":")
+    socks = []
+    body = json.dumps({"model": MODEL, "max_tokens": 1500, "stream": True, "prompt": " hello" * 500}).encode()
+    for _ in range(count):
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        socks.append(sock)
+    return socks
+
+
+def burst_through_gateway(stack: Stack, count: int) -> list[int]:
+    """`count` concurrent requests; admitted ones are abandoned after a moment (the backend is busy)."""
+
+    async def one(session: aiohttp.ClientSession) -> int:
+        body = {
+            "model": MODEL,
+            "max_tokens": 20,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        try:
+            async with session.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                return resp.status
+        except (TimeoutError, aiohttp.ClientError):
+            return 0  # admitted, still waiting for the busy backend's first token
+
+    async def run() -> list[int]:
+        timeout = aiohttp.ClientTimeout(total=1.5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            return await asyncio.gather(*(one(session) for _ in range(count)))
+
+    return asyncio.run(run())
+
+
+def test_scale_follows_kv_usage_stale_feed_and_recovery(stack: Stack) -> None:
+    # Fresh feed, idle backend: full limits.
+    wait_for(lambda: stack.sidecar("extproc_feed_stale", pool=MODEL) == 0, 10, "feed fresh")
+    wait_for(lambda: scale(stack) == 1.0, 10, "scale at 1.0")
+    assert stack.sidecar(LIMIT, key=f"model:{MODEL}") == BASE_SLOTS
+    idle_codes = burst_through_gateway(stack, BASE_SLOTS)
+    assert idle_codes.count(429) == 0
+    wait_for(lambda: stack.sidecar("extproc_active_requests") == 0, 5, "idle burst settled")
+
+    # Drive the simulator's KV cache above the high watermark.
+    socks = fill_kv(stack)
+    try:
+        wait_for(lambda: stack.upstream("vllm:kv_cache_usage_perc") > 0.85, 30, "KV above 85%")
+        reached = wait_for(lambda: scale(stack) == pytest.approx(0.6), 5, "scale 0.6")
+        assert reached <= 2.0, f"scale took {reached:.2f}s to reach 0.6"
+        assert stack.sidecar(LIMIT, key=f"model:{MODEL}") == int(BASE_SLOTS * 0.6)
+        rejected_before = stack.sidecar("extproc_requests_total", decision="rejected", reason="concurrency")
+        codes = burst_through_gateway(stack, BASE_SLOTS)
+        rejected = (
+            stack.sidecar("extproc_requests_total", decision="rejected", reason="concurrency")
+            - rejected_before
+        )
+        assert codes.count(429) == rejected
+        assert rejected >= BASE_SLOTS - int(BASE_SLOTS * 0.6)
+    finally:
+        for sock in socks:
+            sock.close()
+
+    # Load removed: the backend aborts the streams, KV drains, limits come back to base.
+    wait_for(lambda: stack.upstream("vllm:kv_cache_usage_perc") == 0, 10, "KV drained")
+    wait_for(lambda: scale(stack) == 1.0, 10, "scale back to 1.0")
+    wait_for(lambda: stack.sidecar(LIMIT, key=f"model:{MODEL}") == BASE_SLOTS, 5, "base limit")
+    wait_for(lambda: stack.sidecar("extproc_active_requests") == 0, 5, "all settled")
+
+    # Exporter gone: after stale_after_seconds the pool falls to the safe scale, never to full limits.
+    stack.stack.stop_process("exporter")
+    wait_for(lambda: stack.sidecar("extproc_feed_stale", pool=MODEL) == 1, 10, "feed stale")
+    assert scale(stack) == pytest.approx(0.6)
+    assert stack.sidecar(LIMIT, key=f"model:{MODEL}") == int(BASE_SLOTS * 0.6)
+
+    # Exporter back: the subscriber reconnects and the scale recovers.
+    stack.stack.start_exporter()
+    wait_for(lambda: stack.sidecar("extproc_feed_stale", pool=MODEL) == 0, 20, "feed fresh again")
+    wait_for(lambda: scale(stack) == 1.0, 10, "scale recovered")
+    assert stack.sidecar("extproc_feed_reconnects_total") >= 1
+
+
+BUDGET_CONFIG: dict[str, Any] = {
+    "models": {"*": {"context_window": 2048, "default_max_tokens": 256}},
+    "limits": {"models": {MODEL: {"max_concurrency": BASE_SLOTS}}},
+    "kv_budget": {"enabled": True, "target_utilization": 0.9},
+}
+
+
+def test_kv_budget_refuses_what_the_cache_cannot_hold() -> None:
+    """256 blocks x 16 = 4,096 KV tokens; 90% target = 3,686: two 1,500-token streams fit, a third not."""
+    local = LocalStack(
+        ports=Ports.free(), sidecar_config=BUDGET_CONFIG, sim_args=SIM_ARGS, with_exporter=True
+    )
+    local.start()
+    stack = Stack(local)
+    socks: list[socket.socket] = []
+    try:
+        wait_for(
+            lambda: stack.sidecar("extproc_kv_capacity_tokens", pool=MODEL) == 4096, 10, "capacity known"
+        )
+        host, port = stack.url.removeprefix("http://").split(":")
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "max_tokens": 1500,
+                "stream": True,
+                "messages": [{"role": "user", "content": "go"}],
+            }
+        ).encode()
+        for _ in range(2):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(
+                f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert b"200 OK" in sock.recv(65536)
+            socks.append(sock)
+        demand = stack.sidecar("extproc_kv_demand_tokens", pool=MODEL)
+        assert 3000 <= demand <= 3100
+        headroom = stack.sidecar("extproc_kv_headroom_tokens", pool=MODEL)
+        assert headroom == int(4096 * 0.9) - demand
+
+        async def third() -> tuple[int, dict[str, str], Any]:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{stack.url}/v1/chat/completions",
+                    data=body,
+                    headers={"content-type": "application/json"},
+                ) as resp,
+            ):
+                return resp.status, dict(resp.headers), await resp.json()
+
+        status, headers, error = asyncio.run(third())
+        assert status == 429
+        assert headers["x-extproc-reject-reason"] == "kv_budget"
+        assert error["error"]["code"] == "rate_limit_exceeded"
+        assert stack.sidecar("extproc_requests_total", decision="rejected", reason="kv_budget") == 1
+        # A small request still fits in the remaining headroom.
+        small = json.dumps(
+            {"model": MODEL, "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(small)}\r\nconnection: close\r\n\r\n{small}".encode()
+        )
+        assert b"200 OK" in sock.recv(65536)
+        sock.close()
+    finally:
+        for sock in socks:
+            sock.close()
+        wait_for(lambda: stack.sidecar("extproc_kv_demand_tokens", pool=MODEL) == 0, 5, "demand released")
+        local.stop()
