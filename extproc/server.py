@@ -353,7 +353,9 @@ class StreamHandler:
             if usage.reported and usage.prompt_tokens is not None:
                 prompt = usage.prompt_tokens
             completion = usage.completion_tokens
-        upstream_error = self.upstream_status is not None and self.upstream_status >= 400
+        upstream_error = (self.upstream_status is not None and self.upstream_status >= 400) or (
+            self.tracker is not None and self.tracker.error_seen
+        )
         if upstream_error:
             outcome = "upstream_error"
         elif self.completed:
