@@ -14,22 +14,25 @@ from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus,
 
 
 class LimiterStore(Protocol):
-    async def acquire(self, keys: Sequence[str], tokens: int) -> Lease | Rejection:
-        """Take one slot on every key and `tokens` from every bucket, all or nothing."""
+    async def acquire(self, keys: Sequence[str], tokens: int, holder: str | None = None) -> Lease | Rejection:
+        """Take one slot on every key and `tokens` from every bucket, all or nothing, as class `holder`."""
         ...
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         """Settle a lease to the tokens really used; False when it was settled before."""
         ...
 
-    async def status(self, keys: Sequence[str]) -> RateLimitStatus:
+    async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         """The tightest remaining capacity over `keys`, for response headers."""
         ...
 
     async def apply_limits(
-        self, specs: Mapping[str, LimitSpec], defaults: Mapping[str, LimitSpec] | None = None
+        self,
+        specs: Mapping[str, LimitSpec],
+        defaults: Mapping[str, LimitSpec] | None = None,
+        priority: Sequence[str] = (),
     ) -> None:
-        """Install new base limits (config reload); open leases are kept."""
+        """Install new base limits and the class priority order (config reload); open leases are kept."""
         ...
 
     async def set_scale(self, key: str, scale: float) -> None:

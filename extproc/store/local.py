@@ -18,19 +18,22 @@ class LocalStore:
     def __init__(self, clock: Clock = monotonic) -> None:
         self.limiter = JointLimiter(clock=clock)
 
-    async def acquire(self, keys: Sequence[str], tokens: int) -> Lease | Rejection:
-        return self.limiter.acquire(keys, tokens)
+    async def acquire(self, keys: Sequence[str], tokens: int, holder: str | None = None) -> Lease | Rejection:
+        return self.limiter.acquire(keys, tokens, holder)
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         return self.limiter.release(lease, actual_tokens)
 
-    async def status(self, keys: Sequence[str]) -> RateLimitStatus:
-        return self.limiter.status(keys)
+    async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
+        return self.limiter.status(keys, holder)
 
     async def apply_limits(
-        self, specs: Mapping[str, LimitSpec], defaults: Mapping[str, LimitSpec] | None = None
+        self,
+        specs: Mapping[str, LimitSpec],
+        defaults: Mapping[str, LimitSpec] | None = None,
+        priority: Sequence[str] = (),
     ) -> None:
-        self.limiter.apply_limits(specs, defaults)
+        self.limiter.apply_limits(specs, defaults, priority)
 
     async def set_scale(self, key: str, scale: float) -> None:
         self.limiter.set_scale(key, scale)
