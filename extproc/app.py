@@ -28,6 +28,7 @@ from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
+from extproc.queueing import AdmissionQueue
 from extproc.server import Deps, ExtProcServicer
 from extproc.store.local import LocalStore
 
@@ -53,6 +54,7 @@ class Sidecar:
         )
         assert self.store is not None
         self.feedback = FeedbackRuntime(self.metrics.registry, self._set_scale, clock=self.clock)
+        self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
         self.servicer = ExtProcServicer(
             Deps(
                 config=lambda: self.config,
@@ -62,6 +64,8 @@ class Sidecar:
                 clock=self.clock,
                 kv_budget=self.feedback.budget,
                 budget_changed=self.feedback.budget_changed,
+                kv_usage=self.feedback.kv_usage,
+                queue=self.queue,
             )
         )
         self.health = health.aio.HealthServicer()
@@ -86,6 +90,7 @@ class Sidecar:
         """Adaptive feedback runs on the event loop; the in-process store applies a scale at once."""
         if self._local is not None:
             self._local.limiter.set_scale(key, scale)
+            self.queue.kick()
             return
         assert self.store is not None
         task = asyncio.ensure_future(self.store.set_scale(key, scale))
@@ -96,8 +101,11 @@ class Sidecar:
         """Make a config current: new requests see new limits; in-flight leases are untouched."""
         assert self.store is not None
         specs, defaults = config.limit_specs()
-        await self.store.apply_limits(specs, defaults)
+        await self.store.apply_limits(specs, defaults, config.priority)
         self.config = config
+        self.queue.configure(
+            config.priority, {c.name: c.max_queued if c.queues else 0 for c in config.classes}
+        )
         logging.getLogger().setLevel(config.log_level)
         if self._started:
             await self.feedback.apply(config.feedback)
@@ -198,6 +206,7 @@ class Sidecar:
         if self.grpc_server is not None:
             log.info("draining ext_proc streams", extra={"grace_seconds": grace})
             await self.grpc_server.stop(grace)
+        self.queue.close()
         self.servicer.settle_open_streams()
         await self.servicer.drain()
         if self.admin_runner is not None:

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,31 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TenantConfig:
+    """Where the tenant id comes from: a trusted header, or dynamic metadata set by an earlier filter."""
+
     header: str | None = None
+    metadata_namespace: str | None = None
+    metadata_key: str = "tenant"
     default: str = "default"
+
+
+DEFAULT_CLASS = "default"
+"""The single class every request belongs to when no classes are configured."""
+
+
+@dataclass(frozen=True)
+class ClassConfig:
+    """A priority class. Order in the config is priority: the first class is the most important."""
+
+    name: str
+    max_wait_seconds: float = 0.0  # 0: answer 429 at once instead of waiting for capacity
+    max_queued: int = 0
+    shadow: bool = False
+    cut_streams_above_kv: float | None = None
+
+    @property
+    def queues(self) -> bool:
+        return self.max_wait_seconds > 0 and self.max_queued > 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +127,31 @@ class Config:
     )
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    classes: tuple[ClassConfig, ...] = (ClassConfig(DEFAULT_CLASS),)
+    default_class: str = DEFAULT_CLASS
+    tenant_classes: Mapping[str, str] = field(default_factory=dict)
+    shadow: bool = False
+    tenant_metrics: frozenset[str] = frozenset()
     log_level: str = "INFO"
+
+    def class_of(self, tenant: str) -> ClassConfig:
+        """The class of a tenant; unknown tenants fall into the default class."""
+        name = self.tenant_classes.get(tenant, self.default_class)
+        return self.class_config(name)
+
+    def class_config(self, name: str) -> ClassConfig:
+        for klass in self.classes:
+            if klass.name == name:
+                return klass
+        return self.classes[-1]
+
+    @property
+    def priority(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.classes)
+
+    def tenant_label(self, tenant: str) -> str:
+        """Tenant as a metric label: only allow-listed tenants get their own series."""
+        return tenant if tenant in self.tenant_metrics else "other"
 
     def model_policy(self, model: str) -> ModelPolicy | None:
         """Policy for a served model name; None when unknown and unknown models are refused."""
@@ -214,23 +261,75 @@ def _listen(section: _Section, name: str, default: str) -> str:
     return value
 
 
-def _limit_spec(section: _Section) -> LimitSpec:
-    spec = LimitSpec(
-        max_concurrency=section.integer("max_concurrency", None, minimum=0),
-        tokens_per_minute=section.integer("tokens_per_minute", None, minimum=1),
-    )
+def _limit_spec(section: _Section, classes: Sequence[str] = (), nested: bool = True) -> LimitSpec:
+    guaranteed: list[tuple[str, LimitSpec]] = []
+    if nested:
+        gsec = section.section("guaranteed")
+        for name in gsec.data:
+            if name not in classes:
+                raise ConfigError(f"{gsec.key(str(name))}: not a class (classes: {', '.join(classes)})")
+            guaranteed.append((str(name), _limit_spec(gsec.section(str(name)), nested=False)))
+        gsec.done()
+    max_concurrency = section.integer("max_concurrency", None, minimum=0)
+    tokens_per_minute = section.integer("tokens_per_minute", None, minimum=1)
+    try:
+        spec = LimitSpec(
+            max_concurrency=max_concurrency, tokens_per_minute=tokens_per_minute, guaranteed=tuple(guaranteed)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{section.key('guaranteed')}: {exc}") from None
     section.done()
     return spec
 
 
-def _limit_map(section: _Section) -> dict[str, LimitSpec]:
+def _limit_map(section: _Section, classes: Sequence[str] = ()) -> dict[str, LimitSpec]:
     out: dict[str, LimitSpec] = {}
     for name in section.data:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{section.path}: names must be non-empty strings, got {name!r}")
-        out[name] = _limit_spec(section.section(name))
+        out[name] = _limit_spec(section.section(name), classes)
     section.done()
     return out
+
+
+def _classes(root: _Section) -> tuple[ClassConfig, ...]:
+    raw = root.get("classes")
+    if raw is None:
+        return (ClassConfig(DEFAULT_CLASS),)
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("classes: must be a non-empty list, highest priority first")
+    out: list[ClassConfig] = []
+    for i, item in enumerate(raw):
+        sec = _Section(item, f"classes[{i}]")
+        name = sec.string("name", None)
+        if name is None:
+            raise ConfigError(f"{sec.key('name')}: required")
+        if any(c.name == name for c in out):
+            raise ConfigError(f"{sec.key('name')}: duplicate class {name!r}")
+        queue = sec.section("queue")
+        max_wait = queue.number("max_wait_seconds", 0.0)
+        if max_wait > 3600:
+            raise ConfigError(f"{queue.key('max_wait_seconds')}: must be at most 3600 (Envoy's limit)")
+        max_queued = queue.required_integer("max_queued", 1000 if max_wait else 0, minimum=0)
+        queue.done()
+        cut = sec.get("cut_streams_above_kv")
+        if cut is not None and (
+            isinstance(cut, bool) or not isinstance(cut, int | float) or not 0 < cut <= 1
+        ):
+            raise ConfigError(
+                f"{sec.key('cut_streams_above_kv')}: must be a KV usage ratio in (0, 1], got {cut!r}"
+            )
+        out.append(
+            ClassConfig(
+                name=name,
+                max_wait_seconds=max_wait,
+                max_queued=max_queued,
+                shadow=sec.boolean("shadow", False),
+                cut_streams_above_kv=float(cut) if cut is not None else None,
+            )
+        )
+        sec.done()
+    return tuple(out)
 
 
 def _model_policy(section: _Section, base: ModelPolicy | None) -> ModelPolicy:
@@ -369,10 +468,14 @@ def parse_config(data: Any) -> Config:
 
     adm = root.section("admission")
     ten = adm.section("tenant")
+    meta = ten.section("metadata")
     tenant = TenantConfig(
         header=(ten.string("header", None) or "").lower() or None,
+        metadata_namespace=meta.string("namespace", None),
+        metadata_key=meta.string("key", "tenant") or "tenant",
         default=ten.string("default", "default") or "default",
     )
+    meta.done()
     ten.done()
     admission = AdmissionConfig(
         max_body_bytes=adm.required_integer("max_body_bytes", AdmissionConfig.max_body_bytes, minimum=1),
@@ -404,16 +507,36 @@ def parse_config(data: Any) -> Config:
         models[name] = _model_policy(mdl.section(name), default_policy)
     mdl.done()
 
+    classes = _classes(root)
+    names = [c.name for c in classes]
+    default_class = root.string("default_class", names[-1] if DEFAULT_CLASS not in names else DEFAULT_CLASS)
+    if default_class not in names:
+        raise ConfigError(f"default_class: {default_class!r} is not a class (classes: {', '.join(names)})")
+    tenant_classes: dict[str, str] = {}
+    tsec = root.section("tenants")
+    for tenant_id in tsec.data:
+        entry = tsec.section(str(tenant_id))
+        klass = entry.string("class", None)
+        if klass not in names:
+            raise ConfigError(f"{entry.key('class')}: {klass!r} is not a class (classes: {', '.join(names)})")
+        tenant_classes[str(tenant_id)] = klass
+        entry.done()
+    tsec.done()
+    msec = root.section("metrics")
+    tenant_metrics = frozenset(msec.string_list("tenant_allowlist"))
+    msec.done()
+
     lim = root.section("limits")
     limits = LimitsConfig(
-        global_=_limit_spec(lim.section("global")),
-        models=_limit_map(lim.section("models")),
+        global_=_limit_spec(lim.section("global"), names),
+        models=_limit_map(lim.section("models"), names),
         tenant_default=_limit_spec(lim.section("tenant_default")),
         tenants=_limit_map(lim.section("tenants")),
     )
     lim.done()
 
     feedback = _feedback(root)
+    shadow = root.boolean("shadow", False)
     log_level = (root.string("log_level", "INFO") or "INFO").upper()
     if log_level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError(f"log_level: must be one of debug, info, warning, error, got {log_level!r}")
@@ -424,6 +547,11 @@ def parse_config(data: Any) -> Config:
         models=models,
         limits=limits,
         feedback=feedback,
+        classes=classes,
+        default_class=default_class,
+        tenant_classes=tenant_classes,
+        shadow=shadow,
+        tenant_metrics=tenant_metrics,
         log_level=log_level,
     )
 

@@ -58,7 +58,22 @@ class _LimitCollector(Collector):
                 avail.add_metric([snap.key], snap.tokens_available)
             active.add_metric([snap.key], snap.active)
             scale.add_metric([snap.key], snap.scale)
-        yield from (conc, tpm, active, avail, scale)
+        share_limit = GaugeMetricFamily(
+            "extproc_share_limit_concurrency",
+            "Effective slots of each share of a key: a class guarantee, or the burstable pool (_shared).",
+            labels=["key", "share"],
+        )
+        share_active = GaugeMetricFamily(
+            "extproc_share_active_requests", "Leases held in each share of a key.", labels=["key", "share"]
+        )
+        for snap in self._snapshot():
+            if not self._exported(snap.key) or len(snap.shares) < 2:
+                continue
+            for share in snap.shares:
+                if share.effective_concurrency is not None:
+                    share_limit.add_metric([snap.key, share.name], share.effective_concurrency)
+                share_active.add_metric([snap.key, share.name], share.active)
+        yield from (conc, tpm, active, avail, scale, share_limit, share_active)
 
 
 class Metrics:
@@ -67,8 +82,31 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "extproc_requests",
-            "Requests seen by the sidecar, by decision (admitted, rejected, passthrough) and reason.",
-            ["decision", "reason", "model"],
+            "Requests seen by the sidecar, by decision (admitted, rejected, shadow_rejected, passthrough), "
+            "reason, model and priority class.",
+            ["decision", "reason", "model", "class"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "extproc_tenant_requests",
+            "Requests per tenant (allow-listed tenants; the rest are counted as `other`) and decision.",
+            ["tenant", "decision"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "extproc_queue_depth", "Requests waiting for capacity, per class.", ["class"], registry=r
+        )
+        self.queue_wait_seconds = Histogram(
+            "extproc_queue_wait_seconds",
+            "Time spent waiting for capacity, by class and outcome (admitted, timeout, cancelled, full).",
+            ["class", "outcome"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.streams_cut = Counter(
+            "extproc_streams_cut",
+            "In-flight streams reset because the pool's KV usage passed the class's cut watermark.",
+            ["class"],
             registry=r,
         )
         self.active = Gauge("extproc_active_requests", "Admitted requests not yet settled.", registry=r)

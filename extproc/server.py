@@ -25,6 +25,7 @@ from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.duration_pb2 import Duration
 
 from extproc import responses as r
 from extproc.admission.errors import AdmissionError, error_body
@@ -41,12 +42,13 @@ from extproc.admission.request import (
     with_include_usage,
 )
 from extproc.admission.usage import ResponseUsageTracker
-from extproc.config import Config
+from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.metrics import Metrics
+from extproc.queueing import WAITABLE, AdmissionQueue, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class Deps:
     clock: Clock = monotonic
     kv_budget: Callable[[str], KvBudget | None] = lambda _pool: None
     budget_changed: Callable[[str], None] = lambda _pool: None
+    kv_usage: Callable[[str], float | None] = lambda _pool: None
+    queue: AdmissionQueue | None = None
 
 
 def _headers(message: pb.HttpHeaders) -> dict[str, str]:
@@ -85,6 +89,7 @@ class StreamHandler:
     deps: Deps
     endpoint: Endpoint | None = None
     tenant: str = "default"
+    klass: ClassConfig | None = None
     model_label: str = "unknown"
     body_parts: list[bytes] = field(default_factory=list)
     body_size: int = 0
@@ -98,38 +103,52 @@ class StreamHandler:
     upstream_status: int | None = None
     completed: bool = False
     closed: bool = False
+    cut: bool = False
 
     # -- dispatch ------------------------------------------------------------------------------------------
 
-    async def handle(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    async def handle(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+        """The replies to one message: normally one; a waiting request first extends Envoy's timer."""
         kind = request.WhichOneof("request")
         if kind == "request_headers":
-            return self._on_request_headers(request.request_headers)
-        if kind == "request_body":
-            return await self._on_request_body(request.request_body)
-        if kind == "response_headers":
-            return self._on_response_headers(request.response_headers)
-        if kind == "response_body":
-            return self._on_response_body(request.response_body)
-        if kind == "request_trailers":
-            return r.continue_trailers(response=False)
-        if kind == "response_trailers":
+            yield self._on_request_headers(request)
+        elif kind == "request_body":
+            async for response in self._on_request_body(request.request_body):
+                yield response
+        elif kind == "response_headers":
+            yield self._on_response_headers(request.response_headers)
+        elif kind == "response_body":
+            yield self._on_response_body(request.response_body)
+        elif kind == "request_trailers":
+            yield r.continue_trailers(response=False)
+        elif kind == "response_trailers":
             self.completed = True
-            return r.continue_trailers(response=True)
-        raise ValueError(f"unexpected ext_proc message {kind!r}")
+            yield r.continue_trailers(response=True)
+        else:
+            raise ValueError(f"unexpected ext_proc message {kind!r}")
+
+    @property
+    def class_name(self) -> str:
+        return self.klass.name if self.klass is not None else "none"
+
+    def _count(self, decision: str, reason: str) -> None:
+        metrics = self.deps.metrics
+        metrics.requests.labels(decision, reason, self.model_label, self.class_name).inc()
+        metrics.tenant_requests.labels(self.deps.config().tenant_label(self.tenant), decision).inc()
 
     # -- request -------------------------------------------------------------------------------------------
 
-    def _on_request_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def _on_request_headers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        message = request.request_headers
         headers = _headers(message)
         config = self.deps.config()
         self.endpoint = endpoint_for(headers.get(":method", ""), headers.get(":path", ""))
         if self.endpoint is None:
-            self.deps.metrics.requests.labels("passthrough", "not_admitted_endpoint", "none").inc()
+            self.deps.metrics.requests.labels("passthrough", "not_admitted_endpoint", "none", "none").inc()
             return r.continue_request_headers(passthrough=True)
-        tenant_header = config.admission.tenant.header
-        claimed = headers.get(tenant_header, "") if tenant_header else ""
+        claimed = _tenant(request, headers, config)
         self.tenant = claimed if _TENANT_RE.match(claimed) else config.admission.tenant.default
+        self.klass = config.class_of(self.tenant)
         if message.end_of_stream:
             return self._refuse(
                 AdmissionError(
@@ -145,35 +164,68 @@ class StreamHandler:
             return self._refuse(_too_large(int(length), cap))
         return r.continue_request_headers()
 
-    async def _on_request_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+    async def _on_request_body(self, message: pb.HttpBody) -> AsyncIterator[pb.ProcessingResponse]:
         if self.endpoint is None or self.lease is not None:
-            return r.continue_request_body()
+            yield r.continue_request_body()
+            return
         config = self.deps.config()
         self.body_size += len(message.body)
         if self.body_size > config.admission.max_body_bytes:
-            return self._refuse(_too_large(self.body_size, config.admission.max_body_bytes))
+            yield self._refuse(_too_large(self.body_size, config.admission.max_body_bytes))
+            return
         self.body_parts.append(message.body)
         if not message.end_of_stream:
-            return r.continue_request_body()
+            yield r.continue_request_body()
+            return
         started = self.deps.clock()
         raw = b"".join(self.body_parts)
         self.body_parts.clear()
         try:
             plan = await self._plan(raw, config)
         except AdmissionError as exc:
-            return self._refuse(exc)
-        assert self.parsed is not None
+            yield self._refuse(exc)
+            return
+        assert self.parsed is not None and self.klass is not None
+        klass = self.klass
+        shadow = config.shadow or klass.shadow
         budget = self.deps.kv_budget(self.parsed.model)
         if budget is not None:
             fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens)
             if not fits:
                 self.deps.metrics.decision_seconds.observe(self.deps.clock() - started)
-                return self._kv_rejected(plan, headroom or 0)
+                if shadow:
+                    yield self._shadow_pass("kv_budget")
+                else:
+                    yield self._kv_rejected(plan, headroom or 0)
+                return
         keys = ["global", f"model:{self.parsed.model}", f"tenant:{self.tenant}"]
-        result = await self._acquire(keys, plan.total)
+        queue = self.deps.queue
+        result: Lease | Rejection | None = None
+        if queue is None or not queue.must_queue(klass.name):
+            result = await self._acquire(keys, plan.total)
+        if (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)) and not shadow:
+            if queue is not None and klass.queues:
+                # Envoy's per-message timer must not fire while the request waits for capacity.
+                yield pb.ProcessingResponse(
+                    override_message_timeout=Duration(seconds=int(klass.max_wait_seconds) + 2)
+                )
+                try:
+                    result = await queue.wait(
+                        keys, plan.total, klass.name, self.tenant, klass.max_wait_seconds
+                    )
+                except QueueFull:
+                    yield self._queue_refused("queue_full", plan)
+                    return
+                if result is None:
+                    yield self._queue_refused("queue_timeout", plan)
+                    return
+            elif result is None:
+                result = await self._acquire(keys, plan.total)
         self.deps.metrics.decision_seconds.observe(self.deps.clock() - started)
+        assert result is not None
         if isinstance(result, Rejection):
-            return self._rate_limited(result, plan)
+            yield self._shadow_pass(result.reason.value) if shadow else self._rate_limited(result, plan)
+            return
         self.lease = result
         self.plan = plan
         if budget is not None:
@@ -181,14 +233,39 @@ class StreamHandler:
             self.budget = budget
             self.deps.budget_changed(self.parsed.model)
         metrics = self.deps.metrics
-        metrics.requests.labels("admitted", "ok", self.model_label).inc()
+        self._count("admitted", "ok")
         metrics.tokens_reserved.labels(self.model_label).inc(plan.total)
         metrics.active.inc()
         new_body = with_include_usage(self.parsed) if config.admission.inject_include_usage else None
         if new_body is None:
-            return r.continue_request_body()
+            yield r.continue_request_body()
+            return
         self.strip_usage = True
-        return r.continue_request_body(set_headers=[("content-length", str(len(new_body)))], body=new_body)
+        yield r.continue_request_body(set_headers=[("content-length", str(len(new_body)))], body=new_body)
+
+    def _shadow_pass(self, reason: str) -> pb.ProcessingResponse:
+        """Shadow mode: count and log what enforcement would have refused, then let it through.
+
+        The request holds no lease, so the limiter keeps evolving exactly as it would under enforcement.
+        """
+        self._count("shadow_rejected", reason)
+        log.info("shadow mode: would refuse", extra={"reason": reason, "class": self.class_name})
+        return r.continue_request_body()
+
+    def _queue_refused(self, reason: str, plan: Reservation) -> pb.ProcessingResponse:
+        self.closed = True
+        assert self.klass is not None
+        self._count("rejected", reason)
+        wait = self.klass.max_wait_seconds
+        message = (
+            f"No capacity for class {self.klass.name} within {wait:g}s "
+            f"({'the wait queue is full' if reason == 'queue_full' else 'waited until the deadline'}). "
+            "Please try again later."
+        )
+        headers = [*r.retry_headers(max(1.0, wait / 2)), ("x-extproc-reject-reason", reason)]
+        log.info("request not admitted from the queue", extra={"reason": reason, "tokens": plan.total})
+        body = error_body(message, type="requests", code="rate_limit_exceeded")
+        return r.immediate(429, body, headers, details=f"extproc_rate_limited_{reason}")
 
     async def _plan(self, raw: bytes, config: Config) -> Reservation:
         assert self.endpoint is not None
@@ -218,7 +295,8 @@ class StreamHandler:
 
     async def _acquire(self, keys: list[str], tokens: int) -> Lease | Rejection:
         """Acquire so that a lease granted while this stream is being cancelled is given back, not leaked."""
-        future = asyncio.ensure_future(self.deps.store.acquire(keys, tokens))
+        holder = self.klass.name if self.klass is not None else None
+        future = asyncio.ensure_future(self.deps.store.acquire(keys, tokens, holder))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -238,9 +316,7 @@ class StreamHandler:
 
     def _refuse(self, exc: AdmissionError) -> pb.ProcessingResponse:
         self.closed = True
-        self.deps.metrics.requests.labels(
-            "rejected", exc.code or f"http_{exc.status}", self.model_label
-        ).inc()
+        self._count("rejected", exc.code or f"http_{exc.status}")
         log.info(
             "request refused",
             extra={"status": exc.status, "code": exc.code, "param": exc.param, "model": self.model_label},
@@ -255,7 +331,7 @@ class StreamHandler:
         """The pool's KV cache cannot take this request's footprint now; sequences finishing will free it."""
         self.closed = True
         assert self.parsed is not None
-        self.deps.metrics.requests.labels("rejected", "kv_budget", self.model_label).inc()
+        self._count("rejected", "kv_budget")
         message = (
             f"The KV cache of {self.parsed.model} is at its admission target: this request needs up to "
             f"{plan.total} tokens of KV cache and {max(0, headroom)} are available. Please try again shortly."
@@ -268,7 +344,7 @@ class StreamHandler:
     def _rate_limited(self, rej: Rejection, plan: Reservation) -> pb.ProcessingResponse:
         self.closed = True
         assert self.parsed is not None
-        self.deps.metrics.requests.labels("rejected", rej.reason.value, self.model_label).inc()
+        self._count("rejected", rej.reason.value)
         status = rej.status
         if rej.reason is Reason.CONCURRENCY:
             kind = "requests"
@@ -331,6 +407,8 @@ class StreamHandler:
     def _on_response_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
         if self.tracker is None:
             return r.continue_response_body()
+        if self._should_cut() and not message.end_of_stream:
+            return self._cut_stream()
         out = self.tracker.feed(message.body)
         if self.budget is not None:
             self.budget.progress(self._budget_id(), self.tracker.usage.completion_tokens)
@@ -340,6 +418,29 @@ class StreamHandler:
                 out = (message.body if out is None else out) + tail
             self.completed = True
         return r.continue_response_body(out)
+
+    def _should_cut(self) -> bool:
+        klass, parsed = self.klass, self.parsed
+        if klass is None or klass.cut_streams_above_kv is None or parsed is None:
+            return False
+        usage = self.deps.kv_usage(parsed.model)
+        return usage is not None and usage > klass.cut_streams_above_kv
+
+    def _cut_stream(self) -> pb.ProcessingResponse:
+        """Reset this stream: Envoy drops the chunk, resets client and upstream, and the backend frees the
+        sequence's KV blocks. Settles as an abort (prompt + what was streamed)."""
+        self.cut = True
+        self.closed = True
+        self.deps.metrics.streams_cut.labels(self.class_name).inc()
+        log.warning(
+            "stream cut under KV pressure", extra={"class": self.class_name, "model": self.model_label}
+        )
+        body = error_body(
+            "The request was stopped to relieve KV-cache pressure; lower-priority work is shed first.",
+            type="server_error",
+            code="overloaded",
+        )
+        return r.immediate(503, body, details="extproc_cut_under_kv_pressure")
 
     # -- settlement ----------------------------------------------------------------------------------------
 
@@ -356,7 +457,9 @@ class StreamHandler:
         upstream_error = (self.upstream_status is not None and self.upstream_status >= 400) or (
             self.tracker is not None and self.tracker.error_seen
         )
-        if upstream_error:
+        if self.cut:
+            outcome = "cut"
+        elif upstream_error:
             outcome = "upstream_error"
         elif self.completed:
             outcome = "completed"
@@ -377,9 +480,13 @@ class StreamHandler:
         future = asyncio.ensure_future(self.deps.store.release(lease, actual))
         lease_model = self.model_label
 
+        queue = self.deps.queue
+
         def account(done: asyncio.Future[bool]) -> None:
             if done.cancelled() or done.exception() is not None or not done.result():
                 return
+            if queue is not None:
+                queue.kick()
             metrics.active.dec()
             metrics.settlements.labels(outcome).inc()
             metrics.tokens_settled.labels(lease_model, "prompt").inc(prompt)
@@ -424,7 +531,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         context.add_done_callback(lambda _ctx: self._finish(stream))
         try:
             async for request in request_iterator:
-                yield await stream.handle(request)
+                async for response in stream.handle(request):
+                    yield response
                 if stream.closed:
                     break
         finally:
@@ -442,6 +550,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         while self._pending:
             with contextlib.suppress(Exception):
                 await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+def _tenant(request: pb.ProcessingRequest, headers: dict[str, str], config: Config) -> str:
+    """The tenant from the configured trusted source: a header set by an earlier filter, or Envoy metadata."""
+    source = config.admission.tenant
+    if source.metadata_namespace:
+        namespace = request.metadata_context.filter_metadata.get(source.metadata_namespace)
+        if namespace is not None:
+            value = namespace.fields.get(source.metadata_key)
+            if value is not None and value.WhichOneof("kind") == "string_value":
+                return str(value.string_value)
+    if source.header:
+        return headers.get(source.header, "")
+    return ""
 
 
 def _too_large(size: int, cap: int) -> AdmissionError:

@@ -108,6 +108,15 @@ class FeedbackRuntime:
             self._budgets[pool] = budget
         return budget
 
+    def kv_usage(self, pool: str) -> float | None:
+        """The pool's current aggregated KV usage; None without a fresh sample."""
+        if self.loop is None:
+            return None
+        state = self.loop.state(pool)
+        if state is None or state.stale:
+            return None
+        return state.kv_usage
+
     def budget_changed(self, pool: str) -> None:
         budget = self._budgets.get(pool)
         if budget is not None:

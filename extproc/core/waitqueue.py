@@ -1,0 +1,109 @@
+"""Order of admission for requests that wait for capacity instead of getting an instant 429.
+
+Highest class first; within a class, tenants take turns (round robin), and each tenant's own requests keep
+their arrival order. A tenant that floods its class therefore cannot push another tenant of the same class
+to the back: every tenant with a waiter gets one admission per turn. Each class has its own bound on queued
+requests, so a flood of one class cannot crowd the others out of the queue either.
+
+Pure bookkeeping: the asynchronous part (waking waiters when capacity frees) lives with the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Waiter:
+    holder: str
+    tenant: str
+    enqueued_at: float
+    deadline: float
+    payload: Any = None
+    seq: int = 0
+
+
+@dataclass
+class _ClassQueue:
+    tenants: OrderedDict[str, deque[Waiter]] = field(default_factory=OrderedDict)
+    size: int = 0
+
+
+class WaitQueue:
+    def __init__(self, priority: Sequence[str], max_queued: Mapping[str, int]) -> None:
+        self._priority = list(priority)
+        self._max = dict(max_queued)
+        self._classes: dict[str, _ClassQueue] = {}
+        self._seq = itertools.count()
+
+    def configure(self, priority: Sequence[str], max_queued: Mapping[str, int]) -> None:
+        """New class order and bounds (config reload); waiters already queued stay queued."""
+        self._priority = list(priority)
+        self._max = dict(max_queued)
+
+    def __len__(self) -> int:
+        return sum(q.size for q in self._classes.values())
+
+    def depth(self, holder: str) -> int:
+        queue = self._classes.get(holder)
+        return queue.size if queue is not None else 0
+
+    def _rank(self, holder: str) -> int:
+        return self._priority.index(holder) if holder in self._priority else len(self._priority)
+
+    def push(self, waiter: Waiter) -> bool:
+        """Queue a waiter; False when its class's queue is full (or the class may not queue)."""
+        if self.depth(waiter.holder) >= self._max.get(waiter.holder, 0):
+            return False
+        waiter.seq = next(self._seq)
+        queue = self._classes.setdefault(waiter.holder, _ClassQueue())
+        queue.tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        queue.size += 1
+        return True
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take a waiter out (admitted, expired or gone); its tenant goes to the back of its class's turn."""
+        queue = self._classes.get(waiter.holder)
+        if queue is None:
+            return False
+        line = queue.tenants.get(waiter.tenant)
+        if line is None or waiter not in line:
+            return False
+        served = line[0] is waiter
+        line.remove(waiter)
+        queue.size -= 1
+        if not line:
+            del queue.tenants[waiter.tenant]
+        elif served:
+            queue.tenants.move_to_end(waiter.tenant)
+        if not queue.size:
+            del self._classes[waiter.holder]
+        return True
+
+    def ahead_of(self, holder: str) -> bool:
+        """Whether anyone of this class or a higher one is waiting (a newcomer must not overtake them)."""
+        rank = self._rank(holder)
+        return any(self._rank(h) <= rank and q.size for h, q in self._classes.items())
+
+    def candidates(self) -> Iterator[Waiter]:
+        """The head waiter of every tenant, highest class first, tenants in their turn order."""
+        for holder in sorted(self._classes, key=self._rank):
+            queue = self._classes.get(holder)
+            if queue is None:
+                continue
+            for line in list(queue.tenants.values()):
+                if line:
+                    yield line[0]
+
+    def expired(self, now: float) -> list[Waiter]:
+        return [
+            w
+            for q in self._classes.values()
+            for line in q.tenants.values()
+            for w in line
+            if w.deadline <= now
+        ]

@@ -1,0 +1,90 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.core.waitqueue import Waiter, WaitQueue
+
+PRIORITY = ["critical", "standard", "batch"]
+
+
+def w(holder: str, tenant: str, at: float = 0.0, deadline: float = 10.0) -> Waiter:
+    return Waiter(holder=holder, tenant=tenant, enqueued_at=at, deadline=deadline)
+
+
+def drain(q: WaitQueue) -> list[Waiter]:
+    """Admit one waiter at a time, always the first candidate, as the server does when one slot frees."""
+    out = []
+    while len(q):
+        head = next(q.candidates())
+        q.remove(head)
+        out.append(head)
+    return out
+
+
+def test_highest_class_first_then_fifo() -> None:
+    q = WaitQueue(PRIORITY, {"critical": 10, "standard": 10, "batch": 10})
+    b1, s1, c1, c2 = w("batch", "t"), w("standard", "t"), w("critical", "t"), w("critical", "t")
+    for x in (b1, s1, c1, c2):
+        assert q.push(x)
+    assert drain(q) == [c1, c2, s1, b1]
+
+
+def test_tenants_take_turns_within_a_class() -> None:
+    q = WaitQueue(PRIORITY, {"standard": 100})
+    flood = [w("standard", "noisy") for _ in range(5)]
+    quiet = [w("standard", "quiet") for _ in range(2)]
+    for x in flood:
+        q.push(x)
+    for x in quiet:
+        q.push(x)
+    order = [x.tenant for x in drain(q)]
+    assert order[:4] == ["noisy", "quiet", "noisy", "quiet"]
+
+
+def test_bounds_per_class_and_classes_without_queue() -> None:
+    q = WaitQueue(PRIORITY, {"critical": 1})
+    assert q.push(w("critical", "a"))
+    assert not q.push(w("critical", "b"))
+    assert not q.push(w("batch", "a"))  # batch may not queue at all
+    assert q.depth("critical") == 1
+
+
+def test_removing_a_waiter_that_left() -> None:
+    q = WaitQueue(PRIORITY, {"critical": 5})
+    a, b = w("critical", "t"), w("critical", "t")
+    q.push(a)
+    q.push(b)
+    assert q.remove(b)
+    assert not q.remove(b)
+    assert list(q.candidates()) == [a]
+
+
+def test_newcomers_do_not_overtake_same_or_higher_class() -> None:
+    q = WaitQueue(PRIORITY, {"standard": 5})
+    q.push(w("standard", "t"))
+    assert q.ahead_of("standard")
+    assert q.ahead_of("batch")
+    assert not q.ahead_of("critical")
+
+
+def test_expired() -> None:
+    q = WaitQueue(PRIORITY, {"critical": 5})
+    a, b = w("critical", "t", deadline=1.0), w("critical", "t", deadline=5.0)
+    q.push(a)
+    q.push(b)
+    assert q.expired(2.0) == [a]
+
+
+@given(st.lists(st.tuples(st.sampled_from(PRIORITY), st.sampled_from(["a", "b", "c"])), max_size=40))
+def test_drain_respects_class_order_and_per_tenant_fifo(items: list[tuple[str, str]]) -> None:
+    q = WaitQueue(PRIORITY, dict.fromkeys(PRIORITY, 1000))
+    waiters = [w(h, t) for h, t in items]
+    for x in waiters:
+        assert q.push(x)
+    out = drain(q)
+    assert sorted(map(id, out)) == sorted(map(id, waiters))
+    ranks = [PRIORITY.index(x.holder) for x in out]
+    assert ranks == sorted(ranks)
+    for holder in PRIORITY:
+        for tenant in "abc":
+            mine = [x for x in out if x.holder == holder and x.tenant == tenant]
+            assert mine == [x for x in waiters if x.holder == holder and x.tenant == tenant]
