@@ -149,3 +149,71 @@ async def test_watcher_task_polls_by_itself(tmp_path: Path) -> None:
     path.write_text("log_level: debug\n")
     await asyncio.wait_for(seen.wait(), 5)
     await watcher.stop()
+
+
+def test_worked_examples_in_the_docs_are_valid() -> None:
+    """Every complete config example in the docs parses, so the docs cannot drift from the schema."""
+    import re
+
+    docs = REPO / "docs"
+    checked = 0
+    for name in ("tenants.md", "configuration.md"):
+        for block in re.findall(r"```yaml\n(.*?)```", (docs / name).read_text(), re.S):
+            data = yaml.safe_load(block)
+            if isinstance(data, dict) and ("limits" in data or "classes" in data):
+                parse_config(data)
+                checked += 1
+    assert checked >= 2
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"classes": []}, "classes"),
+        ({"classes": [{"queue": {}}]}, "classes[0].name"),
+        ({"classes": [{"name": "a"}, {"name": "a"}]}, "classes[1].name"),
+        (
+            {"classes": [{"name": "a", "queue": {"max_wait_seconds": 4000}}]},
+            "classes[0].queue.max_wait_seconds",
+        ),
+        ({"classes": [{"name": "a", "cut_streams_above_kv": 1.5}]}, "classes[0].cut_streams_above_kv"),
+        ({"classes": [{"name": "a"}], "default_class": "b"}, "default_class"),
+        ({"classes": [{"name": "a"}], "tenants": {"t": {"class": "zzz"}}}, "tenants.t.class"),
+        (
+            {
+                "classes": [{"name": "a"}],
+                "limits": {"global": {"max_concurrency": 2, "guaranteed": {"b": {}}}},
+            },
+            "limits.global.guaranteed.b",
+        ),
+        (
+            {
+                "classes": [{"name": "a"}],
+                "limits": {"global": {"max_concurrency": 2, "guaranteed": {"a": {"max_concurrency": 3}}}},
+            },
+            "limits.global.guaranteed",
+        ),
+        ({"shadow": "on"}, "shadow"),
+        ({"metrics": {"tenant_allowlist": "acme"}}, "metrics.tenant_allowlist"),
+    ],
+)
+def test_class_errors_name_the_key(data: Any, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_classes_and_tenants() -> None:
+    config = parse_config(
+        {
+            "classes": [{"name": "critical", "queue": {"max_wait_seconds": 5}}, {"name": "batch"}],
+            "tenants": {"chat": {"class": "critical"}},
+            "metrics": {"tenant_allowlist": ["chat"]},
+        }
+    )
+    assert config.priority == ("critical", "batch")
+    assert config.default_class == "batch"  # the lowest class when none is named
+    assert config.class_of("chat").name == "critical"
+    assert config.class_of("stranger").name == "batch"
+    assert config.class_config("critical").queues and config.class_config("critical").max_queued == 1000
+    assert config.tenant_label("chat") == "chat" and config.tenant_label("x") == "other"
