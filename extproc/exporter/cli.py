@@ -14,7 +14,7 @@ from pathlib import Path
 from extproc.exporter.app import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, Exporter, ExporterConfig
 from extproc.exporter.discovery import SA_DIR, KubeDiscoveryConfig
 from extproc.exporter.targets import Target, load_targets_file, parse_target_spec
-from extproc.feedback.logfmt import configure_json_logging
+from extproc.logs import setup_logging
 
 log = logging.getLogger("extproc.exporter")
 
@@ -139,7 +139,7 @@ async def run(config: ExporterConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_json_logging(args.log_level)
+    setup_logging(args.log_level.upper())
     try:
         config = config_from_args(args)
     except (ValueError, OSError) as exc:
