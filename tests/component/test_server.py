@@ -30,16 +30,19 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 
+def _http_headers(items: dict[str, str], eos: bool) -> pb.HttpHeaders:
+    """Headers as Envoy 1.40 sends them: values in raw_value."""
+    return pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
+        ),
+        end_of_stream=eos,
+    )
+
+
 def headers_msg(method: str, path: str, eos: bool = False, **extra: str) -> pb.ProcessingRequest:
     items = {":method": method, ":path": path, ":authority": "gw", **extra}
-    return pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(
-            headers=base_pb2.HeaderMap(
-                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
-            ),
-            end_of_stream=eos,
-        )
-    )
+    return pb.ProcessingRequest(request_headers=_http_headers(items, eos))
 
 
 def body_msg(body: bytes, eos: bool = True) -> pb.ProcessingRequest:
@@ -48,14 +51,7 @@ def body_msg(body: bytes, eos: bool = True) -> pb.ProcessingRequest:
 
 def resp_headers_msg(status: int, content_type: str, eos: bool = False) -> pb.ProcessingRequest:
     items = {":status": str(status), "content-type": content_type}
-    return pb.ProcessingRequest(
-        response_headers=pb.HttpHeaders(
-            headers=base_pb2.HeaderMap(
-                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
-            ),
-            end_of_stream=eos,
-        )
-    )
+    return pb.ProcessingRequest(response_headers=_http_headers(items, eos))
 
 
 def resp_body_msg(body: bytes, eos: bool = False) -> pb.ProcessingRequest:
