@@ -374,3 +374,29 @@ async def test_shutdown_settles_open_streams(harness: Harness) -> None:
     await harness.sidecar.stop(grace_s=0.2)
     assert harness.metric("extproc_active_requests") == 0
     assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
+
+
+async def test_admin_endpoints_and_grpc_health(harness: Harness) -> None:
+    import aiohttp
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sidecar = harness.sidecar
+    base = f"http://127.0.0.1:{sidecar.admin_port}"
+    async with aiohttp.ClientSession() as session:
+        for path, expected in (("/healthz", 200), ("/readyz", 200)):
+            async with session.get(base + path) as resp:
+                assert resp.status == expected
+        async with session.get(base + "/metrics") as resp:
+            text = await resp.text()
+            assert "extproc_decision_seconds_bucket" in text
+            assert 'extproc_build_info{version="' in text
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = await stub.Check(
+        health_pb2.HealthCheckRequest(service="envoy.service.ext_proc.v3.ExternalProcessor")
+    )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    await channel.close()
+    sidecar.ready = False  # what stop() does first: readiness fails before streams drain
+    async with aiohttp.ClientSession() as session, session.get(base + "/readyz") as resp:
+        assert resp.status == 503
