@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 _BACKGROUND: set[asyncio.Future[Any]] = set()
 """Strong references to fire-and-forget settlements, so the event loop cannot drop them mid-flight."""
 
+OFF_LOOP_FINISH_BYTES = 64 * 1024
+"""A buffered response body larger than this is settled in a worker thread, not on the event loop."""
+
 KV_RETRY_AFTER_S = 1.0
 """Retry hint for a KV-budget refusal: running sequences finish and free blocks continuously."""
 
@@ -118,7 +121,7 @@ class StreamHandler:
         elif kind == "response_headers":
             yield self._on_response_headers(request.response_headers)
         elif kind == "response_body":
-            yield self._on_response_body(request.response_body)
+            yield await self._on_response_body(request.response_body)
         elif kind == "request_trailers":
             yield r.continue_trailers(response=False)
         elif kind == "response_trailers":
@@ -404,16 +407,21 @@ class StreamHandler:
             self.completed = True
         return r.continue_response_headers(r.ratelimit_headers(self.lease.status))
 
-    def _on_response_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
-        if self.tracker is None:
+    async def _on_response_body(self, message: pb.HttpBody) -> pb.ProcessingResponse:
+        tracker = self.tracker
+        if tracker is None:
             return r.continue_response_body()
         if self._should_cut() and not message.end_of_stream:
             return self._cut_stream()
-        out = self.tracker.feed(message.body)
+        out = tracker.feed(message.body)
         if self.budget is not None:
-            self.budget.progress(self._budget_id(), self.tracker.usage.completion_tokens)
+            self.budget.progress(self._budget_id(), tracker.usage.completion_tokens)
         if message.end_of_stream:
-            tail = self.tracker.finish()
+            if tracker.buffered_bytes > OFF_LOOP_FINISH_BYTES:
+                # A large JSON answer without usage is parsed and tokenized: keep other streams flowing.
+                tail = await asyncio.get_running_loop().run_in_executor(self.deps.executor, tracker.finish)
+            else:
+                tail = tracker.finish()
             if tail is not None:
                 out = (message.body if out is None else out) + tail
             self.completed = True

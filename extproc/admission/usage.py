@@ -120,6 +120,11 @@ class ResponseUsageTracker:
             return None
         return bytes(out)
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of a non-streamed body held for parsing at `finish` (to decide where to run it)."""
+        return len(self._body)
+
     def finish(self) -> bytes | None:
         """End of the body: settle anything pending; return bytes held back (None when there are none)."""
         if self._finished:

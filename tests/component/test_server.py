@@ -400,3 +400,19 @@ async def test_admin_endpoints_and_grpc_health(harness: Harness) -> None:
     sidecar.ready = False  # what stop() does first: readiness fails before streams drain
     async with aiohttp.ClientSession() as session, session.get(base + "/readyz") as resp:
         assert resp.status == 503
+
+
+async def test_large_json_answer_without_usage_is_counted_off_the_event_loop(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    await s.send(resp_headers_msg(200, "application/json"))
+    text = " word" * 30_000  # 150 KB, no usage object: the sidecar must count it itself
+    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}).encode()
+    half = len(body) // 2
+    await s.send(resp_body_msg(body[:half]))
+    await s.send(resp_body_msg(body[half:], eos=True))
+    await s.close()
+    await harness.settled()
+    assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 30_000
+    assert harness.metric("extproc_tokens_overrun_total", model="other") > 0  # 30k used, 100 reserved
