@@ -1,4 +1,4 @@
-"""Replay the Azure traces through Envoy against the simulator, in four modes, and measure what the GPU suffers.
+"""Replay the Azure traces through Envoy to the simulator, in four modes, and measure what the GPU suffers.
 
 Modes (same trace slice, same simulated deployment, same client):
 
@@ -244,7 +244,8 @@ async def _scrape(session: aiohttp.ClientSession, url: str, start: float, out: l
 class Plan:
     """One replay: which requests go when (engine seconds), and which are streamed."""
 
-    arrivals: list[tuple[float, int, int, int, bool, bool]]  # (engine t, prompt, want, max_tokens, stream, burst)
+    # (engine t, prompt, want, max_tokens, stream, burst)
+    arrivals: list[tuple[float, int, int, int, bool, bool]]
     span_s: float  # engine seconds from first to last arrival
 
 
@@ -283,7 +284,7 @@ async def replay(
     time_scale: float,
     drain_engine_s: float,
 ) -> tuple[list[Result], list[Sample], float]:
-    """Send every request at its scheduled wall time (open loop), scrape the simulator, stop at the deadline."""
+    """Send each request at its scheduled wall time (open loop), scrape the simulator, stop at a deadline."""
     results: list[Result] = []
     samples: list[Sample] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -372,23 +373,39 @@ def summarize(
 def sidecar_config(
     sizing: Sizing, time_scale: float, context_window: int, feedback_url: str | None = None
 ) -> dict[str, Any]:
-    """Static limits (tokens per minute on the sidecar's wall clock = engine TPM x time scale)."""
+    """Sidecar limits on the sidecar's wall clock (tokens per minute = engine TPM x time scale).
+
+    Static mode: the KV-sized concurrency and TPM. Feedback mode: twice those as a ceiling (the KV budget
+    and the adaptive scale do the sizing from what the engine reports), the simulator scraped directly
+    once per engine second, and the controller's time constants (recovery per second, staleness) converted
+    to wall seconds so that they mean in engine time what the defaults mean on a real deployment.
+    """
+    factor = 1 if feedback_url is None else 2
     config: dict[str, Any] = {
         "admission": {"max_body_bytes": 1 << 20},
         "models": {"*": {"context_window": context_window, "default_max_tokens": 1024}},
         "limits": {
             "models": {
                 MODEL: {
-                    "max_concurrency": sizing.concurrency,
-                    "tokens_per_minute": int(sizing.tokens_per_minute * time_scale),
+                    "max_concurrency": sizing.concurrency * factor,
+                    "tokens_per_minute": int(sizing.tokens_per_minute * time_scale * factor),
                 }
             }
         },
         "log_level": "warning",
     }
     if feedback_url is not None:
-        config["feedback"] = {"direct_targets": [{"url": feedback_url, "kind": "vllm", "model": MODEL}]}
-        config["adaptive"] = {"low_watermark": 0.70, "high_watermark": 0.85, "min_scale": 0.6}
+        config["feedback"] = {
+            "direct_targets": [{"url": feedback_url, "kind": "vllm", "model": MODEL}],
+            "scrape_interval_seconds": max(0.05, round(1.0 / time_scale, 3)),
+        }
+        config["adaptive"] = {
+            "low_watermark": 0.70,
+            "high_watermark": 0.85,
+            "min_scale": 0.6,
+            "recovery_per_second": round(0.05 * time_scale, 4),
+            "stale_after_seconds": max(1.0, round(5.0 / time_scale, 3)),
+        }
         config["kv_budget"] = {"enabled": True, "target_utilization": 0.9}
     return config
 

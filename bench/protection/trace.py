@@ -52,9 +52,8 @@ def load(directory: Path, sources: tuple[str, ...] = ("conv",)) -> list[TraceReq
         name = TRACE_FILES[source]
         with open(directory / name, newline="") as f:
             for rec in csv.DictReader(f):
-                rows.append(
-                    (_parse_ts(rec["TIMESTAMP"]), int(rec["ContextTokens"]), int(rec["GeneratedTokens"]), source)
-                )
+                t = _parse_ts(rec["TIMESTAMP"])
+                rows.append((t, int(rec["ContextTokens"]), int(rec["GeneratedTokens"]), source))
     rows.sort()
     t0 = rows[0][0]
     return [TraceRequest(t - t0, c, g, s) for t, c, g, s in rows]

@@ -1,0 +1,77 @@
+"""`python -m bench --short | --full [--only protection,overhead,micro]`.
+
+--short (`make bench`, under five minutes): protection at 4x in the preempt mode for the Envoy-only,
+static and feedback modes on 400 requests; overhead with fewer requests and rates; micro with few rounds.
+--full (`make bench-full`): everything RESULTS.md reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from bench.common import REPO, RESULTS, machine, write_json
+
+PARTS = ("protection", "overhead", "micro")
+
+
+def run_micro(short: bool) -> int:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"micro{'-short' if short else ''}.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(REPO / "bench" / "micro"),
+        "--benchmark-only",
+        f"--benchmark-json={out}",
+        "--benchmark-columns=min,median,mean,max,rounds",
+    ]
+    if short:
+        argv += ["--benchmark-max-time=0.2", "--benchmark-min-rounds=3"]
+    return subprocess.run(argv, cwd=REPO, timeout=600).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--short", action="store_true", help="reduced run, under five minutes (default)")
+    size.add_argument("--full", action="store_true", help="the full run RESULTS.md reports")
+    parser.add_argument("--only", default=",".join(PARTS), help="comma-separated: " + ",".join(PARTS))
+    args = parser.parse_args(argv)
+    short = not args.full
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown part(s): {', '.join(sorted(unknown))}")
+    info = machine()
+    durations: dict[str, float] = {}
+    status = 0
+    for part in parts:
+        t0 = time.monotonic()
+        if part == "protection":
+            from bench.protection.main import run as run_protection
+
+            run_protection(short)
+        elif part == "overhead":
+            from bench.overhead.main import run as run_overhead
+
+            run_overhead(short)
+        elif part == "micro":
+            status |= run_micro(short)
+        durations[part] = round(time.monotonic() - t0, 1)
+        print(f"bench: {part} took {durations[part]:.0f} s", flush=True)
+    write_json(
+        f"run{'-short' if short else ''}-{'-'.join(parts)}.json",
+        {"machine": info, "short": short, "durations_s": durations, "argv": sys.argv},
+    )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

