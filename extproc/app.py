@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
-from extproc.config import Config, ConfigWatcher, load_config
+from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, load_config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
@@ -108,7 +108,8 @@ class Sidecar:
         )
         logging.getLogger().setLevel(config.log_level)
         if self._started:
-            await self.feedback.apply(config.feedback)
+            pools = [name for name in config.limits.models if name != DEFAULT_MODEL]
+            await self.feedback.apply(config.feedback, pools)
 
     async def _reload(self, config: Config) -> None:
         try:
@@ -200,7 +201,7 @@ class Sidecar:
         await self.health.enter_graceful_shutdown()
         if self.watcher is not None:
             await self.watcher.stop()
-        await self.feedback.stop()
+        await self.feedback.stop(reset=False)
         for task in self._tasks:
             task.cancel()
         if self.grpc_server is not None:

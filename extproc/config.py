@@ -310,7 +310,7 @@ def _classes(root: _Section) -> tuple[ClassConfig, ...]:
         max_wait = queue.number("max_wait_seconds", 0.0)
         if max_wait > 3600:
             raise ConfigError(f"{queue.key('max_wait_seconds')}: must be at most 3600 (Envoy's limit)")
-        max_queued = queue.required_integer("max_queued", 1000 if max_wait else 0, minimum=0)
+        max_queued = queue.required_integer("max_queued", 100 if max_wait else 0, minimum=0)
         queue.done()
         cut = sec.get("cut_streams_above_kv")
         if cut is not None and (

@@ -80,6 +80,7 @@ class AdmissionQueue:
             if future.done() and not future.cancelled():
                 outcome = "admitted"
                 return future.result()  # admitted in the same instant the deadline passed
+            future.cancel()  # an acquire still in flight for this waiter gives its lease back
             return None
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -126,7 +127,7 @@ class AdmissionQueue:
                     self._depth(waiter.holder)
                     future.set_result(result)
                     admitted = True
-                elif result.reason not in WAITABLE:
+                elif result.reason not in WAITABLE and not future.done():
                     future.set_exception(_Unwaitable(result))
         except Exception:
             log.exception("admission queue pump failed")

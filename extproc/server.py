@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.duration_pb2 import Duration
@@ -55,13 +57,16 @@ log = logging.getLogger(__name__)
 _BACKGROUND: set[asyncio.Future[Any]] = set()
 """Strong references to fire-and-forget settlements, so the event loop cannot drop them mid-flight."""
 
+OFF_LOOP_PARSE_BYTES = 64 * 1024
+"""A request body larger than this is parsed in a worker thread (with its tokenizing), not on the loop."""
+
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""
 
 KV_RETRY_AFTER_S = 1.0
 """Retry hint for a KV-budget refusal: running sequences finish and free blocks continuously."""
 
-_TENANT_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+_TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
 
 @dataclass
@@ -94,8 +99,9 @@ class StreamHandler:
     tenant: str = "default"
     klass: ClassConfig | None = None
     model_label: str = "unknown"
-    body_parts: list[bytes] = field(default_factory=list)
-    body_size: int = 0
+    decided: bool = False
+    rpc_done: bool = False
+    on_late_lease: Callable[[StreamHandler], None] | None = None
     parsed: ParsedRequest | None = None
     policy: ModelPolicy | None = None
     plan: Reservation | None = None
@@ -143,6 +149,8 @@ class StreamHandler:
 
     def _on_request_headers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         message = request.request_headers
+        if request.HasField("protocol_config"):
+            _check_body_mode(request.protocol_config.request_body_mode)
         headers = _headers(message)
         config = self.deps.config()
         self.endpoint = endpoint_for(headers.get(":method", ""), headers.get(":path", ""))
@@ -150,7 +158,7 @@ class StreamHandler:
             self.deps.metrics.requests.labels("passthrough", "not_admitted_endpoint", "none", "none").inc()
             return r.continue_request_headers(passthrough=True)
         claimed = _tenant(request, headers, config)
-        self.tenant = claimed if _TENANT_RE.match(claimed) else config.admission.tenant.default
+        self.tenant = claimed if _TENANT_RE.fullmatch(claimed) else config.admission.tenant.default
         self.klass = config.class_of(self.tenant)
         if message.end_of_stream:
             return self._refuse(
@@ -163,28 +171,24 @@ class StreamHandler:
             )
         length = headers.get("content-length")
         cap = config.admission.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > cap:
+        if length is not None and length.isascii() and length.isdigit() and int(length) > cap:
             return self._refuse(_too_large(int(length), cap))
         return r.continue_request_headers()
 
     async def _on_request_body(self, message: pb.HttpBody) -> AsyncIterator[pb.ProcessingResponse]:
-        if self.endpoint is None or self.lease is not None:
+        if self.endpoint is None or self.decided:
             yield r.continue_request_body()
             return
+        # BUFFERED mode delivers the whole body in this one message. When trailers follow (HTTP/2, gRPC-web)
+        # it comes with end_of_stream unset; waiting for more would let the request upstream unadmitted.
+        self.decided = True
         config = self.deps.config()
-        self.body_size += len(message.body)
-        if self.body_size > config.admission.max_body_bytes:
-            yield self._refuse(_too_large(self.body_size, config.admission.max_body_bytes))
-            return
-        self.body_parts.append(message.body)
-        if not message.end_of_stream:
-            yield r.continue_request_body()
+        if len(message.body) > config.admission.max_body_bytes:
+            yield self._refuse(_too_large(len(message.body), config.admission.max_body_bytes))
             return
         started = self.deps.clock()
-        raw = b"".join(self.body_parts)
-        self.body_parts.clear()
         try:
-            plan = await self._plan(raw, config)
+            plan = await self._plan(message.body, config)
         except AdmissionError as exc:
             yield self._refuse(exc)
             return
@@ -201,29 +205,32 @@ class StreamHandler:
                 else:
                     yield self._kv_rejected(plan, headroom or 0)
                 return
+        new_body = with_include_usage(self.parsed) if config.admission.inject_include_usage else None
+        # Keep the admission facts, not the parsed body: a waiting request must not hold megabytes of JSON.
+        self.parsed = replace(self.parsed, body={})
         keys = ["global", f"model:{self.parsed.model}", f"tenant:{self.tenant}"]
         queue = self.deps.queue
+        waits = queue is not None and klass.queues and not shadow
+        behind = queue is not None and queue.must_queue(klass.name)
         result: Lease | Rejection | None = None
-        if queue is None or not queue.must_queue(klass.name):
-            result = await self._acquire(keys, plan.total)
-        if (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)) and not shadow:
-            if queue is not None and klass.queues:
-                # Envoy's per-message timer must not fire while the request waits for capacity.
-                yield pb.ProcessingResponse(
-                    override_message_timeout=Duration(seconds=int(klass.max_wait_seconds) + 2)
-                )
-                try:
-                    result = await queue.wait(
-                        keys, plan.total, klass.name, self.tenant, klass.max_wait_seconds
-                    )
-                except QueueFull:
-                    yield self._queue_refused("queue_full", plan)
-                    return
-                if result is None:
-                    yield self._queue_refused("queue_timeout", plan)
-                    return
-            elif result is None:
-                result = await self._acquire(keys, plan.total)
+        if not (behind and waits):
+            # Waiters of a higher class are ahead: a class that does not queue may still use its own
+            # guarantee, but not the pool they are waiting for.
+            result = await self._acquire(keys, plan.total, use_pool=not behind)
+        if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
+            assert queue is not None
+            # Envoy's per-message timer must not fire while the request waits for capacity.
+            yield pb.ProcessingResponse(
+                override_message_timeout=Duration(seconds=math.ceil(klass.max_wait_seconds) + 1)
+            )
+            try:
+                result = await queue.wait(keys, plan.total, klass.name, self.tenant, klass.max_wait_seconds)
+            except QueueFull:
+                yield self._queue_refused("queue_full", plan)
+                return
+            if result is None:
+                yield self._queue_refused("queue_timeout", plan)
+                return
         self.deps.metrics.decision_seconds.observe(self.deps.clock() - started)
         assert result is not None
         if isinstance(result, Rejection):
@@ -231,6 +238,9 @@ class StreamHandler:
             return
         self.lease = result
         self.plan = plan
+        if self.rpc_done and self.on_late_lease is not None:
+            # The RPC ended while we waited (a cancel that the wait swallowed): settle now, not at GC.
+            self.on_late_lease(self)
         if budget is not None:
             budget.admit(self._budget_id(), plan.prompt_tokens, plan.completion_tokens)
             self.budget = budget
@@ -239,7 +249,6 @@ class StreamHandler:
         self._count("admitted", "ok")
         metrics.tokens_reserved.labels(self.model_label).inc(plan.total)
         metrics.active.inc()
-        new_body = with_include_usage(self.parsed) if config.admission.inject_include_usage else None
         if new_body is None:
             yield r.continue_request_body()
             return
@@ -272,7 +281,12 @@ class StreamHandler:
 
     async def _plan(self, raw: bytes, config: Config) -> Reservation:
         assert self.endpoint is not None
-        parsed = parse_request(self.endpoint, raw)
+        loop = asyncio.get_running_loop()
+        if len(raw) > OFF_LOOP_PARSE_BYTES:
+            # A large body can hold tens of thousands of small messages: parsing it takes tens of ms.
+            parsed = await loop.run_in_executor(self.deps.executor, parse_request, self.endpoint, raw)
+        else:
+            parsed = parse_request(self.endpoint, raw)
         policy = config.model_policy(parsed.model)
         self.model_label = parsed.model if parsed.model in config.models else "other"
         if policy is None:
@@ -291,15 +305,14 @@ class StreamHandler:
                     param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
                 )
         t0 = self.deps.clock()
-        loop = asyncio.get_running_loop()
         counts = await loop.run_in_executor(self.deps.executor, count_prompt_tokens, parsed, policy.encoding)
         self.deps.metrics.tokenize_seconds.observe(self.deps.clock() - t0)
         return plan_reservation(parsed, counts, policy)
 
-    async def _acquire(self, keys: list[str], tokens: int) -> Lease | Rejection:
+    async def _acquire(self, keys: list[str], tokens: int, use_pool: bool = True) -> Lease | Rejection:
         """Acquire so that a lease granted while this stream is being cancelled is given back, not leaked."""
         holder = self.klass.name if self.klass is not None else None
-        future = asyncio.ensure_future(self.deps.store.acquire(keys, tokens, holder))
+        future = asyncio.ensure_future(self.deps.store.acquire(keys, tokens, holder, use_pool=use_pool))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -533,10 +546,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = StreamHandler(self.deps)
+        stream = StreamHandler(self.deps, on_late_lease=self._finish)
         self._open.add(stream)
         self.deps.metrics.streams.inc()
-        context.add_done_callback(lambda _ctx: self._finish(stream))
+
+        def done(_ctx: Any) -> None:
+            stream.rpc_done = True
+            self._finish(stream)
+
+        context.add_done_callback(done)
         try:
             async for request in request_iterator:
                 async for response in stream.handle(request):
@@ -558,6 +576,22 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         while self._pending:
             with contextlib.suppress(Exception):
                 await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+_MODE = processing_mode_pb2.ProcessingMode
+_warned_body_mode = False
+
+
+def _check_body_mode(mode: int) -> None:
+    """Admission needs the whole body before anything goes upstream: say so once if Envoy streams it."""
+    global _warned_body_mode
+    if mode != _MODE.BUFFERED and not _warned_body_mode:
+        _warned_body_mode = True
+        log.error(
+            "Envoy's request_body_mode is not BUFFERED: bodies reach the sidecar in pieces and requests "
+            "are refused; set processing_mode.request_body_mode: BUFFERED",
+            extra={"request_body_mode": _MODE.BodySendMode.Name(mode)},
+        )
 
 
 def _tenant(request: pb.ProcessingRequest, headers: dict[str, str], config: Config) -> str:

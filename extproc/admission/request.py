@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import enum
 import json
+import posixpath
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
+from urllib.parse import unquote
 
 from extproc.admission.errors import AdmissionError
 from extproc.admission.tokens import (
@@ -61,8 +64,10 @@ _PATHS: dict[str, Endpoint] = {
 def endpoint_for(method: str, path: str) -> Endpoint | None:
     """Which admitted endpoint a request targets, or None to let it pass (e.g. `GET /v1/models`).
 
-    The method is compared case-insensitively and the query string, fragment and trailing slashes are ignored:
-    a spelling the backend's router would still accept must not slip past admission control.
+    Any spelling the backend's router would still serve must not slip past admission control, so the path is
+    normalized the way servers do before matching: query string and fragment dropped, percent-escapes decoded
+    (repeatedly, so `%252F` cannot hide a slash either), `.`/`..` segments resolved, repeated and trailing
+    slashes removed. The method is compared case-insensitively.
     """
     if method.upper() != "POST":
         return None
@@ -70,7 +75,13 @@ def endpoint_for(method: str, path: str) -> Endpoint | None:
         cut = path.find(sep)
         if cut >= 0:
             path = path[:cut]
-    path = path.rstrip("/")
+    for _ in range(4):
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    path = posixpath.normpath("/" + path.replace("\\", "/"))
+    path = re.sub(r"/+", "/", path).rstrip("/")
     return _PATHS.get(path)
 
 

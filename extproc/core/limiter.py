@@ -228,29 +228,47 @@ class _KeyState:
         buckets = [s.bucket for s in self.shares.values() if s.bucket is not None]
         return sum(b.tokens for b in buckets) if buckets else None
 
-    def candidates(self, holder: str | None) -> list[str]:
+    def candidates(self, holder: str | None, use_pool: bool = True) -> list[str]:
         """Shares a request of class `holder` may use, in the order it tries them."""
-        if holder is not None and holder != SHARED and holder in self.shares:
-            return [holder, SHARED]
-        return [SHARED]
+        own = [holder] if holder is not None and holder != SHARED and holder in self.shares else []
+        return [*own, SHARED] if use_pool or not own else own
 
-    def place_slot(self, holder: str | None) -> str | None:
-        for name in self.candidates(holder):
-            if self.shares[name].free_slots() >= 1:
+    def free_slots(self, name: str) -> float:
+        """Free slots of a share. The pool also covers leases that sit above their own share's limit (a
+        guarantee lowered or removed by a reload), so a reload can never put more in flight than the total.
+        """
+        share = self.shares[name]
+        free = share.free_slots()
+        if name == SHARED:
+            free -= sum(
+                max(0.0, s.active - s.concurrency)
+                for n, s in self.shares.items()
+                if n != SHARED and s.concurrency is not None
+            )
+        return free
+
+    def place_slot(self, holder: str | None, use_pool: bool = True) -> str | None:
+        for name in self.candidates(holder, use_pool):
+            if self.free_slots(name) >= 1:
                 return name
         return None
 
-    def place_tokens(self, holder: str | None, tokens: int, now: float) -> tuple[str | None, float]:
-        """(share, 0) when a share can cover `tokens` now; else (None, wait), wait None if never."""
+    def place_tokens(
+        self, holder: str | None, tokens: int, now: float, use_pool: bool = True
+    ) -> tuple[str | None, float]:
+        """(share, 0) when a share can cover `tokens` now; else (None, wait), wait inf if never.
+
+        "Never" is judged at base capacity over every share the class may use (the pool included even when
+        it is withheld for now), so a request is only called too large when waiting cannot help.
+        """
         if self.spec.tokens_per_minute is None:
             return None, 0.0
+        fits_base = any(tokens <= self._base_tokens(n) for n in self.candidates(holder))
+        if not fits_base:
+            return None, math.inf
         best: float | None = None
-        fits_base = False
-        for name in self.candidates(holder):
-            share = self.shares[name]
-            bucket = share.usable_bucket()
-            base = self._base_tokens(name)
-            fits_base = fits_base or tokens <= base
+        for name in self.candidates(holder, use_pool):
+            bucket = self.shares[name].usable_bucket()
             if bucket is None:
                 continue
             wait = bucket.wait_for(tokens, now)
@@ -258,9 +276,10 @@ class _KeyState:
                 return name, 0.0
             if not math.isinf(wait) and (best is None or wait < best):
                 best = wait
-        if best is None:
-            return None, (SHRUNK_RETRY_S if fits_base else math.inf)
-        return None, best
+        if best is not None:
+            return None, best
+        # Only the pool could hold it: shrunk by pressure, or withheld while higher classes wait.
+        return None, (SHRUNK_RETRY_S if use_pool else DEFAULT_HOLD_S)
 
     def _base_tokens(self, name: str) -> float:
         """A share's capacity at scale 1: what waiting for pressure to pass could give it."""
@@ -280,6 +299,8 @@ class _KeyState:
         return hold * excess / limit
 
     def idle(self, now: float) -> bool:
+        if self.scale != 1.0:
+            return False  # forgetting it would drop the adaptive scale until the next sample
         for share in self.shares.values():
             if share.active:
                 return False
@@ -378,8 +399,13 @@ class JointLimiter:
 
     # -- admission -----------------------------------------------------------------------------------------
 
-    def acquire(self, keys: Sequence[str], tokens: int, holder: str | None = None) -> Lease | Rejection:
-        """Admit a request of class `holder` holding one slot and `tokens` on each key, or refuse it."""
+    def acquire(
+        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease | Rejection:
+        """Admit a request of class `holder` holding one slot and `tokens` on each key, or refuse it.
+
+        `use_pool=False` restricts it to its class's own guarantee (when higher classes wait for the pool).
+        """
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         now = self.clock()
@@ -388,7 +414,7 @@ class JointLimiter:
 
         slots: list[str] = []
         for key, state in zip(unique, states, strict=True):
-            slot = state.place_slot(holder)
+            slot = state.place_slot(holder, use_pool)
             if slot is None:
                 retry = state.slot_retry_after(holder)
                 return Rejection(Reason.CONCURRENCY, key, retry, self._status(unique, states, holder, now))
@@ -397,7 +423,7 @@ class JointLimiter:
         placed: list[str | None] = []
         worst: tuple[float, str] | None = None
         for key, state in zip(unique, states, strict=True):
-            share, wait = state.place_tokens(holder, tokens, now)
+            share, wait = state.place_tokens(holder, tokens, now, use_pool)
             if math.isinf(wait):
                 return Rejection(Reason.TOO_LARGE, key, None, self._status(unique, states, holder, now))
             if wait > 0 and (worst is None or wait > worst[0]):
@@ -461,10 +487,11 @@ class JointLimiter:
         req: tuple[int, int, float] | None = None
         tok: tuple[int, int, float] | None = None
         for state in states:
-            usable = [state.shares[n] for n in state.candidates(holder)]
+            names = state.candidates(holder)
+            usable = [state.shares[n] for n in names]
             if all(s.concurrency is not None for s in usable):
                 limit = int(sum(s.concurrency or 0.0 for s in usable))
-                remaining = int(max(0.0, sum(s.free_slots() for s in usable)))
+                remaining = int(sum(max(0.0, state.free_slots(n)) for n in names))
                 if req is None or remaining < req[1]:
                     req = (limit, remaining, 0.0 if remaining else state.slot_retry_after(holder))
             buckets = [s.bucket for s in usable if s.usable_bucket() is not None]

@@ -14,8 +14,13 @@ from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus,
 
 
 class LimiterStore(Protocol):
-    async def acquire(self, keys: Sequence[str], tokens: int, holder: str | None = None) -> Lease | Rejection:
-        """Take one slot on every key and `tokens` from every bucket, all or nothing, as class `holder`."""
+    async def acquire(
+        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease | Rejection:
+        """Take one slot on every key and `tokens` from every bucket, all or nothing, as class `holder`.
+
+        With `use_pool=False` only the class's own guarantee may be used, not the burstable pool.
+        """
         ...
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:

@@ -25,7 +25,8 @@ def scaled_total(total: float, scale: float, whole: bool) -> float:
     if total <= 0:
         return 0.0
     if whole:
-        return float(max(1, math.floor(total * scale)))
+        # The epsilon keeps float error from losing a slot: 100 x 0.29 is 28.999999999999996.
+        return float(max(1, math.floor(total * scale + 1e-9)))
     return max(1.0, total * scale)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
@@ -44,6 +44,7 @@ class FeedbackRuntime:
         self._set_scale = set_scale
         self._clock = clock
         self._config = FeedbackConfig()
+        self._pools: tuple[str, ...] = ()
         self.loop: FeedbackLoop | None = None
         self._budgets: dict[str, KvBudget] = {}
         self._scaled: set[str] = set()
@@ -52,19 +53,25 @@ class FeedbackRuntime:
     def config(self) -> FeedbackConfig:
         return self._config
 
-    async def apply(self, config: FeedbackConfig) -> None:
-        """Start, restart or stop the feed so that it matches `config`."""
-        if config == self._config and (self.loop is not None) == config.enabled:
+    async def apply(self, config: FeedbackConfig, pools: Iterable[str] = ()) -> None:
+        """Start, restart or stop the feed so that it matches `config`.
+
+        `pools` are the model pools with limits of their own: each gets a controller from the start, so a
+        feed that never delivers holds them at the stale scale instead of leaving them at full limits.
+        """
+        pools = tuple(sorted(set(pools)))
+        if (config, pools) == (self._config, self._pools) and (self.loop is not None) == config.enabled:
             return
-        await self.stop()
-        self._config = config
+        await self.stop(reset=config.subscriber is None)
+        self._config, self._pools = config, pools
         if not config.kv_budget.enabled:
             self._budgets.clear()
         if config.subscriber is None:
             return
+        adaptive = {pool: config.adaptive_default for pool in pools} | dict(config.adaptive_pools)
         self.loop = FeedbackLoop(
             config.subscriber,
-            config.adaptive_pools,
+            adaptive,
             clock=self._clock,
             on_update=self._on_update,
             default_adaptive=config.adaptive_default,
@@ -72,16 +79,21 @@ class FeedbackRuntime:
             kv_aggregation="mean" if config.kv_aggregation == "mean" else "max",
         )
         await self.loop.start()
-        log.info("kv feedback started", extra={"pools": sorted(config.adaptive_pools)})
+        # Controllers start stale; "no change" is never reported for them, so push their scale now.
+        for pool, state in self.loop.states().items():
+            self._on_update(pool, state)
+        log.info("kv feedback started", extra={"pools": sorted(adaptive)})
 
-    async def stop(self) -> None:
+    async def stop(self, reset: bool = True) -> None:
+        """Stop the feed. With `reset` (feedback turned off) every scaled key gets its base limits back;
+        on a restart or at shutdown the scales stay where they are."""
         if self.loop is not None:
             await self.loop.stop()
             self.loop = None
-        # Without a feed nothing justifies a reduced limit: give every scaled key its base limits back.
-        for key in self._scaled:
-            self._set_scale(key, 1.0)
-        self._scaled.clear()
+        if reset:
+            for key in self._scaled:
+                self._set_scale(key, 1.0)
+            self._scaled.clear()
 
     def _on_update(self, pool: str, state: ControllerState) -> None:
         key = pool_key(pool)
@@ -94,11 +106,17 @@ class FeedbackRuntime:
         log.debug("pool state", extra={"pool": pool, "scale": state.scale, "stale": state.stale})
 
     def budget(self, pool: str) -> KvBudget | None:
-        """The pool's KV-token budget, or None when budgets are off."""
+        """The pool's KV-token budget; None when budgets are off or the feed does not know the pool.
+
+        Pools are model names sent by clients: only pools the feed reports (or the config names) get a
+        budget, so made-up model names cannot grow memory or metric labels.
+        """
         settings = self._config.kv_budget
         if not settings.enabled:
             return None
         budget = self._budgets.get(pool)
+        if budget is None and (self.loop is None or self.loop.state(pool) is None):
+            return None
         if budget is None:
             budget = KvBudget(
                 target_utilization=settings.target_utilization, capacity_share=settings.capacity_share

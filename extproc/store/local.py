@@ -18,8 +18,10 @@ class LocalStore:
     def __init__(self, clock: Clock = monotonic) -> None:
         self.limiter = JointLimiter(clock=clock)
 
-    async def acquire(self, keys: Sequence[str], tokens: int, holder: str | None = None) -> Lease | Rejection:
-        return self.limiter.acquire(keys, tokens, holder)
+    async def acquire(
+        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease | Rejection:
+        return self.limiter.acquire(keys, tokens, holder, use_pool)
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         return self.limiter.release(lease, actual_tokens)

@@ -110,7 +110,7 @@ async def test_critical_waits_and_gets_in_when_a_slot_frees(harness: Harness) ->
     await s.call.write(body_msg(chat(max_tokens=10)))
     override = await asyncio.wait_for(s.call.read(), 5)
     assert override.override_message_timeout.seconds >= 3  # Envoy's timer extended before waiting
-    assert harness.metric("extproc_queue_depth", **{"class": "critical"}) == 1
+    await eventually(lambda: harness.metric("extproc_queue_depth", **{"class": "critical"}) == 1)
     await finish(held[0][0])
     admitted = await asyncio.wait_for(s.call.read(), 5)
     assert admitted.HasField("request_body")
@@ -128,7 +128,8 @@ async def test_waiter_that_leaves_leaves_the_queue_and_deadline_answers_429(harn
     leaver = harness.stream()
     await leaver.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
     await leaver.call.write(body_msg(chat(max_tokens=10)))
-    await asyncio.wait_for(leaver.call.read(), 5)  # the timeout override: it is waiting now
+    await asyncio.wait_for(leaver.call.read(), 5)  # the timeout override comes just before it queues
+    await eventually(lambda: harness.metric("extproc_queue_depth", **{"class": "critical"}) == 1)
     leaver.cancel()
     await eventually(lambda: harness.metric("extproc_queue_depth", **{"class": "critical"}) == 0)
     assert (
@@ -162,6 +163,7 @@ async def test_full_queue_answers_429_at_once(harness: Harness) -> None:
         await s.call.write(body_msg(chat(max_tokens=10)))
         await asyncio.wait_for(s.call.read(), 5)
         waiting.append(s)
+    await eventually(lambda: harness.metric("extproc_queue_depth", **{"class": "critical"}) == 2)
     s = harness.stream()
     await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
     await s.call.write(body_msg(chat(max_tokens=10)))

@@ -215,5 +215,5 @@ def test_classes_and_tenants() -> None:
     assert config.default_class == "batch"  # the lowest class when none is named
     assert config.class_of("chat").name == "critical"
     assert config.class_of("stranger").name == "batch"
-    assert config.class_config("critical").queues and config.class_config("critical").max_queued == 1000
+    assert config.class_config("critical").queues and config.class_config("critical").max_queued == 100
     assert config.tenant_label("chat") == "chat" and config.tenant_label("x") == "other"

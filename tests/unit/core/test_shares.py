@@ -1,4 +1,5 @@
 import itertools
+import math
 
 import pytest
 from hypothesis import given
@@ -36,7 +37,7 @@ def test_shares_add_up_to_the_scaled_total_and_never_exceed_guarantees(
     if sum(guarantees.values()) > total:
         return
     out = effective_shares(total, guarantees, names, scale, whole=True)
-    assert sum(out.values()) == max(1, int(total * scale)) if total * scale >= 1 else sum(out.values()) == 1
+    assert sum(out.values()) == max(1, math.floor(total * scale + 1e-9))
     for name, value in guarantees.items():
         assert 0 <= out[name] <= value
     # A higher class is only cut once every lower class is at zero.
@@ -220,3 +221,37 @@ TestGuaranteeMachine = GuaranteeMachine.TestCase
 TestGuaranteeMachine.settings = __import__("hypothesis").settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
+
+
+def test_removing_or_lowering_a_guarantee_never_puts_more_in_flight_than_the_total() -> None:
+    lim = limiter(LimitSpec(max_concurrency=4, guaranteed=(("critical", LimitSpec(max_concurrency=2)),)))
+    held = [lim.acquire(["model:m"], 0, "critical") for _ in range(2)]
+    assert all(isinstance(x, Lease) for x in held)
+    lim.apply_limits({"model:m": LimitSpec(max_concurrency=4)}, priority=PRIORITY)  # guarantee removed
+    more = [lim.acquire(["model:m"], 0, "standard") for _ in range(4)]
+    assert sum(isinstance(x, Lease) for x in more) == 2
+    assert lim.snapshot(["model:m"])[0].active == 4
+    lim2 = limiter(LimitSpec(max_concurrency=4, guaranteed=(("critical", LimitSpec(max_concurrency=3)),)))
+    held = [lim2.acquire(["model:m"], 0, "critical") for _ in range(3)]
+    lowered = LimitSpec(max_concurrency=4, guaranteed=(("critical", LimitSpec(max_concurrency=1)),))
+    lim2.apply_limits({"model:m": lowered}, priority=PRIORITY)
+    more = [lim2.acquire(["model:m"], 0, "standard") for _ in range(4)]
+    assert sum(isinstance(x, Lease) for x in more) == 1
+    assert lim2.snapshot(["model:m"])[0].active == 4
+
+
+def test_a_class_can_be_kept_to_its_own_guarantee() -> None:
+    lim = limiter(LimitSpec(max_concurrency=10, guaranteed=(("batch", LimitSpec(max_concurrency=1)),)))
+    assert isinstance(lim.acquire(["model:m"], 0, "batch", use_pool=False), Lease)
+    assert isinstance(lim.acquire(["model:m"], 0, "batch", use_pool=False), Rejection)  # pool not offered
+    assert isinstance(lim.acquire(["model:m"], 0, "batch"), Lease)
+    # Without a token guarantee of its own, a class kept off the pool gets no pool tokens either.
+    lim = limiter(POOL)
+    rej = lim.acquire(["model:m"], 10, "batch", use_pool=False)
+    assert isinstance(rej, Rejection) and rej.reason is Reason.TOKENS and rej.retry_after_s == 1.0
+
+
+def test_scaling_keeps_whole_slots_despite_float_error() -> None:
+    lim = limiter(LimitSpec(max_concurrency=100))
+    lim.set_scale("model:m", 0.29)
+    assert lim.snapshot(["model:m"])[0].effective_concurrency == 29
