@@ -213,3 +213,15 @@ def test_tpm_exhausted_then_admitted_after_refill(stack: Stack) -> None:
     available = stack.sidecar("extproc_tokens_available", key="tenant:metered")
     assert available <= 20000
     assert stack.sidecar("extproc_key_active_requests", key="tenant:metered") == 0
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/%63hat/completions", "/v1/chat%2Fcompletions", "//v1//chat/completions"]
+)
+def test_escaped_or_doubled_paths_are_still_admitted(stack: Stack, path: str) -> None:
+    """Spellings the backend would serve go through admission too (Envoy normalizes, the sidecar too)."""
+    before = stack.upstream_requests()
+    r = http("POST", f"{stack.url}{path}", chat(8190))
+    assert r.status == 400, (r.status, r.body[:200])
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert stack.upstream_requests() == before
