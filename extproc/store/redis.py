@@ -1,0 +1,626 @@
+"""A shared `LimiterStore` in Redis: several gateway replicas enforce one set of global limits.
+
+Each replica reads the same config, so each computes the same effective shares (slots and token capacity per
+class guarantee and for the burstable pool) with `effective_shares`; only the counts live in Redis. Every
+acquire, release, renewal and status read is one Lua script call (one round trip, atomic across all of a
+request's keys), using Redis server time, so replica clock skew cannot mint tokens. Which key refused and the
+retry hints are then derived in Python from the state the script returns, with the very code the in-process
+`JointLimiter` uses, so both stores answer alike.
+
+Leases are members of per-(key, share) sorted sets scored by their expiry. The owning replica renews its open
+leases every `lease_ttl_s / 3`; a replica that dies stops renewing and its leases drop out of every count
+`lease_ttl_s` later. A lease that outlived its TTL without renewal (Redis unreachable for longer than the TTL)
+is gone for good: renewing or settling it later is a no-op, never a revival.
+
+Failures never hang a request: every call is bounded by `timeout_s` and raises `StoreUnavailable`. After
+`BREAKER_FAILURES` consecutive failures calls fail fast for `BREAKER_OPEN_S`, then probe again. A release
+that fails is retried in the background (bounded) and otherwise left to lease expiry.
+
+Concurrency model: all methods run on one event loop; local state (config, open leases, the metrics cache)
+is only touched between awaits. `snapshot()` does no I/O: it serves a cache refreshed after every call and
+every `refresh_s` by a background task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError, ResponseError
+
+# The store reuses the limiter's per-key arithmetic (share split, pool accounting, retry hints, status) on the
+# state read from Redis, so that the two stores cannot drift apart. These are private to the core on purpose.
+from extproc.core.bucket import TokenBucket
+from extproc.core.limiter import (
+    DEFAULT_HOLD_S,
+    SHRUNK_RETRY_S,
+    JointLimiter,
+    KeySnapshot,
+    Lease,
+    LimitSpec,
+    Placement,
+    RateLimitStatus,
+    Reason,
+    Rejection,
+    ShareSnapshot,
+    _KeyState,
+    _Share,
+)
+from extproc.core.shares import SHARED
+from extproc.store import redis_scripts
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL_S = 60.0
+"""How long a lease survives without renewal: the longest a dead replica's slots stay taken."""
+
+DEFAULT_TIMEOUT_S = 0.1
+"""Bound on one acquire or release (normally 0.1-0.4 ms); well inside Envoy's 200 ms message timeout."""
+
+DEFAULT_REFRESH_S = 5.0
+"""How often the metrics cache is re-read from Redis (it is also updated after every acquire and release)."""
+
+BACKGROUND_TIMEOUT_S = 1.0
+"""Bound on renewals, cache refreshes and release retries: off the request path, so they may wait longer."""
+
+LEASE_KEY_MARGIN_S = 10.0
+"""Lease sets outlive their newest member by this much, then Redis drops the key."""
+
+RELEASE_RETRY_DELAYS_S = (0.1, 0.5, 1.0, 2.0, 4.0, 8.0)
+"""Backoff of a failed release; after the last one the lease is left to expire."""
+
+MAX_PENDING_RETRIES = 10_000
+"""Bound on releases waiting for Redis; beyond it they are left to lease expiry."""
+
+BREAKER_FAILURES = 3
+BREAKER_OPEN_S = 0.5
+"""After this many consecutive failures, calls fail fast for this long instead of each waiting `timeout_s`."""
+
+CACHE_IDLE_S = 300.0
+CACHE_MAX_KEYS = 4096
+"""Unconfigured keys (tenants) leave the metrics cache after this long unseen; the cache stays this small."""
+
+
+class StoreUnavailable(Exception):
+    """Redis did not answer within the timeout (down, unreachable, paused, or refusing scripts).
+
+    Raised by `acquire` and `status`; the admission path decides what a request gets then (fail closed with
+    a 503, or a local fallback). Nothing was admitted: a lease the script may still have granted is removed
+    in the background, or expires after the lease TTL.
+    """
+
+
+@dataclass
+class _Open:
+    """A lease this replica holds: what to renew."""
+
+    lease: Lease
+    member: str
+
+
+@dataclass
+class _Cached:
+    snapshot: KeySnapshot
+    seen_at: float
+
+
+class RedisStore:
+    """`LimiterStore` shared by every replica pointing at the same Redis and key prefix."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str = "extproc:",
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        refresh_s: float = DEFAULT_REFRESH_S,
+    ) -> None:
+        if lease_ttl_s <= 0 or timeout_s <= 0 or refresh_s <= 0:
+            raise ValueError("lease_ttl_s, timeout_s and refresh_s must be > 0")
+        self.client = client
+        # One hash tag for every key: a script touches keys of several limiter keys, which Redis Cluster only
+        # allows within one slot.
+        self.base = f"{key_prefix}{{limits}}:"
+        self.lease_ttl_s = lease_ttl_s
+        self.renew_interval_s = lease_ttl_s / 3
+        self.timeout_s = timeout_s
+        self.refresh_s = refresh_s
+        self._acquire = client.register_script(redis_scripts.ACQUIRE)
+        self._release = client.register_script(redis_scripts.RELEASE)
+        self._peek = client.register_script(redis_scripts.PEEK)
+        self._renew = client.register_script(redis_scripts.RENEW)
+        self._forget = client.register_script(redis_scripts.FORGET)
+        self._specs: dict[str, LimitSpec] = {}
+        self._defaults: dict[str, LimitSpec] = {}
+        self._priority: tuple[str, ...] = ()
+        self._scales: dict[str, float] = {}
+        self._calc = JointLimiter(clock=time.monotonic)  # only its `_status` arithmetic is used
+        self._replica = secrets.randbits(30)
+        self._ids = itertools.count(1)
+        self._open: dict[int, _Open] = {}
+        self._cache: dict[str, _Cached] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failures = 0
+        self._fail_fast_until = 0.0
+        self.last_error: str | None = None
+        self.lost_leases = 0
+        """Leases found expired at renewal (Redis was unreachable for longer than the lease TTL)."""
+        self.dropped_releases = 0
+        """Releases given up after their retries, left to lease expiry."""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        key_prefix: str = "extproc:",
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        refresh_s: float = DEFAULT_REFRESH_S,
+    ) -> RedisStore:
+        """A store on `redis://` / `rediss://` / `unix://` URL. The client never retries on its own: a
+        retried acquire after a timeout could take capacity twice; retries are this store's decision."""
+        client = aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=max(timeout_s, BACKGROUND_TIMEOUT_S),
+            retry=Retry(NoBackoff(), 0),
+            client_name="extproc",
+        )
+        return cls(
+            client, key_prefix=key_prefix, lease_ttl_s=lease_ttl_s, timeout_s=timeout_s, refresh_s=refresh_s
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the scripts and start renewing leases. Redis being down now is logged, not fatal: scripts
+        are loaded again on first use (also after a Redis restart flushed them)."""
+        try:
+            async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
+                for script in (self._acquire, self._release, self._peek, self._renew, self._forget):
+                    script.sha = await self.client.script_load(script.script)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(exc)
+            log.warning("redis store: cannot load scripts yet", extra={"error": self.last_error})
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._renew_loop(), name="redis-store-renew"),
+            loop.create_task(self._refresh_loop(), name="redis-store-refresh"),
+        ]
+
+    async def close(self) -> None:
+        """Stop renewing and close the connections. Leases still open expire after the lease TTL."""
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        for task in [*self._tasks, *self._background]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        self._background.clear()
+        await self.client.aclose()
+
+    @property
+    def available(self) -> bool:
+        """False while calls fail fast after repeated failures (for readiness or a fallback decision)."""
+        return time.monotonic() >= self._fail_fast_until
+
+    @property
+    def open_leases(self) -> int:
+        return len(self._open)
+
+    # -- configuration -------------------------------------------------------------------------------------
+
+    async def apply_limits(
+        self,
+        specs: Mapping[str, LimitSpec],
+        defaults: Mapping[str, LimitSpec] | None = None,
+        priority: Sequence[str] = (),
+    ) -> None:
+        """Install new base limits. Local only: counts in Redis are kept, so open leases stay counted. Then,
+        best effort, buckets are resized to the new capacities and the metrics cache refreshed."""
+        self._specs = dict(specs)
+        self._defaults = dict(defaults or {})
+        self._priority = tuple(priority)
+        keys = list(dict.fromkeys([*self._specs, *self._cache]))
+        await self._sync(keys)
+
+    async def set_scale(self, key: str, scale: float) -> None:
+        """Scale a key's base limits on this replica (every replica computes it from the same feed)."""
+        if not 0 < scale <= 1:
+            raise ValueError("scale must be in (0, 1]")
+        if self._scales.get(key, 1.0) != scale:
+            self._scales[key] = scale
+            await self._sync([key])
+
+    async def _sync(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        try:
+            await self._peek_keys(keys, write=True, background=True)
+        except StoreUnavailable:
+            log.warning(
+                "redis store: limits applied locally, Redis not updated yet", extra={"keys": len(keys)}
+            )
+
+    def _spec(self, key: str) -> tuple[LimitSpec, bool]:
+        spec = self._specs.get(key)
+        if spec is not None:
+            return spec, True
+        for prefix, default in self._defaults.items():
+            if key.startswith(prefix):
+                return default, False
+        return LimitSpec(), False
+
+    def _template(self, key: str) -> _KeyState:
+        """The key's configured shares with their effective capacities, nothing counted yet."""
+        spec, configured = self._spec(key)
+        state = _KeyState(
+            spec=spec, priority=self._priority, scale=self._scales.get(key, 1.0), configured=configured
+        )
+        state.rebuild(0.0)
+        return state
+
+    def _keyspec(self, keys: Sequence[str]) -> list[str]:
+        """The KEYSPEC argument block of the scripts (see `redis_scripts`)."""
+        out = [str(len(keys))]
+        for key in keys:
+            state = self._template(key)
+            out += [key, "1" if state.spec.tokens_per_minute is not None else "0", str(len(state.shares))]
+            for name, share in state.shares.items():
+                out += [
+                    name,
+                    _num(share.concurrency),
+                    _num(share.tokens_per_minute),
+                    repr(state._base_tokens(name)),
+                ]
+        return out
+
+    # -- admission -----------------------------------------------------------------------------------------
+
+    async def acquire(
+        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease | Rejection:
+        """Take one slot and `tokens` on every key, all or nothing, in one script call.
+
+        Raises `StoreUnavailable` when Redis does not answer within `timeout_s`.
+        """
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
+        unique = tuple(dict.fromkeys(keys))
+        lease_id = (self._replica << 32) | next(self._ids)
+        member = str(lease_id)
+        if not unique:
+            status = RateLimitStatus()
+            return Lease(lease_id, unique, tokens, time.monotonic(), status, holder)
+        args = [
+            member,
+            repr(self.lease_ttl_s),
+            str(self._lease_key_ttl_ms()),
+            str(tokens),
+            holder or "",
+            "1" if use_pool else "0",
+            repr(SHRUNK_RETRY_S if use_pool else DEFAULT_HOLD_S),
+            *self._keyspec(unique),
+        ]
+        try:
+            raw = await self._call(self._acquire, args, self.timeout_s)
+        except (StoreUnavailable, asyncio.CancelledError):
+            # The script may have run before the answer was lost: take back any slot it placed.
+            self._spawn(self._forget_lease(member, unique, holder))
+            raise
+        code, index, now = int(raw[0]), int(raw[1]), float(raw[2])
+        places, views = self._parse_states(unique, raw[3:], now, with_places=True)
+        self._remember(unique, views, now)
+        if code:
+            key = unique[index - 1]
+            view = views[index - 1]
+            status = self._calc._status(unique, views, holder, now)
+            if code == 1:
+                return Rejection(Reason.CONCURRENCY, key, view.slot_retry_after(holder), status)
+            if code == 3:
+                return Rejection(Reason.TOO_LARGE, key, None, status)
+            # A refused request took nothing: the returned state is the one it was judged on.
+            _, retry = view.place_tokens(holder, tokens, now, use_pool)
+            return Rejection(Reason.TOKENS, key, retry, status)
+        placements = tuple(
+            Placement(key, slot, tok or None) for key, (slot, tok) in zip(unique, places, strict=True)
+        )
+        lease = Lease(
+            lease_id=lease_id,
+            keys=unique,
+            reserved_tokens=tokens,
+            acquired_at=now,
+            status=self._calc._status(unique, views, holder, now),
+            holder=holder,
+            placements=placements,
+        )
+        self._open[lease_id] = _Open(lease, member)
+        return lease
+
+    async def release(self, lease: Lease, actual_tokens: int) -> bool:
+        """Settle a lease to the tokens really used, in one script call.
+
+        False when it was settled before (by this process, or found already removed or expired in Redis).
+        If Redis cannot be reached the settlement is retried in the background and True is returned: this
+        call did settle the lease as far as the caller is concerned, and the slot comes back at the latest
+        when the lease expires.
+        """
+        if lease.settled:
+            return False
+        lease.settled = True
+        lease.actual_tokens = max(0, actual_tokens)
+        self._open.pop(lease.lease_id, None)
+        if not lease.placements:
+            return True
+        args = [
+            str(lease.lease_id),
+            str(lease.reserved_tokens),
+            str(lease.actual_tokens),
+            repr(lease.acquired_at),
+            *self._keyspec(lease.keys),
+        ]
+        for placement in lease.placements:
+            args += [placement.slot, placement.tokens or ""]
+        try:
+            raw = await self._call(self._release, args, self.timeout_s)
+        except (StoreUnavailable, asyncio.CancelledError):
+            self._retry_release(args)
+            return True
+        now = float(raw[1])
+        _, views = self._parse_states(lease.keys, raw[2:], now, with_places=False)
+        self._remember(lease.keys, views, now)
+        return bool(int(raw[0]))
+
+    async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
+        """The tightest remaining capacity over `keys` (one script call; raises `StoreUnavailable`)."""
+        unique = tuple(dict.fromkeys(keys))
+        if not unique:
+            return RateLimitStatus()
+        views, now = await self._peek_keys(list(unique), write=False, background=False)
+        return self._calc._status(unique, views, holder, now)
+
+    def snapshot(self) -> list[KeySnapshot]:
+        """Every key seen lately, as of its last read from Redis (no I/O: called at metrics scrape time)."""
+        return [entry.snapshot for entry in self._cache.values()]
+
+    # -- Redis calls ---------------------------------------------------------------------------------------
+
+    async def _call(
+        self, script: AsyncScript, args: list[str], limit_s: float, fail_fast: bool = True
+    ) -> Any:
+        if fail_fast and time.monotonic() < self._fail_fast_until:
+            raise StoreUnavailable(f"redis unavailable (failing fast): {self.last_error}")
+        try:
+            async with asyncio.timeout(limit_s):
+                result = await script(keys=[self.base], args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(exc)
+            raise StoreUnavailable(f"redis: {self.last_error}") from exc
+        self._failures = 0
+        self._fail_fast_until = 0.0
+        return result
+
+    def _failed(self, exc: BaseException) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._failures += 1
+        if self._failures >= BREAKER_FAILURES:
+            self._fail_fast_until = time.monotonic() + BREAKER_OPEN_S
+        if isinstance(exc, ResponseError):  # a script error or a proxy refusing scripts: never silent
+            log.error("redis store: command refused", extra={"error": self.last_error})
+
+    async def _peek_keys(
+        self, keys: list[str], write: bool, background: bool
+    ) -> tuple[list[_KeyState], float]:
+        args = ["1" if write else "0", *self._keyspec(keys)]
+        timeout = BACKGROUND_TIMEOUT_S if background else self.timeout_s
+        raw = await self._call(self._peek, args, timeout, fail_fast=not background)
+        now = float(raw[0])
+        _, views = self._parse_states(keys, raw[1:], now, with_places=False)
+        self._remember(keys, views, now)
+        return views, now
+
+    def _parse_states(
+        self, keys: Sequence[str], raw: list[Any], now: float, with_places: bool
+    ) -> tuple[list[tuple[str, str]], list[_KeyState]]:
+        """Rebuild each key's state as the limiter would hold it, from a script's reply."""
+        places: list[tuple[str, str]] = []
+        views: list[_KeyState] = []
+        i = 0
+        for key in keys:
+            if with_places:
+                places.append((str(raw[i]), str(raw[i + 1])))
+                i += 2
+            hold = float(raw[i]) if raw[i] != "" else None
+            count = int(raw[i + 1])
+            i += 2
+            shares: list[tuple[str, int, float | None]] = []
+            for _ in range(count):
+                shares.append((str(raw[i]), int(raw[i + 1]), float(raw[i + 2]) if raw[i + 2] != "" else None))
+                i += 3
+            views.append(self._view(key, shares, hold, now))
+        return places, views
+
+    def _view(
+        self, key: str, shares: list[tuple[str, int, float | None]], hold: float | None, now: float
+    ) -> _KeyState:
+        spec, configured = self._spec(key)
+        state = _KeyState(
+            spec=spec, priority=self._priority, scale=self._scales.get(key, 1.0), configured=configured
+        )
+        for name, active, _ in shares:
+            state.shares[name] = _Share(active=active)
+        state.rebuild(now)
+        for name, _, tokens in shares:
+            share = state.shares.get(name)
+            if share is None or tokens is None:
+                continue
+            if share.bucket is not None:
+                share.bucket.tokens = tokens
+                share.bucket.updated_at = now
+            else:  # a share cut to nothing that still carries debt, as the limiter keeps it
+                share.bucket = TokenBucket(capacity=1e-9, tokens=min(tokens, 0.0), updated_at=now)
+        state.hold_ewma_s = hold
+        return state
+
+    def _remember(self, keys: Sequence[str], views: Sequence[_KeyState], now: float) -> None:
+        seen = time.monotonic()
+        for key, view in zip(keys, views, strict=True):
+            self._cache.pop(key, None)  # re-insert: the dict stays ordered by last use
+            self._cache[key] = _Cached(_snapshot(key, view), seen)
+        if len(self._cache) > CACHE_MAX_KEYS:
+            extra = [k for k in self._cache if k not in self._specs][: len(self._cache) - CACHE_MAX_KEYS]
+            for key in extra:
+                del self._cache[key]
+
+    def _lease_key_ttl_ms(self) -> int:
+        return math.ceil((self.lease_ttl_s + LEASE_KEY_MARGIN_S) * 1000)
+
+    # -- background work -----------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _forget_lease(self, member: str, keys: Sequence[str], holder: str | None) -> None:
+        pairs: list[str] = []
+        for key in keys:
+            for share in dict.fromkeys([holder or SHARED, SHARED]):
+                pairs += [key, share]
+        for delay in RELEASE_RETRY_DELAYS_S:
+            await asyncio.sleep(delay)
+            try:
+                await self._call(self._forget, [member, *pairs], BACKGROUND_TIMEOUT_S, fail_fast=False)
+                return
+            except StoreUnavailable:
+                continue
+
+    def _retry_release(self, args: list[str]) -> None:
+        if len(self._background) >= MAX_PENDING_RETRIES:
+            self.dropped_releases += 1
+            return
+        self._spawn(self._release_later(args))
+
+    async def _release_later(self, args: list[str]) -> None:
+        """Idempotent: the script settles only a lease still present, so a retry after a lost reply or after
+        expiry is a no-op."""
+        for delay in RELEASE_RETRY_DELAYS_S:
+            await asyncio.sleep(delay)
+            try:
+                await self._call(self._release, args, BACKGROUND_TIMEOUT_S, fail_fast=False)
+                return
+            except StoreUnavailable:
+                continue
+        self.dropped_releases += 1
+        log.warning("redis store: release given up, the lease will expire", extra={"lease": args[0]})
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.renew_interval_s)
+            try:
+                await self.renew()
+            except StoreUnavailable:
+                log.warning("redis store: lease renewal failed", extra={"error": self.last_error})
+            except Exception:
+                log.exception("redis store: lease renewal failed")
+
+    async def renew(self) -> int:
+        """Push the expiry of every open lease of this replica one TTL ahead; returns the number renewed.
+
+        One script call per 500 leases, all in one pipelined round trip. Leases found expired are dropped
+        from the renewal set and counted in `lost_leases`.
+        """
+        entries = list(self._open.values())
+        if not entries:
+            return 0
+        chunks = [entries[i : i + 500] for i in range(0, len(entries), 500)]
+        key_ttl = str(self._lease_key_ttl_ms())
+        pipe = self.client.pipeline(transaction=False)
+        for chunk in chunks:
+            args = [repr(self.lease_ttl_s), key_ttl, str(len(chunk))]
+            for entry in chunk:
+                places = entry.lease.placements
+                args += [entry.member, str(len(places))]
+                for placement in places:
+                    args += [placement.key, placement.slot]
+            await self._renew(keys=[self.base], args=args, client=pipe)
+        try:
+            async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
+                results = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(exc)
+            raise StoreUnavailable(f"redis: {self.last_error}") from exc
+        lost = 0
+        for chunk, indices in zip(chunks, results, strict=True):
+            for index in indices:
+                entry = chunk[int(index) - 1]
+                if self._open.pop(entry.lease.lease_id, None) is not None:
+                    lost += 1
+        if lost:
+            self.lost_leases += lost
+            log.warning("redis store: leases expired before renewal", extra={"lost": lost})
+        return len(entries) - lost
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except StoreUnavailable:
+                pass
+            except Exception:
+                log.exception("redis store: metrics cache refresh failed")
+
+    async def refresh(self) -> None:
+        """Re-read configured keys and keys seen lately into the metrics cache; forget idle tenants."""
+        cutoff = time.monotonic() - CACHE_IDLE_S
+        for key in [k for k, c in self._cache.items() if k not in self._specs and c.seen_at < cutoff]:
+            del self._cache[key]
+        keys = list(dict.fromkeys([*self._specs, *self._cache]))
+        if keys:
+            await self._peek_keys(keys, write=False, background=True)
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def _snapshot(key: str, state: _KeyState) -> KeySnapshot:
+    """The same view `JointLimiter.snapshot` gives of a key."""
+    shares = tuple(
+        ShareSnapshot(
+            name=name,
+            effective_concurrency=share.concurrency,
+            active=share.active,
+            effective_tokens_per_minute=share.tokens_per_minute,
+            tokens_available=share.bucket.tokens if share.bucket is not None else None,
+        )
+        for name, share in state.shares.items()
+    )
+    return KeySnapshot(
+        key=key,
+        max_concurrency=state.spec.max_concurrency,
+        effective_concurrency=state.concurrency_limit(),
+        active=state.active,
+        tokens_per_minute=state.spec.tokens_per_minute,
+        effective_tokens_per_minute=state.token_capacity(),
+        tokens_available=state.tokens_available(),
+        scale=state.scale,
+        shares=shares,
+    )

@@ -1,0 +1,383 @@
+"""Lua scripts of the Redis store: every decision and every mutation happens inside one script call.
+
+Why Lua: a request names several keys and each key several shares; checking them and taking capacity must be
+one atomic step across all of them, or two replicas interleaving their reads and writes over-admit. Redis
+runs a script to completion before serving anything else, so a script is the transaction.
+
+Time comes from `redis.call('TIME')`, never from the caller: replicas with skewed clocks then agree on how
+much a bucket has refilled and on when a lease expires.
+
+Key layout (`P` is KEYS[1], the prefix with its hash tag, e.g. `extproc:{limits}:`; `#k` is the byte length
+of the limiter key `k`, which keeps `k` and the share name apart whatever characters they hold):
+
+- `P l:#k:k:share` (zset): open leases on one share, scored by their expiry (server time, seconds);
+  expires lease TTL + 10 s after the last add or renewal.
+- `P s:#k:k` (set): share names that may hold leases, so leases of a guarantee this replica no longer
+  knows are still counted; same expiry.
+- `P b:#k:k:share` (hash): the bucket: `t` tokens (negative: debt), `ts` last update, `c` the capacity it
+  refills at; expires when it would be full again + 60 s (1 h for a share cut to nothing).
+- `P k:#k:k` (hash): `hold`, the moving average of lease durations for slot retry hints; 1 h after the
+  last release.
+
+A missing bucket is a full one: an expired bucket had refilled to capacity anyway.
+
+Arguments describing keys (`KEYSPEC` below) are, after a count of keys, for each key: the key, `1` if it has
+a tokens-per-minute limit, the number of configured shares, then per share: name, effective slots (`''`:
+unlimited), effective token capacity (`''`: no bucket; `0`: cut to nothing), and capacity at scale 1 (for
+"too large, never retry"). The caller computes these from its config with `effective_shares`; shares found
+in Redis but not configured here (a removed guarantee with open leases) get zero slots and zero tokens,
+exactly like `JointLimiter`.
+
+Numbers that may be fractional are returned as strings (Lua numbers become integers in Redis replies).
+"""
+
+from __future__ import annotations
+
+COMMON = r"""
+local SHARED = '_shared'
+local EPS = 1e-6
+local INF = math.huge
+local P = KEYS[1]
+
+local function fmt(x) return string.format('%.17g', x) end
+
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function rkey(kind, key, share)
+  local n = P .. kind .. ':' .. string.len(key) .. ':' .. key
+  if share then n = n .. ':' .. share end
+  return n
+end
+
+local function opt(s) if s == '' then return nil end return tonumber(s) end
+
+local function parse_keys(i)
+  local keys = {}
+  local n = tonumber(ARGV[i]); i = i + 1
+  for k = 1, n do
+    local spec = {key = ARGV[i], has_tpm = ARGV[i + 1] == '1', shares = {}, order = {}}
+    local ns = tonumber(ARGV[i + 2]); i = i + 3
+    for _ = 1, ns do
+      spec.shares[ARGV[i]] = {conc = opt(ARGV[i + 1]), cap = opt(ARGV[i + 2]), base = tonumber(ARGV[i + 3])}
+      table.insert(spec.order, ARGV[i])
+      i = i + 4
+    end
+    keys[k] = spec
+  end
+  return keys, i
+end
+
+-- Tokens of a stored bucket refilled to `now` at the capacity it was last written with, or nil if absent.
+local function load_bucket(key, share, now)
+  local b = redis.call('HMGET', rkey('b', key, share), 't', 'ts', 'c')
+  if not b[1] then return nil end
+  local t, ts, c = tonumber(b[1]), tonumber(b[2]), tonumber(b[3])
+  if now > ts and c > 0 then t = math.min(c, t + (now - ts) * c / 60) end
+  return t
+end
+
+local function save_bucket(key, share, t, now, cap)
+  local bk = rkey('b', key, share)
+  local c = math.max(cap, 0)
+  redis.call('HSET', bk, 't', fmt(t), 'ts', fmt(now), 'c', fmt(c))
+  local ttl = 3600
+  if c > 0 then ttl = math.ceil((c - t) / (c / 60)) + 60 end
+  redis.call('PEXPIRE', bk, math.max(1, ttl) * 1000)
+end
+
+-- Active leases and bucket levels of every share of one key, expired leases dropped first.
+local function gather(k, now)
+  local setk = rkey('s', k.key)
+  local inset = {}
+  for _, s in ipairs(redis.call('SMEMBERS', setk)) do
+    inset[s] = true
+    if not k.shares[s] then
+      k.shares[s] = {conc = 0, cap = 0, base = 0, removed = true}
+      table.insert(k.order, s)
+    end
+  end
+  local live = {}
+  for _, s in ipairs(k.order) do
+    local sh = k.shares[s]
+    local lk = rkey('l', k.key, s)
+    redis.call('ZREMRANGEBYSCORE', lk, '-inf', now)
+    sh.active = redis.call('ZCARD', lk)
+    if sh.active == 0 and inset[s] then redis.call('SREM', setk, s) end
+    if sh.removed and sh.active == 0 then
+      k.shares[s] = nil
+    else
+      if sh.cap ~= nil then
+        local t = load_bucket(k.key, s, now)
+        if t == nil then
+          if sh.cap > 0 then sh.tokens = sh.cap end
+        elseif sh.cap > 0 then
+          sh.tokens = math.min(t, sh.cap)
+        else
+          sh.tokens = math.min(t, 0)
+        end
+      end
+      table.insert(live, s)
+    end
+  end
+  k.order = live
+  k.hold = redis.call('HGET', rkey('k', k.key), 'hold')
+end
+
+local function candidates(k, holder, use_pool)
+  if holder ~= '' and holder ~= SHARED and k.shares[holder] then
+    if use_pool then return {holder, SHARED} end
+    return {holder}
+  end
+  return {SHARED}
+end
+
+local function free_slots(k, name)
+  local sh = k.shares[name]
+  if sh.conc == nil then return INF end
+  local free = sh.conc - sh.active
+  if name == SHARED then
+    for _, s in ipairs(k.order) do
+      local o = k.shares[s]
+      if s ~= SHARED and o.conc ~= nil then free = free - math.max(0, o.active - o.conc) end
+    end
+  end
+  return free
+end
+
+local function append_state(out, k)
+  out[#out + 1] = k.hold or ''
+  out[#out + 1] = #k.order
+  for _, s in ipairs(k.order) do
+    local sh = k.shares[s]
+    out[#out + 1] = s
+    out[#out + 1] = sh.active
+    out[#out + 1] = sh.tokens and fmt(sh.tokens) or ''
+  end
+end
+"""
+
+ACQUIRE = (
+    COMMON
+    + r"""
+-- ARGV: member, lease ttl s, lease key ttl ms, tokens, holder ('' none), use_pool ('1'/'0'),
+--       wait hint when only the pool could ever hold the tokens, KEYSPEC
+-- Reply: code (0 admitted, 1 concurrency, 2 tokens, 3 too large), refusing key index, server now,
+--        then per key: slot share, token share ('' none), hold, share count, (name, active, tokens)...
+local member, ttl, key_ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local tokens, holder, use_pool = tonumber(ARGV[4]), ARGV[5], ARGV[6] == '1'
+local fallback_wait = tonumber(ARGV[7])
+local keys = parse_keys(8)
+local now = clock()
+for _, k in ipairs(keys) do gather(k, now) end
+
+local function reply(code, idx, slots, toks)
+  local out = {code, idx, fmt(now)}
+  for i, k in ipairs(keys) do
+    out[#out + 1] = slots and slots[i] or ''
+    out[#out + 1] = toks and toks[i] or ''
+    append_state(out, k)
+  end
+  return out
+end
+
+local function place_tokens(k)
+  if not k.has_tpm then return nil, 0 end
+  local fits = false
+  for _, s in ipairs(candidates(k, holder, true)) do
+    if tokens <= k.shares[s].base then fits = true end
+  end
+  if not fits then return nil, INF end
+  local best = nil
+  for _, s in ipairs(candidates(k, holder, use_pool)) do
+    local sh = k.shares[s]
+    if sh.tokens ~= nil and sh.cap ~= nil and sh.cap > 0 then
+      local wait
+      if tokens > sh.cap then
+        wait = INF
+      elseif tokens - sh.tokens <= EPS then
+        return s, 0
+      else
+        wait = (tokens - sh.tokens) / (sh.cap / 60)
+      end
+      if wait ~= INF and (best == nil or wait < best) then best = wait end
+    end
+  end
+  if best ~= nil then return nil, best end
+  return nil, fallback_wait  -- only the pool could hold it: shrunk by pressure, or withheld for now
+end
+
+local slots = {}
+for i, k in ipairs(keys) do
+  for _, s in ipairs(candidates(k, holder, use_pool)) do
+    if free_slots(k, s) >= 1 then slots[i] = s; break end
+  end
+  if not slots[i] then return reply(1, i) end
+end
+
+local toks, worst, worst_i = {}, nil, 0
+for i, k in ipairs(keys) do
+  local s, wait = place_tokens(k)
+  if wait == INF then return reply(3, i) end
+  if wait > 0 and (worst == nil or wait > worst) then worst, worst_i = wait, i end
+  toks[i] = s or ''
+end
+if worst ~= nil then return reply(2, worst_i) end
+
+local expiry = now + ttl
+for i, k in ipairs(keys) do
+  local lk, setk = rkey('l', k.key, slots[i]), rkey('s', k.key)
+  redis.call('ZADD', lk, expiry, member)
+  redis.call('PEXPIRE', lk, key_ttl_ms)
+  redis.call('SADD', setk, slots[i])
+  redis.call('PEXPIRE', setk, key_ttl_ms)
+  local sh = k.shares[slots[i]]
+  sh.active = sh.active + 1
+  if toks[i] ~= '' then
+    local tsh = k.shares[toks[i]]
+    tsh.tokens = tsh.tokens - tokens
+    save_bucket(k.key, toks[i], tsh.tokens, now, tsh.cap)
+  end
+end
+return reply(0, 0, slots, toks)
+"""
+)
+
+RELEASE = (
+    COMMON
+    + r"""
+-- ARGV: member, reserved, actual, acquired_at (server time), KEYSPEC, then per key: slot share, token share
+-- Reply: 1 if this call settled the lease (0: settled before, or expired), server now, per key: state.
+-- A lease is alive while its score is in the future; all its members share one score, so checking the first
+-- decides for all. Settling an expired lease would refund tokens already written off: it is a no-op instead.
+local member, reserved, actual, acquired = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local keys, i = parse_keys(5)
+local now = clock()
+local places = {}
+for k = 1, #keys do
+  places[k] = {slot = ARGV[i], tok = ARGV[i + 1]}
+  i = i + 2
+end
+local alive = false
+if #keys > 0 then
+  local score = redis.call('ZSCORE', rkey('l', keys[1].key, places[1].slot), member)
+  alive = score and tonumber(score) > now
+end
+for k, spec in ipairs(keys) do redis.call('ZREM', rkey('l', spec.key, places[k].slot), member) end
+
+local function settle(spec, share)
+  local sh = spec.shares[share]
+  local cap = 0
+  if sh then cap = sh.cap end
+  if cap == nil then return end  -- no token limit: nothing to correct
+  local t = load_bucket(spec.key, share, now)
+  local room = math.max(cap, 0)
+  if t == nil then
+    if cap <= 0 then return end
+    t = cap
+  end
+  t = math.min(t, room)
+  local delta = reserved - actual
+  if delta > 0 then
+    t = t + math.max(0, math.min(delta, room - t))  -- a refund never lifts a bucket above capacity
+  else
+    t = t + delta  -- an overrun is debt, paid off by refill
+  end
+  save_bucket(spec.key, share, t, now, cap)
+end
+
+if alive then
+  local held = math.max(0, now - acquired)
+  for k, spec in ipairs(keys) do
+    if places[k].tok ~= '' then settle(spec, places[k].tok) end
+    local hk = rkey('k', spec.key)
+    local h = redis.call('HGET', hk, 'hold')
+    if h then h = 0.8 * tonumber(h) + 0.2 * held else h = held end
+    redis.call('HSET', hk, 'hold', fmt(h))
+    redis.call('PEXPIRE', hk, 3600000)
+  end
+end
+local out = {alive and 1 or 0, fmt(now)}
+for _, spec in ipairs(keys) do
+  gather(spec, now)
+  append_state(out, spec)
+end
+return out
+"""
+)
+
+PEEK = (
+    COMMON
+    + r"""
+-- ARGV: write ('1': store buckets resized to the capacities given), KEYSPEC
+-- Reply: server now, per key: state. Used for status, for the metrics cache and after a limit or scale
+-- change (write = '1'), so a bucket refills at its new rate from the moment of the change.
+local write = ARGV[1] == '1'
+local keys = parse_keys(2)
+local now = clock()
+local out = {fmt(now)}
+for _, spec in ipairs(keys) do
+  gather(spec, now)
+  if write then
+    for _, s in ipairs(spec.order) do
+      local sh = spec.shares[s]
+      if sh.tokens ~= nil and sh.cap ~= nil and redis.call('EXISTS', rkey('b', spec.key, s)) == 1 then
+        save_bucket(spec.key, s, sh.tokens, now, sh.cap)
+      end
+    end
+  end
+  append_state(out, spec)
+end
+return out
+"""
+)
+
+RENEW = (
+    COMMON
+    + r"""
+-- ARGV: lease ttl s, lease key ttl ms, lease count, then per lease: member, n, (key, slot share) x n
+-- Reply: 1-based indices of leases found expired (they are removed, never revived).
+local ttl, key_ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local n, i = tonumber(ARGV[3]), 4
+local now = clock()
+local expiry = now + ttl
+local lost = {}
+for li = 1, n do
+  local member, m = ARGV[i], tonumber(ARGV[i + 1])
+  i = i + 2
+  local alive = true
+  if m > 0 then
+    local score = redis.call('ZSCORE', rkey('l', ARGV[i], ARGV[i + 1]), member)
+    alive = score and tonumber(score) > now
+  end
+  for _ = 1, m do
+    local lk = rkey('l', ARGV[i], ARGV[i + 1])
+    if alive then
+      redis.call('ZADD', lk, 'XX', expiry, member)
+      redis.call('PEXPIRE', lk, key_ttl_ms)
+      redis.call('PEXPIRE', rkey('s', ARGV[i]), key_ttl_ms)
+    else
+      redis.call('ZREM', lk, member)
+    end
+    i = i + 2
+  end
+  if not alive then lost[#lost + 1] = li end
+end
+return lost
+"""
+)
+
+FORGET = (
+    COMMON
+    + r"""
+-- ARGV: member, then (key, share) pairs. Removes a lease whose acquire timed out on the caller's side, from
+-- every share it could have been placed on. Tokens it may have taken stay charged (the safe side).
+local member, removed = ARGV[1], 0
+for j = 2, #ARGV, 2 do
+  removed = removed + redis.call('ZREM', rkey('l', ARGV[j], ARGV[j + 1]), member)
+end
+return removed
+"""
+)
