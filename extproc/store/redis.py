@@ -146,6 +146,7 @@ class RedisStore:
         self._specs: dict[str, LimitSpec] = {}
         self._defaults: dict[str, LimitSpec] = {}
         self._priority: tuple[str, ...] = ()
+        self._configured = False
         self._scales: dict[str, float] = {}
         self._calc = JointLimiter(clock=time.monotonic)  # only its `_status` arithmetic is used
         self._replica = secrets.randbits(30)
@@ -232,27 +233,35 @@ class RedisStore:
         defaults: Mapping[str, LimitSpec] | None = None,
         priority: Sequence[str] = (),
     ) -> None:
-        """Install new base limits. Local only: counts in Redis are kept, so open leases stay counted. Then,
-        best effort, buckets are resized to the new capacities and the metrics cache refreshed."""
+        """Install new base limits. Counts in Redis are kept, so open leases stay counted. Best effort (Redis
+        down is logged, not raised): buckets are stored at the old capacities, then resized to the new ones,
+        and the metrics cache is refreshed."""
+        keys = list(dict.fromkeys([*self._specs, *specs, *self._cache]))
+        await self._sync(keys, "fill")  # at the capacities in force until now
         self._specs = dict(specs)
         self._defaults = dict(defaults or {})
         self._priority = tuple(priority)
-        keys = list(dict.fromkeys([*self._specs, *self._cache]))
-        await self._sync(keys)
+        self._configured = True
+        await self._sync(keys, "resize")
 
     async def set_scale(self, key: str, scale: float) -> None:
-        """Scale a key's base limits on this replica (every replica computes it from the same feed)."""
+        """Scale a key's base limits on this replica (every replica computes it from the same feed).
+
+        No round trip is needed for correctness (buckets are resized lazily by the next call on the key);
+        the sync only makes the change take effect on the bucket now, like the in-process store.
+        """
         if not 0 < scale <= 1:
             raise ValueError("scale must be in (0, 1]")
         if self._scales.get(key, 1.0) != scale:
+            await self._sync([key], "fill")
             self._scales[key] = scale
-            await self._sync([key])
+            await self._sync([key], "resize")
 
-    async def _sync(self, keys: list[str]) -> None:
-        if not keys:
-            return
+    async def _sync(self, keys: list[str], mode: str) -> None:
+        if not keys or (mode == "fill" and not self._configured):
+            return  # a replica that has no config yet knows no capacities to fill at
         try:
-            await self._peek_keys(keys, write=True, background=True)
+            await self._peek_keys(keys, mode, background=True)
         except StoreUnavailable:
             log.warning(
                 "redis store: limits applied locally, Redis not updated yet", extra={"keys": len(keys)}
@@ -392,7 +401,7 @@ class RedisStore:
         unique = tuple(dict.fromkeys(keys))
         if not unique:
             return RateLimitStatus()
-        views, now = await self._peek_keys(list(unique), write=False, background=False)
+        views, now = await self._peek_keys(list(unique), "0", background=False)
         return self._calc._status(unique, views, holder, now)
 
     def snapshot(self) -> list[KeySnapshot]:
@@ -424,10 +433,9 @@ class RedisStore:
         if isinstance(exc, ResponseError):  # a script error or a proxy refusing scripts: never silent
             log.error("redis store: command refused", extra={"error": self.last_error})
 
-    async def _peek_keys(
-        self, keys: list[str], write: bool, background: bool
-    ) -> tuple[list[_KeyState], float]:
-        args = ["1" if write else "0", *self._keyspec(keys)]
+    async def _peek_keys(self, keys: list[str], mode: str, background: bool) -> tuple[list[_KeyState], float]:
+        """One PEEK call (mode "0", "fill" or "resize", see `redis_scripts.PEEK`); updates the cache."""
+        args = [mode, *self._keyspec(keys)]
         timeout = BACKGROUND_TIMEOUT_S if background else self.timeout_s
         raw = await self._call(self._peek, args, timeout, fail_fast=not background)
         now = float(raw[0])
@@ -594,7 +602,7 @@ class RedisStore:
             del self._cache[key]
         keys = list(dict.fromkeys([*self._specs, *self._cache]))
         if keys:
-            await self._peek_keys(keys, write=False, background=True)
+            await self._peek_keys(keys, "0", background=True)
 
 
 def _num(value: float | None) -> str:

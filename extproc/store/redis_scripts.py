@@ -311,19 +311,29 @@ return out
 PEEK = (
     COMMON
     + r"""
--- ARGV: write ('1': store buckets resized to the capacities given), KEYSPEC
--- Reply: server now, per key: state. Used for status, for the metrics cache and after a limit or scale
--- change (write = '1'), so a bucket refills at its new rate from the moment of the change.
-local write = ARGV[1] == '1'
+-- ARGV: mode, KEYSPEC. Reply: server now, per key: state.
+-- mode '0': read only (status, metrics cache).
+-- mode 'fill': store every bucket at the capacities given, also those that exist only implicitly (full).
+--   Sent with the old capacities just before a limit or scale change, so that the change starts from the
+--   level the bucket really had, as the in-process limiter does, rather than from a full bucket at the new
+--   capacity.
+-- mode 'resize': store existing buckets at the (new) capacities given; drop buckets of shares that lost their
+--   token limit, so a limit set later starts from a full bucket.
+local mode = ARGV[1]
 local keys = parse_keys(2)
 local now = clock()
 local out = {fmt(now)}
 for _, spec in ipairs(keys) do
   gather(spec, now)
-  if write then
-    for _, s in ipairs(spec.order) do
-      local sh = spec.shares[s]
-      if sh.tokens ~= nil and sh.cap ~= nil and redis.call('EXISTS', rkey('b', spec.key, s)) == 1 then
+  for _, s in ipairs(spec.order) do
+    local sh = spec.shares[s]
+    local bk = rkey('b', spec.key, s)
+    if mode == 'fill' and sh.tokens ~= nil then
+      save_bucket(spec.key, s, sh.tokens, now, sh.cap)
+    elseif mode == 'resize' then
+      if sh.cap == nil then
+        redis.call('DEL', bk)
+      elseif sh.tokens ~= nil and redis.call('EXISTS', bk) == 1 then
         save_bucket(spec.key, s, sh.tokens, now, sh.cap)
       end
     end

@@ -1,0 +1,73 @@
+"""One test body, two stores: the in-process store on a fake clock and the Redis store on real time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from extproc.core.clock import FakeClock
+from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, Rejection
+from extproc.core.ports import LimiterStore
+
+REAL_TIME_SLACK_S = 0.5
+"""How much real time a Redis-backed test may spend between two steps that a fake clock would not see."""
+
+
+@dataclass
+class Harness:
+    store: LimiterStore
+    clock: FakeClock | None = None
+    leases: list[Lease] = field(default_factory=list)
+
+    @property
+    def real_time(self) -> bool:
+        return self.clock is None
+
+    async def advance(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        else:
+            await asyncio.sleep(seconds)
+
+    async def apply(
+        self,
+        specs: Mapping[str, LimitSpec],
+        defaults: Mapping[str, LimitSpec] | None = None,
+        priority: Sequence[str] = (),
+    ) -> None:
+        await self.store.apply_limits(specs, defaults, priority)
+
+    async def acquire(
+        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease | Rejection:
+        return await self.store.acquire(keys, tokens, holder, use_pool)
+
+    async def lease(
+        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease:
+        result = await self.acquire(keys, tokens, holder, use_pool)
+        assert isinstance(result, Lease), result
+        return result
+
+    def snap(self, key: str) -> KeySnapshot:
+        found = [s for s in self.store.snapshot() if s.key == key]
+        assert found, f"no snapshot of {key}"
+        return found[0]
+
+    def has(self, key: str) -> bool:
+        return any(s.key == key for s in self.store.snapshot())
+
+    def shares(self, key: str) -> dict[str, Any]:
+        return {s.name: s for s in self.snap(key).shares}
+
+    def tokens(self, value: float, tokens_per_minute: float) -> Any:
+        """`value` tokens, give or take what a bucket refills while real time passes."""
+        slack = tokens_per_minute / 60 * REAL_TIME_SLACK_S if self.real_time else 1e-6
+        return pytest.approx(value, abs=slack)
+
+    def seconds(self, value: float, abs_s: float = 0.05) -> Any:
+        return pytest.approx(value, abs=abs_s if self.real_time else 1e-6)
