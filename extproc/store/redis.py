@@ -116,7 +116,7 @@ class _Open:
 
 @dataclass
 class _Cached:
-    snapshot: KeySnapshot
+    view: _KeyState  # the key as last read from Redis; turned into a KeySnapshot only at scrape time
     seen_at: float
 
 
@@ -151,6 +151,7 @@ class RedisStore:
         self._defaults: dict[str, LimitSpec] = {}
         self._priority: tuple[str, ...] = ()
         self._configured = False
+        self._blocks: dict[str, list[str]] = {}
         self._scales: dict[str, float] = {}
         self._calc = JointLimiter(clock=time.monotonic)  # only its `_status` arithmetic is used
         self._replica = secrets.randbits(30)
@@ -252,6 +253,7 @@ class RedisStore:
         self._defaults = dict(defaults or {})
         self._priority = tuple(priority)
         self._configured = True
+        self._blocks.clear()
         await self._sync(keys, "resize")
 
     async def set_scale(self, key: str, scale: float) -> None:
@@ -265,6 +267,7 @@ class RedisStore:
         if self._scales.get(key, 1.0) != scale:
             await self._sync([key], "fill")
             self._scales[key] = scale
+            self._blocks.pop(key, None)
             await self._sync([key], "resize")
 
     async def _sync(self, keys: list[str], mode: str) -> None:
@@ -299,15 +302,26 @@ class RedisStore:
         """The KEYSPEC argument block of the scripts (see `redis_scripts`)."""
         out = [str(len(keys))]
         for key in keys:
-            state = self._template(key)
-            out += [key, "1" if state.spec.tokens_per_minute is not None else "0", str(len(state.shares))]
-            for name, share in state.shares.items():
-                out += [
-                    name,
-                    _num(share.concurrency),
-                    _num(share.tokens_per_minute),
-                    repr(state._base_tokens(name)),
-                ]
+            block = self._blocks.get(key)
+            if block is None:
+                block = self._block(key)
+                if len(self._blocks) >= CACHE_MAX_KEYS:
+                    self._blocks.clear()
+                self._blocks[key] = block
+            out += block
+        return out
+
+    def _block(self, key: str) -> list[str]:
+        """One key's part of KEYSPEC; cached until the limits or the key's scale change."""
+        state = self._template(key)
+        out = [key, "1" if state.spec.tokens_per_minute is not None else "0", str(len(state.shares))]
+        for name, share in state.shares.items():
+            out += [
+                name,
+                _num(share.concurrency),
+                _num(share.tokens_per_minute),
+                repr(state._base_tokens(name)),
+            ]
         return out
 
     # -- admission -----------------------------------------------------------------------------------------
@@ -416,7 +430,7 @@ class RedisStore:
 
     def snapshot(self) -> list[KeySnapshot]:
         """Every key seen lately, as of its last read from Redis (no I/O: called at metrics scrape time)."""
-        return [entry.snapshot for entry in self._cache.values()]
+        return [_snapshot(key, entry.view) for key, entry in self._cache.items()]
 
     # -- Redis calls ---------------------------------------------------------------------------------------
 
@@ -500,7 +514,7 @@ class RedisStore:
         seen = time.monotonic()
         for key, view in zip(keys, views, strict=True):
             self._cache.pop(key, None)  # re-insert: the dict stays ordered by last use
-            self._cache[key] = _Cached(_snapshot(key, view), seen)
+            self._cache[key] = _Cached(view, seen)
         if len(self._cache) > CACHE_MAX_KEYS:
             extra = [k for k in self._cache if k not in self._specs][: len(self._cache) - CACHE_MAX_KEYS]
             for key in extra:
