@@ -40,6 +40,8 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
+from extproc.core import ports
+
 # The store reuses the limiter's per-key arithmetic (share split, pool accounting, retry hints, status) on the
 # state read from Redis, so that the two stores cannot drift apart. These are private to the core on purpose.
 from extproc.core.bucket import TokenBucket
@@ -97,13 +99,18 @@ CACHE_MAX_KEYS = 4096
 """Unconfigured keys (tenants) leave the metrics cache after this long unseen; the cache stays this small."""
 
 
-class StoreUnavailable(Exception):
+class RedisUnavailable(Exception):
     """Redis did not answer within the timeout (down, unreachable, paused, or refusing scripts).
 
     Raised by `acquire` and `status`; the admission path decides what a request gets then (fail closed with
     a 503, or a local fallback). Nothing was admitted: a lease the script may still have granted is removed
     in the background, or expires after the lease TTL.
     """
+
+
+# The admission path catches one exception for every store: the port's `StoreUnavailable` where the port
+# declares it, this module's own class otherwise. Either way it is the class this store raises.
+StoreUnavailable: type[Exception] = getattr(ports, "StoreUnavailable", RedisUnavailable)
 
 
 @dataclass
