@@ -30,6 +30,7 @@ from extproc.feedback.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
 from extproc.server import Deps, ExtProcServicer
+from extproc.store.factory import build_store
 from extproc.store.local import LocalStore
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ class Sidecar:
     metrics: Metrics = field(default_factory=Metrics)
 
     def __post_init__(self) -> None:
-        self._local = LocalStore(clock=self.clock) if self.store is None else None
-        self.store = self.store or self._local
+        if self.store is None:
+            self.store = build_store(self.config.store, self.clock)
+        self._local = self.store if isinstance(self.store, LocalStore) else None
         self.executor = ThreadPoolExecutor(
             max_workers=self.config.admission.tokenizer_threads, thread_name_prefix="tokenize"
         )
@@ -123,6 +125,9 @@ class Sidecar:
 
     async def start(self) -> None:
         self._started = True
+        store_start = getattr(self.store, "start", None)
+        if store_start is not None:
+            await store_start()
         await self.apply_config(self.config)
         size = self.config.server.max_receive_message_bytes
         server = grpc.aio.server(
@@ -210,6 +215,9 @@ class Sidecar:
         self.queue.close()
         self.servicer.settle_open_streams()
         await self.servicer.drain()
+        store_close = getattr(self.store, "close", None)
+        if store_close is not None:
+            await store_close()
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -97,6 +97,19 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """Where limiter state lives. Read at start only: switching stores would orphan open leases."""
+
+    backend: str = "local"  # local | redis
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "extproc:"
+    lease_ttl_seconds: float = 60.0
+    timeout_ms: float = 50.0
+    on_unavailable: str = "local"  # local | reject
+    fallback_share: float = 1.0
+
+
+@dataclass(frozen=True)
 class KvBudgetConfig:
     enabled: bool = False
     target_utilization: float = 0.9
@@ -127,6 +140,7 @@ class Config:
     )
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     classes: tuple[ClassConfig, ...] = (ClassConfig(DEFAULT_CLASS),)
     default_class: str = DEFAULT_CLASS
     tenant_classes: Mapping[str, str] = field(default_factory=dict)
@@ -450,6 +464,33 @@ def _feedback(root: _Section) -> FeedbackConfig:
     )
 
 
+def _store(root: _Section) -> StoreConfig:
+    sec = root.section("store")
+    backend = sec.string("backend", "local") or "local"
+    if backend not in ("local", "redis"):
+        raise ConfigError(f"store.backend: must be local or redis, got {backend!r}")
+    red = sec.section("redis")
+    url = red.string("url", StoreConfig.redis_url) or StoreConfig.redis_url
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"store.redis.url: must be a redis://, rediss:// or unix:// URL, got {url!r}")
+    config = StoreConfig(
+        backend=backend,
+        redis_url=url,
+        key_prefix=red.string("key_prefix", StoreConfig.key_prefix) or StoreConfig.key_prefix,
+        lease_ttl_seconds=red.number("lease_ttl_seconds", StoreConfig.lease_ttl_seconds, minimum=1.0),
+        timeout_ms=red.number("timeout_ms", StoreConfig.timeout_ms, minimum=1.0),
+        on_unavailable=sec.string("on_unavailable", "local") or "local",
+        fallback_share=sec.number("fallback_share", 1.0, minimum=0.001),
+    )
+    red.done()
+    if config.on_unavailable not in ("local", "reject"):
+        raise ConfigError(f"store.on_unavailable: must be local or reject, got {config.on_unavailable!r}")
+    if config.fallback_share > 1:
+        raise ConfigError(f"store.fallback_share: must be in (0, 1], got {config.fallback_share}")
+    sec.done()
+    return config
+
+
 def parse_config(data: Any) -> Config:
     """Build a validated `Config` from parsed YAML."""
     root = _Section(data, "")
@@ -536,6 +577,7 @@ def parse_config(data: Any) -> Config:
     lim.done()
 
     feedback = _feedback(root)
+    store = _store(root)
     shadow = root.boolean("shadow", False)
     log_level = (root.string("log_level", "INFO") or "INFO").upper()
     if log_level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
@@ -547,6 +589,7 @@ def parse_config(data: Any) -> Config:
         models=models,
         limits=limits,
         feedback=feedback,
+        store=store,
         classes=classes,
         default_class=default_class,
         tenant_classes=tenant_classes,

@@ -48,7 +48,7 @@ from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Reason, Rejection
-from extproc.core.ports import LimiterStore
+from extproc.core.ports import LimiterStore, StoreUnavailable
 from extproc.metrics import Metrics
 from extproc.queueing import WAITABLE, AdmissionQueue, QueueFull
 
@@ -100,6 +100,7 @@ class StreamHandler:
     klass: ClassConfig | None = None
     model_label: str = "unknown"
     decided: bool = False
+    settling: bool = False
     rpc_done: bool = False
     on_late_lease: Callable[[StreamHandler], None] | None = None
     parsed: ParsedRequest | None = None
@@ -213,24 +214,30 @@ class StreamHandler:
         waits = queue is not None and klass.queues and not shadow
         behind = queue is not None and queue.must_queue(klass.name)
         result: Lease | Rejection | None = None
-        if not (behind and waits):
-            # Waiters of a higher class are ahead: a class that does not queue may still use its own
-            # guarantee, but not the pool they are waiting for.
-            result = await self._acquire(keys, plan.total, use_pool=not behind)
-        if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
-            assert queue is not None
-            # Envoy's per-message timer must not fire while the request waits for capacity.
-            yield pb.ProcessingResponse(
-                override_message_timeout=Duration(seconds=math.ceil(klass.max_wait_seconds) + 1)
-            )
-            try:
-                result = await queue.wait(keys, plan.total, klass.name, self.tenant, klass.max_wait_seconds)
-            except QueueFull:
-                yield self._queue_refused("queue_full", plan)
-                return
-            if result is None:
-                yield self._queue_refused("queue_timeout", plan)
-                return
+        try:
+            if not (behind and waits):
+                # Waiters of a higher class are ahead: a class that does not queue may still use its own
+                # guarantee, but not the pool they are waiting for.
+                result = await self._acquire(keys, plan.total, use_pool=not behind)
+            if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
+                assert queue is not None
+                # Envoy's per-message timer must not fire while the request waits for capacity.
+                yield pb.ProcessingResponse(
+                    override_message_timeout=Duration(seconds=math.ceil(klass.max_wait_seconds) + 1)
+                )
+                try:
+                    result = await queue.wait(
+                        keys, plan.total, klass.name, self.tenant, klass.max_wait_seconds
+                    )
+                except QueueFull:
+                    yield self._queue_refused("queue_full", plan)
+                    return
+                if result is None:
+                    yield self._queue_refused("queue_timeout", plan)
+                    return
+        except StoreUnavailable:
+            yield self._store_unavailable()
+            return
         self.deps.metrics.decision_seconds.observe(self.deps.clock() - started)
         assert result is not None
         if isinstance(result, Rejection):
@@ -254,6 +261,18 @@ class StreamHandler:
             return
         self.strip_usage = True
         yield r.continue_request_body(set_headers=[("content-length", str(len(new_body)))], body=new_body)
+
+    def _store_unavailable(self) -> pb.ProcessingResponse:
+        """The shared limiter store is down and configured to fail closed (`store.on_unavailable: reject`)."""
+        self.closed = True
+        self._count("rejected", "store_unavailable")
+        body = error_body(
+            "The gateway cannot check its rate limits right now. Please try again shortly.",
+            type="server_error",
+            code="service_unavailable",
+        )
+        headers = [*r.retry_headers(1.0), ("x-extproc-reject-reason", "store_unavailable")]
+        return r.immediate(503, body, headers, details="extproc_store_unavailable")
 
     def _shadow_pass(self, reason: str) -> pb.ProcessingResponse:
         """Shadow mode: count and log what enforcement would have refused, then let it through.
@@ -491,8 +510,11 @@ class StreamHandler:
     def finish(self) -> asyncio.Future[bool] | None:
         """Settle the lease if this stream holds one; safe to call any number of times."""
         lease = self.lease
-        if lease is None or lease.settled:
+        if lease is None or self.settling or lease.settled:
             return None
+        # Book the settlement on this stream's first attempt, whatever the store answers: a shared store
+        # answers False for a lease that already expired there, and the request still ended here.
+        self.settling = True
         actual, outcome, prompt, completion = self.settlement()
         if self.budget is not None and self.parsed is not None:
             self.budget.release(self._budget_id(), completion if outcome == "completed" else None)
@@ -504,7 +526,8 @@ class StreamHandler:
         queue = self.deps.queue
 
         def account(done: asyncio.Future[bool]) -> None:
-            if done.cancelled() or done.exception() is not None or not done.result():
+            if done.cancelled() or done.exception() is not None:
+                log.error("lease settlement failed", extra={"model": lease_model})
                 return
             if queue is not None:
                 queue.kick()

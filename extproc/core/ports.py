@@ -13,6 +13,10 @@ from typing import Protocol
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 
 
+class StoreUnavailable(Exception):
+    """The store could not answer in time (a shared store down or unreachable); nothing was admitted."""
+
+
 class LimiterStore(Protocol):
     async def acquire(
         self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True

@@ -40,8 +40,6 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
-from extproc.core import ports
-
 # The store reuses the limiter's per-key arithmetic (share split, pool accounting, retry hints, status) on the
 # state read from Redis, so that the two stores cannot drift apart. These are private to the core on purpose.
 from extproc.core.bucket import TokenBucket
@@ -60,6 +58,7 @@ from extproc.core.limiter import (
     _KeyState,
     _Share,
 )
+from extproc.core.ports import StoreUnavailable
 from extproc.core.shares import SHARED
 from extproc.store import redis_scripts
 
@@ -99,18 +98,13 @@ CACHE_MAX_KEYS = 4096
 """Unconfigured keys (tenants) leave the metrics cache after this long unseen; the cache stays this small."""
 
 
-class RedisUnavailable(Exception):
+class RedisUnavailable(StoreUnavailable):
     """Redis did not answer within the timeout (down, unreachable, paused, or refusing scripts).
 
-    Raised by `acquire` and `status`; the admission path decides what a request gets then (fail closed with
-    a 503, or a local fallback). Nothing was admitted: a lease the script may still have granted is removed
-    in the background, or expires after the lease TTL.
+    Raised by `acquire` and `status` as the port's `StoreUnavailable`; the admission path decides what a
+    request gets then (fail closed with a 503, or a local fallback). Nothing was admitted: a lease the script
+    may still have granted is removed in the background, or expires after the lease TTL.
     """
-
-
-# The admission path catches one exception for every store: the port's `StoreUnavailable` where the port
-# declares it, this module's own class otherwise. Either way it is the class this store raises.
-StoreUnavailable: type[Exception] = getattr(ports, "StoreUnavailable", RedisUnavailable)
 
 
 @dataclass
@@ -445,13 +439,13 @@ class RedisStore:
         self, script: AsyncScript, args: list[str], limit_s: float, fail_fast: bool = True
     ) -> Any:
         if fail_fast and time.monotonic() < self._fail_fast_until:
-            raise StoreUnavailable(f"redis unavailable (failing fast): {self.last_error}")
+            raise RedisUnavailable(f"redis unavailable (failing fast): {self.last_error}")
         try:
             async with asyncio.timeout(limit_s):
                 result = await script(keys=[self.base], args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)
-            raise StoreUnavailable(f"redis: {self.last_error}") from exc
+            raise RedisUnavailable(f"redis: {self.last_error}") from exc
         self._failures = 0
         self._fail_fast_until = 0.0
         return result
@@ -604,7 +598,7 @@ class RedisStore:
                 results = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)
-            raise StoreUnavailable(f"redis: {self.last_error}") from exc
+            raise RedisUnavailable(f"redis: {self.last_error}") from exc
         lost = 0
         for chunk, indices in zip(chunks, results, strict=True):
             for index in indices:

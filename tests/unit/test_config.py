@@ -217,3 +217,27 @@ def test_classes_and_tenants() -> None:
     assert config.class_of("stranger").name == "batch"
     assert config.class_config("critical").queues and config.class_config("critical").max_queued == 100
     assert config.tenant_label("chat") == "chat" and config.tenant_label("x") == "other"
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"store": {"backend": "memcached"}}, "store.backend"),
+        ({"store": {"redis": {"url": "http://x"}}}, "store.redis.url"),
+        ({"store": {"redis": {"lease_ttl_seconds": 0}}}, "store.redis.lease_ttl_seconds"),
+        ({"store": {"on_unavailable": "shrug"}}, "store.on_unavailable"),
+        ({"store": {"fallback_share": 2}}, "store.fallback_share"),
+        ({"store": {"redis": {"db": 3}}}, "store.redis.db"),
+    ],
+)
+def test_store_errors_name_the_key(data: Any, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_store_defaults_to_in_process_state() -> None:
+    store = parse_config({}).store
+    assert store.backend == "local"
+    redis = parse_config({"store": {"backend": "redis", "redis": {"url": "rediss://r:6380/1"}}}).store
+    assert (redis.backend, redis.redis_url, redis.on_unavailable) == ("redis", "rediss://r:6380/1", "local")

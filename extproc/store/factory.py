@@ -1,0 +1,27 @@
+"""Builds the limiter store the config asks for (read once at start)."""
+
+from __future__ import annotations
+
+from extproc.config import StoreConfig
+from extproc.core.clock import Clock
+from extproc.core.ports import LimiterStore
+from extproc.store.fallback import FallbackStore
+from extproc.store.local import LocalStore
+
+
+def build_store(config: StoreConfig, clock: Clock) -> LimiterStore:
+    """In-process state by default; Redis shared by the replicas, wrapped with a local fallback unless the
+    operator chose to fail closed (`on_unavailable: reject`)."""
+    if config.backend == "local":
+        return LocalStore(clock=clock)
+    from extproc.store.redis import RedisStore  # only deployments that share state need the client
+
+    shared = RedisStore.from_url(
+        config.redis_url,
+        key_prefix=config.key_prefix,
+        lease_ttl_s=config.lease_ttl_seconds,
+        timeout_s=config.timeout_ms / 1000,
+    )
+    if config.on_unavailable == "reject":
+        return shared
+    return FallbackStore(shared, LocalStore(clock=clock), config.fallback_share)

@@ -1,0 +1,116 @@
+"""A shared store with a local fallback: when Redis cannot answer, each replica admits on its own share.
+
+A gateway fleet that loses its shared store has two bad options: refuse everything (every request fails
+while Redis is down) or admit everything (the KV cache overflows). The middle way is what this wrapper does:
+each replica falls back to in-process limits sized to its share of every limit (`fallback_share`, e.g.
+1/replicas), so the fleet as a whole stays near its limits while Redis is away, and goes back to the shared
+limits as soon as Redis answers again. Leases remember where they were taken and are settled there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
+from extproc.core.ports import LimiterStore, StoreUnavailable
+from extproc.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+
+def share_of(spec: LimitSpec, share: float) -> LimitSpec:
+    """A limit cut to `share` of itself (guarantees too); a non-zero slot limit keeps at least one slot."""
+
+    def slots(value: int | None) -> int | None:
+        return None if value is None else (0 if value == 0 else max(1, math.floor(value * share)))
+
+    def tokens(value: int | None) -> int | None:
+        return None if value is None else max(1, math.floor(value * share))
+
+    guaranteed = tuple((name, share_of(g, share)) for name, g in spec.guaranteed)
+    out = LimitSpec(
+        max_concurrency=slots(spec.max_concurrency), tokens_per_minute=tokens(spec.tokens_per_minute)
+    )
+    # Rounding each guarantee up to one slot may overshoot a small total: drop guarantees that no longer fit.
+    try:
+        return LimitSpec(out.max_concurrency, out.tokens_per_minute, guaranteed)
+    except ValueError:
+        return out
+
+
+class FallbackStore:
+    """`LimiterStore` that prefers `primary` and uses `fallback` (local, cut to a share) when it fails."""
+
+    def __init__(self, primary: LimiterStore, fallback: LocalStore, share: float) -> None:
+        if not 0 < share <= 1:
+            raise ValueError("fallback_share: must be in (0, 1]")
+        self.primary = primary
+        self.fallback = fallback
+        self.share = share
+        self._local: dict[int, Lease] = {}
+        self.fallback_acquires = 0
+        self.degraded = False
+
+    async def acquire(
+        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease | Rejection:
+        try:
+            result = await self.primary.acquire(keys, tokens, holder, use_pool)
+        except StoreUnavailable as exc:
+            if not self.degraded:
+                log.error(
+                    "shared store unavailable: admitting on this replica's share", extra={"error": str(exc)}
+                )
+            self.degraded = True
+            self.fallback_acquires += 1
+            result = await self.fallback.acquire(keys, tokens, holder, use_pool)
+            if isinstance(result, Lease):
+                self._local[id(result)] = result
+            return result
+        if self.degraded:
+            log.info("shared store answering again: back to shared limits")
+            self.degraded = False
+        return result
+
+    async def release(self, lease: Lease, actual_tokens: int) -> bool:
+        if self._local.pop(id(lease), None) is not None:
+            return await self.fallback.release(lease, actual_tokens)
+        return await self.primary.release(lease, actual_tokens)
+
+    async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
+        try:
+            return await self.primary.status(keys, holder)
+        except StoreUnavailable:
+            return await self.fallback.status(keys, holder)
+
+    async def apply_limits(
+        self,
+        specs: Mapping[str, LimitSpec],
+        defaults: Mapping[str, LimitSpec] | None = None,
+        priority: Sequence[str] = (),
+    ) -> None:
+        await self.primary.apply_limits(specs, defaults, priority)
+        await self.fallback.apply_limits(
+            {k: share_of(v, self.share) for k, v in specs.items()},
+            {k: share_of(v, self.share) for k, v in (defaults or {}).items()},
+            priority,
+        )
+
+    async def set_scale(self, key: str, scale: float) -> None:
+        await self.primary.set_scale(key, scale)
+        await self.fallback.set_scale(key, scale)
+
+    async def start(self) -> None:
+        start = getattr(self.primary, "start", None)
+        if start is not None:
+            await start()
+
+    async def close(self) -> None:
+        close = getattr(self.primary, "close", None)
+        if close is not None:
+            await close()
+
+    def snapshot(self) -> list[KeySnapshot]:
+        return self.fallback.snapshot() if self.degraded else self.primary.snapshot()
