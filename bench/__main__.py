@@ -8,9 +8,12 @@ static and feedback modes on 400 requests; overhead with fewer requests and rate
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from bench.common import REPO, RESULTS, machine, write_json
 
@@ -34,7 +37,24 @@ def run_micro(short: bool) -> int:
     ]
     if short:
         argv += ["--benchmark-max-time=0.2", "--benchmark-min-rounds=3"]
-    return subprocess.run(argv, cwd=REPO, timeout=600).returncode
+    code = subprocess.run(argv, cwd=REPO, timeout=600).returncode
+    _trim_micro(out)
+    return code
+
+
+def _trim_micro(path: Path) -> None:
+    """pytest-benchmark stores every round's timing (megabytes); keep the statistics only."""
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    for bench in data.get("benchmarks", []):
+        bench["stats"].pop("data", None)
+    data.pop("commit_info", None)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--full", action="store_true", help="the full run RESULTS.md reports")
     parser.add_argument("--only", default=",".join(PARTS), help="comma-separated: " + ",".join(PARTS))
     args = parser.parse_args(argv)
+    # SIGTERM (and SIGINT, which a shell ignores in background jobs) unwind through the `finally` blocks
+    # that stop every process a benchmark started.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
     short = not args.full
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)

@@ -18,7 +18,7 @@ def _load(name: str) -> Any:
 def protection_tables(data: dict[str, Any]) -> str:
     rows = []
     for r in data["runs"]:
-        label = f"{r['rate']:g}x" + (" + burst" if r["burst"] else "")
+        label = f"{r.get('trace', 'conv')} {r['rate']:g}x" + (" + burst" if r["burst"] else "")
         rows.append(
             [
                 r["overflow"],
@@ -39,7 +39,7 @@ def protection_tables(data: dict[str, Any]) -> str:
         )
     header = [
         "overflow",
-        "rate",
+        "trace, rate",
         "mode",
         "preemptions",
         "OOM",
@@ -54,7 +54,7 @@ def protection_tables(data: dict[str, Any]) -> str:
         "KV mean",
     ]
     out = [md_table(header, rows)]
-    bursts = [r for r in data["runs"] if r["burst"] and "burst" in r]
+    bursts = [r for r in data["runs"] if r["burst"] and "burst_outcome" in r]
     if bursts:
         out.append("")
         out.append(
@@ -64,9 +64,9 @@ def protection_tables(data: dict[str, Any]) -> str:
                     [
                         r["overflow"],
                         r["mode"],
-                        r["burst"]["ok"],
-                        r["burst"]["rejected"],
-                        r["burst"]["error"] + r["burst"]["timeout"],
+                        r["burst_outcome"]["ok"],
+                        r["burst_outcome"]["rejected"],
+                        r["burst_outcome"]["error"] + r["burst_outcome"]["timeout"],
                     ]
                     for r in bursts
                 ],

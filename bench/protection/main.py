@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import tempfile
@@ -20,6 +21,7 @@ DRAIN_ENGINE_S = 60.0  # after the last arrival, engine seconds requests may sti
 STREAM_EVERY = 4  # every 4th request is streamed: TTFT is measured on those, e2e on all
 BURST = (10, 7500, 300)  # ten 7.5k-token prompts generating 300 tokens each, at the slice's midpoint
 BURST_RATE = 2.0
+CODE_RATE = 4.0
 
 
 def time_scale_for(slice_rate: float, rate: float) -> float:
@@ -33,7 +35,9 @@ def _downsample(series: dict[str, list[float]], points: int = 300) -> dict[str, 
     return {k: v[::step] for k, v in series.items()}
 
 
-def run(short: bool, modes: tuple[str, ...] = MODES) -> dict[str, Any] | None:
+def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) -> dict[str, Any] | None:
+    """The matrix (short: 4x preempt only). `only_bursts`: re-run the burst scenario alone and replace its
+    rows in an existing full result file."""
     directory = tr.traces_dir()
     if directory is None:
         print(
@@ -56,12 +60,21 @@ def run(short: bool, modes: tuple[str, ...] = MODES) -> dict[str, Any] | None:
         for rate in rates
         for mode in run_modes
     ]
+    code_trace = tr.window(tr.load(directory, ("code",)), TRACE_START_S, count)
+    code_rate = len(code_trace) / code_trace[-1].t
     if not short:
         specs += [
             RunSpec(mode, BURST_RATE, overflow, time_scale_for(slice_rate, BURST_RATE), burst=True)
             for overflow in overflows
             for mode in run_modes
         ]
+        # The coding service's trace on the same deployment and limits: long prompts, short answers.
+        specs += [
+            RunSpec(mode, CODE_RATE, "preempt", time_scale_for(code_rate, CODE_RATE), extra={"trace": "code"})
+            for mode in run_modes
+        ]
+    if only_bursts:
+        specs = [s for s in specs if s.burst]
     workdir = Path(tempfile.mkdtemp(prefix="bench-protection-"))
     runs = []
     t0 = time.monotonic()
@@ -71,7 +84,9 @@ def run(short: bool, modes: tuple[str, ...] = MODES) -> dict[str, Any] | None:
             f"(time scale {spec.time_scale:.2f})",
             flush=True,
         )
-        summary = run_one(spec, dep, trace, sizing, workdir, STREAM_EVERY, DRAIN_ENGINE_S, BURST)
+        replayed = code_trace if spec.extra.get("trace") == "code" else trace
+        summary = run_one(spec, dep, replayed, sizing, workdir, STREAM_EVERY, DRAIN_ENGINE_S, BURST)
+        summary["trace"] = spec.extra.get("trace", "conv")
         summary["series"] = _downsample(summary["series"])
         print(
             "  ok {ok} rejected {rejected} errors {error} timeouts {timeout} preemptions {preemptions:g} "
@@ -88,11 +103,13 @@ def run(short: bool, modes: tuple[str, ...] = MODES) -> dict[str, Any] | None:
         },
         "sizing": sizing.__dict__,
         "trace": {
-            "files": list(tr.TRACE_FILES.values())[:1],
+            "files": list(tr.TRACE_FILES.values()),
             "start_s": TRACE_START_S,
             "requests": len(trace),
             "rate_req_s": slice_rate,
             "span_s": trace[-1].t,
+            "code_rate_req_s": code_rate,
+            "code_span_s": code_trace[-1].t,
         },
         "stream_every": STREAM_EVERY,
         "drain_engine_s": DRAIN_ENGINE_S,
@@ -101,6 +118,11 @@ def run(short: bool, modes: tuple[str, ...] = MODES) -> dict[str, Any] | None:
         "duration_s": time.monotonic() - t0,
         "runs": runs,
     }
+    if only_bursts:
+        previous = json.loads((RESULTS / "protection.json").read_text())
+        previous["runs"] = [r for r in previous["runs"] if not r["burst"]] + runs
+        previous["bursts_rerun_duration_s"] = result["duration_s"]
+        result = previous
     write_json(f"protection{'-short' if short else ''}.json", result)
     try:
         plot(result, RESULTS)
@@ -119,12 +141,12 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[tuple[float, str, bool], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, float, str, bool], list[dict[str, Any]]] = {}
     for r in result["runs"]:
-        groups.setdefault((r["rate"], r["overflow"], r["burst"]), []).append(r)
+        groups.setdefault((r.get("trace", "conv"), r["rate"], r["overflow"], r["burst"]), []).append(r)
     paths = []
     suffix = "-short" if result["short"] else ""
-    for (rate, overflow, burst), runs in sorted(groups.items()):
+    for (trace, rate, overflow, burst), runs in sorted(groups.items()):
         fig, (ax_kv, ax_c) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
         for r in runs:
             s = r["series"]
@@ -136,14 +158,20 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax_kv.set_ylim(0, 1.05)
         ax_c.set_ylabel("requests at the engine\n(running + waiting)")
         ax_c.set_xlabel("engine seconds")
-        title = f"Azure conv trace at {rate:g}x, overflow={overflow}"
+        title = f"Azure {trace} trace at {rate:g}x, overflow={overflow}"
         if burst:
             title += f", + {result['burst']['count']} x {result['burst']['prompt']}-token burst at mid-slice"
         ax_kv.set_title(title)
         ax_kv.legend(loc="upper right", fontsize=8)
         fig.tight_layout()
-        path = out / f"protection_{rate:g}x_{overflow}{'_burst' if burst else ''}{suffix}.png"
+        name = f"protection_{trace}_{rate:g}x_{overflow}{'_burst' if burst else ''}{suffix}.png"
+        path = out / name
         fig.savefig(path, dpi=80)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+if __name__ == "__main__":
+    # `python -m bench.protection.main --bursts`: only the long-context burst rows of the full run.
+    run(short=False, only_bursts="--bursts" in sys.argv)

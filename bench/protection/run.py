@@ -359,7 +359,7 @@ def summarize(
     burst = [r for r in results if r.burst]
     if burst:
         bok = [r for r in burst if r.outcome == "ok"]
-        out["burst"] = {
+        out["burst_outcome"] = {
             "count": len(burst),
             **{k: sum(1 for r in burst if r.outcome == k) for k in ("ok", "rejected", "error", "timeout")},
             "e2e_p50_s": percentile([r.e2e * time_scale for r in bok if r.e2e is not None], 50),
