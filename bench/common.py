@@ -131,7 +131,7 @@ def _jsonable(value: Any) -> Any:
 
 def fmt(value: float | None, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
+        return "-"
     return f"{value:,.{digits}f}"
 
 

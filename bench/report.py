@@ -222,6 +222,9 @@ def overhead_tables(data: dict[str, Any]) -> str:
                 fmt(m["adversarial"]["p50_ms"], 1),
                 fmt(m["adversarial"]["p99_ms"], 1),
                 fmt(m["adversarial"]["big"]["p50_ms"], 1),
+                fmt(m["adversarial_baseline"].get("loop_lag_p99_ms"), 2),
+                fmt(m["adversarial"].get("loop_lag_p99_ms"), 2),
+                fmt(m["adversarial"].get("loop_lag_max_ms"), 2),
                 m["adversarial"]["errors"] + m["adversarial"]["big"]["errors"],
             ]
         )
@@ -234,6 +237,9 @@ def overhead_tables(data: dict[str, Any]) -> str:
                 "small p50 ms + 500 KB bodies",
                 "small p99 ms + 500 KB bodies",
                 "500 KB body p50 ms",
+                "loop lag p99 ms alone",
+                "loop lag p99 ms + 500 KB",
+                "loop lag max ms + 500 KB",
                 "errors",
             ],
             a_rows,
