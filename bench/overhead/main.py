@@ -24,7 +24,7 @@ import yaml
 
 from bench.common import percentile, proc_cpu_seconds, validate_envoy_config, write_json
 from extproc.sim.textgen import vocabulary
-from extproc.stack import Ports, Process, _remove_ext_proc, envoy_binary, render_envoy_config, wait_http
+from extproc.stack import Ports, Process, _remove_ext_proc, envoy_command, render_envoy_config, wait_http
 
 MODEL = "bench-model"
 STREAM_CHUNKS = 100
@@ -153,19 +153,7 @@ class Stack:
         envoy_path.write_text(yaml.safe_dump(envoy_cfg))
         validate_envoy_config(envoy_path)
         self.processes["envoy"] = Process.start(
-            "envoy",
-            [
-                envoy_binary(),
-                "-c",
-                str(envoy_path),
-                "--concurrency",
-                "1",
-                "--log-level",
-                "warning",
-                "--base-id",
-                str(self.ports.envoy_admin),
-            ],
-            self.workdir,
+            "envoy", envoy_command(envoy_path, self.ports.envoy_admin), self.workdir
         )
         wait_http(f"http://127.0.0.1:{self.ports.upstream}/", proc=up)
         if self.mode == "sidecar":

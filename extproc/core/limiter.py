@@ -298,6 +298,30 @@ class _KeyState:
         excess = max(1.0, active - limit + 1)  # over a lowered limit, the extra leases must end first
         return hold * excess / limit
 
+    def snapshot(self, key: str) -> KeySnapshot:
+        """A read-only view of this key's state as it stands (buckets are not refilled here)."""
+        shares = tuple(
+            ShareSnapshot(
+                name=name,
+                effective_concurrency=share.concurrency,
+                active=share.active,
+                effective_tokens_per_minute=share.tokens_per_minute,
+                tokens_available=share.bucket.tokens if share.bucket is not None else None,
+            )
+            for name, share in self.shares.items()
+        )
+        return KeySnapshot(
+            key=key,
+            max_concurrency=self.spec.max_concurrency,
+            effective_concurrency=self.concurrency_limit(),
+            active=self.active,
+            tokens_per_minute=self.spec.tokens_per_minute,
+            effective_tokens_per_minute=self.token_capacity(),
+            tokens_available=self.tokens_available(),
+            scale=self.scale,
+            shares=shares,
+        )
+
     def idle(self, now: float) -> bool:
         if self.scale != 1.0:
             return False  # forgetting it would drop the adaptive scale until the next sample
@@ -526,30 +550,8 @@ class JointLimiter:
         out = []
         for key in names:
             state = self._keys[key]
-            shares = []
-            for name, share in state.shares.items():
+            for share in state.shares.values():
                 if share.bucket is not None:
                     share.bucket.refill(now)
-                shares.append(
-                    ShareSnapshot(
-                        name=name,
-                        effective_concurrency=share.concurrency,
-                        active=share.active,
-                        effective_tokens_per_minute=share.tokens_per_minute,
-                        tokens_available=share.bucket.tokens if share.bucket is not None else None,
-                    )
-                )
-            out.append(
-                KeySnapshot(
-                    key=key,
-                    max_concurrency=state.spec.max_concurrency,
-                    effective_concurrency=state.concurrency_limit(),
-                    active=state.active,
-                    tokens_per_minute=state.spec.tokens_per_minute,
-                    effective_tokens_per_minute=state.token_capacity(),
-                    tokens_available=state.tokens_available(),
-                    scale=state.scale,
-                    shares=tuple(shares),
-                )
-            )
+            out.append(state.snapshot(key))
         return out

@@ -54,7 +54,6 @@ from extproc.core.limiter import (
     RateLimitStatus,
     Reason,
     Rejection,
-    ShareSnapshot,
     _KeyState,
     _Share,
 )
@@ -431,7 +430,7 @@ class RedisStore:
 
     def snapshot(self) -> list[KeySnapshot]:
         """Every key seen lately, as of its last read from Redis (no I/O: called at metrics scrape time)."""
-        return [_snapshot(key, entry.view) for key, entry in self._cache.items()]
+        return [entry.view.snapshot(key) for key, entry in self._cache.items()]
 
     # -- Redis calls ---------------------------------------------------------------------------------------
 
@@ -632,28 +631,3 @@ class RedisStore:
 
 def _num(value: float | None) -> str:
     return "" if value is None else repr(float(value))
-
-
-def _snapshot(key: str, state: _KeyState) -> KeySnapshot:
-    """The same view `JointLimiter.snapshot` gives of a key."""
-    shares = tuple(
-        ShareSnapshot(
-            name=name,
-            effective_concurrency=share.concurrency,
-            active=share.active,
-            effective_tokens_per_minute=share.tokens_per_minute,
-            tokens_available=share.bucket.tokens if share.bucket is not None else None,
-        )
-        for name, share in state.shares.items()
-    )
-    return KeySnapshot(
-        key=key,
-        max_concurrency=state.spec.max_concurrency,
-        effective_concurrency=state.concurrency_limit(),
-        active=state.active,
-        tokens_per_minute=state.spec.tokens_per_minute,
-        effective_tokens_per_minute=state.token_capacity(),
-        tokens_available=state.tokens_available(),
-        scale=state.scale,
-        shares=shares,
-    )
