@@ -187,6 +187,16 @@ def _get(body: Mapping[str, Any], key: str) -> Any:
     return body.get(key)
 
 
+def _required_str(obj: Mapping[str, Any], key: str, param: str) -> str:
+    """A field that must be present (null counts as absent) and a string; the error names `param`."""
+    value = _get(obj, key)
+    if value is None:
+        _bad(f"Missing required parameter: '{param}'.", code="missing_field", param=param)
+    if not isinstance(value, str):
+        _bad(f"'{param}' must be a string, got {_json_type(value)}.", code="invalid_type", param=param)
+    return value
+
+
 def _opt_int(body: Mapping[str, Any], key: str, *, low: int, high: int) -> int | None:
     value = _get(body, key)
     if value is None:
@@ -252,33 +262,8 @@ def _validate_content(message: Mapping[str, Any], role: str, param: str) -> None
                 code="invalid_type",
                 param=part_param,
             )
-        part_type = part.get("type")
-        if part_type is None:
-            _bad(
-                f"Missing required parameter: '{part_param}.type'.",
-                code="missing_field",
-                param=f"{part_param}.type",
-            )
-        if not isinstance(part_type, str):
-            _bad(
-                f"'{part_param}.type' must be a string, got {_json_type(part_type)}.",
-                code="invalid_type",
-                param=f"{part_param}.type",
-            )
-        if part_type == "text":
-            text = part.get("text")
-            if text is None:
-                _bad(
-                    f"Missing required parameter: '{part_param}.text'.",
-                    code="missing_field",
-                    param=f"{part_param}.text",
-                )
-            if not isinstance(text, str):
-                _bad(
-                    f"'{part_param}.text' must be a string, got {_json_type(text)}.",
-                    code="invalid_type",
-                    param=f"{part_param}.text",
-                )
+        if _required_str(part, "type", f"{part_param}.type") == "text":
+            _required_str(part, "text", f"{part_param}.text")
 
 
 def _parse_chat(body: Mapping[str, Any]) -> tuple[int, int]:
@@ -300,15 +285,7 @@ def _parse_chat(body: Mapping[str, Any]) -> tuple[int, int]:
         param = f"messages[{i}]"
         if not isinstance(message, dict):
             _bad(f"'{param}' must be an object, got {_json_type(message)}.", code="invalid_type", param=param)
-        role = _get(message, "role")
-        if role is None:
-            _bad(f"Missing required parameter: '{param}.role'.", code="missing_field", param=f"{param}.role")
-        if not isinstance(role, str):
-            _bad(
-                f"'{param}.role' must be a string, got {_json_type(role)}.",
-                code="invalid_type",
-                param=f"{param}.role",
-            )
+        role = _required_str(message, "role", f"{param}.role")
         tool_calls = _opt_list(message, "tool_calls", f"{param}.tool_calls")
         _validate_content(message, role, f"{param}.content")
         fixed += TOKENS_PER_MESSAGE
@@ -407,11 +384,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
 
 def _parse(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     body = _load_object(raw)
-    model = _get(body, "model")
-    if model is None:
-        _bad("Missing required parameter: 'model'.", code="missing_field", param="model")
-    if not isinstance(model, str):
-        _bad(f"'model' must be a string, got {_json_type(model)}.", code="invalid_type", param="model")
+    model = _required_str(body, "model", "model")
     if not model:
         _bad("'model' must not be empty.", code="invalid_value", param="model")
 
