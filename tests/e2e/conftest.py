@@ -79,6 +79,13 @@ class Stack:
         )
 
 
+def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
+    """Simulator arguments for a decode step of `step_ms` whatever the batch and no prefill cost, so a test
+    knows how long an answer streams (tokens x step)."""
+    steady = ["--step-base-ms", f"{step_ms:g}", "--decode-per-seq-ms", "0", "--prefill-per-token-ms", "0"]
+    return ["--model", model, *extra, *steady]
+
+
 def start_stack(config: dict[str, Any], sim_args: list[str]) -> LocalStack:
     stack = LocalStack(ports=Ports.free(), sidecar_config=config, sim_args=sim_args)
     stack.start()

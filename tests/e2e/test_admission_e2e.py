@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import Reply, Stack, http
+from tests.e2e.conftest import Reply, Stack, fixed_step_sim, http
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -23,16 +23,7 @@ CONFIG: dict[str, Any] = {
     },
 }
 # A decode step of 10 ms regardless of batch size: a 200-token answer streams for about two seconds.
-SIM_ARGS = [
-    "--model",
-    MODEL,
-    "--step-base-ms",
-    "10",
-    "--decode-per-seq-ms",
-    "0",
-    "--prefill-per-token-ms",
-    "0",
-]
+SIM_ARGS = fixed_step_sim(MODEL, 10)
 
 
 def chat(max_tokens: int, stream: bool = False, content: str = "Tell me a story.") -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, fixed_step_sim
 from tests.e2e.test_usage_e2e import Ledger, wait_settled
 
 MODEL = "llama-3-8b"
@@ -21,9 +21,9 @@ CONFIG: dict[str, Any] = {
     "models": {"*": {"context_window": 1024, "default_max_tokens": 128}},
     "limits": {"global": {"tokens_per_minute": 1_000_000}},
 }
-SIM_ARGS = [
-    "--model",
+SIM_ARGS = fixed_step_sim(
     MODEL,
+    5,
     "--overflow",
     "oom",
     "--num-gpu-blocks",
@@ -32,13 +32,7 @@ SIM_ARGS = [
     "1024",
     "--oom-restart-seconds",
     "3",
-    "--step-base-ms",
-    "5",
-    "--decode-per-seq-ms",
-    "0",
-    "--prefill-per-token-ms",
-    "0",
-]
+)
 MESSAGES = [{"role": "user", "content": "Write as much as you can."}]
 
 

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from extproc.stack import LocalStack, Ports
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, fixed_step_sim
 
 MODEL = "llama-3-8b"
 BASE_SLOTS = 10
@@ -23,20 +23,7 @@ CONFIG: dict[str, Any] = {
     "adaptive": {"recovery_per_second": 1.0, "stale_after_seconds": 2.0},
 }
 # 256 blocks of 16 tokens: six 2k-token sequences overflow it. A decode step takes 10 ms.
-SIM_ARGS = [
-    "--model",
-    MODEL,
-    "--num-gpu-blocks",
-    "256",
-    "--max-model-len",
-    "2048",
-    "--step-base-ms",
-    "10",
-    "--decode-per-seq-ms",
-    "0",
-    "--prefill-per-token-ms",
-    "0",
-]
+SIM_ARGS = fixed_step_sim(MODEL, 10, "--num-gpu-blocks", "256", "--max-model-len", "2048")
 # For the scale test the engine runs 20x slower than real time (a 200 ms decode step), so six sequences that
 # together hold ~90-96% of the cache stay there for ~10 s without any preemption thrash.
 STEADY_SIM_ARGS = [*SIM_ARGS, "--time-scale", "0.05"]

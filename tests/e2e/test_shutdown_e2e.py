@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from extproc.stack import LocalStack, Ports
+from tests.e2e.conftest import fixed_step_sim
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -16,16 +17,7 @@ CONFIG: dict[str, Any] = {
     "limits": {"models": {MODEL: {"max_concurrency": 4}}},
 }
 # 20 ms per token: a 100-token answer streams for about two seconds.
-SIM_ARGS = [
-    "--model",
-    MODEL,
-    "--step-base-ms",
-    "20",
-    "--decode-per-seq-ms",
-    "0",
-    "--prefill-per-token-ms",
-    "0",
-]
+SIM_ARGS = fixed_step_sim(MODEL, 20)
 
 
 def test_sigterm_lets_the_open_stream_finish_then_exits_cleanly() -> None:

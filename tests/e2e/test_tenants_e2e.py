@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from extproc.stack import ENVOY_TEMPLATE, LocalStack, Ports
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, fixed_step_sim
 
 MODEL = "llama-3-8b"
 SECRET = b"extproc-e2e-signing-key-0123456789"
@@ -46,16 +46,7 @@ CONFIG: dict[str, Any] = {
         }
     },
 }
-SIM_ARGS = [
-    "--model",
-    MODEL,
-    "--step-base-ms",
-    "10",
-    "--decode-per-seq-ms",
-    "0",
-    "--prefill-per-token-ms",
-    "0",
-]
+SIM_ARGS = fixed_step_sim(MODEL, 10)
 
 
 def b64url(data: bytes) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, fixed_step_sim
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -28,16 +28,7 @@ CONFIG: dict[str, Any] = {
     },
 }
 # 5 ms per decode step: answers of a few dozen tokens take a fraction of a second.
-SIM_ARGS = [
-    "--model",
-    MODEL,
-    "--step-base-ms",
-    "5",
-    "--decode-per-seq-ms",
-    "0",
-    "--prefill-per-token-ms",
-    "0",
-]
+SIM_ARGS = fixed_step_sim(MODEL, 5)
 MESSAGES = [{"role": "user", "content": "Summarise the plot of a long novel in a few words."}]
 
 
