@@ -245,9 +245,6 @@ class StreamHandler:
             return
         self.lease = result
         self.plan = plan
-        if self.rpc_done and self.on_late_lease is not None:
-            # The RPC ended while we waited (a cancel that the wait swallowed): settle now, not at GC.
-            self.on_late_lease(self)
         if budget is not None:
             budget.admit(self._budget_id(), plan.prompt_tokens, plan.completion_tokens)
             self.budget = budget
@@ -256,6 +253,9 @@ class StreamHandler:
         self._count("admitted", "ok")
         metrics.tokens_reserved.labels(self.model_label).inc(plan.total)
         metrics.active.inc()
+        if self.rpc_done and self.on_late_lease is not None:
+            # The RPC ended while we waited (a cancel that the wait swallowed): settle now, not at GC.
+            self.on_late_lease(self)
         if new_body is None:
             yield r.continue_request_body()
             return
