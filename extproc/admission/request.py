@@ -40,6 +40,8 @@ from extproc.admission.tokens import (
 
 # Far above any real model's context, far below anything that could overflow arithmetic downstream.
 MAX_TOKENS_LIMIT = 10_000_000
+# Served model names are short (Hugging Face repo ids are at most 96 characters); longer is not a model.
+MAX_MODEL_NAME = 256
 # OpenAI caps n at 128; each choice is a separate sequence holding its own KV cache.
 MAX_N = 128
 # Token ids are non-negative; anything beyond int32 is not a vocabulary index of any served model.
@@ -385,6 +387,9 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
 def _parse(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     body = _load_object(raw)
     model = _required_str(body, "model", "model")
+    if len(model) > MAX_MODEL_NAME:
+        # Model names become limiter keys and metric labels: no served name is this long.
+        _bad(f"'model' must be at most {MAX_MODEL_NAME} characters.", code="invalid_value", param="model")
     if not model:
         _bad("'model' must not be empty.", code="invalid_value", param="model")
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from extproc.admission.errors import AdmissionError
 from extproc.admission.request import (
+    MAX_MODEL_NAME,
     Endpoint,
     ModelPolicy,
     ParsedRequest,
@@ -529,3 +530,12 @@ def test_with_include_usage_only_when_needed(endpoint: Endpoint, body: dict[str,
     assert (out is not None) is changed
     if out is not None:
         assert json.loads(out)["stream_options"]["include_usage"] is True
+
+
+def test_absurdly_long_model_name_is_refused() -> None:
+    ok = {"model": "m" * MAX_MODEL_NAME, "messages": [{"role": "user", "content": "x"}]}
+    assert parse_request(Endpoint.CHAT, json.dumps(ok).encode()).model == "m" * MAX_MODEL_NAME
+    bad = {**ok, "model": "m" * (MAX_MODEL_NAME + 1)}
+    with pytest.raises(AdmissionError) as err:
+        parse_request(Endpoint.CHAT, json.dumps(bad).encode())
+    assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_value", "model")
