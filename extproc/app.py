@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,11 +83,11 @@ class Sidecar:
         self._started = False
         self._stopped = False
         self.metrics.info.labels(__version__).set(1)
-        self.metrics.watch_limits(self.store.snapshot, self._exported_key)
+        self.metrics.watch_limits(self.store.snapshot, self._exported_keys)
 
-    def _exported_key(self, key: str) -> bool:
+    def _exported_keys(self) -> Collection[str]:
         specs, _ = self.config.limit_specs()
-        return key in specs
+        return specs.keys()
 
     def _set_scale(self, key: str, scale: float) -> None:
         """Adaptive feedback runs on the event loop; the in-process store applies a scale at once."""

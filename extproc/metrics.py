@@ -7,7 +7,7 @@ are exported only for configured keys, never for every tenant a client ever clai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -22,7 +22,7 @@ class _LimitCollector(Collector):
     """Reads the limiter's key state at scrape time, so the gauges can never drift from the truth."""
 
     def __init__(
-        self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[str], bool]
+        self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[], Collection[str]]
     ) -> None:
         self._snapshot = snapshot
         self._exported = exported
@@ -47,9 +47,9 @@ class _LimitCollector(Collector):
         scale = GaugeMetricFamily(
             "extproc_limit_scale_ratio", "Adaptive scale applied to the key's base limits.", labels=["key"]
         )
-        for snap in self._snapshot():
-            if not self._exported(snap.key):
-                continue
+        exported = self._exported()
+        snaps = [snap for snap in self._snapshot() if snap.key in exported]
+        for snap in snaps:
             if snap.effective_concurrency is not None:
                 conc.add_metric([snap.key], snap.effective_concurrency)
             if snap.effective_tokens_per_minute is not None:
@@ -66,8 +66,8 @@ class _LimitCollector(Collector):
         share_active = GaugeMetricFamily(
             "extproc_share_active_requests", "Leases held in each share of a key.", labels=["key", "share"]
         )
-        for snap in self._snapshot():
-            if not self._exported(snap.key) or len(snap.shares) < 2:
+        for snap in snaps:
+            if len(snap.shares) < 2:
                 continue
             for share in snap.shares:
                 if share.effective_concurrency is not None:
@@ -161,6 +161,7 @@ class Metrics:
         )
 
     def watch_limits(
-        self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[str], bool]
+        self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[], Collection[str]]
     ) -> None:
+        """Export limit gauges at scrape time for the keys `exported()` names (one call per scrape)."""
         self.registry.register(_LimitCollector(snapshot, exported))
