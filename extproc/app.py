@@ -24,13 +24,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
+from extproc.admission.service import AdmissionService, Deps
 from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, load_config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
-from extproc.server import Deps, ExtProcServicer
+from extproc.server import ExtProcServicer
 from extproc.store.factory import build_store
 from extproc.store.local import LocalStore
 
@@ -55,10 +56,13 @@ class Sidecar:
         self.executor = ThreadPoolExecutor(
             max_workers=self.config.admission.tokenizer_threads, thread_name_prefix="tokenize"
         )
+        # Settlement of large answers has its own thread: a flood of prompts to tokenize must not delay the
+        # release of capacity that finished requests give back.
+        self.settle_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="settle")
         assert self.store is not None
         self.feedback = FeedbackRuntime(self.metrics.registry, self._set_scale, clock=self.clock)
         self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
-        self.servicer = ExtProcServicer(
+        self.admission = AdmissionService(
             Deps(
                 config=lambda: self.config,
                 store=self.store,
@@ -69,8 +73,10 @@ class Sidecar:
                 budget_changed=self.feedback.budget_changed,
                 kv_usage=self.feedback.kv_usage,
                 queue=self.queue,
+                settle_executor=self.settle_executor,
             )
         )
+        self.servicer = ExtProcServicer(self.admission)
         self.health = health.aio.HealthServicer()
         self.ready = False
         self.grpc_server: grpc.aio.Server | None = None
@@ -214,14 +220,15 @@ class Sidecar:
             log.info("draining ext_proc streams", extra={"grace_seconds": grace})
             await self.grpc_server.stop(grace)
         self.queue.close()
-        self.servicer.settle_open_streams()
-        await self.servicer.drain()
+        self.admission.settle_open()
+        await self.admission.drain()
         store_close = getattr(self.store, "close", None)
         if store_close is not None:
             await store_close()
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.settle_executor.shutdown(wait=False, cancel_futures=True)
         log.info("sidecar stopped")
 
 

@@ -180,23 +180,20 @@ async def test_a_feed_that_never_delivers_holds_model_pools_at_the_stale_scale()
 
 async def test_lease_granted_after_the_rpc_ended_is_settled_at_once() -> None:
     """A wait that swallowed the RPC's cancellation must not leave a lease or a KV-budget entry behind."""
+    from extproc.admission.exchange import Exchange, Phase, RequestHead
     from extproc.core.kv_budget import KvBudget
-    from extproc.server import Deps, StreamHandler
 
-    settled: list[StreamHandler] = []
     store = LocalStore()
     await store.apply_limits({"global": LimitSpec(max_concurrency=1)})
     budget = KvBudget(capacity_tokens=100_000)
     sidecar = Sidecar(config=parse_config({}), store=store, metrics=Metrics())
-    deps: Deps = sidecar.servicer.deps
-    deps.kv_budget = lambda _pool: budget
-    stream = StreamHandler(deps, on_late_lease=lambda s: settled.append(s) or s.finish())  # type: ignore[func-returns-value]
-    stream.rpc_done = True  # the done-callback already ran before the lease existed
-    await stream.handle(headers_msg("POST", "/v1/chat/completions")).__anext__()
-    replies = [r async for r in stream.handle(body_msg(chat(max_tokens=10)))]
-    assert replies[-1].HasField("request_body")
-    assert settled == [stream]
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    sidecar.admission.deps.kv_budget = lambda _pool: budget
+    exchange = Exchange(sidecar.admission)
+    exchange.close()  # the done-callback already ran before the lease existed
+    exchange.request_headers(RequestHead("POST", "/v1/chat/completions", {}))
+    verdicts = [v async for v in exchange.request_body(chat(max_tokens=10))]
+    assert len(verdicts) == 1
+    assert exchange.phase is Phase.SETTLED
+    await sidecar.admission.drain()
     assert store.limiter.snapshot(["global"])[0].active == 0
     assert budget.leases == 0

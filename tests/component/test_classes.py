@@ -239,7 +239,7 @@ async def test_batch_streams_cut_when_kv_passes_the_watermark() -> None:
     sidecar, channel = await start(config)
     h = Harness(sidecar, channel)
     usage = {"m": 0.5}
-    sidecar.servicer.deps.kv_usage = lambda pool: usage.get(pool)
+    sidecar.admission.deps.kv_usage = lambda pool: usage.get(pool)
     try:
         s, reply = await admit(h, "nightly")
         assert reply.HasField("request_body")
@@ -250,7 +250,7 @@ async def test_batch_streams_cut_when_kv_passes_the_watermark() -> None:
         cut = await s.send(resp_body_msg(b'data: {"choices":[{"index":0,"delta":{"content":" b"}}]}\n\n'))
         assert cut.immediate_response.status.code == 503
         await eventually(lambda: h.metric("extproc_active_requests") == 0)
-        await sidecar.servicer.drain()
+        await sidecar.admission.drain()
         assert h.metric("extproc_streams_cut_total", **{"class": "batch"}) == 1
         assert h.metric("extproc_settlements_total", outcome="cut") == 1
         assert h.metric("extproc_tokens_settled_total", kind="completion") == 1

@@ -113,7 +113,7 @@ class Harness:
     async def settled(self) -> None:
         """Wait until no lease is open and every settlement has been accounted."""
         await eventually(lambda: self.metric("extproc_active_requests") == 0)
-        await self.sidecar.servicer.drain()
+        await self.sidecar.admission.drain()
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ async def test_replicas_share_one_limit(replicas: tuple[Harness, Harness]) -> No
     s3.cancel()
     s2.cancel()  # a slot frees on replica b ...
     await eventually(lambda: b.metric("extproc_active_requests") == 0)
-    await b.sidecar.servicer.drain()
+    await b.sidecar.admission.drain()
     s4, r4 = await admit(a)  # ... and replica a can use it
     assert r4.HasField("request_body")
     for s in (s1, s4):

@@ -1,0 +1,416 @@
+"""One request's life through admission, as an explicit state machine.
+
+    NEW ──headers──▶ AWAITING_BODY ──body──▶ DECIDING ──▶ ADMITTED ──response headers──▶ RESPONDING
+     │                    │                     │             │                               │
+     └──▶ PASSTHROUGH     └──▶ REFUSED ◀────────┘             └────────── close() ──▶ SETTLED ◀┘
+
+A protocol handler calls `request_headers`, `request_body`, `response_headers`, `response_body` and
+`response_trailers` as the messages arrive, and `close()` however the request ends (it may be called any
+number of times: the lease settles once). Every method returns a verdict value (see `verdicts.py`); none
+knows about gRPC or protobuf.
+
+Whether a response is complete is decided only from what was seen (the end of the body, trailers, or the
+final `[DONE]` event), never from how the transport ended: a proxy ends every stream the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
+
+from extproc.admission import refusals
+from extproc.admission.errors import AdmissionError
+from extproc.admission.headers import ratelimit_headers
+from extproc.admission.request import (
+    Endpoint,
+    ModelPolicy,
+    ParsedRequest,
+    Reservation,
+    count_prompt_tokens,
+    endpoint_for,
+    parse_request,
+    plan_reservation,
+    prompt_token_lower_bound,
+    with_include_usage,
+)
+from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.settlement import ResponseFacts, settle_charge
+from extproc.admission.usage import ResponseUsageTracker
+from extproc.admission.verdicts import (
+    FORWARD,
+    PASSTHROUGH,
+    BodyVerdict,
+    Forward,
+    Hold,
+    Refusal,
+    RequestVerdict,
+)
+from extproc.config import ClassConfig, Config
+from extproc.core.kv_budget import KvBudget
+from extproc.core.limiter import Lease, Rejection
+from extproc.core.ports import StoreUnavailable
+from extproc.queueing import WAITABLE, QueueFull
+
+log = logging.getLogger(__name__)
+
+OFF_LOOP_PARSE_BYTES = 64 * 1024
+"""A request body larger than this is parsed in a worker thread (with its tokenizing), not on the loop."""
+
+OFF_LOOP_FINISH_BYTES = 64 * 1024
+"""A buffered response body larger than this is settled in a worker thread, not on the event loop."""
+
+_TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    PASSTHROUGH = "passthrough"
+    AWAITING_BODY = "awaiting_body"
+    DECIDING = "deciding"
+    REFUSED = "refused"
+    ADMITTED = "admitted"
+    RESPONDING = "responding"
+    SETTLED = "settled"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """The request line and headers as the proxy saw them; `tenant` is the claim from the trusted source."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    tenant: str | None = None
+    end_of_stream: bool = False
+
+
+@dataclass(slots=True)
+class _Response:
+    """What has been seen of the upstream's answer."""
+
+    status: int | None
+    tracker: ResponseUsageTracker
+    completed: bool = False
+    cut: bool = False
+
+
+class Exchange:
+    """One request: routing, admission, response tracking and settlement (see the module docstring)."""
+
+    def __init__(self, service: AdmissionService) -> None:
+        self.service = service
+        self.phase = Phase.NEW
+        self.endpoint: Endpoint | None = None
+        self.tenant = "default"
+        self.klass: ClassConfig | None = None
+        self.model_label = "unknown"
+        self.admitted: Admitted | None = None
+        self.response: _Response | None = None
+        self._policy: ModelPolicy | None = None
+        self._closed = False
+
+    @property
+    def class_name(self) -> str:
+        return self.klass.name if self.klass is not None else "none"
+
+    @property
+    def finished(self) -> bool:
+        """True once nothing more can happen: refused, passed through, or settled."""
+        return self.phase in (Phase.REFUSED, Phase.PASSTHROUGH, Phase.SETTLED)
+
+    def _refuse(self, refusal: Refusal) -> Refusal:
+        self.phase = Phase.REFUSED
+        self.service.count("rejected", refusal.reason, self.model_label, self.class_name, self.tenant)
+        log.info(
+            "request refused",
+            extra={"status": refusal.status, "reason": refusal.reason, "model": self.model_label},
+        )
+        return refusal
+
+    # -- request headers ------------------------------------------------------------------------------------
+
+    def request_headers(self, head: RequestHead) -> RequestVerdict:
+        config = self.service.config()
+        self.endpoint = endpoint_for(head.method, head.path)
+        if self.endpoint is None:
+            self.phase = Phase.PASSTHROUGH
+            self.service.count("passthrough", "not_admitted_endpoint", "none", "none", None)
+            return PASSTHROUGH
+        claimed = head.tenant or ""
+        self.tenant = claimed if _TENANT_RE.fullmatch(claimed) else config.admission.tenant.default
+        self.klass = config.class_of(self.tenant)
+        if head.end_of_stream:
+            return self._refuse(refusals.empty_body())
+        length = head.headers.get("content-length")
+        cap = config.admission.max_body_bytes
+        if length is not None and length.isascii() and length.isdigit() and int(length) > cap:
+            return self._refuse(refusals.too_large(int(length), cap))
+        self.phase = Phase.AWAITING_BODY
+        return FORWARD
+
+    # -- request body ---------------------------------------------------------------------------------------
+
+    async def request_body(self, body: bytes) -> AsyncIterator[BodyVerdict]:
+        """Decide on the whole body: maybe `Hold` first (queued), then exactly one `Forward` or `Refusal`."""
+        if self.phase is not Phase.AWAITING_BODY:
+            yield FORWARD
+            return
+        # BUFFERED mode delivers the whole body in one message. When trailers follow (HTTP/2, gRPC-web) it
+        # comes with end_of_stream unset; waiting for more would let the request upstream unadmitted.
+        self.phase = Phase.DECIDING
+        started = self.service.clock()
+        async for verdict in self._decide(body, self.service.config()):
+            if not isinstance(verdict, Hold):
+                self.service.metrics.decision_seconds.observe(self.service.clock() - started)
+            yield verdict
+
+    async def _decide(self, raw: bytes, config: Config) -> AsyncIterator[BodyVerdict]:
+        cap = config.admission.max_body_bytes
+        if len(raw) > cap:
+            yield self._refuse(refusals.too_large(len(raw), cap))
+            return
+        try:
+            parsed, plan = await self._plan(raw, config)
+        except AdmissionError as exc:
+            yield self._refuse(refusals.invalid(exc))
+            return
+        assert self.klass is not None
+        shadow = config.shadow or self.klass.shadow
+        budget = self.service.deps.kv_budget(parsed.model)
+        if budget is not None:
+            fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens)
+            if not fits:
+                refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
+                yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
+                return
+        new_body = with_include_usage(parsed) if config.admission.inject_include_usage else None
+        # Keep the admission facts, not the parsed body: a waiting request must not hold megabytes of JSON.
+        facts = replace(parsed, body={})
+        keys = ["global", f"model:{facts.model}", f"tenant:{self.tenant}"]
+        result: Lease | Rejection | Refusal | None = None
+        async for step in self._acquire(keys, plan.total, shadow):
+            if isinstance(step, Hold):
+                yield step
+            else:
+                result = step
+        if isinstance(result, Refusal):
+            yield self._refuse(result)
+            return
+        if isinstance(result, Rejection):
+            refusal = refusals.rate_limited(result, facts.model, plan.total)
+            yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
+            return
+        assert isinstance(result, Lease)
+        yield self._admit(result, facts, plan, budget, strip_usage=new_body is not None, new_body=new_body)
+
+    async def _acquire(
+        self, keys: list[str], tokens: int, shadow: bool
+    ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
+        """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
+        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down)."""
+        klass = self.klass
+        assert klass is not None
+        queue = self.service.deps.queue
+        waits = queue is not None and klass.queues and not shadow
+        behind = queue is not None and queue.must_queue(klass.name)
+        result: Lease | Rejection | None = None
+        try:
+            if not (behind and waits):
+                # Waiters of a higher class are ahead: a class that does not queue may still use its own
+                # guarantee, but not the pool they are waiting for.
+                result = await self.service.acquire(keys, tokens, klass.name, use_pool=not behind)
+            if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
+                assert queue is not None
+                # The proxy's per-message timer must not fire while the request waits for capacity.
+                yield Hold(math.ceil(klass.max_wait_seconds) + 1)
+                try:
+                    result = await queue.wait(keys, tokens, klass.name, self.tenant, klass.max_wait_seconds)
+                except QueueFull:
+                    yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
+                    return
+                if result is None:
+                    yield refusals.queue_refused("queue_timeout", klass.name, klass.max_wait_seconds)
+                    return
+        except StoreUnavailable:
+            yield refusals.store_unavailable()
+            return
+        assert result is not None
+        yield result
+
+    def _shadow_pass(self, reason: str) -> Forward:
+        """Shadow mode: count and log what enforcement would have refused, then let it through.
+
+        The request holds no lease, so the limiter keeps evolving exactly as it would under enforcement.
+        """
+        self.phase = Phase.PASSTHROUGH
+        self.service.count("shadow_rejected", reason, self.model_label, self.class_name, self.tenant)
+        log.info("shadow mode: would refuse", extra={"reason": reason, "class": self.class_name})
+        return FORWARD
+
+    def _admit(
+        self,
+        lease: Lease,
+        facts: ParsedRequest,
+        plan: Reservation,
+        budget: KvBudget | None,
+        strip_usage: bool,
+        new_body: bytes | None,
+    ) -> Forward:
+        service = self.service
+        assert self.klass is not None and self._policy is not None
+        if budget is not None:
+            budget.admit(str(lease.lease_id), plan.prompt_tokens, plan.completion_tokens)
+            service.deps.budget_changed(facts.model)
+        self.admitted = Admitted(
+            lease=lease,
+            request=facts,
+            policy=self._policy,
+            plan=plan,
+            tenant=self.tenant,
+            klass=self.klass,
+            model_label=self.model_label,
+            budget=budget,
+            strip_usage=strip_usage,
+            admitted_at=service.clock(),
+        )
+        self.phase = Phase.ADMITTED
+        service.count("admitted", "ok", self.model_label, self.class_name, self.tenant)
+        service.metrics.tokens_reserved.labels(self.model_label).inc(plan.total)
+        service.metrics.active.inc()
+        if self._closed:
+            # The request ended while it waited (a cancel the wait swallowed): settle now, not at GC.
+            self._settle()
+            return FORWARD
+        if new_body is None:
+            return FORWARD
+        return Forward(set_headers=(("content-length", str(len(new_body))),), body=new_body)
+
+    async def _plan(self, raw: bytes, config: Config) -> tuple[ParsedRequest, Reservation]:
+        assert self.endpoint is not None
+        loop = asyncio.get_running_loop()
+        executor = self.service.deps.executor
+        if len(raw) > OFF_LOOP_PARSE_BYTES:
+            # A large body can hold tens of thousands of small messages: parsing it takes tens of ms.
+            parsed = await loop.run_in_executor(executor, parse_request, self.endpoint, raw)
+        else:
+            parsed = parse_request(self.endpoint, raw)
+        policy = config.model_policy(parsed.model)
+        self.model_label = parsed.model if parsed.model in config.models else "other"
+        if policy is None:
+            raise AdmissionError(
+                404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
+            )
+        self._policy = policy
+        if parsed.prompt_count == 1:
+            lower = prompt_token_lower_bound(parsed, policy.encoding)
+            if lower >= policy.context_window:
+                raise AdmissionError(
+                    400,
+                    f"This model's maximum context length is {policy.context_window} tokens. However, your "
+                    f"request has at least {lower} input tokens. Please reduce the length of the input.",
+                    code="context_length_exceeded",
+                    param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
+                )
+        t0 = self.service.clock()
+        counts = await loop.run_in_executor(executor, count_prompt_tokens, parsed, policy.encoding)
+        self.service.metrics.tokenize_seconds.observe(self.service.clock() - t0)
+        return parsed, plan_reservation(parsed, counts, policy)
+
+    # -- response -------------------------------------------------------------------------------------------
+
+    def response_headers(self, status: int | None, content_type: str, end_of_stream: bool) -> Forward:
+        """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers."""
+        admitted = self.admitted
+        if admitted is None or self.phase is not Phase.ADMITTED:
+            return FORWARD
+        streaming = "text/event-stream" in content_type
+        ok = status is not None and status < 400
+        tracker = ResponseUsageTracker(
+            streaming=streaming,
+            encoding=admitted.policy.encoding,
+            strip_usage_chunk=admitted.strip_usage and streaming and ok,
+        )
+        self.response = _Response(status=status, tracker=tracker, completed=end_of_stream)
+        self.phase = Phase.RESPONDING
+        return Forward(set_headers=ratelimit_headers(admitted.lease.status))
+
+    async def response_body(self, chunk: bytes, end_of_stream: bool) -> Forward | Refusal:
+        """Follow usage (removing the usage event the client did not ask for); maybe cut under pressure."""
+        response, admitted = self.response, self.admitted
+        if response is None or admitted is None or self.phase is not Phase.RESPONDING:
+            return FORWARD
+        if not end_of_stream and self._should_cut(admitted):
+            return self._cut(response)
+        tracker = response.tracker
+        out = tracker.feed(chunk)
+        if admitted.budget is not None:
+            admitted.budget.progress(admitted.budget_id, tracker.usage.completion_tokens)
+        if end_of_stream:
+            if tracker.buffered_bytes > OFF_LOOP_FINISH_BYTES:
+                # A large JSON answer without usage is parsed and tokenized: keep other streams flowing.
+                executor = self.service.deps.settle_executor or self.service.deps.executor
+                tail = await asyncio.get_running_loop().run_in_executor(executor, tracker.finish)
+            else:
+                tail = tracker.finish()
+            if tail is not None:
+                out = (chunk if out is None else out) + tail
+            response.completed = True
+        return FORWARD if out is None else Forward(body=out)
+
+    def response_trailers(self) -> None:
+        if self.response is not None:
+            self.response.completed = True
+
+    def _should_cut(self, admitted: Admitted) -> bool:
+        threshold = admitted.klass.cut_streams_above_kv
+        if threshold is None:
+            return False
+        usage = self.service.deps.kv_usage(admitted.request.model)
+        return usage is not None and usage > threshold
+
+    def _cut(self, response: _Response) -> Refusal:
+        """Reset this stream: the proxy drops the chunk and resets client and upstream, and the backend frees
+        the sequence's KV blocks. Settles as a cut (prompt + what was streamed)."""
+        response.cut = True
+        self.service.metrics.streams_cut.labels(self.class_name).inc()
+        log.warning(
+            "stream cut under KV pressure", extra={"class": self.class_name, "model": self.model_label}
+        )
+        self._settle()
+        return refusals.cut_under_kv_pressure()
+
+    # -- end ------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The request ended, however it ended: settle the lease if one is held. Safe to call repeatedly."""
+        self._closed = True
+        if self.admitted is not None and self.phase in (Phase.ADMITTED, Phase.RESPONDING):
+            self._settle()
+
+    def facts(self) -> ResponseFacts:
+        response = self.response
+        if response is None:
+            return ResponseFacts()
+        tracker = response.tracker
+        return ResponseFacts(
+            upstream_status=response.status,
+            completed=response.completed or tracker.done_seen,
+            cut=response.cut,
+            usage=tracker.usage,
+            error_seen=tracker.error_seen,
+        )
+
+    def _settle(self) -> None:
+        admitted = self.admitted
+        if admitted is None or self.phase is Phase.SETTLED:
+            return
+        # Book the settlement on the first attempt, whatever the store answers: a shared store answers False
+        # for a lease that already expired there, and the request still ended here.
+        self.phase = Phase.SETTLED
+        charge = settle_charge(admitted.plan.prompt_tokens, self.facts())
+        self.service.settle(admitted, charge)

@@ -1,0 +1,142 @@
+"""Every refusal the sidecar sends, built in one place: status, OpenAI error JSON, headers and reason.
+
+A client sees the same error envelope whatever refused it (validation, a limit, the KV budget, a queue, the
+store), with the headers its SDK reads to back off. Messages say which limit was hit (requests or tokens,
+gateway, model or tenant) but never name an internal limiter key or a tenant id: a client learns nothing
+about other tenants or how limits are keyed.
+"""
+
+from __future__ import annotations
+
+from extproc.admission.errors import AdmissionError, error_body
+from extproc.admission.headers import format_duration, ratelimit_headers, retry_headers
+from extproc.admission.verdicts import Header, Refusal
+from extproc.core.limiter import Reason, Rejection
+
+KV_RETRY_AFTER_S = 1.0
+"""Retry hint for a KV-budget refusal: running sequences finish and free blocks continuously."""
+
+STORE_RETRY_AFTER_S = 1.0
+"""Retry hint while the shared limiter store is unreachable (fail-closed mode)."""
+
+REASON_HEADER = "x-extproc-reject-reason"
+
+
+def _reason(reason: str, headers: tuple[Header, ...] = ()) -> tuple[Header, ...]:
+    return (*headers, (REASON_HEADER, reason))
+
+
+def invalid(exc: AdmissionError) -> Refusal:
+    """A request the backend would refuse too (400, 404, 413): not retryable as is."""
+    reason = exc.code or f"http_{exc.status}"
+    return Refusal(exc.status, exc.body(), reason, details=f"extproc_{exc.code or exc.status}")
+
+
+def too_large(size: int, cap: int) -> Refusal:
+    return invalid(
+        AdmissionError(
+            413,
+            f"Request body of {size} bytes exceeds the limit of {cap} bytes.",
+            code="request_too_large",
+            param=None,
+        )
+    )
+
+
+def empty_body() -> Refusal:
+    return invalid(
+        AdmissionError(400, "The request body is empty; a JSON object is required.", code="invalid_json")
+    )
+
+
+def unknown_path(method: str, path: str) -> Refusal:
+    """Deny by default: a path that is neither metered nor on the free list never reaches the backend."""
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    return invalid(
+        AdmissionError(
+            404,
+            f"Invalid URL ({method.upper()} {shown}): this gateway does not serve it.",
+            code="unknown_url",
+        )
+    )
+
+
+def scope_of(key: str) -> str:
+    """What a limiter key limits, in words a client may see (never the key or tenant id itself)."""
+    if key.startswith("tenant:"):
+        return "your organization"
+    if key.startswith("model:"):
+        return "this model"
+    return "this gateway"
+
+
+def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
+    """429 for a limiter refusal: concurrency, tokens per minute, or a request larger than the bucket."""
+    status = rejection.status
+    scope = scope_of(rejection.key)
+    wait = format_duration(rejection.retry_after_s or 0)
+    if rejection.reason is Reason.CONCURRENCY:
+        kind = "requests"
+        message = (
+            f"Rate limit reached for {model} on concurrent requests for {scope}: "
+            f"Limit {status.limit_requests}. Please try again in {wait}."
+        )
+    elif rejection.reason is Reason.TOKENS:
+        kind = "tokens"
+        message = (
+            f"Rate limit reached for {model} on tokens per min (TPM) for {scope}: "
+            f"Limit {status.limit_tokens}, Remaining {status.remaining_tokens}, Requested {requested}. "
+            f"Please try again in {wait}."
+        )
+    else:
+        kind = "tokens"
+        message = (
+            f"Request too large for {model} on tokens per min (TPM) for {scope}: "
+            f"Limit {status.limit_tokens}, Requested {requested}. "
+            "Reduce the prompt or max_tokens; retrying cannot succeed."
+        )
+    headers = (*retry_headers(rejection.retry_after_s), *ratelimit_headers(status))
+    reason = rejection.reason.value
+    body = error_body(message, type=kind, code="rate_limit_exceeded")
+    return Refusal(429, body, reason, _reason(reason, headers), f"extproc_rate_limited_{reason}")
+
+
+def kv_budget(model: str, needed: int, headroom: int) -> Refusal:
+    """The pool's KV cache cannot take this request's footprint now; sequences finishing will free it."""
+    message = (
+        f"The KV cache of {model} is at its admission target: this request needs up to {needed} tokens of "
+        f"KV cache and {max(0, headroom)} are available. Please try again shortly."
+    )
+    body = error_body(message, type="tokens", code="rate_limit_exceeded")
+    headers = _reason("kv_budget", retry_headers(KV_RETRY_AFTER_S))
+    return Refusal(429, body, "kv_budget", headers, "extproc_rate_limited_kv_budget")
+
+
+def queue_refused(reason: str, class_name: str, max_wait_s: float) -> Refusal:
+    """A class that queues found its queue full, or waited until its deadline."""
+    why = "the wait queue is full" if reason == "queue_full" else "waited until the deadline"
+    message = f"No capacity for class {class_name} within {max_wait_s:g}s ({why}). Please try again later."
+    body = error_body(message, type="requests", code="rate_limit_exceeded")
+    headers = _reason(reason, retry_headers(max(1.0, max_wait_s / 2)))
+    return Refusal(429, body, reason, headers, f"extproc_rate_limited_{reason}")
+
+
+def store_unavailable() -> Refusal:
+    """The shared limiter store is down and configured to fail closed (`store.on_unavailable: reject`)."""
+    body = error_body(
+        "The gateway cannot check its rate limits right now. Please try again shortly.",
+        type="server_error",
+        code="service_unavailable",
+    )
+    headers = _reason("store_unavailable", retry_headers(STORE_RETRY_AFTER_S))
+    return Refusal(503, body, "store_unavailable", headers, "extproc_store_unavailable")
+
+
+def cut_under_kv_pressure() -> Refusal:
+    """Reset an in-flight stream: the backend frees the sequence's KV blocks; lower classes go first."""
+    body = error_body(
+        "The request was stopped to relieve KV-cache pressure; lower-priority work is shed first.",
+        type="server_error",
+        code="overloaded",
+    )
+    return Refusal(503, body, "cut", details="extproc_cut_under_kv_pressure")

@@ -1,0 +1,177 @@
+"""The admission service: the one place that decides, for every protocol profile.
+
+`AdmissionService` holds what all requests share (config, limiter store, KV budgets, wait queue, metrics,
+worker threads) and the operations that need it: acquiring a lease so that a cancelled caller can never
+leak one, waiting in a class's queue, and settling a lease exactly once. Each request's life is an
+`Exchange` (see `exchange.py`), created by `open()`; a protocol handler only translates its wire messages to
+the exchange's methods and the returned verdicts back to wire messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.admission.request import ModelPolicy, ParsedRequest, Reservation
+from extproc.admission.settlement import Charge
+from extproc.config import ClassConfig, Config
+from extproc.core.clock import Clock, monotonic
+from extproc.core.kv_budget import KvBudget
+from extproc.core.limiter import Lease, Rejection
+from extproc.core.ports import LimiterStore
+from extproc.metrics import Metrics
+from extproc.queueing import AdmissionQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Deps:
+    """What every request needs; `config` is read per request so a reload applies to new requests only."""
+
+    config: Callable[[], Config]
+    store: LimiterStore
+    metrics: Metrics
+    executor: Executor | None = None
+    clock: Clock = monotonic
+    kv_budget: Callable[[str], KvBudget | None] = lambda _pool: None
+    budget_changed: Callable[[str], None] = lambda _pool: None
+    kv_usage: Callable[[str], float | None] = lambda _pool: None
+    queue: AdmissionQueue | None = None
+    settle_executor: Executor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """An admitted request: the lease it holds and the facts its settlement needs (never the body)."""
+
+    lease: Lease
+    request: ParsedRequest
+    policy: ModelPolicy
+    plan: Reservation
+    tenant: str
+    klass: ClassConfig
+    model_label: str
+    budget: KvBudget | None
+    strip_usage: bool
+    admitted_at: float
+
+    @property
+    def budget_id(self) -> str:
+        return str(self.lease.lease_id)
+
+
+@dataclass(eq=False)
+class AdmissionService:
+    deps: Deps
+    _pending: set[asyncio.Future[Any]] = field(default_factory=set)
+    _open: set[Any] = field(default_factory=set)
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.deps.metrics
+
+    def config(self) -> Config:
+        return self.deps.config()
+
+    def clock(self) -> float:
+        return self.deps.clock()
+
+    # -- counting ------------------------------------------------------------------------------------------
+
+    def count(self, decision: str, reason: str, model_label: str, klass: str, tenant: str | None) -> None:
+        """One decision, counted once: by model and class, and by tenant (allow-listed or `other`)."""
+        self.metrics.requests.labels(decision, reason, model_label, klass).inc()
+        if tenant is not None:
+            label = self.config().tenant_label(tenant)
+            self.metrics.tenant_requests.labels(label, decision).inc()
+
+    # -- leases --------------------------------------------------------------------------------------------
+
+    async def acquire(
+        self, keys: list[str], tokens: int, holder: str, use_pool: bool = True
+    ) -> Lease | Rejection:
+        """Acquire so that a lease granted while the caller is being cancelled is given back, not leaked."""
+        future = asyncio.ensure_future(self.deps.store.acquire(keys, tokens, holder, use_pool=use_pool))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._give_back_if_granted)
+            raise
+
+    def _give_back_if_granted(self, done: asyncio.Future[Lease | Rejection]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        lease = done.result()
+        if isinstance(lease, Lease):
+            self.track(asyncio.ensure_future(self.deps.store.release(lease, 0)))
+
+    def track(self, future: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """Keep a background settlement alive until it ends, so shutdown can wait for it."""
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
+
+    def settle(self, admitted: Admitted, charge: Charge) -> asyncio.Future[bool]:
+        """Release the lease to what was used, update the KV budget, count it; exactly once per lease."""
+        budget = admitted.budget
+        if budget is not None:
+            completed = charge.ending == "completed"
+            budget.release(admitted.budget_id, charge.completion if completed else None)
+            self.deps.budget_changed(admitted.request.model)
+        future = asyncio.ensure_future(self.deps.store.release(admitted.lease, charge.total))
+        future.add_done_callback(lambda done: self._account(done, admitted, charge))
+        self.track(future)
+        return future
+
+    def _account(self, done: asyncio.Future[bool], admitted: Admitted, charge: Charge) -> None:
+        model = admitted.model_label
+        if done.cancelled() or done.exception() is not None:
+            log.error("lease settlement failed", extra={"model": model})
+            self.metrics.settlements.labels("failed").inc()
+            return
+        if self.deps.queue is not None:
+            self.deps.queue.kick()
+        metrics = self.metrics
+        metrics.active.dec()
+        metrics.settlements.labels(charge.ending.value).inc()
+        metrics.tokens_settled.labels(model, "prompt").inc(charge.prompt)
+        metrics.tokens_settled.labels(model, "completion").inc(charge.completion)
+        delta = admitted.lease.reserved_tokens - charge.total
+        if delta > 0:
+            metrics.tokens_refunded.labels(model).inc(delta)
+        elif delta < 0:
+            metrics.tokens_overrun.labels(model).inc(-delta)
+        log.debug(
+            "lease settled",
+            extra={
+                "outcome": charge.ending.value,
+                "reserved": admitted.lease.reserved_tokens,
+                "actual": charge.total,
+                "model": model,
+            },
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def register(self, exchange: Any) -> None:
+        self._open.add(exchange)
+
+    def unregister(self, exchange: Any) -> None:
+        self._open.discard(exchange)
+
+    def settle_open(self) -> None:
+        """On shutdown after the grace period: settle what is still open with what is known."""
+        for exchange in list(self._open):
+            exchange.close()
+
+    async def drain(self) -> None:
+        """Wait for settlements already started, so shutdown never drops a refund."""
+        while self._pending:
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*list(self._pending), return_exceptions=True)
