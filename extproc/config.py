@@ -20,11 +20,12 @@ import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
-from extproc.admission.request import ModelPolicy
+from extproc.admission.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
+from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
 from extproc.admission.tokens import DEFAULT_ENCODING, get_encoding
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.core.limiter import LimitSpec
@@ -32,6 +33,8 @@ from extproc.exporter.targets import Target, target_from_mapping
 from extproc.feedback.subscriber import SubscriberConfig
 
 log = logging.getLogger(__name__)
+
+_IntFields = TypeVar("_IntFields", TemplateCosts, MediaCosts)
 
 DEFAULT_MODEL = "*"
 """Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
@@ -64,6 +67,8 @@ class ClassConfig:
     max_queued: int = 0
     shadow: bool = False
     cut_streams_above_kv: float | None = None
+    # Written into the body's `priority` (vLLM/SGLang priority scheduling); None: the client's is removed.
+    backend_priority: int | None = None
 
     @property
     def queues(self) -> bool:
@@ -77,6 +82,11 @@ class AdmissionConfig:
     inject_include_usage: bool = True
     reject_unknown_models: bool = False
     tenant: TenantConfig = field(default_factory=TenantConfig)
+    allow_request_chat_template: bool = False
+    # Large prompts of one tenant (or one anonymous client address) counted at the same time.
+    tokenizer_per_client: int = 1
+    # Prompts with at most this many bytes of text are counted on the event loop, without a thread hop.
+    inline_count_bytes: int = 8 * 1024
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,7 @@ class Config:
     shadow: bool = False
     tenant_metrics: frozenset[str] = frozenset()
     log_level: str = "INFO"
+    paths: PathTable = DEFAULT_TABLE
 
     def class_of(self, tenant: str) -> ClassConfig:
         """The class of a tenant; unknown tenants fall into the default class."""
@@ -175,6 +186,21 @@ class Config:
         if self.admission.reject_unknown_models:
             return None
         return self.models.get(DEFAULT_MODEL) or ModelPolicy(context_window=8192)
+
+    def pool_of(self, model: str) -> str:
+        """The pool a model name's requests count against (its `model:<pool>` key and KV budget).
+
+        A configured model is its own pool unless `pool` names another (an alias, a LoRA adapter of the same
+        base model). Every name the config does not know shares the single pool of `models."*"` (its `pool`,
+        else `*`): a client cannot mint fresh limits or escape the KV budget by inventing model names.
+        """
+        policy = self.models.get(model)
+        if model != DEFAULT_MODEL and policy is not None:
+            return policy.pool or model
+        if model != DEFAULT_MODEL and model in self.limits.models:
+            return model
+        default = self.models.get(DEFAULT_MODEL)
+        return default.pool if default is not None and default.pool else DEFAULT_MODEL
 
     def limit_specs(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
         """Keys with explicit limits, and per-prefix defaults for keys first seen at run time."""
@@ -340,10 +366,43 @@ def _classes(root: _Section) -> tuple[ClassConfig, ...]:
                 max_queued=max_queued,
                 shadow=sec.boolean("shadow", False),
                 cut_streams_above_kv=float(cut) if cut is not None else None,
+                backend_priority=_signed_integer(sec, "backend_priority"),
             )
         )
         sec.done()
     return tuple(out)
+
+
+def _signed_integer(section: _Section, name: str) -> int | None:
+    value = section.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{section.key(name)}: must be an integer, got {value!r}")
+    return value
+
+
+def _paths(root: _Section) -> PathTable:
+    """The path table: the built-in rows, minus `paths.deny`, plus `paths.free` ("[METHOD ]/path")."""
+    sec = root.section("paths")
+    deny = set()
+    for raw in sec.string_list("deny"):
+        path = normalize_path(raw)
+        if path not in DEFAULT_TABLE.rules:
+            raise ConfigError(f"paths.deny: {raw!r} is not a built-in path (see docs/admission.md)")
+        deny.add(path)
+    rules = {p: r for p, r in DEFAULT_TABLE.rules.items() if p not in deny}
+    for raw in sec.string_list("free"):
+        method, _, path = raw.rpartition(" ")
+        method = method.strip().upper() or "GET"
+        if not path.startswith("/") or not method.isalpha():
+            raise ConfigError(f"paths.free: entries are '[METHOD ]/path', got {raw!r}")
+        normal = normalize_path(path)
+        if normal in rules and rules[normal].kind is RouteKind.METERED:
+            raise ConfigError(f"paths.free: {raw!r} is a metered path; it cannot be made free")
+        rules[normal] = PathRule(normal, frozenset({method}), RouteKind.FREE, None, "configured free path")
+    sec.done()
+    return PathTable(rules)
 
 
 def _model_policy(section: _Section, base: ModelPolicy | None) -> ModelPolicy:
@@ -359,8 +418,35 @@ def _model_policy(section: _Section, base: ModelPolicy | None) -> ModelPolicy:
     default_max = section.required_integer(
         "default_max_tokens", base.default_max_tokens if base else 1024, minimum=1
     )
+    inherited = base.missing_max_tokens if base else MissingMaxTokens.RESERVE_WINDOW
+    missing = section.string("missing_max_tokens", inherited.value)
+    if missing not in set(MissingMaxTokens):
+        choices = ", ".join(m.value for m in MissingMaxTokens)
+        raise ConfigError(f"{section.key('missing_max_tokens')}: must be one of {choices}, got {missing!r}")
+    template = _integers(section.section("template"), base.template if base else TemplateCosts())
+    media = _integers(section.section("media"), base.media if base else MediaCosts())
+    pool = section.string("pool", None)
     section.done()
-    return ModelPolicy(context_window=context_window, encoding=encoding, default_max_tokens=default_max)
+    return ModelPolicy(
+        context_window=context_window,
+        encoding=encoding,
+        default_max_tokens=default_max,
+        missing_max_tokens=MissingMaxTokens(missing),
+        template=template,
+        media=media,
+        pool=pool,
+    )
+
+
+def _integers(section: _Section, base: _IntFields) -> _IntFields:
+    """A section of non-negative integer fields over `base` (its dataclass fields are the allowed keys)."""
+    values = {}
+    for name in base.__dataclass_fields__:
+        value = section.integer(name, None, minimum=0)
+        if value is not None:
+            values[name] = value
+    section.done()
+    return replace(base, **values)
 
 
 _ADAPTIVE_KEYS = (
@@ -524,6 +610,11 @@ def parse_config(data: Any) -> Config:
         inject_include_usage=adm.boolean("inject_include_usage", True),
         reject_unknown_models=adm.boolean("reject_unknown_models", False),
         tenant=tenant,
+        allow_request_chat_template=adm.boolean("allow_request_chat_template", False),
+        tokenizer_per_client=adm.required_integer("tokenizer_per_client", 1, minimum=1),
+        inline_count_bytes=adm.required_integer(
+            "inline_count_bytes", AdmissionConfig.inline_count_bytes, minimum=0
+        ),
     )
     adm.done()
     # grpc drops a message larger than its receive limit without telling the handler; Envoy then times out.
@@ -578,6 +669,7 @@ def parse_config(data: Any) -> Config:
 
     feedback = _feedback(root)
     store = _store(root)
+    paths = _paths(root)
     shadow = root.boolean("shadow", False)
     log_level = (root.string("log_level", "INFO") or "INFO").upper()
     if log_level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
@@ -596,6 +688,7 @@ def parse_config(data: Any) -> Config:
         shadow=shadow,
         tenant_metrics=tenant_metrics,
         log_level=log_level,
+        paths=paths,
     )
 
 

@@ -24,19 +24,21 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
 from extproc.admission import refusals
+from extproc.admission.apis import dialect_for
 from extproc.admission.errors import AdmissionError
 from extproc.admission.headers import ratelimit_headers
+from extproc.admission.paths import RouteKind
+from extproc.admission.policy import ModelPolicy
 from extproc.admission.request import (
-    Endpoint,
-    ModelPolicy,
+    USAGE_OPTION_APIS,
+    Api,
+    BodyEdits,
     ParsedRequest,
     Reservation,
-    count_prompt_tokens,
-    endpoint_for,
+    edit_body,
     parse_request,
     plan_reservation,
     prompt_token_lower_bound,
-    with_include_usage,
 )
 from extproc.admission.service import AdmissionService, Admitted
 from extproc.admission.settlement import ResponseFacts, settle_charge
@@ -50,7 +52,7 @@ from extproc.admission.verdicts import (
     Refusal,
     RequestVerdict,
 )
-from extproc.config import ClassConfig, Config
+from extproc.config import DEFAULT_MODEL, ClassConfig, Config
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
@@ -63,6 +65,9 @@ OFF_LOOP_PARSE_BYTES = 64 * 1024
 
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""
+
+TEMPLATE_FIELDS = ("chat_template",)
+"""Request fields that replace the server's chat template (vLLM accepts `chat_template` per request)."""
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
@@ -87,6 +92,7 @@ class RequestHead:
     headers: Mapping[str, str]
     tenant: str | None = None
     end_of_stream: bool = False
+    client: str | None = None  # the client's address, when the proxy sends it
 
 
 @dataclass(slots=True)
@@ -105,13 +111,15 @@ class Exchange:
     def __init__(self, service: AdmissionService) -> None:
         self.service = service
         self.phase = Phase.NEW
-        self.endpoint: Endpoint | None = None
+        self.api: Api | None = None
         self.tenant = "default"
         self.klass: ClassConfig | None = None
         self.model_label = "unknown"
         self.admitted: Admitted | None = None
         self.response: _Response | None = None
         self._policy: ModelPolicy | None = None
+        self.pool: str | None = None
+        self.client: str | None = None
         self._closed = False
 
     @property
@@ -136,11 +144,17 @@ class Exchange:
 
     def request_headers(self, head: RequestHead) -> RequestVerdict:
         config = self.service.config()
-        self.endpoint = endpoint_for(head.method, head.path)
-        if self.endpoint is None:
+        rule = config.paths.route(head.method, head.path)
+        if rule is None:
+            self.phase = Phase.REFUSED
+            self.service.count("rejected", "unknown_path", "none", "none", None)
+            return refusals.unknown_path(head.method, head.path)
+        if rule.kind is not RouteKind.METERED or rule.api is None:
             self.phase = Phase.PASSTHROUGH
-            self.service.count("passthrough", "not_admitted_endpoint", "none", "none", None)
+            self.service.count("passthrough", "free_path", "none", "none", None)
             return PASSTHROUGH
+        self.api = rule.api
+        self.client = head.client
         claimed = head.tenant or ""
         self.tenant = claimed if _TENANT_RE.fullmatch(claimed) else config.admission.tenant.default
         self.klass = config.class_of(self.tenant)
@@ -179,19 +193,31 @@ class Exchange:
         except AdmissionError as exc:
             yield self._refuse(refusals.invalid(exc))
             return
-        assert self.klass is not None
+        assert self.klass is not None and self.pool is not None
         shadow = config.shadow or self.klass.shadow
-        budget = self.service.deps.kv_budget(parsed.model)
+        budget = self.service.deps.kv_budget(self.pool)
         if budget is not None:
             fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens)
             if not fits:
                 refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
                 yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
                 return
-        new_body = with_include_usage(parsed) if config.admission.inject_include_usage else None
+        edits = BodyEdits(
+            include_usage=config.admission.inject_include_usage,
+            max_tokens=plan.injected_max_tokens,
+            strip_priority=True,
+            priority=self.klass.backend_priority,
+        )
+        new_body = edit_body(parsed, edits)
+        strip_usage = (
+            edits.include_usage
+            and parsed.stream
+            and not parsed.include_usage
+            and parsed.api in USAGE_OPTION_APIS
+        )
         # Keep the admission facts, not the parsed body: a waiting request must not hold megabytes of JSON.
         facts = replace(parsed, body={})
-        keys = ["global", f"model:{facts.model}", f"tenant:{self.tenant}"]
+        keys = ["global", f"model:{self.pool}", f"tenant:{self.tenant}"]
         result: Lease | Rejection | Refusal | None = None
         async for step in self._acquire(keys, plan.total, shadow):
             if isinstance(step, Hold):
@@ -206,7 +232,7 @@ class Exchange:
             yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
             return
         assert isinstance(result, Lease)
-        yield self._admit(result, facts, plan, budget, strip_usage=new_body is not None, new_body=new_body)
+        yield self._admit(result, facts, plan, budget, strip_usage=strip_usage, new_body=new_body)
 
     async def _acquire(
         self, keys: list[str], tokens: int, shadow: bool
@@ -263,13 +289,15 @@ class Exchange:
     ) -> Forward:
         service = self.service
         assert self.klass is not None and self._policy is not None
+        assert self.pool is not None
         if budget is not None:
             budget.admit(str(lease.lease_id), plan.prompt_tokens, plan.completion_tokens)
-            service.deps.budget_changed(facts.model)
+            service.deps.budget_changed(self.pool)
         self.admitted = Admitted(
             lease=lease,
             request=facts,
             policy=self._policy,
+            pool=self.pool,
             plan=plan,
             tenant=self.tenant,
             klass=self.klass,
@@ -291,35 +319,58 @@ class Exchange:
         return Forward(set_headers=(("content-length", str(len(new_body))),), body=new_body)
 
     async def _plan(self, raw: bytes, config: Config) -> tuple[ParsedRequest, Reservation]:
-        assert self.endpoint is not None
+        """Parse, resolve the model's policy and pool, bound and count the prompt, size the reservation."""
+        assert self.api is not None
         loop = asyncio.get_running_loop()
-        executor = self.service.deps.executor
+        service = self.service
         if len(raw) > OFF_LOOP_PARSE_BYTES:
             # A large body can hold tens of thousands of small messages: parsing it takes tens of ms.
-            parsed = await loop.run_in_executor(executor, parse_request, self.endpoint, raw)
+            parsed = await loop.run_in_executor(service.deps.executor, parse_request, self.api, raw)
         else:
-            parsed = parse_request(self.endpoint, raw)
+            parsed = parse_request(self.api, raw)
         policy = config.model_policy(parsed.model)
-        self.model_label = parsed.model if parsed.model in config.models else "other"
         if policy is None:
             raise AdmissionError(
                 404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
             )
+        self.pool = config.pool_of(parsed.model)
+        self.model_label = self.pool if self.pool != DEFAULT_MODEL else "other"
         self._policy = policy
-        if parsed.prompt_count == 1:
-            lower = prompt_token_lower_bound(parsed, policy.encoding)
-            if lower >= policy.context_window:
+        self._check_template(parsed, config)
+        lower = prompt_token_lower_bound(parsed, policy)
+        if lower >= policy.context_window + (0 if parsed.generates else 1):
+            raise AdmissionError(
+                400,
+                f"This model's maximum context length is {policy.context_window} tokens. However, your "
+                f"request has at least {lower} input tokens. Please reduce the length of the input.",
+                code="context_length_exceeded",
+                param=parsed.prompt_param,
+            )
+        started = service.clock()
+        counts = await service.count_prompts(parsed, policy, self.tokenizer_lane)
+        service.metrics.tokenize_seconds.observe(service.clock() - started)
+        return parsed, plan_reservation(parsed, counts, policy)
+
+    def _check_template(self, parsed: ParsedRequest, config: Config) -> None:
+        """A request-supplied chat template can expand a small body into a huge prompt: refuse it unless the
+        operator trusts clients with it (`admission.allow_request_chat_template`)."""
+        if config.admission.allow_request_chat_template:
+            return
+        for key in TEMPLATE_FIELDS:
+            if parsed.body.get(key) is not None:
                 raise AdmissionError(
                     400,
-                    f"This model's maximum context length is {policy.context_window} tokens. However, your "
-                    f"request has at least {lower} input tokens. Please reduce the length of the input.",
-                    code="context_length_exceeded",
-                    param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
+                    f"'{key}' is not accepted by this gateway; the server's own chat template is used.",
+                    code="unsupported_parameter",
+                    param=key,
                 )
-        t0 = self.service.clock()
-        counts = await loop.run_in_executor(executor, count_prompt_tokens, parsed, policy.encoding)
-        self.service.metrics.tokenize_seconds.observe(self.service.clock() - t0)
-        return parsed, plan_reservation(parsed, counts, policy)
+
+    @property
+    def tokenizer_lane(self) -> str:
+        """Whose share of the tokenizer threads this request uses: its tenant, or its client address."""
+        if self.tenant == self.service.config().admission.tenant.default and self.client:
+            return f"client:{self.client}"
+        return f"tenant:{self.tenant}"
 
     # -- response -------------------------------------------------------------------------------------------
 
@@ -334,6 +385,7 @@ class Exchange:
             streaming=streaming,
             encoding=admitted.policy.encoding,
             strip_usage_chunk=admitted.strip_usage and streaming and ok,
+            dialect=dialect_for(admitted.request.api),
         )
         self.response = _Response(status=status, tracker=tracker, completed=end_of_stream)
         self.phase = Phase.RESPONDING
@@ -370,7 +422,7 @@ class Exchange:
         threshold = admitted.klass.cut_streams_above_kv
         if threshold is None:
             return False
-        usage = self.service.deps.kv_usage(admitted.request.model)
+        usage = self.service.deps.kv_usage(admitted.pool)
         return usage is not None and usage > threshold
 
     def _cut(self, response: _Response) -> Refusal:

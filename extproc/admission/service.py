@@ -17,7 +17,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.admission.request import ModelPolicy, ParsedRequest, Reservation
+from extproc.admission.policy import ModelPolicy
+from extproc.admission.prompt import Count
+from extproc.admission.request import ParsedRequest, Reservation, count_prompt_tokens
 from extproc.admission.settlement import Charge
 from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
@@ -53,6 +55,7 @@ class Admitted:
     lease: Lease
     request: ParsedRequest
     policy: ModelPolicy
+    pool: str
     plan: Reservation
     tenant: str
     klass: ClassConfig
@@ -71,6 +74,7 @@ class AdmissionService:
     deps: Deps
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
     _open: set[Any] = field(default_factory=set)
+    _lanes: dict[str, asyncio.Semaphore] = field(default_factory=dict)
 
     @property
     def metrics(self) -> Metrics:
@@ -90,6 +94,31 @@ class AdmissionService:
         if tenant is not None:
             label = self.config().tenant_label(tenant)
             self.metrics.tenant_requests.labels(label, decision).inc()
+
+    # -- tokenizing -----------------------------------------------------------------------------------------
+
+    async def count_prompts(self, req: ParsedRequest, policy: ModelPolicy, lane: str) -> list[Count]:
+        """Count a request's prompts without letting one client's floods delay anybody else.
+
+        A small prompt is counted on the event loop (cheaper than a thread hop, and it never queues behind
+        large ones). A large prompt goes to the tokenizer threads through its client's lane: at most
+        `admission.tokenizer_per_client` large prompts of one tenant (or one anonymous address) are counted
+        at a time, so a flood of megabyte bodies occupies at most that many threads. Counting itself stops
+        once a prompt is proven larger than the context window.
+        """
+        admission = self.config().admission
+        if req.text_bytes <= admission.inline_count_bytes:
+            return count_prompt_tokens(req, policy)
+        gate = self._lanes.get(lane)
+        if gate is None:
+            gate = self._lanes[lane] = asyncio.Semaphore(admission.tokenizer_per_client)
+        try:
+            async with gate:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self.deps.executor, count_prompt_tokens, req, policy)
+        finally:
+            if not gate.locked() and not getattr(gate, "_waiters", None):
+                self._lanes.pop(lane, None)
 
     # -- leases --------------------------------------------------------------------------------------------
 
@@ -123,7 +152,7 @@ class AdmissionService:
         if budget is not None:
             completed = charge.ending == "completed"
             budget.release(admitted.budget_id, charge.completion if completed else None)
-            self.deps.budget_changed(admitted.request.model)
+            self.deps.budget_changed(admitted.pool)
         future = asyncio.ensure_future(self.deps.store.release(admitted.lease, charge.total))
         future.add_done_callback(lambda done: self._account(done, admitted, charge))
         self.track(future)

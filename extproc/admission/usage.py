@@ -23,7 +23,10 @@ Settlement facts the server relies on:
   error before streaming began) is recognised by its leading `{` and parsed as JSON.
 * Nothing here raises on malformed input: garbage, truncated JSON, non-JSON bodies and oversized events are
   skipped and usage reports what is known. Memory is bounded by `max_buffer_bytes`: streaming keeps only the
-  current incomplete event, non-streaming keeps the body up to the cap and counts nothing beyond it.
+  current incomplete event; a non-streaming body is kept up to the cap, and past it only its last
+  `TAIL_BYTES`, from which the usage object (written after the choices) is still read at `finish()`.
+* What an event or body means is the API's `Dialect` (OpenAI chunks by default): where generated text,
+  usage, errors and the final event are.
 * With `strip_usage_chunk=True` (the sidecar injected include_usage; the client did not ask) the usage-only
   event (`"choices": []` plus usage) is removed from the bytes sent to the client. To do so an incomplete
   trailing event is held back and released with the next chunk or by `finish()`; the caller must send what
@@ -38,10 +41,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from extproc.admission.tokens import content_texts, count_text
+
+TAIL_BYTES = 256 * 1024
+"""Bytes kept from the end of a non-streamed body larger than the buffer cap: its usage object lives there."""
 
 _SSE = "sse"
 _JSON = "json"
@@ -56,10 +62,66 @@ class Usage:
     reported: bool  # True when the backend's own usage object was seen
 
 
-def _count_int(value: Any) -> int | None:
+def count_int(value: Any) -> int | None:
+    """A token count as the backend reports it: a non-negative JSON integer, else unknown."""
     if type(value) is int and value >= 0:
         return value
     return None
+
+
+@dataclass(slots=True)
+class Observed:
+    """What one SSE event or one JSON body says about usage, in a dialect-independent form.
+
+    `texts` are generated texts to count when no usage is reported; `prompt`/`completion` are reported
+    counts (`usage_seen` once any usage object was present); `final` marks the event that ends a complete
+    answer; `usage_only` marks the usage event a client did not ask for (it may be stripped).
+    """
+
+    texts: list[str] = field(default_factory=list)
+    usage_seen: bool = False
+    prompt: int | None = None
+    completion: int | None = None
+    error: bool = False
+    final: bool = False
+    usage_only: bool = False
+
+
+class Dialect(Protocol):
+    """How one API's responses carry generated text and usage (OpenAI chunks, Responses events, ...)."""
+
+    def event(self, name: bytes, obj: Mapping[str, Any]) -> Observed: ...
+
+    def body(self, obj: Mapping[str, Any]) -> Observed: ...
+
+
+class OpenAIDialect:
+    """Chat completions and completions: `choices[].delta` / `choices[].message` / `choices[].text`, and
+    `usage.{prompt_tokens,completion_tokens}` (the include_usage event has `"choices": []`)."""
+
+    def event(self, name: bytes, obj: Mapping[str, Any]) -> Observed:
+        return self._read(obj, "delta")
+
+    def body(self, obj: Mapping[str, Any]) -> Observed:
+        return self._read(obj, "message")
+
+    def _read(self, obj: Mapping[str, Any], key: str) -> Observed:
+        seen = Observed(error=obj.get("error") is not None or obj.get("object") == "error")
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    _choice_texts(choice, key, seen.texts)
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            seen.usage_seen = True
+            seen.prompt = count_int(usage.get("prompt_tokens"))
+            seen.completion = count_int(usage.get("completion_tokens"))
+            seen.usage_only = choices is None or choices == []
+        return seen
+
+
+OPENAI = OpenAIDialect()
 
 
 class ResponseUsageTracker:
@@ -72,7 +134,9 @@ class ResponseUsageTracker:
         encoding: str,
         strip_usage_chunk: bool = False,
         max_buffer_bytes: int = 8 << 20,
+        dialect: Dialect = OPENAI,
     ) -> None:
+        self._dialect = dialect
         self._encoding = encoding
         self._strip = strip_usage_chunk and streaming
         self._cap = max_buffer_bytes
@@ -91,6 +155,7 @@ class ResponseUsageTracker:
         # JSON body state.
         self._body = bytearray()
         self._body_overflow = False
+        self._tail = bytearray()  # the last TAIL_BYTES of a body past the cap, where its usage lives
         # Results.
         self._usage_seen = False
         self._reported_prompt: int | None = None
@@ -98,7 +163,7 @@ class ResponseUsageTracker:
         self._counted_total = 0
         self._counted_since_report = 0
         self._error = False
-        self.done_seen = False  # `data: [DONE]` arrived: the backend finished the stream normally
+        self.done_seen = False  # the final event arrived (`data: [DONE]`, or the API's terminal event)
 
     # ----------------------------------------------------------------------------------------------------
     # Public API
@@ -241,7 +306,7 @@ class ResponseUsageTracker:
         if self._event_name == b"error":
             self._error = True
         if self._data and not self._event_overflow:
-            drop = self._handle_data(b"\n".join(self._data))
+            drop = self._handle_data(b"\n".join(self._data), self._event_name)
         if out is not None and not self._passthrough:
             if not drop:
                 out += self._held
@@ -252,7 +317,7 @@ class ResponseUsageTracker:
         self._event_name = b""
         self._passthrough = False
 
-    def _handle_data(self, data: bytes) -> bool:
+    def _handle_data(self, data: bytes, name: bytes) -> bool:
         """Absorb one event's data; True when it is the usage-only event the client did not ask for."""
         if data.strip() == b"[DONE]":
             self.done_seen = True
@@ -263,35 +328,34 @@ class ResponseUsageTracker:
             return False
         if not isinstance(obj, dict):
             return False
-        self._check_error(obj)
-        choices = obj.get("choices")
-        counted = 0
-        if isinstance(choices, list):
-            for choice in choices:
-                if isinstance(choice, dict):
-                    counted += self._count_choice(choice, "delta")
-        self._counted_total += counted
-        self._counted_since_report += counted
-        usage = obj.get("usage")
-        if not isinstance(usage, dict):
-            return False
-        self._take_usage(usage)
-        return self._strip and (choices is None or choices == [])
+        seen = self._dialect.event(name, obj)
+        self._absorb(seen)
+        return self._strip and seen.usage_only
 
     # ----------------------------------------------------------------------------------------------------
     # JSON
 
     def _buffer_json(self, chunk: bytes) -> None:
         if self._body_overflow:
+            self._keep_tail(chunk)
             return
         if len(self._body) + len(chunk) > self._cap:
             self._body_overflow = True
+            self._keep_tail(bytes(self._body[-TAIL_BYTES:]) + chunk)
             self._body = bytearray()  # release the memory, not just the length
             return
         self._body += chunk
 
+    def _keep_tail(self, chunk: bytes) -> None:
+        self._tail += chunk
+        if len(self._tail) > TAIL_BYTES:
+            del self._tail[: len(self._tail) - TAIL_BYTES]
+
     def _settle_json(self) -> None:
-        if self._body_overflow or not self._body:
+        if self._body_overflow:
+            self._settle_tail()
+            return
+        if not self._body:
             return
         try:
             obj = json.loads(bytes(self._body))
@@ -301,63 +365,85 @@ class ResponseUsageTracker:
             self._body = bytearray()
         if not isinstance(obj, dict):
             return
-        self._check_error(obj)
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self._take_usage(usage)
-            if self._reported_completion is not None:
-                return  # authoritative: no need to tokenize the answer
-        choices = obj.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                if isinstance(choice, dict):
-                    self._counted_total += self._count_choice(choice, "message")
+        seen = self._dialect.body(obj)
+        if seen.usage_seen and seen.completion is not None:
+            seen.texts = []  # authoritative: no need to tokenize the answer
+        self._absorb(seen)
+
+    def _settle_tail(self) -> None:
+        """A body past the cap (e.g. with 20 logprobs per token): read the last `"usage"` object in its tail.
+
+        The answer's own text is not counted (it is gone); the usage object, which OpenAI-style servers write
+        after the choices, is parsed from the last occurrence of the key that decodes as an object.
+        """
+        tail = bytes(self._tail)
+        self._tail = bytearray()
+        decoder = json.JSONDecoder()
+        end = len(tail)
+        while True:
+            at = tail.rfind(b'"usage"', 0, end)
+            if at < 0:
+                return
+            colon = tail.find(b":", at + 7)
+            try:
+                text = tail[colon + 1 :].decode("utf-8", "replace").lstrip()
+                usage, _ = decoder.raw_decode(text)
+            except (ValueError, RecursionError):
+                end = at
+                continue
+            if isinstance(usage, dict):
+                self._absorb(self._dialect.body({"usage": usage}))
+                return
+            end = at
 
     # ----------------------------------------------------------------------------------------------------
     # Shared
 
-    def _check_error(self, obj: Mapping[str, Any]) -> None:
-        if obj.get("error") is not None or obj.get("object") == "error":
+    def _absorb(self, seen: Observed) -> None:
+        """Fold one event's or body's observations into the running usage."""
+        if seen.error:
             self._error = True
-
-    def _take_usage(self, usage: Mapping[str, Any]) -> None:
+        if seen.final:
+            self.done_seen = True
+        counted = sum(count_text(t, self._encoding) for t in seen.texts if t)
+        self._counted_total += counted
+        self._counted_since_report += counted
+        if not seen.usage_seen:
+            return
         self._usage_seen = True
-        prompt = _count_int(usage.get("prompt_tokens"))
-        if prompt is not None:
-            self._reported_prompt = prompt
-        completion = _count_int(usage.get("completion_tokens"))
-        if completion is not None:
-            self._reported_completion = completion
+        if seen.prompt is not None:
+            self._reported_prompt = seen.prompt
+        if seen.completion is not None:
+            self._reported_completion = seen.completion
             self._counted_since_report = 0
 
-    def _count_choice(self, choice: Mapping[str, Any], key: str) -> int:
-        """Tokens of the generated text in one choice (`delta` for chunks, `message` for bodies)."""
-        texts: list[str] = []
-        text = choice.get("text")  # completions
-        if isinstance(text, str):
-            texts.append(text)
-        part = choice.get(key)
-        if isinstance(part, dict):
-            texts.extend(content_texts(part.get("content")))
-            reasoning = part.get("reasoning_content")
-            if not isinstance(reasoning, str):
-                reasoning = part.get("reasoning")
-            if isinstance(reasoning, str):
-                texts.append(reasoning)
-            tool_calls = part.get("tool_calls")
-            if isinstance(tool_calls, list):
-                for call in tool_calls:
-                    if isinstance(call, dict):
-                        _function_texts(call.get("function"), texts)
-            _function_texts(part.get("function_call"), texts)
-        return sum(count_text(t, self._encoding) for t in texts)
+
+def _choice_texts(choice: Mapping[str, Any], key: str, texts: list[str]) -> None:
+    """The generated text in one choice (`delta` for chunks, `message` for bodies, `text` for completions)."""
+    text = choice.get("text")  # completions
+    if isinstance(text, str):
+        texts.append(text)
+    part = choice.get(key)
+    if isinstance(part, dict):
+        texts.extend(content_texts(part.get("content")))
+        reasoning = part.get("reasoning_content")
+        if not isinstance(reasoning, str):
+            reasoning = part.get("reasoning")
+        if isinstance(reasoning, str):
+            texts.append(reasoning)
+        tool_calls = part.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                if isinstance(call, dict):
+                    _function_texts(call.get("function"), texts)
+        _function_texts(part.get("function_call"), texts)
 
 
 def _function_texts(function: Any, texts: list[str]) -> None:
     """The generated name and arguments of a tool or function call (both are decoded tokens)."""
     if not isinstance(function, dict):
         return
-    for field in ("name", "arguments"):
-        value = function.get(field)
+    for key in ("name", "arguments"):
+        value = function.get(key)
         if isinstance(value, str):
             texts.append(value)

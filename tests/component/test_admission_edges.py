@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.request import Endpoint, endpoint_for
+from extproc.admission.paths import DEFAULT_TABLE, RouteKind
+from extproc.admission.request import Api
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import monotonic
@@ -35,12 +36,21 @@ from tests.component.test_server import Harness, body_msg, chat, eventually, hea
     ],
 )
 def test_every_spelling_a_router_serves_is_admitted(path: str) -> None:
-    assert endpoint_for("post", path) is Endpoint.CHAT
+    rule = DEFAULT_TABLE.route("post", path)
+    assert rule is not None and rule.kind is RouteKind.METERED and rule.api is Api.CHAT
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/chat/completionsX", "/v2/chat/completions", "/"])
-def test_other_paths_pass_through(path: str) -> None:
-    assert endpoint_for("POST", path) is None
+@pytest.mark.parametrize(
+    "path", ["/v1/models", "/v1/chat/completionsX", "/v2/chat/completions", "/", "/metrics", "/v1/%6Dodels"]
+)
+def test_other_paths_are_refused_when_posted(path: str) -> None:
+    assert DEFAULT_TABLE.route("POST", path) is None
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/", "/v1//models?x=1", "/version", "/health"])
+def test_free_paths_pass(path: str) -> None:
+    rule = DEFAULT_TABLE.route("GET", path)
+    assert rule is not None and rule.kind is RouteKind.FREE
 
 
 async def test_buffered_body_followed_by_trailers_is_admitted_at_once() -> None:

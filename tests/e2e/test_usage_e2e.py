@@ -20,7 +20,15 @@ from tests.e2e.conftest import Stack, fixed_step_sim
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
     "admission": {"max_body_bytes": 65536, "tenant": {"header": "x-tenant"}},
-    "models": {"*": {"context_window": 8192, "default_max_tokens": 512}},
+    # The simulator frames chat messages the way OpenAI documents for cl100k (3 tokens per message, 3 to
+    # prime the reply): with the same template costs the sidecar's prompt count is exact.
+    "models": {
+        "*": {
+            "context_window": 8192,
+            "default_max_tokens": 512,
+            "template": {"per_message": 3, "per_request": 3},
+        }
+    },
     "limits": {
         "global": {"tokens_per_minute": 10_000_000},
         "models": {MODEL: {"max_concurrency": 16}},

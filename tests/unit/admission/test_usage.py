@@ -369,14 +369,22 @@ def test_json_garbage_never_raises(body: bytes) -> None:
     assert not tracker.error_seen
 
 
-def test_json_over_buffer_cap_counts_nothing_more() -> None:
+def test_json_over_buffer_cap_reads_usage_from_the_tail() -> None:
+    """A body past the cap (20 logprobs per token) still settles to its usage: it is read from the tail."""
     body = json_body(
-        {"choices": [{"message": {"content": "word " * 500}}], "usage": {"completion_tokens": 3}}
+        {
+            "choices": [{"message": {"content": "word " * 500}}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 3},
+        }
     )
     _, tracker, _ = run(body, list(range(0, len(body), 100)), strip=False, streaming=False, cap=1000)
+    assert tracker.usage == Usage(9, 3, True)
+
+
+def test_json_over_buffer_cap_without_usage_counts_nothing_more() -> None:
+    body = json_body({"choices": [{"message": {"content": 'say "usage": {1} ' * 200}}]})
+    _, tracker, _ = run(body, list(range(0, len(body), 100)), strip=False, streaming=False, cap=1000)
     assert tracker.usage == Usage(None, 0, False)
-    _, tracker, _ = run(body, list(range(0, len(body), 100)), strip=False, streaming=False, cap=len(body))
-    assert tracker.usage == Usage(None, 3, True)
 
 
 def test_finish_is_idempotent() -> None:

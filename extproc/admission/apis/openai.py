@@ -1,0 +1,254 @@
+"""OpenAI's chat completions, completions and embeddings, as vLLM and SGLang serve them.
+
+Counting rule for chat: everything a message carries is rendered by the chat template, so everything is
+counted. Content parts with text (`text`, `input_text`, `output_text`, `refusal`, `thinking`, or any type
+this code does not know) count every string they hold; media parts (images, audio, video) are charged the
+model's configured media cost; every other message field counts as text (strings) or compact JSON
+(structures: `tool_calls`, `function_call`, ...), `reasoning_content` and `tool_call_id` included. Request
+level `tools`, `functions` and `documents` are rendered too. Each message adds the template's per-message
+overhead and the request its per-request overhead (`ModelPolicy.template`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from extproc.admission import fields as f
+from extproc.admission.prompt import NO_MEDIA, Media, Prompt
+from extproc.admission.request import Api, BodyEdits, ParsedRequest
+
+MEDIA_PARTS: dict[str, Media] = {
+    "image_url": Media(images=1),
+    "input_image": Media(images=1),
+    "image_pil": Media(images=1),
+    "image_embeds": Media(images=1),
+    "input_audio": Media(audios=1),
+    "audio_url": Media(audios=1),
+    "video_url": Media(videos=1),
+}
+"""Content-part types that become media items on a multimodal model (never text)."""
+
+TEMPLATED_REQUEST_FIELDS = ("tools", "functions", "documents")
+"""Request-level fields the chat template renders into the prompt."""
+
+
+class ContentTexts:
+    """Collects the texts and media of message contents, validating each part on the way."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.media = NO_MEDIA
+        self.messages = 0
+
+    def add_value(self, value: Any, param: str) -> None:
+        """A field the template renders: a string as is, anything structured as compact JSON."""
+        if value is None:
+            return
+        if isinstance(value, str):
+            self.texts.append(value)
+        elif isinstance(value, bool | int | float):
+            self.texts.append(str(value))
+        else:
+            self.texts.append(f.compact_json(value, param))
+
+    def add_content(self, content: Any, param: str) -> None:
+        if content is None or isinstance(content, str):
+            self.add_value(content, param)
+            return
+        if not isinstance(content, list):
+            f.bad(
+                f"'{param}' must be a string or an array of content parts, got {f.json_type(content)}.",
+                code="invalid_type",
+                param=param,
+            )
+        for j, part in enumerate(content):
+            self.add_part(part, f"{param}[{j}]")
+
+    def add_part(self, part: Any, param: str) -> None:
+        if not isinstance(part, dict):
+            f.bad(f"'{param}' must be an object, got {f.json_type(part)}.", code="invalid_type", param=param)
+        kind = f.required_str(part, "type", f"{param}.type")
+        media = MEDIA_PARTS.get(kind)
+        if media is not None:
+            self.media = self.media + media
+            return
+        if kind == "text":
+            f.required_str(part, "text", f"{param}.text")
+        for key, value in part.items():
+            if key != "type":
+                self.add_value(value, f"{param}.{key}")
+
+    def add_message(self, message: Any, param: str) -> None:
+        if not isinstance(message, dict):
+            f.bad(
+                f"'{param}' must be an object, got {f.json_type(message)}.", code="invalid_type", param=param
+            )
+        role = f.required_str(message, "role", f"{param}.role")
+        f.opt_list(message, "tool_calls", f"{param}.tool_calls")
+        content = message.get("content")
+        if content is None and not (
+            role == "assistant" and (message.get("tool_calls") or message.get("function_call"))
+        ):
+            # OpenAI: content is required unless the assistant message carries tool_calls or function_call.
+            f.bad(
+                f"Missing required parameter: '{param}.content'.",
+                code="missing_field",
+                param=f"{param}.content",
+            )
+        self.messages += 1
+        for key, value in message.items():
+            if key == "content":
+                self.add_content(value, f"{param}.content")
+            else:
+                self.add_value(value, f"{param}.{key}")
+
+
+def chat_prompt(body: Mapping[str, Any], key: str = "messages") -> Prompt:
+    """The prompt a chat template renders from `messages` and the request-level templated fields."""
+    if key not in body or body[key] is None:
+        f.bad(f"Missing required parameter: '{key}'.", code="missing_field", param=key)
+    messages = body[key]
+    if not isinstance(messages, list):
+        f.bad(f"'{key}' must be an array, got {f.json_type(messages)}.", code="invalid_type", param=key)
+    if not messages:
+        f.bad(f"'{key}' must contain at least one message.", code="invalid_value", param=key)
+    collected = ContentTexts()
+    for i, message in enumerate(messages):
+        collected.add_message(message, f"{key}[{i}]")
+    for name in TEMPLATED_REQUEST_FIELDS:
+        value = f.opt_list(body, name, name)
+        if value:
+            collected.add_value(value, name)
+    return Prompt(
+        texts=tuple(collected.texts), messages=collected.messages, templated=True, media=collected.media
+    )
+
+
+def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) of a generation request."""
+    stream = bool(f.opt_bool(body, "stream", "stream"))
+    options = f.opt_object(body, "stream_options", "stream_options")
+    include_usage = (
+        bool(f.opt_bool(options, "include_usage", "stream_options.include_usage")) if options else False
+    )
+    return stream, include_usage
+
+
+def _edit_generation(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) -> bool:
+    """Edits common to chat and completions: usage in the stream, an output bound, the priority."""
+    changed = False
+    if edits.include_usage and req.stream and not req.include_usage:
+        options = body.get("stream_options")
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        changed = True
+    if edits.max_tokens is not None and req.requested_max_tokens is None:
+        body["max_tokens"] = edits.max_tokens
+        changed = True
+    return _edit_priority(body, edits) or changed
+
+
+def _edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
+    """A client must not pick its own place in the backend's priority scheduling: strip it or set it."""
+    if edits.priority is not None:
+        if body.get("priority") != edits.priority:
+            body["priority"] = edits.priority
+            return True
+        return False
+    if edits.strip_priority and "priority" in body:
+        del body["priority"]
+        return True
+    return False
+
+
+def _prompt_embeds(body: Mapping[str, Any]) -> Prompt | None:
+    """`prompt_embeds` (vLLM): its length cannot be known without the model, so it is charged the window."""
+    if body.get("prompt_embeds") is None:
+        return None
+    return Prompt(opaque=True)
+
+
+class ChatAdapter:
+    api = Api.CHAT
+
+    def parse(self, body: dict[str, Any]) -> ParsedRequest:
+        model = f.model_name(body)
+        stream, include_usage = _stream_options(body)
+        n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
+        requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
+        param = "max_tokens"
+        bound = f.opt_int(body, "max_completion_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
+        if bound is not None:
+            requested, param = bound, "max_completion_tokens"
+        return ParsedRequest(
+            api=self.api,
+            model=model,
+            prompts=(chat_prompt(body),),
+            stream=stream,
+            include_usage=include_usage,
+            sequences=n,
+            requested_max_tokens=requested,
+            max_tokens_param=param,
+            prompt_param="messages",
+            body=body,
+        )
+
+    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
+        return _edit_generation(body, req, edits)
+
+
+def text_prompts(body: Mapping[str, Any], key: str) -> tuple[Prompt, ...]:
+    """One prompt per entry of `prompt`/`input`: a string is tokenized, a token-id array counts its length."""
+    out = []
+    for item in f.prompt_list(body.get(key), key):
+        out.append(Prompt(texts=(item,)) if isinstance(item, str) else Prompt(fixed_tokens=len(item)))
+    return tuple(out)
+
+
+class CompletionsAdapter:
+    api = Api.COMPLETIONS
+
+    def parse(self, body: dict[str, Any]) -> ParsedRequest:
+        model = f.model_name(body)
+        stream, include_usage = _stream_options(body)
+        n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
+        best_of = f.opt_int(body, "best_of", low=1, high=f.MAX_N) or 1
+        requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
+        embeds = _prompt_embeds(body)
+        found = (
+            (embeds,) if embeds is not None and body.get("prompt") is None else text_prompts(body, "prompt")
+        )
+        return ParsedRequest(
+            api=self.api,
+            model=model,
+            prompts=found,
+            stream=stream,
+            include_usage=include_usage,
+            sequences=max(n, best_of),  # the backend decodes best_of sequences and returns n
+            requested_max_tokens=requested,
+            prompt_param="prompt",
+            body=body,
+        )
+
+    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
+        return _edit_generation(body, req, edits)
+
+
+class EmbeddingsAdapter:
+    """Embeddings (and vLLM's chat-style embeddings with `messages`): prompt tokens only."""
+
+    api = Api.EMBEDDINGS
+
+    def parse(self, body: dict[str, Any]) -> ParsedRequest:
+        model = f.model_name(body)
+        if body.get("messages") is not None and body.get("input") is None:
+            found: tuple[Prompt, ...] = (chat_prompt(body),)
+            param = "messages"
+        else:
+            found, param = text_prompts(body, "input"), "input"
+        return ParsedRequest(
+            api=self.api, model=model, prompts=found, prompt_param=param, generates=False, body=body
+        )
+
+    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
+        return _edit_priority(body, edits)
