@@ -97,12 +97,14 @@ class RequestHead:
 
 @dataclass(slots=True)
 class _Response:
-    """What has been seen of the upstream's answer."""
+    """What has been seen of the upstream's answer, and when (for the pool's decode rate)."""
 
     status: int | None
     tracker: ResponseUsageTracker
+    streaming: bool = False
     completed: bool = False
     cut: bool = False
+    first_chunk_at: float | None = None
 
 
 class Exchange:
@@ -197,7 +199,7 @@ class Exchange:
         shadow = config.shadow or self.klass.shadow
         budget = self.service.deps.kv_budget(self.pool)
         if budget is not None:
-            fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens)
+            fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens, self.tenant)
             if not fits:
                 refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
                 yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
@@ -291,7 +293,7 @@ class Exchange:
         assert self.klass is not None and self._policy is not None
         assert self.pool is not None
         if budget is not None:
-            budget.admit(str(lease.lease_id), plan.prompt_tokens, plan.completion_tokens)
+            budget.admit(str(lease.lease_id), plan.prompt_tokens, plan.completion_tokens, self.tenant)
             service.deps.budget_changed(self.pool)
         self.admitted = Admitted(
             lease=lease,
@@ -387,7 +389,9 @@ class Exchange:
             strip_usage_chunk=admitted.strip_usage and streaming and ok,
             dialect=dialect_for(admitted.request.api),
         )
-        self.response = _Response(status=status, tracker=tracker, completed=end_of_stream)
+        self.response = _Response(
+            status=status, tracker=tracker, streaming=streaming, completed=end_of_stream
+        )
         self.phase = Phase.RESPONDING
         return Forward(set_headers=ratelimit_headers(admitted.lease.status))
 
@@ -399,6 +403,8 @@ class Exchange:
         if not end_of_stream and self._should_cut(admitted):
             return self._cut(response)
         tracker = response.tracker
+        if response.first_chunk_at is None and chunk:
+            response.first_chunk_at = self.service.clock()
         out = tracker.feed(chunk)
         if admitted.budget is not None:
             admitted.budget.progress(admitted.budget_id, tracker.usage.completion_tokens)
@@ -412,7 +418,17 @@ class Exchange:
             if tail is not None:
                 out = (chunk if out is None else out) + tail
             response.completed = True
+            self._learn_decode_rate(admitted, response)
         return FORWARD if out is None else Forward(body=out)
+
+    def _learn_decode_rate(self, admitted: Admitted, response: _Response) -> None:
+        """A completed stream tells how fast the pool decodes: tokens after the first over their duration."""
+        if not response.streaming or response.first_chunk_at is None or response.status != 200:
+            return
+        sequences = admitted.request.sequences * admitted.request.prompt_count
+        tokens = response.tracker.usage.completion_tokens / max(1, sequences) - 1
+        seconds = self.service.clock() - response.first_chunk_at
+        self.service.decode_rates.observe(admitted.pool, tokens, seconds)
 
     def response_trailers(self) -> None:
         if self.response is not None:
@@ -445,9 +461,19 @@ class Exchange:
             self._settle()
 
     def facts(self) -> ResponseFacts:
-        response = self.response
+        """What is known of the response now; nothing seen yet means the backend's work is estimated."""
+        response, admitted = self.response, self.admitted
         if response is None:
-            return ResponseFacts()
+            if admitted is None:
+                return ResponseFacts()
+            request = admitted.request
+            estimate = self.service.decode_rates.estimate(
+                admitted.pool,
+                self.service.clock() - admitted.admitted_at,
+                request.sequences * request.prompt_count,
+                admitted.plan.completion_tokens,
+            )
+            return ResponseFacts(estimated_completion=estimate)
         tracker = response.tracker
         return ResponseFacts(
             upstream_status=response.status,

@@ -23,6 +23,7 @@ from extproc.admission.request import ParsedRequest, Reservation, count_prompt_t
 from extproc.admission.settlement import Charge
 from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
+from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
@@ -75,6 +76,7 @@ class AdmissionService:
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
     _open: set[Any] = field(default_factory=set)
     _lanes: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    decode_rates: DecodeRates = field(default_factory=DecodeRates)
 
     @property
     def metrics(self) -> Metrics:

@@ -9,9 +9,10 @@ admitted itself and refuse a request whose expected footprint would push the poo
 
 Footprint of a lease = prompt + expected completion, never less than prompt + tokens streamed so far.
 The expected completion is the caller's completion allowance (usually `max_tokens`, or the remaining
-context) times a learned ratio: the EWMA, per pool, of `actual_completion / allowance` over finished
-requests. It starts at 1.0 (assume the whole allowance is used) and only finished requests feed it;
-cancelled ones (`actual_completion=None`) would bias it low.
+context) times a learned ratio (`CompletionLearner`): per learner key (the request's tenant), a high
+quantile of `actual_completion / allowance` over that key's finished requests, with a floor. It starts at
+1.0 (assume the whole allowance is used); only finished requests feed it (cancelled ones,
+`actual_completion=None`, would bias it low), and no client's requests move another client's estimate.
 
 Pure and synchronous (no asyncio, no clock): the limiter calls it under its own locking.
 """
@@ -21,12 +22,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from extproc.core.completion_learner import CompletionLearner
+
 
 @dataclass(slots=True)
 class _Lease:
     prompt: int
     allowance: int
     expected_completion: int
+    learner_key: str = ""
     streamed: int = 0
 
     @property
@@ -47,16 +51,14 @@ class KvBudget:
         *,
         target_utilization: float = 0.9,
         capacity_share: float = 1.0,
-        ewma_alpha: float = 0.1,
         initial_completion_ratio: float = 1.0,
-        min_completion_ratio: float = 0.05,
+        min_completion_ratio: float = 0.1,
+        learner: CompletionLearner | None = None,
     ) -> None:
         if not 0.0 < target_utilization <= 1.0:
             raise ValueError(f"kv_budget.target_utilization: must be in (0, 1], got {target_utilization}")
         if not 0.0 < capacity_share <= 1.0:
             raise ValueError(f"kv_budget.capacity_share: must be in (0, 1], got {capacity_share}")
-        if not 0.0 < ewma_alpha <= 1.0:
-            raise ValueError(f"kv_budget.ewma_alpha: must be in (0, 1], got {ewma_alpha}")
         if not 0.0 < min_completion_ratio <= 1.0:
             raise ValueError(f"kv_budget.min_completion_ratio: must be in (0, 1], got {min_completion_ratio}")
         if not min_completion_ratio <= initial_completion_ratio <= 1.0:
@@ -66,9 +68,9 @@ class KvBudget:
             )
         self._target = target_utilization
         self._share = capacity_share
-        self._alpha = ewma_alpha
-        self._min_ratio = min_completion_ratio
-        self._ratio = initial_completion_ratio
+        self.learner = learner or CompletionLearner(
+            prior=initial_completion_ratio, floor=min_completion_ratio
+        )
         self._capacity: int | None = None
         self._leases: dict[str, _Lease] = {}
         self._demand = 0
@@ -101,8 +103,8 @@ class KvBudget:
 
     @property
     def completion_ratio(self) -> float:
-        """Learned expected completion as a fraction of the allowance."""
-        return self._ratio
+        """Learned expected completion as a fraction of the allowance, for requests without a learner key."""
+        return self.learner.ratio("")
 
     @property
     def leases(self) -> int:
@@ -117,12 +119,14 @@ class KvBudget:
         else:
             self._capacity = int(capacity_tokens)
 
-    def expected_completion(self, allowance: int) -> int:
-        """Completion tokens a request with this allowance is expected to produce."""
+    def expected_completion(self, allowance: int, learner_key: str = "") -> int:
+        """Completion tokens a request of `learner_key` with this allowance is expected to produce."""
         allowance = max(0, int(allowance))
-        return min(allowance, math.ceil(allowance * self._ratio))
+        return min(allowance, math.ceil(allowance * self.learner.ratio(learner_key)))
 
-    def would_fit(self, prompt_tokens: int, max_completion: int) -> tuple[bool, int | None]:
+    def would_fit(
+        self, prompt_tokens: int, max_completion: int, learner_key: str = ""
+    ) -> tuple[bool, int | None]:
         """Whether a request fits, and the headroom before it. Capacity unknown: (True, None).
 
         An empty pool always admits, so a request larger than the budget is not starved forever (the
@@ -131,12 +135,14 @@ class KvBudget:
         headroom = self.headroom_tokens
         if headroom is None:
             return True, None
-        need = max(0, int(prompt_tokens)) + self.expected_completion(max_completion)
+        need = max(0, int(prompt_tokens)) + self.expected_completion(max_completion, learner_key)
         if not self._leases:
             return True, headroom
         return need <= headroom, headroom
 
-    def admit(self, lease_id: str, prompt_tokens: int, expected_completion: int) -> int:
+    def admit(
+        self, lease_id: str, prompt_tokens: int, expected_completion: int, learner_key: str = ""
+    ) -> int:
         """Record an admitted request; `expected_completion` is its completion allowance (max_tokens).
 
         Returns the footprint charged. A lease id already present is a caller bug: ValueError.
@@ -147,7 +153,8 @@ class KvBudget:
         lease = _Lease(
             prompt=max(0, int(prompt_tokens)),
             allowance=allowance,
-            expected_completion=self.expected_completion(allowance),
+            expected_completion=self.expected_completion(allowance, learner_key),
+            learner_key=learner_key,
         )
         self._leases[lease_id] = lease
         self._demand += lease.footprint
@@ -173,7 +180,5 @@ class KvBudget:
             return False
         self._demand -= lease.footprint
         if actual_completion is not None and lease.allowance > 0:
-            sample = min(1.0, max(0.0, actual_completion / lease.allowance))
-            ratio = (1.0 - self._alpha) * self._ratio + self._alpha * sample
-            self._ratio = min(1.0, max(self._min_ratio, ratio))
+            self.learner.observe(lease.learner_key, actual_completion / lease.allowance)
         return True

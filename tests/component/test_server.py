@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -340,6 +341,39 @@ async def test_stream_cancelled_after_admission_before_response_refunds_completi
     await harness.settled()
     assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
     assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 0
+
+
+async def test_abort_before_response_headers_is_charged_what_the_backend_generated(harness: Harness) -> None:
+    """A non-streamed answer whose client leaves after 0.5 s: the backend decoded for 0.5 s, never zero."""
+    clock = harness.sidecar.clock
+    assert isinstance(clock, FakeClock)
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    clock.advance(0.5)
+    s.cancel()
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
+    rate = harness.sidecar.admission.decode_rates.rate("*")
+    assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == min(
+        100, math.ceil(0.5 * rate)
+    )
+
+
+async def test_completed_streams_teach_the_pool_its_decode_rate(harness: Harness) -> None:
+    clock = harness.sidecar.clock
+    assert isinstance(clock, FakeClock)
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100, stream=True)))
+    await s.send(resp_headers_msg(200, "text/event-stream"))
+    await s.send(resp_body_msg(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'))
+    clock.advance(2.0)
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":81,"total_tokens":92}}\n\n'
+    await s.send(resp_body_msg(usage + b"data: [DONE]\n\n", eos=True))
+    await s.close()
+    await harness.settled()
+    assert harness.sidecar.admission.decode_rates.rate("*") == pytest.approx(40.0)  # 80 tokens in 2 s
 
 
 async def test_upstream_error_refunds_the_completion_reservation(harness: Harness) -> None:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from extproc.core.completion_learner import CompletionLearner
 from extproc.core.kv_budget import KvBudget
 
 
@@ -48,28 +49,46 @@ def test_progress_never_lowers_and_grows_past_estimate() -> None:
     assert not b.progress("zzz", 10)
 
 
-def test_release_learns_completion_ratio() -> None:
-    b = KvBudget(100_000, ewma_alpha=0.5)
+def test_release_learns_a_robust_completion_ratio_per_key() -> None:
+    learner = CompletionLearner(min_samples=4, quantile=0.9, floor=0.1)
+    b = KvBudget(100_000, learner=learner)
     assert b.completion_ratio == 1.0
-    b.admit("a", 10, 100)
-    b.release("a", actual_completion=20)
-    assert b.completion_ratio == pytest.approx(0.6)
-    assert b.expected_completion(100) == 60
-    b.admit("b", 10, 100)
+    for i, used in enumerate((20, 30, 40, 90)):
+        b.admit(f"a{i}", 10, 100, "acme")
+        b.release(f"a{i}", actual_completion=used)
+    assert b.learner.ratio("acme") == pytest.approx(0.9)  # p90 of 0.2, 0.3, 0.4, 0.9
+    assert b.expected_completion(100, "acme") == 90
+    assert b.expected_completion(100, "other") == 100  # nobody else moved
+    b.admit("b", 10, 100, "acme")
     b.release("b")  # cancelled: no sample
-    assert b.completion_ratio == pytest.approx(0.6)
-    b.admit("c", 10, 100)
-    b.release("c", actual_completion=0)
-    assert b.completion_ratio == pytest.approx(0.3)
+    assert b.learner.ratio("acme") == pytest.approx(0.9)
+
+
+def test_early_stopping_requests_cannot_shrink_another_tenants_footprint() -> None:
+    """Forty requests that stop after a few tokens used to drive every 4,000-token booking to 210 tokens."""
+    b = KvBudget(1_000_000)
+    for i in range(40):
+        b.admit(f"x{i}", 10, 4_000, "attacker")
+        b.release(f"x{i}", actual_completion=1)
+    assert b.admit("victim", 0, 4_000, "victim") == 4_000
+    assert b.expected_completion(4_000, "attacker") == 400  # its own estimate stops at the floor
 
 
 def test_ratio_floor_and_double_release() -> None:
-    b = KvBudget(1000, ewma_alpha=1.0, min_completion_ratio=0.1)
+    b = KvBudget(1000, learner=CompletionLearner(min_samples=1, floor=0.1))
     b.admit("a", 1, 100)
     assert b.release("a", actual_completion=0)
     assert b.completion_ratio == pytest.approx(0.1)
     assert not b.release("a", actual_completion=0)
     assert b.demand_tokens == 0
+
+
+def test_learner_forgets_the_least_recent_keys_and_they_start_safe() -> None:
+    learner = CompletionLearner(min_samples=1, max_keys=2)
+    for key in ("a", "b", "c"):
+        learner.observe(key, 0.2)
+    assert learner.keys == 2
+    assert learner.ratio("a") == 1.0 and learner.ratio("c") == pytest.approx(0.2)
 
 
 def test_duplicate_admit_is_rejected() -> None:
@@ -93,7 +112,7 @@ def test_capacity_share_and_shrinking_capacity() -> None:
     [
         ({"target_utilization": 0.0}, "target_utilization"),
         ({"capacity_share": 2.0}, "capacity_share"),
-        ({"ewma_alpha": 0.0}, "ewma_alpha"),
+        ({"min_completion_ratio": 0.0}, "min_completion_ratio"),
         ({"initial_completion_ratio": 1.5}, "initial_completion_ratio"),
     ],
 )
@@ -131,7 +150,7 @@ def test_demand_equals_sum_of_live_footprints_and_returns_to_zero(
             live.discard(lid)
         assert b.demand_tokens >= 0
         assert b.leases == len(live)
-        assert 0.05 <= b.completion_ratio <= 1.0
+        assert 0.1 <= b.completion_ratio <= 1.0
     for lid in list(live):
         b.release(lid)
     assert b.demand_tokens == 0

@@ -1,0 +1,47 @@
+"""How fast a pool generates, per sequence: the bound used to charge answers nobody saw.
+
+A request can end before any response byte arrived (a non-streamed answer whose client left after three
+seconds, or a lease whose end signal never came). The backend still generated tokens until it noticed:
+charging the prompt alone would let a client run long generations for free by disconnecting. The charge is
+instead `min(reserved completion, elapsed x decode rate x sequences)`, with the pool's per-sequence decode
+rate learned from its completed streamed answers (tokens after the first, over the time between the first
+and the last chunk) as an exponentially weighted mean, and a configured rate until the first sample.
+
+Elapsed time includes queueing and prefill, so the charge errs high, never above the reservation.
+Pure: no clock; callers pass durations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeRates:
+    default_tokens_per_second: float = 100.0
+    alpha: float = 0.2
+    min_tokens: int = 16  # shorter answers carry too much timing noise to be a sample
+    _rates: dict[str, float] = field(default_factory=dict, init=False)
+
+    def rate(self, pool: str) -> float:
+        """Tokens per second per sequence of the pool (the configured default until observed)."""
+        return self._rates.get(pool, self.default_tokens_per_second)
+
+    def observe(self, pool: str, tokens_per_sequence: float, seconds: float) -> None:
+        """A completed streamed answer: `tokens_per_sequence` tokens after the first, over `seconds`."""
+        if tokens_per_sequence < self.min_tokens or seconds <= 0 or not math.isfinite(seconds):
+            return
+        sample = tokens_per_sequence / seconds
+        old = self._rates.get(pool)
+        self._rates[pool] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+
+    def estimate(self, pool: str, elapsed_s: float, sequences: int, cap: int) -> int:
+        """Tokens the pool may have generated for a request in `elapsed_s`, at most `cap`."""
+        if elapsed_s <= 0 or cap <= 0:
+            return 0
+        return min(cap, math.ceil(elapsed_s * self.rate(pool) * max(1, sequences)))
+
+    @property
+    def pools(self) -> int:
+        return len(self._rates)
