@@ -112,6 +112,9 @@ class Sidecar:
         specs, defaults = config.limit_specs()
         await self.store.apply_limits(specs, defaults, config.priority)
         self.config = config
+        self.admission.decode_rates.default_tokens_per_second = (
+            config.admission.assumed_decode_tokens_per_second
+        )
         self.queue.configure(
             config.priority, {c.name: c.max_queued if c.queues else 0 for c in config.classes}
         )

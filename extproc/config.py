@@ -87,6 +87,9 @@ class AdmissionConfig:
     tokenizer_per_client: int = 1
     # Prompts with at most this many bytes of text are counted on the event loop, without a thread hop.
     inline_count_bytes: int = 8 * 1024
+    # Per-sequence decode rate assumed for a pool until its completed streams teach the real one; bounds the
+    # charge of answers nobody saw (a client that left before the response headers).
+    assumed_decode_tokens_per_second: float = 100.0
 
 
 @dataclass(frozen=True)
@@ -614,6 +617,9 @@ def parse_config(data: Any) -> Config:
         tokenizer_per_client=adm.required_integer("tokenizer_per_client", 1, minimum=1),
         inline_count_bytes=adm.required_integer(
             "inline_count_bytes", AdmissionConfig.inline_count_bytes, minimum=0
+        ),
+        assumed_decode_tokens_per_second=adm.number(
+            "assumed_decode_tokens_per_second", AdmissionConfig.assumed_decode_tokens_per_second, minimum=1.0
         ),
     )
     adm.done()
