@@ -241,3 +241,65 @@ def test_store_defaults_to_in_process_state() -> None:
     assert store.backend == "local"
     redis = parse_config({"store": {"backend": "redis", "redis": {"url": "rediss://r:6380/1"}}}).store
     assert (redis.backend, redis.redis_url, redis.on_unavailable) == ("redis", "rediss://r:6380/1", "local")
+
+
+def test_model_costs_pools_and_output_bound_policy() -> None:
+    config = parse_config(
+        {
+            "models": {
+                "*": {"context_window": 4096, "template": {"per_message": 4}, "pool": "llama"},
+                "llama": {"missing_max_tokens": "inject", "media": {"image_tokens": 576}},
+                "llama-lora-sql": {"pool": "llama"},
+            },
+            "limits": {"models": {"llama": {"max_concurrency": 8}, "qwen": {"max_concurrency": 2}}},
+        }
+    )
+    llama = config.models["llama"]
+    assert llama.template.per_message == 4 and llama.template.per_request == 32  # inherited, then default
+    assert llama.media.image_tokens == 576 and llama.missing_max_tokens == "inject"
+    assert config.models["*"].missing_max_tokens == "reserve_window"
+    assert config.pool_of("llama") == "llama"
+    assert config.pool_of("llama-lora-sql") == "llama"  # an adapter counts against its base model
+    assert config.pool_of("qwen") == "qwen"  # named under limits only
+    assert config.pool_of("made-up") == "llama"  # unknown names share the "*" pool
+    assert parse_config({}).pool_of("made-up") == DEFAULT_MODEL
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        (
+            {"models": {"m": {"context_window": 10, "missing_max_tokens": "hope"}}},
+            "models.m.missing_max_tokens",
+        ),
+        (
+            {"models": {"m": {"context_window": 10, "template": {"per_message": -1}}}},
+            "models.m.template.per_message",
+        ),
+        ({"models": {"m": {"context_window": 10, "media": {"pixels": 1}}}}, "models.m.media.pixels"),
+        ({"models": {"m": {"context_window": 10, "pool": 3}}}, "models.m.pool"),
+        ({"paths": {"free": ["GET v1/x"]}}, "paths.free"),
+        ({"paths": {"free": ["/v1/chat/completions"]}}, "paths.free"),
+        ({"paths": {"deny": ["/v1/unknown"]}}, "paths.deny"),
+        ({"classes": [{"name": "a", "backend_priority": "high"}]}, "classes[0].backend_priority"),
+        ({"admission": {"tokenizer_per_client": 0}}, "admission.tokenizer_per_client"),
+        (
+            {"admission": {"assumed_decode_tokens_per_second": 0}},
+            "admission.assumed_decode_tokens_per_second",
+        ),
+    ],
+)
+def test_new_keys_name_the_key_when_wrong(data: Any, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(data)
+
+
+def test_paths_section_adds_free_paths_and_denies_built_in_ones() -> None:
+    config = parse_config(
+        {"paths": {"free": ["/v1/whoami", "POST /v1/feedback"], "deny": ["/v1/embeddings"]}}
+    )
+    assert config.paths.route("GET", "/v1/whoami") is not None
+    assert config.paths.route("POST", "/v1/feedback") is not None
+    assert config.paths.route("POST", "/v1/whoami") is None
+    assert config.paths.route("POST", "/v1/embeddings") is None
+    assert config.paths.route("POST", "/v1/chat/completions") is not None
