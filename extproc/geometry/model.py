@@ -149,6 +149,15 @@ class ModelSpec:
             params += h
         return params
 
+    def mlp_activation_width(self) -> int:
+        """Widest MLP intermediate a token passes through: the dense width, or for MoE layers the
+        routed experts it visits plus the shared experts (what the profile run's peak scales with)."""
+        widths = [self.intermediate_size] if not all(self.moe_layers) or self.moe is None else []
+        if self.moe is not None and any(self.moe_layers):
+            moe = self.moe
+            widths.append(moe.experts_per_token * moe.expert_intermediate_size + moe.shared_intermediate_size)
+        return max(widths)
+
     def layer_params(self, layer: int) -> int:
         """One decoder layer: attention, MLP and its two norms."""
         return self.attention_params() + self.mlp_params(layer) + 2 * self.hidden_size

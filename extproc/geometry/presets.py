@@ -100,6 +100,25 @@ MODEL_PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
             "vocab_size": 152064,
         },
     ),
+    # Qwen/Qwen2.5-14B config.json as copied in _PROF "Qwen2.5-14B".
+    "qwen2.5-14b": (
+        f"Qwen/Qwen2.5-14B config.json, checked against {_PROF} (Qwen2.5-14B)",
+        {
+            "model_type": "qwen2",
+            "hidden_size": 5120,
+            "intermediate_size": 13824,
+            "max_position_embeddings": 131072,
+            "max_window_layers": 48,
+            "num_attention_heads": 40,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 8,
+            "sliding_window": 131072,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "use_sliding_window": False,
+            "vocab_size": 152064,
+        },
+    ),
     # Qwen/Qwen3-8B config.json as copied in _PROF "Qwen3-8B".
     "qwen3-8b": (
         f"Qwen/Qwen3-8B config.json, checked against {_PROF} (Qwen3-8B)",

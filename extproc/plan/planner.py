@@ -204,18 +204,18 @@ def arithmetic_lines(request: PlanRequest, s: Suggestions) -> list[str]:
         _line("weights", f"{params:,} x {spec.dtype_bytes} B = {spec.weights_gib():.2f} GiB"),
     ]
     if dep.overhead_gib is None:
-        vectors = dep.overhead_model.activation_vectors
+        width = spec.mlp_activation_width()
         lines.append(
             _line(
                 "activation peak",
-                f"{vectors:g} x {dep.max_num_batched_tokens} batched tokens x {spec.hidden_size} hidden"
-                f" x {spec.dtype_bytes} B = {_gib(cap.activation_gib)}",
+                f"{dep.max_num_batched_tokens} batched tokens x (2 x {spec.hidden_size} + 3 x {width}"
+                f" / TP {tp}) x {spec.dtype_bytes} B = {_gib(cap.activation_gib)}",
             )
         )
         lines.append(
             _line(
                 "overhead per GPU",
-                f"{_gib(cap.activation_gib)} + {cap.non_torch_gib:g} GiB non-torch"
+                f"{_gib(cap.activation_gib)} + {cap.fixed_gib:g} GiB fixed (non-torch, sampler)"
                 f" + {cap.cudagraph_gib:g} GiB CUDA graphs = {_gib(cap.overhead_gib)}",
             )
         )

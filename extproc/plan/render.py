@@ -93,7 +93,7 @@ def plan_dict(plan: Plan, rehearsal: Rehearsal | None = None) -> dict[str, Any]:
         "memory": {
             "overhead_gib": {
                 "activation": round(cap.activation_gib, 3),
-                "non_torch": round(cap.non_torch_gib, 3),
+                "fixed": round(cap.fixed_gib, 3),
                 "cuda_graphs": round(cap.cudagraph_gib, 3),
                 "total": round(cap.overhead_gib, 3),
             },

@@ -37,16 +37,17 @@ def test_llama_3_70b_tp4_hand_arithmetic() -> None:
     # 1. 70,553,706,496 parameters x 2 bytes = 131.42 GiB; each of 4 GPUs holds a quarter.
     assert model_preset("llama-3-70b").weights_gib() == 131.42
     assert stage.weights_per_gpu_gib == pytest.approx(32.855)
-    # 2. Activation peak 24 x 8192 x 8192 x 2 B = 3 GiB, plus 1 GiB non-torch.
-    assert capacity.activation_gib == pytest.approx(3.0)
-    assert capacity.overhead_gib == pytest.approx(4.0)
-    # 3. 79.19 x 0.9 - 32.855 - 4.0 = 34.416 GiB for KV on each GPU.
-    assert stage.kv_cache_gib_per_gpu == pytest.approx(34.416)
+    # 2. Activation peak 8192 x (2 x 8192 + 3 x 28672 / 4) x 2 B = 620,756,992 B = 0.578125 GiB,
+    #    plus the fixed 1.71875 GiB = 2.296875 GiB.
+    assert capacity.activation_gib == 8192 * (2 * 8192 + 3 * 28672 // 4) * 2 / GIB == 0.578125
+    assert capacity.overhead_gib == 2.296875
+    # 3. 79.19 x 0.9 - 32.855 - 2.296875 = 36.119125 GiB for KV on each GPU.
+    assert stage.kv_cache_gib_per_gpu == pytest.approx(36.119125)
     # 4. 2 x 80 layers x (8 KV heads / 4 = 2) x 128 x 2 B = 81,920 B per token per GPU.
     assert stage.kv_bytes_per_token_per_gpu == 81_920
-    # 5. floor(34.416 GiB / (16 x 81,920 B)) = floor(28,193.6) = 28,193 blocks = 451,088 tokens.
-    assert capacity.num_gpu_blocks == int(34.416 * GIB // (16 * 81_920)) == 28_193
-    assert capacity.kv_cache_tokens == 451_088
+    # 5. floor(36.119125 GiB / (16 x 81,920 B)) = floor(29,588.8) = 29,588 blocks = 473,408 tokens.
+    assert capacity.num_gpu_blocks == int(36.119125 * GIB // (16 * 81_920)) == 29_588
+    assert capacity.kv_cache_tokens == 473_408
     assert capacity.kv_bytes_per_token == 4 * 81_920
 
 
@@ -106,12 +107,19 @@ def test_given_overhead_and_weights_replace_the_models() -> None:
     assert given.num_gpu_blocks == expected
 
 
-def test_overhead_model_scales_with_batched_tokens_and_hidden() -> None:
+def test_overhead_model_scales_with_batched_tokens_and_mlp_width() -> None:
     model = OverheadModel()
     spec = model_preset("llama-3-8b")
-    assert model.activation_gib(spec, 8192) == 1.5
-    assert model.activation_gib(spec, 2048) == 0.375
+    # 8192 x (2 x 4096 + 3 x 14336) x 2 B = 0.78125 GiB; with the fixed term, the simulator's 2.5 GiB.
+    assert model.activation_gib(spec, 8192) == 0.78125
+    assert model.total_gib(spec, 8192) == 2.5
+    assert model.activation_gib(spec, 2048) == 0.78125 / 4
+    assert model.activation_gib(spec, 8192, tensor_parallel=2) == 8192 * (8192 + 21504) * 2 / GIB
     assert plan_capacity(spec, DeploymentSpec(max_num_batched_tokens=2048)).num_gpu_blocks > 27_551
+    # MoE: the routed experts a token visits (2 x 14336 for Mixtral) set the width.
+    assert model_preset("mixtral-8x7b").mlp_activation_width() == 2 * 14336
+    # DeepSeek-V2-Lite: 6 x 1408 routed + 2 x 1408 shared beats the dense first layer's 10944.
+    assert model_preset("deepseek-v2-lite").mlp_activation_width() == 8 * 1408
 
 
 def test_max_model_len_defaults_to_the_config_and_is_checked() -> None:
