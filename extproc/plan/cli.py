@@ -38,7 +38,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--model-config",
         metavar="PATH|PRESET",
         default=None,
-        help=f"a Hugging Face config.json, or a preset name (default {DEFAULT_MODEL}; see --list-presets)",
+        help=f"a Hugging Face config.json, or a preset name ({DEFAULT_MODEL} when neither is given)",
     )
     m.add_argument(
         "--model", metavar="PRESET", default=None, help="a preset name (same as --model-config NAME)"
@@ -51,14 +51,18 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     d.add_argument("--gpu-memory-gib", type=float, default=None, help="total GPU memory as vLLM sees it")
     d.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth (TB/s) for step timing")
     d.add_argument("--bf16-tflops", type=float, default=None, help="dense bf16 TFLOPS for step timing")
-    d.add_argument("--tensor-parallel", type=int, default=1)
-    d.add_argument("--pipeline-parallel", type=int, default=1)
-    d.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    d.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per stage sharing each layer")
+    d.add_argument("--pipeline-parallel", type=int, default=1, help="stages the layers are split into")
+    d.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction vLLM may use")
     d.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
-    d.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    d.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPE_BYTES])
-    d.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    d.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    d.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    d.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPE_BYTES], help="auto: model dtype"
+    )
+    d.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="sequences per step")
+    d.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, help="tokens per step"
+    )
     d.add_argument("--overhead-gib", type=float, default=None, help="replace the overhead model per GPU")
     t = p.add_argument_group("traffic")
     t.add_argument("--traffic", type=Path, default=None, help="Azure-format trace CSV (../shared/traces/)")
@@ -67,8 +71,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     t.add_argument(
         "--traffic-speedup", type=float, default=1.0, help="compress arrivals (2 = twice the rate)"
     )
-    t.add_argument("--prompt-tokens-mean", type=float, default=None)
-    t.add_argument("--output-tokens-mean", type=float, default=None)
+    t.add_argument("--prompt-tokens-mean", type=float, default=None, help="instead of a trace")
+    t.add_argument("--output-tokens-mean", type=float, default=None, help="instead of a trace")
     t.add_argument("--request-rate", type=float, default=None, help="requests per second")
     t.add_argument("--synthetic-requests", type=int, default=1000, help="rehearsal size without a trace")
     s = p.add_argument_group("limits and output")
@@ -78,7 +82,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--metrics-url", default="http://127.0.0.1:8000/metrics", help="vLLM /metrics for the feed"
     )
     s.add_argument("--rehearse", action="store_true", help="replay the traffic through the planned limits")
-    s.add_argument("--output", choices=["text", "yaml", "json"], default="text")
+    s.add_argument("--output", choices=["text", "yaml", "json"], default="text", help="report format")
 
 
 def _model(args: argparse.Namespace) -> tuple[ModelSpec, str]:
