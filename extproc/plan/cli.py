@@ -102,7 +102,8 @@ def _model(args: argparse.Namespace) -> tuple[ModelSpec, str]:
 def _gpu(args: argparse.Namespace) -> GpuSpec:
     gpu = GPU_PRESETS[args.gpu]
     if args.gpu_memory_gib is not None:
-        gpu = replace(gpu, name=f"{gpu.name} ({args.gpu_memory_gib:g} GiB)", memory_gib=args.gpu_memory_gib)
+        name = f"{args.gpu_memory_gib:g}-GiB GPU ({gpu.name} rates)"
+        gpu = replace(gpu, name=name, memory_gib=args.gpu_memory_gib)
     if args.hbm_tbps is not None:
         gpu = replace(gpu, hbm_tb_per_s=args.hbm_tbps)
     if args.bf16_tflops is not None:
