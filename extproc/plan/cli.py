@@ -6,6 +6,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from extproc.geometry.capacity import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -16,10 +17,11 @@ from extproc.geometry.capacity import (
 from extproc.geometry.deployment import DEFAULT_BLOCK_SIZE
 from extproc.geometry.model import KV_CACHE_DTYPE_BYTES, ModelConfigError, ModelSpec, load_model_config
 from extproc.geometry.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, model_preset
-from extproc.plan.planner import Plan, PlanRequest, TrafficProfile, build_plan
-from extproc.plan.rehearse import EngineSetup, RehearsalLimits, rehearse
-from extproc.plan.render import Rehearsal, plan_dict, render_json, render_text, render_yaml
 from extproc.plan.traffic import TrafficError, TrafficSample, load_trace, synthetic_sample
+
+if TYPE_CHECKING:
+    from extproc.plan.planner import Plan, TrafficProfile
+    from extproc.plan.render import Rehearsal
 
 DEFAULT_MODEL = "llama-3-8b"
 DEFAULT_GPU = "h100-80gb"
@@ -123,6 +125,8 @@ def _traffic(args: argparse.Namespace) -> TrafficSample | None:
 
 
 def _profile(args: argparse.Namespace, sample: TrafficSample | None) -> TrafficProfile:
+    from extproc.plan.planner import TrafficProfile
+
     if sample is not None and args.traffic is not None:
         return TrafficProfile.from_sample(sample)
     if args.prompt_tokens_mean is not None and args.output_tokens_mean is not None:
@@ -138,6 +142,8 @@ def _profile(args: argparse.Namespace, sample: TrafficSample | None) -> TrafficP
 
 
 def build_from_args(args: argparse.Namespace) -> tuple[Plan, TrafficSample | None]:
+    from extproc.plan.planner import PlanRequest, build_plan
+
     spec, source = _model(args)
     gpu = _gpu(args)
     deployment = DeploymentSpec(
@@ -169,6 +175,9 @@ def build_from_args(args: argparse.Namespace) -> tuple[Plan, TrafficSample | Non
 
 def run_rehearsal(plan: Plan, sample: TrafficSample) -> Rehearsal:
     """Replay the sample twice: through the planned limits, and with no sidecar at all."""
+    from extproc.plan.rehearse import EngineSetup, RehearsalLimits, rehearse
+    from extproc.plan.render import Rehearsal
+
     cap, s = plan.capacity, plan.suggestions
     engine = EngineSetup(
         num_gpu_blocks=cap.num_gpu_blocks,
@@ -206,6 +215,10 @@ def _list_presets() -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """The subcommand. The planner and the simulator's scheduler are imported here, not at start-up, so
+    `extproc serve` does not pay for them."""
+    from extproc.plan.render import plan_dict, render_json, render_text, render_yaml
+
     if args.list_presets:
         sys.stdout.write(_list_presets())
         return 0
