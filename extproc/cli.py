@@ -1,4 +1,5 @@
-"""Command line: `extproc serve --config PATH` runs the sidecar; `extproc check-config PATH` validates."""
+"""Command line: `extproc serve --config PATH` runs the sidecar; `extproc check-config PATH` validates;
+`extproc plan` sizes a deployment and suggests its limits (docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from extproc.config import ConfigError, load_config
 from extproc.logs import setup_logging
+from extproc.plan.cli import add_plan_parser, run_plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     stack.add_argument(
         "--config", type=Path, default=None, help="sidecar config (default: config/local.yaml)"
     )
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
+
+    if args.command == "plan":
+        return run_plan(args)
 
     if args.command == "check-config":
         try:

@@ -9,9 +9,9 @@ or `SimServer(config)` with `await start()` / `await stop()`, or `build_app(conf
 test utilities. From a shell: `python -m extproc.sim --help`.
 """
 
+from extproc.geometry.deployment import GpuDeployment, ModelGeometry
 from extproc.sim.api import build_app
 from extproc.sim.config import SimConfig
-from extproc.sim.geometry import GpuDeployment, ModelGeometry
 from extproc.sim.metrics import LegacyKvMetric
 from extproc.sim.scheduler import Overflow, StepTiming
 from extproc.sim.server import SimServer, running_server

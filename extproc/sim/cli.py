@@ -13,8 +13,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from extproc.geometry.deployment import GpuDeployment, ModelGeometry
 from extproc.sim.config import SimConfig
-from extproc.sim.geometry import GpuDeployment, ModelGeometry
 from extproc.sim.metrics import LegacyKvMetric
 from extproc.sim.scheduler import Overflow, StepTiming
 from extproc.sim.server import SimServer

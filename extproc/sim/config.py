@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from extproc.admission.tokens import DEFAULT_ENCODING
-from extproc.sim.geometry import DEFAULT_BLOCK_SIZE, GpuDeployment, ModelGeometry, derive_num_gpu_blocks
+from extproc.geometry.deployment import (
+    DEFAULT_BLOCK_SIZE,
+    GpuDeployment,
+    ModelGeometry,
+    derive_num_gpu_blocks,
+)
 from extproc.sim.metrics import LegacyKvMetric
 from extproc.sim.scheduler import Overflow, SchedulerConfig, StepTiming
 
