@@ -83,8 +83,9 @@ class AdmissionConfig:
     reject_unknown_models: bool = False
     tenant: TenantConfig = field(default_factory=TenantConfig)
     allow_request_chat_template: bool = False
-    # Large prompts of one tenant (or one anonymous client address) counted at the same time.
+    # Large prompts of one tenant (or one anonymous client address) counted at the same time, and waiting.
     tokenizer_per_client: int = 1
+    tokenizer_backlog_per_client: int = 4
     # Prompts with at most this many bytes of text are counted on the event loop, without a thread hop.
     inline_count_bytes: int = 8 * 1024
     # Per-sequence decode rate assumed for a pool until its completed streams teach the real one; bounds the
@@ -615,6 +616,7 @@ def parse_config(data: Any) -> Config:
         tenant=tenant,
         allow_request_chat_template=adm.boolean("allow_request_chat_template", False),
         tokenizer_per_client=adm.required_integer("tokenizer_per_client", 1, minimum=1),
+        tokenizer_backlog_per_client=adm.required_integer("tokenizer_backlog_per_client", 4, minimum=0),
         inline_count_bytes=adm.required_integer(
             "inline_count_bytes", AdmissionConfig.inline_count_bytes, minimum=0
         ),

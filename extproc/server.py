@@ -30,6 +30,9 @@ from extproc.config import Config
 
 log = logging.getLogger(__name__)
 
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+"""Key of the attributes Envoy sends (`request_attributes`) in `ProcessingRequest.attributes`."""
+
 _MODE = processing_mode_pb2.ProcessingMode
 PASSTHROUGH_MODE = _MODE(
     request_body_mode=_MODE.NONE,
@@ -121,6 +124,21 @@ def tenant_claim(request: pb.ProcessingRequest, headers: dict[str, str], config:
     return None
 
 
+def client_address(request: pb.ProcessingRequest) -> str | None:
+    """The downstream address, when Envoy sends the `source.address` attribute (`request_attributes`).
+
+    Only the host is kept: a client that opens many connections is still one client.
+    """
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None:
+        return None
+    value = attributes.fields.get("source.address")
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    host, sep, port = value.string_value.rpartition(":")
+    return (host if sep and port.isdigit() else value.string_value).strip("[]") or None
+
+
 class StreamTranslator:
     """One ext_proc stream: translates each message to the exchange and each verdict to a reply."""
 
@@ -168,6 +186,7 @@ class StreamTranslator:
             headers=headers,
             tenant=tenant_claim(request, headers, config),
             end_of_stream=message.end_of_stream,
+            client=client_address(request),
         )
         return _request_headers_reply(self.exchange.request_headers(head))
 

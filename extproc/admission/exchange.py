@@ -27,6 +27,7 @@ from extproc.admission import refusals
 from extproc.admission.apis import dialect_for
 from extproc.admission.errors import AdmissionError
 from extproc.admission.headers import ratelimit_headers
+from extproc.admission.lanes import LaneFull
 from extproc.admission.paths import RouteKind
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.request import (
@@ -194,6 +195,9 @@ class Exchange:
             parsed, plan = await self._plan(raw, config)
         except AdmissionError as exc:
             yield self._refuse(refusals.invalid(exc))
+            return
+        except LaneFull:
+            yield self._refuse(refusals.tokenizer_busy())
             return
         assert self.klass is not None and self.pool is not None
         shadow = config.shadow or self.klass.shadow

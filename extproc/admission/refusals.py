@@ -121,6 +121,17 @@ def queue_refused(reason: str, class_name: str, max_wait_s: float) -> Refusal:
     return Refusal(429, body, reason, headers, f"extproc_rate_limited_{reason}")
 
 
+def tokenizer_busy() -> Refusal:
+    """The client already has its share of large prompts being counted and waiting: come back shortly."""
+    body = error_body(
+        "Too many large prompts from this client are being processed. Please try again shortly.",
+        type="requests",
+        code="rate_limit_exceeded",
+    )
+    headers = _reason("tokenizer_busy", retry_headers(1.0))
+    return Refusal(429, body, "tokenizer_busy", headers, "extproc_rate_limited_tokenizer_busy")
+
+
 def store_unavailable() -> Refusal:
     """The shared limiter store is down and configured to fail closed (`store.on_unavailable: reject`)."""
     body = error_body(

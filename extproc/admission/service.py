@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.admission.lanes import Lanes
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.prompt import Count
 from extproc.admission.request import ParsedRequest, Reservation, count_prompt_tokens
@@ -75,8 +76,17 @@ class AdmissionService:
     deps: Deps
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
     _open: set[Any] = field(default_factory=set)
-    _lanes: dict[str, asyncio.Semaphore] = field(default_factory=dict)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
+    lanes: Lanes = field(init=False)
+
+    def __post_init__(self) -> None:
+        admission = self.deps.config().admission
+        self.lanes = Lanes(
+            self.deps.executor,
+            threads=admission.tokenizer_threads,
+            per_lane=admission.tokenizer_per_client,
+            backlog=admission.tokenizer_backlog_per_client,
+        )
 
     @property
     def metrics(self) -> Metrics:
@@ -103,24 +113,13 @@ class AdmissionService:
         """Count a request's prompts without letting one client's floods delay anybody else.
 
         A small prompt is counted on the event loop (cheaper than a thread hop, and it never queues behind
-        large ones). A large prompt goes to the tokenizer threads through its client's lane: at most
-        `admission.tokenizer_per_client` large prompts of one tenant (or one anonymous address) are counted
-        at a time, so a flood of megabyte bodies occupies at most that many threads. Counting itself stops
-        once a prompt is proven larger than the context window.
+        large ones). A large prompt goes to the tokenizer threads through its client's lane (`lanes.py`):
+        fair turns between clients, a bounded backlog per client (LaneFull beyond it). Counting itself
+        stops once a prompt is proven larger than the context window.
         """
-        admission = self.config().admission
-        if req.text_bytes <= admission.inline_count_bytes:
+        if req.text_bytes <= self.config().admission.inline_count_bytes:
             return count_prompt_tokens(req, policy)
-        gate = self._lanes.get(lane)
-        if gate is None:
-            gate = self._lanes[lane] = asyncio.Semaphore(admission.tokenizer_per_client)
-        try:
-            async with gate:
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self.deps.executor, count_prompt_tokens, req, policy)
-        finally:
-            if not gate.locked() and not getattr(gate, "_waiters", None):
-                self._lanes.pop(lane, None)
+        return await self.lanes.run(lane, count_prompt_tokens, req, policy)
 
     # -- leases --------------------------------------------------------------------------------------------
 

@@ -450,3 +450,21 @@ async def test_large_json_answer_without_usage_is_counted_off_the_event_loop(har
     await harness.settled()
     assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 30_000
     assert harness.metric("extproc_tokens_overrun_total", model="other") > 0  # 30k used, 100 reserved
+
+
+async def test_client_address_comes_from_envoys_source_address_attribute() -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    from extproc.server import EXT_PROC_ATTRIBUTES, client_address
+
+    request = headers_msg("POST", "/v1/chat/completions")
+    assert client_address(request) is None
+    for sent, host in (
+        ("10.1.2.3:50123", "10.1.2.3"),
+        ("[2001:db8::1]:443", "2001:db8::1"),
+        ("pipe", "pipe"),
+    ):
+        attributes = Struct()
+        attributes.update({"source.address": sent})
+        request.attributes[EXT_PROC_ATTRIBUTES].CopyFrom(attributes)
+        assert client_address(request) == host
