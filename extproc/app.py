@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
-from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, load_config
+from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
@@ -83,6 +83,8 @@ class Sidecar:
         self._started = False
         self._stopped = False
         self.metrics.info.labels(__version__).set(1)
+        for result in ReloadResult:  # every outcome exported from the start: increase() sees the first one
+            self.metrics.config_reloads.labels(result.value)
         self.metrics.watch_limits(self.store.snapshot, self._exported_keys)
 
     def _exported_keys(self) -> Collection[str]:
@@ -114,13 +116,8 @@ class Sidecar:
             pools = [name for name in config.limits.models if name != DEFAULT_MODEL]
             await self.feedback.apply(config.feedback, pools)
 
-    async def _reload(self, config: Config) -> None:
-        try:
-            await self.apply_config(config)
-        except Exception:
-            self.metrics.config_reloads.labels("refused").inc()
-            raise
-        self.metrics.config_reloads.labels("applied").inc()
+    def _count_reload(self, result: ReloadResult) -> None:
+        self.metrics.config_reloads.labels(result.value).inc()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -148,7 +145,10 @@ class Sidecar:
         await self._start_admin()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
-                self.config_path, self._reload, self.config.server.config_poll_seconds
+                self.config_path,
+                self.apply_config,
+                self.config.server.config_poll_seconds,
+                on_result=self._count_reload,
             )
             self.watcher.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._prune_loop(), name="prune"))

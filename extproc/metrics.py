@@ -152,7 +152,7 @@ class Metrics:
         )
         self.config_reloads = Counter(
             "extproc_config_reloads",
-            "Config reload attempts by result (applied, refused).",
+            "Config file changes by result (applied, refused: invalid, failed: apply raised, unreadable).",
             ["result"],
             registry=r,
         )
