@@ -28,11 +28,13 @@ from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, l
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
-from extproc.metrics import Metrics
+from extproc.metrics import Metrics, StoreHealth
 from extproc.queueing import AdmissionQueue
 from extproc.server import Deps, ExtProcServicer
 from extproc.store.factory import build_store
+from extproc.store.fallback import FallbackStore
 from extproc.store.local import LocalStore
+from extproc.store.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +88,23 @@ class Sidecar:
         for result in ReloadResult:  # every outcome exported from the start: increase() sees the first one
             self.metrics.config_reloads.labels(result.value)
         self.metrics.watch_limits(self.store.snapshot, self._exported_keys)
+        self.metrics.watch_store(self._store_health)
 
     def _exported_keys(self) -> Collection[str]:
         specs, _ = self.config.limit_specs()
         return specs.keys()
+
+    def _store_health(self) -> StoreHealth:
+        """The shared store's failure counters; the in-process store cannot fail."""
+        fallback = self.store if isinstance(self.store, FallbackStore) else None
+        shared = fallback.primary if fallback is not None else self.store
+        redis = shared if isinstance(shared, RedisStore) else None
+        return StoreHealth(
+            available=(redis is None or redis.available) and not (fallback is not None and fallback.degraded),
+            fallback_acquires=fallback.fallback_acquires if fallback is not None else 0,
+            lost_leases=redis.lost_leases if redis is not None else 0,
+            dropped_releases=redis.dropped_releases if redis is not None else 0,
+        )
 
     def _set_scale(self, key: str, scale: float) -> None:
         """Adaptive feedback runs on the event loop; the in-process store applies a scale at once."""

@@ -8,9 +8,10 @@ are exported only for configured keys, never for every tenant a client ever clai
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.core.limiter import KeySnapshot
@@ -74,6 +75,46 @@ class _LimitCollector(Collector):
                     share_limit.add_metric([snap.key, share.name], share.effective_concurrency)
                 share_active.add_metric([snap.key, share.name], share.active)
         yield from (conc, tpm, active, avail, scale, share_limit, share_active)
+
+
+@dataclass(frozen=True)
+class StoreHealth:
+    """What the limiter store can say about its own failures (the in-process store never fails: all zero)."""
+
+    available: bool
+    fallback_acquires: int = 0
+    lost_leases: int = 0
+    dropped_releases: int = 0
+
+
+class _StoreCollector(Collector):
+    """Store health read at scrape time, exported from the first scrape so a healthy store shows zeros."""
+
+    def __init__(self, health: Callable[[], StoreHealth]) -> None:
+        self._health = health
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        health = self._health()
+        yield GaugeMetricFamily(
+            "extproc_store_available",
+            "1 while the limiter store answers; 0 while the shared store fails (fallback or 503s).",
+            value=1.0 if health.available else 0.0,
+        )
+        yield CounterMetricFamily(
+            "extproc_store_fallback_acquires",
+            "Admission attempts decided on this replica's local share because the shared store failed.",
+            value=health.fallback_acquires,
+        )
+        yield CounterMetricFamily(
+            "extproc_store_lost_leases",
+            "Leases found expired at renewal: the shared store was unreachable for longer than their TTL.",
+            value=health.lost_leases,
+        )
+        yield CounterMetricFamily(
+            "extproc_store_dropped_releases",
+            "Settlements given up after their retries: the slot stays counted until the lease TTL.",
+            value=health.dropped_releases,
+        )
 
 
 class Metrics:
@@ -165,3 +206,7 @@ class Metrics:
     ) -> None:
         """Export limit gauges at scrape time for the keys `exported()` names (one call per scrape)."""
         self.registry.register(_LimitCollector(snapshot, exported))
+
+    def watch_store(self, health: Callable[[], StoreHealth]) -> None:
+        """Export the store's health at scrape time (`extproc_store_*`)."""
+        self.registry.register(_StoreCollector(health))
