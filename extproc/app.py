@@ -123,6 +123,8 @@ class Sidecar:
         specs, defaults = config.limit_specs()
         await self.store.apply_limits(specs, defaults, config.priority)
         self.config = config
+        for model in [*(name for name in config.models if name != DEFAULT_MODEL), "other"]:
+            self.metrics.touch_model(model)  # the label values requests are counted under
         self.queue.configure(
             config.priority, {c.name: c.max_queued if c.queues else 0 for c in config.classes}
         )

@@ -201,6 +201,14 @@ class Metrics:
             "extproc_build_info", "Constant 1, labelled with the sidecar version.", ["version"], registry=r
         )
 
+    def touch_model(self, model: str) -> None:
+        """Export a model label's token counters at 0 before its first request, so a query or an alert on
+        `increase()` sees the first refund or overrun instead of a series that starts at 1."""
+        for counter in (self.tokens_reserved, self.tokens_refunded, self.tokens_overrun):
+            counter.labels(model)
+        for kind in ("prompt", "completion"):
+            self.tokens_settled.labels(model, kind)
+
     def watch_limits(
         self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[], Collection[str]]
     ) -> None:

@@ -88,3 +88,18 @@ async def test_unreachable_redis_shows_as_unavailable_with_fallback_admissions(t
     if close is not None:
         await close()
     sidecar.executor.shutdown(wait=False)
+
+
+async def test_token_counters_of_every_model_label_start_at_zero() -> None:
+    config = parse_config({"models": {"*": {"context_window": 4096}, "llama": {"context_window": 8192}}})
+    sidecar = Sidecar(config=config, metrics=Metrics())
+    await sidecar.apply_config(config)
+    registry = sidecar.metrics.registry
+    for model in ("llama", "other"):
+        for name in ("reserved", "refunded", "overrun"):
+            assert registry.get_sample_value(f"extproc_tokens_{name}_total", {"model": model}) == 0.0
+        for kind in ("prompt", "completion"):
+            labels = {"model": model, "kind": kind}
+            assert registry.get_sample_value("extproc_tokens_settled_total", labels) == 0.0
+    assert registry.get_sample_value("extproc_tokens_reserved_total", {"model": "*"}) is None
+    sidecar.executor.shutdown(wait=False)
