@@ -132,6 +132,15 @@ class Sidecar:
         if self._started:
             pools = [name for name in config.limits.models if name != DEFAULT_MODEL]
             await self.feedback.apply(config.feedback, pools)
+            self._export_scale_floors(config, pools)
+
+    def _export_scale_floors(self, config: Config, pools: list[str]) -> None:
+        """Each adaptive pool's `min_scale`, so an alert can tell a pool held at its floor (as the runtime
+        builds its controllers: every pool with limits, plus every pool with its own `adaptive` entry)."""
+        feedback = config.feedback
+        adaptive = {pool: feedback.adaptive_default for pool in pools} | dict(feedback.adaptive_pools)
+        floors = {pool: cfg.min_scale for pool, cfg in adaptive.items()} if feedback.enabled else {}
+        self.metrics.set_scale_floors(floors)
 
     def _count_reload(self, result: ReloadResult) -> None:
         self.metrics.config_reloads.labels(result.value).inc()

@@ -7,7 +7,7 @@ are exported only for configured keys, never for every tenant a client ever clai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -197,6 +197,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.scale_floor = Gauge(
+            "extproc_adaptive_min_scale_ratio",
+            "The adaptive scale's floor (adaptive.min_scale) of each pool with KV feedback.",
+            ["pool"],
+            registry=r,
+        )
+        self._floor_pools: set[str] = set()
         self.info = Gauge(
             "extproc_build_info", "Constant 1, labelled with the sidecar version.", ["version"], registry=r
         )
@@ -208,6 +215,14 @@ class Metrics:
             counter.labels(model)
         for kind in ("prompt", "completion"):
             self.tokens_settled.labels(model, kind)
+
+    def set_scale_floors(self, floors: Mapping[str, float]) -> None:
+        """Export exactly these pools' floors (a pool dropped from the config loses its series)."""
+        for pool in self._floor_pools - floors.keys():
+            self.scale_floor.remove(pool)
+        for pool, floor in floors.items():
+            self.scale_floor.labels(pool).set(floor)
+        self._floor_pools = set(floors)
 
     def watch_limits(
         self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[], Collection[str]]

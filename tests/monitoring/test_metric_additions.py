@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -103,3 +104,25 @@ async def test_token_counters_of_every_model_label_start_at_zero() -> None:
             assert registry.get_sample_value("extproc_tokens_settled_total", labels) == 0.0
     assert registry.get_sample_value("extproc_tokens_reserved_total", {"model": "*"}) is None
     sidecar.executor.shutdown(wait=False)
+
+
+async def test_scale_floor_of_each_adaptive_pool_follows_the_config() -> None:
+    data: dict[str, Any] = {
+        "server": {"grpc_listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"},
+        "limits": {"models": {"llama": {"max_concurrency": 4}, "mistral": {"max_concurrency": 4}}},
+        "feedback": {"exporters": ["127.0.0.1:9"]},  # nothing listens: the feed stays stale
+        "adaptive": {"min_scale": 0.5, "pools": {"mistral": {"min_scale": 0.25}}},
+    }
+    sidecar = Sidecar(config=parse_config(data), metrics=Metrics())
+    await sidecar.start()
+    try:
+        registry = sidecar.metrics.registry
+
+        def floor(pool: str) -> float | None:
+            return registry.get_sample_value("extproc_adaptive_min_scale_ratio", {"pool": pool})
+
+        assert (floor("llama"), floor("mistral")) == (0.5, 0.25)
+        await sidecar.apply_config(parse_config({**data, "feedback": {}, "adaptive": {}}))
+        assert (floor("llama"), floor("mistral")) == (None, None)
+    finally:
+        await sidecar.stop(grace_s=0)
