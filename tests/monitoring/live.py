@@ -137,9 +137,18 @@ class Prometheus:
             raise AssertionError(f"{path} {params}: {body}")
         return body["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self.api("query", query=expr)["result"]
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        result: list[dict[str, Any]] = self.api("query", **params)["result"]
         return result
+
+    def wait_for(self, expr: str, timeout_s: float) -> None:
+        """Until the instant query `expr` returns a series (e.g. a comparison that holds)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.query(expr):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{expr}: no result within {timeout_s}s")
+            time.sleep(0.2)
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
         data = self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step:g}")
