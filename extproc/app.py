@@ -25,15 +25,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
 from extproc.admission.service import AdmissionService, Deps
-from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, load_config
+from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
-from extproc.metrics import Metrics
+from extproc.metrics import Metrics, StoreHealth
 from extproc.queueing import AdmissionQueue
 from extproc.server import ExtProcServicer
 from extproc.store.factory import build_store
+from extproc.store.fallback import FallbackStore
 from extproc.store.local import LocalStore
+from extproc.store.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +91,26 @@ class Sidecar:
         self._started = False
         self._stopped = False
         self.metrics.info.labels(__version__).set(1)
+        for result in ReloadResult:  # every outcome exported from the start: increase() sees the first one
+            self.metrics.config_reloads.labels(result.value)
         self.metrics.watch_limits(self.store.snapshot, self._exported_keys)
+        self.metrics.watch_store(self._store_health)
 
     def _exported_keys(self) -> Collection[str]:
         specs, _ = self.config.limit_specs()
         return specs.keys()
+
+    def _store_health(self) -> StoreHealth:
+        """The shared store's failure counters; the in-process store cannot fail."""
+        fallback = self.store if isinstance(self.store, FallbackStore) else None
+        shared = fallback.primary if fallback is not None else self.store
+        redis = shared if isinstance(shared, RedisStore) else None
+        return StoreHealth(
+            available=(redis is None or redis.available) and not (fallback is not None and fallback.degraded),
+            fallback_acquires=fallback.fallback_acquires if fallback is not None else 0,
+            lost_leases=redis.lost_leases if redis is not None else 0,
+            dropped_releases=redis.dropped_releases if redis is not None else 0,
+        )
 
     def _set_scale(self, key: str, scale: float) -> None:
         """Adaptive feedback runs on the event loop; the in-process store applies a scale at once."""
@@ -115,6 +132,8 @@ class Sidecar:
         self.admission.decode_rates.default_tokens_per_second = (
             config.admission.assumed_decode_tokens_per_second
         )
+        for model in config.model_labels():
+            self.metrics.touch_model(model)  # the label values requests are counted under
         self.queue.configure(
             config.priority, {c.name: c.max_queued if c.queues else 0 for c in config.classes}
         )
@@ -122,14 +141,18 @@ class Sidecar:
         if self._started:
             pools = [name for name in config.limits.models if name != DEFAULT_MODEL]
             await self.feedback.apply(config.feedback, pools)
+            self._export_scale_floors(config, pools)
 
-    async def _reload(self, config: Config) -> None:
-        try:
-            await self.apply_config(config)
-        except Exception:
-            self.metrics.config_reloads.labels("refused").inc()
-            raise
-        self.metrics.config_reloads.labels("applied").inc()
+    def _export_scale_floors(self, config: Config, pools: list[str]) -> None:
+        """Each adaptive pool's `min_scale`, so an alert can tell a pool held at its floor (as the runtime
+        builds its controllers: every pool with limits, plus every pool with its own `adaptive` entry)."""
+        feedback = config.feedback
+        adaptive = {pool: feedback.adaptive_default for pool in pools} | dict(feedback.adaptive_pools)
+        floors = {pool: cfg.min_scale for pool, cfg in adaptive.items()} if feedback.enabled else {}
+        self.metrics.set_scale_floors(floors)
+
+    def _count_reload(self, result: ReloadResult) -> None:
+        self.metrics.config_reloads.labels(result.value).inc()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -157,7 +180,10 @@ class Sidecar:
         await self._start_admin()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
-                self.config_path, self._reload, self.config.server.config_poll_seconds
+                self.config_path,
+                self.apply_config,
+                self.config.server.config_poll_seconds,
+                on_result=self._count_reload,
             )
             self.watcher.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._prune_loop(), name="prune"))

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -205,6 +206,15 @@ class Config:
             return model
         default = self.models.get(DEFAULT_MODEL)
         return default.pool if default is not None and default.pool else DEFAULT_MODEL
+
+    def model_label(self, pool: str) -> str:
+        """A pool as the `model` metric label: configured pools by name, the unknown-name pool as `other`."""
+        return pool if pool != DEFAULT_MODEL else "other"
+
+    def model_labels(self) -> list[str]:
+        """Every `model` label value requests can be counted under (bounded by the config)."""
+        pools = {self.pool_of(name) for name in [*self.models, *self.limits.models]}
+        return sorted({self.model_label(pool) for pool in pools} | {"other"})
 
     def limit_specs(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
         """Keys with explicit limits, and per-prefix defaults for keys first seen at run time."""
@@ -721,19 +731,34 @@ def _fingerprint(path: Path) -> tuple[str, bytes] | None:
         return None
 
 
+class ReloadResult(StrEnum):
+    """What became of one changed config file: every outcome is reported, so a refused edit is visible."""
+
+    APPLIED = "applied"
+    REFUSED = "refused"  # the file is invalid (YAML or a key): nothing applied
+    FAILED = "failed"  # valid, but applying it raised: the running config stays
+    UNREADABLE = "unreadable"  # the file vanished or cannot be read (reported once until it is back)
+
+
 class ConfigWatcher:
-    """Polls a config file and hands each valid new version to `on_change`; keeps the old one otherwise."""
+    """Polls a config file and hands each valid new version to `on_change`; keeps the old one otherwise.
+
+    `on_result` hears the outcome of every change (the sidecar counts them in `extproc_config_reloads_total`).
+    """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         on_change: Callable[[Config], Awaitable[None]],
         interval_s: float,
+        on_result: Callable[[ReloadResult], None] = lambda _result: None,
     ) -> None:
         self.path = Path(path)
         self.on_change = on_change
+        self.on_result = on_result
         self.interval_s = interval_s
         self._last = _fingerprint(self.path)
+        self._unreadable = False
         self._task: asyncio.Task[None] | None = None
         self.reloads = 0
         self.failures = 0
@@ -750,19 +775,38 @@ class ConfigWatcher:
     async def check(self) -> bool:
         """Reload if the file changed; returns True when a new config was applied."""
         current = _fingerprint(self.path)
-        if current is None or current == self._last:
+        if current is None:
+            if not self._unreadable:
+                self._unreadable = True
+                self._refused(ReloadResult.UNREADABLE, f"cannot read {self.path}")
+            return False
+        self._unreadable = False
+        if current == self._last:
             return False
         self._last = current
         try:
             config = load_config(self.path)
         except ConfigError as exc:
-            self.failures += 1
-            log.error("config reload refused, keeping the running config", extra={"error": str(exc)})
+            self._refused(ReloadResult.REFUSED, str(exc))
             return False
-        await self.on_change(config)
+        try:
+            await self.on_change(config)
+        except Exception as exc:
+            self._refused(ReloadResult.FAILED, f"{type(exc).__name__}: {exc}", exc)
+            return False
         self.reloads += 1
+        self.on_result(ReloadResult.APPLIED)
         log.info("config reloaded", extra={"path": str(self.path)})
         return True
+
+    def _refused(self, result: ReloadResult, error: str, exc: BaseException | None = None) -> None:
+        self.failures += 1
+        self.on_result(result)
+        log.error(
+            "config reload not applied, keeping the running config",
+            extra={"result": result.value, "error": error},
+            exc_info=exc,
+        )
 
     async def _run(self) -> None:
         while True:

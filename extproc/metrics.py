@@ -7,10 +7,11 @@ are exported only for configured keys, never for every tenant a client ever clai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.core.limiter import KeySnapshot
@@ -74,6 +75,46 @@ class _LimitCollector(Collector):
                     share_limit.add_metric([snap.key, share.name], share.effective_concurrency)
                 share_active.add_metric([snap.key, share.name], share.active)
         yield from (conc, tpm, active, avail, scale, share_limit, share_active)
+
+
+@dataclass(frozen=True)
+class StoreHealth:
+    """What the limiter store can say about its own failures (the in-process store never fails: all zero)."""
+
+    available: bool
+    fallback_acquires: int = 0
+    lost_leases: int = 0
+    dropped_releases: int = 0
+
+
+class _StoreCollector(Collector):
+    """Store health read at scrape time, exported from the first scrape so a healthy store shows zeros."""
+
+    def __init__(self, health: Callable[[], StoreHealth]) -> None:
+        self._health = health
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        health = self._health()
+        yield GaugeMetricFamily(
+            "extproc_store_available",
+            "1 while the limiter store answers; 0 while the shared store fails (fallback or 503s).",
+            value=1.0 if health.available else 0.0,
+        )
+        yield CounterMetricFamily(
+            "extproc_store_fallback_acquires",
+            "Admission attempts decided on this replica's local share because the shared store failed.",
+            value=health.fallback_acquires,
+        )
+        yield CounterMetricFamily(
+            "extproc_store_lost_leases",
+            "Leases found expired at renewal: the shared store was unreachable for longer than their TTL.",
+            value=health.lost_leases,
+        )
+        yield CounterMetricFamily(
+            "extproc_store_dropped_releases",
+            "Settlements given up after their retries: the slot stays counted until the lease TTL.",
+            value=health.dropped_releases,
+        )
 
 
 class Metrics:
@@ -152,16 +193,43 @@ class Metrics:
         )
         self.config_reloads = Counter(
             "extproc_config_reloads",
-            "Config reload attempts by result (applied, refused).",
+            "Config file changes by result (applied, refused: invalid, failed: apply raised, unreadable).",
             ["result"],
             registry=r,
         )
+        self.scale_floor = Gauge(
+            "extproc_adaptive_min_scale_ratio",
+            "The adaptive scale's floor (adaptive.min_scale) of each pool with KV feedback.",
+            ["pool"],
+            registry=r,
+        )
+        self._floor_pools: set[str] = set()
         self.info = Gauge(
             "extproc_build_info", "Constant 1, labelled with the sidecar version.", ["version"], registry=r
         )
+
+    def touch_model(self, model: str) -> None:
+        """Export a model label's token counters at 0 before its first request, so a query or an alert on
+        `increase()` sees the first refund or overrun instead of a series that starts at 1."""
+        for counter in (self.tokens_reserved, self.tokens_refunded, self.tokens_overrun):
+            counter.labels(model)
+        for kind in ("prompt", "completion"):
+            self.tokens_settled.labels(model, kind)
+
+    def set_scale_floors(self, floors: Mapping[str, float]) -> None:
+        """Export exactly these pools' floors (a pool dropped from the config loses its series)."""
+        for pool in self._floor_pools - floors.keys():
+            self.scale_floor.remove(pool)
+        for pool, floor in floors.items():
+            self.scale_floor.labels(pool).set(floor)
+        self._floor_pools = set(floors)
 
     def watch_limits(
         self, snapshot: Callable[[], Iterable[KeySnapshot]], exported: Callable[[], Collection[str]]
     ) -> None:
         """Export limit gauges at scrape time for the keys `exported()` names (one call per scrape)."""
         self.registry.register(_LimitCollector(snapshot, exported))
+
+    def watch_store(self, health: Callable[[], StoreHealth]) -> None:
+        """Export the store's health at scrape time (`extproc_store_*`)."""
+        self.registry.register(_StoreCollector(health))

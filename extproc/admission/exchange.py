@@ -53,7 +53,7 @@ from extproc.admission.verdicts import (
     Refusal,
     RequestVerdict,
 )
-from extproc.config import DEFAULT_MODEL, ClassConfig, Config
+from extproc.config import ClassConfig, Config
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
@@ -340,7 +340,7 @@ class Exchange:
                 404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
             )
         self.pool = config.pool_of(parsed.model)
-        self.model_label = self.pool if self.pool != DEFAULT_MODEL else "other"
+        self.model_label = config.model_label(self.pool)
         self._policy = policy
         self._check_template(parsed, config)
         lower = prompt_token_lower_bound(parsed, policy)

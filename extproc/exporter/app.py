@@ -210,6 +210,7 @@ class Exporter:
                     log.warning("target still down", extra={**fields, "suppressed": suppressed})
         self.hub.publish(result.samples)
         self.metrics.samples_published.inc(len(result.samples))
+        self.metrics.observe_samples(result.samples)
 
     async def _scrape_loop(self) -> None:
         interval = self.config.scrape_interval

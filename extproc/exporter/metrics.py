@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.feedback.sample import FeedSample
 
 
 class ExporterMetrics:
@@ -39,8 +43,17 @@ class ExporterMetrics:
             registry=registry,
         )
 
+        self.kv_usage = Gauge(
+            "extproc_exporter_kv_usage_ratio",
+            "KV-cache usage (0..1) of each model on each server of this node, as last scraped; absent while "
+            "the server is down.",
+            ["node", "endpoint", "model"],
+            registry=registry,
+        )
+
         self._error_labels: set[tuple[str, str]] = set()
         self._duration_labels: set[str] = set()
+        self._usage_labels: set[tuple[str, str, str]] = set()
 
     def observe_scrape(self, target: str, seconds: float, reason: str | None) -> None:
         self.scrape_duration.labels(target).observe(seconds)
@@ -49,8 +62,22 @@ class ExporterMetrics:
             self.scrape_errors.labels(target, reason).inc()
             self._error_labels.add((target, reason))
 
+    def observe_samples(self, samples: Iterable[FeedSample]) -> None:
+        """Per-server KV usage: the breakdown of the pool aggregate the sidecar exports."""
+        for sample in samples:
+            labels = sample.key
+            if sample.up and sample.kv_usage is not None:
+                self.kv_usage.labels(*labels).set(sample.kv_usage)
+                self._usage_labels.add(labels)
+            elif labels in self._usage_labels:
+                self._usage_labels.discard(labels)
+                self.kv_usage.remove(*labels)
+
     def forget_target(self, target: str) -> None:
         """Remove a departed target's series so label cardinality follows the live pods."""
+        for usage in [lab for lab in self._usage_labels if lab[1] == target]:
+            self._usage_labels.discard(usage)
+            self.kv_usage.remove(*usage)
         if target in self._duration_labels:
             self._duration_labels.discard(target)
             self.scrape_duration.remove(target)
