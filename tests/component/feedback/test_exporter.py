@@ -15,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.exporter.app import SERVICE_NAME, Exporter, ExporterConfig
 from extproc.exporter.discovery import KubeDiscoveryConfig
-from extproc.exporter.targets import Target
-from extproc.feedback.parse import ServerKind
-from extproc.feedback.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feedback.sample import FeedSample, from_proto
+from extproc.feed.parse import ServerKind
+from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.feed.sample import FeedSample, from_proto
+from extproc.feed.targets import Target
 
 from .fakes import FakeInferenceServer, FakeKubeApi, eventually, pod
 

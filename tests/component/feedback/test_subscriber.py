@@ -10,10 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
 from extproc.exporter.app import Exporter, ExporterConfig
-from extproc.exporter.targets import Target
+from extproc.feed.targets import Target
 from extproc.feedback.loop import FeedbackLoop
 from extproc.feedback.metrics import register_feedback_metrics
-from extproc.feedback.subscriber import FeedSubscriber, SubscriberConfig
+from extproc.feedback.settings import SubscriberConfig
+from extproc.feedback.subscriber import FeedSubscriber
 
 from .fakes import FakeInferenceServer, eventually
 

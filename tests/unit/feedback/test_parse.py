@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.feedback.parse import (
+from extproc.feed.parse import (
     METRIC_TABLE,
     MetricsParseError,
     ServerKind,

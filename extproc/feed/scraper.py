@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.exporter.targets import Target
-from extproc.feedback.parse import MetricsParseError, ServerKind, parse_metrics
-from extproc.feedback.sample import FeedSample
+from extproc.feed.parse import MetricsParseError, ServerKind, parse_metrics
+from extproc.feed.sample import FeedSample
+from extproc.feed.targets import Target
 
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 

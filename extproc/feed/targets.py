@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.feedback.parse import ServerKind
+from extproc.feed.parse import ServerKind
 
 _KEYS = frozenset({"url", "kind", "model"})
 
@@ -47,7 +47,7 @@ class Target:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _kind(value: Any) -> ServerKind | None:
+def parse_kind(value: Any) -> ServerKind | None:
     if value in (None, "", "auto"):
         return None
     try:
@@ -64,7 +64,8 @@ def target_from_mapping(data: dict[str, Any]) -> Target:
     if not data.get("url"):
         raise ValueError("target.url: required")
     model = data.get("model")
-    return Target(url=str(data["url"]), kind=_kind(data.get("kind")), model=str(model) if model else None)
+    kind = parse_kind(data.get("kind"))
+    return Target(url=str(data["url"]), kind=kind, model=str(model) if model else None)
 
 
 def parse_target_spec(spec: str) -> Target:
