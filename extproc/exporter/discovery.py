@@ -23,7 +23,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from extproc.feed.parse import DEFAULT_METRICS_PATH
+from extproc.feed.engines import PROFILES
 from extproc.feed.targets import Target, parse_kind
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class KubeDiscovery:
             kind = parse_kind(ann.get(ANNOTATION_KIND) or self._cfg.default_kind)
             if not 0 < port < 65536:
                 raise ValueError(f"no metrics port (annotation {ANNOTATION_PORT})")
-            path = ann.get(ANNOTATION_PATH) or (DEFAULT_METRICS_PATH[kind] if kind else "/metrics")
+            path = ann.get(ANNOTATION_PATH) or (PROFILES[kind].metrics_path if kind else "/metrics")
             if not path.startswith("/"):
                 path = "/" + path
             ip = status["podIP"]

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
-from extproc.feed.parse import ServerKind
+from extproc.feed.engines import ServerKind
 from extproc.feed.sample import FeedSample
 from extproc.feedback.aggregate import StoredSample, aggregate
 from extproc.feedback.loop import FeedbackLoop

@@ -11,7 +11,7 @@ import pytest
 from extproc.exporter.cli import build_parser, config_from_args
 from extproc.exporter.discovery import KubeDiscovery, KubeDiscoveryConfig
 from extproc.exporter.hub import SampleHub
-from extproc.feed.parse import ServerKind
+from extproc.feed.engines import ServerKind
 from extproc.feed.ratelimit import RateLimitedLog
 from extproc.feed.sample import FeedSample, from_proto, to_proto
 from extproc.feed.targets import Target, load_targets_file, parse_target_spec
