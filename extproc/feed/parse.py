@@ -215,7 +215,9 @@ class _ModelView:
         best = min(r.priority for r, _ in found)
         return [(r, s) for r, s in found if r.priority == best]
 
-    def per_group(self, values: Iterable[tuple[Group, float]], pick: str = "max") -> dict[Group, float]:
+    def per_group(
+        self, values: Iterable[tuple[Group, float]], pick: Literal["max", "min"] = "max"
+    ) -> dict[Group, float]:
         """One value per replica group: max (repeated queues) or min (capacity) over its ranks."""
         groups: dict[Group, float] = {}
         for key, value in values:

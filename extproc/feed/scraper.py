@@ -110,14 +110,13 @@ class Scraper:
         except ModelNameMissing as exc:
             if exc.profile.model_api_path is None:
                 raise _NoModelError(str(exc)) from None
-            name = await self._lookup_model(target, exc.profile)
+            name = await self._lookup_model(target, exc.profile, exc.profile.model_api_path)
             self._api_models[target.endpoint] = name
             return parse_metrics(text, exc.profile.kind, model=name)
 
-    async def _lookup_model(self, target: Target, profile: EngineProfile) -> str:
+    async def _lookup_model(self, target: Target, profile: EngineProfile, path: str) -> str:
         """The first model id of the engine's OpenAI model list (one model per server in practice)."""
-        assert profile.model_api_path is not None
-        url = target.sibling_url(profile.model_api_path)
+        url = target.sibling_url(path)
         why = f"the {profile.title} page names no served model and {url}"
         try:
             async with self._session.get(url, allow_redirects=False) as resp:
