@@ -173,7 +173,7 @@ _VLLM = EngineProfile(
             "vllm:gpu_cache_usage_perc",
             "ratio",
             priority=1,
-            note="V0 and V1 <= 0.10 (hidden in 0.11, removed in 0.12)",
+            note="V0 and V1 0.8.5; hidden in 0.11.0, absent in 0.33.0",
         ),
         Reading("waiting", "vllm:num_requests_waiting", "requests", note="includes preempted and deferred"),
         Reading("running", "vllm:num_requests_running", "requests"),
