@@ -30,8 +30,8 @@ from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, 
 from extproc.admission.tokens import DEFAULT_ENCODING, get_encoding
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.core.limiter import LimitSpec
-from extproc.exporter.targets import Target, target_from_mapping
-from extproc.feedback.subscriber import SubscriberConfig
+from extproc.feed.targets import Target, target_from_mapping
+from extproc.feedback.settings import SubscriberConfig
 
 log = logging.getLogger(__name__)
 

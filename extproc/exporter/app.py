@@ -24,12 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from extproc.exporter.discovery import Discovery, KubeDiscovery, KubeDiscoveryConfig, StaticDiscovery
 from extproc.exporter.hub import SampleHub
 from extproc.exporter.metrics import ExporterMetrics
-from extproc.exporter.scraper import Scraper, ScrapeResult
 from extproc.exporter.service import KvFeedService
-from extproc.exporter.targets import Target
-from extproc.feedback.logfmt import RateLimitedLog
-from extproc.feedback.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feedback.sample import FeedSample
+from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.feed.ratelimit import RateLimitedLog
+from extproc.feed.sample import FeedSample
+from extproc.feed.scraper import Scraper, ScrapeResult
+from extproc.feed.targets import Target
 
 log = logging.getLogger(__name__)
 

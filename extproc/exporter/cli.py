@@ -13,7 +13,7 @@ from pathlib import Path
 
 from extproc.exporter.app import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, Exporter, ExporterConfig
 from extproc.exporter.discovery import SA_DIR, KubeDiscoveryConfig
-from extproc.exporter.targets import Target, load_targets_file, parse_target_spec
+from extproc.feed.targets import Target, load_targets_file, parse_target_spec
 from extproc.logs import setup_logging
 
 log = logging.getLogger("extproc.exporter")

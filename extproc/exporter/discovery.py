@@ -23,8 +23,8 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from extproc.exporter.targets import Target, _kind
-from extproc.feedback.parse import DEFAULT_METRICS_PATH
+from extproc.feed.engines import PROFILES
+from extproc.feed.targets import Target, parse_kind
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,10 @@ class KubeDiscovery:
         ann: Mapping[str, str] = meta.get("annotations") or {}
         try:
             port = int(ann.get(ANNOTATION_PORT) or self._cfg.default_port or 0)
-            kind = _kind(ann.get(ANNOTATION_KIND) or self._cfg.default_kind)
+            kind = parse_kind(ann.get(ANNOTATION_KIND) or self._cfg.default_kind)
             if not 0 < port < 65536:
                 raise ValueError(f"no metrics port (annotation {ANNOTATION_PORT})")
-            path = ann.get(ANNOTATION_PATH) or (DEFAULT_METRICS_PATH[kind] if kind else "/metrics")
+            path = ann.get(ANNOTATION_PATH) or (PROFILES[kind].metrics_path if kind else "/metrics")
             if not path.startswith("/"):
                 path = "/" + path
             ip = status["podIP"]

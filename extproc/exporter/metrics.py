@@ -23,7 +23,8 @@ class ExporterMetrics:
         )
         self.scrape_errors = Counter(
             "extproc_exporter_scrape_errors_total",
-            "Failed scrapes by target and reason (timeout, connect, http_status, parse, too_large).",
+            "Failed scrapes by target and reason "
+            "(timeout, connect, http_status, parse, too_large, no_model).",
             ["target", "reason"],
             registry=registry,
         )

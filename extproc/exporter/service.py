@@ -9,8 +9,8 @@ import grpc
 
 from extproc.exporter.hub import SampleHub
 from extproc.exporter.metrics import ExporterMetrics
-from extproc.feedback.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feedback.sample import to_proto
+from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.feed.sample import to_proto
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.feedback.sample import FeedSample
+from extproc.feed.sample import FeedSample
 
 KvMode = Literal["max", "mean"]
 

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable, Mapping
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
+from extproc.feed.sample import FeedSample
 from extproc.feedback.aggregate import KvMode, PoolSnapshot, aggregate
 from extproc.feedback.metrics import FeedbackMetrics
-from extproc.feedback.sample import FeedSample
-from extproc.feedback.subscriber import FeedSubscriber, Sleeper, SubscriberConfig
+from extproc.feedback.settings import SubscriberConfig
+from extproc.feedback.subscriber import FeedSubscriber, Sleeper
 
 log = logging.getLogger(__name__)
 

@@ -22,18 +22,17 @@ import random
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 import grpc
 
-from extproc.exporter.scraper import Scraper
-from extproc.exporter.targets import Target
+from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.feed.ratelimit import RateLimitedLog
+from extproc.feed.sample import FeedSample, SampleKey, from_proto
+from extproc.feed.scraper import Scraper
 from extproc.feedback.aggregate import StoredSample
-from extproc.feedback.logfmt import RateLimitedLog
 from extproc.feedback.metrics import FeedbackMetrics
-from extproc.feedback.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feedback.sample import FeedSample, SampleKey, from_proto
+from extproc.feedback.settings import SubscriberConfig, split_hostport
 
 log = logging.getLogger(__name__)
 
@@ -46,46 +45,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class SubscriberConfig:
-    """Where to get samples from. At least one of `exporters`, `service`, `direct_targets`."""
-
-    exporters: tuple[str, ...] = ()  # static host:port list
-    service: str | None = None  # headless Service "name.ns.svc:50061", re-resolved
-    resolve_interval: float = 10.0
-    models: tuple[str, ...] = ()  # empty: all
-    backoff_initial: float = 0.25
-    backoff_max: float = 10.0
-    backoff_multiplier: float = 2.0
-    backoff_jitter: float = 0.5  # delay is scaled by a random factor in [1 - jitter, 1]
-    idle_timeout: float = 15.0  # reconnect when a stream is silent this long (exporters send every second)
-    direct_targets: tuple[Target, ...] = ()
-    direct_node: str = "local"
-    scrape_interval: float = 1.0
-    scrape_timeout: float = 0.8
-    forget_after: float = 300.0  # drop samples not refreshed for this long (departed endpoints)
-    extra_channel_options: tuple[tuple[str, int | str], ...] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        if not (self.exporters or self.service or self.direct_targets):
-            raise ValueError("subscriber.exporters: give exporters, a service name or direct targets")
-        for addr in (*self.exporters, *([self.service] if self.service else [])):
-            _split_hostport(addr)
-        if not 0 < self.backoff_initial <= self.backoff_max:
-            raise ValueError("subscriber.backoff_initial: must be > 0 and <= backoff_max")
-        if self.backoff_multiplier < 1:
-            raise ValueError("subscriber.backoff_multiplier: must be >= 1")
-        if not 0 <= self.backoff_jitter < 1:
-            raise ValueError("subscriber.backoff_jitter: must be in [0, 1)")
-
-
-def _split_hostport(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"subscriber: expected host:port, got {addr!r}")
-    return host.strip("[]"), int(port)
 
 
 def backoff_delay(attempt: int, cfg: SubscriberConfig, rng: random.Random) -> float:
@@ -196,7 +155,7 @@ class FeedSubscriber:
             log.info("exporter added", extra={"exporter": addr})
 
     async def _resolve_loop(self, service: str) -> None:
-        host, port = _split_hostport(service)
+        host, port = split_hostport(service)
         while True:
             try:
                 addresses = await self._resolve(host, port)

@@ -54,14 +54,22 @@ class SimConfig:
         )
 
     def cache_info(self) -> dict[str, str]:
-        """Labels of `vllm:cache_config_info`, a subset of vLLM's CacheConfig.metrics_info()."""
+        """Labels of `vllm:cache_config_info`, a subset of vLLM 0.33's CacheConfig.metrics_info().
+
+        `kv_cache_size_tokens` and `kv_cache_max_concurrency` follow vLLM 0.33's get_kv_cache_capacity for
+        a full-attention model: a request at max_model_len takes ceil(max_model_len / block_size) blocks.
+        """
+        blocks = self.resolved_num_gpu_blocks()
+        concurrency = blocks / -(-self.max_model_len // self.block_size)
         return {
             "block_size": str(self.block_size),
             "cache_dtype": "auto",
             "enable_prefix_caching": "False",
             "gpu_memory_utilization": str(self.gpu.gpu_memory_utilization),
-            "num_gpu_blocks": str(self.resolved_num_gpu_blocks()),
+            "num_gpu_blocks": str(blocks),
             "num_cpu_blocks": "None",
+            "kv_cache_size_tokens": str(int(concurrency * self.max_model_len)),
+            "kv_cache_max_concurrency": str(concurrency),
         }
 
     def validate(self) -> None:

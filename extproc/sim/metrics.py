@@ -1,4 +1,4 @@
-"""Prometheus metrics named, typed and labelled as vLLM V1 exposes them (`vllm/v1/metrics/loggers.py`).
+"""Prometheus metrics named, typed and labelled as vLLM V1 exposes them (`vllm/v1/metrics/loggers.py`, 0.33).
 
 The sidecar and its exporter scrape these exact names, so they follow vLLM's PrometheusStatLogger:
 labels `model_name` (served name) and `engine` (data-parallel index, "0" here); counters are created
@@ -73,14 +73,12 @@ class EngineMetrics:
                 ).labels(*values)
             )
         if legacy_kv is not LegacyKvMetric.OFF:
+            # vLLM <= 0.8 help text; 0.9-0.11 append the deprecation note without a space.
+            legacy_help = "GPU KV-cache usage. 1 means 100 percent usage."
+            if legacy_kv is LegacyKvMetric.ALSO:
+                legacy_help += "DEPRECATED: Use vllm:kv_cache_usage_perc instead."
             self._kv_gauges.append(
-                Gauge(
-                    "vllm:gpu_cache_usage_perc",
-                    "GPU KV-cache usage. 1 means 100 percent usage. "
-                    "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-                    labels,
-                    registry=r,
-                ).labels(*values)
+                Gauge("vllm:gpu_cache_usage_perc", legacy_help, labels, registry=r).labels(*values)
             )
         self.preemptions = Counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r

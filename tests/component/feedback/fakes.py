@@ -36,27 +36,44 @@ class _HttpServer:
 
 
 class FakeInferenceServer(_HttpServer):
-    """Serves `page` at /metrics; `mode` switches to garbage, a hang, or HTTP 500."""
+    """Serves `page` at `path` (default /metrics); `mode` switches to garbage, a hang, or HTTP 500.
 
-    def __init__(self, page: str, path: str = "/metrics") -> None:
+    `models` is served as an OpenAI model list at /v1/models (HTTP 404 when None), as vLLM, TGI and
+    trtllm-serve do; `model_list_hits` counts the requests.
+    """
+
+    def __init__(self, page: str, path: str = "/metrics", models: list[str] | None = None) -> None:
         super().__init__()
         self.page = page
+        self.path = path
+        self.models = models
         self.mode: Mode = "ok"
         self.hits = 0
+        self.model_list_hits = 0
         self._release = asyncio.Event()
         self.app.router.add_get(path, self._metrics)
+        self.app.router.add_get("/v1/models", self._model_list)
 
     async def stop(self) -> None:
         self._release.set()  # hanging handlers return so shutdown does not wait for them
         await super().stop()
 
     @classmethod
-    def from_file(cls, name: str, path: str = "/metrics") -> FakeInferenceServer:
-        return cls((DATA / name).read_text(), path)
+    def from_file(
+        cls, name: str, path: str = "/metrics", models: list[str] | None = None
+    ) -> FakeInferenceServer:
+        return cls((DATA / name).read_text(), path, models)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/metrics"
+        return f"http://127.0.0.1:{self.port}{self.path}"
+
+    async def _model_list(self, request: web.Request) -> web.Response:
+        self.model_list_hits += 1
+        if self.models is None:
+            return web.Response(status=404, text="Not Found")
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
+        return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1

@@ -15,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.exporter.app import SERVICE_NAME, Exporter, ExporterConfig
 from extproc.exporter.discovery import KubeDiscoveryConfig
-from extproc.exporter.targets import Target
-from extproc.feedback.parse import ServerKind
-from extproc.feedback.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feedback.sample import FeedSample, from_proto
+from extproc.feed.engines import ServerKind
+from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.feed.sample import FeedSample, from_proto
+from extproc.feed.targets import Target
 
 from .fakes import FakeInferenceServer, FakeKubeApi, eventually, pod
 
@@ -27,7 +27,7 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 @pytest.fixture
 async def vllm() -> AsyncIterator[FakeInferenceServer]:
-    server = FakeInferenceServer.from_file("vllm_v1_dp2.txt")
+    server = FakeInferenceServer.from_file("vllm_0.33.0_dp2.txt")
     await server.start()
     yield server
     await server.stop()
@@ -89,7 +89,7 @@ async def test_subscribers_receive_samples_and_down_targets(vllm: FakeInferenceS
             assert s.up and s.server_kind is ServerKind.VLLM
             assert s.kv_usage == pytest.approx(0.81)
             assert (s.requests_waiting, s.requests_running, s.preemptions_total) == (4, 12, 16)
-            assert s.kv_capacity_tokens == 2 * 16 * 5691
+            assert s.kv_capacity_tokens == 2 * 237_792
             assert s.sample_time > 1e9
 
             for mode, reason in (("garbage", "parse"), ("500", "http_status"), ("timeout", "timeout")):

@@ -19,7 +19,7 @@ def free_port() -> int:
 
 
 async def test_process_serves_metrics_and_stops_on_sigterm() -> None:
-    server = FakeInferenceServer.from_file("sglang_tp2_dp2.txt")
+    server = FakeInferenceServer.from_file("sglang_0.5.10_dp2_tp2.txt")
     await server.start()
     grpc_port, metrics_port = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(

@@ -10,10 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
 from extproc.exporter.app import Exporter, ExporterConfig
-from extproc.exporter.targets import Target
+from extproc.feed.targets import Target
 from extproc.feedback.loop import FeedbackLoop
 from extproc.feedback.metrics import register_feedback_metrics
-from extproc.feedback.subscriber import FeedSubscriber, SubscriberConfig
+from extproc.feedback.settings import SubscriberConfig
+from extproc.feedback.subscriber import FeedSubscriber
 
 from .fakes import FakeInferenceServer, eventually
 
@@ -28,7 +29,7 @@ def free_port() -> int:
 
 @pytest.fixture
 async def vllm() -> AsyncIterator[FakeInferenceServer]:
-    server = FakeInferenceServer.from_file("vllm_v1_dp2.txt")
+    server = FakeInferenceServer.from_file("vllm_0.33.0_dp2.txt")
     await server.start()
     yield server
     await server.stop()
@@ -92,11 +93,11 @@ async def test_loop_goes_stale_when_exporter_dies_and_recovers(vllm: FakeInferen
         expected = 1 - 0.4 * (0.81 - 0.70) / 0.15
         await eventually(lambda: loop.states()[MODEL].scale == pytest.approx(expected))
         assert not loop.states()[MODEL].stale
-        assert loop.capacity_tokens(MODEL) == 2 * 16 * 5691
+        assert loop.capacity_tokens(MODEL) == 2 * 237_792
         assert registry.get_sample_value("extproc_adaptive_scale_ratio", {"pool": MODEL}) == pytest.approx(
             expected
         )
-        assert registry.get_sample_value("extproc_kv_capacity_tokens", {"pool": MODEL}) == 2 * 16 * 5691
+        assert registry.get_sample_value("extproc_kv_capacity_tokens", {"pool": MODEL}) == 2 * 237_792
         assert (registry.get_sample_value("extproc_feed_samples_total") or 0) > 0
 
         await exporter.stop()

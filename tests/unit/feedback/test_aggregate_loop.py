@@ -8,12 +8,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
+from extproc.feed.engines import ServerKind
+from extproc.feed.sample import FeedSample
 from extproc.feedback.aggregate import StoredSample, aggregate
 from extproc.feedback.loop import FeedbackLoop
 from extproc.feedback.metrics import register_feedback_metrics
-from extproc.feedback.parse import ServerKind
-from extproc.feedback.sample import FeedSample
-from extproc.feedback.subscriber import FeedSubscriber, SubscriberConfig, backoff_delay
+from extproc.feedback.settings import SubscriberConfig
+from extproc.feedback.subscriber import FeedSubscriber, backoff_delay
 
 
 def s(

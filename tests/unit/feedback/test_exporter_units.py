@@ -11,10 +11,10 @@ import pytest
 from extproc.exporter.cli import build_parser, config_from_args
 from extproc.exporter.discovery import KubeDiscovery, KubeDiscoveryConfig
 from extproc.exporter.hub import SampleHub
-from extproc.exporter.targets import Target, load_targets_file, parse_target_spec
-from extproc.feedback.logfmt import RateLimitedLog
-from extproc.feedback.parse import ServerKind
-from extproc.feedback.sample import FeedSample, from_proto, to_proto
+from extproc.feed.engines import ServerKind
+from extproc.feed.ratelimit import RateLimitedLog
+from extproc.feed.sample import FeedSample, from_proto, to_proto
+from extproc.feed.targets import Target, load_targets_file, parse_target_spec
 
 
 def sample(endpoint: str = "10.0.0.1:8000", model: str = "m", kv: float = 0.5, t: float = 1.0) -> FeedSample:

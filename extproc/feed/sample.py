@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from extproc.feedback.parse import ModelSignals, ServerKind
-from extproc.feedback.proto import feedback_pb2
+from extproc.feed.engines import ServerKind
+from extproc.feed.parse import ModelSignals
+from extproc.feed.proto import feedback_pb2
 
 SampleKey = tuple[str, str, str]  # (node, endpoint, model)
 

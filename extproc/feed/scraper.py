@@ -3,22 +3,32 @@
 Used by the exporter and, for simple setups without an exporter, directly by the sidecar's subscriber.
 A target that refuses, times out, answers non-200, sends more than `max_bytes` or garbage yields samples
 with up=false and a short reason, so subscribers stop trusting it at once.
+
+The served model name (the pool a sample belongs to) comes from the target's `model`, else from the
+page's model label. When the page has none (TGI) or only a placeholder (trtllm-serve's
+`model_name="undefined"`), the engine's OpenAI `/v1/models` on the same host:port is asked once and the
+first model id is remembered for the endpoint until the endpoint fails or is forgotten. A pool is never
+named after a placeholder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.exporter.targets import Target
-from extproc.feedback.parse import MetricsParseError, ServerKind, parse_metrics
-from extproc.feedback.sample import FeedSample
+from extproc.feed.engines import EngineProfile, ServerKind
+from extproc.feed.parse import MetricsParseError, ModelNameMissing, ModelSignals, parse_metrics
+from extproc.feed.sample import FeedSample
+from extproc.feed.targets import Target
 
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+MAX_MODEL_NAME = 256  # the same bound the sidecar puts on model names (limiter keys, metric labels)
+_MODELS_MAX_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +44,7 @@ class ScrapeResult:
 
 class Scraper:
     """Fetch + parse with a per-target timeout. Remembers the models seen per endpoint so a later failure
-    is reported against those models (TGI/Triton pages name none, so targets there carry `model`)."""
+    is reported against those models, and the model name learnt from `/v1/models` per endpoint."""
 
     def __init__(
         self,
@@ -53,9 +63,11 @@ class Scraper:
         self._wall = wall_clock
         self._mono = monotonic
         self._models: dict[str, tuple[str, ...]] = {}
+        self._api_models: dict[str, str] = {}
 
     def forget(self, target: Target) -> None:
         self._models.pop(target.endpoint, None)
+        self._api_models.pop(target.endpoint, None)
 
     def known_models(self, target: Target) -> tuple[str, ...]:
         if target.model is not None:
@@ -67,13 +79,15 @@ class Scraper:
         try:
             async with asyncio.timeout(self._timeout):
                 text = await self._fetch(target)
-            signals = parse_metrics(text, target.kind, model=target.model)
+                signals = await self._parse(target, text)
         except TimeoutError:
             return self._down(target, start, "timeout", f"no answer within {self._timeout:g}s")
         except _HttpStatusError as exc:
             return self._down(target, start, "http_status", str(exc))
         except _TooLargeError as exc:
             return self._down(target, start, "too_large", str(exc))
+        except _NoModelError as exc:
+            return self._down(target, start, "no_model", str(exc)[:200])
         except MetricsParseError as exc:
             return self._down(target, start, "parse", str(exc)[:200])
         except (aiohttp.ClientError, OSError) as exc:
@@ -88,6 +102,34 @@ class Scraper:
         self._models[target.endpoint] = tuple(sorted(signals))
         return ScrapeResult(target, samples, duration)
 
+    async def _parse(self, target: Target, text: str) -> dict[str, ModelSignals]:
+        """Signals per model; asks the engine's `/v1/models` when neither target nor page names one."""
+        model = target.model or self._api_models.get(target.endpoint)
+        try:
+            return parse_metrics(text, target.kind, model=model)
+        except ModelNameMissing as exc:
+            if exc.profile.model_api_path is None:
+                raise _NoModelError(str(exc)) from None
+            name = await self._lookup_model(target, exc.profile, exc.profile.model_api_path)
+            self._api_models[target.endpoint] = name
+            return parse_metrics(text, exc.profile.kind, model=name)
+
+    async def _lookup_model(self, target: Target, profile: EngineProfile, path: str) -> str:
+        """The first model id of the engine's OpenAI model list (one model per server in practice)."""
+        url = target.sibling_url(path)
+        why = f"the {profile.title} page names no served model and {url}"
+        try:
+            async with self._session.get(url, allow_redirects=False) as resp:
+                if resp.status != 200:
+                    raise _NoModelError(f"{why} answered HTTP {resp.status}: set model on the target")
+                body = await resp.content.read(_MODELS_MAX_BYTES + 1)
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _NoModelError(f"{why} failed ({type(exc).__name__}): set model on the target") from None
+        name = _first_model_id(body) if len(body) <= _MODELS_MAX_BYTES else None
+        if name is None or name in profile.placeholder_models:
+            raise _NoModelError(f"{why} lists no usable model id: set model on the target")
+        return name
+
     async def _fetch(self, target: Target) -> str:
         async with self._session.get(
             target.url, headers={"Accept": "text/plain;version=0.0.4"}, allow_redirects=False
@@ -100,6 +142,8 @@ class Scraper:
             return body.decode("utf-8")
 
     def _down(self, target: Target, start: float, reason: str, error: str) -> ScrapeResult:
+        if reason in ("connect", "timeout", "http_status"):
+            self._api_models.pop(target.endpoint, None)  # a restarted server may serve another model
         duration = self._mono() - start
         now = self._wall()
         kind: ServerKind | None = target.kind
@@ -110,7 +154,25 @@ class Scraper:
         return ScrapeResult(target, samples, duration, reason, error)
 
 
+def _first_model_id(body: bytes) -> str | None:
+    """`data[0].id` of an OpenAI model list, if it is a plausible model name."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    name = first.get("id") if isinstance(first, dict) else None
+    if isinstance(name, str) and 0 < len(name) <= MAX_MODEL_NAME and name.isprintable():
+        return name
+    return None
+
+
 class _HttpStatusError(Exception):
+    pass
+
+
+class _NoModelError(Exception):
     pass
 
 

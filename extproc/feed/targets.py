@@ -9,7 +9,9 @@ YAML file (`--targets-file`):
     targets:
       - url: http://127.0.0.1:8000/metrics
         kind: vllm          # optional: auto-detected from metric prefixes
-        model: llama-8b     # optional: required for TGI/Triton whose pages carry no served name
+        model: llama-8b     # optional: the served model name (pool) when the page does not say it
+                            # (TGI and trtllm-serve are otherwise asked at /v1/models; Triton's label
+                            # is its model repository name, often not what clients send)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.feedback.parse import ServerKind
+from extproc.feed.engines import ServerKind
 
 _KEYS = frozenset({"url", "kind", "model"})
 
@@ -46,8 +48,14 @@ class Target:
         host = parts.hostname or ""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+    def sibling_url(self, path: str) -> str:
+        """`path` on the same scheme, host and port as the metrics page (e.g. the server's /v1/models)."""
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}{path}"
 
-def _kind(value: Any) -> ServerKind | None:
+
+def parse_kind(value: Any) -> ServerKind | None:
+    """A target's `kind`: None (auto-detect) for empty or "auto", else a known ServerKind."""
     if value in (None, "", "auto"):
         return None
     try:
@@ -64,7 +72,8 @@ def target_from_mapping(data: dict[str, Any]) -> Target:
     if not data.get("url"):
         raise ValueError("target.url: required")
     model = data.get("model")
-    return Target(url=str(data["url"]), kind=_kind(data.get("kind")), model=str(model) if model else None)
+    kind = parse_kind(data.get("kind"))
+    return Target(url=str(data["url"]), kind=kind, model=str(model) if model else None)
 
 
 def parse_target_spec(spec: str) -> Target:

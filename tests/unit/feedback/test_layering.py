@@ -1,0 +1,96 @@
+"""Import layering of the KV feed: config loads without network libraries, and the exporter (node side)
+and the feedback loop (sidecar side) meet only in `extproc.feed`."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+PACKAGE = ROOT / "extproc"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every `extproc...` module named by an import anywhere in the file (function-level imports too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in out if name == "extproc" or name.startswith("extproc.")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imported_modules(path) if m in modules} for name, path in modules.items()}
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def reaches(graph: dict[str, set[str]], start: str, target_package: str) -> list[str] | None:
+    """A chain of imports from `start` into `target_package`, or None."""
+    seen = {start}
+    stack = [[start]]
+    while stack:
+        chain = stack.pop()
+        for nxt in sorted(graph.get(chain[-1], ())):
+            if in_package(nxt, target_package):
+                return [*chain, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append([*chain, nxt])
+    return None
+
+
+def test_graph_sees_the_real_imports() -> None:
+    """Guard against a vacuous pass: the walker must find edges that are known to exist."""
+    graph = import_graph()
+    assert "extproc.feed.sample" in graph["extproc.exporter.hub"]
+    assert "extproc.feedback.settings" in graph["extproc.config"]
+
+
+def test_feedback_and_exporter_do_not_import_each_other() -> None:
+    graph = import_graph()
+    pairs = (("extproc.feedback", "extproc.exporter"), ("extproc.exporter", "extproc.feedback"))
+    for module in graph:
+        for side, other in pairs:
+            if in_package(module, side):
+                chain = reaches(graph, module, other)
+                assert chain is None, f"{side} reaches {other}: {' -> '.join(chain or [])}"
+
+
+def test_shared_feed_package_imports_neither_side() -> None:
+    graph = import_graph()
+    for module in [m for m in graph if in_package(m, "extproc.feed")]:
+        for other in ("extproc.feedback", "extproc.exporter", "extproc.config"):
+            chain = reaches(graph, module, other)
+            assert chain is None, f"extproc.feed reaches {other}: {' -> '.join(chain or [])}"
+
+
+def test_config_imports_no_io_package() -> None:
+    code = (
+        "import sys, extproc.config\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'grpc', 'redis'))\n"
+        "print(','.join(bad))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True
+    )
+    assert proc.stdout.strip() == "", f"extproc.config pulls in I/O packages: {proc.stdout.strip()}"
