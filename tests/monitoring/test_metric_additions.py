@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.exporter.metrics import ExporterMetrics
-from extproc.feedback.parse import ServerKind
-from extproc.feedback.sample import FeedSample
+from extproc.feed.parse import ServerKind
+from extproc.feed.sample import FeedSample
 from extproc.metrics import Metrics
 
 USAGE = "extproc_exporter_kv_usage_ratio"
