@@ -207,3 +207,48 @@ async def test_lease_granted_after_the_rpc_ended_is_settled_at_once() -> None:
     await sidecar.admission.drain()
     assert store.limiter.snapshot(["global"])[0].active == 0
     assert budget.leases == 0
+
+
+async def test_invented_model_names_share_one_limited_key_and_aliases_count_against_their_pool() -> None:
+    """A model name the config does not know must not mint fresh, unlimited limits."""
+    import grpc
+
+    config: dict[str, Any] = {
+        "server": {"grpc_listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"},
+        "models": {"*": {"context_window": 1000}, "llama": {}, "llama-sql-lora": {"pool": "llama"}},
+        "limits": {"models": {"*": {"max_concurrency": 2}, "llama": {"max_concurrency": 1}}},
+    }
+    sidecar = Sidecar(config=parse_config(config), metrics=Metrics())
+    await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
+    h = Harness(sidecar, channel)
+
+    async def send(model: str) -> tuple[Any, Any]:
+        s = h.stream()
+        await s.send(headers_msg("POST", "/v1/chat/completions"))
+        body = json.dumps({"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+        return s, await s.send(body_msg(body.encode()))
+
+    try:
+        held = []
+        for name in ("made-up-1", "made-up-2"):
+            s, reply = await send(name)
+            assert reply.HasField("request_body"), name
+            held.append(s)
+        s, reply = await send("made-up-3")
+        assert reply.immediate_response.status.code == 429  # the shared model:* key is full
+        s.cancel()
+        s, reply = await send("llama")
+        assert reply.HasField("request_body")
+        held.append(s)
+        s, reply = await send("llama-sql-lora")
+        assert reply.immediate_response.status.code == 429  # the adapter counts against llama's pool
+        s.cancel()
+        keys = {snap.key for snap in sidecar.store.snapshot()}
+        assert "model:made-up-1" not in keys and "model:llama-sql-lora" not in keys
+        for s in held:
+            s.cancel()
+        await eventually(lambda: h.metric("extproc_active_requests") == 0)
+    finally:
+        await channel.close()
+        await sidecar.stop(grace_s=0)
