@@ -50,7 +50,9 @@ def test_stack_rendering_with_a_custom_tenant_header_validates(tmp_path: Path) -
 
 
 def bare_gateway() -> dict[str, Any]:
-    """What istiod gives a gateway before any EnvoyFilter: a listener, an HCM with a router, a route."""
+    """What istiod gives a gateway before any EnvoyFilter: a listener, an HCM with a router, a route. As
+    istiod 1.30 does by default: paths normalized (listener_builder.go, pathNormalization DEFAULT/BASE) and
+    no route timeout (route.go setTimeout, Notimeout when the VirtualService sets none)."""
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
@@ -59,13 +61,16 @@ def bare_gateway() -> dict[str, Any]:
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
         "HttpConnectionManager",
         "stat_prefix": "outbound_0.0.0.0_8080",
+        "normalize_path": True,
         "route_config": {
             "name": "http.8080",
             "virtual_hosts": [
                 {
                     "name": "llm",
                     "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/v1/"}, "route": {"cluster": "llm_upstream"}}],
+                    "routes": [
+                        {"match": {"prefix": "/v1/"}, "route": {"cluster": "llm_upstream", "timeout": "0s"}}
+                    ],
                 }
             ],
         },
