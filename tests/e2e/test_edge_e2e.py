@@ -330,3 +330,14 @@ def test_sidecar_down_gets_json_500(edge: Edge) -> None:
         stack.processes["sidecar"] = sidecar
         wait_http(f"{stack.admin_url}/readyz", proc=sidecar)
     assert http("POST", f"{stack.envoy_url}/v1/chat/completions", CHAT).status == 200
+
+
+def test_backend_down_gets_json_503_and_settles(edge: Edge) -> None:
+    edge.echo.stop()
+    try:
+        reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT)
+        assert assert_openai_error(reply, 503)["code"] == "service_unavailable"
+    finally:
+        edge.echo.start()
+    # Envoy's reply went through the sidecar's response path: the lease settled, nothing is left held.
+    assert edge.wait_sidecar("extproc_active_requests", 0) == 0
