@@ -60,6 +60,7 @@ class Echo:
     port: int
     seen: list[Seen] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
+    connections: list[socket.socket] = field(default_factory=list)
 
     def start(self) -> Echo:
         echo = self
@@ -69,6 +70,10 @@ class Echo:
 
             def log_message(self, *args: Any) -> None:
                 return
+
+            def setup(self) -> None:
+                super().setup()
+                echo.connections.append(self.connection)
 
             def do_GET(self) -> None:
                 echo.seen.append(Seen("GET", self.path, {k.lower(): v for k, v in self.headers.items()}))
@@ -99,9 +104,14 @@ class Echo:
         return self
 
     def stop(self) -> None:
+        """Stop listening and close Envoy's pooled connections too, so the upstream is really gone."""
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+        for connection in self.connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        self.connections.clear()
 
     def paths(self) -> list[str]:
         return [s.path for s in self.seen]
