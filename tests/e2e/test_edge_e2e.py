@@ -15,15 +15,18 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.client import HTTPResponse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from extproc.stack import ENVOY_TEMPLATE, LocalStack, Ports, Process, wait_http
 from tests.e2e.conftest import Reply, http, metric
@@ -328,18 +331,52 @@ def test_unfinished_bodies_are_cut_at_the_request_timeout_and_free_their_sidecar
     assert edge.wait_sidecar("extproc_streams_active", 0) == 0
 
 
-def test_sidecar_down_gets_json_500(edge: Edge) -> None:
-    stack = edge.stack
+@contextlib.contextmanager
+def sidecar_replaced(stack: LocalStack, servicer: object | None) -> Iterator[None]:
+    """Stop the sidecar (and serve `servicer` on its port instead, if given); restart it afterwards."""
     stack.stop_process("sidecar")
+    server = None
+    if servicer is not None:
+        server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{stack.ports.grpc}")
+        server.start()
     try:
-        reply = http("POST", f"{stack.envoy_url}/v1/chat/completions", CHAT)
-        assert assert_openai_error(reply, 500)["type"] == "server_error"
+        yield
     finally:
+        if server is not None:
+            server.stop(0)
         assert stack.workdir is not None
         sidecar = Process.start("sidecar", stack.sidecar_argv(), stack.workdir)
         stack.processes["sidecar"] = sidecar
         wait_http(f"{stack.admin_url}/readyz", proc=sidecar)
-    assert http("POST", f"{stack.envoy_url}/v1/chat/completions", CHAT).status == 200
+
+
+class StalledSidecar(external_processor_pb2_grpc.ExternalProcessorServicer):
+    """Reads Envoy's messages and never answers, as a sidecar stuck in a long GC pause or a deadlock."""
+
+    def Process(self, request_iterator: Iterable[object], context: grpc.ServicerContext) -> Iterator[object]:
+        for _ in request_iterator:
+            while context.is_active():
+                time.sleep(0.05)
+        yield from ()
+
+
+def test_sidecar_down_gets_json_500(edge: Edge) -> None:
+    with sidecar_replaced(edge.stack, None):
+        reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT)
+        assert assert_openai_error(reply, 500)["type"] == "server_error"
+    assert http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT).status == 200
+
+
+def test_stalled_sidecar_gets_json_504_at_the_message_timeout(edge: Edge) -> None:
+    with sidecar_replaced(edge.stack, StalledSidecar()):
+        started = time.monotonic()
+        reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT)
+        elapsed = time.monotonic() - started
+        assert assert_openai_error(reply, 504)["code"] == "timeout"
+        assert 0.9 <= elapsed < 10  # message_timeout: 1s
+    assert http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT).status == 200
 
 
 def test_backend_down_gets_json_503_and_settles(edge: Edge) -> None:
