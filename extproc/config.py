@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -92,6 +93,8 @@ class AdmissionConfig:
     # Per-sequence decode rate assumed for a pool until its completed streams teach the real one; bounds the
     # charge of answers nobody saw (a client that left before the response headers).
     assumed_decode_tokens_per_second: float = 100.0
+    # Envoy's ext_proc max_message_timeout in the shipped configs; a queue wait must fit under it.
+    envoy_max_message_timeout_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -419,6 +422,19 @@ def _paths(root: _Section) -> PathTable:
     return PathTable(rules)
 
 
+def _check_queue_waits(classes: Sequence[ClassConfig], envoy_max: float) -> None:
+    """A queued request holds Envoy's ext_proc timer, which the sidecar extends to ceil(wait) + 1 s; past
+    Envoy's max_message_timeout Envoy ignores the extension and answers 504 after its 1 s message_timeout."""
+    for i, klass in enumerate(classes):
+        extended = math.ceil(klass.max_wait_seconds) + 1
+        if klass.queues and extended > envoy_max:
+            raise ConfigError(
+                f"classes[{i}].queue.max_wait_seconds: {klass.max_wait_seconds:g} s plus the 1 s the sidecar "
+                f"adds exceeds admission.envoy_max_message_timeout_seconds ({envoy_max:g} s, Envoy's "
+                "ext_proc max_message_timeout); shorten the wait or raise both"
+            )
+
+
 def _model_policy(section: _Section, base: ModelPolicy | None) -> ModelPolicy:
     context_window = section.integer("context_window", base.context_window if base else None, minimum=1)
     if context_window is None:
@@ -633,6 +649,7 @@ def parse_config(data: Any) -> Config:
         assumed_decode_tokens_per_second=adm.number(
             "assumed_decode_tokens_per_second", AdmissionConfig.assumed_decode_tokens_per_second, minimum=1.0
         ),
+        envoy_max_message_timeout_seconds=adm.number("envoy_max_message_timeout_seconds", 30.0, minimum=1.0),
     )
     adm.done()
     # grpc drops a message larger than its receive limit without telling the handler; Envoy then times out.
@@ -658,6 +675,7 @@ def parse_config(data: Any) -> Config:
     mdl.done()
 
     classes = _classes(root)
+    _check_queue_waits(classes, admission.envoy_max_message_timeout_seconds)
     names = [c.name for c in classes]
     default_class = root.string("default_class", names[-1] if DEFAULT_CLASS not in names else DEFAULT_CLASS)
     if default_class not in names:

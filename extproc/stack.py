@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -83,9 +83,18 @@ def envoy_command(config_path: Path, base_id: int) -> list[str]:
     ]
 
 
-def render_envoy_config(ports: Ports, template: Path = ENVOY_TEMPLATE) -> dict[str, Any]:
-    """The Envoy config with the stack's ports in place of the documented ones."""
+TENANT_STRIP_FILTER = "envoy.filters.http.header_mutation"
+"""The first HTTP filter of envoy/envoy.yaml; its plain `remove` entry is the tenant header."""
+
+
+def render_envoy_config(
+    ports: Ports, template: Path = ENVOY_TEMPLATE, tenant_header: str | None = None
+) -> dict[str, Any]:
+    """The Envoy config with the stack's ports in place of the documented ones, stripping `tenant_header`
+    (the sidecar's `admission.tenant.header`) from client requests instead of the template's default."""
     config: dict[str, Any] = yaml.safe_load(template.read_text())
+    if tenant_header is not None:
+        _strip_tenant_header(config, tenant_header)
     config["admin"]["address"]["socket_address"]["port_value"] = ports.envoy_admin
     for listener in config["static_resources"]["listeners"]:
         if listener["name"] == "llm_ingress":
@@ -96,6 +105,50 @@ def render_envoy_config(ports: Ports, template: Path = ENVOY_TEMPLATE) -> dict[s
             for endpoint in group["lb_endpoints"]:
                 endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
     return config
+
+
+def _strip_tenant_header(config: dict[str, Any], header: str) -> None:
+    """Point the template's tenant-header removal at `header`: the sidecar trusts that header only because
+    Envoy removes any client-sent copy, so the two names must be the same."""
+    replaced = 0
+    for hcm in _http_connection_managers(config):
+        for http_filter in hcm["http_filters"]:
+            if http_filter["name"] != TENANT_STRIP_FILTER:
+                continue
+            for mutation in http_filter["typed_config"]["mutations"]["request_mutations"]:
+                if "remove" in mutation:
+                    mutation["remove"] = header.lower()
+                    replaced += 1
+    if replaced != 1:
+        raise ValueError(f"the Envoy template must remove exactly one tenant header, found {replaced}")
+
+
+def trust_client_tenant_header(config: dict[str, Any]) -> None:
+    """For tests that pick tenants from the client: drop the tenant-header strip, standing in for the authn
+    filter that sets the header from verified identity in a real deployment. Never for a served Envoy."""
+    for hcm in _http_connection_managers(config):
+        for http_filter in hcm["http_filters"]:
+            if http_filter["name"] == TENANT_STRIP_FILTER:
+                mutations = http_filter["typed_config"]["mutations"]
+                kept = [m for m in mutations["request_mutations"] if "remove" not in m]
+                mutations["request_mutations"] = kept
+
+
+def _http_connection_managers(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        network_filter["typed_config"]
+        for listener in config["static_resources"]["listeners"]
+        for chain in listener["filter_chains"]
+        for network_filter in chain["filters"]
+        if network_filter["name"] == "envoy.filters.network.http_connection_manager"
+    ]
+
+
+def tenant_header_of(config: dict[str, Any]) -> str | None:
+    """`admission.tenant.header` of a raw sidecar config, lower-cased as the sidecar reads it."""
+    admission = config.get("admission") or {}
+    header = (admission.get("tenant") or {}).get("header")
+    return header.lower() if isinstance(header, str) and header else None
 
 
 def sidecar_config_with_ports(
@@ -183,6 +236,10 @@ class LocalStack:
     workdir: Path | None = None
     with_sidecar: bool = True
     with_exporter: bool = False
+    # False: the caller serves the upstream port itself (an echo server in the edge tests).
+    with_simulator: bool = True
+    # Applied to the rendered Envoy config before Envoy starts (tests shorten timeouts with it).
+    envoy_patch: Callable[[dict[str, Any]], None] | None = None
     model: str = "llama-3-8b"
     envoy_template: Path = ENVOY_TEMPLATE
     processes: dict[str, Process] = field(default_factory=dict)
@@ -223,39 +280,52 @@ class LocalStack:
             raise
         return self
 
+    def sidecar_argv(self) -> list[str]:
+        """The sidecar's command line. The config path is passed as given, never resolved: a ConfigMap mount
+        is a symlink into a `..data` directory that the kubelet swaps, and only the link shows the swap."""
+        return [sys.executable, "-m", "extproc", "serve", "--config", str(self.config_path)]
+
+    def _sidecar_config_data(self) -> dict[str, Any]:
+        if self.sidecar_config_file is not None:
+            loaded: dict[str, Any] = yaml.safe_load(self.sidecar_config_file.read_text()) or {}
+            return loaded
+        if self.sidecar_config is not None:
+            return self.sidecar_config
+        default: dict[str, Any] = yaml.safe_load(LOCAL_CONFIG.read_text())
+        return default
+
     def _start(self) -> None:
         assert self.workdir is not None
         python = sys.executable
-        sim = Process.start(
-            "simulator",
-            [
-                python,
-                "-m",
-                "extproc.sim",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.ports.upstream),
-                *self.sim_args,
-            ],
-            self.workdir,
-        )
-        self.processes["simulator"] = sim
+        sim: Process | None = None
+        if self.with_simulator:
+            sim = Process.start(
+                "simulator",
+                [
+                    python,
+                    "-m",
+                    "extproc.sim",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.ports.upstream),
+                    *self.sim_args,
+                ],
+                self.workdir,
+            )
+            self.processes["simulator"] = sim
         if self.with_exporter:
             self.start_exporter()
+        sidecar_config = self._sidecar_config_data()
         if self.with_sidecar:
             if self.sidecar_config_file is None:
-                config = self.sidecar_config
-                if config is None:
-                    config = yaml.safe_load(LOCAL_CONFIG.read_text())
-                self.write_sidecar_config(config)
-            sidecar = Process.start(
-                "sidecar", [python, "-m", "extproc", "serve", "--config", str(self.config_path)], self.workdir
-            )
-            self.processes["sidecar"] = sidecar
-        envoy_config = render_envoy_config(self.ports, self.envoy_template)
+                self.write_sidecar_config(sidecar_config)
+            self.processes["sidecar"] = Process.start("sidecar", self.sidecar_argv(), self.workdir)
+        envoy_config = render_envoy_config(self.ports, self.envoy_template, tenant_header_of(sidecar_config))
         if not self.with_sidecar:
             _remove_ext_proc(envoy_config)
+        if self.envoy_patch is not None:
+            self.envoy_patch(envoy_config)
         envoy_path = self.workdir / "envoy.yaml"
         envoy_path.write_text(yaml.safe_dump(envoy_config))
         envoy = Process.start("envoy", envoy_command(envoy_path, self.ports.envoy_admin), self.workdir)
@@ -317,6 +387,7 @@ def _remove_ext_proc(config: dict[str, Any]) -> None:
                     f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
                 ]
                 for vhost in hcm["route_config"]["virtual_hosts"]:
+                    vhost.pop("typed_per_filter_config", None)
                     for route in vhost["routes"]:
                         route.pop("typed_per_filter_config", None)
     config["static_resources"]["clusters"] = [
@@ -352,12 +423,17 @@ Ctrl-C stops everything.
 """
 
 
+def foreground_stack(config: Path | None) -> LocalStack:
+    """The `make run` stack. The config path is made absolute (the processes run from the repository root)
+    but not resolved, so a symlinked config (a ConfigMap layout) is watched through its link."""
+    return LocalStack(
+        sidecar_config_file=(config or LOCAL_CONFIG).absolute(), workdir=REPO / "run", with_exporter=True
+    )
+
+
 def run_stack(config: Path | None) -> int:
     """Foreground `make run`: start the stack with the documented ports and wait for Ctrl-C."""
-    workdir = REPO / "run"
-    stack = LocalStack(
-        sidecar_config_file=(config or LOCAL_CONFIG).resolve(), workdir=workdir, with_exporter=True
-    )
+    stack = foreground_stack(config)
     try:
         stack.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
@@ -376,7 +452,7 @@ def run_stack(config: Path | None) -> int:
             upstream=p.upstream,
             exporter=p.exporter,
             exporter_metrics=p.exporter_metrics,
-            workdir=workdir,
+            workdir=stack.workdir,
             config=stack.config_path,
         ),
         flush=True,

@@ -11,9 +11,18 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-$root/extproc/feed/proto}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
   if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; else python=python3; fi
+fi
+# protoc runs from a scratch directory below, so a relative interpreter path (the Makefile passes
+# .venv/bin/python) is made absolute first; a bare command name is looked up on PATH now.
+if [[ "$python" == */* ]]; then
+  python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")"
+else
+  python="$(command -v "$python")"
 fi
 
 scratch="$(mktemp -d)"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import LocalStack, Ports
+from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 
 
 @dataclass
@@ -87,7 +87,11 @@ def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
 
 
 def start_stack(config: dict[str, Any], sim_args: list[str]) -> LocalStack:
-    stack = LocalStack(ports=Ports.free(), sidecar_config=config, sim_args=sim_args)
+    """A stack whose clients name their tenant in the tenant header (no authn filter sets it here);
+    tests/e2e/test_edge_e2e.py covers the strip itself."""
+    stack = LocalStack(
+        ports=Ports.free(), sidecar_config=config, sim_args=sim_args, envoy_patch=trust_client_tenant_header
+    )
     stack.start()
     return stack
 

@@ -50,7 +50,9 @@ def stack(make_stack: Any) -> Iterator[Stack]:
 
 def envoy_stat(stack: Stack, name: str) -> float:
     """A counter of Envoy's own (admin /stats), e.g. how many requests reached the upstream cluster."""
-    text = http("GET", f"http://127.0.0.1:{stack.stack.ports.envoy_admin}/stats?filter=^{name}$").body.decode()
+    text = http(
+        "GET", f"http://127.0.0.1:{stack.stack.ports.envoy_admin}/stats?filter=^{name}$"
+    ).body.decode()
     for line in text.splitlines():
         key, _, value = line.partition(": ")
         if key == name:
@@ -76,7 +78,10 @@ def wait_idle(stack: Stack, limit_s: float = 10.0) -> None:
 def assert_nothing_leaked(stack: Stack) -> None:
     wait_idle(stack)
     reserve, refunded = reserved(stack), stack.sidecar("extproc_tokens_refunded_total")
-    overrun, settled = stack.sidecar("extproc_tokens_overrun_total"), stack.sidecar("extproc_tokens_settled_total")
+    overrun, settled = (
+        stack.sidecar("extproc_tokens_overrun_total"),
+        stack.sidecar("extproc_tokens_settled_total"),
+    )
     assert reserve - refunded + overrun == settled
 
 
@@ -139,7 +144,11 @@ def test_a_refusal_part_is_charged_its_tokens(stack: Stack) -> None:
 def test_image_parts_are_charged_the_configured_cost(stack: Stack) -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     before = reserved(stack)
-    post(stack, "/v1/chat/completions", chat([{"type": "text", "text": "what is this"}, image, image], max_tokens=1))
+    post(
+        stack,
+        "/v1/chat/completions",
+        chat([{"type": "text", "text": "what is this"}, image, image], max_tokens=1),
+    )
     assert reserved(stack) - before >= 2 * 1000
 
 
@@ -236,7 +245,9 @@ def test_megabyte_prompts_from_one_client_do_not_delay_other_tenants(make_stack:
     try:
         for _ in range(120):
             started = time.monotonic()
-            reply = post(flood_stack, "/v1/chat/completions", chat("hi", max_tokens=1), **{"x-tenant-id": "alice"})
+            reply = post(
+                flood_stack, "/v1/chat/completions", chat("hi", max_tokens=1), **{"x-tenant-id": "alice"}
+            )
             latencies.append(time.monotonic() - started)
             victims.append(reply.status)
             time.sleep(0.04)
@@ -253,4 +264,7 @@ def test_megabyte_prompts_from_one_client_do_not_delay_other_tenants(make_stack:
     assert p99 < 0.050
     assert 504 not in statuses or statuses.count(504) == 0
     assert_nothing_leaked(flood_stack)
-    assert metric(f"{flood_stack.stack.admin_url}/metrics", "extproc_requests_total", reason="tokenizer_busy") > 0
+    assert (
+        metric(f"{flood_stack.stack.admin_url}/metrics", "extproc_requests_total", reason="tokenizer_busy")
+        > 0
+    )

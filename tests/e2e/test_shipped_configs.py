@@ -1,4 +1,9 @@
-"""Every Envoy config the project ships passes the real Envoy 1.40 binary's validation."""
+"""Every Envoy config the project ships passes the real Envoy 1.40 binary's validation.
+
+The Istio EnvoyFilter is applied, patch by patch and as Istio applies each operation, to a bare gateway
+bootstrap (one listener whose http_connection_manager has only a router, as istiod generates for a gateway),
+and the result must validate: the merged HCM fields, the filter order and every typed config.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.stack import ENVOY_TEMPLATE, envoy_binary
+from extproc.stack import ENVOY_TEMPLATE, Ports, envoy_binary, render_envoy_config
 
 REPO = Path(__file__).resolve().parents[2]
+ISTIO_FILTER = REPO / "envoy" / "istio" / "envoyfilter.yaml"
+HCM = "envoy.filters.network.http_connection_manager"
 
 
 def validate(config: dict[str, Any] | Path, tmp_path: Path) -> None:
@@ -38,19 +45,100 @@ def test_envoy_bootstraps_validate(path: Path, tmp_path: Path) -> None:
     validate(path, tmp_path)
 
 
-def test_istio_envoyfilter_fragments_validate(tmp_path: Path) -> None:
-    """The EnvoyFilter's cluster and filter, placed into a static bootstrap, are valid Envoy config."""
-    patches = yaml.safe_load((REPO / "envoy" / "istio" / "envoyfilter.yaml").read_text())["spec"][
-        "configPatches"
+def test_stack_rendering_with_a_custom_tenant_header_validates(tmp_path: Path) -> None:
+    validate(render_envoy_config(Ports.free(), tenant_header="X-Org-Id"), tmp_path)
+
+
+def bare_gateway() -> dict[str, Any]:
+    """What istiod gives a gateway before any EnvoyFilter: a listener, an HCM with a router, a route. As
+    istiod 1.30 does by default: paths normalized (listener_builder.go, pathNormalization DEFAULT/BASE) and
+    no route timeout (route.go setTimeout, Notimeout when the VirtualService sets none)."""
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+    }
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+        "HttpConnectionManager",
+        "stat_prefix": "outbound_0.0.0.0_8080",
+        "normalize_path": True,
+        "route_config": {
+            "name": "http.8080",
+            "virtual_hosts": [
+                {
+                    "name": "llm",
+                    "domains": ["*"],
+                    "routes": [
+                        {"match": {"prefix": "/v1/"}, "route": {"cluster": "llm_upstream", "timeout": "0s"}}
+                    ],
+                }
+            ],
+        },
+        "http_filters": [router],
+    }
+    upstream = copy.deepcopy(yaml.safe_load(ENVOY_TEMPLATE.read_text())["static_resources"]["clusters"][1])
+    assert upstream["name"] == "llm_upstream"
+    return {
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "0.0.0.0_8080",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 18080}},
+                    "filter_chains": [{"filters": [{"name": HCM, "typed_config": hcm}]}],
+                }
+            ],
+            "clusters": [upstream],
+        }
+    }
+
+
+def merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
+    """Istio's MERGE: protobuf merge semantics (messages merge field by field, repeated fields append)."""
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        elif isinstance(value, list) and isinstance(into.get(key), list):
+            into[key].extend(copy.deepcopy(value))
+        else:
+            into[key] = copy.deepcopy(value)
+
+
+def apply_envoy_filter(bootstrap: dict[str, Any], patches: list[dict[str, Any]]) -> dict[str, Any]:
+    out = copy.deepcopy(bootstrap)
+    resources = out["static_resources"]
+    listener = resources["listeners"][0]
+    hcm_filter = listener["filter_chains"][0]["filters"][0]
+    for patch in patches:
+        kind, op, value = patch["applyTo"], patch["patch"]["operation"], patch["patch"]["value"]
+        assert patch["match"]["context"] == "GATEWAY"
+        filters = hcm_filter["typed_config"]["http_filters"]
+        if (kind, op) == ("CLUSTER", "ADD"):
+            resources["clusters"].append(copy.deepcopy(value))
+        elif (kind, op) == ("LISTENER", "MERGE"):
+            merge(listener, value)
+        elif (kind, op) == ("NETWORK_FILTER", "MERGE"):
+            assert value["name"] == HCM
+            merge(hcm_filter, value)
+        elif (kind, op) == ("VIRTUAL_HOST", "MERGE"):
+            for vhost in hcm_filter["typed_config"]["route_config"]["virtual_hosts"]:
+                merge(vhost, value)
+        elif (kind, op) == ("HTTP_FILTER", "INSERT_FIRST"):
+            filters.insert(0, copy.deepcopy(value))
+        elif (kind, op) == ("HTTP_FILTER", "INSERT_BEFORE"):
+            anchor = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            filters.insert([f["name"] for f in filters].index(anchor), copy.deepcopy(value))
+        else:
+            raise AssertionError(f"no model of Istio's {op} on {kind}")
+    return out
+
+
+def test_istio_envoyfilter_applied_to_a_gateway_validates(tmp_path: Path) -> None:
+    patches = yaml.safe_load(ISTIO_FILTER.read_text())["spec"]["configPatches"]
+    gateway = apply_envoy_filter(bare_gateway(), patches)
+    hcm = gateway["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
     ]
-    cluster = next(p["patch"]["value"] for p in patches if p["applyTo"] == "CLUSTER")
-    ext_proc = next(p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_FILTER")
-    config = yaml.safe_load(ENVOY_TEMPLATE.read_text())
-    bootstrap = copy.deepcopy(config)
-    resources = bootstrap["static_resources"]
-    resources["clusters"] = [c for c in resources["clusters"] if c["name"] != cluster["name"]] + [cluster]
-    hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [
-        ext_proc if f["name"] == "envoy.filters.http.ext_proc" else f for f in hcm["http_filters"]
-    ]
-    validate(bootstrap, tmp_path)
+    validate(gateway, tmp_path)

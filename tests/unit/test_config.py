@@ -195,6 +195,22 @@ def test_worked_examples_in_the_docs_are_valid() -> None:
         ),
         ({"shadow": "on"}, "shadow"),
         ({"metrics": {"tenant_allowlist": "acme"}}, "metrics.tenant_allowlist"),
+        # ceil(29.5) + 1 = 31 s of Envoy timer, over the shipped 30 s max_message_timeout.
+        (
+            {"classes": [{"name": "a"}, {"name": "b", "queue": {"max_wait_seconds": 29.5}}]},
+            "classes[1].queue.max_wait_seconds",
+        ),
+        (
+            {
+                "admission": {"envoy_max_message_timeout_seconds": 10},
+                "classes": [{"name": "a", "queue": {"max_wait_seconds": 10}}],
+            },
+            "classes[0].queue.max_wait_seconds",
+        ),
+        (
+            {"admission": {"envoy_max_message_timeout_seconds": 0.5}},
+            "admission.envoy_max_message_timeout_seconds",
+        ),
     ],
 )
 def test_class_errors_name_the_key(data: Any, key: str) -> None:
@@ -303,3 +319,16 @@ def test_paths_section_adds_free_paths_and_denies_built_in_ones() -> None:
     assert config.paths.route("POST", "/v1/whoami") is None
     assert config.paths.route("POST", "/v1/embeddings") is None
     assert config.paths.route("POST", "/v1/chat/completions") is not None
+
+
+def test_queue_wait_must_fit_under_envoys_max_message_timeout() -> None:
+    """The sidecar extends Envoy's timer to ceil(wait) + 1 s; that must not pass max_message_timeout."""
+    assert parse_config({"classes": [{"name": "a", "queue": {"max_wait_seconds": 29}}]})
+    with pytest.raises(ConfigError, match=r"admission\.envoy_max_message_timeout_seconds \(30 s"):
+        parse_config({"classes": [{"name": "a", "queue": {"max_wait_seconds": 29.01}}]})
+    # A gateway whose Envoy allows 120 s states it, and a longer wait is accepted.
+    raised = {"admission": {"envoy_max_message_timeout_seconds": 120}}
+    config = parse_config({**raised, "classes": [{"name": "a", "queue": {"max_wait_seconds": 90}}]})
+    assert config.admission.envoy_max_message_timeout_seconds == 120
+    # A class that never queues (max_queued 0) holds no Envoy timer.
+    parse_config({"classes": [{"name": "a", "queue": {"max_wait_seconds": 60, "max_queued": 0}}]})

@@ -13,16 +13,22 @@ ROOT = Path(__file__).resolve().parents[3]
 GENERATED = ("feedback_pb2.py", "feedback_pb2.pyi", "feedback_pb2_grpc.py")
 
 
-def test_generated_code_is_fresh(tmp_path: Path) -> None:
-    pytest.importorskip("grpc_tools")
-    env = {**os.environ, "PYTHON": sys.executable}
-    subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)],
-        check=True,
-        env=env,
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute-paths", "relative-paths-as-make-proto"])
+def test_generated_code_is_fresh(tmp_path: Path, relative: bool) -> None:
+    """`make proto` passes a relative interpreter (.venv/bin/python) and the script changes directory before
+    running it; both spellings must regenerate the committed bytes."""
+    python, out = sys.executable, str(tmp_path)
+    if relative:
+        python, out = os.path.relpath(sys.executable, ROOT), os.path.relpath(tmp_path, ROOT)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gen_proto.sh"), out],
+        env={**os.environ, "PYTHON": python},
+        cwd=ROOT,
         capture_output=True,
+        text=True,
         timeout=60,
     )
+    assert result.returncode == 0, result.stderr
     stale = [
         name
         for name in GENERATED

@@ -1,0 +1,186 @@
+"""The shipped Envoy configs agree with each other and with the sidecar's config.
+
+envoy/envoy.yaml is the reference; k8s/gateway/envoy.yaml and the Istio EnvoyFilter must carry the same
+edge hardening, the same ext_proc settings and the same local replies, or one gateway flavour silently
+loses a protection. The Envoy side of each setting is exercised in tests/e2e/test_edge_e2e.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import AdmissionConfig, parse_config
+from extproc.stack import (
+    ENVOY_TEMPLATE,
+    Ports,
+    render_envoy_config,
+    tenant_header_of,
+    trust_client_tenant_header,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+K8S_ENVOY = REPO / "k8s" / "gateway" / "envoy.yaml"
+ISTIO = REPO / "envoy" / "istio" / "envoyfilter.yaml"
+HARDENING = (
+    "request_headers_timeout",
+    "request_timeout",
+    "max_request_headers_kb",
+    "common_http_protocol_options",
+    "local_reply_config",
+    "stream_idle_timeout",
+)
+
+
+def hcm_of(config: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]
+    return hcm
+
+
+def http_filter(hcm: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(f for f in hcm["http_filters"] if f["name"] == name)["typed_config"]
+    return found
+
+
+def seconds(duration: str) -> float:
+    assert duration.endswith("s"), duration
+    return float(duration[:-1])
+
+
+def istio_patches() -> list[dict[str, Any]]:
+    patches: list[dict[str, Any]] = yaml.safe_load(ISTIO.read_text())["spec"]["configPatches"]
+    return patches
+
+
+def istio_value(apply_to: str, name: str | None = None) -> dict[str, Any]:
+    for patch in istio_patches():
+        value: dict[str, Any] = patch["patch"]["value"]
+        if patch["applyTo"] == apply_to and (name is None or value.get("name") == name):
+            return value
+    raise AssertionError(f"no {apply_to} {name} patch")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return hcm_of(yaml.safe_load(ENVOY_TEMPLATE.read_text()))
+
+
+def test_k8s_gateway_envoy_has_the_reference_hardening_and_filters(reference: dict[str, Any]) -> None:
+    k8s = hcm_of(yaml.safe_load(K8S_ENVOY.read_text()))
+    for key in HARDENING:
+        assert k8s[key] == reference[key], key
+    assert [f["name"] for f in k8s["http_filters"]] == [f["name"] for f in reference["http_filters"]]
+    for f in reference["http_filters"]:
+        assert http_filter(k8s, f["name"]) == f["typed_config"], f["name"]
+    assert k8s["route_config"]["virtual_hosts"] == reference["route_config"]["virtual_hosts"]
+
+
+def test_istio_envoyfilter_has_the_reference_hardening_and_filters(reference: dict[str, Any]) -> None:
+    merged = istio_value("NETWORK_FILTER", "envoy.filters.network.http_connection_manager")["typed_config"]
+    for key in HARDENING:
+        if key == "stream_idle_timeout":
+            continue  # Istio's own default (or the operator's ProxyConfig) stays
+        assert merged[key] == reference[key], key
+    filters = [p["patch"]["value"] for p in istio_patches() if p["applyTo"] == "HTTP_FILTER"]
+    for f in filters:
+        assert f["typed_config"] == http_filter(reference, f["name"]), f["name"]
+    vhost = reference["route_config"]["virtual_hosts"][0]
+    assert istio_value("VIRTUAL_HOST")["typed_per_filter_config"] == vhost["typed_per_filter_config"]
+    listener = yaml.safe_load(ENVOY_TEMPLATE.read_text())["static_resources"]["listeners"][0]
+    assert istio_value("LISTENER") == {
+        "per_connection_buffer_limit_bytes": listener["per_connection_buffer_limit_bytes"]
+    }
+
+
+def test_every_envoy_bound_fits_the_sidecar_config(reference: dict[str, Any]) -> None:
+    ext_proc = http_filter(reference, "envoy.filters.http.ext_proc")
+    max_message = seconds(ext_proc["max_message_timeout"])
+    # The sidecar's stated bound is the one Envoy runs with.
+    assert AdmissionConfig().envoy_max_message_timeout_seconds == max_message
+    # The body-phase bound also covers the sidecar's decision, queueing included.
+    assert seconds(reference["request_timeout"]) > max_message
+    assert 0 < seconds(reference["request_headers_timeout"]) < seconds(reference["request_timeout"])
+    # Envoy buffers a body up to the sidecar's own cap, so the sidecar answers a too-large body.
+    vhost = reference["route_config"]["virtual_hosts"][0]
+    assert vhost["request_body_buffer_limit"] > AdmissionConfig().max_body_bytes
+    gateway = parse_config(yaml.safe_load((REPO / "k8s" / "gateway" / "config.yaml").read_text()))
+    assert gateway.admission.envoy_max_message_timeout_seconds == max_message
+    assert vhost["request_body_buffer_limit"] > gateway.admission.max_body_bytes
+
+
+def test_filter_mode_skips_the_response_and_the_virtual_host_turns_it_on(reference: dict[str, Any]) -> None:
+    """A reply to a request no route saw (an HTTP/1 codec error) must not wait for the sidecar."""
+    mode = http_filter(reference, "envoy.filters.http.ext_proc")["processing_mode"]
+    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SKIP", "NONE")
+    vhost = reference["route_config"]["virtual_hosts"][0]
+    override = vhost["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]["processing_mode"]
+    assert override == {**mode, "response_header_mode": "SEND", "response_body_mode": "STREAMED"}
+
+
+def test_tenant_header_of_shipped_configs_is_the_one_envoy_strips(reference: dict[str, Any]) -> None:
+    gateway = yaml.safe_load((REPO / "k8s" / "gateway" / "config.yaml").read_text())
+    assert strip_list(reference) == [
+        {"remove_on_match": {"key_matcher": {"prefix": "x-envoy-"}}},
+        {"remove": tenant_header_of(gateway)},
+    ]
+
+
+def strip_list(hcm: dict[str, Any]) -> list[dict[str, Any]]:
+    mutations: list[dict[str, Any]] = http_filter(hcm, "envoy.filters.http.header_mutation")["mutations"][
+        "request_mutations"
+    ]
+    return mutations
+
+
+@pytest.mark.parametrize("configured", ["X-Org-Id", "x-tenant-id", "tenant"])
+def test_stack_renders_exactly_the_configured_tenant_header(configured: str) -> None:
+    sidecar = {"admission": {"tenant": {"header": configured}}}
+    header = tenant_header_of(sidecar)
+    assert header == parse_config(sidecar).admission.tenant.header == configured.lower()
+    hcm = hcm_of(render_envoy_config(Ports.free(), tenant_header=header))
+    removed = [m["remove"] for m in strip_list(hcm) if "remove" in m]
+    assert removed == [configured.lower()]
+    assert {"remove_on_match": {"key_matcher": {"prefix": "x-envoy-"}}} in strip_list(hcm)
+
+
+def test_stack_without_a_tenant_header_keeps_the_template_strip() -> None:
+    assert tenant_header_of({}) is None
+    hcm = hcm_of(render_envoy_config(Ports.free(), tenant_header=None))
+    assert [m["remove"] for m in strip_list(hcm) if "remove" in m] == ["x-tenant-id"]
+
+
+def test_trusting_client_tenants_drops_only_the_tenant_strip() -> None:
+    config = render_envoy_config(Ports.free(), tenant_header="x-tenant")
+    trust_client_tenant_header(config)
+    assert strip_list(hcm_of(config)) == [{"remove_on_match": {"key_matcher": {"prefix": "x-envoy-"}}}]
+
+
+def test_backend_metrics_route_comes_before_the_catch_all(reference: dict[str, Any]) -> None:
+    routes = reference["route_config"]["virtual_hosts"][0]["routes"]
+    names = [r["name"] for r in routes]
+    assert names.index("backend_metrics") < names.index("llm")
+    metrics = routes[names.index("backend_metrics")]
+    assert metrics["match"] == {"path_separated_prefix": "/metrics"}
+    assert metrics["direct_response"] == {"status": 404}
+
+
+def test_local_replies_leave_the_sidecar_replies_alone_and_cover_every_status(
+    reference: dict[str, Any],
+) -> None:
+    mappers = reference["local_reply_config"]["mappers"]
+    expressions = [m["filter"]["extension_filter"]["typed_config"]["expression"] for m in mappers]
+    # First: the sidecar's replies, untouched (no body or format override).
+    assert expressions[0] == "response.code_details.startsWith('extproc_')"
+    assert set(mappers[0]) == {"filter"}
+    # Last: a catch-all, so no Envoy reply is ever plain text.
+    assert expressions[-1] == "true"
+    for mapper in mappers[1:]:
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] in {"invalid_request_error", "server_error", "requests"}
+    assert "local_reply_config" in reference and "body_format" not in reference["local_reply_config"]
