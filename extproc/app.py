@@ -129,8 +129,12 @@ class Sidecar:
         specs, defaults = config.limit_specs()
         await self.store.apply_limits(specs, defaults, config.priority)
         self.config = config
-        self.admission.decode_rates.default_tokens_per_second = (
-            config.admission.assumed_decode_tokens_per_second
+        admission = config.admission
+        self.admission.decode_rates.default_tokens_per_second = admission.assumed_decode_tokens_per_second
+        self.admission.lanes.configure(
+            admission.tokenizer_per_client,
+            admission.tokenizer_backlog_per_client,
+            admission.tokenizer_max_wait_seconds,
         )
         for model in config.model_labels():
             self.metrics.touch_model(model)  # the label values requests are counted under

@@ -88,6 +88,7 @@ class AdmissionConfig:
     # Large prompts of one tenant (or one anonymous client address) counted at the same time, and waiting.
     tokenizer_per_client: int = 1
     tokenizer_backlog_per_client: int = 4
+    tokenizer_max_wait_seconds: float = 0.5
     # Prompts with at most this many bytes of text are counted on the event loop, without a thread hop.
     inline_count_bytes: int = 8 * 1024
     # Per-sequence decode rate assumed for a pool until its completed streams teach the real one; bounds the
@@ -643,6 +644,7 @@ def parse_config(data: Any) -> Config:
         allow_request_chat_template=adm.boolean("allow_request_chat_template", False),
         tokenizer_per_client=adm.required_integer("tokenizer_per_client", 1, minimum=1),
         tokenizer_backlog_per_client=adm.required_integer("tokenizer_backlog_per_client", 4, minimum=0),
+        tokenizer_max_wait_seconds=adm.number("tokenizer_max_wait_seconds", 0.5, minimum=0.0),
         inline_count_bytes=adm.required_integer(
             "inline_count_bytes", AdmissionConfig.inline_count_bytes, minimum=0
         ),

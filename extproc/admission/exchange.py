@@ -327,11 +327,11 @@ class Exchange:
     async def _plan(self, raw: bytes, config: Config) -> tuple[ParsedRequest, Reservation]:
         """Parse, resolve the model's policy and pool, bound and count the prompt, size the reservation."""
         assert self.api is not None
-        loop = asyncio.get_running_loop()
         service = self.service
         if len(raw) > OFF_LOOP_PARSE_BYTES:
-            # A large body can hold tens of thousands of small messages: parsing it takes tens of ms.
-            parsed = await loop.run_in_executor(service.deps.executor, parse_request, self.api, raw)
+            # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
+            # worker thread, through the client's lane like its counting.
+            parsed = await service.lanes.run(self.tokenizer_lane, parse_request, self.api, raw)
         else:
             parsed = parse_request(self.api, raw)
         policy = config.model_policy(parsed.model)

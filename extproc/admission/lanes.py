@@ -7,8 +7,8 @@ proxy's message timer fires (504). So work is queued per lane (a tenant, or an a
 * a lane runs at most `per_lane` jobs at a time;
 * free threads are handed to waiting lanes in turn (round robin), so a newcomer waits for at most one job
   per thread, whatever the backlog of a flooding lane;
-* a lane may queue at most `backlog` jobs; beyond that the caller is refused (`LaneFull`) at once, with a
-  retry hint, instead of waiting into a timeout.
+* a lane may queue at most `backlog` jobs, each for at most `max_wait_s`; beyond either the caller is
+  refused (`LaneFull`), with a retry hint, instead of waiting into the proxy's message timeout (504).
 
 Small prompts never come here: they are counted on the event loop (see `AdmissionService.count_prompts`).
 """
@@ -35,12 +35,13 @@ class Lanes:
     threads: int
     per_lane: int = 1
     backlog: int = 4
+    max_wait_s: float = 0.5
     _running: dict[str, int] = field(default_factory=dict)
     _waiting: OrderedDict[str, deque[asyncio.Future[None]]] = field(default_factory=OrderedDict)
     _total: int = 0
 
-    def configure(self, per_lane: int, backlog: int) -> None:
-        self.per_lane, self.backlog = per_lane, backlog
+    def configure(self, per_lane: int, backlog: int, max_wait_s: float) -> None:
+        self.per_lane, self.backlog, self.max_wait_s = per_lane, backlog, max_wait_s
         self._dispatch()
 
     async def run(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
@@ -67,12 +68,15 @@ class Lanes:
         queue.append(turn)
         self._dispatch()
         try:
-            await turn
-        except asyncio.CancelledError:
+            await asyncio.wait_for(asyncio.shield(turn), self.max_wait_s)
+        except (asyncio.CancelledError, TimeoutError) as exc:
             if turn.done() and not turn.cancelled():
                 self._leave(lane)  # started in the same instant the caller left: give the thread back
             else:
+                turn.cancel()
                 self._forget(lane, turn)
+            if isinstance(exc, TimeoutError):
+                raise LaneFull(lane) from None
             raise
 
     def _can_start(self, lane: str) -> bool:

@@ -86,6 +86,7 @@ class AdmissionService:
             threads=admission.tokenizer_threads,
             per_lane=admission.tokenizer_per_client,
             backlog=admission.tokenizer_backlog_per_client,
+            max_wait_s=admission.tokenizer_max_wait_seconds,
         )
 
     @property

@@ -3,13 +3,18 @@
 Every file parses and every kustomize reference exists. Built-in objects validate against the Kubernetes
 OpenAPI schemas for KUBERNETES_VERSION shipped in the `kubernetes-validate` package (strict: unknown fields
 are errors). Custom resources (Envoy Gateway policies, the Istio EnvoyFilter, Prometheus Operator objects)
-validate against the openAPIV3Schema of their published CRDs, read from CRD_DIRS (see there): the schema
-part only; CEL `x-kubernetes-validations` rules are not evaluated.
+validate against our own JSON Schemas in tests/data/schemas/, one per group, version and kind: each states the
+part of the published CRD's openAPIV3Schema that our manifests touch (every allowed field name at the levels
+we use, so a misspelt field is refused as by `kubectl apply`; types, enums, patterns, required fields; the CEL
+rules of those levels as JSON Schema conditions) and names the CRD release it was derived from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+import functools
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from jsonschema.exceptions import ValidationError
+from jsonschema.protocols import Validator
 
 from extproc.config import load_config
 
@@ -25,19 +32,17 @@ K8S = REPO / "k8s"
 ISTIO_FILTER = REPO / "envoy" / "istio" / "envoyfilter.yaml"
 KUBERNETES_VERSION = "1.33.0"
 NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml"}
-# The published CRDs: envoyproxy/gateway v1.9.0 charts/gateway-helm/charts/crds/crds/generated/, istio/istio
-# 1.30.3 manifests/charts/base/files/crd-all.gen.yaml (EnvoyFilter), prometheus-operator v0.93.0
-# example/prometheus-operator-crd/. They are fetched third-party data, so they live in the steering
-# repository's shared/crds/ (beside this checkout), or in tests/data/crds/ where a project vendors them.
-CRD_DIRS = (REPO / "tests" / "data" / "crds", REPO.parent / "shared" / "crds")
-CRD_FILES = {
-    ("gateway.envoyproxy.io", "EnvoyExtensionPolicy"): "gateway.envoyproxy.io_envoyextensionpolicies.yaml",
-    ("gateway.envoyproxy.io", "ClientTrafficPolicy"): "gateway.envoyproxy.io_clienttrafficpolicies.yaml",
-    ("gateway.envoyproxy.io", "BackendTrafficPolicy"): "gateway.envoyproxy.io_backendtrafficpolicies.yaml",
-    ("networking.istio.io", "EnvoyFilter"): "networking.istio.io_envoyfilters.yaml",
-    ("monitoring.coreos.com", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
-    ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+SCHEMAS = REPO / "tests" / "data" / "schemas"
+# Every custom resource we ship, as (apiVersion, kind); each has SCHEMAS/<group>_<version>_<kind>.yaml.
+CUSTOM_RESOURCES = {
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
+    ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"),
+    ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"),
+    ("networking.istio.io/v1alpha3", "EnvoyFilter"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
 }
+CUSTOM_GROUPS = {api_version.split("/")[0] for api_version, _ in CUSTOM_RESOURCES}
 
 
 def objects() -> Iterator[tuple[Path, dict[str, Any]]]:
@@ -51,40 +56,61 @@ def objects() -> Iterator[tuple[Path, dict[str, Any]]]:
 
 
 def is_custom(doc: dict[str, Any]) -> bool:
-    return doc["apiVersion"].split("/")[0] in {group for group, _ in CRD_FILES}
+    return doc["apiVersion"].split("/")[0] in CUSTOM_GROUPS
 
 
-def crd_schema(group: str, kind: str, version: str) -> dict[str, Any]:
-    name = CRD_FILES[(group, kind)]
-    found = [d / name for d in CRD_DIRS if (d / name).is_file()]
-    assert found, f"CRD {name} not found in {', '.join(map(str, CRD_DIRS))}: the schema test needs it"
-    crd = next(d for d in yaml.safe_load_all(found[0].read_text()) if d)
-    assert (crd["spec"]["group"], crd["spec"]["names"]["kind"]) == (group, kind)
-    served = {v["name"]: v for v in crd["spec"]["versions"] if v.get("served", True)}
-    assert version in served, f"{kind} {version} is not served by the CRD (served: {sorted(served)})"
-    schema: dict[str, Any] = served[version]["schema"]["openAPIV3Schema"]
-    # Every object has these at its root, whether or not a CRD lists them (Istio's do not).
-    root = {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"}}
-    return closed({**schema, "properties": {**root, **schema["properties"]}})
+def list_map_keys(
+    validator: Validator, keys: list[str], instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    """`x-kubernetes-list-map-keys`: a list of type map, which the API server refuses to hold two entries with
+    the same key values (JSON Schema's uniqueItems compares whole entries, so it cannot say this)."""
+    if not validator.is_type(instance, "array"):
+        return
+    first: dict[str, int] = {}
+    for index, item in enumerate(instance):
+        if not isinstance(item, dict):
+            continue
+        key = json.dumps([item.get(name) for name in keys])
+        if key in first:
+            yield ValidationError(f"entries {first[key]} and {index} have the same {'/'.join(keys)} {key}")
+        first.setdefault(key, index)
 
 
-def closed(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema with unknown fields refused, as `kubectl apply` does (strict field validation, the default
-    since Kubernetes 1.27): every object that lists its properties and does not keep unknown fields gets
-    additionalProperties false; metadata is left to the API server."""
-    out = dict(schema)
-    props = out.get("properties")
-    if isinstance(props, dict):
-        out["properties"] = {k: v if k == "metadata" else closed(v) for k, v in props.items()}
-        if "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-    for key in ("items", "additionalProperties"):
-        if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
-    for key in ("allOf", "anyOf", "oneOf"):
-        if isinstance(out.get(key), list):
-            out[key] = [closed(s) for s in out[key]]
-    return out
+CustomResourceValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator, {"x-kubernetes-list-map-keys": list_map_keys}
+)
+
+
+def schema_path(api_version: str, kind: str) -> Path:
+    group, version = api_version.split("/")
+    return SCHEMAS / f"{group}_{version}_{kind}.yaml"
+
+
+@functools.cache
+def validator_for(api_version: str, kind: str) -> Validator:
+    path = schema_path(api_version, kind)
+    assert path.is_file(), (
+        f"no schema {path.relative_to(REPO)} for {kind} {api_version}: write one from the published CRD "
+        "(see the other files in tests/data/schemas/)"
+    )
+    schema = yaml.safe_load(path.read_text())
+    CustomResourceValidator.check_schema(schema)
+    return CustomResourceValidator(schema)
+
+
+def schema_errors(doc: dict[str, Any]) -> list[ValidationError]:
+    errors = validator_for(doc["apiVersion"], doc["kind"]).iter_errors(doc)
+    return sorted(errors, key=lambda e: [str(p) for p in e.absolute_path])
+
+
+@functools.cache
+def parsed_objects() -> tuple[tuple[Path, dict[str, Any]], ...]:
+    return tuple(objects())
+
+
+def shipped(kind: str) -> dict[str, Any]:
+    """A deep copy of the first shipped object of this kind, to break."""
+    return copy.deepcopy(next(doc for _, doc in parsed_objects() if doc["kind"] == kind))
 
 
 def test_builtin_objects_validate_against_the_kubernetes_schema() -> None:
@@ -107,26 +133,349 @@ def test_custom_resources_validate_against_their_crd_schema() -> None:
     for path, doc in objects():
         if not is_custom(doc):
             continue
-        group, version = doc["apiVersion"].split("/")
-        schema = crd_schema(group, doc["kind"], version)
-        errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+        errors = schema_errors(doc)
         assert not errors, f"{path.relative_to(REPO)} {doc['kind']}: " + "; ".join(
-            f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors[:5]
+            f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:5]
         )
-        checked.add(doc["kind"])
-    assert checked == {kind for _, kind in CRD_FILES}
+        checked.add((doc["apiVersion"], doc["kind"]))
+    assert checked == CUSTOM_RESOURCES
+    assert set(SCHEMAS.glob("*.yaml")) == {schema_path(*resource) for resource in CUSTOM_RESOURCES}
 
 
-def test_crd_schema_check_catches_a_misspelt_field() -> None:
-    """The CRD schemas are strict enough to fail: an unknown field or a bad enum value is an error."""
-    policy = next(doc for _, doc in objects() if doc["kind"] == "EnvoyExtensionPolicy")
-    schema = crd_schema("gateway.envoyproxy.io", "EnvoyExtensionPolicy", "v1alpha1")
-    bad = yaml.safe_load(yaml.safe_dump(policy))
-    bad["spec"]["extProc"][0]["processingMode"]["request"]["body"] = "Buffering"
-    assert list(jsonschema.Draft7Validator(schema).iter_errors(bad))
-    misspelt = yaml.safe_load(yaml.safe_dump(policy))
-    misspelt["spec"]["extProc"][0]["messageTimeOut"] = misspelt["spec"]["extProc"][0].pop("messageTimeout")
-    assert list(jsonschema.Draft7Validator(schema).iter_errors(misspelt))
+def test_a_custom_resource_without_a_schema_fails_loudly() -> None:
+    doc = shipped("ServiceMonitor")
+    doc["apiVersion"] = "monitoring.coreos.com/v1alpha1"
+    with pytest.raises(
+        AssertionError,
+        match=r"no schema tests/data/schemas/monitoring\.coreos\.com_v1alpha1_ServiceMonitor\.yaml",
+    ):
+        schema_errors(doc)
+
+
+def open_levels(node: Any, where: str) -> Iterator[str]:
+    """Object levels that list properties without saying what happens to others (walks the structure only:
+    properties, items, additionalProperties and $defs, not the conditions of if/not/anyOf)."""
+    if not isinstance(node, dict):
+        return
+    if "properties" in node and "additionalProperties" not in node:
+        yield where
+    for name, sub in node.get("properties", {}).items():
+        yield from open_levels(sub, f"{where}.{name}")
+    for name, sub in node.get("$defs", {}).items():
+        yield from open_levels(sub, f"$defs.{name}")
+    yield from open_levels(node.get("items"), f"{where}[]")
+    yield from open_levels(node.get("additionalProperties"), f"{where}.*")
+
+
+@pytest.mark.parametrize("path", sorted(SCHEMAS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_each_schema_names_its_source_and_refuses_unknown_fields(path: Path) -> None:
+    header = " ".join(line.lstrip("# ") for line in path.read_text().split("\n$schema:")[0].splitlines())
+    assert "Derived from" in header and "release tag" in header and "commit" in header, path.name
+    schema = yaml.safe_load(path.read_text())
+    CustomResourceValidator.check_schema(schema)
+    assert not list(open_levels(schema, "")), f"{path.name}: levels without additionalProperties"
+
+
+def rename(obj: dict[str, Any], old: str, new: str) -> None:
+    obj[new] = obj.pop(old)
+
+
+Change = Callable[[dict[str, Any]], Any]
+
+
+def extproc(doc: dict[str, Any]) -> Any:
+    return doc["spec"]["extProc"][0]
+
+
+def early_headers(doc: dict[str, Any]) -> Any:
+    return doc["spec"]["headers"]["earlyRequestHeaders"]
+
+
+def override(doc: dict[str, Any]) -> Any:
+    return doc["spec"]["responseOverride"][0]
+
+
+def patch(doc: dict[str, Any], index: int = 0) -> Any:
+    return doc["spec"]["configPatches"][index]
+
+
+def rule(doc: dict[str, Any]) -> Any:
+    return doc["spec"]["groups"][0]["rules"][0]
+
+
+EXT_PROC = ("spec", "extProc", 0)
+RESPONSE_OVERRIDE = ("spec", "responseOverride", 0)
+# (kind, change, where the error must be, the JSON Schema keyword that must refuse it)
+BROKEN: list[Any] = [
+    # EnvoyExtensionPolicy
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: rename(extproc(d), "messageTimeout", "messageTimeOut"),
+        EXT_PROC,
+        "additionalProperties",
+        id="eep-misspelt-messageTimeout",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: extproc(d)["processingMode"]["request"].update(body="Buffering"),
+        (*EXT_PROC, "processingMode", "request", "body"),
+        "enum",
+        id="eep-bad-body-mode",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: d["spec"]["targetRefs"][0].pop("name"),
+        ("spec", "targetRefs", 0),
+        "required",
+        id="eep-target-without-name",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: extproc(d).update(messageTimeout="1 second"),
+        (*EXT_PROC, "messageTimeout"),
+        "pattern",
+        id="eep-bad-duration",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: extproc(d)["backendRefs"][0].pop("port"),
+        (*EXT_PROC, "backendRefs", 0),
+        "required",
+        id="eep-cel-service-without-port",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: d["spec"]["targetRefs"][0].update(group="gateway.envoyproxy.io"),
+        ("spec", "targetRefs", 0, "group"),
+        "const",
+        id="eep-cel-target-group",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: extproc(d).update(
+            failOpen=True, processingMode={"request": {"body": "FullDuplexStreamed"}}
+        ),
+        (*EXT_PROC, "processingMode", "request", "body"),
+        "not",
+        id="eep-cel-full-duplex-fail-open",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: extproc(d).update(backendRef={"name": "extproc-admission", "port": 50051}),
+        EXT_PROC,
+        "not",
+        id="eep-cel-singular-backendRef",
+    ),
+    # ClientTrafficPolicy
+    pytest.param(
+        "ClientTrafficPolicy",
+        lambda d: rename(d["spec"]["headers"], "withUnderscoresAction", "withUnderscoreAction"),
+        ("spec", "headers"),
+        "additionalProperties",
+        id="ctp-misspelt-withUnderscoresAction",
+    ),
+    pytest.param(
+        "ClientTrafficPolicy",
+        lambda d: d["spec"]["headers"].update(withUnderscoresAction="Drop"),
+        ("spec", "headers", "withUnderscoresAction"),
+        "enum",
+        id="ctp-bad-underscores-action",
+    ),
+    pytest.param(
+        "ClientTrafficPolicy",
+        lambda d: early_headers(d)["removeOnMatch"][0].pop("value"),
+        ("spec", "headers", "earlyRequestHeaders", "removeOnMatch", 0),
+        "required",
+        id="ctp-match-without-value",
+    ),
+    pytest.param(
+        "ClientTrafficPolicy",
+        lambda d: d["spec"]["connection"].update(bufferLimit="2MB"),
+        ("spec", "connection", "bufferLimit"),
+        "pattern",
+        id="ctp-bad-quantity",
+    ),
+    pytest.param(
+        "ClientTrafficPolicy",
+        lambda d: early_headers(d)["remove"].append(early_headers(d)["remove"][0]),
+        ("spec", "headers", "earlyRequestHeaders", "remove"),
+        "uniqueItems",
+        id="ctp-set-with-duplicates",
+    ),
+    pytest.param(
+        "ClientTrafficPolicy",
+        lambda d: d["spec"]["targetRefs"][0].update(kind="HTTPRoute"),
+        ("spec", "targetRefs", 0, "kind"),
+        "enum",
+        id="ctp-cel-target-kind",
+    ),
+    pytest.param(
+        "ClientTrafficPolicy",
+        lambda d: d["spec"].pop("targetRefs"),
+        ("spec",),
+        "anyOf",
+        id="ctp-cel-no-target",
+    ),
+    # BackendTrafficPolicy
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: rename(override(d)["response"], "contentType", "content_type"),
+        (*RESPONSE_OVERRIDE, "response"),
+        "additionalProperties",
+        id="btp-misspelt-contentType",
+    ),
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: override(d).update(source="local"),
+        (*RESPONSE_OVERRIDE, "source"),
+        "enum",
+        id="btp-bad-source",
+    ),
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: override(d).pop("match"),
+        RESPONSE_OVERRIDE,
+        "required",
+        id="btp-override-without-match",
+    ),
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: override(d)["response"]["body"].pop("inline"),
+        (*RESPONSE_OVERRIDE, "response", "body"),
+        "required",
+        id="btp-cel-inline-body-without-inline",
+    ),
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: override(d)["match"]["statusCodes"][0].pop("value"),
+        (*RESPONSE_OVERRIDE, "match", "statusCodes", 0),
+        "required",
+        id="btp-cel-value-match-without-value",
+    ),
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: override(d).update(redirect={"statusCode": 302}),
+        RESPONSE_OVERRIDE,
+        "oneOf",
+        id="btp-cel-response-and-redirect",
+    ),
+    # EnvoyFilter (the CRD requires no field at the levels we use)
+    pytest.param(
+        "EnvoyFilter",
+        lambda d: rename(patch(d)["patch"], "operation", "opration"),
+        ("spec", "configPatches", 0, "patch"),
+        "additionalProperties",
+        id="ef-misspelt-operation",
+    ),
+    pytest.param(
+        "EnvoyFilter",
+        lambda d: patch(d).update(applyTo="HTTP_FILTERS"),
+        ("spec", "configPatches", 0, "applyTo"),
+        "enum",
+        id="ef-bad-applyTo",
+    ),
+    pytest.param(
+        "EnvoyFilter",
+        lambda d: rename(patch(d, 2)["match"]["listener"]["filterChain"], "filter", "filters"),
+        ("spec", "configPatches", 2, "match", "listener", "filterChain"),
+        "additionalProperties",
+        id="ef-misspelt-filter-match",
+    ),
+    pytest.param(
+        "EnvoyFilter",
+        lambda d: d["spec"].update(targetRefs=[{"kind": "Gateway", "name": "llm-gateway"}]),
+        ("spec",),
+        "not",
+        id="ef-cel-selector-and-targetRefs",
+    ),
+    pytest.param(
+        "EnvoyFilter",
+        lambda d: d["spec"]["workloadSelector"]["labels"].update(istio="ingress*"),
+        ("spec", "workloadSelector", "labels", "istio"),
+        "pattern",
+        id="ef-cel-wildcard-selector",
+    ),
+    pytest.param(
+        "EnvoyFilter",
+        lambda d: patch(d, 2)["match"].update(cluster={"name": "outbound"}),
+        ("spec", "configPatches", 2, "match"),
+        "not",
+        id="ef-two-match-kinds",
+    ),
+    # ServiceMonitor
+    pytest.param(
+        "ServiceMonitor",
+        lambda d: rename(d["spec"]["endpoints"][0], "interval", "intervall"),
+        ("spec", "endpoints", 0),
+        "additionalProperties",
+        id="sm-misspelt-interval",
+    ),
+    pytest.param(
+        "ServiceMonitor",
+        lambda d: d["spec"]["endpoints"][0].update(scheme="tcp"),
+        ("spec", "endpoints", 0, "scheme"),
+        "enum",
+        id="sm-bad-scheme",
+    ),
+    pytest.param(
+        "ServiceMonitor",
+        lambda d: d["spec"].pop("selector"),
+        ("spec",),
+        "required",
+        id="sm-without-selector",
+    ),
+    pytest.param(
+        "ServiceMonitor",
+        lambda d: d["spec"]["endpoints"][0].update(interval="15 s"),
+        ("spec", "endpoints", 0, "interval"),
+        "pattern",
+        id="sm-bad-interval",
+    ),
+    # PrometheusRule (the CRD has no enum)
+    pytest.param(
+        "PrometheusRule",
+        lambda d: rename(rule(d), "annotations", "annotation"),
+        ("spec", "groups", 0, "rules", 0),
+        "additionalProperties",
+        id="pr-misspelt-annotations",
+    ),
+    pytest.param(
+        "PrometheusRule",
+        lambda d: rule(d).pop("expr"),
+        ("spec", "groups", 0, "rules", 0),
+        "required",
+        id="pr-rule-without-expr",
+    ),
+    pytest.param(
+        "PrometheusRule",
+        lambda d: rule(d).update({"for": "2 minutes"}),
+        ("spec", "groups", 0, "rules", 0, "for"),
+        "pattern",
+        id="pr-bad-for",
+    ),
+    pytest.param(
+        "PrometheusRule",
+        lambda d: d["spec"]["groups"].append(copy.deepcopy(d["spec"]["groups"][0])),
+        ("spec", "groups"),
+        "x-kubernetes-list-map-keys",
+        id="pr-two-groups-of-one-name",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "change", "where", "keyword"), BROKEN)
+def test_a_broken_custom_resource_is_refused(
+    kind: str, change: Change, where: tuple[str | int, ...], keyword: str
+) -> None:
+    """Each schema refuses what the API server would: a misspelt field, a wrong enum value, a missing
+    required field, a bad pattern, a broken CEL rule. The error must be the one the change made, at its
+    place, so a case cannot pass on an unrelated error."""
+    doc = shipped(kind)
+    assert not schema_errors(doc)
+    change(doc)
+    errors = schema_errors(doc)
+    found = [(tuple(e.absolute_path), e.validator) for e in errors]
+    assert (where, keyword) in found, f"expected {keyword} at {where}, got {found}"
 
 
 def test_exporter_does_not_ask_for_a_system_priority_class() -> None:

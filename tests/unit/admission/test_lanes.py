@@ -41,7 +41,7 @@ async def until(check: object, limit_s: float = 5.0) -> None:
 async def test_a_newcomer_overtakes_a_flooding_lane() -> None:
     gate = Gate()
     with ThreadPoolExecutor(2) as pool:
-        lanes = Lanes(pool, threads=2, per_lane=1, backlog=10)
+        lanes = Lanes(pool, threads=2, per_lane=1, backlog=10, max_wait_s=10)
         flood = [asyncio.ensure_future(lanes.run("flood", gate.job, f"f{i}")) for i in range(6)]
         await until(lambda: gate.started == ["f0"])
         assert lanes.running == 1 and lanes.queued == 5  # one thread per lane: the other stays free
@@ -58,7 +58,7 @@ async def test_a_newcomer_overtakes_a_flooding_lane() -> None:
 async def test_free_threads_go_to_waiting_lanes_in_turn() -> None:
     gate = Gate()
     with ThreadPoolExecutor(1) as pool:
-        lanes = Lanes(pool, threads=1, per_lane=1, backlog=10)
+        lanes = Lanes(pool, threads=1, per_lane=1, backlog=10, max_wait_s=10)
         first = asyncio.ensure_future(lanes.run("a", gate.job, "a0"))
         await until(lambda: gate.started == ["a0"])
         jobs = [asyncio.ensure_future(lanes.run("a", gate.job, f"a{i}")) for i in (1, 2)]
@@ -73,7 +73,7 @@ async def test_free_threads_go_to_waiting_lanes_in_turn() -> None:
 async def test_a_full_backlog_refuses_at_once_and_a_cancelled_waiter_leaves_no_trace() -> None:
     gate = Gate()
     with ThreadPoolExecutor(1) as pool:
-        lanes = Lanes(pool, threads=1, per_lane=1, backlog=1)
+        lanes = Lanes(pool, threads=1, per_lane=1, backlog=1, max_wait_s=10)
         running = asyncio.ensure_future(lanes.run("a", gate.job, "a0"))
         await until(lambda: gate.started == ["a0"])
         waiting = asyncio.ensure_future(lanes.run("a", gate.job, "a1"))
@@ -83,6 +83,20 @@ async def test_a_full_backlog_refuses_at_once_and_a_cancelled_waiter_leaves_no_t
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
+        assert lanes.queued == 0
+        gate.release("a0")
+        await running
+        assert lanes.running == 0 and gate.started == ["a0"]
+
+
+async def test_a_waiter_not_started_within_the_bound_is_refused() -> None:
+    gate = Gate()
+    with ThreadPoolExecutor(1) as pool:
+        lanes = Lanes(pool, threads=1, per_lane=1, backlog=5, max_wait_s=0.05)
+        running = asyncio.ensure_future(lanes.run("a", gate.job, "a0"))
+        await until(lambda: gate.started == ["a0"])
+        with pytest.raises(LaneFull):
+            await lanes.run("b", gate.job, "b0")
         assert lanes.queued == 0
         gate.release("a0")
         await running
