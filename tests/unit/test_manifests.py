@@ -231,6 +231,13 @@ BROKEN: list[Any] = [
     ),
     pytest.param(
         "EnvoyExtensionPolicy",
+        lambda d: extproc(d)["processingMode"]["request"].update(attributes=["client.address"]),
+        (*EXT_PROC, "processingMode", "request", "attributes", 0),
+        "pattern",
+        id="eep-bad-attribute",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
         lambda d: extproc(d).update(messageTimeout="1 second"),
         (*EXT_PROC, "messageTimeout"),
         "pattern",
