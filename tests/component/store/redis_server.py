@@ -1,4 +1,8 @@
-"""A real redis-server on a free 127.0.0.1 port in a temp dir, persistence off; start, pause, kill."""
+"""A real redis-server on a free 127.0.0.1 port in a temp dir, persistence off; start, pause, kill.
+
+The binaries are required: `make test` installs them (scripts/system-deps.sh). A missing one fails the
+tests that need it with the command to run, never skips them.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,18 @@ import tempfile
 import time
 from pathlib import Path
 
-REDIS_SERVER = "/usr/bin/redis-server"
+
+def binary(name: str) -> str:
+    """The path of `redis-server` or `redis-cli`; a clear error when it is not installed."""
+    path = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
+    if path is None:
+        raise RuntimeError(
+            f"{name} is not installed: run `make system-deps` (apt packages redis-server and redis-tools)"
+        )
+    return path
 
 
-def available() -> bool:
-    return os.access(REDIS_SERVER, os.X_OK) or shutil.which("redis-server") is not None
-
-
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -26,7 +34,7 @@ def _free_port() -> int:
 
 class RedisServer:
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="extproc-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -35,12 +43,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        binary = REDIS_SERVER if os.access(REDIS_SERVER, os.X_OK) else shutil.which("redis-server")
-        assert binary is not None
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning"]
         self.proc = subprocess.Popen(
-            [binary, *args],
+            [binary("redis-server"), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
