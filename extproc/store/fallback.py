@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 from extproc.core.ports import LimiterStore, StoreUnavailable
@@ -101,6 +101,17 @@ class FallbackStore:
     async def set_scale(self, key: str, scale: float) -> None:
         await self.primary.set_scale(key, scale)
         await self.fallback.set_scale(key, scale)
+
+    def on_wake(self, callback: Callable[[], None]) -> None:
+        """Wake-ups from the shared store (capacity freed on another replica); none from the fallback."""
+        register = getattr(self.primary, "on_wake", None)
+        if register is not None:
+            register(callback)
+
+    def announce_waiting(self) -> None:
+        announce = getattr(self.primary, "announce_waiting", None)
+        if announce is not None:
+            announce()
 
     async def start(self) -> None:
         start = getattr(self.primary, "start", None)

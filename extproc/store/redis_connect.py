@@ -118,13 +118,3 @@ def connect(
         url, max_connections=max_connections, timeout=None, **common
     )
     return aioredis.Redis(connection_pool=pool)
-
-
-def redacted(url: str) -> str:
-    """`url` without its password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    userinfo, _, host = rest.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return f"{scheme}://{user + ':***@' if user else '***@'}{host}"
