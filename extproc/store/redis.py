@@ -41,8 +41,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 # The store reuses the limiter's per-key arithmetic (share split, pool accounting, retry hints, status) on the
 # state read from Redis, so that the two stores cannot drift apart. These are private to the core on purpose.
@@ -121,6 +129,15 @@ CACHE_MAX_KEYS = 4096
 """Unconfigured keys (tenants) leave the metrics cache after this long unseen; the cache stays this small."""
 
 
+CLIENT_ERRORS = (RedisError, OSError, TimeoutError, AttributeError)
+"""What a failing Redis surfaces as. AttributeError: redis-py 8.1.0's connection can lose its stream writer
+to a concurrent disconnect (`'NoneType' object has no attribute 'writelines'` in
+`redis/asyncio/connection.py` `send_packed_command`), seen when a Cluster primary is killed under load."""
+
+TRANSIENT_REFUSALS = (ClusterDownError, TryAgainError, ReadOnlyError)
+"""Replies that a failover produces: unavailability, not a script or a proxy refusing scripts."""
+
+
 class RedisUnavailable(StoreUnavailable):
     """Redis did not answer within the timeout (down, unreachable, paused, or refusing scripts).
 
@@ -193,6 +210,7 @@ class RedisStore:
         self._proposed: dict[str, float] = {}  # this replica's own proposals, re-sent every SCALE_REFRESH_S
         self._wake_callbacks: list[Callable[[], None]] = []
         self._announced_until = 0.0
+        self._topology_task: asyncio.Task[None] | None = None
         self._calc = JointLimiter(clock=time.monotonic)  # only its `_status` arithmetic is used
         self._replica = secrets.randbits(30)
         self._ids = itertools.count(1)
@@ -258,7 +276,7 @@ class RedisStore:
             async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
                 for script in self._scripts:
                     script.sha = await self.client.script_load(script.script)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except CLIENT_ERRORS as exc:
             self._failed(exc)
             log.warning("redis store: cannot load scripts yet", extra={"error": self.last_error})
         loop = asyncio.get_running_loop()
@@ -550,12 +568,37 @@ class RedisStore:
                     self._adopt_scales(keys, [float(v) for v in raw[1:]])
                 else:
                     raise RedisUnavailable("redis: the effective scale kept changing")
-        except (RedisError, OSError, TimeoutError) as exc:
+        except CLIENT_ERRORS as exc:
             self._failed(exc)
+            self._refresh_topology()
             raise RedisUnavailable(f"redis: {self.last_error}") from exc
         self._failures = 0
         self._fail_fast_until = 0.0
         return raw
+
+    def _refresh_topology(self) -> None:
+        """Cluster only: look up the slot owners again in the background, with the background bound.
+
+        After a failover the client must learn the new primary (`RedisCluster.initialize`). Done inside a
+        request, that lookup shares the request's `timeout_s` and is cancelled before it completes whenever
+        a node is slow to refuse; in the background it has `BACKGROUND_TIMEOUT_S`, and requests that wait
+        on the client's initialization lock then find the new layout.
+        """
+        if not isinstance(self.client, RedisCluster) or self._topology_task is not None:
+            return
+
+        async def refresh() -> None:
+            try:
+                async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
+                    await self.client.initialize()
+            except (*CLIENT_ERRORS, RedisClusterException) as exc:
+                log.info("redis store: cluster layout not refreshed yet", extra={"error": type(exc).__name__})
+            finally:
+                self._topology_task = None
+
+        self._topology_task = asyncio.get_running_loop().create_task(refresh())
+        self._background.add(self._topology_task)
+        self._topology_task.add_done_callback(self._background.discard)
 
     async def _call(self, script: AsyncScript, args: list[str]) -> Any:
         async with self._slots:
@@ -566,7 +609,8 @@ class RedisStore:
         self._failures += 1
         if self._failures >= BREAKER_FAILURES:
             self._fail_fast_until = time.monotonic() + BREAKER_OPEN_S
-        if isinstance(exc, ResponseError):  # a script error or a proxy refusing scripts: never silent
+        if isinstance(exc, ResponseError) and not isinstance(exc, TRANSIENT_REFUSALS):
+            # a script error or a proxy refusing scripts: never silent
             log.error("redis store: command refused", extra={"error": self.last_error})
 
     async def _peek_keys(self, keys: list[str], mode: str, background: bool) -> tuple[list[_KeyState], float]:
@@ -713,7 +757,7 @@ class RedisStore:
         try:
             async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
                 results = await asyncio.gather(*calls)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except CLIENT_ERRORS as exc:
             self._failed(exc)
             raise RedisUnavailable(f"redis: {self.last_error}") from exc
         lost = 0
