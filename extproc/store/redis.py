@@ -562,7 +562,7 @@ class RedisStore:
             async with asyncio.timeout(limit_s):
                 for _ in range(STALE_RETRIES + 1):
                     raw = await self._call(script, args())
-                    if not raw or raw[0] != "stale":
+                    if not isinstance(raw, list) or not raw or raw[0] != "stale":
                         break
                     self.stale_retries += 1
                     self._adopt_scales(keys, [float(v) for v in raw[1:]])
