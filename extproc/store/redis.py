@@ -211,6 +211,7 @@ class RedisStore:
         self._wake_callbacks: list[Callable[[], None]] = []
         self._announced_until = 0.0
         self._topology_task: asyncio.Task[None] | None = None
+        self._closed = False
         self._calc = JointLimiter(clock=time.monotonic)  # only its `_status` arithmetic is used
         self._replica = secrets.randbits(30)
         self._ids = itertools.count(1)
@@ -230,6 +231,7 @@ class RedisStore:
         self.stale_retries = 0
         """Calls sent again because the effective scale had changed."""
         self.server_time = 0.0
+        self.judged: list[float] = []
         """Redis server time of the last state read (what the last decision was judged at)."""
 
     @classmethod
@@ -289,15 +291,23 @@ class RedisStore:
             self._tasks.append(loop.create_task(self._wake_loop(), name="redis-store-wake"))
 
     async def close(self) -> None:
-        """Stop renewing and close the connections. Leases still open expire after the lease TTL."""
-        for task in [*self._tasks, *self._background]:
+        """Stop renewing and close the connections. Leases still open expire after the lease TTL.
+
+        Bounded: a task that does not end when cancelled (the pub/sub client can hold on to a cancellation
+        while its server is unreachable) is left behind after `BACKGROUND_TIMEOUT_S` rather than hanging
+        the sidecar's shutdown.
+        """
+        self._closed = True
+        tasks = [*self._tasks, *self._background]
+        for task in tasks:
             task.cancel()
-        for task in [*self._tasks, *self._background]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            await asyncio.wait(tasks, timeout=BACKGROUND_TIMEOUT_S)
         self._tasks.clear()
         self._background.clear()
-        await self.client.aclose()
+        with contextlib.suppress(*CLIENT_ERRORS):
+            async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
+                await self.client.aclose()
 
     @property
     def available(self) -> bool:
@@ -466,7 +476,7 @@ class RedisStore:
             self._spawn(self._forget_lease(member, unique, holder))
             raise
         code, index, now = int(raw[0]), int(raw[1]), float(raw[2])
-        places, views = self._parse_states(unique, raw[3:], now, with_places=True)
+        places, views = self._parse_states(unique, raw[3:], now, self.judged, with_places=True)
         self._remember(unique, views, now)
         if code:
             key = unique[index - 1]
@@ -528,7 +538,7 @@ class RedisStore:
             self._retry_release(args, lease.keys)
             return True
         now = float(raw[1])
-        _, views = self._parse_states(lease.keys, raw[2:], now, with_places=False)
+        _, views = self._parse_states(lease.keys, raw[2:], now, self.judged, with_places=False)
         self._remember(lease.keys, views, now)
         return bool(int(raw[0]))
 
@@ -555,12 +565,17 @@ class RedisStore:
         fail_fast: bool = True,
     ) -> Any:
         """A script call whose KEYSPEC (built by `args`) must match the stored scales: on a `stale` reply the
-        stored scales are adopted and the call is sent again, all within `limit_s`."""
+        stored scales are adopted and the call is sent again, all within `limit_s`.
+
+        `self.judged` is set to the scales of `keys` in the call that was answered (what the script judged
+        at), for the caller to rebuild its views with before anything else runs on the loop.
+        """
         if fail_fast and time.monotonic() < self._fail_fast_until:
             raise RedisUnavailable(f"redis unavailable (failing fast): {self.last_error}")
         try:
             async with asyncio.timeout(limit_s):
                 for _ in range(STALE_RETRIES + 1):
+                    sent = [self._scales.get(k, 1.0) for k in keys]
                     raw = await self._call(script, args())
                     if not isinstance(raw, list) or not raw or raw[0] != "stale":
                         break
@@ -574,6 +589,7 @@ class RedisStore:
             raise RedisUnavailable(f"redis: {self.last_error}") from exc
         self._failures = 0
         self._fail_fast_until = 0.0
+        self.judged = sent
         return raw
 
     def _refresh_topology(self) -> None:
@@ -620,18 +636,18 @@ class RedisStore:
             self._peek, lambda: [mode, *self._keyspec(keys)], keys, timeout, fail_fast=not background
         )
         now = float(raw[0])
-        _, views = self._parse_states(keys, raw[1:], now, with_places=False)
+        _, views = self._parse_states(keys, raw[1:], now, self.judged, with_places=False)
         self._remember(keys, views, now)
         return views, now
 
     def _parse_states(
-        self, keys: Sequence[str], raw: list[Any], now: float, with_places: bool
+        self, keys: Sequence[str], raw: list[Any], now: float, scales: Sequence[float], with_places: bool
     ) -> tuple[list[tuple[str, str]], list[_KeyState]]:
         """Rebuild each key's state as the limiter would hold it, from a script's reply."""
         places: list[tuple[str, str]] = []
         views: list[_KeyState] = []
         i = 0
-        for key in keys:
+        for key, scale in zip(keys, scales, strict=True):
             if with_places:
                 places.append((str(raw[i]), str(raw[i + 1])))
                 i += 2
@@ -642,16 +658,19 @@ class RedisStore:
             for _ in range(count):
                 shares.append((str(raw[i]), int(raw[i + 1]), float(raw[i + 2]) if raw[i + 2] != "" else None))
                 i += 3
-            views.append(self._view(key, shares, hold, now))
+            views.append(self._view(key, shares, hold, now, scale))
         return places, views
 
     def _view(
-        self, key: str, shares: list[tuple[str, int, float | None]], hold: float | None, now: float
+        self,
+        key: str,
+        shares: list[tuple[str, int, float | None]],
+        hold: float | None,
+        now: float,
+        scale: float,
     ) -> _KeyState:
         spec, configured = self._spec(key)
-        state = _KeyState(
-            spec=spec, priority=self._priority, scale=self._scales.get(key, 1.0), configured=configured
-        )
+        state = _KeyState(spec=spec, priority=self._priority, scale=scale, configured=configured)
         for name, active, _ in shares:
             state.shares[name] = _Share(active=active)
         state.rebuild(now)
@@ -841,24 +860,25 @@ class RedisStore:
         """Subscribe to the wake-up channel, reconnecting with backoff (Redis restarted, failed over)."""
         delay = WAKE_BACKOFF_S[0]
         channel = self.base + "wake"
-        while True:
+        while not self._closed:
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(channel)
                 delay = WAKE_BACKOFF_S[0]
                 self._notify()  # whatever was published while not subscribed is lost: look once now
-                while True:
+                while not self._closed:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None and message.get("type") == "message":
                         self.wakeups += 1
                         self._notify()
-            except (RedisError, OSError) as exc:
+            except CLIENT_ERRORS as exc:
                 log.warning(
                     "redis store: wake-up subscription lost", extra={"error": f"{type(exc).__name__}"}
                 )
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(delay)
             delay = min(WAKE_BACKOFF_S[1], delay * 2)
 
