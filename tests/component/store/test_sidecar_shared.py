@@ -122,3 +122,33 @@ def test_fallback_share_cuts_every_limit_and_guarantee() -> None:
     assert half.guarantees()["a"] == LimitSpec(max_concurrency=2, tokens_per_minute=200)
     assert share_of(LimitSpec(max_concurrency=1), 0.25).max_concurrency == 1  # never to zero
     assert share_of(LimitSpec(max_concurrency=0), 0.5).max_concurrency == 0
+
+
+async def test_fallback_counts_the_shared_leases_this_replica_runs(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """Redis away: a replica's share covers what it already runs, not only what it admits from now on."""
+    from extproc.core.limiter import Lease, LimitSpec, Rejection
+    from extproc.store.local import LocalStore
+
+    store = FallbackStore(RedisStore.from_url(redis_url, timeout_s=0.1), LocalStore(), 0.5)
+    await store.start()
+    await store.apply_limits({"global": LimitSpec(max_concurrency=4)})
+    try:
+        running = await store.acquire(["global"], 0)
+        assert isinstance(running, Lease) and not store.degraded
+        redis_server.pause()
+        try:
+            local = await store.acquire(["global"], 0)  # share: 2 slots, one taken by the running lease
+            assert isinstance(local, Lease) and store.degraded
+            assert isinstance(await store.acquire(["global"], 0), Rejection)
+            await store.release(running, 0)  # its shadow frees a local slot
+            again = await store.acquire(["global"], 0)
+            assert isinstance(again, Lease)
+        finally:
+            redis_server.resume()
+        for lease in (local, again):
+            assert await store.release(lease, 0)
+        assert store.fallback.snapshot()[0].active == 0  # no shadow left behind
+    finally:
+        await store.close()
