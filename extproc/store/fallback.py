@@ -12,6 +12,10 @@ shared leases still running would admit its whole share on top of them, and the 
 its limit while Redis is away (the soak benchmark saw this whenever a Redis call timed out under load). With
 it a replica in fallback admits only up to its share minus what it already runs, so the fleet stays at its
 limit as long as the replicas held about equal parts of it.
+
+The way back has the mirror problem: requests admitted in the fallback are not counted in Redis. While any
+of them still runs, a replica admits a request only if the shared store admits it and its shadow finds a
+local slot, so it stays within its share until they have ended.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ class FallbackStore:
             shadow = await self.fallback.acquire(keys, 0, holder, use_pool)
             if isinstance(shadow, Lease):
                 self._shadows[id(result)] = shadow
+            elif self._local:  # requests admitted in the fallback still run, uncounted in Redis
+                await self.primary.release(result, 0)
+                return shadow
         return result
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
