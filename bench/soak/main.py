@@ -62,7 +62,9 @@ FAULTS = (("sidecar-kill", 0.15), ("redis-pause", 0.35), ("exporter-restart", 0.
 SIM_ARGS = ("--time-scale", "20", "--max-num-seqs", "256", "--log-level", "WARNING")
 
 
-def sidecar_config(grpc: int, admin: int, redis_url: str, exporter: int, tpm: int) -> dict[str, Any]:
+def sidecar_config(
+    grpc: int, admin: int, redis_url: str, exporter: int, tpm: int, on_unavailable: str
+) -> dict[str, Any]:
     return {
         "server": {
             "grpc_listen": f"127.0.0.1:{grpc}",
@@ -77,7 +79,7 @@ def sidecar_config(grpc: int, admin: int, redis_url: str, exporter: int, tpm: in
         },
         "store": {
             "backend": "redis",
-            "on_unavailable": "local",
+            "on_unavailable": on_unavailable,
             "fallback_share": round(1 / REPLICAS, 4),
             "redis": {"url": redis_url, "timeout_ms": 50, "lease_ttl_seconds": LEASE_TTL_S},
         },
@@ -143,6 +145,7 @@ class Stack:
     redis_port: int = field(default_factory=free_port)
     procs: dict[str, Process] = field(default_factory=dict)
     tpm: int = 3_000_000
+    on_unavailable: str = "local"
 
     @property
     def redis_url(self) -> str:
@@ -153,7 +156,14 @@ class Stack:
 
     def write_configs(self) -> None:
         for i in range(REPLICAS):
-            cfg = sidecar_config(self.grpc[i], self.admin[i], self.redis_url, self.ports.exporter, self.tpm)
+            cfg = sidecar_config(
+                self.grpc[i],
+                self.admin[i],
+                self.redis_url,
+                self.ports.exporter,
+                self.tpm,
+                self.on_unavailable,
+            )
             tmp = self.config_path(i).with_suffix(".tmp")
             tmp.write_text(yaml.safe_dump(cfg))
             tmp.replace(self.config_path(i))
@@ -547,18 +557,36 @@ def _delta(before: dict[int, dict[float, float]], after: dict[int, dict[float, f
     return merged
 
 
-def run(requests: int, seed: int = 1, keep: bool = False, abandon: float = ABANDON) -> int:
+def fallback_episodes(workdir: Path) -> dict[str, int]:
+    """Times each replica switched to its local fallback (one log line per switch; since its last start)."""
+    return {
+        log.stem: sum(
+            "shared store unavailable" in line for line in log.read_text(errors="replace").splitlines()
+        )
+        for log in sorted(workdir.glob("sidecar-*.log"))
+    }
+
+
+def run(
+    requests: int, seed: int = 1, keep: bool = False, abandon: float = ABANDON, on_unavailable: str = "local"
+) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="extproc-soak-"))
-    stack = Stack(workdir)
+    stack = Stack(workdir, on_unavailable=on_unavailable)
     try:
         stack.start()
         result = asyncio.run(drive(stack, requests, seed, abandon))
     finally:
         stack.stop()
-    result["command"] = f"python -m bench.soak --requests {requests} --seed {seed} --abandon {abandon}"
+    result["on_unavailable"] = on_unavailable
+    result["fallback_episodes"] = fallback_episodes(workdir)
+    result["command"] = (
+        f"python -m bench.soak --requests {requests} --seed {seed} --abandon {abandon} "
+        f"--on-unavailable {on_unavailable}"
+    )
     if keep:
         result["workdir"] = str(workdir)
-    path = write_json("soak.json" if requests >= 100_000 else f"soak-{requests}.json", result)
+    name = "soak" if requests >= 100_000 else f"soak-{requests}"
+    path = write_json(f"{name}-{on_unavailable}.json", result)
     print(json.dumps({k: v for k, v in result.items() if k != "checks"}, indent=1, default=str))
     for check, ok in result["checks"].items():
         print(f"{'PASS' if ok else 'FAIL'}: {check}")

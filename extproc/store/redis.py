@@ -51,6 +51,7 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 # The store reuses the limiter's per-key arithmetic (share split, pool accounting, retry hints, status) on the
 # state read from Redis, so that the two stores cannot drift apart. These are private to the core on purpose.
@@ -129,10 +130,14 @@ CACHE_MAX_KEYS = 4096
 """Unconfigured keys (tenants) leave the metrics cache after this long unseen; the cache stays this small."""
 
 
-CLIENT_ERRORS = (RedisError, OSError, TimeoutError, AttributeError)
-"""What a failing Redis surfaces as. AttributeError: redis-py 8.1.0's connection can lose its stream writer
-to a concurrent disconnect (`'NoneType' object has no attribute 'writelines'` in
-`redis/asyncio/connection.py` `send_packed_command`), seen when a Cluster primary is killed under load."""
+CLIENT_ERRORS = (RedisError, OSError, TimeoutError)
+"""What a failing Redis surfaces as."""
+
+RAW_CLIENT_ERRORS = (*CLIENT_ERRORS, AttributeError)
+"""Around direct uses of the client. AttributeError: redis-py 8.1.0's connection can lose its stream writer to
+a concurrent disconnect (`'NoneType' object has no attribute 'writelines'` in `redis/asyncio/connection.py`
+`send_packed_command`), seen when a Cluster primary is killed under load. Script calls go through `_call`,
+which turns it into a ConnectionError, so that our own AttributeErrors elsewhere are not taken for one."""
 
 TRANSIENT_REFUSALS = (ClusterDownError, TryAgainError, ReadOnlyError)
 """Replies that a failover produces: unavailability, not a script or a proxy refusing scripts."""
@@ -278,7 +283,7 @@ class RedisStore:
             async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
                 for script in self._scripts:
                     script.sha = await self.client.script_load(script.script)
-        except CLIENT_ERRORS as exc:
+        except RAW_CLIENT_ERRORS as exc:
             self._failed(exc)
             log.warning("redis store: cannot load scripts yet", extra={"error": self.last_error})
         loop = asyncio.get_running_loop()
@@ -305,7 +310,7 @@ class RedisStore:
             await asyncio.wait(tasks, timeout=BACKGROUND_TIMEOUT_S)
         self._tasks.clear()
         self._background.clear()
-        with contextlib.suppress(*CLIENT_ERRORS):
+        with contextlib.suppress(*RAW_CLIENT_ERRORS):
             async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
                 await self.client.aclose()
 
@@ -607,7 +612,7 @@ class RedisStore:
             try:
                 async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
                     await self.client.initialize()
-            except (*CLIENT_ERRORS, RedisClusterException) as exc:
+            except (*RAW_CLIENT_ERRORS, RedisClusterException) as exc:
                 log.info("redis store: cluster layout not refreshed yet", extra={"error": type(exc).__name__})
             finally:
                 self._topology_task = None
@@ -618,7 +623,10 @@ class RedisStore:
 
     async def _call(self, script: AsyncScript, args: list[str]) -> Any:
         async with self._slots:
-            return await script(keys=[self.base], args=args)
+            try:
+                return await script(keys=[self.base], args=args)
+            except AttributeError as exc:  # see RAW_CLIENT_ERRORS
+                raise RedisConnectionError(f"connection lost: {exc}") from exc
 
     def _failed(self, exc: BaseException) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -871,7 +879,7 @@ class RedisStore:
                     if message is not None and message.get("type") == "message":
                         self.wakeups += 1
                         self._notify()
-            except CLIENT_ERRORS as exc:
+            except RAW_CLIENT_ERRORS as exc:
                 log.warning(
                     "redis store: wake-up subscription lost", extra={"error": f"{type(exc).__name__}"}
                 )
