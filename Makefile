@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 LINTED := extproc tests $(wildcard bench)
 
-.PHONY: install run test test-fast lint proto bench bench-full clean
+.PHONY: install system-deps run test test-fast lint proto bench bench-full clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,16 +15,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+## System programs the tests run for real (redis-server, redis-cli, prometheus, promtool, openssl): installed
+## with apt-get when missing, otherwise a clear error naming the packages. Tests never skip for want of them.
+system-deps:
+	bash scripts/system-deps.sh
+
 ## Start the local stack: simulator + sidecar + Envoy on 127.0.0.1 (Ctrl-C stops it).
 run: $(STAMP)
 	$(BIN)/python -m extproc stack
 
 ## Lint, type-check and run every test: unit, component and end-to-end (real Envoy).
-test: $(STAMP) lint
+test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 ## Unit and component tests only (no Envoy processes).
-test-fast: $(STAMP)
+test-fast: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -m "not e2e"
 
 lint: $(STAMP)

@@ -1,8 +1,10 @@
-"""`python -m bench --short | --full [--only protection,overhead,micro]`.
+"""`python -m bench --short | --full [--only protection,overhead,micro,soak] [--requests N]`.
 
 --short (`make bench`, under five minutes): protection at 4x in the preempt mode for the Envoy-only,
 static and feedback modes on 400 requests; overhead with fewer requests and rates; micro with few rounds.
 --full (`make bench-full`): everything RESULTS.md reports.
+soak (only when named in --only): 3 replicas, one Redis, faults under load (`bench/soak`); 5,000 requests
+with --short, 100,000 with --full, or --requests N.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from bench.common import REPO, RESULTS, machine, write_json
 
 PARTS = ("protection", "overhead", "micro")
+OPTIONAL_PARTS = ("soak",)
 
 
 def run_micro(short: bool) -> int:
@@ -62,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--short", action="store_true", help="reduced run, under five minutes (default)")
     size.add_argument("--full", action="store_true", help="the full run RESULTS.md reports")
-    parser.add_argument("--only", default=",".join(PARTS), help="comma-separated: " + ",".join(PARTS))
+    parser.add_argument(
+        "--only", default=",".join(PARTS), help="comma-separated: " + ",".join(PARTS + OPTIONAL_PARTS)
+    )
+    parser.add_argument("--requests", type=int, default=None, help="soak: requests to send")
     args = parser.parse_args(argv)
     # SIGTERM (and SIGINT, which a shell ignores in background jobs) unwind through the `finally` blocks
     # that stop every process a benchmark started.
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _exit_on_signal)
     short = not args.full
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = set(parts) - set(PARTS)
+    unknown = set(parts) - set(PARTS + OPTIONAL_PARTS)
     if unknown:
         parser.error(f"unknown part(s): {', '.join(sorted(unknown))}")
     info = machine()
@@ -88,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             run_overhead(short)
         elif part == "micro":
             status |= run_micro(short)
+        elif part == "soak":
+            from bench.soak.main import run as run_soak
+
+            status |= run_soak(args.requests or (5_000 if short else 100_000))
         durations[part] = round(time.monotonic() - t0, 1)
         print(f"bench: {part} took {durations[part]:.0f} s", flush=True)
     write_json(

@@ -64,6 +64,9 @@ class Sidecar:
         assert self.store is not None
         self.feedback = FeedbackRuntime(self.metrics.registry, self._set_scale, clock=self.clock)
         self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
+        on_wake = getattr(self.store, "on_wake", None)  # a shared store: releases on other replicas
+        if on_wake is not None:
+            on_wake(self.queue.kick)
         self.admission = AdmissionService(
             Deps(
                 config=lambda: self.config,
@@ -113,7 +116,8 @@ class Sidecar:
         )
 
     def _set_scale(self, key: str, scale: float) -> None:
-        """Adaptive feedback runs on the event loop; the in-process store applies a scale at once."""
+        """Adaptive feedback runs on the event loop; the in-process store applies a scale at once. A shared
+        store takes it as this replica's proposal: every replica admits at the one effective scale stored."""
         if self._local is not None:
             self._local.limiter.set_scale(key, scale)
             self.queue.kick()
@@ -122,6 +126,7 @@ class Sidecar:
         task = asyncio.ensure_future(self.store.set_scale(key, scale))
         self._scale_tasks.add(task)
         task.add_done_callback(self._scale_tasks.discard)
+        task.add_done_callback(lambda _: self.queue.kick())  # a raised scale may admit waiters
 
     async def apply_config(self, config: Config) -> None:
         """Make a config current: new requests see new limits; in-flight leases are untouched."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -126,6 +127,14 @@ class StoreConfig:
     timeout_ms: float = 50.0
     on_unavailable: str = "local"  # local | reject
     fallback_share: float = 1.0
+    redis_mode: str = "standalone"  # standalone | cluster
+    redis_username: str | None = None
+    redis_password_file: str | None = None  # a mounted Secret; never logged
+    redis_password_env: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: str = "full"  # full | ca | none
 
 
 @dataclass(frozen=True)
@@ -598,6 +607,7 @@ def _store(root: _Section) -> StoreConfig:
         timeout_ms=red.number("timeout_ms", StoreConfig.timeout_ms, minimum=1.0),
         on_unavailable=sec.string("on_unavailable", "local") or "local",
         fallback_share=sec.number("fallback_share", 1.0, minimum=0.001),
+        **_redis_connection(red, url),
     )
     red.done()
     if config.on_unavailable not in ("local", "reject"):
@@ -606,6 +616,51 @@ def _store(root: _Section) -> StoreConfig:
         raise ConfigError(f"store.fallback_share: must be in (0, 1], got {config.fallback_share}")
     sec.done()
     return config
+
+
+def _redis_connection(red: _Section, url: str) -> dict[str, Any]:
+    """`store.redis` mode, ACL user and TLS; files named here must be readable now (mounted Secrets)."""
+    mode = red.string("mode", "standalone") or "standalone"
+    if mode not in ("standalone", "cluster"):
+        raise ConfigError(f"store.redis.mode: must be standalone or cluster, got {mode!r}")
+    if mode == "cluster" and url.startswith("unix://"):
+        raise ConfigError("store.redis.url: cluster mode needs a redis:// or rediss:// URL of any node")
+    if mode == "cluster" and urlsplit(url).path.strip("/") not in ("", "0"):
+        raise ConfigError(f"store.redis.url: a Redis Cluster has only database 0, got {urlsplit(url).path!r}")
+    out: dict[str, Any] = {
+        "redis_mode": mode,
+        "redis_username": red.string("username", None),
+        "redis_password_file": _readable(red, "password_file"),
+        "redis_password_env": red.string("password_env", None),
+    }
+    if out["redis_password_file"] and out["redis_password_env"]:
+        raise ConfigError("store.redis.password_env: give password_file or password_env, not both")
+    env = out["redis_password_env"]
+    if env is not None and env not in os.environ:
+        raise ConfigError(f"store.redis.password_env: environment variable {env} is not set")
+    tls = red.section("tls")
+    if tls.data and not url.startswith("rediss://"):
+        raise ConfigError("store.redis.tls: TLS settings need a rediss:// URL")
+    verify = tls.string("verify", "full") or "full"
+    if verify not in ("full", "ca", "none"):
+        raise ConfigError(f"store.redis.tls.verify: must be full, ca or none, got {verify!r}")
+    out |= {
+        "tls_ca_file": _readable(tls, "ca_file"),
+        "tls_cert_file": _readable(tls, "cert_file"),
+        "tls_key_file": _readable(tls, "key_file"),
+        "tls_verify": verify,
+    }
+    if bool(out["tls_cert_file"]) != bool(out["tls_key_file"]):
+        raise ConfigError("store.redis.tls.key_file: a client certificate needs both cert_file and key_file")
+    tls.done()
+    return out
+
+
+def _readable(section: _Section, name: str) -> str | None:
+    path = section.string(name, None)
+    if path is not None and not os.access(path, os.R_OK):
+        raise ConfigError(f"{section.key(name)}: cannot read {path!r}")
+    return path
 
 
 def parse_config(data: Any) -> Config:

@@ -3,7 +3,10 @@
 A request that does not fit waits, up to its class's deadline, in the `WaitQueue` (highest class first,
 tenants taking turns within a class, FIFO per tenant). Whenever capacity may have freed — a lease settled,
 limits or scales changed — and every 100 ms while anyone waits (token buckets refill with time), the queue
-is pumped: each class's waiting heads try to acquire, in order, and those that fit are admitted.
+is pumped: each class's waiting heads try to acquire, in order, and those that fit are admitted. With a
+shared store, a release on another replica also pumps the queue at once: while anyone waits here the store is
+told (`announce_waiting`), releases everywhere then publish a wake-up, and the store calls `kick`. The 100 ms
+tick stays as the fallback when wake-ups are lost.
 
 A newcomer never overtakes waiters of its own or a higher class: while they wait, it queues behind them.
 A waiter whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the
@@ -143,6 +146,9 @@ class AdmissionQueue:
             self._timer = None
         if len(self.queue):
             self._timer = asyncio.get_running_loop().call_later(PUMP_INTERVAL_S, self.kick)
+            announce = getattr(self.store, "announce_waiting", None)  # only shared stores have it
+            if announce is not None:
+                announce()
 
     def _give_back(self, lease: Lease) -> None:
         task = asyncio.ensure_future(self.store.release(lease, 0))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from extproc.config import StoreConfig
 from extproc.core.clock import Clock
 from extproc.core.ports import LimiterStore
@@ -14,10 +16,27 @@ def build_store(config: StoreConfig, clock: Clock) -> LimiterStore:
     operator chose to fail closed (`on_unavailable: reject`)."""
     if config.backend == "local":
         return LocalStore(clock=clock)
-    from extproc.store.redis import RedisStore  # only deployments that share state need the client
+    # Only deployments that share state need the client.
+    from extproc.store.redis import RedisStore
+    from extproc.store.redis_connect import Credentials, Mode, TlsOptions, Verify
 
+    tls = None
+    if config.redis_url.startswith("rediss://"):
+        tls = TlsOptions(
+            ca_file=config.tls_ca_file,
+            cert_file=config.tls_cert_file,
+            key_file=config.tls_key_file,
+            verify=cast(Verify, config.tls_verify),
+        )
     shared = RedisStore.from_url(
         config.redis_url,
+        mode=cast(Mode, config.redis_mode),
+        tls=tls,
+        credentials=Credentials(
+            username=config.redis_username,
+            password_file=config.redis_password_file,
+            password_env=config.redis_password_env,
+        ),
         key_prefix=config.key_prefix,
         lease_ttl_s=config.lease_ttl_seconds,
         timeout_s=config.timeout_ms / 1000,

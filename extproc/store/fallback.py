@@ -5,13 +5,24 @@ while Redis is down) or admit everything (the KV cache overflows). The middle wa
 each replica falls back to in-process limits sized to its share of every limit (`fallback_share`, e.g.
 1/replicas), so the fleet as a whole stays near its limits while Redis is away, and goes back to the shared
 limits as soon as Redis answers again. Leases remember where they were taken and are settled there.
+
+The replica's own shared leases count against its share too: every shared lease also holds a slot in the
+local limiter (a shadow, no tokens) while that slot is free. Without it, a replica falling back with its
+shared leases still running would admit its whole share on top of them, and the fleet could run up to twice
+its limit while Redis is away (the soak benchmark saw this whenever a Redis call timed out under load). With
+it a replica in fallback admits only up to its share minus what it already runs, so the fleet stays at its
+limit as long as the replicas held about equal parts of it.
+
+The way back has the mirror problem: requests admitted in the fallback are not counted in Redis. While any
+of them still runs, a replica admits a request only if the shared store admits it and its shadow finds a
+local slot, so it stays within its share until they have ended.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 from extproc.core.ports import LimiterStore, StoreUnavailable
@@ -49,7 +60,8 @@ class FallbackStore:
         self.primary = primary
         self.fallback = fallback
         self.share = share
-        self._local: dict[int, Lease] = {}
+        self._local: dict[int, Lease] = {}  # leases taken in the fallback, by id
+        self._shadows: dict[int, Lease] = {}  # local slot held for a shared lease, by the shared lease's id
         self.fallback_acquires = 0
         self.degraded = False
 
@@ -72,11 +84,21 @@ class FallbackStore:
         if self.degraded:
             log.info("shared store answering again: back to shared limits")
             self.degraded = False
+        if isinstance(result, Lease) and result.placements:
+            shadow = await self.fallback.acquire(keys, 0, holder, use_pool)
+            if isinstance(shadow, Lease):
+                self._shadows[id(result)] = shadow
+            elif self._local:  # requests admitted in the fallback still run, uncounted in Redis
+                await self.primary.release(result, 0)
+                return shadow
         return result
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         if self._local.pop(id(lease), None) is not None:
             return await self.fallback.release(lease, actual_tokens)
+        shadow = self._shadows.pop(id(lease), None)
+        if shadow is not None:
+            await self.fallback.release(shadow, 0)
         return await self.primary.release(lease, actual_tokens)
 
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
@@ -101,6 +123,17 @@ class FallbackStore:
     async def set_scale(self, key: str, scale: float) -> None:
         await self.primary.set_scale(key, scale)
         await self.fallback.set_scale(key, scale)
+
+    def on_wake(self, callback: Callable[[], None]) -> None:
+        """Wake-ups from the shared store (capacity freed on another replica); none from the fallback."""
+        register = getattr(self.primary, "on_wake", None)
+        if register is not None:
+            register(callback)
+
+    def announce_waiting(self) -> None:
+        announce = getattr(self.primary, "announce_waiting", None)
+        if announce is not None:
+            announce()
 
     async def start(self) -> None:
         start = getattr(self.primary, "start", None)

@@ -18,15 +18,26 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
   refills at; expires when it would be full again + 60 s (1 h for a share cut to nothing).
 - `P k:#k:k` (hash): `hold`, the moving average of lease durations for slot retry hints; 1 h after the
   last release.
+- `P c:#k:k` (hash): the shared adaptive scale: `e` the effective scale every replica must use, and one
+  field `r:<replica>` per replica, `<scale> <expiry>`, its proposal from its own KV feed. `e` is the minimum
+  of the fresh proposals (1 when none), recomputed only by the SCALE script; the hash expires a proposal TTL
+  after the last proposal, and then the scale is 1 again.
+- `P wq` (string): present while some replica has requests waiting in its queue; a release then publishes
+  on the channel `P wake` so that the other replicas try their waiters at once.
 
 A missing bucket is a full one: an expired bucket had refilled to capacity anyway.
 
-Arguments describing keys (`KEYSPEC` below) are, after a count of keys, for each key: the key, `1` if it has
-a tokens-per-minute limit, the number of configured shares, then per share: name, effective slots (`''`:
-unlimited), effective token capacity (`''`: no bucket; `0`: cut to nothing), and capacity at scale 1 (for
-"too large, never retry"). The caller computes these from its config with `effective_shares`; shares found
-in Redis but not configured here (a removed guarantee with open leases) get zero slots and zero tokens,
-exactly like `JointLimiter`.
+Arguments describing keys (`KEYSPEC` below) are, after a count of keys, for each key: the key, the adaptive
+scale the caller computed the capacities at, `1` if it has a tokens-per-minute limit, the number of
+configured shares, then per share: name, effective slots (`''`: unlimited), effective token capacity (`''`:
+no bucket; `0`: cut to nothing), and capacity at scale 1 (for "too large, never retry"). The caller
+computes these from its config with `effective_shares`; shares found in Redis but not configured here (a
+removed guarantee with open leases) get zero slots and zero tokens, exactly like `JointLimiter`.
+
+Every script that takes a KEYSPEC first compares each key's scale with the stored effective scale and, if
+any differs, changes nothing and replies `stale` followed by the effective scale of every key: the caller
+recomputes its capacities and calls again. So no decision is ever taken at a scale other than the one
+stored, whichever replica takes it.
 
 Numbers that may be fractional are returned as strings (Lua numbers become integers in Redis replies).
 """
@@ -58,8 +69,9 @@ local function parse_keys(i)
   local keys = {}
   local n = tonumber(ARGV[i]); i = i + 1
   for k = 1, n do
-    local spec = {key = ARGV[i], has_tpm = ARGV[i + 1] == '1', shares = {}, order = {}}
-    local ns = tonumber(ARGV[i + 2]); i = i + 3
+    local spec = {key = ARGV[i], scale = tonumber(ARGV[i + 1]), has_tpm = ARGV[i + 2] == '1', shares = {},
+                  order = {}}
+    local ns = tonumber(ARGV[i + 3]); i = i + 4
     for _ = 1, ns do
       spec.shares[ARGV[i]] = {conc = opt(ARGV[i + 1]), cap = opt(ARGV[i + 2]), base = tonumber(ARGV[i + 3])}
       table.insert(spec.order, ARGV[i])
@@ -68,6 +80,24 @@ local function parse_keys(i)
     keys[k] = spec
   end
   return keys, i
+end
+
+local function effective_scale(key)
+  local e = redis.call('HGET', rkey('c', key), 'e')
+  if e then return tonumber(e) end
+  return 1
+end
+
+-- nil when every key's capacities were computed at the stored scale; else the `stale` reply.
+local function stale(keys)
+  local out, bad = {'stale'}, false
+  for i, k in ipairs(keys) do
+    local e = effective_scale(k.key)
+    if math.abs(e - k.scale) > 1e-12 then bad = true end
+    out[i + 1] = fmt(e)
+  end
+  if bad then return out end
+  return nil
 end
 
 -- Tokens of a stored bucket refilled to `now` at the capacity it was last written with, or nil if absent.
@@ -170,6 +200,8 @@ local member, ttl, key_ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local tokens, holder, use_pool = tonumber(ARGV[4]), ARGV[5], ARGV[6] == '1'
 local fallback_wait = tonumber(ARGV[7])
 local keys = parse_keys(8)
+local refused = stale(keys)
+if refused then return refused end
 local now = clock()
 for _, k in ipairs(keys) do gather(k, now) end
 
@@ -254,6 +286,8 @@ RELEASE = (
 -- decides for all. Settling an expired lease would refund tokens already written off: it is a no-op instead.
 local member, reserved, actual, acquired = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local keys, i = parse_keys(5)
+local refused = stale(keys)
+if refused then return refused end
 local now = clock()
 local places = {}
 for k = 1, #keys do
@@ -298,6 +332,7 @@ if alive then
     redis.call('HSET', hk, 'hold', fmt(h))
     redis.call('PEXPIRE', hk, 3600000)
   end
+  if redis.call('EXISTS', P .. 'wq') == 1 then redis.call('PUBLISH', P .. 'wake', 'release') end
 end
 local out = {alive and 1 or 0, fmt(now)}
 for _, spec in ipairs(keys) do
@@ -321,6 +356,8 @@ PEEK = (
 --   token limit, so a limit set later starts from a full bucket.
 local mode = ARGV[1]
 local keys = parse_keys(2)
+local refused = stale(keys)
+if refused then return refused end
 local now = clock()
 local out = {fmt(now)}
 for _, spec in ipairs(keys) do
@@ -391,3 +428,66 @@ end
 return removed
 """
 )
+
+SCALE = (
+    COMMON
+    + r"""
+-- ARGV: replica, proposed scale ('1': withdraw), proposal ttl ms, KEYSPEC of one key at the effective scale
+--       the caller believes in force.
+-- Reply: `stale` (see above), or the effective scale in force before and after this proposal.
+-- The effective scale is the minimum of the fresh proposals: a replica whose feed shows pressure lowers the
+-- limits of all, a dead replica's proposal ages out. When it changes, the key's buckets are first stored at
+-- the old capacities (as PEEK 'fill'), so that the caller's resize starts from the level they really had.
+local field, proposed, ttl_ms = 'r:' .. ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local keys = parse_keys(4)
+local refused = stale(keys)
+if refused then return refused end
+local k = keys[1]
+local ck = rkey('c', k.key)
+local now = clock()
+local before = effective_scale(k.key)
+if proposed < 1 then
+  redis.call('HSET', ck, field, fmt(proposed) .. ' ' .. fmt(now + ttl_ms / 1000))
+else
+  redis.call('HDEL', ck, field)
+end
+local after = 1
+local entries = redis.call('HGETALL', ck)
+for j = 1, #entries, 2 do
+  local name, value = entries[j], entries[j + 1]
+  if string.sub(name, 1, 2) == 'r:' then
+    local sep = string.find(value, ' ', 1, true)
+    local scale, expiry = tonumber(string.sub(value, 1, sep - 1)), tonumber(string.sub(value, sep + 1))
+    if expiry <= now then
+      redis.call('HDEL', ck, name)
+    elseif scale < after then
+      after = scale
+    end
+  end
+end
+if after ~= before then
+  gather(k, now)
+  for _, s in ipairs(k.order) do
+    local sh = k.shares[s]
+    if sh.tokens ~= nil then save_bucket(k.key, s, sh.tokens, now, sh.cap) end
+  end
+  if after > before and redis.call('EXISTS', P .. 'wq') == 1 then
+    redis.call('PUBLISH', P .. 'wake', 'scale')
+  end
+end
+if after < 1 then
+  redis.call('HSET', ck, 'e', fmt(after))
+  redis.call('PEXPIRE', ck, ttl_ms)
+else
+  redis.call('HDEL', ck, 'e')
+end
+return {fmt(before), fmt(after)}
+"""
+)
+
+WAITING = r"""
+-- KEYS[1]: the prefix. ARGV: how long (ms) this replica's waiters should be announced.
+-- Marks that requests wait somewhere, so that releases publish wake-ups; refreshed while anyone waits.
+redis.call('SET', KEYS[1] .. 'wq', '1', 'PX', tonumber(ARGV[1]))
+return 1
+"""

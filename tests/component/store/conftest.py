@@ -1,4 +1,5 @@
-"""Fixtures of the store tests: one real redis-server per module, flushed before each test."""
+"""Fixtures of the store tests: one real redis-server per module and one 3-primary Redis Cluster per session,
+flushed before each test."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from extproc.core.clock import FakeClock
 from extproc.store.local import LocalStore
 from extproc.store.redis import RedisStore
 from tests.component.store.harness import Harness
-from tests.component.store.redis_server import RedisServer, available
+from tests.component.store.redis_cluster import RedisClusterNodes
+from tests.component.store.redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
-    if not available():
-        pytest.skip("redis-server not installed (/usr/bin/redis-server); CI installs it")
     server = RedisServer()
     server.start()
     yield server
@@ -31,15 +31,33 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterNodes]:
+    """Three primaries, no replicas: what the store's behaviour needs (failover tests start their own)."""
+    cluster = RedisClusterNodes(primaries=3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: RedisClusterNodes) -> str:
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture(params=["local", "redis", "cluster"])
 async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    """The same test against both stores."""
+    """The same test against the in-process store, one Redis and a Redis Cluster."""
     if request.param == "local":
         clock = FakeClock()
         yield Harness(LocalStore(clock=clock), clock)
         return
-    url = request.getfixturevalue("redis_url")
-    store = RedisStore.from_url(url, timeout_s=1.0)
+    if request.param == "cluster":
+        url = request.getfixturevalue("cluster_url")
+        store = RedisStore.from_url(url, mode="cluster", timeout_s=1.0)
+    else:
+        store = RedisStore.from_url(request.getfixturevalue("redis_url"), timeout_s=1.0)
     await store.start()
     try:
         yield Harness(store)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,7 +14,7 @@ from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.store.fallback import FallbackStore, share_of
-from extproc.store.redis import RedisStore
+from extproc.store.redis import BREAKER_OPEN_S, RedisStore
 from tests.component.store.redis_server import RedisServer
 from tests.component.test_server import Harness, body_msg, chat, eventually, header_map, headers_msg
 
@@ -122,3 +123,62 @@ def test_fallback_share_cuts_every_limit_and_guarantee() -> None:
     assert half.guarantees()["a"] == LimitSpec(max_concurrency=2, tokens_per_minute=200)
     assert share_of(LimitSpec(max_concurrency=1), 0.25).max_concurrency == 1  # never to zero
     assert share_of(LimitSpec(max_concurrency=0), 0.5).max_concurrency == 0
+
+
+async def test_fallback_counts_the_shared_leases_this_replica_runs(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """Redis away: a replica's share covers what it already runs, not only what it admits from now on."""
+    from extproc.core.limiter import Lease, LimitSpec, Rejection
+    from extproc.store.local import LocalStore
+
+    store = FallbackStore(RedisStore.from_url(redis_url, timeout_s=0.1), LocalStore(), 0.5)
+    await store.start()
+    await store.apply_limits({"global": LimitSpec(max_concurrency=4)})
+    try:
+        running = await store.acquire(["global"], 0)
+        assert isinstance(running, Lease) and not store.degraded
+        redis_server.pause()
+        try:
+            local = await store.acquire(["global"], 0)  # share: 2 slots, one taken by the running lease
+            assert isinstance(local, Lease) and store.degraded
+            assert isinstance(await store.acquire(["global"], 0), Rejection)
+            await store.release(running, 0)  # its shadow frees a local slot
+            again = await store.acquire(["global"], 0)
+            assert isinstance(again, Lease)
+        finally:
+            redis_server.resume()
+        for lease in (local, again):
+            assert await store.release(lease, 0)
+        assert store.fallback.snapshot()[0].active == 0  # no shadow left behind
+    finally:
+        await store.close()
+
+
+async def test_back_from_fallback_the_share_holds_until_fallback_leases_end(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """Leases taken in the fallback are not in Redis: until they end, the replica keeps to its share."""
+    from extproc.core.limiter import Lease, LimitSpec, Rejection
+    from extproc.store.local import LocalStore
+
+    store = FallbackStore(RedisStore.from_url(redis_url, timeout_s=0.1), LocalStore(), 0.5)
+    await store.start()
+    await store.apply_limits({"global": LimitSpec(max_concurrency=4)})
+    try:
+        redis_server.pause()
+        try:
+            taken = [await store.acquire(["global"], 0) for _ in range(2)]  # the whole share, locally
+        finally:
+            redis_server.resume()
+        assert all(isinstance(lease, Lease) for lease in taken) and store.degraded
+        await asyncio.sleep(BREAKER_OPEN_S + 0.1)
+        refused = await store.acquire(["global"], 0)  # Redis has room (0 of 4), the share has none
+        assert isinstance(refused, Rejection) and not store.degraded
+        assert (await store.primary.status(["global"])).remaining_requests == 4  # refused: nothing kept
+        for lease in taken:
+            assert isinstance(lease, Lease)
+            await store.release(lease, 0)
+        assert isinstance(await store.acquire(["global"], 0), Lease)  # fallback leases ended: shared again
+    finally:
+        await store.close()

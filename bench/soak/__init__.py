@@ -1,0 +1,1 @@
+"""Soak and chaos benchmark: several sidecar replicas, one Redis, faults injected under load."""
