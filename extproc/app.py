@@ -29,13 +29,10 @@ from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, l
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
-from extproc.metrics import Metrics, StoreHealth
+from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
 from extproc.server import ExtProcServicer
 from extproc.store.factory import build_store
-from extproc.store.fallback import FallbackStore
-from extproc.store.local import LocalStore
-from extproc.store.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +51,6 @@ class Sidecar:
     def __post_init__(self) -> None:
         if self.store is None:
             self.store = build_store(self.config.store, self.clock)
-        self._local = self.store if isinstance(self.store, LocalStore) else None
         self.executor = ThreadPoolExecutor(
             max_workers=self.config.admission.tokenizer_threads, thread_name_prefix="tokenize"
         )
@@ -64,9 +60,7 @@ class Sidecar:
         assert self.store is not None
         self.feedback = FeedbackRuntime(self.metrics.registry, self._set_scale, clock=self.clock)
         self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
-        on_wake = getattr(self.store, "on_wake", None)  # a shared store: releases on other replicas
-        if on_wake is not None:
-            on_wake(self.queue.kick)
+        self.store.on_wake(self.queue.kick)  # a shared store: capacity freed on other replicas
         self.admission = AdmissionService(
             Deps(
                 config=lambda: self.config,
@@ -90,43 +84,24 @@ class Sidecar:
         self.admin_port: int | None = None
         self.watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._scale_tasks: set[asyncio.Future[None]] = set()
         self._started = False
         self._stopped = False
         self.metrics.info.labels(__version__).set(1)
         for result in ReloadResult:  # every outcome exported from the start: increase() sees the first one
             self.metrics.config_reloads.labels(result.value)
         self.metrics.watch_limits(self.store.snapshot, self._exported_keys)
-        self.metrics.watch_store(self._store_health)
+        self.metrics.watch_store(self.store.health)
 
     def _exported_keys(self) -> Collection[str]:
         specs, _ = self.config.limit_specs()
         return specs.keys()
 
-    def _store_health(self) -> StoreHealth:
-        """The shared store's failure counters; the in-process store cannot fail."""
-        fallback = self.store if isinstance(self.store, FallbackStore) else None
-        shared = fallback.primary if fallback is not None else self.store
-        redis = shared if isinstance(shared, RedisStore) else None
-        return StoreHealth(
-            available=(redis is None or redis.available) and not (fallback is not None and fallback.degraded),
-            fallback_acquires=fallback.fallback_acquires if fallback is not None else 0,
-            lost_leases=redis.lost_leases if redis is not None else 0,
-            dropped_releases=redis.dropped_releases if redis is not None else 0,
-        )
-
     def _set_scale(self, key: str, scale: float) -> None:
         """Adaptive feedback runs on the event loop; the in-process store applies a scale at once. A shared
         store takes it as this replica's proposal: every replica admits at the one effective scale stored."""
-        if self._local is not None:
-            self._local.limiter.set_scale(key, scale)
-            self.queue.kick()
-            return
         assert self.store is not None
-        task = asyncio.ensure_future(self.store.set_scale(key, scale))
-        self._scale_tasks.add(task)
-        task.add_done_callback(self._scale_tasks.discard)
-        task.add_done_callback(lambda _: self.queue.kick())  # a raised scale may admit waiters
+        self.store.propose_scale(key, scale)
+        self.queue.kick()  # a raised scale may admit waiters
 
     async def apply_config(self, config: Config) -> None:
         """Make a config current: new requests see new limits; in-flight leases are untouched."""
@@ -167,9 +142,8 @@ class Sidecar:
 
     async def start(self) -> None:
         self._started = True
-        store_start = getattr(self.store, "start", None)
-        if store_start is not None:
-            await store_start()
+        assert self.store is not None
+        await self.store.start()
         await self.apply_config(self.config)
         size = self.config.server.max_receive_message_bytes
         server = grpc.aio.server(
@@ -238,8 +212,8 @@ class Sidecar:
     async def _prune_loop(self) -> None:
         while True:
             await asyncio.sleep(PRUNE_INTERVAL_S)
-            if self._local is not None:
-                self._local.prune()
+            assert self.store is not None
+            self.store.prune()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: fail readiness, let in-flight streams finish within the grace period, settle the rest."""
@@ -260,9 +234,8 @@ class Sidecar:
         self.queue.close()
         self.admission.settle_open()
         await self.admission.drain()
-        store_close = getattr(self.store, "close", None)
-        if store_close is not None:
-            await store_close()
+        assert self.store is not None
+        await self.store.close()
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
         self.executor.shutdown(wait=False, cancel_futures=True)

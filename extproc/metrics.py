@@ -8,13 +8,13 @@ are exported only for configured keys, never for every tenant a client ever clai
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.core.limiter import KeySnapshot
+from extproc.core.ports import StoreHealth
 
 DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -75,16 +75,6 @@ class _LimitCollector(Collector):
                     share_limit.add_metric([snap.key, share.name], share.effective_concurrency)
                 share_active.add_metric([snap.key, share.name], share.active)
         yield from (conc, tpm, active, avail, scale, share_limit, share_active)
-
-
-@dataclass(frozen=True)
-class StoreHealth:
-    """What the limiter store can say about its own failures (the in-process store never fails: all zero)."""
-
-    available: bool
-    fallback_acquires: int = 0
-    lost_leases: int = 0
-    dropped_releases: int = 0
 
 
 class _StoreCollector(Collector):

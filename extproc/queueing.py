@@ -146,9 +146,7 @@ class AdmissionQueue:
             self._timer = None
         if len(self.queue):
             self._timer = asyncio.get_running_loop().call_later(PUMP_INTERVAL_S, self.kick)
-            announce = getattr(self.store, "announce_waiting", None)  # only shared stores have it
-            if announce is not None:
-                announce()
+            self.store.announce_waiting()  # a shared store asks other replicas to signal their releases
 
     def _give_back(self, lease: Lease) -> None:
         task = asyncio.ensure_future(self.store.release(lease, 0))

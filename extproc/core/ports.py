@@ -7,7 +7,8 @@ lease exactly once, whoever asks first.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
@@ -15,6 +16,16 @@ from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus,
 
 class StoreUnavailable(Exception):
     """The store could not answer in time (a shared store down or unreachable); nothing was admitted."""
+
+
+@dataclass(frozen=True)
+class StoreHealth:
+    """What a store can say about its own failures (the in-process store never fails: all zero)."""
+
+    available: bool
+    fallback_acquires: int = 0
+    lost_leases: int = 0
+    dropped_releases: int = 0
 
 
 class LimiterStore(Protocol):
@@ -48,6 +59,35 @@ class LimiterStore(Protocol):
         """Scale a key's base limits (adaptive feedback)."""
         ...
 
+    def propose_scale(self, key: str, scale: float) -> None:
+        """`set_scale` without waiting, from synchronous code (the feed's callbacks): the in-process store
+        applies it at once; a shared store takes it as this replica's proposal for the one scale all use."""
+        ...
+
     def snapshot(self) -> list[KeySnapshot]:
         """Current state of every known key, for metrics."""
+        ...
+
+    async def start(self) -> None:
+        """Connect and start background work (lease renewal, wake-up subscription); idempotent."""
+        ...
+
+    async def close(self) -> None:
+        """Stop background work and disconnect, within a bounded time."""
+        ...
+
+    def prune(self) -> int:
+        """Forget idle keys nobody configured (open-ended tenant keys); returns how many were forgotten."""
+        ...
+
+    def on_wake(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when capacity may have freed elsewhere (a release on another replica)."""
+        ...
+
+    def announce_waiting(self) -> None:
+        """Requests wait in this replica's queue: ask other replicas to signal their releases."""
+        ...
+
+    def health(self) -> StoreHealth:
+        """Failure counters for metrics, read at scrape time."""
         ...

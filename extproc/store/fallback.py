@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
-from extproc.core.ports import LimiterStore, StoreUnavailable
+from extproc.core.ports import LimiterStore, StoreHealth, StoreUnavailable
 from extproc.store.local import LocalStore
 
 log = logging.getLogger(__name__)
@@ -124,26 +125,33 @@ class FallbackStore:
         await self.primary.set_scale(key, scale)
         await self.fallback.set_scale(key, scale)
 
+    def propose_scale(self, key: str, scale: float) -> None:
+        self.primary.propose_scale(key, scale)
+        self.fallback.propose_scale(key, scale)
+
     def on_wake(self, callback: Callable[[], None]) -> None:
         """Wake-ups from the shared store (capacity freed on another replica); none from the fallback."""
-        register = getattr(self.primary, "on_wake", None)
-        if register is not None:
-            register(callback)
+        self.primary.on_wake(callback)
 
     def announce_waiting(self) -> None:
-        announce = getattr(self.primary, "announce_waiting", None)
-        if announce is not None:
-            announce()
+        self.primary.announce_waiting()
 
     async def start(self) -> None:
-        start = getattr(self.primary, "start", None)
-        if start is not None:
-            await start()
+        await self.primary.start()
 
     async def close(self) -> None:
-        close = getattr(self.primary, "close", None)
-        if close is not None:
-            await close()
+        await self.primary.close()
+
+    def prune(self) -> int:
+        return self.primary.prune() + self.fallback.prune()
+
+    def health(self) -> StoreHealth:
+        shared = self.primary.health()
+        return replace(
+            shared,
+            available=shared.available and not self.degraded,
+            fallback_acquires=shared.fallback_acquires + self.fallback_acquires,
+        )
 
     def snapshot(self) -> list[KeySnapshot]:
         return self.fallback.snapshot() if self.degraded else self.primary.snapshot()

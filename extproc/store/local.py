@@ -6,10 +6,11 @@ with respect to each other without locks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from extproc.core.clock import Clock, monotonic
 from extproc.core.limiter import JointLimiter, KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
+from extproc.core.ports import StoreHealth
 
 
 class LocalStore:
@@ -40,8 +41,26 @@ class LocalStore:
     async def set_scale(self, key: str, scale: float) -> None:
         self.limiter.set_scale(key, scale)
 
+    def propose_scale(self, key: str, scale: float) -> None:
+        self.limiter.set_scale(key, scale)
+
     def snapshot(self) -> list[KeySnapshot]:
         return self.limiter.snapshot()
 
     def prune(self) -> int:
         return self.limiter.prune()
+
+    async def start(self) -> None:
+        """Nothing to connect to."""
+
+    async def close(self) -> None:
+        """Nothing to disconnect."""
+
+    def on_wake(self, callback: Callable[[], None]) -> None:
+        """Releases happen in this process: the caller's own queue sees them."""
+
+    def announce_waiting(self) -> None:
+        """No other replica shares this state."""
+
+    def health(self) -> StoreHealth:
+        return StoreHealth(available=True)

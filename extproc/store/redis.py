@@ -70,7 +70,7 @@ from extproc.core.limiter import (
     _KeyState,
     _Share,
 )
-from extproc.core.ports import StoreUnavailable
+from extproc.core.ports import StoreHealth, StoreUnavailable
 from extproc.core.shares import SHARED
 from extproc.store import redis_scripts
 from extproc.store.redis_connect import (
@@ -359,6 +359,25 @@ class RedisStore:
             await self._propose(key, scale)
         except StoreUnavailable:
             log.warning("redis store: scale proposal not stored yet", extra={"key": key})
+
+    def propose_scale(self, key: str, scale: float) -> None:
+        """`set_scale` from synchronous code: the proposal is sent in the background, then local waiters are
+        woken (a raised scale may admit them)."""
+        self._spawn(self._propose_and_wake(key, scale))
+
+    async def _propose_and_wake(self, key: str, scale: float) -> None:
+        await self.set_scale(key, scale)
+        for callback in self._wake_callbacks:
+            callback()
+
+    def prune(self) -> int:
+        """Nothing to forget here: every key in Redis carries a TTL and expires when idle."""
+        return 0
+
+    def health(self) -> StoreHealth:
+        return StoreHealth(
+            available=self.available, lost_leases=self.lost_leases, dropped_releases=self.dropped_releases
+        )
 
     async def _propose(self, key: str, scale: float) -> None:
         """One SCALE call; when the effective scale changed, resize the key's buckets to it (the script

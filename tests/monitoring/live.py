@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import yaml
 
-from extproc.stack import ENVOY_TEMPLATE, free_port
+from extproc.stack import free_port
 from tests.monitoring.promtool import DASHBOARD, binary, write_rule_file
 
 
@@ -46,22 +46,6 @@ def substitute(expr: str, variables: Mapping[str, str]) -> str:
     for name in sorted(variables, key=len, reverse=True):
         expr = expr.replace("${" + name + "}", variables[name]).replace("$" + name, variables[name])
     return expr
-
-
-def envoy_template_trusting_tenant_header(workdir: Path) -> Path:
-    """The stack's Envoy config without the filter that strips client-sent `x-tenant-id`, so a test client
-    can pick its class. Never deploy this: in production the header comes from verified identity."""
-    config = yaml.safe_load(ENVOY_TEMPLATE.read_text())
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for network_filter in chain["filters"]:
-                hcm = network_filter["typed_config"]
-                hcm["http_filters"] = [
-                    f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"
-                ]
-    path = workdir / "envoy-trusting-tenant.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @dataclass

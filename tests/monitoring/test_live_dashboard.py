@@ -25,12 +25,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.stack import LocalStack, Ports
+from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 from tests.e2e.conftest import fixed_step_sim, metric
 from tests.monitoring.live import (
     Prometheus,
     dashboard_targets,
-    envoy_template_trusting_tenant_header,
     substitute,
 )
 
@@ -80,7 +79,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         sim_args=SIM_ARGS,
         with_exporter=True,
         workdir=workdir,
-        envoy_template=envoy_template_trusting_tenant_header(workdir),
+        envoy_patch=trust_client_tenant_header,
     )
     local.start()
     try:
