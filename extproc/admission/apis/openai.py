@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from extproc.admission import fields as f
+from extproc.admission.apis.common import padded
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
 from extproc.admission.request import Api, BodyEdits, ParsedRequest
 
@@ -125,7 +126,7 @@ def chat_prompt(body: Mapping[str, Any], key: str = "messages") -> Prompt:
     )
 
 
-def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+def stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     """(stream, include_usage) of a generation request."""
     stream = bool(f.opt_bool(body, "stream", "stream"))
     options = f.opt_object(body, "stream_options", "stream_options")
@@ -145,10 +146,10 @@ def _edit_generation(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits)
     if edits.max_tokens is not None and req.requested_max_tokens is None:
         body["max_tokens"] = edits.max_tokens
         changed = True
-    return _edit_priority(body, edits) or changed
+    return edit_priority(body, edits) or changed
 
 
-def _edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
+def edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
     """A client must not pick its own place in the backend's priority scheduling: strip it or set it."""
     if edits.priority is not None:
         if body.get("priority") != edits.priority:
@@ -173,7 +174,7 @@ class ChatAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = _stream_options(body)
+        stream, include_usage = stream_options(body)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
         param = "max_tokens"
@@ -210,7 +211,7 @@ class CompletionsAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = _stream_options(body)
+        stream, include_usage = stream_options(body)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         best_of = f.opt_int(body, "best_of", low=1, high=f.MAX_N) or 1
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
@@ -235,7 +236,8 @@ class CompletionsAdapter:
 
 
 class EmbeddingsAdapter:
-    """Embeddings (and vLLM's chat-style embeddings with `messages`): prompt tokens only."""
+    """Embeddings (and vLLM's chat-style embeddings with `messages`): prompt tokens only; vLLM's
+    `padding: "max_length"` charges each prompt the whole window."""
 
     api = Api.EMBEDDINGS
 
@@ -247,8 +249,13 @@ class EmbeddingsAdapter:
         else:
             found, param = text_prompts(body, "input"), "input"
         return ParsedRequest(
-            api=self.api, model=model, prompts=found, prompt_param=param, generates=False, body=body
+            api=self.api,
+            model=model,
+            prompts=padded(body, found),
+            prompt_param=param,
+            generates=False,
+            body=body,
         )
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        return _edit_priority(body, edits)
+        return edit_priority(body, edits)
