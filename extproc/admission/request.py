@@ -132,7 +132,9 @@ def adapter_for(api: Api) -> Adapter:
     return ADAPTERS[api]
 
 
-def parse_request(api: Api, raw: bytes, *, allow_stored_context: bool = ALLOW_STORED_CONTEXT) -> ParsedRequest:
+def parse_request(
+    api: Api, raw: bytes, *, allow_stored_context: bool = ALLOW_STORED_CONTEXT
+) -> ParsedRequest:
     """Decode and validate a request body; cheap (JSON and field checks only, no tokenizing).
 
     Raises AdmissionError(400) naming the offending field. Unknown fields pass through untouched. A request

@@ -162,11 +162,14 @@ def edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
     return False
 
 
-def _prompt_embeds(body: Mapping[str, Any]) -> Prompt | None:
-    """`prompt_embeds` (vLLM): its length cannot be known without the model, so it is charged the window."""
-    if body.get("prompt_embeds") is None:
-        return None
-    return Prompt(opaque=True)
+def _prompt_embeds(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
+    """`prompt_embeds` (vLLM: one base64 tensor or a list of them): each is a prompt rendered before any
+    `prompt` (vLLM v0.33.0 renderers/online_renderer.py:713-726) whose length cannot be known without the
+    model, so each is opaque."""
+    value = body.get("prompt_embeds")
+    if value is None:
+        return ()
+    return tuple(Prompt(opaque=True) for _ in (value if isinstance(value, list) else [value]))
 
 
 class ChatAdapter:
@@ -216,9 +219,7 @@ class CompletionsAdapter:
         best_of = f.opt_int(body, "best_of", low=1, high=f.MAX_N) or 1
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
         embeds = _prompt_embeds(body)
-        found = (
-            (embeds,) if embeds is not None and body.get("prompt") is None else text_prompts(body, "prompt")
-        )
+        found = embeds if embeds and body.get("prompt") is None else embeds + text_prompts(body, "prompt")
         return ParsedRequest(
             api=self.api,
             model=model,

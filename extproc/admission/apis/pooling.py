@@ -103,10 +103,10 @@ def _side(value: Any, param: str, single: bool) -> list[Prompt]:
     """The elements of one side: `single` sides hold one element, others one or a list of elements."""
     if value is None:
         f.bad(f"Missing required parameter: '{param}'.", code="missing_field", param=param)
+    if isinstance(value, list) and not value:
+        f.bad(f"'{param}' must not be empty.", code="invalid_value", param=param)
     if single or not isinstance(value, list) or all(type(v) is int for v in value):
         return [_element(value, param)]
-    if not value:
-        f.bad(f"'{param}' must not be empty.", code="invalid_value", param=param)
     return [_element(v, f"{param}[{i}]") for i, v in enumerate(value)]
 
 

@@ -73,7 +73,7 @@ class _Items:
             if item.get("encrypted_content") is not None:
                 # vLLM v0.33.0 entrypoints/openai/responses/utils.py:387-392
                 f.bad(
-                    "Encrypted reasoning content is not supported.",
+                    f"'{param}.encrypted_content' is not supported: encrypted reasoning cannot be rendered.",
                     code="unsupported_parameter",
                     param=f"{param}.encrypted_content",
                 )
@@ -90,11 +90,16 @@ class _Items:
         self._values(item, param, role="assistant")
 
     def _values(self, item: dict[str, Any], param: str, role: str) -> None:
-        """One rendered message: its role and every field but `output` (counted as content)."""
+        """One rendered message: its role and every field; part lists (a reasoning item's `content` and
+        `summary`) count their parts' texts. `output` is left to the caller, as content."""
         self.collected.messages += 1
         self.collected.texts.append(role)
         for key, value in item.items():
-            if key not in ("type", "output"):
+            if key in ("type", "output"):
+                continue
+            if key in ("content", "summary") and isinstance(value, list):
+                self.collected.add_content(value, f"{param}.{key}")
+            else:
                 self.collected.add_value(value, f"{param}.{key}")
 
 
