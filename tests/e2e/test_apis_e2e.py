@@ -8,7 +8,9 @@ charged twice, a refund lost or a request that slipped through moves a number an
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -21,7 +23,7 @@ from tests.e2e.test_usage_e2e import Ledger, assert_exact, wait_settled
 MODEL = "llama-3-8b"
 WINDOW = 8192
 CONFIG: dict[str, Any] = {
-    "admission": {"max_body_bytes": 65536},
+    "admission": {"max_body_bytes": 65536, "tenant": {"header": "x-tenant"}},
     # The simulator frames chat messages as OpenAI documents for cl100k (3 tokens per message, 3 to prime
     # the reply) and renders Responses and Messages requests as chat: with these costs the sidecar's prompt
     # count is exact, so each reservation is known to the token.
@@ -32,7 +34,11 @@ CONFIG: dict[str, Any] = {
             "template": {"per_message": 3, "per_request": 3},
         }
     },
-    "limits": {"global": {"tokens_per_minute": 10_000_000}, "models": {MODEL: {"max_concurrency": 16}}},
+    "limits": {
+        "global": {"tokens_per_minute": 10_000_000},
+        "models": {MODEL: {"max_concurrency": 16}},
+        "tenants": {"single": {"max_concurrency": 1}},
+    },
 }
 SIM_ARGS = fixed_step_sim(MODEL, 2)
 SHORT = {"x-sim-output-tokens": "6"}  # the answer stops (finish "stop") before the bound
@@ -166,6 +172,45 @@ def test_messages_refusal_is_a_client_error_and_never_reaches_the_backend(
         claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [document]}])
     assert "document" in str(err.value)
     assert stack.upstream_requests() == before
+
+
+def test_the_anthropic_sdk_backs_off_on_a_429_and_succeeds(stack: Stack) -> None:
+    """Tenant `single` has one slot: while a stream holds it, the SDK's call gets 429, waits `retry-after`
+    and succeeds once the stream ends."""
+    rejected_before = stack.sidecar("extproc_requests_total", decision="rejected", reason="concurrency")
+    message: Any = [{"role": "user", "content": "Hi"}]
+    headers = {"x-tenant": "single"}
+    with (
+        anthropic.Anthropic(
+            base_url=stack.url, api_key="unused", max_retries=0, default_headers=headers
+        ) as one,
+        anthropic.Anthropic(
+            base_url=stack.url, api_key="unused", max_retries=5, default_headers=headers
+        ) as other,
+        ThreadPoolExecutor(max_workers=1) as pool,
+    ):
+        with one.messages.stream(model=MODEL, max_tokens=400, messages=message) as holder:
+            next(iter(holder.text_stream))  # the slot is held from here on
+            waiter = pool.submit(other.messages.create, model=MODEL, max_tokens=5, messages=message)
+            wait_until(
+                lambda: (
+                    stack.sidecar("extproc_requests_total", decision="rejected", reason="concurrency")
+                    > rejected_before
+                ),
+                5.0,
+            )
+            for _ in holder.text_stream:  # the holder finishes after about 0.8 s, freeing the slot
+                pass
+        result = waiter.result(timeout=30)
+    assert result.usage.output_tokens == 5
+    assert wait_settled(stack)
+
+
+def wait_until(check: Callable[[], bool], limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------------------------------------
