@@ -29,16 +29,30 @@ ORDER: tuple[tuple[tuple[str, ...], Adapter], ...] = (
 
 
 def resolve(body: dict[str, Any]) -> Adapter:
-    """The adapter of the first API whose required field the body has (see the module docstring)."""
-    for keys, adapter in ORDER:
-        if any(body.get(key) is not None for key in keys):
-            return adapter
-    f.bad(
-        "Cannot find a suitable handler for the request: expected a chat (messages), completion (prompt), "
-        "embedding or classification (input), score or rerank (query and documents), or pooling (data) body.",
-        code="invalid_value",
-        param=None,
-    )
+    """The adapter of the first API whose required field the body has (see the module docstring).
+
+    A body with the fields of two APIs is refused: the backend falls through to the next type when a body
+    fails one type's validation, so a chat body that vLLM rejects on a field the gateway does not check
+    would run as a completion of its `prompt`, which the gateway never counted.
+    """
+    found = [(keys, adapter) for keys, adapter in ORDER if any(body.get(key) is not None for key in keys)]
+    if not found:
+        f.bad(
+            "Cannot find a suitable handler for the request: expected a chat (messages), completion "
+            "(prompt), embedding or classification (input), score or rerank (query and documents), or "
+            "pooling (data) body.",
+            code="invalid_value",
+            param=None,
+        )
+    if len(found) > 1:
+        fields = [next(key for key in keys if body.get(key) is not None) for keys, _ in found]
+        f.bad(
+            f"The request is ambiguous: it carries the fields of several APIs ({', '.join(fields)}). Send "
+            "the fields of one.",
+            code="invalid_value",
+            param=fields[1],
+        )
+    return found[0][1]
 
 
 class InvocationsAdapter:

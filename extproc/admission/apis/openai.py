@@ -12,6 +12,7 @@ overhead and the request its per-request overhead (`ModelPolicy.template`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from extproc.admission import fields as f
@@ -172,6 +173,17 @@ def _prompt_embeds(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
     return tuple(Prompt(opaque=True) for _ in (value if isinstance(value, list) else [value]))
 
 
+def _with_input_ids(prompt: Prompt, body: Mapping[str, Any]) -> Prompt:
+    """SGLang's chat takes pre-tokenized `input_ids` that replace the rendered messages (SGLang v0.5.23
+    srt/entrypoints/openai/protocol.py:1044-1047, serving_chat.py:1945-1951); they are counted on top of the
+    messages, so the prompt is never below what either server renders."""
+    ids = f.opt_list(body, "input_ids", "input_ids")
+    if not ids:
+        return prompt
+    f.token_ids(ids, "input_ids")
+    return replace(prompt, fixed_tokens=prompt.fixed_tokens + len(ids))
+
+
 class ChatAdapter:
     api = Api.CHAT
 
@@ -187,7 +199,7 @@ class ChatAdapter:
         return ParsedRequest(
             api=self.api,
             model=model,
-            prompts=(chat_prompt(body),),
+            prompts=(_with_input_ids(chat_prompt(body), body),),
             stream=stream,
             include_usage=include_usage,
             sequences=n,

@@ -51,7 +51,10 @@ class PoolingAdapter:
                 # `data` becomes prompts the gateway cannot see; one window each at most per request.
                 return _pooled(self.api, body, (Prompt(opaque=True),), "data", optional_model(body))
         model = optional_model(body)
-        if body.get("messages") is not None and body.get("input") is None:
+        if body.get("messages") is not None and body.get("input") is not None:
+            # Two shapes in one body: which one the server validates first is not the gateway's to guess.
+            f.bad("Send either 'input' or 'messages', not both.", code="invalid_value", param="messages")
+        if body.get("messages") is not None:
             return _pooled(self.api, body, (chat_prompt(body),), "messages", model)
         return _pooled(self.api, body, text_prompts(body, "input"), "input", model)
 

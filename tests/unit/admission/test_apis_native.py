@@ -225,7 +225,7 @@ def test_each_response_gets_its_own_sglang_reader() -> None:
 @pytest.mark.parametrize(
     ("request_body", "api"),
     [
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, Api.CHAT),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, Api.CHAT),
         ({"model": "m", "prompt": "hi"}, Api.COMPLETIONS),
         ({"model": "m", "prompt_embeds": "AAAA"}, Api.COMPLETIONS),
         ({"model": "m", "input": ["a", "b"]}, Api.EMBEDDINGS),
@@ -306,3 +306,24 @@ def test_batch_chat_edits() -> None:
         BodyEdits(max_tokens=12, strip_priority=True),
     )
     assert out is not None and out["max_tokens"] == 12
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [
+        # vLLM falls through to the next type when one fails: a chat body it rejects on a field the gateway
+        # does not check would run as a completion of `prompt`
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "y" * 100, "logprobs": 5},
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "input": "y"},
+        {"model": "m", "prompt": "x", "query": "q", "documents": ["d"]},
+    ],
+)
+def test_a_body_with_the_fields_of_two_apis_is_refused(request_body: dict[str, Any]) -> None:
+    err = refused(Api.INVOCATIONS, request_body)
+    assert err.code == "invalid_value" and "ambiguous" in err.message
+
+
+def test_sglang_chat_input_ids_are_counted_on_top_of_the_messages() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "input_ids": list(range(500))}
+    assert counts(parse(Api.CHAT, body)) == [tk("user", "x") + 500]
+    assert refused(Api.CHAT, {**body, "input_ids": [1, -1]}).param == "input_ids[1]"

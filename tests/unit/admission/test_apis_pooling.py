@@ -29,6 +29,7 @@ def test_pooling_shapes() -> None:
     assert chat.prompt_param == "messages" and counts(chat) == [tokens("user", "hi")]
     plugin = parse(P, {"data": {"url": "s3://tile"}})
     assert plugin.prompt_param == "data" and plugin.prompts[0].opaque
+    assert refused(P, {"input": "a", "messages": [{"role": "user", "content": "b"}]}).param == "messages"
     assert plan(P, {"data": {"url": "s3://tile"}}, ModelPolicy(512)) == Reservation(512, 0)
 
 
