@@ -256,7 +256,10 @@ class EmbeddingsAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        if body.get("messages") is not None and body.get("input") is None:
+        if body.get("messages") is not None and body.get("input") is not None:
+            # Two shapes in one body: which one the server validates first is not the gateway's to guess.
+            f.bad("Send either 'input' or 'messages', not both.", code="invalid_value", param="messages")
+        if body.get("messages") is not None:
             found: tuple[Prompt, ...] = (chat_prompt(body),)
             param = "messages"
         else:

@@ -29,7 +29,9 @@ def test_pooling_shapes() -> None:
     assert chat.prompt_param == "messages" and counts(chat) == [tokens("user", "hi")]
     plugin = parse(P, {"data": {"url": "s3://tile"}})
     assert plugin.prompt_param == "data" and plugin.prompts[0].opaque
-    assert refused(P, {"input": "a", "messages": [{"role": "user", "content": "b"}]}).param == "messages"
+    for api in (P, Api.EMBEDDINGS):
+        both = {"model": "m", "input": "a", "messages": [{"role": "user", "content": "b"}]}
+        assert refused(api, both).param == "messages"
     assert plan(P, {"data": {"url": "s3://tile"}}, ModelPolicy(512)) == Reservation(512, 0)
 
 
