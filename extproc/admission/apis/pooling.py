@@ -125,10 +125,8 @@ def _join(query: Prompt, document: Prompt, instruction: tuple[str, ...]) -> Prom
 def score_pairs(body: Mapping[str, Any]) -> tuple[tuple[Prompt, ...], str]:
     """One prompt per pair, and the field the queries came from; lengths must be 1:1, 1:N or N:N (vLLM
     v0.33.0 entrypoints/pooling/scoring/utils.py:111-123)."""
-    for first, second in SCORE_SHAPES:
-        if body.get(first) is not None and body.get(second) is not None:
-            break
-    else:
+    shapes = [(a, b) for a, b in SCORE_SHAPES if body.get(a) is not None and body.get(b) is not None]
+    if not shapes:
         f.bad(
             "Expected a query and documents: one of "
             + ", ".join(f"'{a}' with '{b}'" for a, b in SCORE_SHAPES)
@@ -136,6 +134,16 @@ def score_pairs(body: Mapping[str, Any]) -> tuple[tuple[Prompt, ...], str]:
             code="missing_field",
             param=None,
         )
+    if len(shapes) > 1:
+        # The server's schema is a union: which shape it takes is not the gateway's to guess.
+        f.bad(
+            "Send one query and documents shape, got "
+            + ", ".join(f"'{a}' with '{b}'" for a, b in shapes)
+            + ".",
+            code="invalid_value",
+            param=shapes[1][0],
+        )
+    first, second = shapes[0]
     queries = _side(body[first], first, single=first == "query")
     documents = _side(body[second], second, single=False)
     if len(queries) not in (1, len(documents)):

@@ -105,6 +105,8 @@ def test_token_ids_multimodal_content_and_instructions() -> None:
         ({"query": 5, "documents": ["a"]}, "invalid_type", "query"),
         ({"query": "q", "documents": [{"content": "x"}]}, "invalid_type", "documents[0].content"),
         ({"query": "q", "items": [[1, -1]]}, "invalid_value", "items[0][1]"),
+        ({"query": "q", "queries": ["p"], "documents": ["d"]}, "invalid_value", "queries"),
+        ({"text_1": "a", "text_2": "b", "data_1": "c", "data_2": "d"}, "invalid_value", "text_1"),
     ],
 )
 def test_score_validation(shape: dict[str, Any], code: str, param: str | None) -> None:
