@@ -12,7 +12,7 @@ so this errs high), and the request its per-request overhead.
 Output bound: `max_output_tokens`, absent means the rest of the window (vLLM v0.33.0
 entrypoints/openai/responses/serving.py:429-438 `get_max_tokens`). It applies per generation turn: with
 built-in (server-side) tools the server loops, re-prefilling the whole conversation and each tool's output
-every turn (serving.py:664-752), until the model stops calling tools or `max_tool_calls` calls were made
+every turn (serving.py:643-752), until the model stops calling tools or `max_tool_calls` calls were made
 (serving.py:698). Tool output has no size bound, so each extra turn is bounded only by the window: the
 request is charged one opaque prompt (a whole window) per allowed tool call, and refused without
 `max_tool_calls`.

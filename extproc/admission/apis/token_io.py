@@ -29,7 +29,7 @@ CONTENT_PART_TYPES = ("image_url", "audio_url", "video_url")
 def _media_prompt(body: Mapping[str, Any], ids: list[int]) -> Prompt:
     parts = f.opt_list(body, "content_parts", "content_parts") or []
     if parts and body.get("features") is not None:
-        # protocol.py:253-257
+        # protocol.py:254-257
         f.bad(
             "content_parts and features are mutually exclusive.", code="invalid_value", param="content_parts"
         )
