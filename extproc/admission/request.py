@@ -36,10 +36,27 @@ class Api(enum.StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    CHAT_BATCH = "chat_batch"  # vLLM /v1/chat/completions/batch: one conversation per prompt
+    RESPONSES = "responses"  # OpenAI Responses (/v1/responses)
+    MESSAGES = "messages"  # Anthropic Messages (/v1/messages)
+    INVOCATIONS = "invocations"  # SageMaker: resolved by body shape; a parsed request names the API found
+    GENERATE_TOKENS = "generate_tokens"  # vLLM token-in/token-out (/inference/v1/generate)
+    SGLANG_GENERATE = "sglang_generate"  # SGLang native /generate
+    SGLANG_ENCODE = "sglang_encode"  # SGLang native /encode and /classify: prompt tokens only
+    POOLING = "pooling"  # vLLM /pooling, /classify, SGLang /v1/classify: prompt tokens only
+    SCORE = "score"  # score and rerank: one prompt per (query, document) pair
+    COHERE_EMBED = "cohere_embed"  # vLLM /v2/embed (Cohere's embed schema)
+    TOKENIZE = "tokenize"  # renders and tokenizes (media included), runs no model
+    DETOKENIZE = "detokenize"
 
 
-USAGE_OPTION_APIS = frozenset({Api.CHAT, Api.COMPLETIONS})
+USAGE_OPTION_APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.GENERATE_TOKENS})
 """APIs whose streams report usage only when asked (`stream_options.include_usage`)."""
+
+ALLOW_STORED_CONTEXT = False
+"""Default for requests that prepend a conversation stored on the backend (Responses
+`previous_response_id`, SGLang `session_params`): refused, since its size is unknown to the gateway. When
+allowed, such a prompt is opaque and charged the whole context window."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,8 @@ class ParsedRequest:
     max_tokens_param: str = "max_tokens"  # named in context-length errors
     prompt_param: str = "prompt"  # named in context-length errors ("messages", "prompt", "input")
     generates: bool = True  # False for pooling APIs: no completion is reserved
+    # The field that prepends a conversation stored on the backend, when the request uses one.
+    stored_context: str | None = None
     body: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -113,17 +132,30 @@ def adapter_for(api: Api) -> Adapter:
     return ADAPTERS[api]
 
 
-def parse_request(api: Api, raw: bytes) -> ParsedRequest:
+def parse_request(
+    api: Api, raw: bytes, *, allow_stored_context: bool = ALLOW_STORED_CONTEXT
+) -> ParsedRequest:
     """Decode and validate a request body; cheap (JSON and field checks only, no tokenizing).
 
-    Raises AdmissionError(400) naming the offending field. Unknown fields pass through untouched.
+    Raises AdmissionError(400) naming the offending field. Unknown fields pass through untouched. A request
+    that prepends a stored conversation is refused unless `allow_stored_context` (see
+    `ALLOW_STORED_CONTEXT`).
     """
     try:
-        return adapter_for(api).parse(load_object(raw))
+        parsed = adapter_for(api).parse(load_object(raw))
     except RecursionError:  # validation never recurses deeply, but be certain no body can crash the caller
         raise AdmissionError(
             400, "Request body nests too deeply to be parsed.", code="invalid_json", param=None
         ) from None
+    if parsed.stored_context is not None and not allow_stored_context:
+        raise AdmissionError(
+            400,
+            f"'{parsed.stored_context}' is not accepted by this gateway: a stored conversation of unknown "
+            "size cannot be metered. Send the conversation in the request instead.",
+            code="unsupported_parameter",
+            param=parsed.stored_context,
+        )
+    return parsed
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -146,8 +178,11 @@ def count_prompt_tokens(req: ParsedRequest, policy: ModelPolicy) -> list[Count]:
 
 
 def prompt_token_lower_bound(req: ParsedRequest, policy: ModelPolicy) -> int:
-    """The largest single prompt's lower bound, computed without tokenizing (see `prompt.lower_bound`)."""
-    return max((prompts.lower_bound(p, policy) for p in req.prompts), default=0)
+    """The largest single prompt's lower bound, computed without tokenizing (see `prompt.lower_bound`).
+
+    Opaque prompts are left out: their size is unknown, so only the backend can judge their length.
+    """
+    return max((prompts.lower_bound(p, policy) for p in req.prompts if not p.opaque), default=0)
 
 
 def prompt_token_upper_bound(req: ParsedRequest, policy: ModelPolicy) -> int:
@@ -187,18 +222,31 @@ def plan_reservation(req: ParsedRequest, counts: list[Count], policy: ModelPolic
     backend may generate up to the rest of the context: that is reserved, or (`missing_max_tokens: inject`)
     the policy's default is written into the body and reserved. A prompt is refused only when its count is
     proven too large (`Count.low`); the reservation uses `Count.high`, so it is never below the truth.
+
+    An opaque prompt (its size unknown to the gateway) is reserved as a whole window per sequence family:
+    the backend guarantees prompt + completion <= window, and judges the prompt's length itself.
     """
     if len(counts) > req.prompt_count or not counts:
         raise ValueError(f"expected up to {req.prompt_count} prompt counts, got {len(counts)}")
     window = policy.context_window
     requested = req.requested_max_tokens
+    pairs = list(zip(counts, req.prompts, strict=False))
     injected: int | None = None
     if req.generates and requested is None and policy.missing_max_tokens is MissingMaxTokens.INJECT:
         # One bound for every prompt of the request, small enough that each prompt still fits the window.
-        room = min(window - c.high for c in counts)
+        room = min((window - c.high for c, p in pairs if not p.opaque), default=window)
         injected = max(1, min(policy.default_max_tokens, room))
+    prompt_total = 0
     completion_total = 0
-    for counted in counts:
+    for counted, prompt in pairs:
+        if prompt.opaque:
+            held_prompt, held_completion = _opaque_share(
+                req, window, requested if requested is not None else injected
+            )
+            prompt_total += held_prompt
+            completion_total += held_completion
+            continue
+        prompt_total += counted.high
         if not req.generates:
             if counted.low > window:
                 context_error(req, policy, counted.low, None)
@@ -215,10 +263,23 @@ def plan_reservation(req: ParsedRequest, counts: list[Count], policy: ModelPolic
     if len(counts) < req.prompt_count:
         raise ValueError("counting stopped early but no prompt exceeded the context window")
     return Reservation(
-        prompt_tokens=sum(c.high for c in counts),
+        prompt_tokens=prompt_total,
         completion_tokens=completion_total,
         injected_max_tokens=injected,
     )
+
+
+def _opaque_share(req: ParsedRequest, window: int, bound: int | None) -> tuple[int, int]:
+    """(prompt, completion) held for an opaque prompt: the worst case over every prompt size p.
+
+    Its sequences hold p + n * min(bound, window - p) tokens; the most is at p = window - bound, i.e.
+    window + (n - 1) * bound, split as (window - bound) for the prompt and n * bound for the completions.
+    Without a bound (bound = window) that is n whole windows. A pooling prompt holds one window.
+    """
+    if not req.generates:
+        return window, 0
+    per_sequence = window if bound is None else min(bound, window)
+    return window - per_sequence, per_sequence * req.sequences
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -73,12 +73,14 @@ def count_int(value: Any) -> int | None:
 class Observed:
     """What one SSE event or one JSON body says about usage, in a dialect-independent form.
 
-    `texts` are generated texts to count when no usage is reported; `prompt`/`completion` are reported
-    counts (`usage_seen` once any usage object was present); `final` marks the event that ends a complete
-    answer; `usage_only` marks the usage event a client did not ask for (it may be stripped).
+    `texts` are generated texts to count when no usage is reported, `tokens` generated tokens known without
+    tokenizing (token-id arrays); `prompt`/`completion` are reported counts (`usage_seen` once any usage
+    object was present); `final` marks the event that ends a complete answer; `usage_only` marks the usage
+    event a client did not ask for (it may be stripped).
     """
 
     texts: list[str] = field(default_factory=list)
+    tokens: int = 0
     usage_seen: bool = False
     prompt: int | None = None
     completion: int | None = None
@@ -92,7 +94,9 @@ class Dialect(Protocol):
 
     def event(self, name: bytes, obj: Mapping[str, Any]) -> Observed: ...
 
-    def body(self, obj: Mapping[str, Any]) -> Observed: ...
+    def body(self, obj: Any) -> Observed:
+        """A whole JSON body: usually an object; some APIs answer a batch as an array."""
+        ...
 
 
 class OpenAIDialect:
@@ -102,8 +106,8 @@ class OpenAIDialect:
     def event(self, name: bytes, obj: Mapping[str, Any]) -> Observed:
         return self._read(obj, "delta")
 
-    def body(self, obj: Mapping[str, Any]) -> Observed:
-        return self._read(obj, "message")
+    def body(self, obj: Any) -> Observed:
+        return self._read(obj, "message") if isinstance(obj, dict) else Observed()
 
     def _read(self, obj: Mapping[str, Any], key: str) -> Observed:
         seen = Observed(error=obj.get("error") is not None or obj.get("object") == "error")
@@ -363,11 +367,10 @@ class ResponseUsageTracker:
             return
         finally:
             self._body = bytearray()
-        if not isinstance(obj, dict):
-            return
         seen = self._dialect.body(obj)
         if seen.usage_seen and seen.completion is not None:
             seen.texts = []  # authoritative: no need to tokenize the answer
+            seen.tokens = 0
         self._absorb(seen)
 
     def _settle_tail(self) -> None:
@@ -405,7 +408,7 @@ class ResponseUsageTracker:
             self._error = True
         if seen.final:
             self.done_seen = True
-        counted = sum(count_text(t, self._encoding) for t in seen.texts if t)
+        counted = seen.tokens + sum(count_text(t, self._encoding) for t in seen.texts if t)
         self._counted_total += counted
         self._counted_since_report += counted
         if not seen.usage_seen:

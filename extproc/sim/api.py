@@ -1,4 +1,8 @@
-"""aiohttp handlers for the OpenAI-compatible surface vLLM serves, backed by the simulated engine.
+"""aiohttp handlers for the surface vLLM serves, backed by the simulated engine.
+
+Generation APIs (chat, completions, Responses, Anthropic Messages, token-in/token-out, and SageMaker's
+`/invocations` dispatching by body shape) run through the engine and write their answers in their own
+format (`formats.py`) with the same accounting. Pooling APIs are counted and answered without decoding.
 
 Streaming responses are prepared (headers sent) on the first token, not on arrival, so a request that
 fails while still queued (engine crash in oom mode) gets a clean HTTP 500 rather than a half-open SSE
@@ -14,17 +18,21 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from extproc.sim import formats
 from extproc.sim.config import SimConfig
 from extproc.sim.engine import Engine, EngineDownError, Event, EventKind
+from extproc.sim.formats import Choice, Format, Reply
 from extproc.sim.kvcache import BlockPool
 from extproc.sim.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from extproc.sim.protocol import (
     OUTPUT_TOKENS_HEADER,
     ApiError,
+    ParsedRequest,
     bad_request,
     check_context,
     count_prompts,
@@ -32,6 +40,7 @@ from extproc.sim.protocol import (
     plan_output,
 )
 from extproc.sim.scheduler import Scheduler
+from extproc.sim.shapes import parse_generate_tokens, parse_messages, parse_responses, pooling_prompts
 from extproc.sim.textgen import generate_tokens
 
 log = logging.getLogger(__name__)
@@ -47,6 +56,18 @@ class SimState:
         self.request_counter = 0
         self.created = int(time.time())
 
+
+POOLING_PATHS = (
+    "/v1/embeddings",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+)
+"""Pooling routes vLLM registers for pooling models (answered minimally, see `_pool`)."""
 
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("sim_engine", Engine)
 STATE_KEY: web.AppKey[SimState] = web.AppKey("sim_state", SimState)
@@ -69,6 +90,12 @@ def build_app(config: SimConfig, engine: Engine | None = None) -> web.Applicatio
     app[STATE_KEY] = SimState(config, engine)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/responses", _responses)
+    app.router.add_post("/v1/messages", _messages)
+    app.router.add_post("/inference/v1/generate", _generate_tokens)
+    app.router.add_post("/invocations", _invocations)
+    for path in POOLING_PATHS:
+        app.router.add_post(path, _pool)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -80,10 +107,6 @@ def build_app(config: SimConfig, engine: Engine | None = None) -> web.Applicatio
 
     app.cleanup_ctx.append(lifecycle)
     return app
-
-
-def _error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -110,36 +133,62 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _chat(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, chat=True)
+Parser = Callable[[Any, str | None, str], ParsedRequest]
 
 
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, chat=False)
+def _chat_parser(body: Any, header: str | None, model: str) -> ParsedRequest:
+    return parse_request(body, True, header, model)
 
 
-class _Choice:
-    """One choice of a response: its planned tokens, finish reason and what has been sent."""
-
-    def __init__(self, index: int, prompt_tokens: int, tokens: list[str], reason: str) -> None:
-        self.index = index
-        self.prompt_tokens = prompt_tokens
-        self.tokens = tokens
-        self.reason = reason
-        self.sent = 0
-        self.done = False
+def _completions_parser(body: Any, header: str | None, model: str) -> ParsedRequest:
+    return parse_request(body, False, header, model)
 
 
-async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+def _handler(parser: Parser, fmt: Format) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _serve(request, parser, fmt)
+
+    return handle
+
+
+_chat = _handler(_chat_parser, formats.CHAT)
+_completions = _handler(_completions_parser, formats.COMPLETIONS)
+_responses = _handler(parse_responses, formats.RESPONSES)
+_messages = _handler(parse_messages, formats.MESSAGES)
+_generate_tokens = _handler(parse_generate_tokens, formats.TOKENS)
+
+
+async def _invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker: the API is chosen by the body's shape, in vLLM's order (chat, completions, pooling)."""
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error_response(bad_request("Invalid JSON body"), formats.CHAT)
+    if isinstance(body, dict) and body.get("messages") is not None:
+        return await _serve(request, _chat_parser, formats.CHAT)
+    if isinstance(body, dict) and (body.get("prompt") is not None or body.get("prompt_embeds") is not None):
+        return await _serve(request, _completions_parser, formats.COMPLETIONS)
+    return await _pool(request)
+
+
+def _error_response(err: ApiError, fmt: Format) -> web.Response:
+    return web.json_response(fmt.error_body(err), status=err.status)
+
+
+async def _read_body(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("Invalid JSON body") from None
+
+
+async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     cfg = state.config
     engine = state.engine
     try:
-        try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad_request("Invalid JSON body") from None
-        req = parse_request(body, chat, request.headers.get(OUTPUT_TOKENS_HEADER), cfg.model)
+        body = await _read_body(request)
+        req = parser(body, request.headers.get(OUTPUT_TOKENS_HEADER), cfg.model)
         prompts = await asyncio.to_thread(count_prompts, req, cfg.encoding)
         for p in prompts:
             check_context(p, req.max_tokens, cfg.max_model_len)
@@ -148,11 +197,11 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                 503, "Engine is restarting after a KV-cache out-of-memory crash", "ServiceUnavailableError"
             )
     except ApiError as err:
-        return _error_response(err)
+        return _error_response(err, fmt)
 
     state.request_counter += 1
     req_no = state.request_counter
-    choices: list[_Choice] = []
+    choices: list[Choice] = []
     items = []
     for p_idx, prompt_tokens in enumerate(prompts):
         for j in range(req.n):
@@ -167,7 +216,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                 cfg.output_len_sigma,
             )
             tokens = generate_tokens(count, f"{cfg.seed}:{req_no}:{index}", cfg.encoding)
-            choices.append(_Choice(index, prompt_tokens, tokens, reason))
+            choices.append(Choice(index, prompt_tokens, tokens, reason))
             items.append((engine.new_sequence(prompt_tokens, count), index, reason))
     sink: asyncio.Queue[Event] = asyncio.Queue()
     try:
@@ -176,21 +225,22 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error_response(
             ApiError(
                 503, "Engine is restarting after a KV-cache out-of-memory crash", "ServiceUnavailableError"
-            )
+            ),
+            fmt,
         )
-    prompt_total = sum(prompts)
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    rid = fmt.rid_prefix + uuid.uuid4().hex
+    reply = Reply(rid, cfg.model, sum(prompts), choices, req.include_usage, cfg.encoding)
     log.debug(
         "request %s: %d prompt(s), %d prompt tokens, %d choices",
         rid,
         len(prompts),
-        prompt_total,
+        reply.prompt_total,
         len(choices),
     )
     try:
         if req.stream:
-            return await _stream(request, rid, chat, req.include_usage, choices, prompt_total, sink, state)
-        return await _collect(rid, chat, choices, prompt_total, sink, state)
+            return await _stream(request, reply, fmt, sink)
+        return await _collect(reply, fmt, sink)
     except (asyncio.CancelledError, ConnectionResetError):
         engine.abort(tracked)
         log.info("request %s: client disconnected, sequences aborted", rid)
@@ -200,115 +250,51 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         engine.abort(tracked)
 
 
-def _usage(prompt_total: int, choices: list[_Choice]) -> dict[str, int]:
-    completion = sum(c.sent for c in choices)
-    return {
-        "prompt_tokens": prompt_total,
-        "completion_tokens": completion,
-        "total_tokens": prompt_total + completion,
-    }
-
-
-async def _collect(
-    rid: str,
-    chat: bool,
-    choices: list[_Choice],
-    prompt_total: int,
-    sink: asyncio.Queue[Event],
-    state: SimState,
-) -> web.Response:
-    remaining = len(choices)
+async def _collect(reply: Reply, fmt: Format, sink: asyncio.Queue[Event]) -> web.Response:
+    remaining = len(reply.choices)
     while remaining:
         ev = await sink.get()
         if ev.kind is EventKind.ERROR:
-            return _error_response(ApiError(500, ev.message, "InternalServerError"))
-        choice = choices[ev.index]
+            return _error_response(ApiError(500, ev.message, "InternalServerError"), fmt)
+        choice = reply.choices[ev.index]
         choice.sent = ev.count
         if ev.finished:
             choice.done = True
             remaining -= 1
-    out: list[dict[str, Any]] = []
-    for c in choices:
-        text = "".join(c.tokens[: c.sent])
-        entry: dict[str, Any] = {"index": c.index}
-        if chat:
-            entry["message"] = {"role": "assistant", "content": text}
-        else:
-            entry["text"] = text
-        entry.update({"logprobs": None, "finish_reason": c.reason, "stop_reason": None})
-        out.append(entry)
-    body = {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": state.config.model,
-        "choices": out,
-        "usage": _usage(prompt_total, choices),
-    }
-    return web.json_response(body)
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return web.json_response(fmt.body(reply))
 
 
 async def _stream(
-    request: web.Request,
-    rid: str,
-    chat: bool,
-    include_usage: bool,
-    choices: list[_Choice],
-    prompt_total: int,
-    sink: asyncio.Queue[Event],
-    state: SimState,
+    request: web.Request, reply: Reply, fmt: Format, sink: asyncio.Queue[Event]
 ) -> web.StreamResponse:
-    created = int(time.time())
-    base = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": state.config.model,
-    }
     resp: web.StreamResponse | None = None
-    remaining = len(choices)
+    remaining = len(reply.choices)
     while remaining:
         ev = await sink.get()
         if ev.kind is EventKind.ERROR:
             err = ApiError(500, ev.message, "InternalServerError")
             if resp is None:
-                return _error_response(err)
-            await resp.write(_sse(err.body()))
-            # The engine died: end the body without [DONE] and close the connection, so a client
+                return _error_response(err, fmt)
+            await resp.write(fmt.stream_error(reply, err))
+            # The engine died: end the body without its final event and close the connection, so a client
             # cannot mistake the partial answer for a complete one but still reads the error event.
             resp.force_close()
             await resp.write_eof()
             return resp
+        out = bytearray()
         if resp is None:
             resp = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await resp.prepare(request)
-        choice = choices[ev.index]
-        out = bytearray()
-        if chat and choice.sent == 0:
-            out += _sse(
-                {**base, "choices": [_chat_delta(choice.index, {"role": "assistant", "content": ""}, None)]}
-            )
+            out += fmt.prelude(reply)
+        choice = reply.choices[ev.index]
+        if choice.sent == 0:
+            out += fmt.open(reply, choice)
         for k in range(choice.sent, ev.count):
             last = ev.finished and k == ev.count - 1
-            reason = choice.reason if last else None
-            text = choice.tokens[k]
-            if chat:
-                chunk = _chat_delta(choice.index, {"content": text}, reason)
-            else:
-                chunk = {
-                    "index": choice.index,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": reason,
-                    "stop_reason": None,
-                }
-            out += _sse({**base, "choices": [chunk]})
+            choice.sent = k + 1
+            out += fmt.token(reply, choice, k, choice.reason if last else None)
         choice.sent = ev.count
         if ev.finished:
             choice.done = True
@@ -317,12 +303,45 @@ async def _stream(
     if resp is None:  # no choices at all cannot happen (n >= 1), kept for type narrowing
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-    if include_usage:
-        await resp.write(_sse({**base, "choices": [], "usage": _usage(prompt_total, choices)}))
-    await resp.write(b"data: [DONE]\n\n")
+    await resp.write(fmt.close(reply))
     await resp.write_eof()
     return resp
 
 
-def _chat_delta(index: int, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+async def _pool(request: web.Request) -> web.Response:
+    """Embeddings, classify, pooling, score and rerank, answered at once without decoding.
+
+    The prompts are counted and booked in the engine's metrics (prompt tokens and one finished request per
+    prompt, as vLLM's pooling requests finish), so a test sees exactly what reached the simulator.
+    """
+    state = request.app[STATE_KEY]
+    cfg = state.config
+    try:
+        body = await _read_body(request)
+        prompts = await asyncio.to_thread(pooling_prompts, body, cfg.model, cfg.encoding)
+        for p in prompts:
+            if p > cfg.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {cfg.max_model_len} tokens. However, your "
+                    f"request has {p} input tokens. Please reduce the length of the input.",
+                    "input_tokens",
+                )
+        if not state.engine.is_up:
+            raise ApiError(
+                503, "Engine is restarting after a KV-cache out-of-memory crash", "ServiceUnavailableError"
+            )
+    except ApiError as err:
+        return _error_response(err, formats.CHAT)
+    state.engine.record_pooling(prompts)
+    total = sum(prompts)
+    data = [{"object": "embedding", "index": i, "embedding": [0.0] * 4} for i in range(len(prompts))]
+    answer = {
+        "id": "embd-" + uuid.uuid4().hex,
+        "object": "list",
+        "created": int(time.time()),
+        "model": cfg.model,
+        "data": data,
+        "results": [{"index": i, "relevance_score": 0.5} for i in range(len(prompts))],
+        "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0},
+    }
+    return web.json_response(answer)

@@ -163,6 +163,13 @@ class Engine:
         self._wake.set()
         return tracked
 
+    def record_pooling(self, prompts: list[int]) -> None:
+        """A pooling request (embeddings, score, ...) ran its prompts without decoding: book their prompt
+        tokens and one finished request per prompt. It holds no KV blocks past its forward pass, so the
+        simulator does not schedule it."""
+        self.metrics.prompt_tokens.inc(sum(prompts))
+        self.metrics.request_success["stop"].inc(len(prompts))
+
     def abort(self, tracked: list[Tracked]) -> None:
         """Client went away: drop its sequences and free their blocks now, not at the next step."""
         aborted = 0

@@ -57,7 +57,7 @@ class ParsedRequest:
     output_override: int | None
 
 
-def _optional_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+def optional_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -68,38 +68,50 @@ def _optional_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     return value
 
 
+def check_model(body: dict[str, Any], served_model: str) -> None:
+    """An absent `model` means the served one (vLLM); another name is a 404."""
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+def output_override(body: dict[str, Any], header_override: str | None) -> int | None:
+    """The completion length a test asked for, by header (wins) or body field."""
+    override = optional_int(body, OUTPUT_TOKENS_FIELD, 0)
+    if header_override is not None:
+        try:
+            override = int(header_override)
+        except ValueError:
+            raise bad_request(f"header {OUTPUT_TOKENS_HEADER} must be an integer") from None
+    return override
+
+
 def parse_request(body: Any, chat: bool, header_override: str | None, served_model: str) -> ParsedRequest:
     """Validate the fields the simulator uses; anything else in the body is accepted and ignored."""
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    check_model(body, served_model)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise bad_request("'messages' must be a non-empty list of message objects", "messages")
-        max_tokens = _optional_int(body, "max_completion_tokens", 1)
+        max_tokens = optional_int(body, "max_completion_tokens", 1)
         if max_tokens is None:
-            max_tokens = _optional_int(body, "max_tokens", 1)
+            max_tokens = optional_int(body, "max_tokens", 1)
     else:
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "prompt")
-        max_tokens = _optional_int(body, "max_tokens", 1)
-    n = _optional_int(body, "n", 1) or 1
+        max_tokens = optional_int(body, "max_tokens", 1)
+    n = optional_int(body, "n", 1) or 1
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     if options is not None and not stream:
         # vLLM's request validator refuses this combination rather than ignoring it.
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage", False))
-    override = _optional_int(body, OUTPUT_TOKENS_FIELD, 0)
-    if header_override is not None:
-        try:
-            override = int(header_override)
-        except ValueError:
-            raise bad_request(f"header {OUTPUT_TOKENS_HEADER} must be an integer") from None
-    return ParsedRequest(chat, body, n, stream, include_usage, max_tokens, override)
+    return ParsedRequest(
+        chat, body, n, stream, include_usage, max_tokens, output_override(body, header_override)
+    )
 
 
 def count_prompts(req: ParsedRequest, encoding: str) -> list[int]:

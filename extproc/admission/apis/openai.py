@@ -12,9 +12,11 @@ overhead and the request its per-request overhead (`ModelPolicy.template`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from extproc.admission import fields as f
+from extproc.admission.apis.common import padded
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
 from extproc.admission.request import Api, BodyEdits, ParsedRequest
 
@@ -125,7 +127,7 @@ def chat_prompt(body: Mapping[str, Any], key: str = "messages") -> Prompt:
     )
 
 
-def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+def stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     """(stream, include_usage) of a generation request."""
     stream = bool(f.opt_bool(body, "stream", "stream"))
     options = f.opt_object(body, "stream_options", "stream_options")
@@ -145,10 +147,10 @@ def _edit_generation(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits)
     if edits.max_tokens is not None and req.requested_max_tokens is None:
         body["max_tokens"] = edits.max_tokens
         changed = True
-    return _edit_priority(body, edits) or changed
+    return edit_priority(body, edits) or changed
 
 
-def _edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
+def edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
     """A client must not pick its own place in the backend's priority scheduling: strip it or set it."""
     if edits.priority is not None:
         if body.get("priority") != edits.priority:
@@ -161,11 +163,25 @@ def _edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
     return False
 
 
-def _prompt_embeds(body: Mapping[str, Any]) -> Prompt | None:
-    """`prompt_embeds` (vLLM): its length cannot be known without the model, so it is charged the window."""
-    if body.get("prompt_embeds") is None:
-        return None
-    return Prompt(opaque=True)
+def _prompt_embeds(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
+    """`prompt_embeds` (vLLM: one base64 tensor or a list of them): each is a prompt rendered before any
+    `prompt` (vLLM v0.33.0 renderers/online_renderer.py:713-726) whose length cannot be known without the
+    model, so each is opaque."""
+    value = body.get("prompt_embeds")
+    if value is None:
+        return ()
+    return tuple(Prompt(opaque=True) for _ in (value if isinstance(value, list) else [value]))
+
+
+def _with_input_ids(prompt: Prompt, body: Mapping[str, Any]) -> Prompt:
+    """SGLang's chat takes pre-tokenized `input_ids` that replace the rendered messages (SGLang v0.5.23
+    srt/entrypoints/openai/protocol.py:1044-1047, serving_chat.py:1945-1951); they are counted on top of the
+    messages, so the prompt is never below what either server renders."""
+    ids = f.opt_list(body, "input_ids", "input_ids")
+    if not ids:
+        return prompt
+    f.token_ids(ids, "input_ids")
+    return replace(prompt, fixed_tokens=prompt.fixed_tokens + len(ids))
 
 
 class ChatAdapter:
@@ -173,7 +189,7 @@ class ChatAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = _stream_options(body)
+        stream, include_usage = stream_options(body)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
         param = "max_tokens"
@@ -183,7 +199,7 @@ class ChatAdapter:
         return ParsedRequest(
             api=self.api,
             model=model,
-            prompts=(chat_prompt(body),),
+            prompts=(_with_input_ids(chat_prompt(body), body),),
             stream=stream,
             include_usage=include_usage,
             sequences=n,
@@ -210,14 +226,12 @@ class CompletionsAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = _stream_options(body)
+        stream, include_usage = stream_options(body)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         best_of = f.opt_int(body, "best_of", low=1, high=f.MAX_N) or 1
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
         embeds = _prompt_embeds(body)
-        found = (
-            (embeds,) if embeds is not None and body.get("prompt") is None else text_prompts(body, "prompt")
-        )
+        found = embeds if embeds and body.get("prompt") is None else embeds + text_prompts(body, "prompt")
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -235,20 +249,29 @@ class CompletionsAdapter:
 
 
 class EmbeddingsAdapter:
-    """Embeddings (and vLLM's chat-style embeddings with `messages`): prompt tokens only."""
+    """Embeddings (and vLLM's chat-style embeddings with `messages`): prompt tokens only; vLLM's
+    `padding: "max_length"` charges each prompt the whole window."""
 
     api = Api.EMBEDDINGS
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        if body.get("messages") is not None and body.get("input") is None:
+        if body.get("messages") is not None and body.get("input") is not None:
+            # Two shapes in one body: which one the server validates first is not the gateway's to guess.
+            f.bad("Send either 'input' or 'messages', not both.", code="invalid_value", param="messages")
+        if body.get("messages") is not None:
             found: tuple[Prompt, ...] = (chat_prompt(body),)
             param = "messages"
         else:
             found, param = text_prompts(body, "input"), "input"
         return ParsedRequest(
-            api=self.api, model=model, prompts=found, prompt_param=param, generates=False, body=body
+            api=self.api,
+            model=model,
+            prompts=padded(body, found),
+            prompt_param=param,
+            generates=False,
+            body=body,
         )
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        return _edit_priority(body, edits)
+        return edit_priority(body, edits)

@@ -348,8 +348,51 @@ def test_prompt_embeds_are_charged_the_whole_window() -> None:
     req = parse_request(COMP, raw({"model": "m", "prompt_embeds": "AAAA", "max_tokens": 5}))
     policy = ModelPolicy(context_window=4096)
     assert counts(req, policy) == [4096]
-    with pytest.raises(AdmissionError):  # the window is full: nothing is left for the completion
-        plan_reservation(req, count_prompt_tokens(req, policy), policy)
+    assert prompt_token_lower_bound(req, policy) == 0  # its length is the backend's to judge
+    # prompt + completion <= window on the backend: one whole window is held, never a refusal
+    got = plan_reservation(req, count_prompt_tokens(req, policy), policy)
+    assert got == Reservation(4096 - 5, 5)
+
+
+@pytest.mark.parametrize(
+    ("body", "window", "expected"),
+    [
+        # one sequence: exactly the window, split at the worst prompt size (window - bound)
+        ({"prompt_embeds": "AAAA", "max_tokens": 100}, 1000, Reservation(900, 100)),
+        # n sequences share the prompt: window + (n - 1) x bound
+        ({"prompt_embeds": "AAAA", "max_tokens": 100, "n": 3}, 1000, Reservation(900, 300)),
+        # no bound: each sequence may fill the window
+        ({"prompt_embeds": "AAAA", "n": 2}, 1000, Reservation(0, 2000)),
+        # a bound above the window is the backend's to refuse; at most a window per sequence is held
+        ({"prompt_embeds": "AAAA", "max_tokens": 5000}, 1000, Reservation(0, 1000)),
+        # several tensors, and text prompts after them (vLLM renders both)
+        (
+            {"prompt_embeds": ["AA", "BB"], "prompt": ["a", "b"], "max_tokens": 10},
+            1000,
+            Reservation(2 * 990 + 2 * 3, 40),
+        ),
+    ],
+)
+def test_opaque_prompts_hold_one_window_per_sequence_family(
+    body: dict[str, Any], window: int, expected: Reservation
+) -> None:
+    req = parse_request(COMP, raw({"model": "m", **body}))
+    found = [Count(3, 3) if not p.opaque else Count(window, window) for p in req.prompts]
+    assert plan_reservation(req, found, ModelPolicy(context_window=window)) == expected
+
+
+def test_opaque_prompts_are_never_refused_and_do_not_shrink_an_injected_bound() -> None:
+    policy = ModelPolicy(
+        context_window=1000, default_max_tokens=300, missing_max_tokens=MissingMaxTokens.INJECT
+    )
+    req = parse_request(COMP, raw({"model": "m", "prompt_embeds": "AAAA", "prompt": "x"}))
+    got = plan_reservation(req, [Count(1000, 1000), Count(800, 800)], policy)
+    assert got.injected_max_tokens == 200  # room left by the text prompt, not by the opaque one
+    assert got == Reservation((1000 - 200) + 800, 2 * 200, injected_max_tokens=200)
+    alone = parse_request(COMP, raw({"model": "m", "prompt_embeds": "AAAA"}))
+    assert plan_reservation(alone, count_prompt_tokens(alone, policy), policy).injected_max_tokens == 300
+    pooled = parse_request(EMB, raw(emb(padding="max_length", input=["a", "b"])))
+    assert plan_reservation(pooled, count_prompt_tokens(pooled, policy), policy) == Reservation(2000, 0)
 
 
 def test_chat_style_embeddings_count_their_messages() -> None:

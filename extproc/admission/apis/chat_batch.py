@@ -1,0 +1,63 @@
+"""vLLM's batch chat completions, `POST /v1/chat/completions/batch`.
+
+`messages` is a list of conversations; each is rendered and generated on its own, one choice per
+conversation (vLLM v0.33.0 entrypoints/openai/chat_completion/protocol.py:1140-1262
+`BatchChatCompletionRequest`), so each is one prompt here with the request's output bound. `n` must be 1
+(protocol.py:1255-1259); there is no `stream` (the answer is one JSON body) and no `tools` field (extra
+fields are ignored, so tools are not rendered and not counted).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extproc.admission import fields as f
+from extproc.admission.apis.openai import chat_prompt, edit_priority
+from extproc.admission.request import Api, BodyEdits, ParsedRequest
+
+
+class ChatBatchAdapter:
+    api = Api.CHAT_BATCH
+
+    def parse(self, body: dict[str, Any]) -> ParsedRequest:
+        model = f.model_name(body)
+        conversations = body.get("messages")
+        if conversations is None:
+            f.bad("Missing required parameter: 'messages'.", code="missing_field", param="messages")
+        if not isinstance(conversations, list) or not conversations:
+            f.bad(
+                "'messages' must be a non-empty array of conversations.",
+                code="invalid_type",
+                param="messages",
+            )
+        if f.opt_int(body, "n", low=1, high=f.MAX_N) not in (None, 1):
+            f.bad(
+                "Batch chat completions do not support `n > 1`. Please set `n` to 1.",
+                code="invalid_value",
+                param="n",
+            )
+        prompts = tuple(
+            chat_prompt({f"messages[{i}]": conversation}, key=f"messages[{i}]")
+            for i, conversation in enumerate(conversations)
+        )
+        requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
+        param = "max_tokens"
+        bound = f.opt_int(body, "max_completion_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
+        if bound is not None:
+            requested, param = bound, "max_completion_tokens"
+        return ParsedRequest(
+            api=self.api,
+            model=model,
+            prompts=prompts,
+            requested_max_tokens=requested,
+            max_tokens_param=param,
+            prompt_param="messages",
+            body=body,
+        )
+
+    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
+        changed = False
+        if edits.max_tokens is not None and req.requested_max_tokens is None:
+            body["max_tokens"] = edits.max_tokens
+            changed = True
+        return edit_priority(body, edits) or changed

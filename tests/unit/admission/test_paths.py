@@ -1,0 +1,133 @@
+"""The path table: every engine path has a kind and a reason, the docs say the same, prefixes are safe."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from extproc.admission.apis import ADAPTERS, DIALECTS, dialect_for
+from extproc.admission.paths import (
+    BACKEND_CONTROL_HEADERS,
+    DEFAULT_RULES,
+    DEFAULT_TABLE,
+    KNOWN_REFUSED,
+    PathRule,
+    PathTable,
+    RouteKind,
+)
+from extproc.admission.request import Api
+from extproc.config import ConfigError, parse_config
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "admission.md"
+KIND_WORDS = {RouteKind.METERED: "metered", RouteKind.FREE: "free", RouteKind.DENIED: "refused"}
+ALL_ROWS = (*DEFAULT_RULES, *KNOWN_REFUSED)
+
+
+def concrete(path: str) -> str:
+    """A request path for a table path: parameters filled in, a prefix given a tail."""
+    path = re.sub(r"\{[^}]+\}", "x-1", path)
+    return path[:-1] + "meta-llama/Llama-3-8B" if path.endswith("/*") else path
+
+
+@pytest.mark.parametrize("rule", ALL_ROWS, ids=lambda r: f"{sorted(r.methods)[0]} {r.path}")
+def test_every_row_routes_as_it_says(rule: PathRule) -> None:
+    for method in rule.methods:
+        got = DEFAULT_TABLE.route(method, concrete(rule.path))
+        if rule.kind is RouteKind.DENIED:
+            assert got is None, f"{method} {rule.path} must be refused"
+        else:
+            assert got is rule, f"{method} {rule.path}"
+            assert (got.api is not None) == (rule.kind is RouteKind.METERED)
+
+
+def test_rows_are_unique_documented_and_refused_rows_never_route() -> None:
+    paths = [rule.path for rule in ALL_ROWS]
+    assert len(paths) == len(set(paths))
+    assert all(rule.reason and rule.engines for rule in ALL_ROWS)
+    assert all(rule.kind is not RouteKind.DENIED for rule in DEFAULT_RULES)
+    assert all(rule.kind is RouteKind.DENIED for rule in KNOWN_REFUSED)
+
+
+def test_other_methods_on_metered_paths_are_refused_but_preflight_is_free() -> None:
+    assert DEFAULT_TABLE.route("GET", "/v1/responses") is None
+    assert DEFAULT_TABLE.route("PUT", "/v1/responses") is None
+    assert DEFAULT_TABLE.route("put", "/generate/") is not None  # SGLang takes PUT there
+    preflight = DEFAULT_TABLE.route("OPTIONS", "/v1/messages")
+    assert preflight is not None and preflight.kind is RouteKind.FREE
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/v1/models/meta-llama/Llama-3-8B", RouteKind.FREE),
+        ("/v1/models/", RouteKind.FREE),  # the exact row (trailing slash removed)
+        ("/v1/models/a/../../../metrics", None),  # resolves to /metrics
+        ("/v1/models/%2e%2e/%2e%2e/collective_rpc", None),
+        ("/v1/modelsX", None),
+        ("/v1/models/x?y=1", RouteKind.FREE),
+    ],
+)
+def test_the_models_prefix_only_matches_below_it(path: str, kind: RouteKind | None) -> None:
+    got = DEFAULT_TABLE.route("GET", path)
+    assert (got.kind if got else None) is kind
+    assert DEFAULT_TABLE.route("POST", "/v1/models/x") is None
+
+
+def test_the_longest_prefix_wins() -> None:
+    table = PathTable.build(
+        [
+            PathRule("/a/*", frozenset({"GET"}), RouteKind.FREE, reason="outer"),
+            PathRule("/a/b/*", frozenset({"GET"}), RouteKind.DENIED, reason="inner"),
+        ]
+    )
+    assert table.route("GET", "/a/x") is not None
+    assert table.route("GET", "/a/b/c") is None
+
+
+def test_every_metered_api_has_an_adapter_and_a_dialect() -> None:
+    assert set(ADAPTERS) == set(Api) == set(DIALECTS)
+    for rule in DEFAULT_RULES:
+        if rule.api is not None:
+            assert ADAPTERS[rule.api].api is rule.api
+            assert dialect_for(rule.api) is not None
+
+
+def test_backend_control_headers_are_lower_case_and_cited() -> None:
+    assert all(h == h.lower() and h.isascii() for h in BACKEND_CONTROL_HEADERS)
+    assert len(set(BACKEND_CONTROL_HEADERS)) == len(BACKEND_CONTROL_HEADERS)
+    assert {"x-vllm-priority", "x-data-parallel-rank", "x-override-priority"} <= set(BACKEND_CONTROL_HEADERS)
+
+
+def doc_rows() -> list[tuple[str, ...]]:
+    text = DOC.read_text(encoding="utf-8")
+    table = text.split("<!-- path-table:start -->")[1].split("<!-- path-table:end -->")[0]
+    rows = []
+    for line in table.strip().splitlines()[2:]:
+        cells = tuple(cell.strip() for cell in line.strip().strip("|").split("|"))
+        rows.append(cells)
+    return rows
+
+
+def test_the_docs_table_is_the_code_table() -> None:
+    expected = [
+        (
+            f"`{rule.path}`",
+            ", ".join(sorted(rule.methods)),
+            rule.engines,
+            KIND_WORDS[rule.kind],
+            rule.api.value if rule.api else "",
+            rule.reason,
+        )
+        for rule in ALL_ROWS
+    ]
+    assert doc_rows() == expected
+
+
+def test_config_can_deny_the_prefix_row_and_add_free_prefixes() -> None:
+    config = parse_config({"paths": {"deny": ["/v1/models/*"], "free": ["GET /dashboard/*"]}})
+    assert config.paths.route("GET", "/v1/models/x") is None
+    assert config.paths.route("GET", "/dashboard/a/b") is not None
+    with pytest.raises(ConfigError):
+        parse_config({"paths": {"deny": ["/v1/models/nope"]}})
