@@ -86,6 +86,9 @@ class AdmissionConfig:
     reject_unknown_models: bool = False
     tenant: TenantConfig = field(default_factory=TenantConfig)
     allow_request_chat_template: bool = False
+    # Requests that prepend a stored conversation (Responses `previous_response_id`, SGLang sessions): their
+    # prompt size is unknown, so they are refused unless allowed, and then charged as opaque.
+    allow_stored_context: bool = False
     # Large prompts of one tenant (or one anonymous client address) counted at the same time, and waiting.
     tokenizer_per_client: int = 1
     tokenizer_backlog_per_client: int = 4
@@ -697,6 +700,7 @@ def parse_config(data: Any) -> Config:
         reject_unknown_models=adm.boolean("reject_unknown_models", False),
         tenant=tenant,
         allow_request_chat_template=adm.boolean("allow_request_chat_template", False),
+        allow_stored_context=adm.boolean("allow_stored_context", False),
         tokenizer_per_client=adm.required_integer("tokenizer_per_client", 1, minimum=1),
         tokenizer_backlog_per_client=adm.required_integer("tokenizer_backlog_per_client", 4, minimum=0),
         tokenizer_max_wait_seconds=adm.number("tokenizer_max_wait_seconds", 0.5, minimum=0.0),

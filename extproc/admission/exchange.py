@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import math
 import re
@@ -24,11 +25,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
 from extproc.admission import refusals
-from extproc.admission.apis import dialect_for
+from extproc.admission.apis import dialect_for, render_refusal
 from extproc.admission.errors import AdmissionError
 from extproc.admission.headers import ratelimit_headers
 from extproc.admission.lanes import LaneFull
-from extproc.admission.paths import RouteKind
+from extproc.admission.paths import BACKEND_CONTROL_HEADERS, RouteKind
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.request import (
     USAGE_OPTION_APIS,
@@ -135,6 +136,7 @@ class Exchange:
         return self.phase in (Phase.REFUSED, Phase.PASSTHROUGH, Phase.SETTLED)
 
     def _refuse(self, refusal: Refusal) -> Refusal:
+        refusal = render_refusal(self.api, refusal)  # in the error envelope this API's clients parse
         self.phase = Phase.REFUSED
         self.service.count("rejected", refusal.reason, self.model_label, self.class_name, self.tenant)
         log.info(
@@ -168,7 +170,9 @@ class Exchange:
         if length is not None and length.isascii() and length.isdigit() and int(length) > cap:
             return self._refuse(refusals.too_large(int(length), cap))
         self.phase = Phase.AWAITING_BODY
-        return FORWARD
+        # Headers the engines read to override the body (priority, data-parallel rank, model) never pass.
+        control = tuple(h for h in BACKEND_CONTROL_HEADERS if h in head.headers)
+        return Forward(remove_headers=control) if control else FORWARD
 
     # -- request body ---------------------------------------------------------------------------------------
 
@@ -320,20 +324,26 @@ class Exchange:
             # The request ended while it waited (a cancel the wait swallowed): settle now, not at GC.
             self._settle()
             return FORWARD
+        headers: tuple[tuple[str, str], ...] = ()
+        if self.klass.backend_priority is not None:
+            # vLLM reads the header on every API (the Messages API has no body field for it).
+            headers = (("x-vllm-priority", str(self.klass.backend_priority)),)
         if new_body is None:
-            return FORWARD
-        return Forward(set_headers=(("content-length", str(len(new_body))),), body=new_body)
+            return Forward(set_headers=headers) if headers else FORWARD
+        return Forward(set_headers=(*headers, ("content-length", str(len(new_body)))), body=new_body)
 
     async def _plan(self, raw: bytes, config: Config) -> tuple[ParsedRequest, Reservation]:
         """Parse, resolve the model's policy and pool, bound and count the prompt, size the reservation."""
         assert self.api is not None
         service = self.service
+        stored = config.admission.allow_stored_context
         if len(raw) > OFF_LOOP_PARSE_BYTES:
             # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
             # worker thread, through the client's lane like its counting.
-            parsed = await service.lanes.run(self.tokenizer_lane, parse_request, self.api, raw)
+            parse = functools.partial(parse_request, allow_stored_context=stored)
+            parsed = await service.lanes.run(self.tokenizer_lane, parse, self.api, raw)
         else:
-            parsed = parse_request(self.api, raw)
+            parsed = parse_request(self.api, raw, allow_stored_context=stored)
         policy = config.model_policy(parsed.model)
         if policy is None:
             raise AdmissionError(

@@ -468,3 +468,19 @@ async def test_client_address_comes_from_envoys_source_address_attribute() -> No
         attributes.update({"source.address": sent})
         request.attributes[EXT_PROC_ATTRIBUTES].CopyFrom(attributes)
         assert client_address(request) == host
+
+
+async def test_headers_the_engines_read_over_the_body_are_removed(harness: Harness) -> None:
+    s = harness.stream()
+    reply = await s.send(
+        headers_msg(
+            "POST", "/v1/chat/completions", **{"x-vllm-priority": "-100", "x-data-parallel-rank": "0"}
+        )
+    )
+    removed = set(reply.request_headers.response.header_mutation.remove_headers)
+    assert removed == {"x-vllm-priority", "x-data-parallel-rank"}
+    s.cancel()
+    s = harness.stream()
+    reply = await s.send(headers_msg("POST", "/v1/chat/completions"))
+    assert not reply.request_headers.response.HasField("header_mutation")
+    s.cancel()
