@@ -100,6 +100,8 @@ class AdmissionConfig:
     assumed_decode_tokens_per_second: float = 100.0
     # Envoy's ext_proc max_message_timeout in the shipped configs; a queue wait must fit under it.
     envoy_max_message_timeout_seconds: float = 30.0
+    # Lean profile: how long after a request ended its end report may arrive before the lease expires.
+    end_report_wait_seconds: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -711,6 +713,7 @@ def parse_config(data: Any) -> Config:
             "assumed_decode_tokens_per_second", AdmissionConfig.assumed_decode_tokens_per_second, minimum=1.0
         ),
         envoy_max_message_timeout_seconds=adm.number("envoy_max_message_timeout_seconds", 30.0, minimum=1.0),
+        end_report_wait_seconds=adm.number("end_report_wait_seconds", 2.0, minimum=0.05),
     )
     adm.done()
     # grpc drops a message larger than its receive limit without telling the handler; Envoy then times out.

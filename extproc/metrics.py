@@ -140,6 +140,15 @@ class Metrics:
             ["class"],
             registry=r,
         )
+        self.end_reports = Counter(
+            "extproc_end_reports",
+            "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
+            "unknown: its lease was settled already, or was issued before a restart).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("matched", "unknown"):
+            self.end_reports.labels(result)
         self.active = Gauge("extproc_active_requests", "Admitted requests not yet settled.", registry=r)
         self.streams = Gauge("extproc_streams_active", "Open ext_proc gRPC streams.", registry=r)
         self.tokens_reserved = Counter(
@@ -165,7 +174,8 @@ class Metrics:
         )
         self.settlements = Counter(
             "extproc_settlements",
-            "Leases settled, by how the response ended (completed, aborted, upstream_error, rejected).",
+            "Leases settled, by how the response ended (completed, aborted, upstream_error, cut, expired: "
+            "the lean profile's end report did not come within admission.end_report_wait_seconds).",
             ["outcome"],
             registry=r,
         )

@@ -31,6 +31,7 @@ from extproc.admission.headers import ratelimit_headers
 from extproc.admission.lanes import LaneFull
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, RouteKind
 from extproc.admission.policy import ModelPolicy
+from extproc.admission.reading import ReadSpec, ResponseReading, facts_of, spec_for
 from extproc.admission.request import (
     USAGE_OPTION_APIS,
     Api,
@@ -125,6 +126,10 @@ class Exchange:
         self.pool: str | None = None
         self.client: str | None = None
         self._closed = False
+        # Lean profile: the key the proxy's end report names, when the request ended, whether it was cut.
+        self.report_key: str | None = None
+        self.ended_at: float | None = None
+        self._cut_unseen = False
 
     @property
     def class_name(self) -> str:
@@ -480,14 +485,7 @@ class Exchange:
         if response is None:
             if admitted is None:
                 return ResponseFacts()
-            request = admitted.request
-            estimate = self.service.decode_rates.estimate(
-                admitted.pool,
-                self.service.clock() - admitted.admitted_at,
-                request.sequences * request.prompt_count,
-                admitted.plan.completion_tokens,
-            )
-            return ResponseFacts(estimated_completion=estimate)
+            return ResponseFacts(estimated_completion=self._estimate(admitted))
         tracker = response.tracker
         return ResponseFacts(
             upstream_status=response.status,
@@ -497,12 +495,103 @@ class Exchange:
             error_seen=tracker.error_seen,
         )
 
-    def _settle(self) -> None:
+    def _estimate(self, admitted: Admitted) -> int:
+        """Completion tokens the backend may have generated unseen: the pool's decode rate over the time
+        from admission to the end of the request (or to now), capped by the reservation."""
+        request = admitted.request
+        until = self.ended_at if self.ended_at is not None else self.service.clock()
+        return self.service.decode_rates.estimate(
+            admitted.pool,
+            until - admitted.admitted_at,
+            request.sequences * request.prompt_count,
+            admitted.plan.completion_tokens,
+        )
+
+    def _settle(self, facts: ResponseFacts | None = None) -> None:
         admitted = self.admitted
         if admitted is None or self.phase is Phase.SETTLED:
             return
         # Book the settlement on the first attempt, whatever the store answers: a shared store answers False
         # for a lease that already expired there, and the request still ended here.
         self.phase = Phase.SETTLED
-        charge = settle_charge(admitted.plan.prompt_tokens, self.facts())
+        if self.report_key is not None:
+            self.service.forget_report(self.report_key)
+        charge = settle_charge(admitted.plan.prompt_tokens, self.facts() if facts is None else facts)
         self.service.settle(admitted, charge)
+
+    # -- end report (lean profile) --------------------------------------------------------------------------
+    # The proxy reads the response (extproc/admission/reading.py) and reports when the request ended; the
+    # exchange stays ADMITTED until that report, or until its bounded wait expires.
+
+    def expect_report(self) -> tuple[str, ReadSpec]:
+        """Register for the proxy's end report: the key the report will name and how to read the answer."""
+        assert self.admitted is not None and self.phase is Phase.ADMITTED
+        self.report_key = self.service.expect_report(self)
+        return self.report_key, spec_for(self.admitted.request.api)
+
+    @property
+    def awaiting_report(self) -> bool:
+        return self.report_key is not None and self.phase is Phase.ADMITTED
+
+    def mark_ended(self) -> None:
+        """The request ended on the proxy (its ext_proc stream closed): the estimate stops growing here."""
+        if self.ended_at is None:
+            self.ended_at = self.service.clock()
+
+    def report(
+        self, status: int | None, reading: ResponseReading, decode_seconds: float | None = None
+    ) -> None:
+        """Settle from the proxy's end report: the response code (None: no response started), what its
+        reader saw, and the seconds from the first to the last response byte (for the decode rate)."""
+        admitted = self.admitted
+        if admitted is None or self.phase is not Phase.ADMITTED:
+            return
+        facts = facts_of(status, reading, admitted.request.api, admitted.policy.encoding)
+        if self._cut_unseen:
+            facts = replace(facts, cut=True)
+        elif facts.upstream_status is None and not facts.completed:
+            facts = replace(facts, estimated_completion=self._estimate(admitted))
+        if reading.streamed:
+            self._learn_reported_rate(admitted, facts, decode_seconds)
+        self._settle(facts)
+
+    def expire(self) -> None:
+        """No end report within the bound (its sender was down, or it was lost): settle as `expired`, with
+        the decode-rate estimate of what the backend generated until the request ended."""
+        admitted = self.admitted
+        if admitted is None or self.phase is not Phase.ADMITTED:
+            return
+        self._settle(ResponseFacts(expired=True, estimated_completion=self._estimate(admitted)))
+
+    def cut_unseen(self) -> Refusal | None:
+        """Lean profile: the refusal that resets this stream when its class is cut under the pool's KV
+        pressure, else None. The lease settles from the end report, which brings what was streamed."""
+        admitted = self.admitted
+        if admitted is None or self.phase is not Phase.ADMITTED or self._cut_unseen:
+            return None
+        if not self._should_cut(admitted):
+            return None
+        self._cut_unseen = True
+        self.service.metrics.streams_cut.labels(self.class_name).inc()
+        log.warning(
+            "stream cut under KV pressure", extra={"class": self.class_name, "model": self.model_label}
+        )
+        return refusals.cut_under_kv_pressure()
+
+    def follow_unseen(self) -> None:
+        """Lean profile: the KV budget cannot see tokens stream, so its footprint of this request grows with
+        the pool's decode rate instead (called on a tick while the request runs)."""
+        admitted = self.admitted
+        if admitted is not None and admitted.budget is not None and self.awaiting_report:
+            admitted.budget.progress(admitted.budget_id, self._estimate(admitted))
+
+    def _learn_reported_rate(self, admitted: Admitted, facts: ResponseFacts, seconds: float | None) -> None:
+        """A completed stream's usage and duration teach the pool's decode rate, as in the inline profile
+        (tokens after the first over the time from the first to the last byte)."""
+        if seconds is None or seconds <= 0 or facts.usage is None or facts.upstream_status != 200:
+            return
+        if not facts.completed or facts.usage.completion_tokens <= 1:
+            return
+        sequences = admitted.request.sequences * admitted.request.prompt_count
+        tokens = facts.usage.completion_tokens / max(1, sequences) - 1
+        self.service.decode_rates.observe(admitted.pool, tokens, seconds)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -78,6 +80,10 @@ class AdmissionService:
     _open: set[Any] = field(default_factory=set)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
     lanes: Lanes = field(init=False)
+    # Lean profile: admitted exchanges whose end the proxy reports, by report key (`expect_report`).
+    _reports: dict[str, Any] = field(default_factory=dict)
+    _report_prefix: str = field(default_factory=lambda: secrets.token_hex(4))
+    _report_seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
         admission = self.deps.config().admission
@@ -197,9 +203,36 @@ class AdmissionService:
         self._open.discard(exchange)
 
     def settle_open(self) -> None:
-        """On shutdown after the grace period: settle what is still open with what is known."""
+        """On shutdown after the grace period: settle what is still open with what is known, and expire
+        the leases whose end report has not come (lean profile)."""
         for exchange in list(self._open):
             exchange.close()
+        for exchange in list(self._reports.values()):
+            exchange.expire()
+
+    # -- end reports (lean profile) -------------------------------------------------------------------------
+
+    def expect_report(self, exchange: Any) -> str:
+        """Register an admitted exchange whose end the proxy will report, under a key the proxy echoes back.
+
+        The key is the sidecar's own (a per-process random prefix and a counter), never a client-supplied
+        request id: a client cannot make its report settle another request's lease, and a report from before
+        a restart matches nothing.
+        """
+        key = f"{self._report_prefix}-{next(self._report_seq)}"
+        self._reports[key] = exchange
+        return key
+
+    def take_report(self, key: str) -> Any | None:
+        """The exchange a report is for, removed from the registry; None for an unknown or settled key."""
+        return self._reports.pop(key, None)
+
+    def forget_report(self, key: str) -> None:
+        self._reports.pop(key, None)
+
+    def awaiting_reports(self) -> list[Any]:
+        """Admitted exchanges whose end report has not arrived (the lean profile's in-flight requests)."""
+        return list(self._reports.values())
 
     async def drain(self) -> None:
         """Wait for settlements already started, so shutdown never drops a refund."""

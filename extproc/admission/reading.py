@@ -1,0 +1,248 @@
+"""The lean profile's response path: what the proxy reads for the sidecar, and the facts it settles on.
+
+In the lean profile the sidecar sees only the request. Envoy reads the response with a Lua filter
+(extproc/lean/response.lua) that knows no API: at admission the sidecar hands it a `ReadSpec` (Lua
+patterns built here from what each API's `Dialect` reads), and when the request ends Envoy's access log
+brings back what the filter saw (`ResponseReading`). `facts_of` turns that into the same `ResponseFacts`
+the inline profile learns message by message, and the one charging rule (settlement.py) applies.
+
+What the filter reports, per response:
+
+* A streamed answer (SSE): the number of content events (events carrying generated text or token ids),
+  the first and the last usage object as text (Anthropic reports the prompt in `message_start` and the
+  output in `message_delta`; the others report once, at the end or on every event), how many content events
+  had passed when the last usage object was seen, and whether a final or an error event was seen.
+* A JSON answer: the body itself up to 64 KiB, past that its last 8 KiB, from which the usage object (written
+  after the choices) is read the way the inline profile reads a body larger than its buffer.
+
+Differences from the inline profile, all in what is charged when the backend reports no usage (a client
+disconnect or a crash mid-stream): the inline profile counts the streamed text with the tokenizer, the lean
+profile counts content events, one token each. vLLM and SGLang stream one token per event unless told to
+batch them (`--stream-interval`), so the two agree; the simulator's tests check it token for token. A
+function call's name (read from `output_item.added` or `content_block_start`) is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.admission.apis import dialect_for
+from extproc.admission.request import Api
+from extproc.admission.settlement import ResponseFacts
+from extproc.admission.usage import Observed, ResponseUsageTracker, Usage
+
+
+def _key(name: str) -> str:
+    """A Lua pattern for a JSON key and its colon, with the optional spaces some servers write."""
+    return f'"{name}"%s*:%s*'
+
+
+def _text(name: str) -> str:
+    """A JSON string field with at least one character: `"content":""` (a role-only delta) is no content."""
+    return _key(name) + '"[^"]'
+
+
+def _type(name: str) -> str:
+    """The `type` field of an event naming `name` (a Lua pattern: dots escaped by the caller)."""
+    return _key("type") + f'"{name}"'
+
+
+COMMON_ERRORS = (
+    _key("error") + "{",  # {"error": {...}}: vLLM's ErrorResponse, SGLang, the simulator
+    _key("object") + '"error"',  # {"object": "error", ...}: older vLLM
+    "^event:%s*error%s",  # an `event: error` line first in the event...
+    "\nevent:%s*error%s",  # ...or after an `id:` line
+)
+"""Lua patterns of an error event any API may send. An escaped quote inside generated text (`\\"error\\":`)
+never matches: the key's closing quote must follow the name directly."""
+
+DONE = ("data:%s*%[DONE%]",)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSpec:
+    """How the proxy's Lua filter reads one API's streamed answers: Lua patterns matched against each whole
+    SSE event (its `event:` and `data:` lines).
+
+    An event is a content event when it matches one of `content` and none of `not_content`; `final` marks
+    the end of a complete answer, `error` a failed one. `usage_key` names the JSON key whose object value
+    is captured as the usage. `usage_only` marks the usage event a client did not ask for (stripped when
+    the sidecar injected `include_usage`).
+    """
+
+    content: tuple[str, ...]
+    not_content: tuple[str, ...] = ()
+    final: tuple[str, ...] = DONE
+    error: tuple[str, ...] = COMMON_ERRORS
+    usage_key: str = "usage"
+    usage_only: str | None = None
+
+    @property
+    def usage_pattern(self) -> str:
+        """Captures the key's object value with balanced braces (`%b{}`); `"usage": null` does not match."""
+        return _key(self.usage_key) + "(%b{})"
+
+    def to_struct(self, strip: bool) -> dict[str, Any]:
+        """The spec as the Lua filter reads it from dynamic metadata (lists become Lua arrays)."""
+        out: dict[str, Any] = {
+            "content": list(self.content),
+            "not_content": list(self.not_content),
+            "final": list(self.final),
+            "error": list(self.error),
+            "usage": self.usage_pattern,
+            "strip": strip,
+        }
+        if self.usage_only is not None:
+            out["only"] = self.usage_only
+        return out
+
+
+# OpenAI chunks (extproc/admission/usage.py OpenAIDialect): generated text in `delta.content`,
+# `delta.reasoning_content` or `delta.reasoning`, tool call names and arguments, completions' `text`.
+OPENAI_SPEC = ReadSpec(
+    content=tuple(
+        _text(k) for k in ("content", "reasoning_content", "reasoning", "arguments", "name", "text")
+    ),
+    usage_only=_key("choices") + "%[%s*%]",
+)
+# Token ids (extproc/admission/apis/token_io.py): each id is one generated token.
+TOKEN_IDS_SPEC = ReadSpec(
+    content=(_key("token_ids") + "%[%s*%d", _text("text")),
+    usage_only=_key("choices") + "%[%s*%]",
+)
+# Responses (extproc/admission/apis/responses.py): `*.delta` events except audio; the terminal events carry
+# the usage; no `[DONE]`.
+RESPONSES_SPEC = ReadSpec(
+    content=(_key("type") + '"response%.[%w_%.]*%.delta"',),
+    not_content=(_type("response%.audio%.delta"),),
+    final=tuple(_type(t) for t in ("response%.completed", "response%.incomplete", "response%.failed")),
+    error=(*COMMON_ERRORS, _type("error"), _type("response%.failed")),
+)
+# Anthropic Messages (extproc/admission/apis/anthropic.py): `content_block_delta` carries the text,
+# `message_start` the prompt's usage, `message_delta` the output's, `message_stop` ends the answer.
+MESSAGES_SPEC = ReadSpec(
+    content=(_type("content_block_delta"),),
+    final=(_type("message_stop"),),
+    error=(*COMMON_ERRORS, _type("error")),
+)
+# SGLang native (extproc/admission/apis/sglang.py): cumulative `meta_info` on every event.
+SGLANG_SPEC = ReadSpec(content=(_text("text"),), usage_key="meta_info")
+
+SPECS: dict[Api, ReadSpec] = {
+    Api.RESPONSES: RESPONSES_SPEC,
+    Api.MESSAGES: MESSAGES_SPEC,
+    Api.GENERATE_TOKENS: TOKEN_IDS_SPEC,
+    Api.SGLANG_GENERATE: SGLANG_SPEC,
+    Api.SGLANG_ENCODE: SGLANG_SPEC,
+}
+"""Every other API streams OpenAI chunks, or answers only with a JSON body (read whole by the dialect)."""
+
+
+def spec_for(api: Api) -> ReadSpec:
+    return SPECS.get(api, OPENAI_SPEC)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseReading:
+    """What the proxy's reader saw of one response (see the module docstring); empty when it never ran
+    (an Envoy local reply, or a response that never started)."""
+
+    events: int = 0
+    events_at_usage: int = 0
+    usage_first: str | None = None
+    usage_last: str | None = None
+    final: bool = False
+    error: bool = False
+    body_end: bool = False
+    body: str | None = None
+    tail: str | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """The answer was an event stream (the reader captured no JSON body)."""
+        return self.body is None and self.tail is None and self.seen
+
+    @property
+    def seen(self) -> bool:
+        return (
+            self.body_end
+            or self.events > 0
+            or self.usage_last is not None
+            or self.final
+            or self.error
+            or self.body is not None
+            or self.tail is not None
+        )
+
+
+def facts_of(status: int | None, reading: ResponseReading, api: Api, encoding: str) -> ResponseFacts:
+    """The settlement facts of a response the proxy read: `status` is the response code (None when no
+    response started), `api` the request's resolved API (its dialect parses what was captured)."""
+    if reading.body is not None or reading.tail is not None:
+        usage, error, final = _body_usage(reading, api, encoding)
+    elif reading.seen:
+        usage, error, final = _event_usage(reading, api), reading.error, reading.final
+    else:
+        return ResponseFacts(upstream_status=status)
+    return ResponseFacts(
+        upstream_status=status,
+        completed=reading.body_end or final,
+        usage=usage,
+        error_seen=error,
+    )
+
+
+def _body_usage(reading: ResponseReading, api: Api, encoding: str) -> tuple[Usage, bool, bool]:
+    """A JSON answer, parsed by the API's dialect exactly as the inline profile parses it; a tail is read
+    the way a body past the inline profile's buffer is (its last usage object)."""
+    whole = reading.body is not None
+    text = reading.body if whole else reading.tail
+    assert text is not None
+    # Past a buffer of 0 bytes the tracker keeps only the tail, and reads the usage object from it.
+    tracker = ResponseUsageTracker(
+        streaming=False,
+        encoding=encoding,
+        dialect=dialect_for(api),
+        max_buffer_bytes=(8 << 20) if whole else 0,
+    )
+    tracker.feed(text.encode("utf-8", "replace"))
+    tracker.finish()
+    return tracker.usage, tracker.error_seen, tracker.done_seen
+
+
+def _event_usage(reading: ResponseReading, api: Api) -> Usage:
+    """Usage from the captured usage objects, plus content events after the last one; without any usage
+    object, the content events counted (one token each)."""
+    key = spec_for(api).usage_key
+    dialect = dialect_for(api)
+    prompt: int | None = None
+    completion: int | None = None
+    seen = False
+    for text in (reading.usage_first, reading.usage_last):
+        observed = _observe(dialect.body, key, text)
+        if observed is None:
+            continue
+        seen = seen or observed.usage_seen
+        if observed.prompt is not None:
+            prompt = observed.prompt
+        if observed.completion is not None:
+            completion = observed.completion
+    if completion is None:
+        return Usage(prompt_tokens=prompt, completion_tokens=reading.events, reported=seen)
+    after = max(0, reading.events - reading.events_at_usage)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion + after, reported=seen)
+
+
+def _observe(read: Any, key: str, text: str | None) -> Observed | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    observed: Observed = read({key: value})
+    return observed
