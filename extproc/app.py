@@ -19,11 +19,13 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
+from extproc.accesslog import EndReports
 from extproc.admission.service import AdmissionService, Deps
 from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config
 from extproc.core.clock import Clock, monotonic
@@ -32,6 +34,7 @@ from extproc.feedback.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
 from extproc.server import ExtProcServicer
+from extproc.server_lean import LeanRuntime
 from extproc.store.factory import build_store
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,9 @@ class Sidecar:
                 settle_executor=self.settle_executor,
             )
         )
-        self.servicer = ExtProcServicer(self.admission)
+        self.lean = LeanRuntime(self.admission)
+        self.servicer = ExtProcServicer(self.admission, self.lean)
+        self.end_reports = EndReports(self.admission)
         self.health = health.aio.HealthServicer()
         self.ready = False
         self.grpc_server: grpc.aio.Server | None = None
@@ -154,6 +159,7 @@ class Sidecar:
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.end_reports, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.grpc_port = server.add_insecure_port(self.config.server.grpc_listen)
         if not self.grpc_port:
@@ -170,6 +176,7 @@ class Sidecar:
             )
             self.watcher.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._prune_loop(), name="prune"))
+        self.lean.start()
         for service in ("", EXTPROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.ready = True
@@ -232,6 +239,7 @@ class Sidecar:
             log.info("draining ext_proc streams", extra={"grace_seconds": grace})
             await self.grpc_server.stop(grace)
         self.queue.close()
+        await self.lean.stop()
         self.admission.settle_open()
         await self.admission.drain()
         assert self.store is not None

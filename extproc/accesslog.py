@@ -1,0 +1,116 @@
+"""The lean profile's end signal: Envoy's gRPC access log service, one entry per finished metered request.
+
+Envoy streams access-log entries (`envoy.access_loggers.http_grpc`, HttpGrpcAccessLogConfig) to this
+`AccessLogService` on the sidecar's gRPC port, in batches flushed every `buffer_flush_interval`. An access-log
+filter logs only requests the sidecar admitted in this profile (their dynamic metadata carries the report
+key, extproc/server_lean.py), so each entry names one waiting lease. What the entry carries (fields of
+envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
+
+* `common_properties.metadata.filter_metadata`: `extproc` (the report key the sidecar set) and
+  `extproc.response` (what the Lua response reader saw, extproc/lean/response.lua);
+* `response.response_code`: the status sent to the client, 0 when no response started;
+* `common_properties.time_to_first_upstream_rx_byte` / `time_to_last_upstream_rx_byte`: the answer's
+  duration, from which the pool's decode rate is learned;
+* `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
+  logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
+
+Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded rule
+(extproc/server_lean.py). An entry whose key is unknown (settled already, or issued before a restart) is
+counted and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf import struct_pb2
+
+from extproc.admission.reading import ResponseReading
+from extproc.admission.service import AdmissionService
+from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
+
+log = logging.getLogger(__name__)
+
+
+def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
+    """The Lua reader's fields (see extproc/lean/response.lua) as a `ResponseReading`."""
+    if found is None:
+        return ResponseReading()
+    fields = found.fields
+
+    def number(key: str) -> int:
+        value = fields.get(key)
+        return int(value.number_value) if value is not None else 0
+
+    def text(key: str) -> str | None:
+        value = fields.get(key)
+        return str(value.string_value) if value is not None and value.HasField("string_value") else None
+
+    def flag(key: str) -> bool:
+        value = fields.get(key)
+        return bool(value is not None and value.bool_value)
+
+    return ResponseReading(
+        events=number("n"),
+        events_at_usage=number("m"),
+        usage_first=text("u0"),
+        usage_last=text("u"),
+        final=flag("f"),
+        error=flag("e"),
+        body_end=flag("x"),
+        body=text("b"),
+        tail=text("t"),
+    )
+
+
+def _seconds(entry: accesslog_pb2.HTTPAccessLogEntry) -> float | None:
+    """Seconds from the first to the last byte of the upstream's answer, when both were received."""
+    props = entry.common_properties
+    if not (
+        props.HasField("time_to_first_upstream_rx_byte") and props.HasField("time_to_last_upstream_rx_byte")
+    ):
+        return None
+    first = props.time_to_first_upstream_rx_byte.ToTimedelta()
+    last = props.time_to_last_upstream_rx_byte.ToTimedelta()
+    return float((last - first).total_seconds())
+
+
+class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    """Settles each waiting lease from its access-log entry."""
+
+    def __init__(self, service: AdmissionService) -> None:
+        self.service = service
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: Any
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                self.settle(entry)
+        return als_pb2.StreamAccessLogsResponse()
+
+    def settle(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        metadata = entry.common_properties.metadata.filter_metadata
+        admitted = metadata.get(NAMESPACE)
+        key = admitted.fields.get(REPORT_KEY) if admitted is not None else None
+        exchange = self.service.take_report(key.string_value) if key is not None else None
+        if exchange is None:
+            self.service.metrics.end_reports.labels("unknown").inc()
+            return
+        self.service.metrics.end_reports.labels("matched").inc()
+        code = entry.response.response_code.value
+        reading = reading_of(metadata.get(RESPONSE_NAMESPACE))
+        exchange.report(code or None, reading, _seconds(entry))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "end report",
+                extra={
+                    "status": code,
+                    "details": entry.response.response_code_details,
+                    "flags": str(entry.common_properties.response_flags).replace("\n", " "),
+                },
+            )

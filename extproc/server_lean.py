@@ -1,0 +1,289 @@
+"""The ext_proc translator of the lean profile: the request body in, the admission decision out.
+
+In the lean profile Envoy sends the sidecar one message per request: the BUFFERED request body, with the
+request's method, path, client address and tenant as attributes (`request_attributes`), its route having
+already done path routing and the body cap (envoy/envoy-lean.yaml, rendered by extproc/lean/render.py).
+Requests without a `content-length` (an HTTP/2 body of unknown length, a chunked upload) take a route that
+also sends the request headers, so a request with no body at all still reaches the sidecar and is refused.
+
+The response never reaches the sidecar. An admitted request's reply carries dynamic metadata (namespace
+`extproc`): the key its end report will name, a reading spec for Envoy's Lua filter (how this API marks
+content, usage and the end, see extproc/admission/reading.py), the `x-ratelimit-*` headers Envoy adds to the
+response, and the backend priority header Envoy adds to the upstream request. When the HTTP request ends,
+Envoy's gRPC access log brings the Lua filter's findings back (extproc/accesslog.py), and the exchange
+settles from them.
+
+The ext_proc stream itself stays open until the HTTP request ends (Envoy 1.40 keeps it open even with
+every response phase off), which serves twice: its end starts the bounded wait for the end report, after
+which the lease settles as `expired` (`admission.end_report_wait_seconds`), and while it is open the sidecar
+can still answer on it. A class cut under KV pressure is reset that way: an ImmediateResponse sent on the
+open stream makes Envoy reset the HTTP stream, client and backend alike (a tick checks the pools' KV usage
+every `TICK_SECONDS`; there is no per-chunk check in this profile).
+
+The profile is chosen by the Envoy config, not by the sidecar: a stream whose processing mode sends no
+response body (`protocol_config.response_body_mode` other than STREAMED) is translated here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from extproc.admission.exchange import Exchange, Phase, RequestHead
+from extproc.admission.headers import ratelimit_headers
+from extproc.admission.reading import ReadSpec
+from extproc.admission.service import AdmissionService
+from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
+from extproc.config import Config
+from extproc.wire import EXT_PROC_ATTRIBUTES, client_address, common_response, immediate, on_request_headers
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "extproc"
+"""Dynamic-metadata namespace the sidecar writes (ext_proc `metadata_options.receiving_namespaces`)."""
+
+RESPONSE_NAMESPACE = "extproc.response"
+"""Dynamic-metadata namespace the Lua filter writes and the access log brings back."""
+
+REPORT_KEY = "id"
+"""The report key in `NAMESPACE`; only requests that carry it are logged (the access log's filter)."""
+
+FORWARDED_REQUEST_HEADERS = ("x-vllm-priority",)
+"""Request headers the sidecar may set on an admitted request. Envoy skips the request headers in this
+profile, so the sidecar passes them as metadata and the route adds them (`request_headers_to_add`)."""
+
+RATELIMIT_HEADERS = (
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+)
+"""Response headers the route copies from the admission's metadata (`response_headers_to_add`)."""
+
+TICK_SECONDS = 0.2
+"""How often open lean requests are checked: the KV budget's estimate of their progress, and cuts."""
+
+_MODE = processing_mode_pb2.ProcessingMode
+
+
+def is_lean(request: pb.ProcessingRequest) -> bool:
+    """A stream whose processing mode sends the sidecar no response body (sent with its first message)."""
+    if not request.HasField("protocol_config"):
+        return False
+    return bool(request.protocol_config.response_body_mode != _MODE.STREAMED)
+
+
+def tenant_attribute(header: str) -> str:
+    """The CEL attribute that gives the sidecar one request header without the header phase
+    (`request.headers` is a map; Envoy 1.40 evaluates each `request_attributes` entry as an expression)."""
+    return f"request.headers['{header}']"
+
+
+def _attribute(request: pb.ProcessingRequest, name: str) -> str | None:
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None:
+        return None
+    value = attributes.fields.get(name)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return str(value.string_value)
+
+
+def lean_tenant_claim(request: pb.ProcessingRequest, config: Config) -> str | None:
+    """The tenant from the trusted source: an earlier filter's dynamic metadata, else the trusted header,
+    which Envoy sends as an attribute in this profile (the proxy strips it from clients, docs/tenants.md)."""
+    source = config.admission.tenant
+    if source.metadata_namespace:
+        namespace = request.metadata_context.filter_metadata.get(source.metadata_namespace)
+        if namespace is not None:
+            value = namespace.fields.get(source.metadata_key)
+            if value is not None and value.WhichOneof("kind") == "string_value":
+                return str(value.string_value)
+    if source.header:
+        return _attribute(request, tenant_attribute(source.header))
+    return None
+
+
+class _SpecCache:
+    """Reading specs as protobuf values, built once per (spec, strip): a copy is cheaper than a build."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[int, bool], struct_pb2.Value] = {}
+
+    def value(self, spec: ReadSpec, strip: bool) -> struct_pb2.Value:
+        key = (id(spec), strip)
+        found = self._values.get(key)
+        if found is None:
+            found = struct_pb2.Value()
+            found.struct_value.update(spec.to_struct(strip))
+            self._values[key] = found
+        return found
+
+
+class LeanRuntime:
+    """What the lean profile's streams share: the bounded wait for end reports, and the tick that follows
+    the requests whose responses the sidecar does not see (KV-budget progress, cuts under KV pressure)."""
+
+    def __init__(self, service: AdmissionService) -> None:
+        self.service = service
+        self.specs = _SpecCache()
+        self._cuts: dict[Exchange, asyncio.Future[Refusal]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._tick_forever(), name="lean-tick")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def ended(self, exchange: Exchange) -> None:
+        """The request's ext_proc stream closed, i.e. the HTTP request ended: wait for its end report at
+        most `admission.end_report_wait_seconds`, then settle it as expired."""
+        exchange.mark_ended()
+        wait = self.service.config().admission.end_report_wait_seconds
+        asyncio.get_running_loop().call_later(wait, exchange.expire)
+
+    async def cut_or_next(
+        self, exchange: Exchange, messages: AsyncIterator[pb.ProcessingRequest]
+    ) -> pb.ProcessingRequest | Refusal | None:
+        """The stream's next message (None at its end), or a cut decided while the response streams. Only a
+        request of a class that can be cut waits on both."""
+        klass = exchange.klass
+        if not exchange.awaiting_report or klass is None or klass.cut_streams_above_kv is None:
+            return await anext(messages, None)
+        cut: asyncio.Future[Refusal] = asyncio.get_running_loop().create_future()
+        self._cuts[exchange] = cut
+        following = asyncio.ensure_future(anext(messages, None))
+        try:
+            await asyncio.wait((following, cut), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._cuts.pop(exchange, None)
+        if following.done():
+            cut.cancel()
+            return following.result()
+        following.cancel()
+        return cut.result()
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            try:
+                self.tick()
+            except Exception:  # a bug here must not stop the tick for every later request
+                log.exception("lean tick failed")
+
+    def tick(self) -> None:
+        """Follow every admitted request still running: grow its KV-budget footprint at the decode rate, and
+        cut it when its class's watermark is passed."""
+        pools: set[str] = set()
+        for exchange in self.service.awaiting_reports():
+            exchange.follow_unseen()
+            if exchange.pool is not None and exchange.admitted is not None and exchange.admitted.budget:
+                pools.add(exchange.pool)
+            cut = self._cuts.get(exchange)
+            if cut is not None and not cut.done():
+                refusal = exchange.cut_unseen()
+                if refusal is not None:
+                    cut.set_result(refusal)
+        for pool in pools:
+            self.service.deps.budget_changed(pool)
+
+
+class LeanTranslator:
+    """One ext_proc stream of the lean profile (see the module docstring)."""
+
+    def __init__(self, exchange: Exchange, runtime: LeanRuntime) -> None:
+        self.exchange = exchange
+        self.runtime = runtime
+        self._headers_seen = False
+        self._ended = False
+
+    async def handle(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+        kind = request.WhichOneof("request")
+        if kind == "request_body":
+            async for reply in self._on_body(request):
+                yield reply
+        elif kind == "request_headers":
+            # The route for requests without a content-length sends the headers too: as in the inline profile.
+            self._headers_seen = True
+            yield on_request_headers(self.exchange, request)
+        elif kind == "request_trailers":
+            yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        else:
+            raise ValueError(f"unexpected ext_proc message {kind!r} in the lean profile")
+
+    async def _on_body(self, request: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = self.exchange
+        if not self._headers_seen:
+            verdict = exchange.request_headers(self._head(request))
+            if isinstance(verdict, Refusal):
+                yield immediate(verdict)
+                return
+            if isinstance(verdict, Passthrough):
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+                return
+        async for step in exchange.request_body(request.request_body.body):
+            if isinstance(step, Refusal):
+                yield immediate(step)
+            elif isinstance(step, Hold):
+                yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=step.seconds))
+            else:
+                yield self._admitted(step)
+
+    def _head(self, request: pb.ProcessingRequest) -> RequestHead:
+        """The request line from the attributes Envoy sends with the body (the routes already checked it)."""
+        config = self.exchange.service.config()
+        return RequestHead(
+            method=_attribute(request, "request.method") or "",
+            path=_attribute(request, "request.path") or "",
+            headers={},
+            tenant=lean_tenant_claim(request, config),
+            client=client_address(request),
+        )
+
+    def _admitted(self, forward: Forward) -> pb.ProcessingResponse:
+        reply = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common_response(forward)))
+        exchange = self.exchange
+        admitted = exchange.admitted
+        if admitted is None or exchange.phase is not Phase.ADMITTED:
+            return reply  # shadow mode, or a request that ended while it waited: nothing to report
+        key, spec = exchange.expect_report()
+        fields = reply.dynamic_metadata.fields[NAMESPACE].struct_value.fields
+        fields[REPORT_KEY].string_value = key
+        fields["read"].CopyFrom(self.runtime.specs.value(spec, admitted.strip_usage))
+        for name, value in ratelimit_headers(admitted.lease.status):
+            fields[name].string_value = value
+        for name, value in forward.set_headers:
+            if name in FORWARDED_REQUEST_HEADERS:
+                fields[name].string_value = value
+        return reply
+
+    async def next(
+        self, messages: AsyncIterator[pb.ProcessingRequest]
+    ) -> pb.ProcessingRequest | Refusal | None:
+        return await self.runtime.cut_or_next(self.exchange, messages)
+
+    def end(self, _context: Any = None) -> None:
+        """However the stream ended: an admitted request waits for its report, anything else closes."""
+        if self._ended:
+            return
+        self._ended = True
+        if self.exchange.awaiting_report:
+            self.runtime.ended(self.exchange)
+        else:
+            self.exchange.close()

@@ -1,0 +1,161 @@
+"""Protobuf helpers both ext_proc translators share (inline: extproc/server.py, lean: extproc/server_lean.py):
+header values as Envoy 1.40 sends them, verdicts as replies, the request line and claims Envoy delivers.
+Nothing here decides anything."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from extproc.admission.exchange import Exchange, RequestHead
+from extproc.admission.verdicts import Forward, Header, Hold, Passthrough, Refusal
+from extproc.config import Config
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+"""Key of the attributes Envoy sends (`request_attributes`) in `ProcessingRequest.attributes`."""
+
+_MODE = processing_mode_pb2.ProcessingMode
+PASSTHROUGH_MODE = _MODE(
+    request_body_mode=_MODE.NONE,
+    response_header_mode=_MODE.SKIP,
+    response_body_mode=_MODE.NONE,
+    request_trailer_mode=_MODE.SKIP,
+    response_trailer_mode=_MODE.SKIP,
+)
+"""Mode override for requests that are not metered here (e.g. GET /v1/models): no further messages."""
+
+
+def header_values(message: pb.HttpHeaders) -> dict[str, str]:
+    """Header values as Envoy 1.40 sends them (`raw_value`; `value` on older proxies), keys lowercased."""
+    out: dict[str, str] = {}
+    for h in message.headers.headers:
+        raw = h.raw_value if h.raw_value else h.value.encode("utf-8")
+        out[h.key.lower()] = raw.decode("utf-8", "replace")
+    return out
+
+
+def mutation(set_headers: Iterable[Header] = (), remove: Iterable[str] = ()) -> pb.HeaderMutation:
+    """Header values go in `raw_value`: Envoy 1.40 rejects a header that sets both `value` and `raw_value`."""
+    return pb.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode("utf-8")))
+            for k, v in set_headers
+        ],
+        remove_headers=list(remove),
+    )
+
+
+def common_response(forward: Forward) -> pb.CommonResponse:
+    common = pb.CommonResponse()
+    if forward.set_headers or forward.remove_headers:
+        common.header_mutation.CopyFrom(mutation(forward.set_headers, forward.remove_headers))
+    if forward.body is not None:
+        common.body_mutation.body = forward.body
+    return common
+
+
+def immediate(refusal: Refusal) -> pb.ProcessingResponse:
+    """Answer the client directly; the request never reaches (or stops reaching) the upstream."""
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=refusal.status),
+            headers=mutation(refusal.all_headers),
+            body=refusal.body,
+            details=refusal.details,
+        )
+    )
+
+
+def request_headers_reply(verdict: Forward | Passthrough | Refusal) -> pb.ProcessingResponse:
+    if isinstance(verdict, Refusal):
+        return immediate(verdict)
+    if isinstance(verdict, Passthrough):
+        response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse()))
+        response.mode_override.CopyFrom(PASSTHROUGH_MODE)
+        return response
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common_response(verdict)))
+
+
+def request_body_reply(verdict: Forward | Refusal | Hold) -> pb.ProcessingResponse:
+    if isinstance(verdict, Refusal):
+        return immediate(verdict)
+    if isinstance(verdict, Hold):
+        return pb.ProcessingResponse(override_message_timeout=Duration(seconds=verdict.seconds))
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common_response(verdict)))
+
+
+def response_body_reply(verdict: Forward | Refusal) -> pb.ProcessingResponse:
+    if isinstance(verdict, Refusal):
+        return immediate(verdict)
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common_response(verdict)))
+
+
+def tenant_claim(request: pb.ProcessingRequest, headers: dict[str, str], config: Config) -> str | None:
+    """The tenant from the configured trusted source: dynamic metadata set by an earlier filter, or a header
+    that the proxy strips from clients and sets from verified identity (docs/tenants.md)."""
+    source = config.admission.tenant
+    if source.metadata_namespace:
+        namespace = request.metadata_context.filter_metadata.get(source.metadata_namespace)
+        if namespace is not None:
+            value = namespace.fields.get(source.metadata_key)
+            if value is not None and value.WhichOneof("kind") == "string_value":
+                return str(value.string_value)
+    if source.header:
+        return headers.get(source.header)
+    return None
+
+
+def client_address(request: pb.ProcessingRequest) -> str | None:
+    """The downstream address, when Envoy sends the `source.address` attribute (`request_attributes`).
+
+    Only the host is kept: a client that opens many connections is still one client.
+    """
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None:
+        return None
+    value = attributes.fields.get("source.address")
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    host, sep, port = value.string_value.rpartition(":")
+    return (host if sep and port.isdigit() else value.string_value).strip("[]") or None
+
+
+def on_request_headers(exchange: Exchange, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """The request line and headers to the exchange, its verdict to a reply."""
+    message = request.request_headers
+    if request.HasField("protocol_config"):
+        _check_body_mode(request.protocol_config.request_body_mode)
+    headers = header_values(message)
+    config = exchange.service.config()
+    head = RequestHead(
+        method=headers.get(":method", ""),
+        path=headers.get(":path", ""),
+        headers=headers,
+        tenant=tenant_claim(request, headers, config),
+        end_of_stream=message.end_of_stream,
+        client=client_address(request),
+    )
+    return request_headers_reply(exchange.request_headers(head))
+
+
+_warned_body_mode = False
+
+
+def _check_body_mode(mode: int) -> None:
+    """Admission needs the whole body before anything goes upstream: say so once if Envoy streams it."""
+    global _warned_body_mode
+    if mode != _MODE.BUFFERED and not _warned_body_mode:
+        _warned_body_mode = True
+        log.error(
+            "Envoy's request_body_mode is not BUFFERED: bodies reach the sidecar in pieces and requests "
+            "are refused; set processing_mode.request_body_mode: BUFFERED",
+            extra={"request_body_mode": _MODE.BodySendMode.Name(mode)},
+        )
