@@ -9,9 +9,30 @@ import contextlib
 import sys
 from pathlib import Path
 
-from extproc.config import ConfigError, load_config
+from extproc.config import Config, ConfigError, load_config
 from extproc.logs import setup_logging
 from extproc.plan.cli import add_plan_parser, run_plan
+from extproc.stack import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
+
+
+def print_envoy_config(profile: str, template: Path | None, config_path: Path | None) -> int:
+    """Print a profile's Envoy config: the template itself (inline), or the lean rendering of it."""
+    from extproc.lean.render import HEADER, render_envoy_yaml
+
+    source = template or ENVOY_TEMPLATE
+    try:
+        sidecar = load_config(config_path) if config_path is not None else Config()
+    except ConfigError as exc:
+        print(f"invalid config: {exc}", file=sys.stderr)
+        return 2
+    if profile == "inline":
+        sys.stdout.write(source.read_text())
+        return 0
+    given = (("template", template), ("config", config_path))
+    args = "".join(f" --{name} {value}" for name, value in given if value is not None)
+    shown = source.resolve().relative_to(REPO) if source.resolve().is_relative_to(REPO) else source
+    sys.stdout.write(HEADER.format(args=args, source=shown) + render_envoy_yaml(source, sidecar))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     stack = sub.add_parser("stack", help="run simulator + sidecar + Envoy on localhost (make run)")
     stack.add_argument(
         "--config", type=Path, default=None, help="sidecar config (default: config/local.yaml)"
+    )
+    stack.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default=DEFAULT_PROFILE,
+        help=f"how Envoy and the sidecar split the work (default: {DEFAULT_PROFILE}; docs/architecture.md)",
+    )
+    render = sub.add_parser("envoy-config", help="print the Envoy config of a profile (lean: rendered)")
+    render.add_argument("--profile", choices=PROFILES, default="lean")
+    render.add_argument(
+        "--template", type=Path, default=None, help="inline Envoy config (default: envoy/envoy.yaml)"
+    )
+    render.add_argument(
+        "--config", type=Path, default=None, help="sidecar config: its path table and body cap"
     )
     add_plan_parser(sub)
     args = parser.parse_args(argv)
@@ -42,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stack":
         from extproc.stack import run_stack
 
-        return run_stack(args.config)
+        return run_stack(args.config, args.profile)
+    if args.command == "envoy-config":
+        return print_envoy_config(args.profile, args.template, args.config)
 
     try:
         config = load_config(args.config)

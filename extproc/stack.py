@@ -27,9 +27,17 @@ from typing import IO, Any
 
 import yaml
 
+from extproc.config import Config, ConfigError, parse_config
+
 REPO = Path(__file__).resolve().parent.parent
 ENVOY_TEMPLATE = REPO / "envoy" / "envoy.yaml"
 LOCAL_CONFIG = REPO / "config" / "local.yaml"
+
+PROFILES = ("inline", "lean")
+"""How Envoy and the sidecar split a request's work (docs/architecture.md): `inline` sends the sidecar every
+message of a request, response chunks included; `lean` sends it the request body, reads the response with a
+Lua filter and reports each request's end through the gRPC access log."""
+DEFAULT_PROFILE = "inline"
 
 
 @dataclass
@@ -88,13 +96,25 @@ TENANT_STRIP_FILTER = "envoy.filters.http.header_mutation"
 
 
 def render_envoy_config(
-    ports: Ports, template: Path = ENVOY_TEMPLATE, tenant_header: str | None = None
+    ports: Ports,
+    template: Path = ENVOY_TEMPLATE,
+    tenant_header: str | None = None,
+    profile: str = "inline",
+    sidecar: Config | None = None,
 ) -> dict[str, Any]:
     """The Envoy config with the stack's ports in place of the documented ones, stripping `tenant_header`
-    (the sidecar's `admission.tenant.header`) from client requests instead of the template's default."""
+    (the sidecar's `admission.tenant.header`) from client requests instead of the template's default. The
+    lean profile is rendered from the (inline) template with the sidecar's path table and body cap."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)}")
     config: dict[str, Any] = yaml.safe_load(template.read_text())
     if tenant_header is not None:
         _strip_tenant_header(config, tenant_header)
+    if profile == "lean":
+        from extproc.lean.render import render_lean
+
+        limits = sidecar or Config()
+        config = render_lean(config, limits.paths, limits.admission.max_body_bytes)
     config["admin"]["address"]["socket_address"]["port_value"] = ports.envoy_admin
     for listener in config["static_resources"]["listeners"]:
         if listener["name"] == "llm_ingress":
@@ -242,6 +262,7 @@ class LocalStack:
     envoy_patch: Callable[[dict[str, Any]], None] | None = None
     model: str = "llama-3-8b"
     envoy_template: Path = ENVOY_TEMPLATE
+    profile: str = DEFAULT_PROFILE
     processes: dict[str, Process] = field(default_factory=dict)
 
     @property
@@ -321,7 +342,13 @@ class LocalStack:
             if self.sidecar_config_file is None:
                 self.write_sidecar_config(sidecar_config)
             self.processes["sidecar"] = Process.start("sidecar", self.sidecar_argv(), self.workdir)
-        envoy_config = render_envoy_config(self.ports, self.envoy_template, tenant_header_of(sidecar_config))
+        envoy_config = render_envoy_config(
+            self.ports,
+            self.envoy_template,
+            tenant_header_of(sidecar_config),
+            self.profile,
+            _parsed(sidecar_config) if self.profile == "lean" else None,
+        )
         if not self.with_sidecar:
             _remove_ext_proc(envoy_config)
         if self.envoy_patch is not None:
@@ -377,6 +404,14 @@ class LocalStack:
         self.stop()
 
 
+def _parsed(raw: dict[str, Any]) -> Config:
+    """The sidecar's config as the lean Envoy config needs it (path table, body cap)."""
+    try:
+        return parse_config(sidecar_config_with_ports(raw, Ports()))
+    except ConfigError as exc:
+        raise RuntimeError(f"invalid sidecar config: {exc}") from exc
+
+
 def _remove_ext_proc(config: dict[str, Any]) -> None:
     """Envoy straight to the upstream: the baseline for tests and benchmarks."""
     for listener in config["static_resources"]["listeners"]:
@@ -396,7 +431,8 @@ def _remove_ext_proc(config: dict[str, Any]) -> None:
 
 
 BANNER = """
-Local stack is up:
+Local stack is up ({profile} profile; `python -m extproc stack --profile {other}` starts the other one,
+docs/architecture.md compares them):
   Envoy (send requests here)  http://127.0.0.1:{envoy}
   Envoy admin                 http://127.0.0.1:{envoy_admin}
   sidecar gRPC (ext_proc)     127.0.0.1:{grpc}
@@ -423,17 +459,20 @@ Ctrl-C stops everything.
 """
 
 
-def foreground_stack(config: Path | None) -> LocalStack:
+def foreground_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> LocalStack:
     """The `make run` stack. The config path is made absolute (the processes run from the repository root)
     but not resolved, so a symlinked config (a ConfigMap layout) is watched through its link."""
     return LocalStack(
-        sidecar_config_file=(config or LOCAL_CONFIG).absolute(), workdir=REPO / "run", with_exporter=True
+        sidecar_config_file=(config or LOCAL_CONFIG).absolute(),
+        workdir=REPO / "run",
+        with_exporter=True,
+        profile=profile,
     )
 
 
-def run_stack(config: Path | None) -> int:
+def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> int:
     """Foreground `make run`: start the stack with the documented ports and wait for Ctrl-C."""
-    stack = foreground_stack(config)
+    stack = foreground_stack(config, profile)
     try:
         stack.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
@@ -454,6 +493,8 @@ def run_stack(config: Path | None) -> int:
             exporter_metrics=p.exporter_metrics,
             workdir=stack.workdir,
             config=stack.config_path,
+            profile=profile,
+            other=next(p for p in PROFILES if p != profile),
         ),
         flush=True,
     )

@@ -1,0 +1,311 @@
+"""The lean profile's Envoy config, rendered from the inline one and the path table (one source of truth).
+
+`python -m extproc envoy-config --profile lean` prints it; envoy/envoy-lean.yaml and
+k8s/gateway/lean/envoy.yaml are its output for the shipped inline configs, and tests/unit/test_edge_config.py
+checks that they are current.
+Everything not listed below is the inline config unchanged: listener, edge hardening, local replies,
+clusters. Field names are those of the Envoy API protos (envoyproxy/data-plane-api @ 84e84367); every
+rendered config passes `envoy --mode validate` on 1.40 (tests/e2e/test_shipped_configs.py).
+
+What changes, and why:
+
+* ext_proc (`ExternalProcessor`): request body BUFFERED only; request headers, response headers and
+  response body SKIP/NONE. The request's method, path, client address and tenant header come as
+  `request_attributes` with the body (Envoy 1.40 evaluates each entry as a CEL expression, so
+  `request.headers['x-tenant-id']` gives one header). `metadata_options.receiving_namespaces` lets the
+  sidecar write the `extproc` namespace (extproc/server_lean.py).
+* Routes: one per metered path and method (`path` is exact after Envoy's own path normalization; the query
+  string is not part of it), split in two: with a `content-length` of at least one byte, the body-only
+  mode; without one (HTTP/2 or chunked bodies, or no body at all) a per-route override that also sends the
+  request headers, so a body-less request still reaches the sidecar (with the request headers skipped, Envoy
+  opens no ext_proc stream at all for a request without a body: seen with 1.40). Free paths pass with ext_proc
+  and Lua disabled; OPTIONS is free on every listed path; anything else is a direct 404 (the local-reply
+  mappers make it OpenAI JSON).
+* Body cap: `request_body_buffer_limit` on the virtual host at `admission.max_body_bytes`: over it Envoy
+  answers 413 itself, before the sidecar sees a byte.
+* A buffer filter (`envoy.filters.http.buffer`) after ext_proc: with the header phase skipped, ext_proc lets
+  the request headers continue at once, and the router would open the upstream request before admission.
+  The buffer filter holds them until the whole (admitted, possibly rewritten) body is there, and sets the
+  final `content-length`.
+* header_mutation also removes the engine control headers (extproc/admission/paths.py
+  BACKEND_CONTROL_HEADERS): the sidecar cannot remove headers it does not see.
+* The virtual host adds `x-ratelimit-*` to responses and `x-vllm-priority` to upstream requests from the
+  metadata the sidecar wrote at admission (`%DYNAMIC_METADATA(extproc:NAME)%`; absent metadata adds nothing).
+* A Lua filter reads admitted responses (extproc/lean/response.lua) and a gRPC access logger
+  (`envoy.access_loggers.http_grpc`) sends one entry per admitted request to the sidecar's gRPC port, filtered
+  on the report key so that nothing else is logged there.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, PathRule, PathTable, RouteKind
+from extproc.config import Config
+from extproc.server_lean import (
+    FORWARDED_REQUEST_HEADERS,
+    NAMESPACE,
+    RATELIMIT_HEADERS,
+    REPORT_KEY,
+    tenant_attribute,
+)
+
+EXT_PROC = "envoy.filters.http.ext_proc"
+LUA = "envoy.filters.http.lua"
+BUFFER = "envoy.filters.http.buffer"
+HEADER_MUTATION = "envoy.filters.http.header_mutation"
+EXTPROC_CLUSTER = "llm_admission_extproc"
+
+_TYPES = "type.googleapis.com/envoy.extensions.filters.http"
+EXT_PROC_PER_ROUTE = f"{_TYPES}.ext_proc.v3.ExtProcPerRoute"
+LUA_PER_ROUTE = f"{_TYPES}.lua.v3.LuaPerRoute"
+
+BODY_MODE: dict[str, str] = {
+    "request_header_mode": "SKIP",
+    "request_body_mode": "BUFFERED",
+    "response_header_mode": "SKIP",
+    "response_body_mode": "NONE",
+    "request_trailer_mode": "SKIP",
+    "response_trailer_mode": "SKIP",
+}
+"""The filter's mode in this profile: the sidecar sees the request body, nothing else."""
+
+HEADERS_AND_BODY_MODE = BODY_MODE | {"request_header_mode": "SEND"}
+"""The mode of a metered route's requests without a content-length (see the module docstring)."""
+
+REPORT_FLUSH_INTERVAL = "0.01s"
+"""How long Envoy batches access-log entries (CommonGrpcAccessLogConfig.buffer_flush_interval): the bound
+on the delay between a request's end and its slot's release, before the sidecar's own work."""
+
+NOT_FOUND = "not found"
+"""The last route's name: every path or method the table does not list."""
+
+HEADER = "# Rendered by `python -m extproc envoy-config --profile lean{args}` from {source}: do not edit.\n"
+
+
+def lua_source() -> str:
+    """The response reader (extproc/lean/response.lua), shipped with the package."""
+    return resources.files("extproc.lean").joinpath("response.lua").read_text()
+
+
+def render_lean(
+    inline: dict[str, Any],
+    table: PathTable = DEFAULT_TABLE,
+    max_body_bytes: int = 1 << 20,
+) -> dict[str, Any]:
+    """The lean profile's Envoy config made from an inline one (see the module docstring)."""
+    config = copy.deepcopy(inline)
+    for hcm in _connection_managers(config):
+        _lean_filters(hcm, max_body_bytes)
+        upstream = _upstream_route(hcm)
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            _lean_virtual_host(vhost, table, upstream, max_body_bytes)
+        hcm.setdefault("access_log", []).append(_end_report_logger())
+    return config
+
+
+def _connection_managers(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        network_filter["typed_config"]
+        for listener in config["static_resources"]["listeners"]
+        for chain in listener["filter_chains"]
+        for network_filter in chain["filters"]
+        if network_filter["name"] == "envoy.filters.network.http_connection_manager"
+    ]
+
+
+def tenant_header_removed(hcm: dict[str, Any]) -> str | None:
+    """The tenant header the config strips from clients (the plain `remove` of header_mutation)."""
+    for http_filter in hcm["http_filters"]:
+        if http_filter["name"] == HEADER_MUTATION:
+            for mutation in http_filter["typed_config"]["mutations"]["request_mutations"]:
+                if "remove" in mutation:
+                    return str(mutation["remove"])
+    return None
+
+
+def _lean_filters(hcm: dict[str, Any], max_body_bytes: int) -> None:
+    filters: list[dict[str, Any]] = hcm["http_filters"]
+    tenant = tenant_header_removed(hcm)
+    out: list[dict[str, Any]] = []
+    for http_filter in filters:
+        if http_filter["name"] == HEADER_MUTATION:
+            mutations = http_filter["typed_config"]["mutations"]["request_mutations"]
+            mutations.extend(
+                {"remove_on_match": {"key_matcher": {"exact": h}}} for h in BACKEND_CONTROL_HEADERS
+            )
+        out.append(http_filter)
+        if http_filter["name"] != EXT_PROC:
+            continue
+        ext_proc = http_filter["typed_config"]
+        ext_proc["processing_mode"] = dict(BODY_MODE)
+        attributes = ["source.address", "request.method", "request.path"]
+        if tenant is not None:
+            attributes.append(tenant_attribute(tenant))
+        ext_proc["request_attributes"] = attributes
+        ext_proc["metadata_options"] = {"receiving_namespaces": {"untyped": [NAMESPACE]}}
+        out.append(
+            {
+                "name": BUFFER,
+                "typed_config": {
+                    "@type": f"{_TYPES}.buffer.v3.Buffer",
+                    "max_request_bytes": max_body_bytes,
+                },
+            }
+        )
+        out.append(
+            {
+                "name": LUA,
+                "typed_config": {
+                    "@type": f"{_TYPES}.lua.v3.Lua",
+                    "default_source_code": {"inline_string": lua_source()},
+                },
+            }
+        )
+    hcm["http_filters"] = out
+
+
+def _upstream_route(hcm: dict[str, Any]) -> dict[str, Any]:
+    """The inline config's catch-all route action (`prefix: /`): where metered and free requests go."""
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            if route.get("match") == {"prefix": "/"} and "route" in route:
+                action: dict[str, Any] = route["route"]
+                return action
+    raise ValueError("the inline config has no catch-all route (`prefix: /`) to the upstream")
+
+
+def _lean_virtual_host(
+    vhost: dict[str, Any], table: PathTable, upstream: dict[str, Any], max_body_bytes: int
+) -> None:
+    vhost.pop("typed_per_filter_config", None)  # the inline profile's response phases
+    vhost["request_body_buffer_limit"] = max_body_bytes
+    vhost["request_headers_to_add"] = [_from_metadata(name) for name in FORWARDED_REQUEST_HEADERS]
+    vhost["response_headers_to_add"] = [_from_metadata(name) for name in RATELIMIT_HEADERS]
+    vhost["routes"] = routes(table, upstream)
+
+
+def _from_metadata(name: str) -> dict[str, Any]:
+    """A header set from the sidecar's metadata; nothing is added when the metadata is absent (an empty
+    value is dropped: HeaderValueOption.keep_empty_value defaults to false)."""
+    return {
+        "header": {"key": name, "value": f"%DYNAMIC_METADATA({NAMESPACE}:{name})%"},
+        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+    }
+
+
+def routes(table: PathTable, upstream: dict[str, Any]) -> list[dict[str, Any]]:
+    """Metered routes (two per rule), free routes, OPTIONS on every listed path, then 404 for the rest."""
+    rules = sorted(table.rules.values(), key=lambda rule: rule.prefix is not None)  # exact paths first
+    out: list[dict[str, Any]] = []
+    for rule in rules:
+        if rule.kind is RouteKind.METERED:
+            out.append(_route(f"metered {rule.path}", rule, upstream, body=True))
+            out.append(_route(f"metered {rule.path} (headers)", rule, upstream, body=False))
+        elif rule.kind is RouteKind.FREE:
+            out.append(_free(f"free {rule.path}", _match(rule, rule.methods), upstream))
+    for rule in rules:
+        if rule.kind is not RouteKind.DENIED:
+            out.append(_free(f"preflight {rule.path}", _match(rule, frozenset({"OPTIONS"})), upstream))
+    out.append(
+        {
+            "name": NOT_FOUND,
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 404},
+            "typed_per_filter_config": _disabled(),
+        }
+    )
+    return out
+
+
+def _match(rule: PathRule, methods: frozenset[str], content_length: bool = False) -> dict[str, Any]:
+    match: dict[str, Any] = {"prefix": rule.prefix} if rule.prefix is not None else {"path": rule.path}
+    verbs = sorted(methods)
+    method = {"exact": verbs[0]} if len(verbs) == 1 else {"safe_regex": {"regex": "|".join(verbs)}}
+    headers: list[dict[str, Any]] = [{"name": ":method", "string_match": method}]
+    if content_length:
+        headers.append({"name": "content-length", "string_match": {"safe_regex": {"regex": "[1-9][0-9]*"}}})
+    match["headers"] = headers
+    return match
+
+
+def _route(name: str, rule: PathRule, upstream: dict[str, Any], body: bool) -> dict[str, Any]:
+    route: dict[str, Any] = {
+        "name": name,
+        "match": _match(rule, rule.methods, content_length=body),
+        "route": copy.deepcopy(upstream),
+    }
+    if not body:
+        route["typed_per_filter_config"] = {
+            EXT_PROC: {
+                "@type": EXT_PROC_PER_ROUTE,
+                "overrides": {"processing_mode": dict(HEADERS_AND_BODY_MODE)},
+            }
+        }
+    return route
+
+
+def _free(name: str, match: dict[str, Any], upstream: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "match": match,
+        "route": copy.deepcopy(upstream),
+        "typed_per_filter_config": _disabled(),
+    }
+
+
+def _disabled() -> dict[str, Any]:
+    return {
+        EXT_PROC: {"@type": EXT_PROC_PER_ROUTE, "disabled": True},
+        LUA: {"@type": LUA_PER_ROUTE, "disabled": True},
+    }
+
+
+def _end_report_logger() -> dict[str, Any]:
+    """One access-log entry per admitted request, to the sidecar (extproc/accesslog.py)."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {
+            "metadata_filter": {
+                "matcher": {
+                    "filter": NAMESPACE,
+                    "path": [{"key": REPORT_KEY}],
+                    "value": {"present_match": True},
+                },
+                "match_if_key_not_found": False,
+            }
+        },
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "extproc_end_reports",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                "buffer_flush_interval": REPORT_FLUSH_INTERVAL,
+            },
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the Lua source) as literal blocks, so the shipped YAML stays readable."""
+
+
+def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _string)
+
+
+def render_envoy_yaml(template: Path, sidecar: Config) -> str:
+    """The lean rendering of an inline config file, as YAML (the shipped files are this output)."""
+    inline = yaml.safe_load(template.read_text())
+    lean = render_lean(inline, sidecar.paths, sidecar.admission.max_body_bytes)
+    return yaml.dump(lean, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
