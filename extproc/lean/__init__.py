@@ -1,0 +1,1 @@
+"""The lean profile's Envoy side: the Lua response reader and the config renderer."""
