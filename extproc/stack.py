@@ -347,7 +347,7 @@ class LocalStack:
             self.envoy_template,
             tenant_header_of(sidecar_config),
             self.profile,
-            _parsed(sidecar_config) if self.profile == "lean" else None,
+            self._parsed(sidecar_config) if self.profile == "lean" else None,
         )
         if not self.with_sidecar:
             _remove_ext_proc(envoy_config)
@@ -361,6 +361,13 @@ class LocalStack:
         if self.with_sidecar:
             wait_http(f"{self.admin_url}/readyz", proc=self.processes["sidecar"])
         wait_http(f"http://127.0.0.1:{self.ports.envoy_admin}/ready", proc=envoy)
+
+    def _parsed(self, raw: dict[str, Any]) -> Config:
+        """The sidecar's config as the lean Envoy config needs it (its path table and body cap)."""
+        try:
+            return parse_config(sidecar_config_with_ports(raw, self.ports, self.with_exporter))
+        except ConfigError as exc:
+            raise RuntimeError(f"invalid sidecar config: {exc}") from exc
 
     def start_exporter(self) -> Process:
         """The KV-cache exporter scraping the simulator, as a DaemonSet pod would on a GPU node."""
@@ -402,14 +409,6 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _parsed(raw: dict[str, Any]) -> Config:
-    """The sidecar's config as the lean Envoy config needs it (path table, body cap)."""
-    try:
-        return parse_config(sidecar_config_with_ports(raw, Ports()))
-    except ConfigError as exc:
-        raise RuntimeError(f"invalid sidecar config: {exc}") from exc
 
 
 def _remove_ext_proc(config: dict[str, Any]) -> None:

@@ -148,7 +148,9 @@ def _lean_filters(hcm: dict[str, Any], max_body_bytes: int) -> None:
         if tenant is not None:
             attributes.append(tenant_attribute(tenant))
         ext_proc["request_attributes"] = attributes
-        ext_proc["metadata_options"] = {"receiving_namespaces": {"untyped": [NAMESPACE]}}
+        # Kept: the namespaces an earlier filter forwards (a tenant from metadata, docs/tenants.md).
+        options = ext_proc.setdefault("metadata_options", {})
+        options["receiving_namespaces"] = {"untyped": [NAMESPACE]}
         out.append(
             {
                 "name": BUFFER,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import LocalStack, Ports, trust_client_tenant_header
+from extproc.stack import PROFILES, LocalStack, Ports, trust_client_tenant_header
 
 
 @dataclass
@@ -86,11 +86,15 @@ def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
     return ["--model", model, *extra, *steady]
 
 
-def start_stack(config: dict[str, Any], sim_args: list[str]) -> LocalStack:
+def start_stack(config: dict[str, Any], sim_args: list[str], profile: str = "inline") -> LocalStack:
     """A stack whose clients name their tenant in the tenant header (no authn filter sets it here);
     tests/e2e/test_edge_e2e.py covers the strip itself."""
     stack = LocalStack(
-        ports=Ports.free(), sidecar_config=config, sim_args=sim_args, envoy_patch=trust_client_tenant_header
+        ports=Ports.free(),
+        sidecar_config=config,
+        sim_args=sim_args,
+        envoy_patch=trust_client_tenant_header,
+        profile=profile,
     )
     stack.start()
     return stack
@@ -100,11 +104,28 @@ def start_stack(config: dict[str, Any], sim_args: list[str]) -> LocalStack:
 def make_stack() -> Iterator[Any]:
     stacks: list[LocalStack] = []
 
-    def make(config: dict[str, Any], sim_args: list[str]) -> Stack:
-        stack = start_stack(config, sim_args)
+    def make(config: dict[str, Any], sim_args: list[str], profile: str = "inline") -> Stack:
+        stack = start_stack(config, sim_args, profile)
         stacks.append(stack)
         return Stack(stack)
 
     yield make
     for stack in stacks:
         stack.stop()
+
+
+@pytest.fixture(scope="module", params=PROFILES)
+def profile(request: pytest.FixtureRequest) -> str:
+    """Both profiles (docs/architecture.md): a module whose `stack` uses this runs every test on each, one
+    stack at a time (pytest finishes one parameter's tests before it sets up the next)."""
+    value: str = request.param
+    return value
+
+
+def profile_stack(
+    make_stack: Any, profile: str, config: dict[str, Any], sim_args: list[str]
+) -> Iterator[Stack]:
+    """A module's stack in one profile, stopped when the module moves on to the other."""
+    stack: Stack = make_stack(config, sim_args, profile)
+    yield stack
+    stack.stack.stop()

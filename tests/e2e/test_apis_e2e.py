@@ -17,7 +17,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.e2e.conftest import Reply, Stack, fixed_step_sim, http
+from tests.e2e.conftest import Reply, Stack, fixed_step_sim, http, profile_stack
 from tests.e2e.test_usage_e2e import Ledger, assert_exact, wait_settled
 
 MODEL = "llama-3-8b"
@@ -45,9 +45,8 @@ SHORT = {"x-sim-output-tokens": "6"}  # the answer stops (finish "stop") before 
 
 
 @pytest.fixture(scope="module")
-def stack(make_stack: Any) -> Stack:
-    s: Stack = make_stack(CONFIG, SIM_ARGS)
-    return s
+def stack(make_stack: Any, profile: str) -> Iterator[Stack]:
+    yield from profile_stack(make_stack, profile, CONFIG, SIM_ARGS)
 
 
 @pytest.fixture

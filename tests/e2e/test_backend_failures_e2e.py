@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim
+from tests.e2e.conftest import Stack, fixed_step_sim, profile_stack
 from tests.e2e.test_usage_e2e import Ledger, wait_settled
 
 MODEL = "llama-3-8b"
@@ -37,9 +38,8 @@ MESSAGES = [{"role": "user", "content": "Write as much as you can."}]
 
 
 @pytest.fixture(scope="module")
-def stack(make_stack: Any) -> Stack:
-    s: Stack = make_stack(CONFIG, SIM_ARGS)
-    return s
+def stack(make_stack: Any, profile: str) -> Iterator[Stack]:
+    yield from profile_stack(make_stack, profile, CONFIG, SIM_ARGS)
 
 
 def test_crash_mid_stream_charges_only_what_was_streamed_and_then_503_refunds_everything(

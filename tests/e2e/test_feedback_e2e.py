@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.stack import LocalStack, Ports
+from extproc.stack import PROFILES, LocalStack, Ports
 from tests.e2e.conftest import Stack, fixed_step_sim
 
 MODEL = "llama-3-8b"
@@ -158,10 +158,15 @@ BUDGET_CONFIG: dict[str, Any] = {
 }
 
 
-def test_kv_budget_refuses_what_the_cache_cannot_hold() -> None:
+@pytest.mark.parametrize("profile", PROFILES)
+def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
     """256 blocks x 16 = 4,096 KV tokens; 90% target = 3,686: two 1,500-token streams fit, a third not."""
     local = LocalStack(
-        ports=Ports.free(), sidecar_config=BUDGET_CONFIG, sim_args=SIM_ARGS, with_exporter=True
+        ports=Ports.free(),
+        sidecar_config=BUDGET_CONFIG,
+        sim_args=SIM_ARGS,
+        with_exporter=True,
+        profile=profile,
     )
     local.start()
     stack = Stack(local)

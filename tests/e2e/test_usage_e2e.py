@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim
+from tests.e2e.conftest import Stack, fixed_step_sim, profile_stack
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -41,9 +41,8 @@ MESSAGES = [{"role": "user", "content": "Summarise the plot of a long novel in a
 
 
 @pytest.fixture(scope="module")
-def stack(make_stack: Any) -> Stack:
-    s: Stack = make_stack(CONFIG, SIM_ARGS)
-    return s
+def stack(make_stack: Any, profile: str) -> Iterator[Stack]:
+    yield from profile_stack(make_stack, profile, CONFIG, SIM_ARGS)
 
 
 @pytest.fixture
