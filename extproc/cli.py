@@ -17,7 +17,7 @@ from extproc.stack import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
 
 def print_envoy_config(profile: str, template: Path | None, config_path: Path | None) -> int:
     """Print a profile's Envoy config: the template itself (inline), or the lean rendering of it."""
-    from extproc.lean.render import HEADER, render_envoy_yaml
+    from extproc.lean.render import HEADER, ISTIO_NOTE, render_envoy_yaml
 
     source = template or ENVOY_TEMPLATE
     try:
@@ -31,7 +31,9 @@ def print_envoy_config(profile: str, template: Path | None, config_path: Path | 
     given = (("template", template), ("config", config_path))
     args = "".join(f" --{name} {value}" for name, value in given if value is not None)
     shown = source.resolve().relative_to(REPO) if source.resolve().is_relative_to(REPO) else source
-    sys.stdout.write(HEADER.format(args=args, source=shown) + render_envoy_yaml(source, sidecar))
+    rendered = render_envoy_yaml(source, sidecar)
+    note = ISTIO_NOTE if rendered.startswith("apiVersion: networking.istio.io") else ""
+    sys.stdout.write(HEADER.format(args=args, source=shown) + note + rendered)
     return 0
 
 

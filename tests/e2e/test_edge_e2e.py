@@ -3,10 +3,10 @@ phase is bounded, and client-sent control headers reach neither the sidecar nor 
 
 The upstream is a small echo server in this process (not the simulator), so a test can see exactly which
 headers and paths reached it and can make it answer with a body of its own. Envoy runs, in turn,
-envoy/envoy.yaml, its lean rendering (envoy/envoy-lean.yaml) and the Istio EnvoyFilter's patches applied to
-a bare gateway bootstrap, each as the local stack renders it (the sidecar's tenant header is `x-org` here,
-not the shipped `x-tenant-id`), with the two request-phase timeouts shortened so the tests do not wait a
-minute.
+envoy/envoy.yaml, its lean rendering (envoy/envoy-lean.yaml) and the Istio EnvoyFilters (inline and lean)
+applied to a bare gateway bootstrap, each as the local stack renders it (the sidecar's tenant header is
+`x-org` here, not the shipped `x-tenant-id`), with the two request-phase timeouts shortened so the tests do
+not wait a minute.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from extproc.stack import ENVOY_TEMPLATE, LocalStack, Ports, Process, wait_http
 from tests.e2e.conftest import Reply, http, metric
-from tests.e2e.test_shipped_configs import ISTIO_FILTER, apply_envoy_filter, bare_gateway
+from tests.e2e.test_shipped_configs import (
+    ISTIO_FILTER,
+    ISTIO_LEAN_FILTER,
+    apply_envoy_filter,
+    bare_gateway,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -128,10 +133,10 @@ def shorten_request_timeouts(config: dict[str, Any]) -> None:
         hcm["request_timeout"] = f"{REQUEST_TIMEOUT_S:g}s"
 
 
-def istio_gateway(workdir: Path) -> Path:
-    """The Istio EnvoyFilter applied to a bare gateway (routes: /v1/ only), as a stack template."""
+def istio_gateway(workdir: Path, envoy_filter: Path = ISTIO_FILTER) -> Path:
+    """An Istio EnvoyFilter applied to a bare gateway (routes: /v1/ only), as a stack template."""
     gateway = apply_envoy_filter(
-        bare_gateway(), yaml.safe_load(ISTIO_FILTER.read_text())["spec"]["configPatches"]
+        bare_gateway(), yaml.safe_load(envoy_filter.read_text())["spec"]["configPatches"]
     )
     gateway["admin"] = yaml.safe_load(ENVOY_TEMPLATE.read_text())["admin"]
     gateway["static_resources"]["listeners"][0]["name"] = "llm_ingress"
@@ -158,11 +163,15 @@ class Edge:
         return value
 
 
-@pytest.fixture(scope="module", params=["envoy.yaml", "lean", "istio"])
+ISTIO_FLAVOURS = {"istio": ISTIO_FILTER, "istio-lean": ISTIO_LEAN_FILTER}
+
+
+@pytest.fixture(scope="module", params=["envoy.yaml", "lean", "istio", "istio-lean"])
 def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     ports = Ports.free()
     echo = Echo(ports.upstream).start()
-    template = istio_gateway(tmp_path_factory.mktemp("istio")) if request.param == "istio" else ENVOY_TEMPLATE
+    istio = ISTIO_FLAVOURS.get(request.param)
+    template = ENVOY_TEMPLATE if istio is None else istio_gateway(tmp_path_factory.mktemp("istio"), istio)
     stack = LocalStack(
         ports=ports,
         sidecar_config=CONFIG,
@@ -262,7 +271,7 @@ def test_backend_metrics_are_not_served_but_health_is(edge: Edge) -> None:
         error = assert_openai_error(http("GET", f"{edge.stack.envoy_url}{path}"), 404)
         assert error["code"] == "unknown_url"
     assert not [p for p in edge.echo.paths() if "metrics" in p]
-    if edge.flavour != "istio":  # behind Istio, routes are the operator's (here: /v1/ only)
+    if edge.flavour in ("envoy.yaml", "lean"):  # behind Istio, routes are the operator's (here: /v1/ only)
         health = http("GET", f"{edge.stack.envoy_url}/health")
         assert (health.status, health.body) == (200, b"upstream")
 

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.stack import ENVOY_TEMPLATE, Ports, envoy_binary, render_envoy_config
+from extproc.stack import ENVOY_TEMPLATE, PROFILES, Ports, envoy_binary, render_envoy_config
 
 REPO = Path(__file__).resolve().parents[2]
 ISTIO_FILTER = REPO / "envoy" / "istio" / "envoyfilter.yaml"
+ISTIO_LEAN_FILTER = REPO / "envoy" / "istio" / "envoyfilter-lean.yaml"
 HCM = "envoy.filters.network.http_connection_manager"
 
 
@@ -39,14 +40,22 @@ def validate(config: dict[str, Any] | Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", [ENVOY_TEMPLATE, REPO / "k8s" / "gateway" / "envoy.yaml"], ids=lambda p: p.name
+    "path",
+    [
+        ENVOY_TEMPLATE,
+        REPO / "envoy" / "envoy-lean.yaml",
+        REPO / "k8s" / "gateway" / "envoy.yaml",
+        REPO / "k8s" / "gateway" / "lean" / "envoy.yaml",
+    ],
+    ids=lambda p: str(p.relative_to(REPO)),
 )
 def test_envoy_bootstraps_validate(path: Path, tmp_path: Path) -> None:
     validate(path, tmp_path)
 
 
-def test_stack_rendering_with_a_custom_tenant_header_validates(tmp_path: Path) -> None:
-    validate(render_envoy_config(Ports.free(), tenant_header="X-Org-Id"), tmp_path)
+@pytest.mark.parametrize("profile", PROFILES)
+def test_stack_rendering_with_a_custom_tenant_header_validates(profile: str, tmp_path: Path) -> None:
+    validate(render_envoy_config(Ports.free(), tenant_header="X-Org-Id", profile=profile), tmp_path)
 
 
 def bare_gateway() -> dict[str, Any]:
@@ -139,6 +148,19 @@ def test_istio_envoyfilter_applied_to_a_gateway_validates(tmp_path: Path) -> Non
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.header_mutation",
         "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    validate(gateway, tmp_path)
+
+
+def test_istio_lean_envoyfilter_applied_to_a_gateway_validates(tmp_path: Path) -> None:
+    patches = yaml.safe_load(ISTIO_LEAN_FILTER.read_text())["spec"]["configPatches"]
+    gateway = apply_envoy_filter(bare_gateway(), patches)
+    hcm = gateway["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.lua",
         "envoy.filters.http.router",
     ]
     validate(gateway, tmp_path)

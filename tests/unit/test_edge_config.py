@@ -13,7 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.admission.headers import ratelimit_headers
+from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
 from extproc.config import AdmissionConfig, parse_config
+from extproc.core.limiter import RateLimitStatus
+from extproc.lean.render import BODY_MODE, lua_source, render_envoy_yaml
+from extproc.server_lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
 from extproc.stack import (
     ENVOY_TEMPLATE,
     Ports,
@@ -184,3 +189,115 @@ def test_local_replies_leave_the_sidecar_replies_alone_and_cover_every_status(
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] in {"invalid_request_error", "server_error", "requests"}
     assert "local_reply_config" in reference and "body_format" not in reference["local_reply_config"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The lean profile: rendered from the inline configs and the path table, never edited by hand.
+
+LEAN_FILES = {
+    REPO / "envoy" / "envoy-lean.yaml": (ENVOY_TEMPLATE, None),
+    REPO / "k8s" / "gateway" / "lean" / "envoy.yaml": (K8S_ENVOY, REPO / "k8s" / "gateway" / "config.yaml"),
+    REPO / "envoy" / "istio" / "envoyfilter-lean.yaml": (ISTIO, None),
+}
+
+
+@pytest.mark.parametrize("shipped", list(LEAN_FILES), ids=lambda p: str(p.relative_to(REPO)))
+def test_shipped_lean_configs_are_the_rendering_of_the_inline_ones(shipped: Path) -> None:
+    template, sidecar = LEAN_FILES[shipped]
+    config = parse_config(yaml.safe_load(sidecar.read_text())) if sidecar is not None else parse_config({})
+    assert yaml.safe_load(shipped.read_text()) == yaml.safe_load(render_envoy_yaml(template, config)), (
+        f"stale: python -m extproc envoy-config --profile lean --template {template.relative_to(REPO)}"
+    )
+    assert shipped.read_text().startswith("# Rendered by `python -m extproc envoy-config --profile lean")
+
+
+@pytest.fixture(scope="module")
+def lean() -> dict[str, Any]:
+    return hcm_of(yaml.safe_load((REPO / "envoy" / "envoy-lean.yaml").read_text()))
+
+
+def test_lean_keeps_the_inline_edge_hardening(reference: dict[str, Any], lean: dict[str, Any]) -> None:
+    for key in HARDENING:
+        assert lean[key] == reference[key], key
+
+
+def test_lean_ext_proc_sees_the_request_body_only_with_the_attributes_admission_needs(
+    lean: dict[str, Any],
+) -> None:
+    ext_proc = http_filter(lean, "envoy.filters.http.ext_proc")
+    assert ext_proc["processing_mode"] == BODY_MODE
+    assert ext_proc["request_attributes"] == [
+        "source.address",
+        "request.method",
+        "request.path",
+        tenant_attribute(AdmissionConfig().tenant.header or "x-tenant-id"),
+    ]
+    assert ext_proc["metadata_options"]["receiving_namespaces"] == {"untyped": [NAMESPACE]}
+    names = [f["name"] for f in lean["http_filters"]]
+    # The buffer filter holds the request headers until the admitted body is there: none go upstream early.
+    assert names == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.lua",
+        "envoy.filters.http.router",
+    ]
+    assert http_filter(lean, "envoy.filters.http.lua")["default_source_code"]["inline_string"] == lua_source()
+    removed = [
+        m["remove_on_match"]["key_matcher"].get("exact") for m in strip_list(lean) if "remove_on_match" in m
+    ]
+    assert set(BACKEND_CONTROL_HEADERS) <= set(removed)
+
+
+def test_lean_routes_follow_the_path_table(lean: dict[str, Any]) -> None:
+    vhost = lean["route_config"]["virtual_hosts"][0]
+    routes = vhost["routes"]
+    metered = [r for r in DEFAULT_TABLE.rules.values() if r.kind is RouteKind.METERED]
+    by_name = {r["name"]: r for r in routes}
+    for rule in metered:
+        body = by_name[f"metered {rule.path}"]
+        headers = by_name[f"metered {rule.path} (headers)"]
+        assert body["match"]["path"] == headers["match"]["path"] == rule.path
+        assert "typed_per_filter_config" not in body  # the filter's body-only mode
+        mode = headers["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
+            "processing_mode"
+        ]
+        assert mode["request_header_mode"] == "SEND"
+        assert routes.index(body) < routes.index(headers)
+    # Everything that reaches the upstream without the sidecar is a free path (or a CORS preflight).
+    for route in routes:
+        per_route = route.get("typed_per_filter_config", {}).get("envoy.filters.http.ext_proc", {})
+        if per_route.get("disabled") and "route" in route:
+            assert route["name"].startswith(("free ", "preflight ")), route["name"]
+    assert routes[-1]["name"] == "not found" and routes[-1]["direct_response"] == {"status": 404}
+    assert vhost["request_body_buffer_limit"] == AdmissionConfig().max_body_bytes
+
+
+def test_lean_response_headers_come_from_the_admission_metadata(lean: dict[str, Any]) -> None:
+    status = RateLimitStatus(
+        limit_requests=8,
+        remaining_requests=7,
+        reset_requests_s=0.5,
+        limit_tokens=1000,
+        remaining_tokens=900,
+        reset_tokens_s=2.0,
+    )
+    names = [name for name, _ in ratelimit_headers(status)]
+    vhost = lean["route_config"]["virtual_hosts"][0]
+    added = {h["header"]["key"]: h["header"]["value"] for h in vhost["response_headers_to_add"]}
+    assert set(names) == set(added) == set(RATELIMIT_HEADERS)
+    for name in names:
+        assert added[name] == f"%DYNAMIC_METADATA({NAMESPACE}:{name})%"
+
+
+def test_lean_reports_only_admitted_requests_to_the_sidecar(lean: dict[str, Any]) -> None:
+    logger = next(a for a in lean["access_log"] if a["name"] == "envoy.access_loggers.http_grpc")
+    matcher = logger["filter"]["metadata_filter"]
+    assert matcher["matcher"] == {
+        "filter": NAMESPACE,
+        "path": [{"key": REPORT_KEY}],
+        "value": {"present_match": True},
+    }
+    assert matcher["match_if_key_not_found"] is False
+    common = logger["typed_config"]["common_config"]
+    assert common["grpc_service"] == http_filter(lean, "envoy.filters.http.ext_proc")["grpc_service"]
