@@ -21,6 +21,7 @@ counted and ignored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -84,14 +85,31 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
 
     def __init__(self, service: AdmissionService) -> None:
         self.service = service
+        self._streams: set[asyncio.Task[Any]] = set()
+        self._closing = False
 
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: Any
     ) -> als_pb2.StreamAccessLogsResponse:
-        async for message in request_iterator:
-            for entry in message.http_logs.log_entry:
-                self.settle(entry)
+        task = asyncio.current_task()
+        assert task is not None
+        self._streams.add(task)
+        try:
+            async for message in request_iterator:
+                for entry in message.http_logs.log_entry:
+                    self.settle(entry)
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+        finally:
+            self._streams.discard(task)
         return als_pb2.StreamAccessLogsResponse()
+
+    def close(self) -> None:
+        """Shutdown: end Envoy's streams (it keeps them open for good), so the server can stop early."""
+        self._closing = True
+        for task in list(self._streams):
+            task.cancel()
 
     def settle(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
         metadata = entry.common_properties.metadata.filter_metadata

@@ -237,7 +237,9 @@ class Sidecar:
             task.cancel()
         if self.grpc_server is not None:
             log.info("draining ext_proc streams", extra={"grace_seconds": grace})
-            await self.grpc_server.stop(grace)
+            stopping = asyncio.ensure_future(self.grpc_server.stop(grace))
+            await self._end_reports_when_drained(stopping)
+            await stopping
         self.queue.close()
         await self.lean.stop()
         self.admission.settle_open()
@@ -249,6 +251,16 @@ class Sidecar:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.settle_executor.shutdown(wait=False, cancel_futures=True)
         log.info("sidecar stopped")
+
+
+    async def _end_reports_when_drained(self, stopping: asyncio.Future[None]) -> None:
+        """Envoy keeps its access-log stream open for good: close it once no ext_proc stream is open and no
+        lease waits for its end report, or the server's stop would always wait the whole grace period."""
+        while not stopping.done():
+            if self.admission.open_streams() == 0 and not self.admission.awaiting_reports():
+                self.end_reports.close()
+                return
+            await asyncio.sleep(0.05)
 
 
 async def serve(config_path: Path) -> None:

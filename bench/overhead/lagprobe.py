@@ -1,5 +1,9 @@
 """The sidecar with a loop-lag probe: `python -m bench.overhead.lagprobe --config P --out F`.
 
+With `--releases R` instead of `--out`, no heartbeat runs (it costs CPU): each lease settlement's wall time
+is recorded and written to R on exit, so the benchmark can pair a stream's last byte at the client with the
+release of its slot (bench/overhead/profiles.py).
+
 A heartbeat task sleeps 5 ms and records how late it wakes up. Anything that holds the loop (a body parsed
 inline, a tokenizer call that does not release the GIL, a slow settlement) shows up as lag that every other
 stream on that loop sees too. On exit (SIGTERM) the samples, `[wall time, lag ms]`, are written to F so the
@@ -14,7 +18,9 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import Any
 
+from extproc.admission.service import AdmissionService
 from extproc.app import serve
 from extproc.config import load_config
 from extproc.logs import setup_logging
@@ -31,7 +37,21 @@ async def heartbeat(samples: list[tuple[float, float]]) -> None:
         samples.append((time.time(), round(lag * 1000, 3)))
 
 
-async def main(config: Path, samples: list[tuple[float, float]]) -> None:
+def record_releases(releases: list[float]) -> None:
+    """Wrap the one place every lease settles, to note when."""
+    settle = AdmissionService.settle
+
+    def timed(self: AdmissionService, admitted: Any, charge: Any) -> Any:
+        releases.append(time.time())
+        return settle(self, admitted, charge)
+
+    AdmissionService.settle = timed  # type: ignore[method-assign]
+
+
+async def main(config: Path, samples: list[tuple[float, float]] | None) -> None:
+    if samples is None:
+        await serve(config)
+        return
     probe = asyncio.create_task(heartbeat(samples))
     try:
         await serve(config)
@@ -44,11 +64,18 @@ async def main(config: Path, samples: list[tuple[float, float]]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="loop-lag samples")
+    parser.add_argument("--releases", type=Path, default=None, help="settlement times")
     args = parser.parse_args()
     setup_logging(load_config(args.config).log_level)
     collected: list[tuple[float, float]] = []
+    releases: list[float] = []
+    if args.releases is not None:
+        record_releases(releases)
     try:
-        asyncio.run(main(args.config, collected))
+        asyncio.run(main(args.config, collected if args.out is not None else None))
     finally:
-        args.out.write_text(json.dumps(collected))
+        if args.out is not None:
+            args.out.write_text(json.dumps(collected))
+        if args.releases is not None:
+            args.releases.write_text(json.dumps(releases))

@@ -6,6 +6,10 @@ and latency stay far below what is measured in front of it. `python -m bench.ove
 A body containing `"stream": true` gets `--chunks` SSE events, one per write with `--chunk-gap-ms` between
 them (so Envoy forwards each as its own body chunk, like a token stream), then a usage chunk when the
 request asked for `include_usage` (the sidecar injects it), then `[DONE]`.
+
+`GET /metrics` answers a fixed vLLM metrics page (the names of vllm 0.33.0 vllm/v1/metrics/loggers.py, as
+extproc/feed/engines.py reads them): 30 % KV usage of 27,000 blocks of 16 tokens, so a sidecar in the shipped
+config sees a fresh feed, full limits and a KV budget with a known capacity.
 """
 
 from __future__ import annotations
@@ -59,6 +63,19 @@ USAGE_CHUNK = (
 )
 
 
+METRICS_PAGE = b"""\
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="llama-3-8b"} 0.3
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama-3-8b"} 0.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama-3-8b"} 1.0
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="llama-3-8b"} 0.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="27000"} 1.0
+"""
+
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
@@ -78,7 +95,14 @@ async def handle(
                 if name.strip().lower() == b"content-length":
                     length = int(value.strip())
             body = await reader.readexactly(length) if length else b""
-            if _STREAM.search(body):
+            if head.startswith(b"GET /metrics"):
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
+                    + str(len(METRICS_PAGE)).encode()
+                    + b"\r\n\r\n"
+                    + METRICS_PAGE
+                )
+            elif _STREAM.search(body):
                 writer.write(SSE_HEAD)
                 for i in range(chunks):
                     writer.write(_chunked(_chunk(i)))

@@ -202,6 +202,9 @@ class AdmissionService:
     def unregister(self, exchange: Any) -> None:
         self._open.discard(exchange)
 
+    def open_streams(self) -> int:
+        return len(self._open)
+
     def settle_open(self) -> None:
         """On shutdown after the grace period: settle what is still open with what is known, and expire
         the leases whose end report has not come (lean profile)."""

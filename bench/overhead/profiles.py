@@ -1,0 +1,358 @@
+"""What each profile costs, shipped config and admit-everything: `python -m bench.overhead.profiles`.
+
+Seven stacks, one after another, each with the no-op upstream of `upstream.py` and Envoy 1.40
+(`--concurrency 1`): plain Envoy (envoy/envoy.yaml without ext_proc), the no-op processor in each profile
+(inline: envoy/envoy.yaml; lean: the rendered lean config, the no-op answering with the sidecar's metadata so
+that Envoy's Lua reader and access log do the same work), and the sidecar in each profile with two configs:
+
+* `admit-all`: no limits, no feedback (what `main.py` measures: parsing, counting, the limiter, settlement);
+* `shipped`: config/local.yaml as `make run` runs it (llama-3-8b limits, KV feedback through a real exporter
+  scraping the upstream's vLLM metrics page, KV budget on), ports rewritten.
+
+Phases per stack (requests are 1k- or 4k-token chat prompts for llama-3-8b; streams are 100 SSE chunks 2 ms
+apart, `max_tokens` 16):
+
+* `seq_1k`, `seq_4k`: one client, sequential, keep-alive: latency (the added latency over plain Envoy is the
+  number the 1.3x target compares);
+* `conc_1k`: four clients in a closed loop: CPU per request of the processor and of Envoy;
+* `streams`: four clients in a closed loop of streamed answers: CPU per chunk = (CPU per streamed request -
+  CPU per plain request of `conc_1k`) / 100;
+* `release`: sequential streams; the client notes the wall time of each answer's last byte, the sidecar
+  (run under bench/overhead/lagprobe.py --releases) the wall time of each settlement: their difference is
+  the end-of-stream to slot-release delay.
+
+CPU is utime + stime of each process from /proc over the phase (bench/common.py). The machine is shared:
+compare ratios within one run, and repeat (`--repeat`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench.common import percentile, proc_cpu_seconds, validate_envoy_config, write_json
+from bench.overhead.main import STREAM_CHUNKS, _wait_port, prompt_text
+from extproc.config import parse_config
+from extproc.stack import (
+    LOCAL_CONFIG,
+    Ports,
+    Process,
+    _remove_ext_proc,
+    envoy_command,
+    render_envoy_config,
+    sidecar_config_with_ports,
+    wait_http,
+)
+
+MODEL = "llama-3-8b"
+CHUNK_GAP_MS = 2.0
+CLIENTS = 4
+
+
+def chat(tokens: int, stream: bool = False) -> bytes:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt_text(tokens)}],
+        "max_tokens": 16,
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+def admit_all() -> dict[str, Any]:
+    return {
+        "admission": {"max_body_bytes": 1 << 20},
+        "models": {"*": {"context_window": 40000, "default_max_tokens": 16}},
+        "log_level": "warning",
+    }
+
+
+def shipped() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(LOCAL_CONFIG.read_text())
+    return loaded
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One stack: `processor` is none (plain Envoy), noop or sidecar."""
+
+    processor: str
+    profile: str = "inline"
+    config: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.processor == "none":
+            return "envoy"
+        return "-".join(p for p in (self.processor, self.profile, self.config) if p)
+
+
+PATHS = (
+    Variant("none"),
+    Variant("noop", "inline"),
+    Variant("noop", "lean"),
+    Variant("sidecar", "inline", "admit-all"),
+    Variant("sidecar", "lean", "admit-all"),
+    Variant("sidecar", "inline", "shipped"),
+    Variant("sidecar", "lean", "shipped"),
+)
+
+
+@dataclass
+class Stack:
+    path: Variant
+    ports: Ports = field(default_factory=Ports.free)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-profiles-")))
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.envoy}"
+
+    @property
+    def releases_file(self) -> Path:
+        return self.workdir / "releases.json"
+
+    def start(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        py = sys.executable
+        ports = self.ports
+        up = Process.start(
+            "upstream",
+            [py, "-m", "bench.overhead.upstream", "--port", str(ports.upstream), *self._stream_args()],
+            self.workdir,
+        )
+        self.processes["upstream"] = up
+        path = self.path
+        sidecar = None
+        if path.processor == "noop":
+            argv = [py, "-m", "bench.overhead.noop_processor", "--port", str(ports.grpc)]
+            argv += ["--lean"] if path.profile == "lean" else []
+            self.processes["processor"] = Process.start("processor", argv, self.workdir)
+        elif path.processor == "sidecar":
+            raw = shipped() if path.config == "shipped" else admit_all()
+            exporter = path.config == "shipped"
+            if exporter:
+                self._start_exporter(py)
+            config = sidecar_config_with_ports(raw, ports, with_exporter=exporter)
+            sidecar = parse_config(config)
+            config_path = self.workdir / "sidecar.yaml"
+            config_path.write_text(yaml.safe_dump(config))
+            argv = [py, "-m", "bench.overhead.lagprobe", "--config", str(config_path)]
+            argv += ["--releases", str(self.releases_file)]
+            self.processes["processor"] = Process.start("processor", argv, self.workdir)
+        envoy = render_envoy_config(ports, profile=path.profile, sidecar=sidecar)
+        if path.processor == "none":
+            _remove_ext_proc(envoy)
+        envoy_path = self.workdir / "envoy.yaml"
+        envoy_path.write_text(yaml.safe_dump(envoy))
+        validate_envoy_config(envoy_path)
+        self.processes["envoy"] = Process.start(
+            "envoy", envoy_command(envoy_path, ports.envoy_admin), self.workdir
+        )
+        wait_http(f"http://127.0.0.1:{ports.upstream}/metrics", proc=up)
+        if path.processor == "sidecar":
+            wait_http(f"http://127.0.0.1:{ports.admin}/readyz", proc=self.processes["processor"])
+        elif path.processor == "noop":
+            _wait_port(ports.grpc, self.processes["processor"])
+        wait_http(f"http://127.0.0.1:{ports.envoy_admin}/ready", proc=self.processes["envoy"])
+        if path.config == "shipped":
+            self._wait_fresh_feed()
+
+    @staticmethod
+    def _stream_args() -> list[str]:
+        return ["--chunks", str(STREAM_CHUNKS), "--chunk-gap-ms", str(CHUNK_GAP_MS)]
+
+    def _start_exporter(self, py: str) -> None:
+        p = self.ports
+        self.processes["exporter"] = Process.start(
+            "exporter",
+            [
+                py,
+                "-m",
+                "extproc.exporter",
+                "--node-name",
+                "bench",
+                "--grpc-address",
+                f"127.0.0.1:{p.exporter}",
+                "--metrics-address",
+                f"127.0.0.1:{p.exporter_metrics}",
+                "--target",
+                f"url=http://127.0.0.1:{p.upstream}/metrics,kind=vllm,model={MODEL}",
+            ],
+            self.workdir,
+        )
+
+    def _wait_fresh_feed(self) -> None:
+        """Full limits before measuring: the feed is fresh and the adaptive scale back at 1.0."""
+        deadline = time.monotonic() + 30
+        url = f"http://127.0.0.1:{self.ports.admin}/metrics"
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as reply:
+                text = reply.read().decode()
+                if f'extproc_adaptive_scale_ratio{{pool="{MODEL}"}} 1.0' in text:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError("the shipped config's KV feed never became fresh")
+
+    def stop(self) -> None:
+        for name in ("envoy", "processor", "exporter", "upstream"):
+            proc = self.processes.pop(name, None)
+            if proc is not None:
+                proc.stop()
+
+    def cpu(self) -> dict[str, float]:
+        out = {}
+        for name, proc in self.processes.items():
+            with contextlib.suppress(OSError):
+                out[name] = proc_cpu_seconds(proc.popen.pid)
+        return out
+
+
+# -- load ---------------------------------------------------------------------------------------------------
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[float, float] | None:
+    """(latency s, wall time of the last byte), or None when the answer was not a 200."""
+    started = time.monotonic()
+    async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+        async for _chunk in resp.content.iter_any():
+            pass
+        ended = time.time()
+        if resp.status != 200:
+            return None
+    return time.monotonic() - started, ended
+
+
+async def closed_loop(url: str, body: bytes, clients: int, total: int) -> list[tuple[float, float] | None]:
+    endpoint = f"{url}/v1/chat/completions"
+    results: list[tuple[float, float] | None] = []
+    remaining = total
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            results.append(await one(session, endpoint, body))
+
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(3):  # warm the connections and the sidecar's caches
+            await one(session, endpoint, body)
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+    return results
+
+
+def measured(stack: Stack, body: bytes, clients: int, total: int) -> dict[str, Any]:
+    before = stack.cpu()
+    t0 = time.monotonic()
+    results = asyncio.run(closed_loop(stack.url, body, clients, total))
+    wall = time.monotonic() - t0
+    after = stack.cpu()
+    cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+    ok = [r for r in results if r is not None]
+    latencies = [r[0] * 1000 for r in ok]
+    return {
+        "n": len(results),
+        "errors": len(results) - len(ok),
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "cpu_us_per_request": {k: v / max(1, len(results)) * 1e6 for k, v in cpu.items()},
+        "ends": [r[1] for r in ok],
+    }
+
+
+def _rounded(values: dict[str, float]) -> dict[str, int]:
+    return {k: round(v) for k, v in values.items()}
+
+
+def release_delays(stack: Stack, ends: list[float], since: float) -> list[float]:
+    """ms from each answer's last byte at the client to its lease's settlement (sequential streams)."""
+    stack.processes["processor"].popen.send_signal(signal.SIGTERM)
+    stack.processes["processor"].popen.wait(30)
+    releases = [t for t in json.loads(stack.releases_file.read_text()) if t >= since]
+    # The phase's warm-up requests settled first: the last len(ends) settlements are the measured streams.
+    releases = releases[-len(ends) :]
+    return [(r - e) * 1000 for e, r in zip(ends, releases, strict=True)]
+
+
+def run_path(path: Variant, short: bool) -> dict[str, Any]:
+    n_seq, n_conc, n_streams, n_release = (100, 300, 20, 20) if short else (300, 1000, 60, 100)
+    stack = Stack(path).start()
+    out: dict[str, Any] = {"path": path.name, "processor": path.processor, "profile": path.profile}
+    out["config"] = path.config
+    try:
+        for name, body, clients, total in (
+            ("seq_1k", chat(1024), 1, n_seq),
+            ("seq_4k", chat(4096), 1, n_seq),
+            ("conc_1k", chat(1024), CLIENTS, n_conc),
+            ("streams", chat(1024, stream=True), CLIENTS, n_streams),
+        ):
+            row = measured(stack, body, clients, total)
+            row.pop("ends")
+            out[name] = row
+            print(
+                f"profiles: {path.name} {name}: p50 {row['p50_ms']:.2f} ms p99 {row['p99_ms']:.2f} ms "
+                f"errors {row['errors']} cpu us/req {_rounded(row['cpu_us_per_request'])}",
+                flush=True,
+            )
+        if path.processor == "sidecar":
+            since = time.time()
+            row = measured(stack, chat(1024, stream=True), 1, n_release)
+            delays = release_delays(stack, row.pop("ends"), since)
+            out["release"] = {
+                "n": len(delays),
+                "p50_ms": percentile(delays, 50),
+                "p99_ms": percentile(delays, 99),
+                "max_ms": max(delays) if delays else None,
+            }
+            print(f"profiles: {path.name} release: {out['release']}", flush=True)
+    finally:
+        stack.stop()
+    return out
+
+
+def run(short: bool, repeat: int = 1) -> dict[str, Any]:
+    t0 = time.monotonic()
+    runs = [[run_path(path, short) for path in PATHS] for _ in range(repeat)]
+    result = {
+        "short": short,
+        "clients": CLIENTS,
+        "stream_chunks": STREAM_CHUNKS,
+        "chunk_gap_ms": CHUNK_GAP_MS,
+        "runs": runs,
+        "duration_s": time.monotonic() - t0,
+    }
+    write_json(f"overhead-profiles{'-short' if short else ''}.json", result)
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--short", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    run(args.short, args.repeat)
