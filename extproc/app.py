@@ -252,7 +252,6 @@ class Sidecar:
         self.settle_executor.shutdown(wait=False, cancel_futures=True)
         log.info("sidecar stopped")
 
-
     async def _end_reports_when_drained(self, stopping: asyncio.Future[None]) -> None:
         """Envoy keeps its access-log stream open for good: close it once no ext_proc stream is open and no
         lease waits for its end report, or the server's stop would always wait the whole grace period."""
