@@ -117,9 +117,9 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         key = admitted.fields.get(REPORT_KEY) if admitted is not None else None
         exchange = self.service.take_report(key.string_value) if key is not None else None
         if exchange is None:
-            self.service.metrics.end_reports.labels("unknown").inc()
+            self.service.child(self.service.metrics.end_reports, "unknown").inc()
             return
-        self.service.metrics.end_reports.labels("matched").inc()
+        self.service.child(self.service.metrics.end_reports, "matched").inc()
         code = entry.response.response_code.value
         reading = reading_of(metadata.get(RESPONSE_NAMESPACE))
         exchange.report(code or None, reading, _seconds(entry))

@@ -323,7 +323,7 @@ class Exchange:
         )
         self.phase = Phase.ADMITTED
         service.count("admitted", "ok", self.model_label, self.class_name, self.tenant)
-        service.metrics.tokens_reserved.labels(self.model_label).inc(plan.total)
+        service.child(service.metrics.tokens_reserved, self.model_label).inc(plan.total)
         service.metrics.active.inc()
         if self._closed:
             # The request ended while it waited (a cancel the wait swallowed): settle now, not at GC.

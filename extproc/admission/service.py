@@ -73,6 +73,22 @@ class Admitted:
         return str(self.lease.lease_id)
 
 
+class LabelledChildren:
+    """Prometheus children by label values, looked up once per value set: `labels()` takes a lock and
+    builds a key on every call, several times per request. Label values are bounded (configured models,
+    classes, allow-listed tenants, fixed reasons), so the cache is too."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def __call__(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+
 @dataclass(eq=False)
 class AdmissionService:
     deps: Deps
@@ -84,6 +100,7 @@ class AdmissionService:
     _reports: dict[str, Any] = field(default_factory=dict)
     _report_prefix: str = field(default_factory=lambda: secrets.token_hex(4))
     _report_seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    child: LabelledChildren = field(default_factory=LabelledChildren)
 
     def __post_init__(self) -> None:
         admission = self.deps.config().admission
@@ -109,10 +126,10 @@ class AdmissionService:
 
     def count(self, decision: str, reason: str, model_label: str, klass: str, tenant: str | None) -> None:
         """One decision, counted once: by model and class, and by tenant (allow-listed or `other`)."""
-        self.metrics.requests.labels(decision, reason, model_label, klass).inc()
+        self.child(self.metrics.requests, decision, reason, model_label, klass).inc()
         if tenant is not None:
             label = self.config().tenant_label(tenant)
-            self.metrics.tenant_requests.labels(label, decision).inc()
+            self.child(self.metrics.tenant_requests, label, decision).inc()
 
     # -- tokenizing -----------------------------------------------------------------------------------------
 
@@ -176,14 +193,15 @@ class AdmissionService:
             self.deps.queue.kick()
         metrics = self.metrics
         metrics.active.dec()
-        metrics.settlements.labels(charge.ending.value).inc()
-        metrics.tokens_settled.labels(model, "prompt").inc(charge.prompt)
-        metrics.tokens_settled.labels(model, "completion").inc(charge.completion)
+        child = self.child
+        child(metrics.settlements, charge.ending.value).inc()
+        child(metrics.tokens_settled, model, "prompt").inc(charge.prompt)
+        child(metrics.tokens_settled, model, "completion").inc(charge.completion)
         delta = admitted.lease.reserved_tokens - charge.total
         if delta > 0:
-            metrics.tokens_refunded.labels(model).inc(delta)
+            child(metrics.tokens_refunded, model).inc(delta)
         elif delta < 0:
-            metrics.tokens_overrun.labels(model).inc(-delta)
+            child(metrics.tokens_overrun, model).inc(-delta)
         log.debug(
             "lease settled",
             extra={
