@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             run_protection(short)
         elif part == "overhead":
             from bench.overhead.main import run as run_overhead
+            from bench.overhead.profiles import run as run_profiles
 
             run_overhead(short)
+            run_profiles(short)
         elif part == "micro":
             status |= run_micro(short)
         elif part == "soak":

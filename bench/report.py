@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from bench.common import RESULTS, fmt, md_table
+from bench.overhead.profiles import tables as profile_tables
 
 
 def _load(name: str) -> Any:
@@ -284,6 +285,7 @@ def main() -> None:
     for title, name, render in (
         ("Protection", f"protection{sfx}.json", protection_tables),
         ("Overhead", f"overhead{sfx}.json", overhead_tables),
+        ("Overhead of both profiles", f"overhead-profiles{sfx}.json", profile_tables),
         ("Micro", f"micro{sfx}.json", micro_table),
     ):
         data = _load(name)

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -356,3 +357,76 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     run(args.short, args.repeat)
+
+
+# -- tables (python -m bench.report) ------------------------------------------------------------------------
+
+
+def _per_chunk(row: dict[str, Any], process: str, chunks: int) -> float:
+    """CPU µs per chunk of one process: streamed request minus plain request, over the chunks."""
+    streamed = row["streams"]["cpu_us_per_request"].get(process, math.nan)
+    plain = row["conc_1k"]["cpu_us_per_request"].get(process, math.nan)
+    return float((streamed - plain) / chunks)
+
+
+def figures(run: list[dict[str, Any]], chunks: int) -> dict[str, dict[str, float]]:
+    """The targets' figures of one run, per path."""
+    by_name = {row["path"]: row for row in run}
+    envoy = by_name["envoy"]
+    envoy_chunk = _per_chunk(envoy, "envoy", chunks)
+    out: dict[str, dict[str, float]] = {}
+    for row in run:
+        noop = by_name.get(f"noop-{row['profile']}")
+        added_4k = row["seq_4k"]["p50_ms"] - envoy["seq_4k"]["p50_ms"]
+        noop_4k = noop["seq_4k"]["p50_ms"] - envoy["seq_4k"]["p50_ms"] if noop else math.nan
+        proc_chunk = _per_chunk(row, "processor", chunks) if row["processor"] != "none" else math.nan
+        envoy_extra = _per_chunk(row, "envoy", chunks) - envoy_chunk
+        out[row["path"]] = {
+            "added_1k_ms": row["seq_1k"]["p50_ms"] - envoy["seq_1k"]["p50_ms"],
+            "added_4k_ms": added_4k,
+            "vs_noop_4k": added_4k / noop_4k if noop_4k > 0 else math.nan,
+            "proc_us_req": row["conc_1k"]["cpu_us_per_request"].get("processor", math.nan),
+            "envoy_us_req": row["conc_1k"]["cpu_us_per_request"]["envoy"],
+            "proc_us_chunk": proc_chunk,
+            "envoy_extra_us_chunk": envoy_extra,
+            "extra_us_chunk": (proc_chunk if proc_chunk == proc_chunk else 0.0) + envoy_extra,
+            "release_p50_ms": row.get("release", {}).get("p50_ms", math.nan),
+            "release_p99_ms": row.get("release", {}).get("p99_ms", math.nan),
+        }
+    return out
+
+
+def _spread(values: list[float], digits: int) -> str:
+    values = [v for v in values if v == v]
+    if not values:
+        return "-"
+    middle = sorted(values)[len(values) // 2]
+    if len(values) == 1:
+        return f"{middle:.{digits}f}"
+    return f"{middle:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+COLUMNS = (
+    ("added_1k_ms", "added p50 ms, 1k", 2),
+    ("added_4k_ms", "added p50 ms, 4k", 2),
+    ("vs_noop_4k", "4k added / no-op's", 2),
+    ("proc_us_req", "processor µs/req (4 clients)", 0),
+    ("envoy_us_req", "Envoy µs/req", 0),
+    ("proc_us_chunk", "processor µs/chunk", 1),
+    ("envoy_extra_us_chunk", "Envoy extra µs/chunk", 1),
+    ("extra_us_chunk", "processor + Envoy extra µs/chunk", 1),
+    ("release_p50_ms", "end → release p50 ms", 1),
+    ("release_p99_ms", "end → release p99 ms", 1),
+)
+
+
+def tables(data: dict[str, Any]) -> str:
+    """One row per path: the median over the runs, (min-max) when repeated."""
+    from bench.common import md_table
+
+    per_run = [figures(run, data["stream_chunks"]) for run in data["runs"]]
+    rows = []
+    for path in [row["path"] for row in data["runs"][0]]:
+        rows.append([path, *(_spread([f[path][key] for f in per_run], d) for key, _, d in COLUMNS)])
+    note = f"{len(per_run)} run(s); median (min-max) across runs.\n\n"
+    return note + md_table(["path", *(title for _, title, _ in COLUMNS)], rows)
