@@ -1,0 +1,185 @@
+"""The lean profile's servicer over a real gRPC channel, as Envoy drives it: one request body with attributes,
+dynamic metadata in the reply, then an access-log entry (or none) that settles the lease."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from extproc.admission.reading import OPENAI_SPEC
+from extproc.app import Sidecar
+from extproc.config import parse_config
+from extproc.core.clock import FakeClock
+from extproc.metrics import Metrics
+from extproc.server_lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE, is_lean
+from tests.component.test_server import BASE_CONFIG, Harness, chat, eventually, headers_msg
+
+_MODE = processing_mode_pb2.ProcessingMode
+CONFIG: dict[str, Any] = {
+    **BASE_CONFIG,
+    "admission": {**BASE_CONFIG["admission"], "end_report_wait_seconds": 0.2},
+}
+
+
+def lean_body(
+    body: bytes, path: str = "/v1/chat/completions", tenant: str | None = None
+) -> pb.ProcessingRequest:
+    """The one message of a lean stream: the body, the attributes and the processing mode Envoy announces."""
+    request = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    request.protocol_config.request_body_mode = _MODE.BUFFERED
+    request.protocol_config.response_body_mode = _MODE.NONE
+    attributes = request.attributes["envoy.filters.http.ext_proc"].fields
+    attributes["request.method"].string_value = "POST"
+    attributes["request.path"].string_value = path
+    attributes["source.address"].string_value = "10.0.0.7:5555"
+    if tenant is not None:
+        attributes["request.headers['x-tenant']"].string_value = tenant
+    return request
+
+
+def entry(key: str, status: int, reading: dict[str, Any] | None) -> accesslog_pb2.HTTPAccessLogEntry:
+    log = accesslog_pb2.HTTPAccessLogEntry()
+    metadata = log.common_properties.metadata.filter_metadata
+    metadata[NAMESPACE].fields[REPORT_KEY].string_value = key
+    if reading is not None:
+        metadata[RESPONSE_NAMESPACE].CopyFrom(struct_pb2.Struct())
+        metadata[RESPONSE_NAMESPACE].update(reading)
+    log.response.response_code.value = status
+    return log
+
+
+class LeanHarness(Harness):
+    def __init__(self, sidecar: Sidecar, channel: grpc.aio.Channel) -> None:
+        super().__init__(sidecar, channel)
+        self.channel = channel
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    sidecar = Sidecar(config=parse_config(CONFIG), clock=FakeClock(), metrics=Metrics())
+    await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
+    try:
+        yield LeanHarness(sidecar, channel)
+    finally:
+        await channel.close()
+        await sidecar.stop(grace_s=1)
+
+
+async def report(harness: Harness, *entries: accesslog_pb2.HTTPAccessLogEntry) -> None:
+    assert isinstance(harness, LeanHarness)
+    stub = als_pb2_grpc.AccessLogServiceStub(harness.channel)
+    call = stub.StreamAccessLogs()
+    message = als_pb2.StreamAccessLogsMessage()
+    message.http_logs.log_entry.extend(entries)
+    await call.write(message)
+    await call.done_writing()
+    await call
+
+
+def admitted_metadata(reply: pb.ProcessingResponse) -> dict[str, Any]:
+    fields = reply.dynamic_metadata.fields[NAMESPACE].struct_value
+    return json.loads(json.dumps({k: v for k, v in fields.items()}, default=_value))
+
+
+def _value(v: Any) -> Any:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(v)
+
+
+def test_a_stream_is_lean_when_its_mode_sends_no_response_body() -> None:
+    assert is_lean(lean_body(b"{}"))
+    assert not is_lean(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}")))  # no protocol_config
+    inline = lean_body(b"{}")
+    inline.protocol_config.response_body_mode = _MODE.STREAMED
+    assert not is_lean(inline)
+
+
+async def test_admitted_body_carries_the_report_key_the_spec_and_the_headers(harness: Harness) -> None:
+    s = harness.stream()
+    reply = await s.send(lean_body(chat(max_tokens=40, stream=True)))
+    assert reply.HasField("request_body")
+    metadata = admitted_metadata(reply)
+    assert metadata[REPORT_KEY]
+    assert metadata["read"] == {**OPENAI_SPEC.to_struct(strip=True)}
+    assert set(RATELIMIT_HEADERS) <= set(metadata)
+    # include_usage injected: the body changed and the client's stream will have the usage event removed.
+    assert b"include_usage" in reply.request_body.response.body_mutation.body
+    assert harness.metric("extproc_active_requests") == 1
+    await report(
+        harness,
+        entry(
+            metadata[REPORT_KEY],
+            200,
+            {
+                "n": 12.0,
+                "m": 12.0,
+                "f": True,
+                "x": True,
+                "u": json.dumps({"prompt_tokens": 9, "completion_tokens": 12}),
+            },
+        ),
+    )
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="completed") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="completion") == 12
+    assert harness.metric("extproc_tokens_settled_total", kind="prompt") == 9
+    assert harness.metric("extproc_end_reports_total", result="matched") == 1
+    await s.close()
+
+
+async def test_a_disconnect_charges_the_content_events_that_passed(harness: Harness) -> None:
+    s = harness.stream()
+    key = admitted_metadata(await s.send(lean_body(chat(max_tokens=40, stream=True))))[REPORT_KEY]
+    s.cancel()
+    await report(harness, entry(key, 200, {"n": 5.0}))
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="completion") == 5
+
+
+async def test_an_unknown_or_repeated_report_settles_nothing(harness: Harness) -> None:
+    s = harness.stream()
+    key = admitted_metadata(await s.send(lean_body(chat())))[REPORT_KEY]
+    await report(harness, entry("not-a-key", 200, None), entry(key, 503, None), entry(key, 200, None))
+    await harness.settled()
+    assert harness.metric("extproc_end_reports_total", result="matched") == 1
+    assert harness.metric("extproc_end_reports_total", result="unknown") == 2
+    assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
+    await s.close()
+
+
+async def test_without_a_report_the_lease_expires_after_the_stream_ends(harness: Harness) -> None:
+    s = harness.stream()
+    await s.send(lean_body(chat(max_tokens=40)))
+    assert harness.metric("extproc_active_requests") == 1  # the bound starts only when the stream ends
+    await s.close()  # the HTTP request ended on Envoy; its report never comes
+    await eventually(lambda: harness.metric("extproc_settlements_total", outcome="expired") == 1)
+    await harness.settled()
+
+
+async def test_a_request_without_a_body_is_refused_on_the_headers_route(harness: Harness) -> None:
+    s = harness.stream()
+    message = headers_msg("POST", "/v1/chat/completions", eos=True)
+    message.protocol_config.request_body_mode = _MODE.BUFFERED
+    reply = await s.send(message)
+    assert reply.immediate_response.status.code == 400
+    s.cancel()
+
+
+async def test_the_tenant_comes_from_its_attribute(harness: Harness) -> None:
+    s = harness.stream()
+    reply = await s.send(lean_body(chat(max_tokens=600), tenant="small"))
+    # Tenant `small` has 600 tokens per minute: prompt + 600 cannot fit.
+    assert reply.immediate_response.status.code == 429
+    s.cancel()

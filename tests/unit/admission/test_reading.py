@@ -1,0 +1,87 @@
+"""The lean profile's end-report facts: what the Lua reader captured, parsed by each API's dialect."""
+
+from __future__ import annotations
+
+import json
+
+from extproc.admission.reading import ReadSpec, ResponseReading, facts_of, spec_for
+from extproc.admission.request import Api
+from extproc.admission.settlement import Ending, ending_of, settle_charge
+
+ENC = "cl100k_base"
+
+
+def usage(**counts: int) -> str:
+    return json.dumps(counts)
+
+
+def test_a_completed_stream_settles_to_the_reported_usage() -> None:
+    reading = ResponseReading(
+        events=30, events_at_usage=30, usage_last=usage(prompt_tokens=12, completion_tokens=30), final=True
+    )
+    facts = facts_of(200, reading, Api.CHAT, ENC)
+    assert facts.completed and facts.usage is not None and facts.usage.reported
+    assert settle_charge(10, facts).total == 12 + 30
+    assert ending_of(facts) is Ending.COMPLETED
+
+
+def test_without_usage_each_content_event_is_one_token_and_the_prompt_is_the_admission_count() -> None:
+    facts = facts_of(200, ResponseReading(events=7), Api.CHAT, ENC)
+    assert not facts.completed
+    charge = settle_charge(10, facts)
+    assert (charge.ending, charge.prompt, charge.completion) == (Ending.ABORTED, 10, 7)
+
+
+def test_anthropic_prompt_from_message_start_and_output_from_message_delta() -> None:
+    reading = ResponseReading(
+        events=9,
+        events_at_usage=9,
+        usage_first=usage(input_tokens=20, output_tokens=1),
+        usage_last=usage(output_tokens=9),
+        final=True,
+    )
+    charge = settle_charge(5, facts_of(200, reading, Api.MESSAGES, ENC))
+    assert (charge.prompt, charge.completion) == (20, 9)
+
+
+def test_content_after_the_last_usage_object_is_added() -> None:
+    reading = ResponseReading(events=12, events_at_usage=4, usage_last=usage(input_tokens=3, output_tokens=4))
+    assert settle_charge(3, facts_of(200, reading, Api.MESSAGES, ENC)).completion == 4 + 8
+
+
+def test_a_json_body_is_parsed_whole_and_an_error_event_is_an_upstream_error() -> None:
+    body = json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": usage_dict(3, 2)})
+    facts = facts_of(200, ResponseReading(body=body, body_end=True), Api.CHAT, ENC)
+    assert facts.completed and settle_charge(9, facts).total == 5
+    failed = facts_of(200, ResponseReading(events=3, error=True), Api.CHAT, ENC)
+    assert ending_of(failed) is Ending.UPSTREAM_ERROR and settle_charge(9, failed).completion == 3
+
+
+def usage_dict(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def test_the_tail_of_a_large_body_still_gives_its_usage() -> None:
+    tail = '..."index": 0}], "usage": {"prompt_tokens": 400, "completion_tokens": 0, "total_tokens": 400}}'
+    facts = facts_of(200, ResponseReading(tail=tail, body_end=True), Api.EMBEDDINGS, ENC)
+    assert settle_charge(10, facts).prompt == 400
+
+
+def test_nothing_seen_leaves_the_estimate_to_the_exchange() -> None:
+    facts = facts_of(None, ResponseReading(), Api.CHAT, ENC)
+    assert facts.upstream_status is None and facts.usage is None and not facts.completed
+
+
+def test_garbage_usage_text_is_ignored() -> None:
+    facts = facts_of(200, ResponseReading(events=2, usage_last="{not json"), Api.CHAT, ENC)
+    assert settle_charge(1, facts).completion == 2
+
+
+def test_every_api_has_a_spec_with_a_usage_capture_and_strips_only_usage_option_apis() -> None:
+    for api in Api:
+        spec = spec_for(api)
+        assert isinstance(spec, ReadSpec) and spec.usage_pattern.endswith("(%b{})")
+        struct = spec.to_struct(strip=True)
+        assert struct["strip"] is True and struct["content"] and struct["final"] and struct["error"]
+    assert spec_for(Api.SGLANG_GENERATE).usage_key == "meta_info"
+    assert spec_for(Api.MESSAGES).usage_only is None
