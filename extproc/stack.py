@@ -37,7 +37,9 @@ PROFILES = ("inline", "lean")
 """How Envoy and the sidecar split a request's work (docs/architecture.md): `inline` sends the sidecar every
 message of a request, response chunks included; `lean` sends it the request body, reads the response with a
 Lua filter and reports each request's end through the gRPC access log."""
-DEFAULT_PROFILE = "inline"
+DEFAULT_PROFILE = "lean"
+"""`make run`'s profile, chosen by measurement (bench/RESULTS.md, overhead of both profiles): it takes the
+response path out of Python."""
 
 
 @dataclass

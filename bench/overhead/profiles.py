@@ -15,8 +15,9 @@ apart, `max_tokens` 16):
 * `seq_1k`, `seq_4k`: one client, sequential, keep-alive: latency (the added latency over plain Envoy is the
   number the 1.3x target compares);
 * `conc_1k`: four clients in a closed loop: CPU per request of the processor and of Envoy;
-* `streams`: four clients in a closed loop of streamed answers: CPU per chunk = (CPU per streamed request -
-  CPU per plain request of `conc_1k`) / 100;
+* `streams_short`, `streams`: four clients in a closed loop of streamed answers of 10 and of 100 chunks: CPU
+  per chunk = (CPU per 100-chunk stream - CPU per 10-chunk stream) / 90, so that a stream's fixed costs
+  (the usage option, a larger end report, an open stream's idle wake-ups) are not counted per chunk;
 * `release`: sequential streams; the client notes the wall time of each answer's last byte, the sidecar
   (run under bench/overhead/lagprobe.py --releases) the wall time of each settlement: their difference is
   the end-of-stream to slot-release delay.
@@ -59,18 +60,22 @@ from extproc.stack import (
 )
 
 MODEL = "llama-3-8b"
+SHORT_STREAM = 10
+"""Chunks of the short streams: CPU per chunk is the slope between them and the 100-chunk ones, so what a
+stream costs once (opening, the usage option, a larger end report) is not charged to its chunks."""
 CHUNK_GAP_MS = 2.0
 CLIENTS = 4
 
 
-def chat(tokens: int, stream: bool = False) -> bytes:
+def chat(tokens: int, chunks: int = 0) -> bytes:
+    """A chat request; `chunks` > 0 streams that many SSE chunks back (the upstream reads `x_chunks`)."""
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt_text(tokens)}],
         "max_tokens": 16,
     }
-    if stream:
-        body["stream"] = True
+    if chunks:
+        body |= {"stream": True, "x_chunks": chunks}
     return json.dumps(body).encode()
 
 
@@ -310,7 +315,8 @@ def run_path(path: Variant, short: bool) -> dict[str, Any]:
             ("seq_1k", chat(1024), 1, n_seq),
             ("seq_4k", chat(4096), 1, n_seq),
             ("conc_1k", chat(1024), CLIENTS, n_conc),
-            ("streams", chat(1024, stream=True), CLIENTS, n_streams),
+            ("streams_short", chat(1024, chunks=SHORT_STREAM), CLIENTS, n_streams),
+            ("streams", chat(1024, chunks=STREAM_CHUNKS), CLIENTS, n_streams),
         ):
             row = measured(stack, body, clients, total)
             row.pop("ends")
@@ -322,7 +328,7 @@ def run_path(path: Variant, short: bool) -> dict[str, Any]:
             )
         if path.processor == "sidecar":
             since = time.time()
-            row = measured(stack, chat(1024, stream=True), 1, n_release)
+            row = measured(stack, chat(1024, chunks=STREAM_CHUNKS), 1, n_release)
             delays = release_delays(stack, row.pop("ends"), since)
             out["release"] = {
                 "n": len(delays),
@@ -363,10 +369,10 @@ if __name__ == "__main__":
 
 
 def _per_chunk(row: dict[str, Any], process: str, chunks: int) -> float:
-    """CPU µs per chunk of one process: streamed request minus plain request, over the chunks."""
-    streamed = row["streams"]["cpu_us_per_request"].get(process, math.nan)
-    plain = row["conc_1k"]["cpu_us_per_request"].get(process, math.nan)
-    return float((streamed - plain) / chunks)
+    """CPU µs per chunk of one process: the slope between the short and the long streams."""
+    long = row["streams"]["cpu_us_per_request"].get(process, math.nan)
+    short = row["streams_short"]["cpu_us_per_request"].get(process, math.nan)
+    return float((long - short) / (chunks - SHORT_STREAM))
 
 
 def figures(run: list[dict[str, Any]], chunks: int) -> dict[str, dict[str, float]]:

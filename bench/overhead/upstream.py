@@ -3,8 +3,9 @@
 Raw asyncio HTTP/1.1 (keep-alive, content-length bodies) instead of aiohttp so that the upstream's own CPU
 and latency stay far below what is measured in front of it. `python -m bench.overhead.upstream --port N`.
 
-A body containing `"stream": true` gets `--chunks` SSE events, one per write with `--chunk-gap-ms` between
-them (so Envoy forwards each as its own body chunk, like a token stream), then a usage chunk when the
+A body containing `"stream": true` gets `--chunks` SSE events (or as many as its `"x_chunks"` says), one per
+write with `--chunk-gap-ms` between them (so Envoy forwards each as its own body chunk, like a token
+stream), then a usage chunk when the
 request asked for `include_usage` (the sidecar injects it), then `[DONE]`.
 
 `GET /metrics` answers a fixed vLLM metrics page (the names of vllm 0.33.0 vllm/v1/metrics/loggers.py, as
@@ -34,6 +35,7 @@ COMPLETION = json.dumps(
 
 _STREAM = re.compile(rb'"stream"\s*:\s*true')
 _INCLUDE_USAGE = re.compile(rb'"include_usage"\s*:\s*true')
+_CHUNKS = re.compile(rb'"x_chunks"\s*:\s*(\d+)')
 
 
 def _chunk(index: int) -> bytes:
@@ -104,7 +106,8 @@ async def handle(
                 )
             elif _STREAM.search(body):
                 writer.write(SSE_HEAD)
-                for i in range(chunks):
+                wanted = _CHUNKS.search(body)
+                for i in range(int(wanted.group(1)) if wanted else chunks):
                     writer.write(_chunked(_chunk(i)))
                     await writer.drain()
                     if gap_s:
