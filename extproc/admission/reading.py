@@ -92,6 +92,7 @@ class ReadSpec:
             "final": list(self.final),
             "error": list(self.error),
             "usage": self.usage_pattern,
+            "usage_key": f'"{self.usage_key}"',
             "strip": strip,
         }
         if self.usage_only is not None:

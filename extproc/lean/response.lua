@@ -3,8 +3,8 @@
 -- The sidecar admits a request on the ext_proc stream and, in its reply, writes dynamic metadata under the
 -- `extproc` namespace: `id` (the key its end report is matched by) and `read`, a reading spec built from
 -- the API's response dialect (extproc/admission/reading.py): Lua patterns that mark a content event, a final
--- event, an error event and the usage-only event, the JSON key that holds usage, and whether to strip the
--- usage-only event (the sidecar injected `stream_options.include_usage`; the client did not ask for it).
+-- event, an error event and the usage-only event, the JSON key that holds usage (`usage_key`, quoted, for a
+-- quick plain search), and whether to strip the usage-only event (the sidecar injected `stream_options.include_usage`; the client did not ask for it).
 -- This script knows no API: it applies the patterns and writes what it saw to `extproc.response`, which
 -- Envoy's gRPC access log hands to the sidecar when the request ends:
 --   n  content events counted          m  n when the last usage object was seen
@@ -35,16 +35,21 @@ local function matches(text, patterns)
   return false
 end
 
--- One complete SSE event: returns whether to drop it from the client's stream, and the state changes.
+-- One complete SSE event: whether to drop it from the client's stream. Most events are content: those are
+-- neither final nor errors, so the other patterns run only for the rest.
 local function classify(event, spec, state)
-  if matches(event, spec.final) then
-    state.final = true
-  end
-  if matches(event, spec.error) then
-    state.error = true
-  end
   if matches(event, spec.content) and not matches(event, spec.not_content) then
     state.n = state.n + 1
+  else
+    if matches(event, spec.final) then
+      state.final = true
+    end
+    if matches(event, spec.error) then
+      state.error = true
+    end
+  end
+  if string.find(event, spec.usage_key, 1, true) == nil then
+    return false -- a plain search first: the usage pattern runs only where the key is
   end
   local usage = string.match(event, spec.usage)
   if usage ~= nil then
@@ -87,8 +92,13 @@ local function read_events(handle, spec)
   local held = ""
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
-    local text = held .. (size > 0 and chunk:getBytes(0, size) or "")
+    local text = size > 0 and chunk:getBytes(0, size) or ""
+    local was_held = #held > 0
+    if was_held then
+      text = held .. text
+    end
     local kept = spec.strip and {} or nil
+    local dropped = false
     local pos = 1
     while true do
       local first, last = string.find(text, "\r?\n\r?\n", pos)
@@ -96,25 +106,24 @@ local function read_events(handle, spec)
         break
       end
       local event = string.sub(text, pos, last)
-      if not classify(event, spec, state) and kept ~= nil then
+      if classify(event, spec, state) then
+        dropped = true
+      elseif kept ~= nil then
         kept[#kept + 1] = event
       end
       pos = last + 1
     end
     held = string.sub(text, pos)
-    if #held > HOLD_MAX then
-      -- Too large to be a usage event: released as it is, and no longer parsed.
+    if #held > HOLD_MAX or (size == 0 and #held > 0) then
+      -- Too large to be a usage event, or the end of the stream (an empty last chunk): released as it is.
       if kept ~= nil then
         kept[#kept + 1] = held
       end
       held = ""
     end
-    if kept ~= nil then
-      if size == 0 then
-        -- The end of the stream (an empty last chunk): nothing more is coming, release what was held.
-        kept[#kept + 1] = held
-        held = ""
-      end
+    -- Only a stripping reader changes bytes, and only when it dropped an event or holds part of one:
+    -- otherwise the chunk passes untouched (no copy). A counting reader keeps a partial event for parsing.
+    if kept ~= nil and (dropped or was_held or #held > 0) then
       chunk:setBytes(table.concat(kept))
     end
     publish(handle, state, seen)
