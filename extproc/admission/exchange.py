@@ -58,6 +58,7 @@ from extproc.config import ClassConfig, Config
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
+from extproc.core.slot_eta import OpenLease
 from extproc.queueing import WAITABLE, QueueFull
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ class Exchange:
             yield self._refuse(result)
             return
         if isinstance(result, Rejection):
-            refusal = refusals.rate_limited(result, facts.model, plan.total)
+            refusal = refusals.rate_limited(self.service.retry_hint(result), facts.model, plan.total)
             yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
             return
         assert isinstance(result, Lease)
@@ -465,6 +466,16 @@ class Exchange:
         )
         self._settle()
         return refusals.cut_under_kv_pressure()
+
+    def open_lease(self, key: str) -> OpenLease | None:
+        """This request as an open lease on `key` (for slot retry hints), or None if it holds none there."""
+        admitted = self.admitted
+        if admitted is None or self.phase not in (Phase.ADMITTED, Phase.RESPONDING):
+            return None
+        if key not in admitted.lease.keys:
+            return None
+        streamed = self.response.tracker.usage.completion_tokens if self.response is not None else 0
+        return self.service.open_lease(admitted, streamed)
 
     # -- end ------------------------------------------------------------------------------------------------
 
