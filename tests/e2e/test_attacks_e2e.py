@@ -212,6 +212,7 @@ def test_an_abandoned_non_streamed_answer_is_charged_what_the_backend_generated(
 # -- floods ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(240)
 def test_megabyte_prompts_from_one_client_do_not_delay_other_tenants(make_stack: Any) -> None:
     """Eight 900 KB prompts per second from one tenant; another tenant's small requests stay fast."""
     config = {
@@ -237,13 +238,15 @@ def test_megabyte_prompts_from_one_client_do_not_delay_other_tenants(make_stack:
                 ).start()  # fmt: skip
             stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
 
+    for _ in range(20):  # warm: connections, the tokenizer's first load
+        post(flood_stack, "/v1/chat/completions", chat("hi", max_tokens=1), **{"x-tenant-id": "alice"})
     attacker = threading.Thread(target=flood, daemon=True)
     attacker.start()
     time.sleep(1.0)
     latencies: list[float] = []
     victims: list[int] = []
     try:
-        for _ in range(120):
+        for _ in range(100):
             started = time.monotonic()
             reply = post(
                 flood_stack, "/v1/chat/completions", chat("hi", max_tokens=1), **{"x-tenant-id": "alice"}
