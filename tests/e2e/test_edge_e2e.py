@@ -259,7 +259,8 @@ def test_client_tenant_and_envoy_headers_reach_neither_sidecar_nor_upstream(edge
 def test_backend_metrics_are_not_served_but_health_is(edge: Edge) -> None:
     for path in ("/metrics", "/metrics/", "/%6detrics", "/v1/../metrics"):
         error = assert_openai_error(http("GET", f"{edge.stack.envoy_url}{path}"), 404)
-        assert error["code"] == "not_found"
+        # Envoy's direct 404 where its route exists; behind Istio the sidecar's deny-by-default path table.
+        assert error["code"] == ("not_found" if edge.flavour == "envoy.yaml" else "unknown_url")
     assert not [p for p in edge.echo.paths() if "metrics" in p]
     if edge.flavour == "envoy.yaml":  # behind Istio, routes are the operator's (here: /v1/ only)
         health = http("GET", f"{edge.stack.envoy_url}/health")
