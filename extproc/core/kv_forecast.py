@@ -1,0 +1,115 @@
+"""The KV a set of running requests will hold from now on, and the highest it will get.
+
+A decoding engine (vLLM, SGLang, TGI, TensorRT-LLM) runs every admitted sequence in one batch: each engine
+step appends one token, and one token's KV, to every running sequence, and a finished sequence frees all
+of its blocks at once. So, counted in engine steps `k` from now, a request holds
+
+    base + slope x k   while 0 <= k <= end,   and nothing after `end`,
+
+where `base` = its prompt plus the tokens generated so far, `slope` = the sequences it decodes in parallel,
+and `end` = the steps until its expected last token. The sum of these trajectories only rises between two
+ends and only falls at an end, so its maximum over the future is reached at one of the ends: the forecast
+peak is a maximum over `n` suffix sums after sorting by end, O(n log n). Steps are the common unit, so no
+decode rate is needed for the peak itself; the rate only enters when a caller estimates how far a request
+it cannot observe has come (`DecodePace`).
+
+If every `end` is at least the request's real remaining length, the forecast peak bounds the real peak of
+those requests (each real trajectory lies under its forecast one), which is what lets an admission that
+keeps the forecast peak under a budget avoid preemption without booking every request's whole final
+footprint for its whole life.
+
+Pure and synchronous: no clock, no I/O; callers pass times in seconds from their own clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """KV tokens one request holds `k` engine steps from now: `base + slope * k` until `end`, then none.
+
+    A flat trajectory (`slope` 0) books a fixed amount; `end` = inf books it until further notice.
+    """
+
+    base: float
+    slope: float
+    end: float
+
+
+def forecast_peak(trajectories: Iterable[Trajectory]) -> float:
+    """Highest total KV the trajectories reach at any step from now on (0 for none).
+
+    Between two ends the total only rises, so the peak is at an end `e`: the sum over trajectories still
+    present at `e` (those with `end >= e`) of `base + slope * e`. An infinite end contributes its base only
+    (a flat booking); its slope is ignored, since an unbounded rise has no peak to report.
+    """
+    # A request past its expected end is still there until released: it counts now (at step 0).
+    items = sorted(((max(0.0, t.end), t) for t in trajectories), key=lambda pair: pair[0], reverse=True)
+    peak = 0.0
+    bases = 0.0
+    slopes = 0.0
+    i = 0
+    while i < len(items):
+        end = items[i][0]
+        # Everything ending at this same step is still present at it.
+        while i < len(items) and items[i][0] == end:
+            bases += items[i][1].base
+            if math.isfinite(end):
+                slopes += items[i][1].slope
+            i += 1
+        peak = max(peak, bases + slopes * end if math.isfinite(end) else bases)
+    return peak
+
+
+@dataclass
+class DecodePace:
+    """How fast a pool decodes per sequence, and how long an admitted request waits for its first token.
+
+    Learned from requests whose progress is observed (streamed answers) as exponentially weighted means,
+    so the progress of requests that cannot be observed (plain JSON answers) can be estimated from the time
+    since their admission. Unknown (None) until the first observation: callers must then book
+    conservatively instead of guessing.
+    """
+
+    alpha: float = 0.2
+    min_tokens: int = 16  # shorter streams carry too much chunk-timing noise to be a rate sample
+    _rate: float | None = None
+    _delay: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Tokens one sequence decodes per second, None until observed."""
+        return self._rate
+
+    @property
+    def first_token_delay(self) -> float:
+        """Seconds from admission to the first token (queueing + prefill); 0 until observed."""
+        return self._delay or 0.0
+
+    def observe_first_token(self, seconds: float) -> None:
+        if seconds >= 0 and math.isfinite(seconds):
+            self._delay = self._mix(self._delay, seconds)
+
+    def observe_stream(self, tokens_per_sequence: float, seconds: float) -> None:
+        """A stream produced `tokens_per_sequence` tokens per sequence in `seconds` after its first one."""
+        if tokens_per_sequence < self.min_tokens or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self._rate = self._mix(self._rate, tokens_per_sequence / seconds)
+
+    def tokens_since(self, admitted_at: float, now: float, sequences: int) -> float | None:
+        """Tokens a request admitted at `admitted_at` has probably generated by `now`; None while unknown."""
+        if self._rate is None:
+            return None
+        running = now - admitted_at - self.first_token_delay
+        return max(0.0, running) * self._rate * max(1, sequences)
+
+    def _mix(self, old: float | None, sample: float) -> float:
+        return sample if old is None else (1 - self.alpha) * old + self.alpha * sample
