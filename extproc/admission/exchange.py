@@ -203,7 +203,13 @@ class Exchange:
         shadow = config.shadow or self.klass.shadow
         budget = self.service.deps.kv_budget(self.pool)
         if budget is not None:
-            fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens, self.tenant)
+            fits, headroom = budget.would_fit(
+                plan.prompt_tokens,
+                plan.completion_tokens,
+                self.tenant,
+                now=self.service.clock(),
+                sequences=parsed.sequences * parsed.prompt_count,
+            )
             if not fits:
                 refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
                 yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
@@ -297,7 +303,14 @@ class Exchange:
         assert self.klass is not None and self._policy is not None
         assert self.pool is not None
         if budget is not None:
-            budget.admit(str(lease.lease_id), plan.prompt_tokens, plan.completion_tokens, self.tenant)
+            budget.admit(
+                str(lease.lease_id),
+                plan.prompt_tokens,
+                plan.completion_tokens,
+                self.tenant,
+                now=service.clock(),
+                sequences=facts.sequences * facts.prompt_count,
+            )
             service.deps.budget_changed(self.pool)
         self.admitted = Admitted(
             lease=lease,
@@ -411,7 +424,9 @@ class Exchange:
             response.first_chunk_at = self.service.clock()
         out = tracker.feed(chunk)
         if admitted.budget is not None:
-            admitted.budget.progress(admitted.budget_id, tracker.usage.completion_tokens)
+            # Only a stream's chunks time its progress (a JSON body arrives whole at the end).
+            now = self.service.clock() if response.streaming else None
+            admitted.budget.progress(admitted.budget_id, tracker.usage.completion_tokens, now)
         if end_of_stream:
             if tracker.buffered_bytes > OFF_LOOP_FINISH_BYTES:
                 # A large JSON answer without usage is parsed and tokenized: keep other streams flowing.
