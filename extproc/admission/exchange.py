@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import math
 import re
@@ -71,6 +72,9 @@ TEMPLATE_FIELDS = ("chat_template",)
 """Request fields that replace the server's chat template (vLLM accepts `chat_template` per request)."""
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
+
+_BUDGET_IDS = itertools.count()
+"""KV-budget lease ids: a request is booked before the limiter grants (and numbers) its lease."""
 
 
 class Phase(enum.Enum):
@@ -231,11 +235,18 @@ class Exchange:
         facts = replace(parsed, body={})
         keys = ["global", f"model:{self.pool}", f"tenant:{self.tenant}"]
         result: Lease | Rejection | Refusal | None = None
-        async for step in self._acquire(keys, plan.total, shadow):
-            if isinstance(step, Hold):
-                yield step
-            else:
-                result = step
+        # Book the KV before the limiter's await, so that concurrent decisions see each other's.
+        held = self._hold_kv(budget, parsed, plan)
+        try:
+            async for step in self._acquire(keys, plan.total, shadow):
+                if isinstance(step, Hold):
+                    yield step
+                else:
+                    result = step
+        finally:
+            if budget is not None and not isinstance(result, Lease):
+                budget.release(held)  # refused, or the caller went away while it waited
+                self.service.deps.budget_changed(self.pool)
         if isinstance(result, Refusal):
             yield self._refuse(result)
             return
@@ -244,7 +255,23 @@ class Exchange:
             yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
             return
         assert isinstance(result, Lease)
-        yield self._admit(result, facts, plan, budget, strip_usage=strip_usage, new_body=new_body)
+        yield self._admit(result, facts, plan, budget, held, strip_usage=strip_usage, new_body=new_body)
+
+    def _hold_kv(self, budget: KvBudget | None, parsed: ParsedRequest, plan: Reservation) -> str:
+        """Record the request in the pool's KV budget under an id of its own; returns that id."""
+        held = f"x{next(_BUDGET_IDS)}"
+        if budget is not None:
+            budget.admit(
+                held,
+                plan.prompt_tokens,
+                plan.completion_tokens,
+                self.tenant,
+                now=self.service.clock(),
+                sequences=parsed.sequences * parsed.prompt_count,
+            )
+            assert self.pool is not None
+            self.service.deps.budget_changed(self.pool)
+        return held
 
     async def _acquire(
         self, keys: list[str], tokens: int, shadow: bool
@@ -296,22 +323,13 @@ class Exchange:
         facts: ParsedRequest,
         plan: Reservation,
         budget: KvBudget | None,
+        budget_id: str,
         strip_usage: bool,
         new_body: bytes | None,
     ) -> Forward:
         service = self.service
         assert self.klass is not None and self._policy is not None
         assert self.pool is not None
-        if budget is not None:
-            budget.admit(
-                str(lease.lease_id),
-                plan.prompt_tokens,
-                plan.completion_tokens,
-                self.tenant,
-                now=service.clock(),
-                sequences=facts.sequences * facts.prompt_count,
-            )
-            service.deps.budget_changed(self.pool)
         self.admitted = Admitted(
             lease=lease,
             request=facts,
@@ -322,6 +340,7 @@ class Exchange:
             klass=self.klass,
             model_label=self.model_label,
             budget=budget,
+            budget_id=budget_id,
             strip_usage=strip_usage,
             admitted_at=service.clock(),
         )
