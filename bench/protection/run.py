@@ -432,6 +432,10 @@ def summarize(
             for reason in sorted({r.reason for r in normal if r.outcome == "rejected"})
         },
         "failure_rate": (counts["error"] + counts["timeout"]) / max(1, len(normal)),
+        "error_statuses": {
+            str(status): sum(1 for r in normal if r.outcome == "error" and r.status == status)
+            for status in sorted({r.status for r in normal if r.outcome == "error"})
+        },
         "goodput_tok_s": tokens / plan.span_s if plan.span_s else math.nan,
         "slo_goodput_tok_s": slo_goodput(ok, tokens, time_scale) / plan.span_s if plan.span_s else math.nan,
         "completed_output_tokens": tokens,
