@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_forecast import DecodePace, Trajectory, forecast_peak
+from extproc.core.kv_forecast import DecodePace, Trajectory, forecast_peaks
 
 
 class Booking(enum.StrEnum):
@@ -64,27 +64,29 @@ class _Lease:
         """What `lifetime` booking charges: prompt + expected completion, never less than streamed."""
         return self.prompt + max(self.expected_completion, self.streamed)
 
-    def generated(self, now: float, pace: DecodePace) -> float | None:
-        """Completion tokens so far: streamed, else estimated from the pace; None when unknowable."""
+    def generated(self, now: float, rate: float | None, delay: float) -> float | None:
+        """Completion tokens so far: streamed, else estimated at `rate` tokens per second per sequence
+        after `delay` (the pool's pace, see `DecodePace`); None when unknowable."""
         if self.first_progress is not None:
             return float(self.streamed)
-        if self.admitted_at is None:
+        if self.admitted_at is None or rate is None:
             return None
-        guess = pace.tokens_since(self.admitted_at, now, self.sequences)
-        if guess is None:
-            return None
-        return min(float(self.allowance), max(float(self.streamed), guess))
+        running = now - self.admitted_at - delay
+        guess = running * rate * self.sequences if running > 0 else 0.0
+        if guess < self.streamed:
+            guess = float(self.streamed)
+        return guess if guess < self.allowance else float(self.allowance)
 
-    def trajectory(self, now: float, pace: DecodePace) -> Trajectory:
+    def trajectory(self, now: float, rate: float | None, delay: float) -> Trajectory:
         """This lease's KV from now on, in engine steps (see `kv_forecast`)."""
-        done = self.generated(now, pace)
+        done = self.generated(now, rate, delay)
         if done is None:
             # Nobody knows how far it is: its expected final size, for as long as it may still run.
             return Trajectory(float(self.footprint), 0.0, self.expected_completion / self.sequences)
         final = float(self.expected_completion)
         if done >= final:
             # Past what was expected: it may run to its allowance (the server enforces that bound).
-            final = max(done, float(self.allowance))
+            final = done if done > self.allowance else float(self.allowance)
         return Trajectory(self.prompt + done, float(self.sequences), (final - done) / self.sequences)
 
 
@@ -131,6 +133,8 @@ class KvBudget:
         self._fresh_until: float | None = None
         self._unexplained = 0.0
         self._booked = 0
+        self._last_fit: tuple[float | None, int, int, str, int] | None = None
+        self._booked_with = 0
         self.set_capacity(capacity_tokens)
 
     # -- read-only views ---------------------------------------------------------------------------------
@@ -207,7 +211,8 @@ class KvBudget:
         if used_tokens is not None and math.isfinite(used_tokens):
             explained = sum(t.base for t in self._trajectories(now))
             self._unexplained = max(0.0, used_tokens * self._share - explained)
-        self._booked = self._book(now)
+        self._booked = self._book(now)[0]
+        self._last_fit = None
 
     def expected_completion(self, allowance: int, learner_key: str = "") -> int:
         """Completion tokens a request of `learner_key` with this allowance is expected to produce."""
@@ -231,17 +236,15 @@ class KvBudget:
         budget = self.budget_tokens
         if budget is None:
             return True, None
-        self._booked = self._book(now)
+        candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences)
+        self._booked, booked_with = self._book(now, candidate)
         headroom = budget - self._booked
+        # admit() right after this decision books the same request: it reuses the sum just computed.
+        self._last_fit = (now, candidate.prompt, candidate.allowance, learner_key, candidate.sequences)
+        self._booked_with = booked_with
         if not self._leases:
             return True, headroom
-        candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences)
-        if self.forecasting(now):
-            assert now is not None
-            need = self._book(now, candidate) - self._booked
-        else:
-            need = candidate.footprint
-        return need <= headroom, headroom
+        return booked_with <= budget, headroom
 
     def admit(
         self,
@@ -260,9 +263,11 @@ class KvBudget:
         if lease_id in self._leases:
             raise ValueError(f"kv_budget: lease {lease_id!r} already admitted")
         lease = self._new_lease(prompt_tokens, expected_completion, learner_key, now, sequences)
+        fit = (now, lease.prompt, lease.allowance, learner_key, lease.sequences)
+        self._booked = self._booked_with if fit == self._last_fit else self._book(now, lease)[1]
+        self._last_fit = None
         self._leases[lease_id] = lease
         self._demand += lease.footprint
-        self._booked = self._book(now)
         return lease.footprint
 
     def progress(self, lease_id: str, streamed_tokens: int, now: float | None = None) -> bool:
@@ -274,6 +279,7 @@ class KvBudget:
         lease = self._leases.get(lease_id)
         if lease is None:
             return False
+        self._last_fit = None
         before = lease.footprint
         streamed = max(lease.streamed, int(streamed_tokens))
         if now is not None and streamed > 0:
@@ -291,6 +297,7 @@ class KvBudget:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        self._last_fit = None
         self._demand -= lease.footprint
         if actual_completion is not None and lease.allowance > 0:
             self.learner.observe(lease.learner_key, actual_completion / lease.allowance)
@@ -318,14 +325,16 @@ class KvBudget:
         )
 
     def _trajectories(self, now: float) -> list[Trajectory]:
-        return [lease.trajectory(now, self.pace) for lease in self._leases.values()]
+        rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+        return [lease.trajectory(now, rate, delay) for lease in self._leases.values()]
 
-    def _book(self, now: float | None, extra: _Lease | None = None) -> int:
-        """Tokens booked at `now`, with `extra` added: the forecast peak while forecasting, else demand."""
+    def _book(self, now: float | None, extra: _Lease | None = None) -> tuple[int, int]:
+        """Tokens booked at `now`, without and with `extra`: the forecast peak while forecasting (plus the
+        unexplained engine KV), else the lifetime demand."""
         if not self.forecasting(now):
-            return self._demand + (extra.footprint if extra is not None else 0)
+            return self._demand, self._demand + (extra.footprint if extra is not None else 0)
         assert now is not None
-        trajectories = self._trajectories(now)
-        if extra is not None:
-            trajectories.append(extra.trajectory(now, self.pace))
-        return math.ceil(forecast_peak(trajectories) + self._unexplained)
+        rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+        added = extra.trajectory(now, rate, delay) if extra is not None else None
+        alone, together = forecast_peaks(self._trajectories(now), added)
+        return math.ceil(alone + self._unexplained), math.ceil(together + self._unexplained)

@@ -24,15 +24,17 @@ Pure and synchronous: no clock, no I/O; callers pass times in seconds from their
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Trajectory:
+class Trajectory(NamedTuple):
     """KV tokens one request holds `k` engine steps from now: `base + slope * k` until `end`, then none.
 
-    A flat trajectory (`slope` 0) books a fixed amount; `end` = inf books it until further notice.
+    A flat trajectory (`slope` 0) books a fixed amount; `end` = inf books it until further notice. A
+    negative `end` (a request past its expected last token, not yet released) counts now only.
     """
 
     base: float
@@ -41,28 +43,60 @@ class Trajectory:
 
 
 def forecast_peak(trajectories: Iterable[Trajectory]) -> float:
-    """Highest total KV the trajectories reach at any step from now on (0 for none).
+    """Highest total KV the trajectories reach at any step from now on (0 for none)."""
+    return forecast_peaks(trajectories)[0]
+
+
+def forecast_peaks(
+    trajectories: Iterable[Trajectory], extra: Trajectory | None = None
+) -> tuple[float, float]:
+    """The forecast peak of `trajectories`, and of `trajectories` plus `extra`, in one sort and one sweep.
 
     Between two ends the total only rises, so the peak is at an end `e`: the sum over trajectories still
     present at `e` (those with `end >= e`) of `base + slope * e`. An infinite end contributes its base only
-    (a flat booking); its slope is ignored, since an unbounded rise has no peak to report.
+    (a flat booking; an unbounded rise has no peak to report). The sweep visits ends from the latest down,
+    adding the trajectories that end there; `extra` counts at every end up to its own, and at its own.
+    This runs on every admission decision, hence the plain loop.
     """
-    # A request past its expected end is still there until released: it counts now (at step 0).
-    items = sorted(((max(0.0, t.end), t) for t in trajectories), key=lambda pair: pair[0], reverse=True)
-    peak = 0.0
-    bases = 0.0
-    slopes = 0.0
-    i = 0
-    while i < len(items):
-        end = items[i][0]
-        # Everything ending at this same step is still present at it.
-        while i < len(items) and items[i][0] == end:
-            bases += items[i][1].base
-            if math.isfinite(end):
-                slopes += items[i][1].slope
+    items = sorted(trajectories, key=_END, reverse=True)
+    x_end = -1.0
+    x_base = x_slope = 0.0
+    if extra is not None:
+        x_end = extra.end if extra.end > 0 else 0.0
+        x_base, x_slope = extra.base, (extra.slope if x_end != _INF else 0.0)
+    pending = extra is not None  # the extra's own end is still to be evaluated
+    peak = together = 0.0
+    bases = slopes = 0.0
+    i, n = 0, len(items)
+    while i < n:
+        end = items[i].end if items[i].end > 0 else 0.0
+        if pending and x_end > end:  # the extra ends between the previous end and this one
+            at = bases + slopes * x_end if x_end != _INF else bases
+            together = max(together, at + x_base + x_slope * (x_end if x_end != _INF else 0.0))
+            pending = False
+        finite = end != _INF
+        while i < n and (items[i].end if items[i].end > 0 else 0.0) == end:
+            bases += items[i].base
+            if finite:
+                slopes += items[i].slope
             i += 1
-        peak = max(peak, bases + slopes * end if math.isfinite(end) else bases)
-    return peak
+        at = bases + slopes * end if finite else bases
+        if at > peak:
+            peak = at
+        here = at
+        if x_end >= end:  # the extra is still present here (never without an extra: x_end is -1)
+            here += x_base + (x_slope * end if finite else 0.0)
+            pending = pending and x_end != end
+        if here > together:
+            together = here
+    if pending:
+        at = bases + slopes * x_end if x_end != _INF else bases
+        together = max(together, at + x_base + x_slope * (x_end if x_end != _INF else 0.0))
+    return peak, (together if extra is not None else peak)
+
+
+_INF = math.inf
+_END = operator.attrgetter("end")
 
 
 @dataclass

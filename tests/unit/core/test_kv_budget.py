@@ -330,3 +330,22 @@ class ForecastEngine(RuleBasedStateMachine):
 
 ForecastEngine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 test_forecast_never_lets_kv_exceed_the_budget = ForecastEngine.TestCase
+
+
+def test_admit_after_a_decision_books_the_peak_that_decision_computed() -> None:
+    b = forecasting_budget()
+    b.pace.observe_stream(100, 1.0)
+    b.observe_engine(0, now=0.0, fresh_for=5.0)
+    b.admit("a", 4_000, 2_000, now=0.0)
+    b.progress("a", 1_500, now=1.0)
+    assert b.would_fit(3_000, 1_500, now=1.0)[0]
+    b.admit("b", 3_000, 1_500, now=1.0)
+    assert b.booked_tokens == 9_500
+    # Something changed in between (a stream progressed): the admission recomputes.
+    assert b.would_fit(100, 100, now=1.0)[0]
+    b.progress("b", 900, now=1.0)  # "b" now streams: 3,900 growing to 4,500 at step 600
+    b.admit("c", 100, 100, now=1.0)
+    booked = b.booked_tokens
+    assert booked == 6_000 + 4_400  # at step 500 "c" has ended: "a" 6,000 + "b" 4,400
+    b.would_fit(0, 0, now=1.0)  # an independent evaluation agrees
+    assert b.booked_tokens == booked

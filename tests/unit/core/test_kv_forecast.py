@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.kv_forecast import DecodePace, Trajectory, forecast_peak
+from extproc.core.kv_forecast import DecodePace, Trajectory, forecast_peak, forecast_peaks
 
 
 def test_peak_of_nothing_is_zero() -> None:
@@ -95,3 +95,26 @@ def test_pace_ignores_bad_timings_and_validates() -> None:
     assert pace.tokens_per_second is None and pace.first_token_delay == 0.0
     with pytest.raises(ValueError, match="alpha"):
         DecodePace(alpha=0.0)
+
+
+@given(
+    trajectories,
+    st.builds(
+        Trajectory,
+        st.integers(0, 5_000).map(float),
+        st.integers(0, 4).map(float),
+        st.integers(-3, 400).map(float),
+    ),
+)
+def test_peaks_with_an_extra_request_in_one_sweep(items: list[Trajectory], extra: Trajectory) -> None:
+    alone, together = forecast_peaks(items, extra)
+    assert alone == pytest.approx(forecast_peak(items))
+    assert together == pytest.approx(forecast_peak([*items, extra]))
+    assert forecast_peaks(items) == (alone, alone)
+
+
+def test_peaks_with_flat_and_unbounded_bookings() -> None:
+    flat = Trajectory(500, 0, math.inf)
+    assert forecast_peaks([flat], Trajectory(100, 1, 10)) == (500, 610)
+    assert forecast_peaks([Trajectory(100, 1, 10)], flat) == (110, 610)
+    assert forecast_peaks([], flat) == (0, 500)
