@@ -106,6 +106,7 @@ def offline_table(data: dict[str, Any]) -> str:
     """The modes and their bounds on engine time alone (`bench.protection.offline`)."""
     rows = [
         [
+            f"{r['rate']:g}x",
             r["scenario"] + (f", retry {r['retries']}" if r["retries"] else ""),
             f"{r['admitted']} / {r['requests']}",
             r["preemptions"],
@@ -120,7 +121,8 @@ def offline_table(data: dict[str, Any]) -> str:
         for r in data["rows"]
     ]
     header = [
-        "scenario (conv 4x, preempt)",
+        "conv, preempt",
+        "scenario",
         "admitted",
         "preemptions",
         "goodput tok/s",

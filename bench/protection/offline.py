@@ -357,14 +357,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     trace = tr.window(tr.load(directory, ("conv",)), TRACE_START_S, 1200 if args.full else 400)
     sizing = size_limits(dep, trace)
     rows = []
-    for retries in (0, 3):
-        for name, policy in scenarios(sizing, dep.max_model_len):
-            if retries and (policy is None or policy.oracle or policy.max_prompt is not None):
-                continue
-            outcome = Replay(trace, dep, policy, 4.0, retries=retries).run()
-            label = name + (f", retry {retries}" if retries else "")
-            print(f"{label:40s} {outcome.line()}", flush=True)
-            rows.append({"scenario": name, "retries": retries, "rate": 4.0, **asdict(outcome)})
+    modes = scenarios(sizing, dep.max_model_len)
+    runs = [(4.0, retries, name, policy) for retries in (0, 3) for name, policy in modes]
+    if args.full:  # the benchmark's modes at the lower rates too
+        runs = [(rate, 0, name, policy) for rate in (1.0, 2.0) for name, policy in modes[:4]] + runs
+    for rate, retries, name, policy in runs:
+        if retries and (policy is None or policy.oracle or policy.max_prompt is not None):
+            continue
+        outcome = Replay(trace, dep, policy, rate, retries=retries).run()
+        label = f"{rate:g}x {name}" + (f", retry {retries}" if retries else "")
+        print(f"{label:44s} {outcome.line()}", flush=True)
+        rows.append({"scenario": name, "retries": retries, "rate": rate, **asdict(outcome)})
     result = {"requests": len(trace), "short": not args.full, "rows": rows}
     write_json(f"protection-offline{'' if args.full else '-short'}.json", result)
     return result
