@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_forecast import DecodePace, Trajectory, forecast_peaks
+from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
 
 
 class Booking(enum.StrEnum):
@@ -77,17 +77,17 @@ class _Lease:
             guess = float(self.streamed)
         return guess if guess < self.allowance else float(self.allowance)
 
-    def trajectory(self, now: float, rate: float | None, delay: float) -> Trajectory:
-        """This lease's KV from now on, in engine steps (see `kv_forecast`)."""
+    def trajectory(self, now: float, rate: float | None, delay: float) -> Steps:
+        """This lease's KV from now on, in engine steps: (base, slope, end) as `kv_forecast.Trajectory`."""
         done = self.generated(now, rate, delay)
         if done is None:
             # Nobody knows how far it is: its expected final size, for as long as it may still run.
-            return Trajectory(float(self.footprint), 0.0, self.expected_completion / self.sequences)
+            return (float(self.footprint), 0.0, self.expected_completion / self.sequences)
         final = float(self.expected_completion)
         if done >= final:
             # Past what was expected: it may run to its allowance (the server enforces that bound).
             final = done if done > self.allowance else float(self.allowance)
-        return Trajectory(self.prompt + done, float(self.sequences), (final - done) / self.sequences)
+        return (self.prompt + done, float(self.sequences), (final - done) / self.sequences)
 
 
 class KvBudget:
@@ -209,7 +209,7 @@ class KvBudget:
         self._fresh_until = now + max(0.0, fresh_for)
         self._unexplained = 0.0
         if used_tokens is not None and math.isfinite(used_tokens):
-            explained = sum(t.base for t in self._trajectories(now))
+            explained = sum(base for base, _, _ in self._trajectories(now))
             self._unexplained = max(0.0, used_tokens * self._share - explained)
         self._booked = self._book(now)[0]
         self._last_fit = None
@@ -324,7 +324,7 @@ class KvBudget:
             admitted_at=now,
         )
 
-    def _trajectories(self, now: float) -> list[Trajectory]:
+    def _trajectories(self, now: float) -> list[Steps]:
         rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
         return [lease.trajectory(now, rate, delay) for lease in self._leases.values()]
 

@@ -42,61 +42,62 @@ class Trajectory(NamedTuple):
     end: float
 
 
-def forecast_peak(trajectories: Iterable[Trajectory]) -> float:
+Steps = tuple[float, float, float]
+"""A trajectory as a plain tuple (base, slope, end): `Trajectory` is one, and so is what the budget builds."""
+
+
+def forecast_peak(trajectories: Iterable[Steps]) -> float:
     """Highest total KV the trajectories reach at any step from now on (0 for none)."""
     return forecast_peaks(trajectories)[0]
 
 
-def forecast_peaks(
-    trajectories: Iterable[Trajectory], extra: Trajectory | None = None
-) -> tuple[float, float]:
+def forecast_peaks(trajectories: Iterable[Steps], extra: Steps | None = None) -> tuple[float, float]:
     """The forecast peak of `trajectories`, and of `trajectories` plus `extra`, in one sort and one sweep.
 
     Between two ends the total only rises, so the peak is at an end `e`: the sum over trajectories still
     present at `e` (those with `end >= e`) of `base + slope * e`. An infinite end contributes its base only
     (a flat booking; an unbounded rise has no peak to report). The sweep visits ends from the latest down,
-    adding the trajectories that end there; `extra` counts at every end up to its own, and at its own.
-    This runs on every admission decision, hence the plain loop.
+    accumulating the trajectories present, and evaluates both totals at every end and at the extra's own
+    end (a point that is not an end is harmless: a total there is never above its next end). This runs on
+    every admission decision, hence the plain loop over plain tuples.
     """
-    items = sorted(trajectories, key=_END, reverse=True)
-    x_end = -1.0
-    x_base = x_slope = 0.0
-    if extra is not None:
-        x_end = extra.end if extra.end > 0 else 0.0
-        x_base, x_slope = extra.base, (extra.slope if x_end != _INF else 0.0)
+    x_base, x_slope, x_end = extra if extra is not None else (0.0, 0.0, -1.0)
+    x_end = max(x_end, 0.0) if extra is not None else -1.0
+    x_slope = 0.0 if x_end == _INF else x_slope
     pending = extra is not None  # the extra's own end is still to be evaluated
-    peak = together = 0.0
-    bases = slopes = 0.0
-    i, n = 0, len(items)
-    while i < n:
-        end = items[i].end if items[i].end > 0 else 0.0
-        if pending and x_end > end:  # the extra ends between the previous end and this one
-            at = bases + slopes * x_end if x_end != _INF else bases
-            together = max(together, at + x_base + x_slope * (x_end if x_end != _INF else 0.0))
-            pending = False
-        finite = end != _INF
-        while i < n and (items[i].end if items[i].end > 0 else 0.0) == end:
-            bases += items[i].base
-            if finite:
-                slopes += items[i].slope
-            i += 1
-        at = bases + slopes * end if finite else bases
-        if at > peak:
-            peak = at
-        here = at
-        if x_end >= end:  # the extra is still present here (never without an extra: x_end is -1)
-            here += x_base + (x_slope * end if finite else 0.0)
-            pending = pending and x_end != end
-        if here > together:
-            together = here
-    if pending:
-        at = bases + slopes * x_end if x_end != _INF else bases
-        together = max(together, at + x_base + x_slope * (x_end if x_end != _INF else 0.0))
+    peak = together = bases = slopes = 0.0
+    group = -1.0  # the end whose trajectories are being added; -1 before the first
+
+    def totals(e: float) -> tuple[float, float]:
+        """Total KV at step `e` of what was accumulated so far, without and with the extra."""
+        if e == _INF:
+            return bases, bases + (x_base if x_end == _INF else 0.0)
+        value = bases + slopes * e
+        return value, value + (x_base + x_slope * e if x_end >= e else 0.0)
+
+    for base, slope, end in sorted(trajectories, key=_END, reverse=True):
+        end = end if end > 0 else 0.0
+        if end != group:
+            points: tuple[float, ...] = (group,) if group >= 0 else ()
+            if pending and end < x_end:  # the extra ends between the previous end and this one
+                points += (x_end,)
+                pending = False
+            for e in points:
+                value, with_extra = totals(e)
+                peak, together = max(peak, value), max(together, with_extra)
+            pending = pending and x_end != group
+            group = end
+        bases += base
+        if end != _INF:
+            slopes += slope
+    for e in ((group,) if group >= 0 else ()) + ((x_end,) if pending else ()):
+        value, with_extra = totals(e)
+        peak, together = max(peak, value), max(together, with_extra)
     return peak, (together if extra is not None else peak)
 
 
 _INF = math.inf
-_END = operator.attrgetter("end")
+_END = operator.itemgetter(2)
 
 
 @dataclass
