@@ -69,10 +69,7 @@ class Admitted:
     budget: KvBudget | None
     strip_usage: bool
     admitted_at: float
-
-    @property
-    def budget_id(self) -> str:
-        return str(self.lease.lease_id)
+    budget_id: str = ""  # the request's id in `budget` (booked before the lease was granted)
 
 
 @dataclass(eq=False)
