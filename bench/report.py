@@ -16,18 +16,23 @@ def _load(name: str) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _run_label(r: dict[str, Any]) -> str:
+    label = f"{r.get('trace', 'conv')} {r['rate']:g}x" + (" + burst" if r["burst"] else "")
+    return label + (f" + retry {r['retries']}" if r.get("retries") else "")
+
+
 def protection_tables(data: dict[str, Any]) -> str:
     rows = []
     for r in data["runs"]:
-        label = f"{r.get('trace', 'conv')} {r['rate']:g}x" + (" + burst" if r["burst"] else "")
         rows.append(
             [
                 r["overflow"],
-                label,
+                _run_label(r),
                 r["mode"],
                 f"{r['preemptions']:g}",
                 f"{r['oom_events']:g}",
                 fmt(r["goodput_tok_s"], 0),
+                fmt(r.get("slo_goodput_tok_s", math.nan), 0),
                 f"{100 * r['rejection_rate']:.1f} %",
                 f"{100 * r['failure_rate']:.1f} %",
                 fmt(r["ttft_p50_s"], 2),
@@ -36,6 +41,7 @@ def protection_tables(data: dict[str, Any]) -> str:
                 fmt(r["e2e_p99_s"], 2),
                 fmt(r["kv_peak"], 2),
                 fmt(r["kv_mean"], 2),
+                fmt(r.get("kv_mean_overload", math.nan), 2),
             ]
         )
     header = [
@@ -45,6 +51,7 @@ def protection_tables(data: dict[str, Any]) -> str:
         "preemptions",
         "OOM",
         "goodput tok/s",
+        "SLO goodput tok/s",
         "rejected",
         "failed",
         "TTFT p50 s",
@@ -53,6 +60,7 @@ def protection_tables(data: dict[str, Any]) -> str:
         "e2e p99 s",
         "KV peak",
         "KV mean",
+        "KV mean overload",
     ]
     out = [md_table(header, rows)]
     bursts = [r for r in data["runs"] if r["burst"] and "burst_outcome" in r]
@@ -73,7 +81,60 @@ def protection_tables(data: dict[str, Any]) -> str:
                 ],
             )
         )
+    refusing = [r for r in data["runs"] if r.get("reject_reasons") and r["rate"] == 4.0 and not r["burst"]]
+    if refusing:
+        out.append("")
+        out.append(
+            md_table(
+                ["overflow", "trace, rate", "mode", "requests sent", "refused at last", "refusals by reason"],
+                [
+                    [
+                        r["overflow"],
+                        _run_label(r),
+                        r["mode"],
+                        r.get("attempts", r["requests"]),
+                        r["rejected"],
+                        ", ".join(f"{k} {v}" for k, v in r["reject_reasons"].items()),
+                    ]
+                    for r in refusing
+                ],
+            )
+        )
     return "\n".join(out)
+
+
+def offline_table(data: dict[str, Any]) -> str:
+    """The modes and their bounds on engine time alone (`bench.protection.offline`)."""
+    rows = [
+        [
+            f"{r['rate']:g}x",
+            r["scenario"] + (f", retry {r['retries']}" if r["retries"] else ""),
+            f"{r['admitted']} / {r['requests']}",
+            r["preemptions"],
+            fmt(r["goodput_tok_s"], 0),
+            fmt(r["slo_goodput_tok_s"], 0),
+            fmt(r["ttft_p50_s"], 2),
+            fmt(r["ttft_p99_s"], 2),
+            fmt(r["kv_mean_overload"], 2),
+            fmt(r["kv_peak"], 2),
+            f"{fmt(r['engine_busy_s'], 1)} ({fmt(r['prefill_s'], 1)})",
+        ]
+        for r in data["rows"]
+    ]
+    header = [
+        "conv, preempt",
+        "scenario",
+        "admitted",
+        "preemptions",
+        "goodput tok/s",
+        "SLO goodput tok/s",
+        "TTFT p50 s",
+        "TTFT p99 s",
+        "KV mean overload",
+        "KV peak",
+        "engine busy s (prefill)",
+    ]
+    return md_table(header, rows)
 
 
 def _added(mode: dict[str, Any], base: dict[str, Any], key: str, pct: str) -> float:
@@ -284,6 +345,7 @@ def main() -> None:
     sfx = "-short" if args.short else ""
     for title, name, render in (
         ("Protection", f"protection{sfx}.json", protection_tables),
+        ("Protection, engine time only", f"protection-offline{sfx}.json", offline_table),
         ("Overhead", f"overhead{sfx}.json", overhead_tables),
         ("Overhead of both profiles", f"overhead-profiles{sfx}.json", profile_tables),
         ("Micro", f"micro{sfx}.json", micro_table),

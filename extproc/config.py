@@ -147,6 +147,7 @@ class KvBudgetConfig:
     enabled: bool = False
     target_utilization: float = 0.9
     capacity_share: float = 1.0
+    booking: str = "forecast"  # forecast | lifetime (extproc.core.kv_budget.Booking)
 
 
 @dataclass(frozen=True)
@@ -578,8 +579,14 @@ def _feedback(root: _Section) -> FeedbackConfig:
         raise ConfigError(f"kv_budget.target_utilization: must be in (0, 1], got {target}")
     if share > 1:
         raise ConfigError(f"kv_budget.capacity_share: must be in (0, 1], got {share}")
+    booking = kb.string("booking", "forecast") or "forecast"
+    if booking not in ("forecast", "lifetime"):
+        raise ConfigError(f"{kb.key('booking')}: must be forecast or lifetime, got {booking!r}")
     budget = KvBudgetConfig(
-        enabled=kb.boolean("enabled", False), target_utilization=target, capacity_share=share
+        enabled=kb.boolean("enabled", False),
+        target_utilization=target,
+        capacity_share=share,
+        booking=booking,
     )
     kb.done()
     if budget.enabled and subscriber is None:

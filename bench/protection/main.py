@@ -21,6 +21,7 @@ DRAIN_ENGINE_S = 60.0  # after the last arrival, engine seconds requests may sti
 STREAM_EVERY = 4  # every 4th request is streamed: TTFT is measured on those, e2e on all
 BURST = (10, 7500, 300)  # ten 7.5k-token prompts generating 300 tokens each, at the slice's midpoint
 BURST_RATE = 2.0
+RETRIES = 3  # the retrying client: a refused request comes back after retry-after, at most 3 times
 CODE_RATE = 4.0
 
 
@@ -60,6 +61,12 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
         for rate in rates
         for mode in run_modes
     ]
+    # The retrying client at 4x, for every mode that refuses (Envoy alone never answers 429).
+    specs += [
+        RunSpec(mode, 4.0, "preempt", time_scale_for(slice_rate, 4.0), retries=RETRIES)
+        for mode in run_modes
+        if mode != "envoy"
+    ]
     code_trace = tr.window(tr.load(directory, ("code",)), TRACE_START_S, count)
     code_rate = len(code_trace) / code_trace[-1].t
     if not short:
@@ -80,8 +87,8 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
     t0 = time.monotonic()
     for spec in specs:
         print(
-            f"protection: {spec.mode} {spec.rate:g}x {spec.overflow}{' burst' if spec.burst else ''} "
-            f"(time scale {spec.time_scale:.2f})",
+            f"protection: {spec.mode} {spec.rate:g}x {spec.overflow}{' burst' if spec.burst else ''}"
+            f"{f' retry {spec.retries}' if spec.retries else ''} (time scale {spec.time_scale:.2f})",
             flush=True,
         )
         replayed = code_trace if spec.extra.get("trace") == "code" else trace
@@ -90,8 +97,9 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
         summary["series"] = _downsample(summary["series"])
         print(
             "  ok {ok} rejected {rejected} errors {error} timeouts {timeout} preemptions {preemptions:g} "
-            "oom {oom_events:g} goodput {goodput_tok_s:.0f} tok/s kv peak {kv_peak:.2f} "
-            "({run_wall_s:.0f} s)".format(**summary),
+            "oom {oom_events:g} goodput {goodput_tok_s:.0f} tok/s (SLO {slo_goodput_tok_s:.0f}) "
+            "TTFT p99 {ttft_p99_s:.2f} s kv mean {kv_mean_overload:.2f} peak {kv_peak:.2f} "
+            "reasons {reject_reasons} ({run_wall_s:.0f} s)".format(**summary),
             flush=True,
         )
         runs.append(summary)
@@ -124,6 +132,10 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
         previous["bursts_rerun_duration_s"] = result["duration_s"]
         result = previous
     write_json(f"protection{'-short' if short else ''}.json", result)
+    # The same modes on engine time alone (seconds, deterministic): what the policies do without the machine.
+    from bench.protection import offline
+
+    offline.main([] if short else ["--full"])
     try:
         plot(result, RESULTS)
     except ImportError as exc:  # matplotlib is a dev extra
@@ -131,7 +143,13 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
     return result
 
 
-COLORS = {"envoy": "tab:red", "ratelimit": "tab:orange", "static": "tab:blue", "feedback": "tab:green"}
+COLORS = {
+    "envoy": "tab:red",
+    "ratelimit": "tab:orange",
+    "static": "tab:blue",
+    "feedback-lifetime": "tab:olive",
+    "feedback": "tab:green",
+}
 
 
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
@@ -147,6 +165,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     paths = []
     suffix = "-short" if result["short"] else ""
     for (trace, rate, overflow, burst), runs in sorted(groups.items()):
+        runs = [r for r in runs if not r.get("retries")]
         fig, (ax_kv, ax_c) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
         for r in runs:
             s = r["series"]

@@ -5,7 +5,9 @@ Modes (same trace slice, same simulated deployment, same client):
 - `envoy`      Envoy straight to the simulator (no admission control)
 - `ratelimit`  Envoy's own `local_ratelimit` filter: a requests/s token bucket at the deployment's capacity
 - `static`     Envoy + sidecar, static concurrency and tokens-per-minute limits sized from the KV capacity
-- `feedback`   Envoy + sidecar with KV-cache feedback (adaptive scale + KV-token budget)
+- `feedback-lifetime`  Envoy + sidecar with KV-cache feedback, the KV budget booking whole lifetimes
+               (the configuration before forecasts, kept for comparison)
+- `feedback`   Envoy + sidecar with KV-cache feedback (adaptive scale + KV-token budget by forecast)
 
 Time is compressed with the simulator's `--time-scale T`: every latency the client measures in wall seconds
 is multiplied by T to read as engine (deployment) seconds, and every rate the proxies enforce (Envoy's
@@ -139,10 +141,26 @@ class Result:
     burst: bool
     status: int = 0
     outcome: str = "pending"  # ok | rejected | error | timeout
-    ttft: float | None = None  # wall seconds from scheduled send time
+    ttft: float | None = None  # wall seconds from scheduled send time (of the first attempt)
     e2e: float | None = None
     completion: int = 0
     reason: str = ""  # why a 429: the sidecar's x-extproc-reject-reason, or "envoy_local_rate_limit"
+    attempts: int = 0
+
+
+def retry_delay(headers: Any) -> float | None:
+    """Seconds a refused client waits before trying again, as OpenAI's SDKs read the answer: None when told
+    `x-should-retry: false`, else `retry-after-ms`, else `retry-after`, else one second."""
+    if headers.get("x-should-retry") == "false":
+        return None
+    for name, unit in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is not None:
+            try:
+                return max(0.0, float(value) * unit)
+            except ValueError:
+                continue
+    return 1.0
 
 
 async def _one(
@@ -151,7 +169,25 @@ async def _one(
     res: Result,
     max_tokens: int,
     start: float,
+    retries: int = 0,
 ) -> None:
+    """One request; with `retries`, a refused one comes back after its `retry-after`, at most that often."""
+    while True:
+        res.attempts += 1
+        delay = await _attempt(session, url, res, max_tokens, start)
+        if res.outcome != "rejected" or delay is None or res.attempts > retries:
+            return
+        await asyncio.sleep(delay)
+
+
+async def _attempt(
+    session: aiohttp.ClientSession,
+    url: str,
+    res: Result,
+    max_tokens: int,
+    start: float,
+) -> float | None:
+    """Send once; on a 429 return how long to wait before retrying (None: do not retry)."""
     body: dict[str, Any] = {
         "model": MODEL,
         "prompt": " the" * res.prompt,
@@ -169,17 +205,17 @@ async def _one(
                     "envoy_local_rate_limit" if resp.headers.get("x-local-rate-limit") else "other"
                 )
                 await resp.read()
-                return
+                return retry_delay(resp.headers)
             if resp.status != 200:
                 res.outcome = "error"
                 await resp.read()
-                return
+                return None
             if not res.stream:
                 payload = await resp.json()
                 res.completion = int(payload["usage"]["completion_tokens"])
                 res.e2e = time.monotonic() - t_sched
                 res.outcome = "ok"
-                return
+                return None
             done = False
             async for raw in resp.content:
                 line = raw.strip()
@@ -200,12 +236,14 @@ async def _one(
             res.e2e = time.monotonic() - t_sched
             res.outcome = "ok" if done else "error"
     except asyncio.CancelledError:
-        res.outcome = "timeout"
+        if res.outcome != "rejected":
+            res.outcome = "timeout"
         raise
     except (aiohttp.ClientError, ValueError, KeyError) as exc:
         res.outcome = "error"
         res.status = res.status or -1
         del exc
+    return None
 
 
 @dataclass
@@ -216,25 +254,44 @@ class Sample:
     waiting: float
     preemptions: float
     oom: float
+    booked: float = math.nan  # the sidecar's KV budget: booked tokens / capacity (NaN without a budget)
+    scale: float = math.nan  # the sidecar's adaptive scale
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str, start: float, out: list[Sample]) -> None:
-    """KV usage and the engine's load every ~100 ms of wall time."""
+SIDECAR_SERIES = ("extproc_kv_booked_tokens", "extproc_kv_capacity_tokens", "extproc_adaptive_scale_ratio")
+
+
+async def _get_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+        return parse_prometheus(await resp.text())
+
+
+async def _scrape(
+    session: aiohttp.ClientSession,
+    url: str,
+    start: float,
+    out: list[Sample],
+    sidecar_url: str | None = None,
+) -> None:
+    """KV usage and the engine's load every ~100 ms of wall time, and the sidecar's budget when given."""
     while True:
         t = time.monotonic()
         try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                m = parse_prometheus(await resp.text())
-            out.append(
-                Sample(
-                    t - start,
-                    m.get("vllm:kv_cache_usage_perc", math.nan),
-                    m.get("vllm:num_requests_running", math.nan),
-                    m.get("vllm:num_requests_waiting", math.nan),
-                    m.get("vllm:num_preemptions_total", 0.0),
-                    m.get("sim_oom_events_total", 0.0),
-                )
+            m = await _get_metrics(session, url)
+            sample = Sample(
+                t - start,
+                m.get("vllm:kv_cache_usage_perc", math.nan),
+                m.get("vllm:num_requests_running", math.nan),
+                m.get("vllm:num_requests_waiting", math.nan),
+                m.get("vllm:num_preemptions_total", 0.0),
+                m.get("sim_oom_events_total", 0.0),
             )
+            if sidecar_url is not None:
+                side = await _get_metrics(session, sidecar_url)
+                booked, capacity, scale = (side.get(name, math.nan) for name in SIDECAR_SERIES)
+                sample.booked = booked / capacity if capacity else math.nan
+                sample.scale = scale
+            out.append(sample)
         except (aiohttp.ClientError, TimeoutError):
             pass
         await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - t)))
@@ -283,15 +340,19 @@ async def replay(
     plan: Plan,
     time_scale: float,
     drain_engine_s: float,
+    retries: int = 0,
+    sidecar_url: str | None = None,
 ) -> tuple[list[Result], list[Sample], float]:
-    """Send each request at its scheduled wall time (open loop), scrape the simulator, stop at a deadline."""
+    """Send each request at its scheduled wall time (open loop), scrape the simulator, stop at a deadline.
+
+    The deadline also ends retries: a request still waiting to come back then counts as refused."""
     results: list[Result] = []
     samples: list[Sample] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.monotonic() + 0.5
-        scraper = asyncio.create_task(_scrape(session, f"{sim_url}/metrics", start, samples))
+        scraper = asyncio.create_task(_scrape(session, f"{sim_url}/metrics", start, samples, sidecar_url))
         tasks: list[asyncio.Task[None]] = []
         url = f"{base_url}/v1/completions"
         deadline = start + (plan.span_s + drain_engine_s) / time_scale
@@ -301,7 +362,7 @@ async def replay(
             delay = start + res.scheduled - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, url, res, max_tokens, start)))
+            tasks.append(asyncio.create_task(_one(session, url, res, max_tokens, start, retries)))
         pending = [t for t in tasks if not t.done()]
         if pending:
             await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
@@ -321,6 +382,28 @@ async def replay(
 # -- summary ------------------------------------------------------------------------------------------------
 
 
+SLO_TTFT_S = 1.0
+"""The TTFT objective of SLO goodput, in engine seconds."""
+
+OVERLOAD_FROM = 0.1
+"""`kv_mean_overload` averages the KV samples from this fraction of the arrival span to its end: the
+replay once the first requests have filled the cache, without the drain after the last arrival."""
+
+
+def slo_goodput(ok: list[Result], tokens: int, time_scale: float) -> float:
+    """Output tokens of completed requests whose TTFT met `SLO_TTFT_S`.
+
+    TTFT is only observed on streamed requests (every `stream_every`-th, spread over the whole trace), so
+    the share of streamed output tokens that met the objective is applied to all completed tokens.
+    """
+    streamed = [r for r in ok if r.stream and r.ttft is not None]
+    total = sum(r.completion for r in streamed)
+    if not total:
+        return math.nan
+    met = sum(r.completion for r in streamed if r.ttft is not None and r.ttft * time_scale <= SLO_TTFT_S)
+    return tokens * met / total
+
+
 def summarize(
     results: list[Result], samples: list[Sample], plan: Plan, time_scale: float, wall_s: float
 ) -> dict[str, Any]:
@@ -332,17 +415,29 @@ def summarize(
     e2e = [r.e2e * time_scale for r in ok if r.e2e is not None]
     tokens = sum(r.completion for r in ok)
     kv = [s.kv for s in samples if not math.isnan(s.kv)]
+    overload = [
+        s.kv
+        for s in samples
+        if not math.isnan(s.kv) and OVERLOAD_FROM * plan.span_s <= s.t * time_scale <= plan.span_s
+    ]
     last = samples[-1] if samples else Sample(0, 0, 0, 0, 0, 0)
     out: dict[str, Any] = {
         "requests": len(normal),
         **counts,
+        "attempts": sum(r.attempts for r in normal),
+        "refused_attempts": sum(r.attempts - (r.outcome != "rejected") for r in normal if r.attempts),
         "rejection_rate": counts["rejected"] / max(1, len(normal)),
         "reject_reasons": {
             reason: sum(1 for r in normal if r.outcome == "rejected" and r.reason == reason)
             for reason in sorted({r.reason for r in normal if r.outcome == "rejected"})
         },
         "failure_rate": (counts["error"] + counts["timeout"]) / max(1, len(normal)),
+        "error_statuses": {
+            str(status): sum(1 for r in normal if r.outcome == "error" and r.status == status)
+            for status in sorted({r.status for r in normal if r.outcome == "error"})
+        },
         "goodput_tok_s": tokens / plan.span_s if plan.span_s else math.nan,
+        "slo_goodput_tok_s": slo_goodput(ok, tokens, time_scale) / plan.span_s if plan.span_s else math.nan,
         "completed_output_tokens": tokens,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
@@ -350,6 +445,7 @@ def summarize(
         "e2e_p99_s": percentile(e2e, 99),
         "kv_peak": max(kv) if kv else math.nan,
         "kv_mean": sum(kv) / len(kv) if kv else math.nan,
+        "kv_mean_overload": sum(overload) / len(overload) if overload else math.nan,
         "preemptions": last.preemptions,
         "oom_events": last.oom,
         "time_scale": time_scale,
@@ -371,14 +467,23 @@ def summarize(
 
 
 def sidecar_config(
-    sizing: Sizing, time_scale: float, context_window: int, feedback_url: str | None = None
+    sizing: Sizing,
+    time_scale: float,
+    context_window: int,
+    feedback_url: str | None = None,
+    booking: str = "forecast",
 ) -> dict[str, Any]:
     """Sidecar limits on the sidecar's wall clock (tokens per minute = engine TPM x time scale).
 
-    Static mode: the KV-sized concurrency and TPM. Feedback mode: twice those as a ceiling (the KV budget
+    Static mode: the KV-sized concurrency and TPM. Feedback modes: twice those as a ceiling (the KV budget
     and the adaptive scale do the sizing from what the engine reports), the simulator scraped directly
     once per engine second, and the controller's time constants (recovery per second, staleness) converted
     to wall seconds so that they mean in engine time what the defaults mean on a real deployment.
+
+    `booking` "forecast" (the `feedback` mode) lets the KV budget bind: the adaptive KV term starts above
+    the budget's target (0.92-0.98), as a backstop for KV the budget cannot see, and the queue term stays.
+    "lifetime" (the `feedback-lifetime` mode) is the configuration before forecasts: lifetime booking and
+    the default watermarks 0.70-0.85.
     """
     factor = 1 if feedback_url is None else 2
     config: dict[str, Any] = {
@@ -395,18 +500,19 @@ def sidecar_config(
         "log_level": "warning",
     }
     if feedback_url is not None:
+        forecast = booking == "forecast"
         config["feedback"] = {
             "direct_targets": [{"url": feedback_url, "kind": "vllm", "model": MODEL}],
             "scrape_interval_seconds": max(0.05, round(1.0 / time_scale, 3)),
         }
         config["adaptive"] = {
-            "low_watermark": 0.70,
-            "high_watermark": 0.85,
+            "low_watermark": 0.92 if forecast else 0.70,
+            "high_watermark": 0.98 if forecast else 0.85,
             "min_scale": 0.6,
             "recovery_per_second": round(0.05 * time_scale, 4),
             "stale_after_seconds": max(1.0, round(5.0 / time_scale, 3)),
         }
-        config["kv_budget"] = {"enabled": True, "target_utilization": 0.9}
+        config["kv_budget"] = {"enabled": True, "target_utilization": 0.9, "booking": booking}
     return config
 
 
@@ -434,7 +540,7 @@ def ratelimit_template(workdir: Path, rps_wall: float) -> Path:
     return path
 
 
-MODES = ("envoy", "ratelimit", "static", "feedback")
+MODES = ("envoy", "ratelimit", "static", "feedback-lifetime", "feedback")
 
 
 @dataclass
@@ -445,6 +551,7 @@ class RunSpec:
     time_scale: float
     burst: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    retries: int = 0  # the retrying client: a refused request comes back after retry-after, this often
 
 
 def run_one(
@@ -465,6 +572,7 @@ def run_one(
     )
     ports = Ports.free()
     run_dir = workdir / f"{spec.mode}-{spec.rate:g}x-{spec.overflow}{'-burst' if spec.burst else ''}"
+    run_dir = run_dir.with_name(run_dir.name + (f"-retry{spec.retries}" if spec.retries else ""))
     run_dir.mkdir(parents=True, exist_ok=True)
     sim_args = dep.sim_args(spec.time_scale, spec.overflow, max_model_len)
     kwargs: dict[str, Any] = {"ports": ports, "sim_args": sim_args, "workdir": run_dir}
@@ -475,9 +583,12 @@ def run_one(
         kwargs["envoy_template"] = ratelimit_template(run_dir, sizing.requests_per_second * spec.time_scale)
     elif spec.mode == "static":
         kwargs["sidecar_config"] = sidecar_config(sizing, spec.time_scale, max_model_len)
-    elif spec.mode == "feedback":
+    elif spec.mode in ("feedback", "feedback-lifetime"):
         sim_metrics = f"http://127.0.0.1:{ports.upstream}/metrics"
-        kwargs["sidecar_config"] = sidecar_config(sizing, spec.time_scale, max_model_len, sim_metrics)
+        booking = "lifetime" if spec.mode == "feedback-lifetime" else "forecast"
+        kwargs["sidecar_config"] = sidecar_config(
+            sizing, spec.time_scale, max_model_len, sim_metrics, booking
+        )
     else:
         raise ValueError(spec.mode)
     stack = LocalStack(**kwargs)
@@ -485,7 +596,15 @@ def run_one(
     try:
         stack.start()
         results, samples, wall = asyncio.run(
-            replay(stack.envoy_url, stack.upstream_url, plan, spec.time_scale, drain_engine_s)
+            replay(
+                stack.envoy_url,
+                stack.upstream_url,
+                plan,
+                spec.time_scale,
+                drain_engine_s,
+                spec.retries,
+                f"{stack.admin_url}/metrics" if spec.mode.startswith("feedback") else None,
+            )
         )
     finally:
         stack.stop()
@@ -497,5 +616,7 @@ def run_one(
         "kv": [round(s.kv, 4) for s in samples],
         "admitted": [s.running + s.waiting for s in samples],
         "running": [s.running for s in samples],
+        "booked": [round(s.booked, 4) for s in samples],
+        "scale": [round(s.scale, 4) for s in samples],
     }
     return summary

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import itertools
 import logging
 import math
 import re
@@ -59,6 +60,7 @@ from extproc.config import ClassConfig, Config
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
+from extproc.core.slot_eta import OpenLease
 from extproc.queueing import WAITABLE, QueueFull
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ TEMPLATE_FIELDS = ("chat_template",)
 """Request fields that replace the server's chat template (vLLM accepts `chat_template` per request)."""
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
+
+_BUDGET_IDS = itertools.count()
+"""KV-budget lease ids: a request is booked before the limiter grants (and numbers) its lease."""
 
 
 class Phase(enum.Enum):
@@ -212,7 +217,13 @@ class Exchange:
         shadow = config.shadow or self.klass.shadow
         budget = self.service.deps.kv_budget(self.pool)
         if budget is not None:
-            fits, headroom = budget.would_fit(plan.prompt_tokens, plan.completion_tokens, self.tenant)
+            fits, headroom = budget.would_fit(
+                plan.prompt_tokens,
+                plan.completion_tokens,
+                self.tenant,
+                now=self.service.clock(),
+                sequences=parsed.sequences * parsed.prompt_count,
+            )
             if not fits:
                 refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
                 yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
@@ -234,20 +245,43 @@ class Exchange:
         facts = replace(parsed, body={})
         keys = ["global", f"model:{self.pool}", f"tenant:{self.tenant}"]
         result: Lease | Rejection | Refusal | None = None
-        async for step in self._acquire(keys, plan.total, shadow):
-            if isinstance(step, Hold):
-                yield step
-            else:
-                result = step
+        # Book the KV before the limiter's await, so that concurrent decisions see each other's.
+        held = self._hold_kv(budget, parsed, plan)
+        try:
+            async for step in self._acquire(keys, plan.total, shadow):
+                if isinstance(step, Hold):
+                    yield step
+                else:
+                    result = step
+        finally:
+            if budget is not None and not isinstance(result, Lease):
+                budget.release(held)  # refused, or the caller went away while it waited
+                self.service.deps.budget_changed(self.pool)
         if isinstance(result, Refusal):
             yield self._refuse(result)
             return
         if isinstance(result, Rejection):
-            refusal = refusals.rate_limited(result, facts.model, plan.total)
+            refusal = refusals.rate_limited(self.service.retry_hint(result), facts.model, plan.total)
             yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
             return
         assert isinstance(result, Lease)
-        yield self._admit(result, facts, plan, budget, strip_usage=strip_usage, new_body=new_body)
+        yield self._admit(result, facts, plan, budget, held, strip_usage=strip_usage, new_body=new_body)
+
+    def _hold_kv(self, budget: KvBudget | None, parsed: ParsedRequest, plan: Reservation) -> str:
+        """Record the request in the pool's KV budget under an id of its own; returns that id."""
+        held = f"x{next(_BUDGET_IDS)}"
+        if budget is not None:
+            budget.admit(
+                held,
+                plan.prompt_tokens,
+                plan.completion_tokens,
+                self.tenant,
+                now=self.service.clock(),
+                sequences=parsed.sequences * parsed.prompt_count,
+            )
+            assert self.pool is not None
+            self.service.deps.budget_changed(self.pool)
+        return held
 
     async def _acquire(
         self, keys: list[str], tokens: int, shadow: bool
@@ -299,15 +333,13 @@ class Exchange:
         facts: ParsedRequest,
         plan: Reservation,
         budget: KvBudget | None,
+        budget_id: str,
         strip_usage: bool,
         new_body: bytes | None,
     ) -> Forward:
         service = self.service
         assert self.klass is not None and self._policy is not None
         assert self.pool is not None
-        if budget is not None:
-            budget.admit(str(lease.lease_id), plan.prompt_tokens, plan.completion_tokens, self.tenant)
-            service.deps.budget_changed(self.pool)
         self.admitted = Admitted(
             lease=lease,
             request=facts,
@@ -318,6 +350,7 @@ class Exchange:
             klass=self.klass,
             model_label=self.model_label,
             budget=budget,
+            budget_id=budget_id,
             strip_usage=strip_usage,
             admitted_at=service.clock(),
         )
@@ -426,7 +459,9 @@ class Exchange:
             response.first_chunk_at = self.service.clock()
         out = tracker.feed(chunk)
         if admitted.budget is not None:
-            admitted.budget.progress(admitted.budget_id, tracker.usage.completion_tokens)
+            # Only a stream's chunks time its progress (a JSON body arrives whole at the end).
+            now = self.service.clock() if response.streaming else None
+            admitted.budget.progress(admitted.budget_id, tracker.usage.completion_tokens, now)
         if end_of_stream:
             if tracker.buffered_bytes > OFF_LOOP_FINISH_BYTES:
                 # A large JSON answer without usage is parsed and tokenized: keep other streams flowing.
@@ -470,6 +505,16 @@ class Exchange:
         )
         self._settle()
         return refusals.cut_under_kv_pressure()
+
+    def open_lease(self, key: str) -> OpenLease | None:
+        """This request as an open lease on `key` (for slot retry hints), or None if it holds none there."""
+        admitted = self.admitted
+        if admitted is None or self.phase not in (Phase.ADMITTED, Phase.RESPONDING):
+            return None
+        if key not in admitted.lease.keys:
+            return None
+        streamed = self.response.tracker.usage.completion_tokens if self.response is not None else 0
+        return self.service.open_lease(admitted, streamed)
 
     # -- end ------------------------------------------------------------------------------------------------
 

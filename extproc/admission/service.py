@@ -16,7 +16,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from extproc.admission.lanes import Lanes
@@ -28,12 +28,16 @@ from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Lease, Rejection
+from extproc.core.limiter import Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
+from extproc.core.slot_eta import MIN_REMAINING_S, OpenLease, RetryHints, remaining_times
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
 
 log = logging.getLogger(__name__)
+
+ETA_CACHE_S = 0.05
+"""How long a key's open-lease remaining times are reused for retry hints."""
 
 
 @dataclass
@@ -67,10 +71,7 @@ class Admitted:
     budget: KvBudget | None
     strip_usage: bool
     admitted_at: float
-
-    @property
-    def budget_id(self) -> str:
-        return str(self.lease.lease_id)
+    budget_id: str = ""  # the request's id in `budget` (booked before the lease was granted)
 
 
 class LabelledChildren:
@@ -95,6 +96,8 @@ class AdmissionService:
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
     _open: set[Any] = field(default_factory=set)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
+    retry_hints: RetryHints = field(default_factory=RetryHints)
+    _etas: dict[str, tuple[float, list[float]]] = field(default_factory=dict)
     lanes: Lanes = field(init=False)
     # Lean profile: admitted exchanges whose end the proxy reports, by report key (`expect_report`).
     _reports: dict[str, Any] = field(default_factory=dict)
@@ -144,6 +147,43 @@ class AdmissionService:
         if req.text_bytes <= self.config().admission.inline_count_bytes:
             return count_prompt_tokens(req, policy)
         return await self.lanes.run(lane, count_prompt_tokens, req, policy)
+
+    # -- retry hints ----------------------------------------------------------------------------------------
+
+    def retry_hint(self, rejection: Rejection) -> Rejection:
+        """A slot refusal's `retry-after` from the leases open on its key (see `core/slot_eta.py`), in place
+        of the store's average-based estimate; leases held by other replicas of a shared store are not
+        seen here, so the store's estimate stays when this replica holds none on the key."""
+        if rejection.reason is not Reason.CONCURRENCY:
+            return rejection
+        now = self.clock()
+        cached = self._etas.get(rejection.key)
+        if cached is None or now - cached[0] > ETA_CACHE_S:
+            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
+            leases = [lease for ex in self._open if (lease := ex.open_lease(rejection.key)) is not None]
+            cached = self._etas[rejection.key] = (now, remaining_times(leases))
+            if len(self._etas) > 1024:
+                self._etas = {rejection.key: cached}
+        etas = [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]
+        hint = self.retry_hints.hint(rejection.key, etas, now)
+        if hint is None:
+            return rejection
+        return replace(rejection, retry_after_s=hint, status=replace(rejection.status, reset_requests_s=hint))
+
+    def open_lease(self, admitted: Admitted, streamed: int) -> OpenLease:
+        """What the slot estimate needs of one admitted request, `streamed` completion tokens in."""
+        request = admitted.request
+        sequences = max(1, request.sequences * request.prompt_count)
+        allowance = admitted.plan.completion_tokens / sequences
+        expected = allowance
+        budget = admitted.budget
+        if budget is not None:
+            expected = budget.expected_completion(int(allowance), admitted.tenant)
+        return OpenLease(
+            expected_tokens=expected,
+            streamed_tokens=streamed / sequences,
+            rate=self.decode_rates.rate(admitted.pool),
+        )
 
     # -- leases --------------------------------------------------------------------------------------------
 

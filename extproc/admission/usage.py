@@ -116,13 +116,19 @@ class OpenAIDialect:
             for choice in choices:
                 if isinstance(choice, dict):
                     _choice_texts(choice, key, seen.texts)
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            seen.usage_seen = True
-            seen.prompt = count_int(usage.get("prompt_tokens"))
-            seen.completion = count_int(usage.get("completion_tokens"))
-            seen.usage_only = choices is None or choices == []
+        read_openai_usage(obj, seen)
         return seen
+
+
+def read_openai_usage(obj: Mapping[str, Any], seen: Observed) -> None:
+    """`usage.{prompt_tokens,completion_tokens}`; an event whose `choices` are empty is the usage-only one."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        choices = obj.get("choices")
+        seen.usage_seen = True
+        seen.prompt = count_int(usage.get("prompt_tokens"))
+        seen.completion = count_int(usage.get("completion_tokens"))
+        seen.usage_only = choices is None or choices == []
 
 
 OPENAI = OpenAIDialect()

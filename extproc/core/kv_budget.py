@@ -1,28 +1,50 @@
-"""KV-token budget for one model pool: admit requests only while their expected KV footprint fits.
+"""KV-token budget for one model pool: admit requests only while their KV fits, now and as they decode.
 
 The KV gauge of an inference server reacts after the fact: vLLM allocates blocks only for the tokens it
 schedules now, so KV grows during decode and overflows as preemptions long after admission. With the pool's
 capacity in tokens (from `vllm:cache_config_info` block_size x num_gpu_blocks, SGLang
-`max_total_num_tokens`, TRT-LLM block metrics) the sidecar can instead track the footprint it has
-admitted itself and refuse a request whose expected footprint would push the pool past
-`target_utilization` of capacity.
+`max_total_num_tokens`, TRT-LLM block metrics) the sidecar can instead track what it has admitted itself
+and refuse a request that would push the pool past `target_utilization` of capacity.
 
-Footprint of a lease = prompt + expected completion, never less than prompt + tokens streamed so far.
-The expected completion is the caller's completion allowance (usually `max_tokens`, or the remaining
-context) times a learned ratio (`CompletionLearner`): per learner key (the request's tenant), a high
-quantile of `actual_completion / allowance` over that key's finished requests, with a floor. It starts at
-1.0 (assume the whole allowance is used); only finished requests feed it (cancelled ones,
-`actual_completion=None`, would bias it low), and no client's requests move another client's estimate.
+Each lease has an expected final completion: the caller's completion allowance (usually `max_tokens`, or
+the remaining context) times a learned ratio (`CompletionLearner`): per learner key (the request's
+tenant), a high quantile of `actual_completion / allowance` over that key's finished requests, with a
+floor. It starts at 1.0 (assume the whole allowance is used); only finished requests feed it (cancelled
+ones, `actual_completion=None`, would bias it low), and no client's requests move another client's
+estimate. Two ways to book it (`Booking`):
 
-Pure and synchronous (no asyncio, no clock): the limiter calls it under its own locking.
+* `lifetime`: every lease counts prompt + expected completion (never less than prompt + streamed) from
+  admission to release. Safe, but a request holds that much KV only at its very end: it starts with its
+  prompt and grows one token per engine step, so a full pool booked this way is 15-30 % empty.
+* `forecast`: every lease is a trajectory (`kv_forecast`): prompt + tokens generated so far now, growing
+  one token per step per sequence until its expected final completion, then gone. A request fits when
+  the highest total the trajectories reach from now on, with its own added, stays within the budget.
+  Tokens generated so far are the streamed count where the response streams, else an estimate from the
+  time since admission and the pool's decode pace learned from streams (`DecodePace`). The engine's own
+  KV gauge corrects the sum: at each feed sample, KV in use that the leases do not explain (other
+  traffic, block rounding, progress under-estimated) is added to every forecast until the next sample.
+  A lease that outlives its expected completion is re-forecast up to its whole allowance.
+  Forecasts need the feed: with no engine sample for `fresh_for` seconds (or before the first one), or
+  without a known decode pace for leases that do not stream, the budget books as `lifetime` does.
+
+Pure and synchronous (no asyncio, no clock): callers pass `now` from their own clock.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 from extproc.core.completion_learner import CompletionLearner
+from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
+
+
+class Booking(enum.StrEnum):
+    """How a lease is charged against the budget (see the module docstring)."""
+
+    LIFETIME = "lifetime"
+    FORECAST = "forecast"
 
 
 @dataclass(slots=True)
@@ -32,10 +54,40 @@ class _Lease:
     expected_completion: int
     learner_key: str = ""
     streamed: int = 0
+    sequences: int = 1
+    admitted_at: float | None = None
+    first_progress: tuple[float, int] | None = None  # (when, streamed) at the first streamed token
+    last_progress_at: float | None = None
 
     @property
     def footprint(self) -> int:
+        """What `lifetime` booking charges: prompt + expected completion, never less than streamed."""
         return self.prompt + max(self.expected_completion, self.streamed)
+
+    def generated(self, now: float, rate: float | None, delay: float) -> float | None:
+        """Completion tokens so far: streamed, else estimated at `rate` tokens per second per sequence
+        after `delay` (the pool's pace, see `DecodePace`); None when unknowable."""
+        if self.first_progress is not None:
+            return float(self.streamed)
+        if self.admitted_at is None or rate is None:
+            return None
+        running = now - self.admitted_at - delay
+        guess = running * rate * self.sequences if running > 0 else 0.0
+        if guess < self.streamed:
+            guess = float(self.streamed)
+        return guess if guess < self.allowance else float(self.allowance)
+
+    def trajectory(self, now: float, rate: float | None, delay: float) -> Steps:
+        """This lease's KV from now on, in engine steps: (base, slope, end) as `kv_forecast.Trajectory`."""
+        done = self.generated(now, rate, delay)
+        if done is None:
+            # Nobody knows how far it is: its expected final size, for as long as it may still run.
+            return (float(self.footprint), 0.0, self.expected_completion / self.sequences)
+        final = float(self.expected_completion)
+        if done >= final:
+            # Past what was expected: it may run to its allowance (the server enforces that bound).
+            final = done if done > self.allowance else float(self.allowance)
+        return (self.prompt + done, float(self.sequences), (final - done) / self.sequences)
 
 
 class KvBudget:
@@ -54,6 +106,8 @@ class KvBudget:
         initial_completion_ratio: float = 1.0,
         min_completion_ratio: float = 0.1,
         learner: CompletionLearner | None = None,
+        booking: Booking = Booking.LIFETIME,
+        pace: DecodePace | None = None,
     ) -> None:
         if not 0.0 < target_utilization <= 1.0:
             raise ValueError(f"kv_budget.target_utilization: must be in (0, 1], got {target_utilization}")
@@ -68,12 +122,19 @@ class KvBudget:
             )
         self._target = target_utilization
         self._share = capacity_share
+        self.booking = Booking(booking)
         self.learner = learner or CompletionLearner(
             prior=initial_completion_ratio, floor=min_completion_ratio
         )
+        self.pace = pace or DecodePace()
         self._capacity: int | None = None
         self._leases: dict[str, _Lease] = {}
         self._demand = 0
+        self._fresh_until: float | None = None
+        self._unexplained = 0.0
+        self._booked = 0
+        self._last_fit: tuple[float | None, int, int, str, int] | None = None
+        self._booked_with = 0
         self.set_capacity(capacity_tokens)
 
     # -- read-only views ---------------------------------------------------------------------------------
@@ -92,14 +153,25 @@ class KvBudget:
 
     @property
     def demand_tokens(self) -> int:
-        """Sum of the footprints of live leases."""
+        """Sum of the leases' lifetime footprints (prompt + expected completion, or more once streamed)."""
         return self._demand
 
     @property
+    def booked_tokens(self) -> int:
+        """What the last decision compared with the budget: the forecast peak plus the KV the engine
+        reported beyond the leases, or the lifetime demand when not forecasting."""
+        return self._booked
+
+    @property
+    def unexplained_tokens(self) -> int:
+        """KV in use at the last engine sample that the leases did not account for (added to forecasts)."""
+        return round(self._unexplained)
+
+    @property
     def headroom_tokens(self) -> int | None:
-        """Budget minus demand; negative when over budget (capacity shrank or streams outgrew estimates)."""
+        """Budget minus booked tokens; negative when over budget (capacity shrank, estimates too low)."""
         budget = self.budget_tokens
-        return None if budget is None else budget - self._demand
+        return None if budget is None else budget - self._booked
 
     @property
     def completion_ratio(self) -> float:
@@ -110,6 +182,15 @@ class KvBudget:
     def leases(self) -> int:
         return len(self._leases)
 
+    def forecasting(self, now: float | None) -> bool:
+        """Whether decisions at `now` use the forecast (booking `forecast` and a fresh engine sample)."""
+        return (
+            self.booking is Booking.FORECAST
+            and now is not None
+            and self._fresh_until is not None
+            and now <= self._fresh_until
+        )
+
     # -- updates -----------------------------------------------------------------------------------------
 
     def set_capacity(self, capacity_tokens: int | None) -> None:
@@ -119,57 +200,95 @@ class KvBudget:
         else:
             self._capacity = int(capacity_tokens)
 
+    def observe_engine(self, used_tokens: float | None, now: float, fresh_for: float) -> None:
+        """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s.
+
+        The part of `used_tokens` (this sidecar's share of it) that the leases' current KV does not explain
+        is kept and added to every forecast until the next sample.
+        """
+        self._fresh_until = now + max(0.0, fresh_for)
+        self._unexplained = 0.0
+        if used_tokens is not None and math.isfinite(used_tokens):
+            explained = sum(base for base, _, _ in self._trajectories(now))
+            self._unexplained = max(0.0, used_tokens * self._share - explained)
+        self._booked = self._book(now)[0]
+        self._last_fit = None
+
     def expected_completion(self, allowance: int, learner_key: str = "") -> int:
         """Completion tokens a request of `learner_key` with this allowance is expected to produce."""
         allowance = max(0, int(allowance))
         return min(allowance, math.ceil(allowance * self.learner.ratio(learner_key)))
 
     def would_fit(
-        self, prompt_tokens: int, max_completion: int, learner_key: str = ""
+        self,
+        prompt_tokens: int,
+        max_completion: int,
+        learner_key: str = "",
+        *,
+        now: float | None = None,
+        sequences: int = 1,
     ) -> tuple[bool, int | None]:
-        """Whether a request fits, and the headroom before it. Capacity unknown: (True, None).
+        """Whether a request fits at `now`, and the headroom before it. Capacity unknown: (True, None).
 
         An empty pool always admits, so a request larger than the budget is not starved forever (the
-        server's own length validation bounds it).
+        server's own length validation bounds it). Without `now` the booking is `lifetime`.
         """
-        headroom = self.headroom_tokens
-        if headroom is None:
+        budget = self.budget_tokens
+        if budget is None:
             return True, None
-        need = max(0, int(prompt_tokens)) + self.expected_completion(max_completion, learner_key)
+        candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences)
+        self._booked, booked_with = self._book(now, candidate)
+        headroom = budget - self._booked
+        # admit() right after this decision books the same request: it reuses the sum just computed.
+        self._last_fit = (now, candidate.prompt, candidate.allowance, learner_key, candidate.sequences)
+        self._booked_with = booked_with
         if not self._leases:
             return True, headroom
-        return need <= headroom, headroom
+        return booked_with <= budget, headroom
 
     def admit(
-        self, lease_id: str, prompt_tokens: int, expected_completion: int, learner_key: str = ""
+        self,
+        lease_id: str,
+        prompt_tokens: int,
+        expected_completion: int,
+        learner_key: str = "",
+        *,
+        now: float | None = None,
+        sequences: int = 1,
     ) -> int:
         """Record an admitted request; `expected_completion` is its completion allowance (max_tokens).
 
-        Returns the footprint charged. A lease id already present is a caller bug: ValueError.
+        Returns the lifetime footprint charged. A lease id already present is a caller bug: ValueError.
         """
         if lease_id in self._leases:
             raise ValueError(f"kv_budget: lease {lease_id!r} already admitted")
-        allowance = max(0, int(expected_completion))
-        lease = _Lease(
-            prompt=max(0, int(prompt_tokens)),
-            allowance=allowance,
-            expected_completion=self.expected_completion(allowance, learner_key),
-            learner_key=learner_key,
-        )
+        lease = self._new_lease(prompt_tokens, expected_completion, learner_key, now, sequences)
+        fit = (now, lease.prompt, lease.allowance, learner_key, lease.sequences)
+        self._booked = self._booked_with if fit == self._last_fit else self._book(now, lease)[1]
+        self._last_fit = None
         self._leases[lease_id] = lease
         self._demand += lease.footprint
         return lease.footprint
 
-    def progress(self, lease_id: str, streamed_tokens: int) -> bool:
+    def progress(self, lease_id: str, streamed_tokens: int, now: float | None = None) -> bool:
         """Cumulative completion tokens streamed so far; the footprint never drops below prompt+streamed.
 
-        Returns False for an unknown (already released) lease, which is harmless.
+        With `now`, streamed progress also teaches the pool's decode pace. Returns False for an unknown
+        (already released) lease, which is harmless.
         """
         lease = self._leases.get(lease_id)
         if lease is None:
             return False
+        self._last_fit = None
         before = lease.footprint
-        lease.streamed = max(lease.streamed, int(streamed_tokens))
+        streamed = max(lease.streamed, int(streamed_tokens))
+        if now is not None and streamed > 0:
+            if lease.first_progress is None:
+                lease.first_progress = (now, streamed)
+                if lease.admitted_at is not None:
+                    self.pace.observe_first_token(now - lease.admitted_at)
+            lease.last_progress_at = now
+        lease.streamed = streamed
         self._demand += lease.footprint - before
         return True
 
@@ -178,7 +297,44 @@ class KvBudget:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        self._last_fit = None
         self._demand -= lease.footprint
         if actual_completion is not None and lease.allowance > 0:
             self.learner.observe(lease.learner_key, actual_completion / lease.allowance)
+        if lease.first_progress is not None and lease.last_progress_at is not None:
+            first_at, first_count = lease.first_progress
+            tokens = (lease.streamed - first_count) / lease.sequences
+            self.pace.observe_stream(tokens, lease.last_progress_at - first_at)
+        if not self._leases:
+            self._booked = 0
         return True
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _new_lease(
+        self, prompt: int, allowance: int, learner_key: str, now: float | None, sequences: int
+    ) -> _Lease:
+        allowance = max(0, int(allowance))
+        return _Lease(
+            prompt=max(0, int(prompt)),
+            allowance=allowance,
+            expected_completion=self.expected_completion(allowance, learner_key),
+            learner_key=learner_key,
+            sequences=max(1, int(sequences)),
+            admitted_at=now,
+        )
+
+    def _trajectories(self, now: float) -> list[Steps]:
+        rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+        return [lease.trajectory(now, rate, delay) for lease in self._leases.values()]
+
+    def _book(self, now: float | None, extra: _Lease | None = None) -> tuple[int, int]:
+        """Tokens booked at `now`, without and with `extra`: the forecast peak while forecasting (plus the
+        unexplained engine KV), else the lifetime demand."""
+        if not self.forecasting(now):
+            return self._demand, self._demand + (extra.footprint if extra is not None else 0)
+        assert now is not None
+        rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+        added = extra.trajectory(now, rate, delay) if extra is not None else None
+        alone, together = forecast_peaks(self._trajectories(now), added)
+        return math.ceil(alone + self._unexplained), math.ceil(together + self._unexplained)

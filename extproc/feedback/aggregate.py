@@ -2,9 +2,9 @@
 
 A pool is every endpoint serving the same model name. Its KV usage is the max over fresh endpoints by
 default (the fullest server preempts first, and the sidecar cannot steer requests away from it), the mean
-as an option; waiting, running and KV capacity are summed. Samples that are down (up=false) or older than
-the staleness window (by the sidecar's own receive time, so exporter clock skew cannot fake freshness) are
-excluded. A pool with no fresh sample is stale.
+as an option; waiting, running, KV capacity and KV tokens in use (usage x capacity per endpoint) are
+summed. Samples that are down (up=false) or older than the staleness window (by the sidecar's own receive
+time, so exporter clock skew cannot fake freshness) are excluded. A pool with no fresh sample is stale.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class PoolSnapshot:
     endpoints_known: int
     newest_at: float | None
     stale: bool
+    kv_used_tokens: float | None = None  # summed usage x capacity of fresh endpoints publishing both
 
 
 def aggregate(
@@ -65,6 +66,11 @@ def aggregate(
         if usages:
             kv = max(usages) if kv_mode == "max" else sum(usages) / len(usages)
         caps = [s.sample.kv_capacity_tokens for s in items if s.sample.kv_capacity_tokens]
+        used = [
+            s.sample.kv_usage * s.sample.kv_capacity_tokens
+            for s in items
+            if s.sample.kv_usage is not None and s.sample.kv_capacity_tokens
+        ]
         out[pool] = PoolSnapshot(
             pool=pool,
             kv_usage=kv,
@@ -75,5 +81,6 @@ def aggregate(
             endpoints_known=known[pool],
             newest_at=max((s.received_at for s in items), default=None),
             stale=not items,
+            kv_used_tokens=sum(used) if used else None,
         )
     return out

@@ -6,7 +6,8 @@ each pool's base limits by `state.scale`. Pools are keyed by the model name as s
 
 Evaluation happens on the event loop: at once for the pool of each arriving sample (so a drop applies
 within one scrape), and for every pool on a periodic tick (so staleness and gradual recovery advance with
-no samples arriving). `on_update` runs only when a pool's state changed (ignoring `updated_at`).
+no samples arriving). `on_update` runs only when a pool's state changed (ignoring `updated_at`);
+`on_sample(pool, snapshot, now)` runs for every fresh sample that arrives (the KV budget's engine reading).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from extproc.feedback.subscriber import FeedSubscriber, Sleeper
 log = logging.getLogger(__name__)
 
 OnUpdate = Callable[[str, ControllerState], None]
+OnSample = Callable[[str, PoolSnapshot, float], None]
 
 
 def _same(a: ControllerState, b: ControllerState) -> bool:
@@ -54,6 +56,7 @@ class FeedbackLoop:
         tick_interval: float = 0.25,
         kv_aggregation: KvMode = "max",
         sleeper: Sleeper = asyncio.sleep,
+        on_sample: OnSample | None = None,
     ) -> None:
         if tick_interval <= 0:
             raise ValueError("feedback.tick_interval: must be > 0")
@@ -61,6 +64,7 @@ class FeedbackLoop:
         self._default = default_adaptive or AdaptiveConfig()
         self._clock = clock
         self._on_update = on_update
+        self._on_fresh = on_sample
         self._metrics = metrics
         self._tick_interval = tick_interval
         self._kv_mode = kv_aggregation
@@ -142,6 +146,13 @@ class FeedbackLoop:
 
     def _on_sample(self, sample: FeedSample) -> None:
         self.evaluate({sample.model})
+        snap = self._snapshots.get(sample.model)
+        if self._on_fresh is None or snap is None or snap.stale or not sample.up:
+            return
+        try:
+            self._on_fresh(sample.model, snap, self._clock())
+        except Exception:
+            log.exception("feedback on_sample failed", extra={"pool": sample.model})
 
     async def _tick_loop(self) -> None:
         while True:

@@ -44,11 +44,33 @@ class FeedbackMetrics:
             "extproc_kv_capacity_tokens", "KV capacity of the pool in tokens.", ["pool"], registry=registry
         )
         self.demand = Gauge(
-            "extproc_kv_demand_tokens", "KV footprint admitted by this sidecar.", ["pool"], registry=registry
+            "extproc_kv_demand_tokens",
+            "Lifetime KV footprint admitted by this sidecar (prompt + expected completion per lease).",
+            ["pool"],
+            registry=registry,
+        )
+        self.booked = Gauge(
+            "extproc_kv_booked_tokens",
+            "KV tokens the budget compares with its limit: the forecast peak of admitted requests plus "
+            "unexplained engine KV, or the lifetime demand when not forecasting.",
+            ["pool"],
+            registry=registry,
+        )
+        self.unexplained = Gauge(
+            "extproc_kv_unexplained_tokens",
+            "KV in use at the last engine sample that this sidecar's leases did not account for.",
+            ["pool"],
+            registry=registry,
+        )
+        self.forecasting = Gauge(
+            "extproc_kv_forecasting",
+            "1 when the KV budget books by forecast (fresh feed), 0 when it books whole lifetimes.",
+            ["pool"],
+            registry=registry,
         )
         self.headroom = Gauge(
             "extproc_kv_headroom_tokens",
-            "KV budget minus admitted demand (negative: over budget).",
+            "KV budget minus booked tokens (negative: over budget).",
             ["pool"],
             registry=registry,
         )
@@ -60,8 +82,12 @@ class FeedbackMetrics:
         self.stale.labels(pool).set(1.0 if state.stale else 0.0)
         self.capacity.labels(pool).set(capacity_tokens if capacity_tokens is not None else 0)
 
-    def observe_budget(self, pool: str, budget: KvBudget) -> None:
+    def observe_budget(self, pool: str, budget: KvBudget, now: float | None = None) -> None:
+        """The budget's gauges as of its last decision or engine sample (`now` says whether it forecasts)."""
         self.demand.labels(pool).set(budget.demand_tokens)
+        self.booked.labels(pool).set(budget.booked_tokens)
+        self.unexplained.labels(pool).set(budget.unexplained_tokens)
+        self.forecasting.labels(pool).set(1.0 if budget.forecasting(now) else 0.0)
         headroom = budget.headroom_tokens
         self.headroom.labels(pool).set(headroom if headroom is not None else float("nan"))
 

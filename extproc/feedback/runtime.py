@@ -2,8 +2,10 @@
 
 Each pool is a served model name. A pool's scale multiplies the base limits of its `model:<name>` key, so
 an operator gives each model pool its own `limits.models.<name>` entry for the feedback to act on. The
-KV-token budget, when enabled, tracks the KV footprint this sidecar has admitted into each pool against
-the capacity the servers publish, and refuses requests that would push it past the target utilization.
+KV-token budget, when enabled, tracks the KV this sidecar has admitted into each pool against the capacity
+the servers publish, and refuses requests that would push it past the target utilization. Every fresh
+sample gives the budget the engine's own KV reading (`observe_engine`); when the pool goes stale the budget
+keeps the last known capacity and books whole lifetimes again until samples return.
 
 A config reload that changes the feed or the controller settings restarts the loop; until the new loop
 has fresh samples its pools sit at the stale scale, never at full limits.
@@ -19,7 +21,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import FeedbackConfig
 from extproc.core.adaptive import ControllerState
-from extproc.core.kv_budget import KvBudget
+from extproc.core.kv_budget import Booking, KvBudget
+from extproc.feedback.aggregate import PoolSnapshot
 from extproc.feedback.loop import FeedbackLoop
 from extproc.feedback.metrics import FeedbackMetrics, register_feedback_metrics
 
@@ -77,6 +80,7 @@ class FeedbackRuntime:
             default_adaptive=config.adaptive_default,
             metrics=self.metrics,
             kv_aggregation="mean" if config.kv_aggregation == "mean" else "max",
+            on_sample=self._on_sample,
         )
         await self.loop.start()
         # Controllers start stale; "no change" is never reported for them, so push their scale now.
@@ -101,9 +105,22 @@ class FeedbackRuntime:
         self._scaled.add(key)
         budget = self.budget(pool)
         if budget is not None and self.loop is not None:
-            budget.set_capacity(self.loop.capacity_tokens(pool))
-            self.metrics.observe_budget(pool, budget)
+            capacity = self.loop.capacity_tokens(pool)
+            if capacity is not None:  # a stale pool keeps its last capacity: lifetime booking, not none
+                budget.set_capacity(capacity)
+            self.metrics.observe_budget(pool, budget, self._clock())
         log.debug("pool state", extra={"pool": pool, "scale": state.scale, "stale": state.stale})
+
+    def _on_sample(self, pool: str, snapshot: PoolSnapshot, now: float) -> None:
+        """A fresh sample: the budget learns the engine's KV in use and trusts forecasts a while longer."""
+        budget = self.budget(pool)
+        if budget is None:
+            return
+        if snapshot.kv_capacity_tokens is not None:
+            budget.set_capacity(snapshot.kv_capacity_tokens)
+        adaptive = self._config.adaptive_pools.get(pool, self._config.adaptive_default)
+        budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds)
+        self.metrics.observe_budget(pool, budget, now)
 
     def budget(self, pool: str) -> KvBudget | None:
         """The pool's KV-token budget; None when budgets are off or the feed does not know the pool.
@@ -119,7 +136,9 @@ class FeedbackRuntime:
             return None
         if budget is None:
             budget = KvBudget(
-                target_utilization=settings.target_utilization, capacity_share=settings.capacity_share
+                target_utilization=settings.target_utilization,
+                capacity_share=settings.capacity_share,
+                booking=Booking(settings.booking),
             )
             if self.loop is not None:
                 budget.set_capacity(self.loop.capacity_tokens(pool))
@@ -138,4 +157,4 @@ class FeedbackRuntime:
     def budget_changed(self, pool: str) -> None:
         budget = self._budgets.get(pool)
         if budget is not None:
-            self.metrics.observe_budget(pool, budget)
+            self.metrics.observe_budget(pool, budget, self._clock())

@@ -86,6 +86,16 @@ def output_override(body: dict[str, Any], header_override: str | None) -> int | 
     return override
 
 
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) as vLLM reads them; `stream_options` without `stream` is refused, as vLLM's
+    request validator does rather than ignoring it."""
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    return stream, stream and isinstance(options, dict) and bool(options.get("include_usage", False))
+
+
 def parse_request(body: Any, chat: bool, header_override: str | None, served_model: str) -> ParsedRequest:
     """Validate the fields the simulator uses; anything else in the body is accepted and ignored."""
     if not isinstance(body, dict):
@@ -103,12 +113,7 @@ def parse_request(body: Any, chat: bool, header_override: str | None, served_mod
             raise bad_request("'prompt' is required", "prompt")
         max_tokens = optional_int(body, "max_tokens", 1)
     n = optional_int(body, "n", 1) or 1
-    stream = bool(body.get("stream", False))
-    options = body.get("stream_options")
-    if options is not None and not stream:
-        # vLLM's request validator refuses this combination rather than ignoring it.
-        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
-    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage", False))
+    stream, include_usage = stream_flags(body)
     return ParsedRequest(
         chat, body, n, stream, include_usage, max_tokens, output_override(body, header_override)
     )

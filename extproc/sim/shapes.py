@@ -13,7 +13,14 @@ import json
 from typing import Any
 
 from extproc.admission.tokens import count_chat_prompt, count_text
-from extproc.sim.protocol import ParsedRequest, bad_request, check_model, optional_int, output_override
+from extproc.sim.protocol import (
+    ParsedRequest,
+    bad_request,
+    check_model,
+    optional_int,
+    output_override,
+    stream_flags,
+)
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -148,11 +155,7 @@ def parse_generate_tokens(body: Any, header_override: str | None, served_model: 
     params = body.get("sampling_params")
     if not isinstance(params, dict):
         raise bad_request("sampling_params: Field required", "sampling_params")
-    stream = bool(body.get("stream", False))
-    options = body.get("stream_options")
-    if options is not None and not stream:
-        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
-    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage", False))
+    stream, include_usage = stream_flags(body)
     return ParsedRequest(
         False,
         {"prompt": ids},

@@ -290,7 +290,8 @@ def test_refused_paths_get_a_json_404_and_never_reach_the_backend(
     reply = http(method, f"{stack.url}{path}", body)
     assert reply.status == 404
     assert reply.headers["content-type"].startswith("application/json")
-    assert reply.json()["error"]["code"] == "unknown_url"
+    # Refused by the sidecar's path table, or (/metrics) by Envoy's own route in front of it.
+    assert reply.json()["error"]["code"] in {"unknown_url", "not_found"}
     assert stack.upstream_requests() == before
 
 

@@ -8,17 +8,20 @@ prompts that starves other tenants. After the suite no lease is open and the tok
 from __future__ import annotations
 
 import json
+import random
 import socket
 import statistics
+import string
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim, http, metric
+from tests.e2e.conftest import Stack, fixed_step_sim, http
 
 pytestmark = pytest.mark.e2e
 
@@ -212,38 +215,45 @@ def test_an_abandoned_non_streamed_answer_is_charged_what_the_backend_generated(
 # -- floods ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(240)
 def test_megabyte_prompts_from_one_client_do_not_delay_other_tenants(make_stack: Any) -> None:
-    """Eight 900 KB prompts per second from one tenant; another tenant's small requests stay fast."""
-    config = {
-        **CONFIG,
-        "models": {"*": {**CONFIG["models"]["*"], "context_window": 131072}},
-        "admission": {**CONFIG["admission"], "tokenizer_per_client": 1, "tokenizer_backlog_per_client": 2},
-    }
+    """Eight 1 MB prompts of random letters per second; another tenant's small requests stay fast.
+
+    A megabyte of letters is about 350k tokens: counting all of it used to take the tokenizer threads for
+    ~0.1 s each, so three per second pushed other tenants' admissions past Envoy's message timeout. Counting
+    now stops once the prompt is proven larger than the window (a few thousand tokens in), and large
+    prompts of one client take turns in their own lane.
+    """
+    config = {**CONFIG, "admission": {**CONFIG["admission"], "tokenizer_per_client": 1}}
     flood_stack: Stack = make_stack(config, fixed_step_sim(MODEL, 1))
-    big = json.dumps(chat("a" * 900_000, max_tokens=1)).encode()
+    letters = random.Random(7).choices(string.ascii_lowercase, k=1_000_000)
+    big = json.dumps(chat("".join(letters), max_tokens=1)).encode()
     stop = threading.Event()
     statuses: list[int] = []
+
+    def one() -> None:
+        reply = http(
+            "POST", flood_stack.url + "/v1/chat/completions", raw=big, headers={"x-tenant-id": "mallory"}
+        )
+        statuses.append(reply.status)
 
     def flood() -> None:
         while not stop.is_set():
             started = time.monotonic()
             for _ in range(8):
-                threading.Thread(
-                    target=lambda: statuses.append(
-                        http("POST", flood_stack.url + "/v1/chat/completions", raw=big,
-                             headers={"x-tenant-id": "mallory"}).status
-                    ),
-                    daemon=True,
-                ).start()  # fmt: skip
+                threading.Thread(target=one, daemon=True).start()
             stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
 
+    for _ in range(20):  # warm: connections, the tokenizer's first load
+        post(flood_stack, "/v1/chat/completions", chat("hi", max_tokens=1), **{"x-tenant-id": "alice"})
+    before = upstream_requests(flood_stack)
     attacker = threading.Thread(target=flood, daemon=True)
     attacker.start()
     time.sleep(1.0)
     latencies: list[float] = []
     victims: list[int] = []
     try:
-        for _ in range(120):
+        for _ in range(100):
             started = time.monotonic()
             reply = post(
                 flood_stack, "/v1/chat/completions", chat("hi", max_tokens=1), **{"x-tenant-id": "alice"}
@@ -254,17 +264,17 @@ def test_megabyte_prompts_from_one_client_do_not_delay_other_tenants(make_stack:
     finally:
         stop.set()
         attacker.join()
-    time.sleep(2.0)
+    deadline = time.monotonic() + 30
+    while len(statuses) < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
     p99 = statistics.quantiles(latencies, n=100)[98]
     print(
         f"small requests under the flood: p50 {statistics.median(latencies) * 1000:.1f} ms, "
-        f"p99 {p99 * 1000:.1f} ms; attacker statuses {sorted(set(statuses))}"
+        f"p99 {p99 * 1000:.1f} ms; attacker answers {dict(Counter(statuses))}"
     )
     assert set(victims) == {200}
     assert p99 < 0.050
-    assert 504 not in statuses or statuses.count(504) == 0
+    assert statuses and set(statuses) <= {400, 429}  # refused by the sidecar, never a 504
+    assert upstream_requests(flood_stack) - before == len(victims)  # no flood byte reached the backend
     assert_nothing_leaked(flood_stack)
-    assert (
-        metric(f"{flood_stack.stack.admin_url}/metrics", "extproc_requests_total", reason="tokenizer_busy")
-        > 0
-    )

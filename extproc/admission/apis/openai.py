@@ -137,13 +137,18 @@ def stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def ask_for_usage(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) -> bool:
+    """A stream that would carry no usage asks for it (`stream_options.include_usage`); True if changed."""
+    if not (edits.include_usage and req.stream and not req.include_usage):
+        return False
+    options = body.get("stream_options")
+    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return True
+
+
 def _edit_generation(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) -> bool:
     """Edits common to chat and completions: usage in the stream, an output bound, the priority."""
-    changed = False
-    if edits.include_usage and req.stream and not req.include_usage:
-        options = body.get("stream_options")
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-        changed = True
+    changed = ask_for_usage(body, req, edits)
     if edits.max_tokens is not None and req.requested_max_tokens is None:
         body["max_tokens"] = edits.max_tokens
         changed = True

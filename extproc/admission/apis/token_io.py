@@ -17,10 +17,10 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.common import optional_model
-from extproc.admission.apis.openai import MEDIA_PARTS, edit_priority, stream_options
+from extproc.admission.apis.openai import MEDIA_PARTS, ask_for_usage, edit_priority, stream_options
 from extproc.admission.prompt import NO_MEDIA, Prompt
 from extproc.admission.request import Api, BodyEdits, ParsedRequest
-from extproc.admission.usage import Observed, count_int
+from extproc.admission.usage import Observed, read_openai_usage
 
 CONTENT_PART_TYPES = ("image_url", "audio_url", "video_url")
 """Raw media the server resolves (serving.py:276-285); other part types are ignored there."""
@@ -80,11 +80,7 @@ class GenerateTokensAdapter:
         )
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        changed = False
-        if edits.include_usage and req.stream and not req.include_usage:
-            options = body.get("stream_options")
-            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-            changed = True
+        changed = ask_for_usage(body, req, edits)
         if edits.max_tokens is not None and req.requested_max_tokens is None:
             params = copy.deepcopy(body["sampling_params"])
             params["max_tokens"] = edits.max_tokens
@@ -114,12 +110,7 @@ class TokenIdsDialect:
                 seen.tokens += len(ids)
             elif isinstance(text, str):
                 seen.texts.append(text)
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            seen.usage_seen = True
-            seen.prompt = count_int(usage.get("prompt_tokens"))
-            seen.completion = count_int(usage.get("completion_tokens"))
-            seen.usage_only = choices is None or choices == []
+        read_openai_usage(obj, seen)
         return seen
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_budget import KvBudget
+from extproc.core.kv_budget import Booking, KvBudget
 
 
 def test_unknown_capacity_always_fits() -> None:
@@ -154,3 +155,197 @@ def test_demand_equals_sum_of_live_footprints_and_returns_to_zero(
     for lid in list(live):
         b.release(lid)
     assert b.demand_tokens == 0
+
+
+# -- forecast booking ----------------------------------------------------------------------------------------
+
+
+def forecasting_budget(capacity: int = 10_000, **kwargs: object) -> KvBudget:
+    """A forecast budget whose completion estimate is the whole allowance (a bound, never a guess)."""
+    learner = CompletionLearner(min_samples=10**6)
+    return KvBudget(capacity, target_utilization=1.0, booking=Booking.FORECAST, learner=learner, **kwargs)  # type: ignore[arg-type]
+
+
+def test_without_a_known_pace_a_silent_lease_books_its_whole_footprint() -> None:
+    b = forecasting_budget()
+    b.observe_engine(0, now=0.0, fresh_for=5.0)
+    b.admit("a", 4_000, 2_000, now=0.0)
+    b.would_fit(0, 0, now=3.0)
+    assert b.booked_tokens == 6_000  # no stream has shown how fast the pool decodes
+    assert not b.would_fit(3_000, 1_001, now=3.0)[0]
+
+
+def test_forecast_needs_a_fresh_engine_sample_else_books_lifetimes() -> None:
+    b = forecasting_budget()
+    b.admit("a", 4_000, 2_000, now=0.0)
+    assert not b.forecasting(0.0)
+    assert b.would_fit(3_000, 1_000, now=0.0) == (True, 4_000)
+    assert b.would_fit(3_000, 1_001, now=0.0)[0] is False  # 6,000 + 4,001 > 10,000
+    b.observe_engine(4_000, now=1.0, fresh_for=5.0)
+    assert b.forecasting(1.0) and b.forecasting(6.0) and not b.forecasting(6.01)
+    assert not b.forecasting(None)  # callers that pass no clock keep lifetime booking
+    # "a" has no observed progress and no pace is known: still its whole footprint, for 2,000 steps.
+    assert b.booked_tokens == 6_000
+
+
+def test_forecast_admits_what_fits_at_every_future_step() -> None:
+    b = forecasting_budget()
+    b.pace.observe_stream(100, 1.0)  # the pool's decode pace is known
+    b.admit("a", 4_000, 2_000, now=0.0)
+    b.progress("a", 1_500, now=1.0)  # streamed: 500 tokens to go
+    b.observe_engine(5_500, now=1.0, fresh_for=5.0)
+    assert b.booked_tokens == 6_000
+    # B (3,000 + 1,500): at step 500 A peaks at 6,000 with B at 3,500 = 9,500; then B alone to 4,500.
+    # Lifetime booking would have needed 6,000 + 4,500 = 10,500.
+    assert b.would_fit(3_000, 1_500, now=1.0)[0]
+    assert b.would_fit(3_500, 1_500, now=1.0)[0]  # 6,000 + 4,000 at step 500: exactly the budget
+    assert not b.would_fit(3_501, 1_500, now=1.0)[0]
+    b.admit("b", 3_000, 1_500, now=1.0)
+    assert b.booked_tokens == 9_500
+    assert b.demand_tokens == 10_500
+
+
+def test_engine_kv_the_leases_do_not_explain_is_added_to_forecasts() -> None:
+    b = forecasting_budget()
+    b.admit("a", 1_000, 1_000, now=0.0)
+    b.progress("a", 100, now=0.5)
+    b.observe_engine(3_100, now=1.0, fresh_for=5.0)  # 2,000 more than "a" holds (1,100)
+    assert b.unexplained_tokens == 2_000
+    assert b.booked_tokens == 2_000 + 2_000
+    b.observe_engine(500, now=2.0, fresh_for=5.0)  # less than explained: never subtracted
+    assert b.unexplained_tokens == 0
+    b.observe_engine(None, now=3.0, fresh_for=5.0)  # no usage published: nothing to add
+    assert b.unexplained_tokens == 0 and b.forecasting(3.0)
+
+
+def test_unexplained_kv_counts_by_this_replicas_share() -> None:
+    b = forecasting_budget(capacity_share=0.5)
+    b.admit("a", 1_000, 0, now=0.0)
+    b.observe_engine(4_000, now=0.0, fresh_for=5.0)  # two replicas: half of 4,000 is ours, 1,000 explained
+    assert b.unexplained_tokens == 1_000
+
+
+def test_pace_from_streams_estimates_answers_that_do_not_stream() -> None:
+    b = forecasting_budget(100_000)
+    b.observe_engine(0, now=0.0, fresh_for=100.0)
+    b.admit("stream", 100, 1_000, now=0.0)
+    b.progress("stream", 1, now=0.25)  # first token after 0.25 s
+    b.progress("stream", 101, now=1.25)  # 100 tokens per second
+    assert b.release("stream", 101)
+    assert b.pace.tokens_per_second == pytest.approx(100.0)
+    assert b.pace.first_token_delay == pytest.approx(0.25)
+    b.admit("json", 1_000, 1_000, now=10.0)
+    b.would_fit(0, 0, now=12.25)
+    # Two seconds of decoding: 200 of 1,000 tokens, 800 steps to go: peak 1,000 + 1,000.
+    assert b.booked_tokens == 2_000
+    b.would_fit(0, 0, now=10.0)
+    assert b.booked_tokens == 2_000  # the same peak, reached later
+    # Past its expected completion (here the whole allowance): it stays counted, at its allowance.
+    b.would_fit(0, 0, now=30.0)
+    assert b.booked_tokens == 2_000
+
+
+def test_a_lease_past_its_estimate_is_reforecast_to_its_allowance() -> None:
+    learner = CompletionLearner(min_samples=1, prior=1.0)
+    b = KvBudget(100_000, target_utilization=1.0, booking=Booking.FORECAST, learner=learner)
+    b.admit("x", 0, 100, now=0.0)
+    b.release("x", 20)  # the learned ratio is now 0.2
+    b.observe_engine(0, now=0.0, fresh_for=100.0)
+    b.admit("a", 1_000, 1_000, now=0.0)
+    b.progress("a", 100, now=1.0)
+    b.would_fit(0, 0, now=1.0)
+    assert b.booked_tokens == 1_000 + 200  # expected 200 tokens
+    b.progress("a", 250, now=2.0)
+    b.would_fit(0, 0, now=2.0)
+    assert b.booked_tokens == 1_000 + 1_000  # beyond its estimate: up to its allowance
+
+
+def test_lifetime_booking_ignores_engine_samples() -> None:
+    b = KvBudget(10_000, target_utilization=1.0)
+    b.admit("a", 1_000, 1_000, now=0.0)
+    b.observe_engine(9_000, now=0.0, fresh_for=5.0)
+    assert not b.forecasting(0.0)
+    assert b.would_fit(8_000, 0, now=0.0) == (True, 8_000)
+
+
+class ForecastEngine(RuleBasedStateMachine):
+    """A decoding engine in front of a forecast budget: every running request gains one token per step and
+    ends at its true completion, never above its allowance. Admitting only what `would_fit` accepts must
+    keep the KV really held within the budget at every step: the guarantee that replaces preemption."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budget = forecasting_budget(20_000)
+        # One step = 10 ms: the pace the pool showed before (100 tokens per second per sequence).
+        self.budget.pace.observe_stream(100, 1.0)
+        self.now = 0.0
+        self.budget.observe_engine(0, now=self.now, fresh_for=1_000.0)
+        self.running: dict[str, tuple[int, int, int]] = {}  # id -> (prompt, generated, true completion)
+        self.next_id = 0
+
+    @rule(
+        requests=st.lists(
+            st.tuples(st.integers(0, 6_000), st.integers(1, 3_000), st.floats(0.0, 1.0)),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    def arrive(self, requests: list[tuple[int, int, float]]) -> None:
+        for prompt, allowance, used in requests:
+            if prompt + allowance > 20_000:  # admitted into an empty pool by design
+                continue
+            fits, _ = self.budget.would_fit(prompt, allowance, now=self.now)
+            if not fits:
+                continue
+            lease = f"r{self.next_id}"
+            self.next_id += 1
+            self.budget.admit(lease, prompt, allowance, now=self.now)
+            self.running[lease] = (prompt, 0, max(1, round(allowance * used)))
+
+    @rule(steps=st.integers(1, 400))
+    def decode(self, steps: int) -> None:
+        for _ in range(steps):
+            self.now += 0.01
+            for lease, (prompt, done, total) in list(self.running.items()):
+                done += 1
+                self.budget.progress(lease, done, now=self.now)
+                if done >= total:
+                    del self.running[lease]
+                    self.budget.release(lease, done)
+                else:
+                    self.running[lease] = (prompt, done, total)
+            self.check_kv()
+
+    @rule()
+    def sample(self) -> None:
+        held = sum(prompt + done for prompt, done, _ in self.running.values())
+        self.budget.observe_engine(held, now=self.now, fresh_for=1_000.0)
+
+    @invariant()
+    def check_kv(self) -> None:
+        assert self.budget.forecasting(self.now)
+        held = sum(prompt + done for prompt, done, _ in self.running.values())
+        assert held <= 20_000
+
+
+ForecastEngine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+test_forecast_never_lets_kv_exceed_the_budget = ForecastEngine.TestCase
+
+
+def test_admit_after_a_decision_books_the_peak_that_decision_computed() -> None:
+    b = forecasting_budget()
+    b.pace.observe_stream(100, 1.0)
+    b.observe_engine(0, now=0.0, fresh_for=5.0)
+    b.admit("a", 4_000, 2_000, now=0.0)
+    b.progress("a", 1_500, now=1.0)
+    assert b.would_fit(3_000, 1_500, now=1.0)[0]
+    b.admit("b", 3_000, 1_500, now=1.0)
+    assert b.booked_tokens == 9_500
+    # Something changed in between (a stream progressed): the admission recomputes.
+    assert b.would_fit(100, 100, now=1.0)[0]
+    b.progress("b", 900, now=1.0)  # "b" now streams: 3,900 growing to 4,500 at step 600
+    b.admit("c", 100, 100, now=1.0)
+    booked = b.booked_tokens
+    assert booked == 6_000 + 4_400  # at step 500 "c" has ended: "a" 6,000 + "b" 4,400
+    b.would_fit(0, 0, now=1.0)  # an independent evaluation agrees
+    assert b.booked_tokens == booked

@@ -1,0 +1,105 @@
+"""The KV budget behind the feed: config keys, engine readings per sample, and what a stale feed leaves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.config import ConfigError, parse_config
+from extproc.core.adaptive import AdaptiveConfig, ControllerState
+from extproc.core.kv_budget import Booking
+from extproc.feed.engines import ServerKind
+from extproc.feed.sample import FeedSample
+from extproc.feedback.aggregate import PoolSnapshot
+from extproc.feedback.loop import FeedbackLoop
+from extproc.feedback.runtime import FeedbackRuntime
+from extproc.feedback.settings import SubscriberConfig
+
+FEED = {"direct_targets": [{"url": "http://127.0.0.1:1/metrics", "kind": "vllm", "model": "m"}]}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sample(kv: float | None, cap: int | None = 1000, *, up: bool = True, t: float = 1.0) -> FeedSample:
+    return FeedSample("node", "a:1", "m", ServerKind.VLLM, kv, 0.0, 1.0, 0.0, cap, t, up)
+
+
+def test_booking_defaults_to_forecast_and_is_validated() -> None:
+    config = parse_config({"feedback": FEED, "kv_budget": {"enabled": True}})
+    assert config.feedback.kv_budget.booking == "forecast"
+    config = parse_config({"feedback": FEED, "kv_budget": {"enabled": True, "booking": "lifetime"}})
+    assert config.feedback.kv_budget.booking == "lifetime"
+    for bad in ("weekly", 3):
+        with pytest.raises(ConfigError) as err:
+            parse_config({"feedback": FEED, "kv_budget": {"enabled": True, "booking": bad}})
+        assert str(err.value).startswith("kv_budget.booking"), str(err.value)
+
+
+def test_loop_reports_fresh_samples_only() -> None:
+    clock = Clock()
+    seen: list[tuple[str, PoolSnapshot, float]] = []
+    loop = FeedbackLoop(
+        SubscriberConfig(exporters=("127.0.0.1:1",)),
+        {"m": AdaptiveConfig()},
+        clock,
+        on_sample=lambda pool, snap, now: seen.append((pool, snap, now)),
+    )
+    loop.subscriber.ingest(sample(0.25, t=1.0))
+    assert [(pool, snap.kv_used_tokens, now) for pool, snap, now in seen] == [("m", 250.0, 100.0)]
+    loop.subscriber.ingest(sample(None, t=2.0, up=False))  # a failed scrape: nothing to read
+    assert len(seen) == 1
+
+
+def test_on_sample_exceptions_do_not_escape() -> None:
+    def boom(pool: str, snap: PoolSnapshot, now: float) -> None:
+        raise RuntimeError("sidecar bug")
+
+    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, Clock(), on_sample=boom)
+    loop.subscriber.ingest(sample(0.1))
+    assert "m" in loop.states()
+
+
+def test_runtime_feeds_engine_readings_and_keeps_capacity_when_stale() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        scales: list[tuple[str, float]] = []
+        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: scales.append((key, scale)), clock)
+        config = parse_config(
+            {
+                "feedback": FEED,
+                "adaptive": {"stale_after_seconds": 5},
+                "kv_budget": {"enabled": True, "target_utilization": 0.5},
+            }
+        ).feedback
+        await runtime.apply(config, ["m"])
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample(0.3, t=1.0))
+            budget = runtime.budget("m")
+            assert budget is not None and budget.booking is Booking.FORECAST
+            assert budget.capacity_tokens == 1000 and budget.forecasting(clock.now)
+            assert budget.unexplained_tokens == 300  # nothing admitted here holds it
+            assert budget.would_fit(150, 50, now=clock.now) == (True, 200)
+            budget.admit("a", 150, 50, now=clock.now)
+            assert not budget.would_fit(10, 0, now=clock.now)[0]
+
+            clock.now += 6.0  # no sample for longer than stale_after_seconds
+            runtime.loop.evaluate()
+            state = runtime.loop.state("m")
+            assert isinstance(state, ControllerState) and state.stale
+            # Blind: the last capacity stays and whole lifetimes are booked, never "everything fits".
+            assert budget.capacity_tokens == 1000 and not budget.forecasting(clock.now)
+            assert budget.would_fit(300, 0, now=clock.now) == (True, 500 - 200)
+            assert budget.would_fit(301, 0, now=clock.now) == (False, 300)
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
