@@ -73,6 +73,9 @@ RATELIMIT_HEADERS = (
 TICK_SECONDS = 0.2
 """How often open lean requests are checked: the KV budget's estimate of their progress, and cuts."""
 
+WARN_EVERY_SECONDS = 60.0
+"""At most one warning per minute about leases expiring for want of their end report."""
+
 _MODE = processing_mode_pb2.ProcessingMode
 
 
@@ -139,6 +142,7 @@ class LeanRuntime:
         self.specs = _SpecCache()
         self._cuts: dict[Exchange, asyncio.Future[Refusal]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._warned_at: float | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -156,7 +160,21 @@ class LeanRuntime:
         most `admission.end_report_wait_seconds`, then settle it as expired."""
         exchange.mark_ended()
         wait = self.service.config().admission.end_report_wait_seconds
-        asyncio.get_running_loop().call_later(wait, exchange.expire)
+        asyncio.get_running_loop().call_later(wait, self._expire, exchange, wait)
+
+    def _expire(self, exchange: Exchange, wait: float) -> None:
+        """The bound passed: settle as expired, and say so (at most once a minute: a down access-log path
+        expires every lease, and the metric counts them all)."""
+        if not exchange.awaiting_report:
+            return
+        exchange.expire()
+        now = asyncio.get_running_loop().time()
+        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_SECONDS:
+            self._warned_at = now
+            log.warning(
+                "end report missing: lease expired (is Envoy's access log reaching the sidecar?)",
+                extra={"wait_seconds": wait, "model": exchange.model_label},
+            )
 
     async def cut_or_next(
         self, exchange: Exchange, messages: AsyncIterator[pb.ProcessingRequest]
