@@ -344,12 +344,16 @@ class LocalStack:
             if self.sidecar_config_file is None:
                 self.write_sidecar_config(sidecar_config)
             self.processes["sidecar"] = Process.start("sidecar", self.sidecar_argv(), self.workdir)
+        # Without a sidecar (a baseline: Envoy alone, or Envoy's own rate limit) there is no profile: the
+        # inline template minus ext_proc is plain Envoy, where a lean rendering would keep its Lua reader and
+        # its access log to a sidecar that is not there.
+        profile = self.profile if self.with_sidecar else "inline"
         envoy_config = render_envoy_config(
             self.ports,
             self.envoy_template,
             tenant_header_of(sidecar_config),
-            self.profile,
-            self._parsed(sidecar_config) if self.profile == "lean" else None,
+            profile,
+            self._parsed(sidecar_config) if profile == "lean" else None,
         )
         if not self.with_sidecar:
             _remove_ext_proc(envoy_config)
