@@ -9,6 +9,7 @@ with the stack.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -205,6 +207,22 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: Process | None = None) ->
     raise TimeoutError(f"{url} not ready after {timeout_s}s: {last}")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started the stack dies, however it dies (a
+    test runner killed by a timeout must not leave simulators and sidecars running). Linux only."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _main_thread_on_linux() -> bool:
+    return sys.platform == "linux" and threading.current_thread() is threading.main_thread()
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal a child gets when its parent thread dies."""
+
+
 @dataclass
 class Process:
     name: str
@@ -226,6 +244,8 @@ class Process:
             start_new_session=True,
             env={**os.environ, **(env or {})},
             cwd=str(REPO),
+            # The signal follows the starting *thread*: only a main-thread start can use it safely.
+            preexec_fn=_die_with_parent if _main_thread_on_linux() else None,
         )
         return cls(name, popen, log_path, log_file)
 

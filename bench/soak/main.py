@@ -307,8 +307,8 @@ def decision_buckets(text: str) -> dict[float, float]:
     out: dict[float, float] = {}
     for labels, value in metric_lines(text, "extproc_decision_seconds_bucket"):
         le = re.search(r'le="([^"]+)"', labels)
-        if le:
-            out[float(le.group(1))] = value
+        if le:  # summed over the outcome label
+            out[float(le.group(1))] = out.get(float(le.group(1)), 0.0) + value
     return out
 
 

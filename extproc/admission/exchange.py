@@ -197,7 +197,9 @@ class Exchange:
         started = self.service.clock()
         async for verdict in self._decide(body, self.service.config()):
             if not isinstance(verdict, Hold):
-                self.service.metrics.decision_seconds.observe(self.service.clock() - started)
+                outcome = "refused" if isinstance(verdict, Refusal) else "admitted"
+                decision = self.service.child(self.service.metrics.decision_seconds, outcome)
+                decision.observe(self.service.clock() - started)
             yield verdict
 
     async def _decide(self, raw: bytes, config: Config) -> AsyncIterator[BodyVerdict]:
