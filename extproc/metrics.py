@@ -187,6 +187,8 @@ class Metrics:
             buckets=DECISION_BUCKETS,
             registry=r,
         )
+        for outcome in ("admitted", "refused"):
+            self.decision_seconds.labels(outcome)
         self.tokenize_seconds = Histogram(
             "extproc_tokenize_seconds",
             "Time spent counting prompt tokens per request (in a worker thread).",
