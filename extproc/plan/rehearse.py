@@ -6,9 +6,11 @@ Everything runs in one process on virtual time, so a rehearsal is deterministic 
   `BlockPool` and `StepTiming`), sized with the plan's block count, block size and batching limits;
   each `step()` advances the virtual clock by the step's modelled duration;
 - admission is the sidecar's own core: `JointLimiter` (slots + TPM bucket, settled to real usage),
-  `KvBudget` (prompt + expected completion against target x capacity) and `AdaptiveController` (KV usage
-  and queue depth sampled once per `feedback_interval_s`, scaling the model's limits), all on a
-  `FakeClock` that follows the virtual clock;
+  `KvBudget` (booked as the sidecar's default `kv_budget.booking: forecast` does: the peak of the admitted
+  requests' KV trajectories plus what the engine's last sample does not explain, against target x
+  capacity; `lifetime` books prompt + expected completion for a request's whole life) and
+  `AdaptiveController` (KV usage and queue depth sampled once per `feedback_interval_s`, scaling the
+  model's limits), all on a `FakeClock` that follows the virtual clock;
 - a request is admitted the way `extproc/server.py` does it: context check, KV budget, then one slot and
   `prompt + allowance` tokens on `global` and `model:<name>`; a refused request is counted, not retried.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController
 from extproc.core.clock import FakeClock
-from extproc.core.kv_budget import KvBudget
+from extproc.core.kv_budget import Booking, KvBudget
 from extproc.core.limiter import JointLimiter, Lease, LimitSpec, Rejection
 from extproc.plan.traffic import TraceRequest
 from extproc.sim.kvcache import BlockPool
@@ -66,6 +68,7 @@ class RehearsalLimits:
     kv_target_utilization: float | None = None
     adaptive: AdaptiveConfig | None = None
     feedback_interval_s: float = 1.0
+    kv_booking: Booking = Booking.FORECAST
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,9 @@ class _Sidecar:
         self.limiter.apply_limits({"global": LimitSpec(), self.key: spec})
         self.budget = None
         if lim.kv_target_utilization is not None:
-            self.budget = KvBudget(self.capacity_tokens, target_utilization=lim.kv_target_utilization)
+            self.budget = KvBudget(
+                self.capacity_tokens, target_utilization=lim.kv_target_utilization, booking=lim.kv_booking
+            )
         self.controller = None
         if lim.adaptive is not None:
             self.controller = AdaptiveController(lim.adaptive, now=self.clock())
@@ -165,20 +170,21 @@ class _Sidecar:
 
     def admit(self, request: TraceRequest, allowance: int, ident: str) -> Lease | str:
         """A lease, or the rejection reason (as the sidecar's `x-extproc-reject-reason`)."""
+        now = self.clock()
         if self.budget is not None:
-            fits, _ = self.budget.would_fit(request.prompt_tokens, allowance)
+            fits, _ = self.budget.would_fit(request.prompt_tokens, allowance, now=now)
             if not fits:
                 return KV_BUDGET
         result = self.limiter.acquire(["global", self.key], request.prompt_tokens + allowance)
         if isinstance(result, Rejection):
             return result.reason.value
         if self.budget is not None:
-            self.budget.admit(ident, request.prompt_tokens, allowance)
+            self.budget.admit(ident, request.prompt_tokens, allowance, now=now)
         return result
 
     def progress(self, ident: str, streamed: int) -> None:
         if self.budget is not None:
-            self.budget.progress(ident, streamed)
+            self.budget.progress(ident, streamed, now=self.clock())
 
     def settle(self, flight: _Flight, ident: str) -> None:
         if flight.lease is not None:
@@ -187,12 +193,17 @@ class _Sidecar:
             self.budget.release(ident, flight.seq.num_output)
 
     def sample(self, now: float, kv_usage: float, waiting: int) -> None:
-        """The KV feed: one aggregated reading per interval drives the adaptive scale."""
-        if self.controller is None or now < self.next_sample_at:
+        """The KV feed: one reading per interval drives the adaptive scale and refreshes the budget's
+        view of the engine (as `extproc.feedback.runtime` does on every fresh sample)."""
+        if now < self.next_sample_at:
             return
-        state = self.controller.observe(kv_usage, float(waiting), newest_sample_at=now, now=now)
-        self.limiter.set_scale(self.key, state.scale)
         self.next_sample_at = now + self.limits.feedback_interval_s
+        if self.budget is not None:
+            fresh_for = (self.limits.adaptive or AdaptiveConfig()).stale_after_seconds
+            self.budget.observe_engine(kv_usage * self.capacity_tokens, now, fresh_for)
+        if self.controller is not None:
+            state = self.controller.observe(kv_usage, float(waiting), newest_sample_at=now, now=now)
+            self.limiter.set_scale(self.key, state.scale)
 
 
 def rehearse(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core.adaptive import AdaptiveConfig
+from extproc.core.kv_budget import Booking
 from extproc.plan.rehearse import (
     EngineSetup,
     RehearsalLimits,
@@ -101,3 +102,21 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([], 0.5) is None
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([float(i) for i in range(1, 101)], 0.99) == 99.0
+
+
+def test_forecast_booking_fills_more_of_the_cache_than_lifetime_without_preempting() -> None:
+    """The rehearsal books KV as the sidecar's default does (forecast); lifetime stays available."""
+    sample = synthetic_sample(200, 300, 40.0, count=400, seed=1)
+    results = {
+        booking: rehearse(
+            sample.requests,
+            SMALL,
+            RehearsalLimits("m", max_tokens=300, kv_target_utilization=0.9, kv_booking=booking),
+        )
+        for booking in Booking
+    }
+    assert RehearsalLimits("m", max_tokens=1).kv_booking is Booking.FORECAST
+    lifetime, forecast = results[Booking.LIFETIME], results[Booking.FORECAST]
+    assert lifetime.preemptions == 0 and forecast.preemptions == 0
+    assert forecast.admitted > lifetime.admitted
+    assert forecast.mean_kv_usage > lifetime.mean_kv_usage
