@@ -1,8 +1,11 @@
 """A real Redis Cluster on 127.0.0.1, started by the tests: N primaries (and replicas), then a failover.
 
 Nodes are plain `redis-server --cluster-enabled yes` processes on free ports (each also needs its bus port,
-port + 10000), joined with `redis-cli --cluster create`. `cluster-node-timeout` is short (1 s), so a killed
-primary is replaced by its replica within a few seconds, as in a production failover.
+port + 10000), joined with `redis-cli --cluster create`. With `tls` (a CA, a certificate and its key) every
+node listens with TLS only, and the cluster bus and replication use TLS too (`tls-cluster`,
+`tls-replication`), as a managed Redis Cluster with in-transit encryption does. `cluster-node-timeout` is
+short (1 s), so a killed primary is replaced by its replica within a few seconds, as in a production
+failover.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import random
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import redis
 
@@ -41,19 +45,25 @@ def cluster_ports(count: int) -> list[int]:
 
 
 class RedisClusterNodes:
-    def __init__(self, primaries: int = 3, replicas: int = 0) -> None:
+    def __init__(
+        self, primaries: int = 3, replicas: int = 0, tls: tuple[Path, Path, Path] | None = None
+    ) -> None:
         self.replicas = replicas
-        extra = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS))
+        self.tls = tls
+        extra: tuple[str, ...] = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS))
+        if tls is not None:
+            extra += ("--tls-cluster", "yes", "--tls-replication", "yes")
         # A replica may take over whatever the age of its data: the tests kill primaries seconds after start.
         extra += ("--cluster-replica-validity-factor", "0")
         ports = cluster_ports(primaries * (1 + replicas))
         self.nodes = {
-            port: RedisServer(port, (*extra, "--cluster-config-file", f"nodes-{port}.conf")) for port in ports
+            port: RedisServer(port, (*extra, "--cluster-config-file", f"nodes-{port}.conf"), tls=tls)
+            for port in ports
         }
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{next(iter(self.nodes))}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{next(iter(self.nodes))}/0"
 
     def start(self) -> None:
         for node in self.nodes.values():
@@ -68,10 +78,22 @@ class RedisClusterNodes:
         self.wait_ok()
 
     def _create_options(self) -> list[str]:
-        return ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        options = ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        if self.tls is not None:
+            options += ["--tls", "--cacert", str(self.tls[0])]
+        return options
 
     def client(self, port: int) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=port, decode_responses=True, socket_timeout=2)
+        if self.tls is None:
+            return redis.Redis(host="127.0.0.1", port=port, decode_responses=True, socket_timeout=2)
+        return redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            decode_responses=True,
+            socket_timeout=2,
+            ssl=True,
+            ssl_ca_certs=str(self.tls[0]),
+        )
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Every live node reports `cluster_state:ok` and names the same live primary for the store's slot."""
