@@ -9,8 +9,10 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 * `common_properties.metadata.filter_metadata`: `extproc` (the report key the sidecar set) and
   `extproc.response` (what the Lua response reader saw, extproc/lean/response.lua);
 * `response.response_code`: the status sent to the client, 0 when no response started;
-* `common_properties.time_to_first_upstream_rx_byte` / `time_to_last_upstream_rx_byte`: the answer's
-  duration, from which the pool's decode rate is learned;
+* `common_properties.start_time` and `time_to_last_upstream_rx_byte` (offset from it), with the Lua
+  reader's `t1` (the first content event, on Envoy's same wall clock): the first-token delay and the decode
+  time of a streamed answer, from which the pool's decode pace is learned for the KV budget's forecast and
+  for the charge of unseen answers (`time_to_first_upstream_rx_byte` stands in without `t1`);
 * `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
   logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
 
@@ -30,7 +32,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import struct_pb2
 
-from extproc.admission.reading import ResponseReading
+from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.service import AdmissionService
 from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
 
@@ -46,6 +48,10 @@ def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
     def number(key: str) -> int:
         value = fields.get(key)
         return int(value.number_value) if value is not None else 0
+
+    def number_or_none(key: str) -> float | None:
+        value = fields.get(key)
+        return float(value.number_value) if value is not None and value.HasField("number_value") else None
 
     def text(key: str) -> str | None:
         value = fields.get(key)
@@ -65,19 +71,28 @@ def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
         body_end=flag("x"),
         body=text("b"),
         tail=text("t"),
+        first_content_ms=number_or_none("t1"),
     )
 
 
-def _seconds(entry: accesslog_pb2.HTTPAccessLogEntry) -> float | None:
-    """Seconds from the first to the last byte of the upstream's answer, when both were received."""
+def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading) -> ReportedTiming | None:
+    """When the answer's tokens came. With the reader's first-content time (Envoy's wall clock, as the
+    entry's `start_time`): the first-token delay and the decode time up to the last upstream byte. Without
+    it, the span from the first to the last upstream byte stands in for the decode time only: a streaming
+    server sends its headers before queueing and prefill, so that span includes them."""
     props = entry.common_properties
-    if not (
-        props.HasField("time_to_first_upstream_rx_byte") and props.HasField("time_to_last_upstream_rx_byte")
-    ):
+    if not props.HasField("time_to_last_upstream_rx_byte"):
         return None
-    first = props.time_to_first_upstream_rx_byte.ToTimedelta()
-    last = props.time_to_last_upstream_rx_byte.ToTimedelta()
-    return float((last - first).total_seconds())
+    last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()
+    if reading.first_content_ms is not None and props.HasField("start_time"):
+        start_ms = props.start_time.ToMilliseconds()
+        first_s = (reading.first_content_ms - start_ms) / 1000.0
+        if 0.0 <= first_s <= last_s:
+            return ReportedTiming(first_token_after_s=first_s, decode_s=last_s - first_s)
+    if not props.HasField("time_to_first_upstream_rx_byte"):
+        return None
+    first_byte_s = props.time_to_first_upstream_rx_byte.ToTimedelta().total_seconds()
+    return ReportedTiming(first_token_after_s=None, decode_s=last_s - first_byte_s)
 
 
 class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
@@ -122,7 +137,7 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         self.service.child(self.service.metrics.end_reports, "matched").inc()
         code = entry.response.response_code.value
         reading = reading_of(metadata.get(RESPONSE_NAMESPACE))
-        exchange.report(code or None, reading, _seconds(entry))
+        exchange.report(code or None, reading, timing_of(entry, reading))
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "end report",

@@ -32,7 +32,7 @@ from extproc.admission.headers import ratelimit_headers
 from extproc.admission.lanes import LaneFull
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, RouteKind
 from extproc.admission.policy import ModelPolicy
-from extproc.admission.reading import ReadSpec, ResponseReading, facts_of, spec_for
+from extproc.admission.reading import ReadSpec, ReportedTiming, ResponseReading, facts_of, spec_for
 from extproc.admission.request import (
     USAGE_OPTION_APIS,
     Api,
@@ -586,10 +586,10 @@ class Exchange:
             self.ended_at = self.service.clock()
 
     def report(
-        self, status: int | None, reading: ResponseReading, decode_seconds: float | None = None
+        self, status: int | None, reading: ResponseReading, timing: ReportedTiming | None = None
     ) -> None:
         """Settle from the proxy's end report: the response code (None: no response started), what its
-        reader saw, and the seconds from the first to the last response byte (for the decode rate)."""
+        reader saw, and when the answer's tokens came (for the decode rate and the KV budget's pace)."""
         admitted = self.admitted
         if admitted is None or self.phase is not Phase.ADMITTED:
             return
@@ -598,8 +598,8 @@ class Exchange:
             facts = replace(facts, cut=True)
         elif facts.upstream_status is None and not facts.completed:
             facts = replace(facts, estimated_completion=self._estimate(admitted))
-        if reading.streamed:
-            self._learn_reported_rate(admitted, facts, decode_seconds)
+        if reading.streamed and timing is not None:
+            self._learn_reported_rate(admitted, facts, timing)
         self._settle(facts)
 
     def expire(self) -> None:
@@ -630,11 +630,14 @@ class Exchange:
         the pool's decode rate instead (called on a tick while the request runs)."""
         admitted = self.admitted
         if admitted is not None and admitted.budget is not None and self.awaiting_report:
-            admitted.budget.progress(admitted.budget_id, self._estimate(admitted))
+            admitted.budget.estimate_progress(admitted.budget_id, self._estimate(admitted))
 
-    def _learn_reported_rate(self, admitted: Admitted, facts: ResponseFacts, seconds: float | None) -> None:
-        """A completed stream's usage and duration teach the pool's decode rate, as in the inline profile
-        (tokens after the first over the time from the first to the last byte)."""
+    def _learn_reported_rate(self, admitted: Admitted, facts: ResponseFacts, timing: ReportedTiming) -> None:
+        """A completed stream's usage and timing teach the pool's decode rate, as in the inline profile
+        (tokens after the first over the time from the first content event to the last byte), and, where
+        the first content event's time is known, the KV budget's pace: without it a lean sidecar never sees
+        a request progress, and forecast booking falls back to booking whole lifetimes."""
+        seconds = timing.decode_s
         if seconds is None or seconds <= 0 or facts.usage is None or facts.upstream_status != 200:
             return
         if not facts.completed or facts.usage.completion_tokens <= 1:
@@ -642,3 +645,5 @@ class Exchange:
         sequences = admitted.request.sequences * admitted.request.prompt_count
         tokens = facts.usage.completion_tokens / max(1, sequences) - 1
         self.service.decode_rates.observe(admitted.pool, tokens, seconds)
+        if admitted.budget is not None and timing.first_token_after_s is not None:
+            admitted.budget.observe_unseen_stream(timing.first_token_after_s, tokens, seconds)

@@ -159,6 +159,7 @@ class ResponseReading:
     body_end: bool = False
     body: str | None = None
     tail: str | None = None
+    first_content_ms: float | None = None  # Envoy's clock when the first content event arrived
 
     @property
     def streamed(self) -> bool:
@@ -176,6 +177,16 @@ class ResponseReading:
             or self.body is not None
             or self.tail is not None
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedTiming:
+    """When a streamed answer's tokens came, from the end report: seconds from the request's start to its
+    first content event (queueing and prefill, plus the admission itself), and from that event to the last
+    upstream byte (decoding). None where the report does not tell."""
+
+    first_token_after_s: float | None
+    decode_s: float | None
 
 
 def facts_of(status: int | None, reading: ResponseReading, api: Api, encoding: str) -> ResponseFacts:

@@ -54,6 +54,7 @@ class _Lease:
     expected_completion: int
     learner_key: str = ""
     streamed: int = 0
+    estimated: int = 0  # completion tokens a caller guessed, unseen (lean profile): footprint only
     sequences: int = 1
     admitted_at: float | None = None
     first_progress: tuple[float, int] | None = None  # (when, streamed) at the first streamed token
@@ -61,8 +62,9 @@ class _Lease:
 
     @property
     def footprint(self) -> int:
-        """What `lifetime` booking charges: prompt + expected completion, never less than streamed."""
-        return self.prompt + max(self.expected_completion, self.streamed)
+        """What `lifetime` booking charges: prompt + expected completion, never less than streamed (or
+        than a caller's estimate of unseen progress)."""
+        return self.prompt + max(self.expected_completion, self.streamed, self.estimated)
 
     def generated(self, now: float, rate: float | None, delay: float) -> float | None:
         """Completion tokens so far: streamed, else estimated at `rate` tokens per second per sequence
@@ -291,6 +293,29 @@ class KvBudget:
         lease.streamed = streamed
         self._demand += lease.footprint - before
         return True
+
+    def estimate_progress(self, lease_id: str, tokens: int) -> bool:
+        """Completion tokens a request whose stream nobody watches has probably generated (the lean profile,
+        from elapsed time and the pool's decode rate): grows its lifetime footprint when it runs past its
+        expected length. The forecast does not take it as progress: that estimate counts from admission and
+        errs high, and a request taken for further along than it is would be forecast to end too early;
+        the forecast estimates unseen progress itself, after the learned first-token delay."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        self._last_fit = None
+        before = lease.footprint
+        lease.estimated = max(lease.estimated, int(tokens))
+        self._demand += lease.footprint - before
+        return True
+
+    def observe_unseen_stream(
+        self, first_token_after_s: float, tokens_per_sequence: float, seconds: float
+    ) -> None:
+        """A completed stream this budget did not watch (the lean profile reports it when it ends): its
+        first-token delay and its decode rate teach the pool's pace, as a watched stream does on release."""
+        self.pace.observe_first_token(first_token_after_s)
+        self.pace.observe_stream(tokens_per_sequence, seconds)
 
     def release(self, lease_id: str, actual_completion: int | None = None) -> bool:
         """Drop a lease; a known `actual_completion` feeds the learned ratio. Double release is a no-op."""

@@ -11,6 +11,8 @@
 --   u0 the first usage object (text)   u  the last usage object (text)
 --   f  a final event was seen          e  an error event was seen
 --   x  the body ended (end of stream)  b  a JSON body, whole     t  the end of a larger JSON body
+--   t1 when the first content event arrived (ms since the epoch, Envoy's clock): with the access log's
+--      request start and last upstream byte it gives the sidecar the first-token delay and the decode rate
 -- Envoy runs no Lua when a client disconnects, so every value is written as soon as it changes.
 -- Handles from streamInfo() expire at each yield (every chunk): they are fetched again each time.
 
@@ -64,6 +66,9 @@ local function classify(event, spec, state)
 end
 
 local function publish(handle, state, seen)
+  if seen.n == 0 and state.n > 0 then
+    set(handle, "t1", handle:timestamp())
+  end
   if state.n ~= seen.n then
     set(handle, "n", state.n)
     seen.n = state.n

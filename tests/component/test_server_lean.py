@@ -15,7 +15,8 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.admission.reading import OPENAI_SPEC
+from extproc.accesslog import reading_of, timing_of
+from extproc.admission.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
@@ -183,3 +184,44 @@ async def test_the_tenant_comes_from_its_attribute(harness: Harness) -> None:
     # Tenant `small` has 600 tokens per minute: prompt + 600 cannot fit.
     assert reply.immediate_response.status.code == 429
     s.cancel()
+
+
+def timed(log: accesslog_pb2.HTTPAccessLogEntry, first_byte_s: float, last_byte_s: float) -> None:
+    """Envoy's timing of an entry: the request started at 1,700,000,000 s; upstream bytes at these offsets."""
+    props = log.common_properties
+    props.start_time.FromMilliseconds(1_700_000_000_000)
+    props.time_to_first_upstream_rx_byte.FromMilliseconds(round(first_byte_s * 1000))
+    props.time_to_last_upstream_rx_byte.FromMilliseconds(round(last_byte_s * 1000))
+
+
+def test_the_report_times_the_first_token_from_the_readers_clock_and_envoys_start() -> None:
+    log = entry("k", 200, None)
+    timed(log, first_byte_s=0.05, last_byte_s=3.0)
+    with_t1 = reading_of_fields({"t1": 1_700_000_000_000 + 1_000.0})
+    assert timing_of(log, with_t1) == ReportedTiming(first_token_after_s=1.0, decode_s=2.0)
+    # Without the reader's time: headers (sent before queueing and prefill) to the last byte, decode only.
+    assert timing_of(log, ResponseReading(events=3)) == ReportedTiming(None, pytest.approx(2.95))
+    # A first-content time outside the request (another clock) is not trusted.
+    wrong = reading_of_fields({"t1": 1_600_000_000_000.0})
+    assert timing_of(log, wrong) == ReportedTiming(None, pytest.approx(2.95))
+    assert timing_of(entry("k", 200, None), with_t1) is None  # no upstream byte: nothing to learn
+
+
+def reading_of_fields(fields: dict[str, Any]) -> ResponseReading:
+    struct = struct_pb2.Struct()
+    struct.update(fields)
+    return reading_of(struct)
+
+
+async def test_reported_streams_teach_the_decode_rate_from_the_first_token(harness: Harness) -> None:
+    """81 tokens: the first 1 s after the start (queue + prefill), the last 2 s later: 40 tokens/s, where
+    the span of the upstream bytes (the headers came at once) would have said 80 / 3 s."""
+    s = harness.stream()
+    key = admitted_metadata(await s.send(lean_body(chat(max_tokens=100, stream=True))))[REPORT_KEY]
+    usage = json.dumps({"prompt_tokens": 9, "completion_tokens": 81})
+    log = entry(key, 200, {"n": 81.0, "m": 81.0, "f": True, "x": True, "u": usage, "t1": 1_700_000_001_000.0})
+    timed(log, first_byte_s=0.0, last_byte_s=3.0)
+    await report(harness, log)
+    await harness.settled()
+    assert harness.sidecar.admission.decode_rates.rate("*") == pytest.approx(40.0)
+    await s.close()

@@ -349,3 +349,37 @@ def test_admit_after_a_decision_books_the_peak_that_decision_computed() -> None:
     assert booked == 6_000 + 4_400  # at step 500 "c" has ended: "a" 6,000 + "b" 4,400
     b.would_fit(0, 0, now=1.0)  # an independent evaluation agrees
     assert b.booked_tokens == booked
+
+
+def test_reported_streams_teach_the_pace_of_a_budget_that_sees_no_stream() -> None:
+    """The lean profile: nothing streams through the sidecar; end reports bring each stream's timing."""
+    b = forecasting_budget()
+    b.observe_engine(0, now=0.0, fresh_for=100.0)
+    b.admit("a", 4_000, 2_000, now=0.0)
+    b.would_fit(0, 0, now=5.25)
+    assert b.booked_tokens == 6_000  # no pace yet: the whole footprint
+    b.observe_unseen_stream(first_token_after_s=0.25, tokens_per_sequence=400, seconds=4.0)
+    assert b.pace.tokens_per_second == pytest.approx(100.0)
+    assert b.pace.first_token_delay == pytest.approx(0.25)
+    # 5 s of decoding at 100 tokens/s: 500 generated, 1,500 steps to go; alone, it peaks at its end.
+    b.would_fit(0, 0, now=5.25)
+    assert b.booked_tokens == 6_000
+    # A second request fits where lifetime booking (6,000 + 4,200 > 10,000) refuses it: "b" (3,000 +
+    # 1,200) peaks at step 1,200 with "a" at 5,700 (9,900), and "a" peaks at step 1,500 alone.
+    assert b.would_fit(3_000, 1_200, now=5.25)[0]
+    assert not b.would_fit(3_000, 1_200)[0]
+
+
+def test_an_estimate_of_unseen_progress_grows_the_footprint_but_not_the_forecast_progress() -> None:
+    b = forecasting_budget()
+    b.observe_engine(0, now=0.0, fresh_for=100.0)
+    b.observe_unseen_stream(0.5, 100, 1.0)  # 100 tokens/s after 0.5 s
+    b.admit("a", 1_000, 1_000, now=0.0)
+    # The caller's charge estimate counts from admission (errs high): 900 tokens after 9 s.
+    assert b.estimate_progress("a", 900)
+    assert b.demand_tokens == 2_000  # within the expected completion: the footprint is unchanged
+    b.would_fit(0, 0, now=1.0)
+    assert b.booked_tokens == 2_000  # the forecast keeps its own estimate: 50 tokens, 950 steps to go
+    assert b.estimate_progress("a", 1_200)  # past what it was expected to generate
+    assert b.demand_tokens == 2_200
+    assert not b.estimate_progress("gone", 1)

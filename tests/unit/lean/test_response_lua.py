@@ -10,7 +10,8 @@ output then goes through the sidecar's own end-report path (`reading_of` → `fa
 The stand-in follows Envoy's Lua filter API (docs: envoy/docs/root/configuration/http/http_filters/
 lua_filter.rst, Envoy 1.40): `handle:headers():get(name)`, `handle:bodyChunks()` yielding buffers with
 `length()`, `getBytes(index, length)` (0-based index) and `setBytes(string)`, and
-`handle:streamInfo():dynamicMetadata()` with `get(filter)` / `set(filter, key, value)`.
+`handle:streamInfo():dynamicMetadata()` with `get(filter)` / `set(filter, key, value)`, and
+`handle:timestamp()` (milliseconds since the epoch).
 """
 
 from __future__ import annotations
@@ -49,13 +50,17 @@ local run = function(admitted, content_type, chunks, reset)
   }
   local info = { dynamicMetadata = function(_) return metadata end }
   local headers = { get = function(_, name) if name == "content-type" then return content_type end end }
+  local current = 0
   local handle = {
+    -- Envoy's clock in ms since the epoch; here chunk i arrives at 1,700,000,000,000 + 10 i.
+    timestamp = function(_) return 1700000000000 + 10 * current end,
     streamInfo = function(_) return info end,
     headers = function(_) return headers end,
     bodyChunks = function(_)
       local i = 0
       return function()
         i = i + 1
+        current = i
         if chunks[i] == nil then
           -- A reset stream (client gone, upstream crashed): Envoy never resumes the script. Stand-in: unwind.
           if reset then error(RESET) end
@@ -268,3 +273,15 @@ def test_a_response_the_sidecar_did_not_admit_is_left_alone(reader: Reader) -> N
     full, _ = chat_stream(2, USAGE)
     seen = reader.read(None, "text/event-stream", cuts(full, [50]))
     assert seen.fields == {} and seen.client == full
+
+
+def test_the_first_content_event_is_timed_once(reader: Reader) -> None:
+    full, _ = chat_stream(4, USAGE)
+    first_token = full.index(b" t0")
+    chunks = [full[:first_token], full[first_token : first_token + 200], full[first_token + 200 :]]
+    seen = reader.read(Api.CHAT, "text/event-stream", chunks, strip=True)
+    # Chunk 1 holds only the role delta (no content); chunk 2 the first token: its arrival time.
+    assert seen.fields["t1"] == 1_700_000_000_000 + 10 * 2
+    assert reading_of(seen.struct()).first_content_ms == 1_700_000_000_020.0
+    body = reader.read(Api.CHAT, "application/json", [json.dumps({"usage": USAGE}).encode()])
+    assert "t1" not in body.fields  # a JSON answer has no content events to time
