@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from extproc.store.factory import build_store
 from extproc.store.redis import RedisStore
 from tests.component.store.certs import make_certificates
 from tests.component.store.redis_cluster import RedisClusterNodes
+from tests.component.store.test_cluster import until
 
 LIMITS = {"global": LimitSpec(max_concurrency=2, tokens_per_minute=60_000)}
 
@@ -124,11 +125,3 @@ async def test_the_store_follows_a_failover_over_tls(
     await store.release(lease, 0)
     await store.release(held, 0)  # replicated before the kill, or expired with its TTL: never negative
     assert leases_left(nodes) == 0
-
-
-async def until(check: Callable[[], bool], limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while True:
-        if check() or time.monotonic() > deadline:
-            return
-        await asyncio.sleep(0.02)
