@@ -126,9 +126,12 @@ async def test_primary_killed_under_load(cluster: RedisClusterNodes, on_unavaila
     stop = asyncio.Event()
     tasks = [asyncio.create_task(client(stores[i % 2], i % 2, load, stop)) for i in range(16)]
     try:
-        await asyncio.sleep(1.0)
+        await until(lambda: load.admitted_shared > 50, 5)
         before = load.admitted_shared
-        assert before > 50 and load.unavailable == 0
+        # A call slower than the 100 ms timeout is unavailable; on a starved machine one may be, before any
+        # fault. More than a few means the store itself misbehaves.
+        unavailable_before = load.unavailable
+        assert before > 50 and unavailable_before <= 5
         killed_at = time.monotonic()
         cluster.kill(cluster.primary_of_store())
         await asyncio.to_thread(cluster.wait_ok)
@@ -172,7 +175,7 @@ async def test_primary_killed_under_load(cluster: RedisClusterNodes, on_unavaila
         assert load.unavailable == 0 and load.admitted_local > 0
         assert load.local_high <= int(LIMIT * SHARE)  # each replica kept to its share meanwhile
     else:
-        assert load.unavailable > 0 and load.admitted_local == 0
+        assert load.unavailable > unavailable_before and load.admitted_local == 0
     assert left == 0, "leases leaked"
     assert status.remaining_requests == LIMIT  # no slot lost, none counted twice, no negative count
     assert status.remaining_tokens is not None and status.remaining_tokens <= 6_000_000
