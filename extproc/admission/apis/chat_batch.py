@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.openai import chat_prompt, edit_priority
+from extproc.admission.apis.openai import chat_output_bound, chat_prompt, edit_priority
 from extproc.admission.request import Api, BodyEdits, ParsedRequest
 
 
@@ -40,11 +40,7 @@ class ChatBatchAdapter:
             chat_prompt({f"messages[{i}]": conversation}, key=f"messages[{i}]")
             for i, conversation in enumerate(conversations)
         )
-        requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
-        param = "max_tokens"
-        bound = f.opt_int(body, "max_completion_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
-        if bound is not None:
-            requested, param = bound, "max_completion_tokens"
+        requested, param = chat_output_bound(body)
         return ParsedRequest(
             api=self.api,
             model=model,

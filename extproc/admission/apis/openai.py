@@ -196,11 +196,7 @@ class ChatAdapter:
         model = f.model_name(body)
         stream, include_usage = stream_options(body)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
-        requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
-        param = "max_tokens"
-        bound = f.opt_int(body, "max_completion_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
-        if bound is not None:
-            requested, param = bound, "max_completion_tokens"
+        requested, param = chat_output_bound(body)
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -216,6 +212,16 @@ class ChatAdapter:
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         return _edit_generation(body, req, edits)
+
+
+def chat_output_bound(body: Mapping[str, Any]) -> tuple[int | None, str]:
+    """A chat request's output bound and the field it came from: `max_completion_tokens` wins over the
+    deprecated `max_tokens` when both are sent, as in vLLM's chat protocol."""
+    requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
+    bound = f.opt_int(body, "max_completion_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
+    if bound is not None:
+        return bound, "max_completion_tokens"
+    return requested, "max_tokens"
 
 
 def text_prompts(body: Mapping[str, Any], key: str) -> tuple[Prompt, ...]:
