@@ -88,6 +88,12 @@ class Observed:
     final: bool = False
     usage_only: bool = False
 
+    @classmethod
+    def of_body(cls, obj: Mapping[str, Any]) -> Observed:
+        """A JSON object's observation before its usage is read: an error when it is one as vLLM and
+        SGLang send them (`{"error": {...}}`, or `{"object": "error", ...}` from older vLLM)."""
+        return cls(error=obj.get("error") is not None or obj.get("object") == "error")
+
 
 class Dialect(Protocol):
     """How one API's responses carry generated text and usage (OpenAI chunks, Responses events, ...)."""
@@ -110,7 +116,7 @@ class OpenAIDialect:
         return self._read(obj, "message") if isinstance(obj, dict) else Observed()
 
     def _read(self, obj: Mapping[str, Any], key: str) -> Observed:
-        seen = Observed(error=obj.get("error") is not None or obj.get("object") == "error")
+        seen = Observed.of_body(obj)
         choices = obj.get("choices")
         if isinstance(choices, list):
             for choice in choices:

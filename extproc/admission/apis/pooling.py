@@ -235,7 +235,7 @@ class CohereDialect:
     def body(self, obj: Any) -> Observed:
         if not isinstance(obj, dict):
             return Observed()
-        seen = Observed(error=obj.get("error") is not None or obj.get("object") == "error")
+        seen = Observed.of_body(obj)
         meta = obj.get("meta")
         billed = meta.get("billed_units") if isinstance(meta, dict) else None
         if isinstance(billed, dict):
@@ -303,7 +303,7 @@ class TokenizeDialect:
     def body(self, obj: Any) -> Observed:
         if not isinstance(obj, dict):
             return Observed()
-        seen = Observed(error=obj.get("error") is not None or obj.get("object") == "error")
+        seen = Observed.of_body(obj)
         found = obj.get("count")
         counts = found if isinstance(found, list) else [found]
         values = [count_int(c) for c in counts]

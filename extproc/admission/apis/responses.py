@@ -279,7 +279,7 @@ class ResponsesDialect:
     def body(self, obj: Any) -> Observed:
         if not isinstance(obj, dict):
             return Observed()
-        seen = Observed(error=obj.get("error") is not None or obj.get("object") == "error")
+        seen = Observed.of_body(obj)
         output = obj.get("output")
         if isinstance(output, list):
             for item in output:

@@ -100,7 +100,7 @@ class TokenIdsDialect:
         return self._read(obj) if isinstance(obj, dict) else Observed()
 
     def _read(self, obj: Mapping[str, Any]) -> Observed:
-        seen = Observed(error=obj.get("error") is not None or obj.get("object") == "error")
+        seen = Observed.of_body(obj)
         choices = obj.get("choices")
         for choice in choices if isinstance(choices, list) else []:
             if not isinstance(choice, dict):
