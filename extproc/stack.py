@@ -30,6 +30,7 @@ from typing import IO, Any
 import yaml
 
 from extproc.config import Config, ConfigError, parse_config
+from extproc.envoy_yaml import HEADER_MUTATION, http_connection_managers
 
 REPO = Path(__file__).resolve().parent.parent
 ENVOY_TEMPLATE = REPO / "envoy" / "envoy.yaml"
@@ -95,10 +96,6 @@ def envoy_command(config_path: Path, base_id: int) -> list[str]:
     ]
 
 
-TENANT_STRIP_FILTER = "envoy.filters.http.header_mutation"
-"""The first HTTP filter of envoy/envoy.yaml; its plain `remove` entry is the tenant header."""
-
-
 def render_envoy_config(
     ports: Ports,
     template: Path = ENVOY_TEMPLATE,
@@ -135,9 +132,9 @@ def _strip_tenant_header(config: dict[str, Any], header: str) -> None:
     """Point the template's tenant-header removal at `header`: the sidecar trusts that header only because
     Envoy removes any client-sent copy, so the two names must be the same."""
     replaced = 0
-    for hcm in _http_connection_managers(config):
+    for hcm in http_connection_managers(config):
         for http_filter in hcm["http_filters"]:
-            if http_filter["name"] != TENANT_STRIP_FILTER:
+            if http_filter["name"] != HEADER_MUTATION:
                 continue
             for mutation in http_filter["typed_config"]["mutations"]["request_mutations"]:
                 if "remove" in mutation:
@@ -150,22 +147,12 @@ def _strip_tenant_header(config: dict[str, Any], header: str) -> None:
 def trust_client_tenant_header(config: dict[str, Any]) -> None:
     """For tests that pick tenants from the client: drop the tenant-header strip, standing in for the authn
     filter that sets the header from verified identity in a real deployment. Never for a served Envoy."""
-    for hcm in _http_connection_managers(config):
+    for hcm in http_connection_managers(config):
         for http_filter in hcm["http_filters"]:
-            if http_filter["name"] == TENANT_STRIP_FILTER:
+            if http_filter["name"] == HEADER_MUTATION:
                 mutations = http_filter["typed_config"]["mutations"]
                 kept = [m for m in mutations["request_mutations"] if "remove" not in m]
                 mutations["request_mutations"] = kept
-
-
-def _http_connection_managers(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        network_filter["typed_config"]
-        for listener in config["static_resources"]["listeners"]
-        for chain in listener["filter_chains"]
-        for network_filter in chain["filters"]
-        if network_filter["name"] == "envoy.filters.network.http_connection_manager"
-    ]
 
 
 def tenant_header_of(config: dict[str, Any]) -> str | None:

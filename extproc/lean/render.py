@@ -47,6 +47,7 @@ import yaml
 
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, PathRule, PathTable, RouteKind
 from extproc.config import Config
+from extproc.envoy_yaml import HEADER_MUTATION, http_connection_managers
 from extproc.server_lean import (
     FORWARDED_REQUEST_HEADERS,
     NAMESPACE,
@@ -58,7 +59,6 @@ from extproc.server_lean import (
 EXT_PROC = "envoy.filters.http.ext_proc"
 LUA = "envoy.filters.http.lua"
 BUFFER = "envoy.filters.http.buffer"
-HEADER_MUTATION = "envoy.filters.http.header_mutation"
 EXTPROC_CLUSTER = "llm_admission_extproc"
 
 _TYPES = "type.googleapis.com/envoy.extensions.filters.http"
@@ -100,23 +100,13 @@ def render_lean(
 ) -> dict[str, Any]:
     """The lean profile's Envoy config made from an inline one (see the module docstring)."""
     config = copy.deepcopy(inline)
-    for hcm in _connection_managers(config):
+    for hcm in http_connection_managers(config):
         _lean_filters(hcm, max_body_bytes)
         upstream = _upstream_route(hcm)
         for vhost in hcm["route_config"]["virtual_hosts"]:
             _lean_virtual_host(vhost, table, upstream, max_body_bytes)
         hcm.setdefault("access_log", []).append(_end_report_logger())
     return config
-
-
-def _connection_managers(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        network_filter["typed_config"]
-        for listener in config["static_resources"]["listeners"]
-        for chain in listener["filter_chains"]
-        for network_filter in chain["filters"]
-        if network_filter["name"] == "envoy.filters.network.http_connection_manager"
-    ]
 
 
 def tenant_header_removed(hcm: dict[str, Any]) -> str | None:
