@@ -43,7 +43,14 @@ from extproc.admission.reading import ReadSpec
 from extproc.admission.service import AdmissionService
 from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
 from extproc.config import Config
-from extproc.wire import EXT_PROC_ATTRIBUTES, client_address, common_response, immediate, on_request_headers
+from extproc.wire import (
+    EXT_PROC_ATTRIBUTES,
+    client_address,
+    common_response,
+    immediate,
+    metadata_tenant,
+    on_request_headers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +114,9 @@ def lean_tenant_claim(request: pb.ProcessingRequest, config: Config) -> str | No
     which Envoy sends as an attribute in this profile (the proxy strips it from clients, docs/tenants.md)."""
     source = config.admission.tenant
     if source.metadata_namespace:
-        namespace = request.metadata_context.filter_metadata.get(source.metadata_namespace)
-        if namespace is not None:
-            value = namespace.fields.get(source.metadata_key)
-            if value is not None and value.WhichOneof("kind") == "string_value":
-                return str(value.string_value)
+        found = metadata_tenant(request, config)
+        if found is not None:
+            return found
     if source.header:
         return _attribute(request, tenant_attribute(source.header))
     return None

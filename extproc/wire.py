@@ -103,13 +103,23 @@ def tenant_claim(request: pb.ProcessingRequest, headers: dict[str, str], config:
     that the proxy strips from clients and sets from verified identity (docs/tenants.md)."""
     source = config.admission.tenant
     if source.metadata_namespace:
-        namespace = request.metadata_context.filter_metadata.get(source.metadata_namespace)
-        if namespace is not None:
-            value = namespace.fields.get(source.metadata_key)
-            if value is not None and value.WhichOneof("kind") == "string_value":
-                return str(value.string_value)
+        found = metadata_tenant(request, config)
+        if found is not None:
+            return found
     if source.header:
         return headers.get(source.header)
+    return None
+
+
+def metadata_tenant(request: pb.ProcessingRequest, config: Config) -> str | None:
+    """The tenant an earlier filter wrote to dynamic metadata (`admission.tenant.metadata`), if any."""
+    source = config.admission.tenant
+    namespace = request.metadata_context.filter_metadata.get(source.metadata_namespace or "")
+    if namespace is None:
+        return None
+    value = namespace.fields.get(source.metadata_key)
+    if value is not None and value.WhichOneof("kind") == "string_value":
+        return str(value.string_value)
     return None
 
 
