@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import yaml
@@ -68,8 +68,45 @@ def _wait_port(port: int, proc: Process, timeout_s: float = 30.0) -> None:
     raise TimeoutError(f"port {port} not open after {timeout_s}s")
 
 
+class StackProcesses:
+    """What the benchmark stacks share: their processes by name, started all or none, stopped in
+    `STOP_ORDER` (Envoy first, so nothing sends to a stopped process), and their CPU use from /proc."""
+
+    STOP_ORDER: tuple[str, ...] = ("envoy", "processor", "upstream")
+    ports: Ports
+    processes: dict[str, Process]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.envoy}"
+
+    def start(self) -> Self:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        for name in self.STOP_ORDER:
+            proc = self.processes.pop(name, None)
+            if proc is not None:
+                proc.stop()
+
+    def cpu(self) -> dict[str, float]:
+        out = {}
+        for name, proc in self.processes.items():
+            with contextlib.suppress(OSError):
+                out[name] = proc_cpu_seconds(proc.popen.pid)
+        return out
+
+
 @dataclass
-class Stack:
+class Stack(StackProcesses):
     """upstream + (nothing | no-op processor | sidecar) + Envoy. `body_mode`: STREAMED, NONE or OBSERVABILITY
     (the response body mode; observability_mode makes Envoy send without waiting for answers)."""
 
@@ -80,21 +117,9 @@ class Stack:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-overhead-")))
     processes: dict[str, Process] = field(default_factory=dict)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.envoy}"
-
     def pid(self, name: str) -> int | None:
         proc = self.processes.get(name)
         return proc.popen.pid if proc else None
-
-    def start(self) -> Stack:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         py = sys.executable
@@ -161,19 +186,6 @@ class Stack:
         elif self.mode == "noop":
             _wait_port(self.ports.grpc, self.processes["processor"])
         wait_http(f"http://127.0.0.1:{self.ports.envoy_admin}/ready", proc=self.processes["envoy"])
-
-    def stop(self) -> None:
-        for name in ("envoy", "processor", "upstream"):
-            proc = self.processes.pop(name, None)
-            if proc is not None:
-                proc.stop()
-
-    def cpu(self) -> dict[str, float]:
-        out = {}
-        for name, proc in self.processes.items():
-            with contextlib.suppress(OSError):
-                out[name] = proc_cpu_seconds(proc.popen.pid)
-        return out
 
 
 # -- load ---------------------------------------------------------------------------------------------------

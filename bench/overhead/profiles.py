@@ -46,8 +46,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.common import percentile, proc_cpu_seconds, validate_envoy_config, write_json
-from bench.overhead.main import STREAM_CHUNKS, _wait_port, prompt_text
+from bench.common import percentile, validate_envoy_config, write_json
+from bench.overhead.main import STREAM_CHUNKS, StackProcesses, _wait_port, prompt_text
 from extproc.config import parse_config
 from extproc.stack import (
     LOCAL_CONFIG,
@@ -120,27 +120,16 @@ PATHS = (
 
 
 @dataclass
-class Stack:
+class Stack(StackProcesses):
+    STOP_ORDER = ("envoy", "processor", "exporter", "upstream")
     path: Variant
     ports: Ports = field(default_factory=Ports.free)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-profiles-")))
     processes: dict[str, Process] = field(default_factory=dict)
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.envoy}"
-
-    @property
     def releases_file(self) -> Path:
         return self.workdir / "releases.json"
-
-    def start(self) -> Stack:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         py = sys.executable
@@ -222,19 +211,6 @@ class Stack:
                     return
             time.sleep(0.2)
         raise TimeoutError("the shipped config's KV feed never became fresh")
-
-    def stop(self) -> None:
-        for name in ("envoy", "processor", "exporter", "upstream"):
-            proc = self.processes.pop(name, None)
-            if proc is not None:
-                proc.stop()
-
-    def cpu(self) -> dict[str, float]:
-        out = {}
-        for name, proc in self.processes.items():
-            with contextlib.suppress(OSError):
-                out[name] = proc_cpu_seconds(proc.popen.pid)
-        return out
 
 
 # -- load ---------------------------------------------------------------------------------------------------
