@@ -190,7 +190,7 @@ class Exporter:
 
     def _record(self, result: ScrapeResult) -> None:
         target = result.target
-        self.metrics.observe_scrape(target.endpoint, result.duration, result.reason)
+        self.metrics.observe_scrape(target.endpoint, result.duration, result.reason, result.page_bytes)
         previous = self._down.get(target.url, "unknown")
         self._down[target.url] = result.reason
         if result.reason is None:

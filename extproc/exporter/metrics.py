@@ -24,8 +24,15 @@ class ExporterMetrics:
         self.scrape_errors = Counter(
             "extproc_exporter_scrape_errors_total",
             "Failed scrapes by target and reason "
-            "(timeout, connect, http_status, parse, too_large, no_model).",
+            "(timeout, connect, http_status, incomplete, too_large, parse, no_model, invalid).",
             ["target", "reason"],
+            registry=registry,
+        )
+        self.page_bytes = Gauge(
+            "extproc_exporter_page_bytes",
+            "Size of the target's last metrics page in bytes, as far as it was read (pages are read up to "
+            "8 MiB; a larger one fails with reason too_large).",
+            ["target"],
             registry=registry,
         )
         self.targets = Gauge("extproc_exporter_targets", "Targets currently known.", registry=registry)
@@ -56,8 +63,9 @@ class ExporterMetrics:
         self._duration_labels: set[str] = set()
         self._usage_labels: set[tuple[str, str, str]] = set()
 
-    def observe_scrape(self, target: str, seconds: float, reason: str | None) -> None:
+    def observe_scrape(self, target: str, seconds: float, reason: str | None, page_bytes: int = 0) -> None:
         self.scrape_duration.labels(target).observe(seconds)
+        self.page_bytes.labels(target).set(page_bytes)
         self._duration_labels.add(target)
         if reason is not None:
             self.scrape_errors.labels(target, reason).inc()
@@ -82,6 +90,7 @@ class ExporterMetrics:
         if target in self._duration_labels:
             self._duration_labels.discard(target)
             self.scrape_duration.remove(target)
+            self.page_bytes.remove(target)
         for labels in [lab for lab in self._error_labels if lab[0] == target]:
             self._error_labels.discard(labels)
             self.scrape_errors.remove(*labels)

@@ -156,6 +156,64 @@ def parse_series(text: str, names: frozenset[str] = ALL_NAMES) -> list[Series]:
     return out
 
 
+_NAME_BYTES_RE = re.compile(rb"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_ALL_NAMES_BYTES = frozenset(name.encode() for name in ALL_NAMES)
+
+
+class PageFilter:
+    """Reads a metrics page chunk by chunk as it arrives, keeping only the lines the parser reads.
+
+    A page of many models, LoRA adapters and histograms runs to megabytes, of which the feed reads a few
+    dozen series: the lines of other metrics are checked to start with a metric name and then dropped
+    (each leaves an empty line, so line numbers in `parse_series` errors stay those of the page), except
+    the first, kept so that a page with no series of the engine still parses to "no <kind> metrics". Memory
+    is the kept lines plus the longest line, whatever the page size. `text()` after the last chunk.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for a newline
+        self._out: list[bytes] = []
+        self._kept_other = False
+        self._lineno = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if b"\x00" in chunk:
+            raise MetricsParseError("binary data in metrics page")
+        buf = self._buf
+        buf.extend(chunk)
+        start = 0
+        while (end := buf.find(b"\n", max(start, self._scanned))) >= 0:
+            self._line(bytes(buf[start:end]))
+            start = end + 1
+            self._scanned = start
+        del buf[:start]
+        self._scanned = len(buf)
+
+    def text(self) -> str:
+        """The kept page as text (raises `UnicodeDecodeError` when a kept line is not UTF-8)."""
+        if self._buf:
+            self._line(bytes(self._buf))
+            self._buf.clear()
+        return b"\n".join(self._out).decode("utf-8") + "\n"
+
+    def _line(self, raw: bytes) -> None:
+        self._lineno += 1
+        line = raw.strip()
+        if not line or line.startswith(b"#"):
+            self._out.append(b"")
+            return
+        m = _NAME_BYTES_RE.match(line)
+        if m is None:
+            shown = line[:60].decode("utf-8", "replace")
+            raise MetricsParseError(f"line {self._lineno}: not a metric line: {shown!r}")
+        if m.group(0) in _ALL_NAMES_BYTES or not self._kept_other:
+            self._kept_other = self._kept_other or m.group(0) not in _ALL_NAMES_BYTES
+            self._out.append(line)
+        else:
+            self._out.append(b"")
+
+
 def detect_kind(names: Iterable[str]) -> ServerKind:
     """The kind whose prefixes most metric names carry."""
     counts: dict[ServerKind, int] = defaultdict(int)
@@ -168,14 +226,27 @@ def detect_kind(names: Iterable[str]) -> ServerKind:
     return max(counts, key=lambda k: counts[k])
 
 
-def normalize_usage(value: float, unit: Unit) -> float | None:
+def normalize_usage(value: float, unit: Unit) -> float:
     """KV usage as 0..1. Percent families are divided by 100 when above 1; ratio families above 1 are
-    clamped (a ratio cannot exceed 1, but reading it as "full" is the safe side). NaN is dropped."""
-    if math.isnan(value):
-        return None
+    clamped (a ratio cannot exceed 1, but reading it as "full" is the safe side). A value no usage can have
+    (NaN, ±inf, negative) comes back as NaN: the sample holding it is refused (`feed.sample.checked`),
+    never read as an empty cache."""
+    if not (math.isfinite(value) and value >= 0.0):
+        return math.nan
     if unit == "percent" and value > 1.0:
         value /= 100.0
-    return min(1.0, max(0.0, value))
+    return min(1.0, value)
+
+
+def _count(value: float) -> float:
+    """A count as read, or NaN when no count can have it (NaN, ±inf, negative), so that it poisons its
+    aggregate instead of being skipped or hidden under another rank's max."""
+    return value if math.isfinite(value) and value >= 0.0 else math.nan
+
+
+def _poisoned_max(values: Sequence[float]) -> float:
+    """max() that is NaN when any value is (Python's max() is order-dependent with NaN)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def _matches(series: Series, name: str, match: Match) -> bool:
@@ -218,33 +289,34 @@ class _ModelView:
     def per_group(
         self, values: Iterable[tuple[Group, float]], pick: Literal["max", "min"] = "max"
     ) -> dict[Group, float]:
-        """One value per replica group: max (repeated queues) or min (capacity) over its ranks."""
+        """One value per replica group: max (repeated queues) or min (capacity) over its ranks. A NaN
+        rank makes its group NaN: a reading that cannot be trusted is not outvoted by its neighbours."""
         groups: dict[Group, float] = {}
         for key, value in values:
-            if math.isnan(value):
-                continue
             old = groups.get(key)
-            groups[key] = value if old is None else (max(old, value) if pick == "max" else min(old, value))
+            if old is None or math.isnan(value):
+                groups[key] = value
+            elif not math.isnan(old):
+                groups[key] = max(old, value) if pick == "max" else min(old, value)
         return groups
 
     def counted(self, signal: Signal) -> float | None:
-        groups = self.per_group((self.group(s), s.value) for _, s in self.readings(signal))
+        groups = self.per_group((self.group(s), _count(s.value)) for _, s in self.readings(signal))
         return sum(groups.values()) if groups else None
 
     def kv_usage(self, aggregation: KvAggregation) -> float | None:
         pairs = self.readings("kv_usage")
-        usages = ((self.group(s), normalize_usage(s.value, r.unit)) for r, s in pairs)
-        groups = self.per_group((key, u) for key, u in usages if u is not None)
+        groups = self.per_group((self.group(s), normalize_usage(s.value, r.unit)) for r, s in pairs)
         if not groups:
             return None
         values = list(groups.values())
-        return max(values) if aggregation == "max" else sum(values) / len(values)
+        return _poisoned_max(values) if aggregation == "max" else sum(values) / len(values)
 
     def capacity(self) -> int | None:
         for source in self.profile.capacity:
             total = self._capacity_from(source)
-            if total is not None and total > 0 and math.isfinite(total):
-                return int(total)
+            if total is not None and total > 0:  # NaN or 0: unknown, try the next source
+                return int(min(total, 2.0**64))  # +inf and any absurd value: refused by `checked`
         return None
 
     def _capacity_from(self, source: CapacitySource) -> float | None:

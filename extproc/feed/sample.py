@@ -1,19 +1,32 @@
-"""The in-process form of one feed sample, and its conversion to and from the KvFeed protobuf.
+"""The in-process form of one feed sample, its validation, and its conversion to and from the KvFeed protobuf.
 
 Components pass `FeedSample` (a frozen dataclass with plain Python types) and convert at the gRPC edge
 only, so the parser, hub, aggregation and tests never depend on generated code.
+
+`checked(sample)` is the one rule for readings that cannot be true (NaN, ±inf, a negative usage or count,
+a capacity of 0 or beyond `MAX_KV_CAPACITY_TOKENS`): such a sample becomes a down sample with reason
+`invalid`, so its endpoint counts as missing (stale), never as a reading. Both ends apply it: the exporter
+after parsing a page, the sidecar on every sample off the wire (it does not trust the wire).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extproc.feed.engines import ServerKind
 from extproc.feed.parse import ModelSignals
 from extproc.feed.proto import feedback_pb2
 
 SampleKey = tuple[str, str, str]  # (node, endpoint, model)
+
+# The most KV tokens one endpoint can hold: 2^40 (1.1e12). The largest memory one inference server can front
+# today is a 72-GPU NVLink rack (GB200 NVL72, 72 x 192 GB = 13.8 TB of HBM); 2^40 tokens of it leave 12.6
+# bytes per token, while one token's K and V of even a one-layer model with a single 8-dim fp8 head take 16
+# bytes (2 x layers x kv_heads x head_dim x bytes). A capacity above this is a bug or a lie (2^64 - 1 made
+# the budget's headroom 7.4e18, so it never refused); it stays exact in a float (< 2^53) when summed.
+MAX_KV_CAPACITY_TOKENS = 2**40
+_COUNTS = ("requests_waiting", "requests_running", "preemptions_total")
 
 _KIND_TO_PB: dict[ServerKind, int] = {
     ServerKind.VLLM: feedback_pb2.SERVER_KIND_VLLM,
@@ -95,21 +108,62 @@ class FeedSample:
         )
 
 
+def problem(sample: FeedSample) -> str | None:
+    """Why an up sample's readings cannot be true (bounded text naming the field), None when plausible.
+
+    A KV usage above 1 is not a problem: it reads as a full cache (`checked` clamps it), the safe side.
+    """
+    if not sample.up:
+        return None
+    usage = sample.kv_usage
+    if usage is not None and not (math.isfinite(usage) and usage >= 0.0):
+        return f"kv_usage {usage!r}"
+    for field in _COUNTS:
+        value = getattr(sample, field)
+        if value is not None and not (math.isfinite(value) and value >= 0.0):
+            return f"{field} {value!r}"
+    capacity = sample.kv_capacity_tokens
+    if capacity is not None and not 0 < capacity <= MAX_KV_CAPACITY_TOKENS:
+        return f"kv_capacity_tokens {capacity} outside 1..2^40"
+    return None
+
+
+def checked(sample: FeedSample) -> FeedSample:
+    """The sample if its readings are plausible (a usage above 1 clamped to 1), else a down sample whose
+    error is `invalid: <field> <value>`: its endpoint is then missing from the pool, as after a failed
+    scrape."""
+    why = problem(sample)
+    if why is not None:
+        return FeedSample.down(
+            sample.node,
+            sample.endpoint,
+            sample.model,
+            sample.server_kind,
+            f"invalid: {why}",
+            sample.sample_time,
+            sample.scrape_duration_seconds,
+        )
+    if sample.kv_usage is not None and sample.kv_usage > 1.0:
+        return replace(sample, kv_usage=1.0)
+    return sample
+
+
 def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
     msg = feedback_pb2.KvSample(
         node=sample.node,
         endpoint=sample.endpoint,
         model=sample.model,
         server_kind=_KIND_TO_PB.get(sample.server_kind, 0) if sample.server_kind else 0,  # type: ignore[arg-type]
-        kv_capacity_tokens=max(0, sample.kv_capacity_tokens or 0),
         up=sample.up,
         error=sample.error,
         scrape_duration_seconds=sample.scrape_duration_seconds,
     )
-    for field in ("kv_usage", "requests_waiting", "requests_running", "preemptions_total"):
+    for field in ("kv_usage", *_COUNTS):
         value = getattr(sample, field)
-        if value is not None and not math.isnan(value):
+        if value is not None:
             setattr(msg, field, value)
+    if sample.kv_capacity_tokens is not None and 0 <= sample.kv_capacity_tokens < 2**64:
+        msg.kv_capacity_tokens = sample.kv_capacity_tokens
     seconds = math.floor(sample.sample_time)
     msg.sample_time.seconds = seconds
     msg.sample_time.nanos = min(999_999_999, int((sample.sample_time - seconds) * 1e9))
@@ -117,6 +171,8 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
 
 
 def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
+    """The sample as sent, impossible values included: pass it through `checked` before trusting it."""
+
     def opt(field: str) -> float | None:
         return float(getattr(msg, field)) if msg.HasField(field) else None
 
@@ -129,7 +185,7 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         requests_waiting=opt("requests_waiting"),
         requests_running=opt("requests_running"),
         preemptions_total=opt("preemptions_total"),
-        kv_capacity_tokens=int(msg.kv_capacity_tokens) or None,
+        kv_capacity_tokens=int(msg.kv_capacity_tokens) if msg.HasField("kv_capacity_tokens") else None,
         sample_time=msg.sample_time.seconds + msg.sample_time.nanos / 1e9,
         up=msg.up,
         error=msg.error,

@@ -1,8 +1,14 @@
 """Scrape one inference server's metrics page into feed samples, never raising for a bad target.
 
 Used by the exporter and, for simple setups without an exporter, directly by the sidecar's subscriber.
-A target that refuses, times out, answers non-200, sends more than `max_bytes` or garbage yields samples
-with up=false and a short reason, so subscribers stop trusting it at once.
+A target that refuses, times out, answers non-200, sends more than `max_bytes` (8 MiB), a page cut short,
+garbage or a reading no server can have (`sample.checked`) yields samples with up=false and a short reason,
+so subscribers stop trusting it at once.
+
+The page is read to its end as it arrives (a page over the network comes in many reads, and a big one of
+many models and adapters runs to megabytes), through `PageFilter`, which keeps only the lines the parser
+reads. Past `max_bytes` the scrape fails (`too_large`) at once; a body shorter than its framing says
+(`Content-Length`, chunked encoding) fails as `incomplete`, so no partial page is ever parsed.
 
 The served model name (the pool a sample belongs to) comes from the target's `model`, else from the
 page's model label. When the page has none (TGI) or only a placeholder (trtllm-serve's
@@ -22,10 +28,12 @@ from dataclasses import dataclass
 import aiohttp
 
 from extproc.feed.engines import EngineProfile, ServerKind
-from extproc.feed.parse import MetricsParseError, ModelNameMissing, ModelSignals, parse_metrics
-from extproc.feed.sample import FeedSample
+from extproc.feed.parse import MetricsParseError, ModelNameMissing, ModelSignals, PageFilter, parse_metrics
+from extproc.feed.sample import FeedSample, checked
 from extproc.feed.targets import Target
 
+# The largest metrics page read: 8 MiB, about 140 times a real vLLM 0.32 page (~58 KB) and room for pages of
+# many models, LoRA adapters and histograms (a 4 MB page is read whole).
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 MAX_MODEL_NAME = 256  # the same bound the sidecar puts on model names (limiter keys, metric labels)
 _MODELS_MAX_BYTES = 1024 * 1024
@@ -40,6 +48,7 @@ class ScrapeResult:
     duration: float
     reason: str | None = None
     error: str = ""
+    page_bytes: int = 0  # bytes of the metrics page read (up to the bound)
 
 
 class Scraper:
@@ -76,31 +85,44 @@ class Scraper:
 
     async def scrape(self, target: Target) -> ScrapeResult:
         start = self._mono()
+        page = _Page()
         try:
             async with asyncio.timeout(self._timeout):
-                text = await self._fetch(target)
-                signals = await self._parse(target, text)
+                await self._fetch(target, page)
+                signals = await self._parse(target, page.text())
         except TimeoutError:
-            return self._down(target, start, "timeout", f"no answer within {self._timeout:g}s")
+            return self._down(target, start, "timeout", f"no answer within {self._timeout:g}s", page)
         except _HttpStatusError as exc:
-            return self._down(target, start, "http_status", str(exc))
+            return self._down(target, start, "http_status", str(exc), page)
         except _TooLargeError as exc:
-            return self._down(target, start, "too_large", str(exc))
+            return self._down(target, start, "too_large", str(exc), page)
         except _NoModelError as exc:
-            return self._down(target, start, "no_model", str(exc)[:200])
+            return self._down(target, start, "no_model", str(exc)[:200], page)
         except MetricsParseError as exc:
-            return self._down(target, start, "parse", str(exc)[:200])
+            return self._down(target, start, "parse", str(exc)[:200], page)
+        except aiohttp.ClientPayloadError as exc:
+            return self._down(target, start, "incomplete", f"page cut short: {exc}"[:200], page)
         except (aiohttp.ClientError, OSError) as exc:
-            return self._down(target, start, "connect", f"{type(exc).__name__}: {exc}"[:200])
+            return self._down(target, start, "connect", f"{type(exc).__name__}: {exc}"[:200], page)
         except UnicodeDecodeError:
-            return self._down(target, start, "parse", "page is not UTF-8")
+            return self._down(target, start, "parse", "page is not UTF-8", page)
+        return self._up(target, start, signals, page)
+
+    def _up(
+        self, target: Target, start: float, signals: dict[str, ModelSignals], page: _Page
+    ) -> ScrapeResult:
+        """Samples of a parsed page; one holding an impossible reading is sent down (reason `invalid`)."""
         duration = self._mono() - start
         now = self._wall()
         samples = [
-            FeedSample.from_signals(self._node, target.endpoint, s, now, duration) for s in signals.values()
+            checked(FeedSample.from_signals(self._node, target.endpoint, s, now, duration))
+            for s in signals.values()
         ]
         self._models[target.endpoint] = tuple(sorted(signals))
-        return ScrapeResult(target, samples, duration)
+        bad = [s.error for s in samples if not s.up]
+        if bad:
+            return ScrapeResult(target, samples, duration, "invalid", bad[0][:200], page.size)
+        return ScrapeResult(target, samples, duration, page_bytes=page.size)
 
     async def _parse(self, target: Target, text: str) -> dict[str, ModelSignals]:
         """Signals per model; asks the engine's `/v1/models` when neither target nor page names one."""
@@ -118,30 +140,28 @@ class Scraper:
         """The first model id of the engine's OpenAI model list (one model per server in practice)."""
         url = target.sibling_url(path)
         why = f"the {profile.title} page names no served model and {url}"
+        body = bytearray()
         try:
             async with self._session.get(url, allow_redirects=False) as resp:
                 if resp.status != 200:
                     raise _NoModelError(f"{why} answered HTTP {resp.status}: set model on the target")
-                body = await resp.content.read(_MODELS_MAX_BYTES + 1)
-        except (aiohttp.ClientError, OSError) as exc:
+                await read_bounded(resp, _MODELS_MAX_BYTES, body.extend)
+        except (aiohttp.ClientError, OSError, _TooLargeError) as exc:
             raise _NoModelError(f"{why} failed ({type(exc).__name__}): set model on the target") from None
-        name = _first_model_id(body) if len(body) <= _MODELS_MAX_BYTES else None
+        name = _first_model_id(bytes(body))
         if name is None or name in profile.placeholder_models:
             raise _NoModelError(f"{why} lists no usable model id: set model on the target")
         return name
 
-    async def _fetch(self, target: Target) -> str:
+    async def _fetch(self, target: Target, page: _Page) -> None:
         async with self._session.get(
             target.url, headers={"Accept": "text/plain;version=0.0.4"}, allow_redirects=False
         ) as resp:
             if resp.status != 200:
                 raise _HttpStatusError(f"HTTP {resp.status}")
-            body = await resp.content.read(self._max_bytes + 1)
-            if len(body) > self._max_bytes:
-                raise _TooLargeError(f"page larger than {self._max_bytes} bytes")
-            return body.decode("utf-8")
+            await read_bounded(resp, self._max_bytes, page.feed)
 
-    def _down(self, target: Target, start: float, reason: str, error: str) -> ScrapeResult:
+    def _down(self, target: Target, start: float, reason: str, error: str, page: _Page) -> ScrapeResult:
         if reason in ("connect", "timeout", "http_status"):
             self._api_models.pop(target.endpoint, None)  # a restarted server may serve another model
         duration = self._mono() - start
@@ -151,7 +171,36 @@ class Scraper:
             FeedSample.down(self._node, target.endpoint, model, kind, f"{reason}: {error}", now, duration)
             for model in self.known_models(target)
         ]
-        return ScrapeResult(target, samples, duration, reason, error)
+        return ScrapeResult(target, samples, duration, reason, error, page.size)
+
+
+class _Page(PageFilter):
+    """The page being read, and how many bytes of it arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        super().feed(chunk)
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int, sink: Callable[[bytes], None]) -> int:
+    """Hand the whole body to `sink` chunk by chunk as it arrives; the byte count read.
+
+    Raises `_TooLargeError` as soon as the body (or its announced `Content-Length`) passes `limit`, and
+    aiohttp's `ClientPayloadError` when the body ends before its framing says it does.
+    """
+    if resp.content_length is not None and resp.content_length > limit:
+        raise _TooLargeError(f"page of {resp.content_length} bytes is over the {limit}-byte bound")
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLargeError(f"page larger than the {limit}-byte bound")
+        sink(chunk)
+    return size
 
 
 def _first_model_id(body: bytes) -> str | None:

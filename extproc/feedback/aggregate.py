@@ -4,7 +4,9 @@ A pool is every endpoint serving the same model name. Its KV usage is the max ov
 default (the fullest server preempts first, and the sidecar cannot steer requests away from it), the mean
 as an option; waiting, running, KV capacity and KV tokens in use (usage x capacity per endpoint) are
 summed. Samples that are down (up=false) or older than the staleness window (by the sidecar's own receive
-time, so exporter clock skew cannot fake freshness) are excluded. A pool with no fresh sample is stale.
+time, so exporter clock skew cannot fake freshness) are excluded, and so is any sample holding a reading no
+server can have (`sample.problem`; the subscriber already stores those as down): one endpoint's NaN cannot
+make the pool's aggregate NaN. A pool with no fresh sample is stale.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.feed.sample import FeedSample
+from extproc.feed.sample import FeedSample, problem
 
 KvMode = Literal["max", "mean"]
 
@@ -56,18 +58,18 @@ def aggregate(
         known[pool] = known.get(pool, 0) + 1
         fresh.setdefault(pool, [])
         age = now - stored.received_at
-        if stored.sample.up and age <= stale_after(pool):
+        if stored.sample.up and age <= stale_after(pool) and problem(stored.sample) is None:
             fresh[pool].append(stored)
 
     out: dict[str, PoolSnapshot] = {}
     for pool, items in fresh.items():
-        usages = [s.sample.kv_usage for s in items if s.sample.kv_usage is not None]
+        usages = [min(1.0, s.sample.kv_usage) for s in items if s.sample.kv_usage is not None]
         kv: float | None = None
         if usages:
             kv = max(usages) if kv_mode == "max" else sum(usages) / len(usages)
         caps = [s.sample.kv_capacity_tokens for s in items if s.sample.kv_capacity_tokens]
         used = [
-            s.sample.kv_usage * s.sample.kv_capacity_tokens
+            min(1.0, s.sample.kv_usage) * s.sample.kv_capacity_tokens
             for s in items
             if s.sample.kv_usage is not None and s.sample.kv_capacity_tokens
         ]

@@ -35,6 +35,13 @@ class FeedbackMetrics:
             "extproc_feed_stale", "1 when the pool has no fresh sample.", ["pool"], registry=registry
         )
         self.samples = Counter("extproc_feed_samples", "Feed samples received.", registry=registry)
+        self.invalid_samples = Counter(
+            "extproc_feed_invalid_samples",
+            "Feed samples refused for a reading no server can have (NaN, inf, negative, a capacity of 0 or "
+            "above 2^40 tokens), by the field that held it; the endpoint counts as missing.",
+            ["field"],
+            registry=registry,
+        )
         self.reconnects = Counter(
             "extproc_feed_reconnects",
             "Feed stream (re)connection attempts after a failure.",

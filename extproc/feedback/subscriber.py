@@ -9,6 +9,11 @@ and resolver are injectable so tests run without waiting.
 Without exporters (a single-node setup) the subscriber can scrape inference servers directly with the
 exporter's scraper.
 
+The sidecar does not trust the wire: every sample goes through `sample.checked` on arrival, so one holding
+a reading no server can have (NaN, ±inf, a negative usage or count, a capacity of 0 or above 2^40 tokens)
+is stored as a down sample (its endpoint missing from the pool), counted in
+`extproc_feed_invalid_samples_total{field}` and logged at most every 30 s per endpoint.
+
 Freshness is judged by receive time on the sidecar's clock. A sample whose exporter timestamp is not newer
 than the one already stored (the exporter replaying its cache after a reconnect) does not refresh it.
 """
@@ -28,7 +33,7 @@ import grpc
 
 from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
 from extproc.feed.ratelimit import RateLimitedLog
-from extproc.feed.sample import FeedSample, SampleKey, from_proto
+from extproc.feed.sample import FeedSample, SampleKey, checked, from_proto
 from extproc.feed.scraper import Scraper
 from extproc.feedback.aggregate import StoredSample
 from extproc.feedback.metrics import FeedbackMetrics
@@ -96,7 +101,9 @@ class FeedSubscriber:
     # -- store -------------------------------------------------------------------------------------------
 
     def ingest(self, sample: FeedSample) -> None:
-        """Store a sample (newest wins) and notify. Replayed samples do not refresh freshness."""
+        """Store a sample (newest wins) and notify. Replayed samples do not refresh freshness; one with an
+        impossible reading is stored as down."""
+        sample = self._checked(sample)
         now = self._clock()
         prev = self._store.get(sample.key)
         if prev is not None and sample.sample_time <= prev.sample.sample_time and sample.up == prev.sample.up:
@@ -107,6 +114,27 @@ class FeedSubscriber:
             self._metrics.samples.inc()
         if self._on_sample is not None:
             self._on_sample(sample)
+
+    def _checked(self, sample: FeedSample) -> FeedSample:
+        safe = checked(sample)
+        if safe.up or not sample.up:
+            return safe
+        field = safe.error.removeprefix("invalid: ").partition(" ")[0]
+        if self._metrics is not None:
+            self._metrics.invalid_samples.labels(field).inc()
+        allowed, suppressed = self._ratelimit.allow(("invalid", sample.endpoint))
+        if allowed:
+            log.warning(
+                "feed sample refused, endpoint taken as missing",
+                extra={
+                    "node": sample.node,
+                    "endpoint": sample.endpoint,
+                    "model": sample.model,
+                    "error": safe.error,
+                    "suppressed": suppressed,
+                },
+            )
+        return safe
 
     def samples(self) -> list[StoredSample]:
         return list(self._store.values())

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
+from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
 from extproc.stack import PROFILES, LocalStack, Ports
-from tests.e2e.conftest import Stack, fixed_step_sim
+from tests.e2e.conftest import Stack, fixed_step_sim, http
 
 MODEL = "llama-3-8b"
 BASE_SLOTS = 10
@@ -235,3 +241,82 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
             sock.close()
         wait_for(lambda: stack.sidecar("extproc_kv_demand_tokens", pool=MODEL) == 0, 5, "demand released")
         local.stop()
+
+
+class FakeFeed:
+    """A KvFeed server in this process streaming, every 0.1 s, whatever `samples` holds now: a stand-in for
+    an exporter (or anything speaking the protocol) that sends readings no server can have."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        feedback_pb2_grpc.add_KvFeedServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+
+    def Watch(self, request: Any, context: grpc.ServicerContext) -> Iterator[feedback_pb2.KvSample]:
+        while not self._stop.is_set() and context.is_active():
+            for endpoint, fields in list(self.samples.items()):
+                msg = feedback_pb2.KvSample(node="gpu-1", endpoint=endpoint, model=MODEL, up=True, **fields)
+                msg.sample_time.FromNanoseconds(time.time_ns())
+                yield msg
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._server.stop(grace=1).wait(5)
+
+
+def test_impossible_feed_values_are_missing_samples_not_readings() -> None:
+    """NaN on endpoint A beside 0.95 on B: the pool reads B, scale 0.6 (the fault run saw NaN and 1.0); with
+    nothing plausible left (usage -0.5, a capacity of 2^64 - 1) the pool is stale at the safe scale and the
+    KV budget keeps its last real capacity (the fault run saw a headroom of 7.4e18)."""
+    feed = FakeFeed()
+    config = {
+        **CONFIG,
+        "feedback": {"exporters": [f"127.0.0.1:{feed.port}"]},
+        "kv_budget": {"enabled": True, "target_utilization": 0.9},
+    }
+    local = LocalStack(ports=Ports.free(), sidecar_config=config, sim_args=SIM_ARGS)
+    cap = 4096
+    try:
+        feed.samples = {
+            "10.0.0.1:8000": {"kv_usage": 0.1, "kv_capacity_tokens": cap},
+            "10.0.0.2:8000": {"kv_usage": 0.1, "kv_capacity_tokens": cap},
+        }
+        local.start()
+        stack = Stack(local)
+        wait_for(lambda: scale(stack) == 1.0, 20, "scale at 1.0")
+        assert stack.sidecar("extproc_kv_capacity_tokens", pool=MODEL) == 2 * cap
+
+        feed.samples = {
+            "10.0.0.1:8000": {"kv_usage": math.nan, "kv_capacity_tokens": cap},
+            "10.0.0.2:8000": {"kv_usage": 0.95, "kv_capacity_tokens": cap},
+        }
+        wait_for(lambda: scale(stack) == pytest.approx(0.6), 5, "scale 0.6 from endpoint B")
+        assert stack.sidecar("extproc_kv_usage_ratio", pool=MODEL) == pytest.approx(0.95)
+        assert stack.sidecar("extproc_feed_stale", pool=MODEL) == 0
+        assert stack.sidecar(LIMIT, key=f"model:{MODEL}") == int(BASE_SLOTS * 0.6)
+        assert stack.sidecar("extproc_kv_capacity_tokens", pool=MODEL) == cap  # B's alone
+        assert stack.sidecar("extproc_feed_invalid_samples_total", field="kv_usage") >= 1
+
+        feed.samples = {
+            "10.0.0.1:8000": {"kv_usage": 0.1, "kv_capacity_tokens": 2**64 - 1},
+            "10.0.0.2:8000": {"kv_usage": -0.5, "kv_capacity_tokens": cap},
+        }
+        wait_for(lambda: stack.sidecar("extproc_feed_stale", pool=MODEL) == 1, 5, "pool stale")
+        assert scale(stack) == pytest.approx(0.6)
+        assert stack.sidecar("extproc_feed_invalid_samples_total", field="kv_capacity_tokens") >= 1
+        headroom = stack.sidecar("extproc_kv_headroom_tokens", pool=MODEL)
+        assert headroom <= cap * 0.9, headroom
+        # The gateway still answers, at the safe limits.
+        reply = http(
+            "POST",
+            f"{stack.url}/v1/chat/completions",
+            {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert reply.status == 200, reply.body
+    finally:
+        local.stop()
+        feed.stop()

@@ -134,3 +134,39 @@ async def eventually(probe: Callable[[], Any], deadline_s: float = 10.0) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met before the deadline")
         await asyncio.sleep(0.05)
+
+
+class TrickleServer(_HttpServer):
+    """Serves `page` at /metrics in writes of `chunk` bytes, each drained before the next, as a page
+    arrives over a real network in many reads.
+
+    `length` announces a Content-Length (None: chunked encoding); `cut_after` closes the connection after
+    that many bytes, a page cut short.
+    """
+
+    def __init__(self, page: bytes, chunk: int, *, length: int | None = None, cut_after: int | None = None):
+        super().__init__()
+        self.page = page
+        self.chunk = chunk
+        self.length = length
+        self.cut_after = cut_after
+        self.app.router.add_get("/metrics", self._metrics)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain; version=0.0.4"})
+        if self.length is not None:
+            resp.content_length = self.length
+        await resp.prepare(request)
+        end = len(self.page) if self.cut_after is None else self.cut_after
+        for start in range(0, end, self.chunk):
+            await resp.write(self.page[start : min(end, start + self.chunk)])
+        if self.cut_after is not None:
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        await resp.write_eof()
+        return resp

@@ -6,6 +6,7 @@ Engine pages and the numbers they must yield are in test_engine_fixtures.py.
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import pytest
@@ -92,18 +93,20 @@ def test_ratio_above_one_is_clamped_not_divided() -> None:
         (0.45, "percent", 0.45),
         (100.0, "percent", 1.0),
         (0.3, "ratio", 0.3),
-        (-2.0, "ratio", 0.0),
+        (-2.0, "ratio", math.nan),
+        (math.inf, "percent", math.nan),
     ],
 )
 def test_normalize_usage(value: float, unit: str, expected: float) -> None:
-    assert normalize_usage(value, unit) == pytest.approx(expected)  # type: ignore[arg-type]
+    assert normalize_usage(value, unit) == pytest.approx(expected, nan_ok=True)  # type: ignore[arg-type]
 
 
-def test_nan_usage_is_dropped() -> None:
+def test_nan_usage_is_kept_for_the_sample_check_to_refuse() -> None:
     out = parse_metrics(
         'vllm:kv_cache_usage_perc{model_name="m"} NaN\nvllm:num_requests_waiting{model_name="m"} 1\n'
     )
-    assert out["m"].kv_usage is None and out["m"].requests_waiting == 1
+    kv = out["m"].kv_usage
+    assert kv is not None and math.isnan(kv) and out["m"].requests_waiting == 1
 
 
 def test_labels_with_escapes_commas_and_timestamps() -> None:
