@@ -74,6 +74,7 @@ class Sidecar:
                 kv_budget=self.feedback.budget,
                 budget_changed=self.feedback.budget_changed,
                 kv_usage=self.feedback.kv_usage,
+                served_as=self.feedback.served_as,
                 queue=self.queue,
                 settle_executor=self.settle_executor,
             )

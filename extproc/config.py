@@ -156,6 +156,7 @@ class FeedbackConfig:
 
     subscriber: SubscriberConfig | None = None
     kv_aggregation: str = "max"
+    unserved_models: str = "refuse"  # refuse | admit: names a listing engine does not serve
     adaptive_default: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     adaptive_pools: Mapping[str, AdaptiveConfig] = field(default_factory=dict)
     kv_budget: KvBudgetConfig = field(default_factory=KvBudgetConfig)
@@ -543,6 +544,9 @@ def _feedback(root: _Section) -> FeedbackConfig:
     aggregation = fb.string("kv_aggregation", "max") or "max"
     if aggregation not in ("max", "mean"):
         raise ConfigError(f"{fb.key('kv_aggregation')}: must be max or mean, got {aggregation!r}")
+    unserved = fb.string("unserved_models", "refuse") or "refuse"
+    if unserved not in ("refuse", "admit"):
+        raise ConfigError(f"{fb.key('unserved_models')}: must be refuse or admit, got {unserved!r}")
     resolve = fb.number("resolve_interval_seconds", 10.0, minimum=0.1)
     subscriber: SubscriberConfig | None = None
     if exporters or service or targets:
@@ -596,6 +600,7 @@ def _feedback(root: _Section) -> FeedbackConfig:
     return FeedbackConfig(
         subscriber=subscriber,
         kv_aggregation=aggregation,
+        unserved_models=unserved,
         adaptive_default=default,
         adaptive_pools=pools,
         kv_budget=budget,

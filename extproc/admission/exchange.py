@@ -384,12 +384,13 @@ class Exchange:
             parsed = await service.lanes.run(self.tokenizer_lane, parse, self.api, raw)
         else:
             parsed = parse_request(self.api, raw, allow_stored_context=stored)
-        policy = config.model_policy(parsed.model)
-        if policy is None:
+        served_as = service.deps.served_as(parsed.model, config)
+        policy = config.model_policy(served_as) if served_as is not None else None
+        if served_as is None or policy is None:
             raise AdmissionError(
                 404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
             )
-        self.pool = config.pool_of(parsed.model)
+        self.pool = config.pool_of(served_as)
         self.model_label = config.model_label(self.pool)
         self._policy = policy
         self._check_template(parsed, config)

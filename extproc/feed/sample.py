@@ -12,6 +12,7 @@ after parsing a page, the sidecar on every sample off the wire (it does not trus
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from extproc.feed.engines import ServerKind
@@ -26,6 +27,8 @@ SampleKey = tuple[str, str, str]  # (node, endpoint, model)
 # bytes (2 x layers x kv_heads x head_dim x bytes). A capacity above this is a bug or a lie (2^64 - 1 made
 # the budget's headroom 7.4e18, so it never refused); it stays exact in a float (< 2^53) when summed.
 MAX_KV_CAPACITY_TOKENS = 2**40
+MAX_MODEL_NAME = 256  # the bound the sidecar puts on a request's model name (limiter keys, metric labels)
+MAX_SERVED_NAMES = 1024  # per model and endpoint: aliases and LoRA adapters, far more than a server loads
 _COUNTS = ("requests_waiting", "requests_running", "preemptions_total")
 
 _KIND_TO_PB: dict[ServerKind, int] = {
@@ -55,6 +58,7 @@ class FeedSample:
     up: bool
     error: str = ""
     scrape_duration_seconds: float = 0.0
+    served_names: tuple[str, ...] = ()  # from the server's /v1/models: this model, aliases, adapters
 
     @property
     def key(self) -> SampleKey:
@@ -62,7 +66,13 @@ class FeedSample:
 
     @classmethod
     def from_signals(
-        cls, node: str, endpoint: str, signals: ModelSignals, sample_time: float, duration: float
+        cls,
+        node: str,
+        endpoint: str,
+        signals: ModelSignals,
+        sample_time: float,
+        duration: float,
+        served_names: tuple[str, ...] = (),
     ) -> FeedSample:
         return cls(
             node=node,
@@ -77,6 +87,7 @@ class FeedSample:
             sample_time=sample_time,
             up=True,
             scrape_duration_seconds=duration,
+            served_names=served_names,
         )
 
     @classmethod
@@ -144,8 +155,22 @@ def checked(sample: FeedSample) -> FeedSample:
             sample.scrape_duration_seconds,
         )
     if sample.kv_usage is not None and sample.kv_usage > 1.0:
-        return replace(sample, kv_usage=1.0)
-    return sample
+        sample = replace(sample, kv_usage=1.0)
+    names = plausible_names(sample.served_names)
+    return sample if names == sample.served_names else replace(sample, served_names=names)
+
+
+def plausible_names(names: Iterable[str]) -> tuple[str, ...]:
+    """Served names that can be model names (1..256 printable characters, the sidecar's own bound on a
+    request's model), without repeats, at most `MAX_SERVED_NAMES`: a server cannot grow the sidecar's
+    memory by listing."""
+    out: dict[str, None] = {}
+    for name in names:
+        if 0 < len(name) <= MAX_MODEL_NAME and name.isprintable():
+            out[name] = None
+            if len(out) == MAX_SERVED_NAMES:
+                break
+    return tuple(out)
 
 
 def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
@@ -157,6 +182,7 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
         up=sample.up,
         error=sample.error,
         scrape_duration_seconds=sample.scrape_duration_seconds,
+        served_names=list(sample.served_names),
     )
     for field in ("kv_usage", *_COUNTS):
         value = getattr(sample, field)
@@ -190,4 +216,5 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         up=msg.up,
         error=msg.error,
         scrape_duration_seconds=msg.scrape_duration_seconds,
+        served_names=tuple(msg.served_names),
     )

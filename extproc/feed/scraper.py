@@ -10,6 +10,11 @@ many models and adapters runs to megabytes), through `PageFilter`, which keeps o
 reads. Past `max_bytes` the scrape fails (`too_large`) at once; a body shorter than its framing says
 (`Content-Length`, chunked encoding) fails as `incomplete`, so no partial page is ever parsed.
 
+For engines whose model list is known (`EngineProfile.served_names_path`: vLLM), the list is read every
+`LIST_REFRESH_S` (10 s) per endpoint, after the page and under its own timeout, and every sample carries the
+names its pool is served under (`listing.names_by_pool`: aliases, LoRA adapters). A list that cannot be
+read keeps the last one read; an endpoint that fails is asked again when it returns.
+
 The served model name (the pool a sample belongs to) comes from the target's `model`, else from the
 page's model label. When the page has none (TGI) or only a placeholder (trtllm-serve's
 `model_name="undefined"`), the engine's OpenAI `/v1/models` on the same host:port is asked once and the
@@ -27,16 +32,17 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.feed.engines import EngineProfile, ServerKind
+from extproc.feed.engines import PROFILES, EngineProfile, ServerKind
+from extproc.feed.listing import names_by_pool, parse_model_list
 from extproc.feed.parse import MetricsParseError, ModelNameMissing, ModelSignals, PageFilter, parse_metrics
-from extproc.feed.sample import FeedSample, checked
+from extproc.feed.sample import MAX_MODEL_NAME, FeedSample, checked
 from extproc.feed.targets import Target
 
 # The largest metrics page read: 8 MiB, about 140 times a real vLLM 0.32 page (~58 KB) and room for pages of
 # many models, LoRA adapters and histograms (a 4 MB page is read whole).
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
-MAX_MODEL_NAME = 256  # the same bound the sidecar puts on model names (limiter keys, metric labels)
 _MODELS_MAX_BYTES = 1024 * 1024
+LIST_REFRESH_S = 10.0  # adapters are loaded and unloaded at run time (vLLM's /v1/load_lora_adapter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +79,12 @@ class Scraper:
         self._mono = monotonic
         self._models: dict[str, tuple[str, ...]] = {}
         self._api_models: dict[str, str] = {}
+        self._listings: dict[str, tuple[float, dict[str, tuple[str, ...]]]] = {}  # endpoint: (read at, names)
 
     def forget(self, target: Target) -> None:
         self._models.pop(target.endpoint, None)
         self._api_models.pop(target.endpoint, None)
+        self._listings.pop(target.endpoint, None)
 
     def known_models(self, target: Target) -> tuple[str, ...]:
         if target.model is not None:
@@ -106,16 +114,26 @@ class Scraper:
             return self._down(target, start, "connect", f"{type(exc).__name__}: {exc}"[:200], page)
         except UnicodeDecodeError:
             return self._down(target, start, "parse", "page is not UTF-8", page)
-        return self._up(target, start, signals, page)
+        served = await self._served_names(target, signals)
+        return self._up(target, start, signals, page, served)
 
     def _up(
-        self, target: Target, start: float, signals: dict[str, ModelSignals], page: _Page
+        self,
+        target: Target,
+        start: float,
+        signals: dict[str, ModelSignals],
+        page: _Page,
+        served: dict[str, tuple[str, ...]],
     ) -> ScrapeResult:
         """Samples of a parsed page; one holding an impossible reading is sent down (reason `invalid`)."""
         duration = self._mono() - start
         now = self._wall()
         samples = [
-            checked(FeedSample.from_signals(self._node, target.endpoint, s, now, duration))
+            checked(
+                FeedSample.from_signals(
+                    self._node, target.endpoint, s, now, duration, served.get(s.model, ())
+                )
+            )
             for s in signals.values()
         ]
         self._models[target.endpoint] = tuple(sorted(signals))
@@ -135,6 +153,35 @@ class Scraper:
             name = await self._lookup_model(target, exc.profile, exc.profile.model_api_path)
             self._api_models[target.endpoint] = name
             return parse_metrics(text, exc.profile.kind, model=name)
+
+    async def _served_names(
+        self, target: Target, signals: dict[str, ModelSignals]
+    ) -> dict[str, tuple[str, ...]]:
+        """Names per pool from the engine's model list, read again every LIST_REFRESH_S; the last list
+        read (or none) when it cannot be read now. Never raises."""
+        kind = next(iter(signals.values())).kind if signals else target.kind
+        path = PROFILES[kind].served_names_path if kind is not None else None
+        if path is None:
+            return {}
+        read_at, names = self._listings.get(target.endpoint, (None, {}))
+        now = self._mono()
+        if read_at is not None and now - read_at < LIST_REFRESH_S and set(names) == set(signals):
+            return names
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self._timeout):
+                async with self._session.get(target.sibling_url(path), allow_redirects=False) as resp:
+                    if resp.status != 200:
+                        return names
+                    await read_bounded(resp, _MODELS_MAX_BYTES, body.extend)
+        except (TimeoutError, aiohttp.ClientError, OSError, _TooLargeError):
+            return names
+        cards = parse_model_list(bytes(body))
+        if cards is None:
+            return names
+        names = names_by_pool(cards, list(signals))
+        self._listings[target.endpoint] = (now, names)
+        return names
 
     async def _lookup_model(self, target: Target, profile: EngineProfile, path: str) -> str:
         """The first model id of the engine's OpenAI model list (one model per server in practice)."""
@@ -164,6 +211,7 @@ class Scraper:
     def _down(self, target: Target, start: float, reason: str, error: str, page: _Page) -> ScrapeResult:
         if reason in ("connect", "timeout", "http_status"):
             self._api_models.pop(target.endpoint, None)  # a restarted server may serve another model
+            self._listings.pop(target.endpoint, None)
         duration = self._mono() - start
         now = self._wall()
         kind: ServerKind | None = target.kind

@@ -8,6 +8,7 @@ Evaluation happens on the event loop: at once for the pool of each arriving samp
 within one scrape), and for every pool on a periodic tick (so staleness and gradual recovery advance with
 no samples arriving). `on_update` runs only when a pool's state changed (ignoring `updated_at`);
 `on_sample(pool, snapshot, now)` runs for every fresh sample that arrives (the KV budget's engine reading).
+`served` maps the names the engines serve (aliases, LoRA adapters) to their pools.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, Controller
 from extproc.feed.sample import FeedSample
 from extproc.feedback.aggregate import KvMode, PoolSnapshot, aggregate
 from extproc.feedback.metrics import FeedbackMetrics
+from extproc.feedback.served import ServedNames
 from extproc.feedback.settings import SubscriberConfig
 from extproc.feedback.subscriber import FeedSubscriber, Sleeper
 
@@ -71,6 +73,7 @@ class FeedbackLoop:
         self._controllers: dict[str, AdaptiveController] = {}
         self._snapshots: dict[str, PoolSnapshot] = {}
         self._tick_task: asyncio.Task[None] | None = None
+        self.served = ServedNames(subscriber.forget_after)
         self.subscriber = FeedSubscriber(
             subscriber, clock=clock, on_sample=self._on_sample, sleeper=sleeper, metrics=metrics
         )
@@ -145,6 +148,7 @@ class FeedbackLoop:
         return ctl
 
     def _on_sample(self, sample: FeedSample) -> None:
+        self.served.observe(sample, self._clock())
         self.evaluate({sample.model})
         snap = self._snapshots.get(sample.model)
         if self._on_fresh is None or snap is None or snap.stale or not sample.up:
@@ -159,6 +163,7 @@ class FeedbackLoop:
             await asyncio.sleep(self._tick_interval)
             try:
                 self.subscriber.prune(self._clock())
+                self.served.prune(self._clock())
                 self.evaluate()
             except Exception:
                 log.exception("feedback tick failed")

@@ -7,6 +7,11 @@ the servers publish, and refuses requests that would push it past the target uti
 sample gives the budget the engine's own KV reading (`observe_engine`); when the pool goes stale the budget
 keeps the last known capacity and books whole lifetimes again until samples return.
 
+Served names: an engine that lists its names (vLLM's `/v1/models`) has its aliases and LoRA adapters mapped
+to its pool (`served_as`), so they count against the base model's `limits.models.<pool>` and KV budget; a
+name neither the config nor any listing names is refused (404 `model_not_found`) unless
+`feedback.unserved_models: admit`. A name the config names keeps its static `models.<name>.pool`.
+
 A config reload that changes the feed or the controller settings restarts the loop; until the new loop
 has fresh samples its pools sit at the stale scale, never at full limits.
 """
@@ -19,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
-from extproc.config import FeedbackConfig
+from extproc.config import DEFAULT_MODEL, Config, FeedbackConfig
 from extproc.core.adaptive import ControllerState
 from extproc.core.kv_budget import Booking, KvBudget
 from extproc.feedback.aggregate import PoolSnapshot
@@ -144,6 +149,24 @@ class FeedbackRuntime:
                 budget.set_capacity(self.loop.capacity_tokens(pool))
             self._budgets[pool] = budget
         return budget
+
+    def served_as(self, model: str, config: Config) -> str | None:
+        """The name whose model policy and pool a request for `model` uses; None: refuse it as unserved.
+
+        The config first (a configured name keeps its static `pool`, for engines that do not list), then
+        the engines' lists in the feed (an alias or adapter uses its base pool), then, when some engine
+        lists and unserved names are refused, None; otherwise the name itself (the `models."*"` pool).
+        """
+        if model != DEFAULT_MODEL and (model in config.models or model in config.limits.models):
+            return model
+        if self.loop is None:
+            return model
+        pool = self.loop.served.pool_of(model)
+        if pool is not None:
+            return pool
+        if config.feedback.unserved_models == "refuse" and self.loop.served.listing:
+            return None
+        return model
 
     def kv_usage(self, pool: str) -> float | None:
         """The pool's current aggregated KV usage; None without a fresh sample."""

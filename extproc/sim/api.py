@@ -110,18 +110,36 @@ def build_app(config: SimConfig, engine: Engine | None = None) -> web.Applicatio
 
 
 async def _models(request: web.Request) -> web.Response:
+    """vLLM 0.32.0's model list (`vllm/entrypoints/openai/models/serving.py` `show_available_models`, cards
+    of `vllm/entrypoints/serve/engine/protocol.py` `ModelCard`): one card per `--served-model-name`, each
+    with `root` = the model path and `parent` null, then one per LoRA adapter with `root` = its path and
+    `parent` = its base model's name (the first served name when none was given)."""
     state = request.app[STATE_KEY]
-    name = state.config.model
-    card = {
+    cfg = state.config
+    cards = [
+        _card(name, state.created, root=cfg.model, max_model_len=cfg.max_model_len)
+        for name in (cfg.model, *cfg.aliases)
+    ]
+    cards += [
+        _card(name, state.created, root=f"/adapters/{name}", parent=cfg.model) for name in cfg.lora_adapters
+    ]
+    return web.json_response({"object": "list", "data": cards})
+
+
+def _card(
+    name: str, created: int, *, root: str, parent: str | None = None, max_model_len: int | None = None
+) -> dict[str, Any]:
+    permission = {"id": f"modelperm-{name}", "object": "model_permission", "created": created}
+    return {
         "id": name,
         "object": "model",
-        "created": state.created,
+        "created": created,
         "owned_by": "vllm",
-        "root": name,
-        "parent": None,
-        "max_model_len": state.config.max_model_len,
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+        "permission": [permission],
     }
-    return web.json_response({"object": "list", "data": [card]})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -188,7 +206,7 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
     engine = state.engine
     try:
         body = await _read_body(request)
-        req = parser(body, request.headers.get(OUTPUT_TOKENS_HEADER), cfg.model)
+        req = parser(body, request.headers.get(OUTPUT_TOKENS_HEADER), cfg.served_name(body))
         prompts = await asyncio.to_thread(count_prompts, req, cfg.encoding)
         for p in prompts:
             check_context(p, req.max_tokens, cfg.max_model_len)
@@ -318,7 +336,7 @@ async def _pool(request: web.Request) -> web.Response:
     cfg = state.config
     try:
         body = await _read_body(request)
-        prompts = await asyncio.to_thread(pooling_prompts, body, cfg.model, cfg.encoding)
+        prompts = await asyncio.to_thread(pooling_prompts, body, cfg.served_name(body), cfg.encoding)
         for p in prompts:
             if p > cfg.max_model_len:
                 raise bad_request(

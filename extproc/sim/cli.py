@@ -35,6 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=d.host, help="address to listen on")
     s.add_argument("--port", type=int, default=d.port, help="TCP port (0 = pick a free port)")
     s.add_argument("--model", default=d.model, help="served model name (model_name label, /v1/models id)")
+    s.add_argument(
+        "--served-model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another served name of the model (vLLM's further --served-model-name values); repeatable",
+    )
+    s.add_argument(
+        "--lora-adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter of the model, listed at /v1/models with parent=--model; repeatable",
+    )
     s.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
 
     c = p.add_argument_group("KV cache and model geometry")
@@ -154,6 +168,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         host=args.host,
         port=args.port,
         model=args.model,
+        aliases=tuple(args.served_model_alias),
+        lora_adapters=tuple(args.lora_adapter),
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,

@@ -24,6 +24,10 @@ class SimConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "llama-3-8b"
+    # More `--served-model-name` values (vLLM serves every name; its metrics carry the first, `model`) and
+    # LoRA adapters (`--lora-modules name=path`) of the base model: all listed at /v1/models and accepted.
+    aliases: tuple[str, ...] = ()
+    lora_adapters: tuple[str, ...] = ()
     max_model_len: int = 8192
     block_size: int = DEFAULT_BLOCK_SIZE
     num_gpu_blocks: int | None = None  # None: derive from geometry
@@ -40,6 +44,14 @@ class SimConfig:
     output_len_sigma: float = 1.0
     legacy_kv_metric: LegacyKvMetric = LegacyKvMetric.OFF
     encoding: str = DEFAULT_ENCODING
+
+    def served_name(self, body: object) -> str:
+        """The request's `model` when this server serves it (base name, alias, adapter), else `model`, so
+        that the parsers' check answers a name it does not serve with vLLM's 404."""
+        requested = body.get("model") if isinstance(body, dict) else None
+        if requested in (*self.aliases, *self.lora_adapters):
+            return str(requested)
+        return self.model
 
     def resolved_num_gpu_blocks(self) -> int:
         if self.num_gpu_blocks is not None:

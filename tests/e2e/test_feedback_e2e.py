@@ -320,3 +320,75 @@ def test_impossible_feed_values_are_missing_samples_not_readings() -> None:
     finally:
         local.stop()
         feed.stop()
+
+
+ALIAS = "meta-llama/Meta-Llama-3-8B-Instruct"
+ADAPTER = "sql-lora"
+SERVED_CONFIG: dict[str, Any] = {
+    "models": {"*": {"context_window": 2048, "default_max_tokens": 256}},
+    "limits": {"models": {MODEL: {"max_concurrency": 2}}},
+    "adaptive": {"recovery_per_second": 1.0, "stale_after_seconds": 2.0},
+}
+# A 50 ms decode step: a 200-token answer streams for 10 s, holding its slot while the test looks.
+SERVED_SIM_ARGS = [
+    *fixed_step_sim(MODEL, 50, "--num-gpu-blocks", "256", "--max-model-len", "2048"),
+    *("--served-model-alias", ALIAS, "--lora-adapter", ADAPTER),
+]
+
+
+def open_stream(stack: Stack, model: str) -> tuple[socket.socket, bytes]:
+    """A streamed chat request through Envoy, left open; its first bytes (status line and headers)."""
+    host, port = stack.url.removeprefix("http://").split(":")
+    body = json.dumps(
+        {"model": model, "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    ).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock, sock.recv(65536)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_engine_served_aliases_and_adapters_share_the_base_limit_and_unserved_names_are_refused(
+    profile: str,
+) -> None:
+    """The simulator serves `llama-3-8b` also as a --served-model-name alias and a LoRA adapter, listed at
+    /v1/models as vLLM 0.32 lists them. The config names only the base model's 2-slot limit: a stream through
+    the alias and one through the adapter take both slots, so a third request by the base name is refused;
+    a name the engine does not serve is refused by the gateway without reaching the engine."""
+    local = LocalStack(
+        ports=Ports.free(),
+        sidecar_config=SERVED_CONFIG,
+        sim_args=SERVED_SIM_ARGS,
+        with_exporter=True,
+        profile=profile,
+    )
+    local.start()
+    stack = Stack(local)
+    socks: list[socket.socket] = []
+    try:
+        wait_for(lambda: scale(stack) == 1.0, 20, "fresh feed, scale at 1.0")
+        assert stack.sidecar(LIMIT, key=f"model:{MODEL}") == 2
+        for model in (ALIAS, ADAPTER):
+            sock, head = open_stream(stack, model)
+            socks.append(sock)
+            assert b" 200 " in head.split(b"\r\n", 1)[0], head[:200]
+        chat = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+        third = http("POST", f"{stack.url}/v1/chat/completions", chat)
+        assert third.status == 429, third.body
+        assert third.headers["x-extproc-reject-reason"] == "concurrency"
+
+        reached = stack.upstream_requests()
+        unserved = http("POST", f"{stack.url}/v1/chat/completions", {**chat, "model": "gpt-4"})
+        assert unserved.status == 404, unserved.body
+        error = unserved.json()["error"]
+        assert (error["code"], error["param"]) == ("model_not_found", "model")
+        assert error["message"] == "The model `gpt-4` does not exist."
+        assert stack.upstream_requests() == reached  # refused at the gateway, not by the engine
+    finally:
+        for sock in socks:
+            sock.close()
+        local.stop()

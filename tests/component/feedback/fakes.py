@@ -39,10 +39,13 @@ class FakeInferenceServer(_HttpServer):
     """Serves `page` at `path` (default /metrics); `mode` switches to garbage, a hang, or HTTP 500.
 
     `models` is served as an OpenAI model list at /v1/models (HTTP 404 when None), as vLLM, TGI and
-    trtllm-serve do; `model_list_hits` counts the requests.
+    trtllm-serve do: names, or whole cards (`{"id", "root", "parent"}`, vLLM's ModelCard fields);
+    `model_list_hits` counts the requests.
     """
 
-    def __init__(self, page: str, path: str = "/metrics", models: list[str] | None = None) -> None:
+    def __init__(
+        self, page: str, path: str = "/metrics", models: list[str] | list[dict[str, Any]] | None = None
+    ) -> None:
         super().__init__()
         self.page = page
         self.path = path
@@ -60,7 +63,7 @@ class FakeInferenceServer(_HttpServer):
 
     @classmethod
     def from_file(
-        cls, name: str, path: str = "/metrics", models: list[str] | None = None
+        cls, name: str, path: str = "/metrics", models: list[str] | list[dict[str, Any]] | None = None
     ) -> FakeInferenceServer:
         return cls((DATA / name).read_text(), path, models)
 
@@ -72,7 +75,10 @@ class FakeInferenceServer(_HttpServer):
         self.model_list_hits += 1
         if self.models is None:
             return web.Response(status=404, text="Not Found")
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
+        data = [
+            {"object": "model", "created": 0, "owned_by": "fake", **(m if isinstance(m, dict) else {"id": m})}
+            for m in self.models
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:

@@ -101,3 +101,61 @@ async def test_a_failing_endpoint_is_asked_again_after_it_returns(http: aiohttp.
         assert server.model_list_hits == 2
     finally:
         await server.stop()
+
+
+VLLM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the page's model_name label: vLLM's first served name
+
+
+class Mono:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_vllm_samples_carry_every_name_the_model_list_gives_refreshed_every_10s(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM 0.32.0 lists each --served-model-name (root: the model path), each LoRA adapter (parent: base)."""
+    cards: list[dict[str, object]] = [
+        {"id": VLLM_MODEL, "root": "/m/llama", "parent": None},
+        {"id": "llama-8b", "root": "/m/llama", "parent": None},
+        {"id": "sql-lora", "root": "/a/sql", "parent": VLLM_MODEL},
+    ]
+    server = FakeInferenceServer.from_file("vllm_0.33.0_dp2.txt", models=cards)
+    await server.start()
+    try:
+        mono = Mono()
+        scraper = Scraper(http, "n", timeout=2.0, monotonic=mono)
+        target = Target(server.url, ServerKind.VLLM)
+
+        async def names() -> tuple[str, ...]:
+            result = await scraper.scrape(target)
+            assert result.reason is None, result.error
+            [sample] = result.samples
+            return sample.served_names
+
+        assert await names() == (VLLM_MODEL, "llama-8b", "sql-lora")
+        cards.append({"id": "chat-lora", "root": "/a/chat", "parent": "llama-8b"})  # loaded at run time
+        mono.now = 5.0
+        assert await names() == (VLLM_MODEL, "llama-8b", "sql-lora")  # not asked again yet
+        assert server.model_list_hits == 1
+        mono.now = 10.5
+        assert await names() == (VLLM_MODEL, "llama-8b", "sql-lora", "chat-lora")
+        server.models = None  # the list fails (404): the last one read stays
+        mono.now = 21.0
+        assert await names() == (VLLM_MODEL, "llama-8b", "sql-lora", "chat-lora")
+        assert server.model_list_hits == 3
+    finally:
+        await server.stop()
+
+
+async def test_engines_without_a_known_list_send_no_names(http: aiohttp.ClientSession) -> None:
+    server = await served(UNDEFINED_PAGE, PATH, ["Qwen3-8B", "other"])
+    try:
+        result = await Scraper(http, "n").scrape(Target(server.url, ServerKind.TRTLLM, model="qwen"))
+        assert [s.served_names for s in result.samples] == [()]
+        assert server.model_list_hits == 0
+    finally:
+        await server.stop()
