@@ -8,15 +8,19 @@ capacity of 2^64 - 1 (the KV budget's headroom became 7.4e18, so it never refuse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.config import parse_config
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.feed.engines import ServerKind
-from extproc.feed.parse import PageFilter, parse_metrics
+from extproc.feed.parse import MetricsParseError, PageFilter, parse_metrics
 from extproc.feed.proto import feedback_pb2
 from extproc.feed.sample import MAX_KV_CAPACITY_TOKENS, FeedSample, checked, from_proto, problem
 from extproc.feedback.loop import FeedbackLoop
@@ -236,3 +240,32 @@ def test_page_filter_in_tiny_pieces_gives_the_same_signals() -> None:
     # Only the lines read, one other sample line, and an empty line per dropped one.
     assert kept.text().count("e2e_request_latency") == 1
     assert kept.text().count("\n") == text.count("\n") + 1
+
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.txt")))
+def test_page_filter_reads_every_fixture_as_the_whole_page_parser_does(name: str) -> None:
+    text = (DATA / name).read_text()
+    page = PageFilter()
+    data = text.encode()
+    try:
+        for i in range(0, len(data), 7):
+            page.feed(data[i : i + 7])
+        filtered: object = parse_metrics(page.text())
+    except MetricsParseError as exc:
+        filtered = type(exc)
+    try:
+        whole: object = parse_metrics(text)
+    except MetricsParseError as exc:
+        whole = type(exc)
+    assert filtered == whole
+
+
+@given(st.binary(max_size=300))
+def test_page_filter_raises_only_parse_errors(data: bytes) -> None:
+    with contextlib.suppress(MetricsParseError, UnicodeDecodeError):
+        page = PageFilter()
+        page.feed(data)
+        parse_metrics(page.text())
