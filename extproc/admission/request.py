@@ -104,6 +104,7 @@ class ParsedRequest:
     # the whole bound (the engine ignores the end-of-sequence token, so nothing but the bound stops it).
     min_tokens: int = 0
     ignore_eos: bool = False
+    min_tokens_param: str = "min_tokens"  # named when `min_tokens` exceeds the output bound
     # The field carrying a request-supplied chat template (`chat_template`, or `chat_template_kwargs.
     # chat_template`), None when the server's own template is used.
     custom_template: str | None = None
@@ -426,9 +427,10 @@ def _check_min_tokens(req: ParsedRequest, per_sequence: int) -> None:
     if req.min_tokens > per_sequence:
         raise AdmissionError(
             400,
-            f"min_tokens must be less than or equal to max_tokens={per_sequence}, got {req.min_tokens}.",
+            f"{req.min_tokens_param} must be less than or equal to max_tokens={per_sequence}, got "
+            f"{req.min_tokens}.",
             code="invalid_value",
-            param="min_tokens",
+            param=req.min_tokens_param,
         )
 
 

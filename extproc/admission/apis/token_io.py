@@ -88,6 +88,7 @@ class GenerateTokensAdapter:
             prompt_param="token_ids",
             min_tokens=least,
             ignore_eos=ignore_eos,
+            min_tokens_param="sampling_params.min_tokens",
             work=completion_step_work(params),
             body=body,
         )

@@ -252,3 +252,21 @@ def test_prompt_logprobs_are_bounded_by_prompt_length(api: Api, fields: dict[str
 def test_completions_echo_without_logprobs_asks_for_no_prompt_logprobs() -> None:
     body = {"model": "m", "prompt": LONG[:15_000], "echo": True}
     assert planned(Api.COMPLETIONS, body).prompt_tokens == tk(LONG[:15_000])
+
+
+# -- SGLang's native /generate: the same rules under its own names --------------------------------------
+
+
+def test_sglang_native_least_output_and_per_step_work() -> None:
+    body: dict[str, Any] = {"text": "hi", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
+    assert planned(Api.SGLANG_GENERATE, body).committed_completion_tokens == 50
+    body["sampling_params"] = {"max_new_tokens": 50, "min_new_tokens": 60}
+    assert plan_refused(Api.SGLANG_GENERATE, body).param == "min_new_tokens"
+    body["sampling_params"] = [{"stop": ["a"] * 5}, {}]
+    body["text"] = ["a", "b"]
+    assert refused(Api.SGLANG_GENERATE, body).param == "stop"
+    logprobs = {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}
+    assert refused(Api.SGLANG_GENERATE, logprobs).param == "top_logprobs_num"
+    prompt = {"text": LONG[:15_000], "return_logprob": True, "logprob_start_len": 0}
+    assert plan_refused(Api.SGLANG_GENERATE, prompt).param == "prompt_logprobs"
+    assert planned(Api.SGLANG_GENERATE, {**prompt, "logprob_start_len": -1}).prompt_tokens > 3000
