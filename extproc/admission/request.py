@@ -54,6 +54,7 @@ USAGE_OPTION_APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.GENERATE_TOKENS})
 """APIs whose streams report usage only when asked (`stream_options.include_usage`)."""
 
 DEFAULT_STEP_BOUNDS = StepBounds()
+"""Per-step work bounds when the caller passes none (the `admission.per_step` defaults)."""
 
 ALLOW_STORED_CONTEXT = False
 """Default for requests that prepend a conversation stored on the backend (Responses
@@ -75,6 +76,7 @@ class StepWork:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprobs_param: str = "logprobs"  # the field that asked for `logprobs` (chat: `top_logprobs`)
+    stop_param: str = "stop"  # the field holding the stop strings (Anthropic: `stop_sequences`)
 
 
 NO_STEP_WORK = StepWork()
@@ -216,7 +218,7 @@ def custom_template(body: dict[str, Any]) -> str | None:
 def check_step_work(work: StepWork, bounds: StepBounds) -> None:
     """Refuse per-step work past the configured bounds (`admission.per_step`), naming the field."""
     lists = (
-        ("stop", work.stop, bounds.stop),
+        (work.stop_param, work.stop, bounds.stop),
         ("bad_words", work.bad_words, bounds.bad_words),
         ("logit_bias", work.logit_bias, bounds.logit_bias),
     )

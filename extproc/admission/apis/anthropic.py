@@ -210,7 +210,7 @@ class MessagesAdapter:
             requested_max_tokens=requested,
             max_tokens_param="max_tokens",
             prompt_param="messages",
-            work=StepWork(stop=entries(body.get("stop_sequences"))),
+            work=StepWork(stop=entries(body.get("stop_sequences")), stop_param="stop_sequences"),
             body=body,
         )
 

@@ -201,7 +201,7 @@ def test_a_request_supplied_template_is_named_wherever_it_hides(
         (Api.CHAT, {"prompt_logprobs": 21}, "prompt_logprobs"),
         (Api.CHAT, {"echo": True, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (Api.RESPONSES, {"stop": ["a"] * 5}, "stop"),
-        (Api.MESSAGES, {"stop_sequences": ["a"] * 5}, "stop"),
+        (Api.MESSAGES, {"stop_sequences": ["a"] * 5}, "stop_sequences"),
     ],
 )
 def test_per_step_work_past_the_default_bounds_is_refused(
