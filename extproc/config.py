@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from extproc.admission.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
-from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
+from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, StepBounds, TemplateCosts
 from extproc.admission.tokens import DEFAULT_ENCODING, get_encoding
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.core.limiter import LimitSpec
@@ -102,6 +102,8 @@ class AdmissionConfig:
     envoy_max_message_timeout_seconds: float = 30.0
     # Lean profile: how long after a request ended its end report may arrive before the lease expires.
     end_report_wait_seconds: float = 2.0
+    # The most per-step work (stop strings, bad words, logit bias, logprobs) one request may ask for.
+    per_step: StepBounds = field(default_factory=StepBounds)
 
 
 @dataclass(frozen=True)
@@ -707,6 +709,17 @@ def parse_config(data: Any) -> Config:
     )
     meta.done()
     ten.done()
+    step, bound = adm.section("per_step"), StepBounds()
+    per_step = StepBounds(
+        stop=step.required_integer("stop", bound.stop, minimum=0),
+        bad_words=step.required_integer("bad_words", bound.bad_words, minimum=0),
+        logit_bias=step.required_integer("logit_bias", bound.logit_bias, minimum=0),
+        logprobs=step.required_integer("logprobs", bound.logprobs, minimum=0),
+        prompt_logprobs_tokens=step.required_integer(
+            "prompt_logprobs_tokens", bound.prompt_logprobs_tokens, minimum=0
+        ),
+    )
+    step.done()
     admission = AdmissionConfig(
         max_body_bytes=adm.required_integer("max_body_bytes", AdmissionConfig.max_body_bytes, minimum=1),
         tokenizer_threads=adm.required_integer("tokenizer_threads", 2, minimum=1),
@@ -726,6 +739,7 @@ def parse_config(data: Any) -> Config:
         ),
         envoy_max_message_timeout_seconds=adm.number("envoy_max_message_timeout_seconds", 30.0, minimum=1.0),
         end_report_wait_seconds=adm.number("end_report_wait_seconds", 2.0, minimum=0.05),
+        per_step=per_step,
     )
     adm.done()
     # grpc drops a message larger than its receive limit without telling the handler; Envoy then times out.

@@ -71,9 +71,6 @@ OFF_LOOP_PARSE_BYTES = 64 * 1024
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""
 
-TEMPLATE_FIELDS = ("chat_template",)
-"""Request fields that replace the server's chat template (vLLM accepts `chat_template` per request)."""
-
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
 _BUDGET_IDS = itertools.count()
@@ -225,6 +222,7 @@ class Exchange:
                 self.tenant,
                 now=self.service.clock(),
                 sequences=parsed.sequences * parsed.prompt_count,
+                committed=plan.committed_completion_tokens,
             )
             if not fits:
                 refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
@@ -280,6 +278,7 @@ class Exchange:
                 self.tenant,
                 now=self.service.clock(),
                 sequences=parsed.sequences * parsed.prompt_count,
+                committed=plan.committed_completion_tokens,
             )
             assert self.pool is not None
             self.service.deps.budget_changed(self.pool)
@@ -380,10 +379,14 @@ class Exchange:
         if len(raw) > OFF_LOOP_PARSE_BYTES:
             # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
             # worker thread, through the client's lane like its counting.
-            parse = functools.partial(parse_request, allow_stored_context=stored)
+            parse = functools.partial(
+                parse_request, allow_stored_context=stored, bounds=config.admission.per_step
+            )
             parsed = await service.lanes.run(self.tokenizer_lane, parse, self.api, raw)
         else:
-            parsed = parse_request(self.api, raw, allow_stored_context=stored)
+            parsed = parse_request(
+                self.api, raw, allow_stored_context=stored, bounds=config.admission.per_step
+            )
         served_as = service.deps.served_as(parsed.model, config)
         policy = config.model_policy(served_as) if served_as is not None else None
         if served_as is None or policy is None:
@@ -406,21 +409,21 @@ class Exchange:
         started = service.clock()
         counts = await service.count_prompts(parsed, policy, self.tokenizer_lane)
         service.metrics.tokenize_seconds.observe(service.clock() - started)
-        return parsed, plan_reservation(parsed, counts, policy)
+        return parsed, plan_reservation(parsed, counts, policy, config.admission.per_step)
 
     def _check_template(self, parsed: ParsedRequest, config: Config) -> None:
         """A request-supplied chat template can expand a small body into a huge prompt: refuse it unless the
         operator trusts clients with it (`admission.allow_request_chat_template`)."""
         if config.admission.allow_request_chat_template:
             return
-        for key in TEMPLATE_FIELDS:
-            if parsed.body.get(key) is not None:
-                raise AdmissionError(
-                    400,
-                    f"'{key}' is not accepted by this gateway; the server's own chat template is used.",
-                    code="unsupported_parameter",
-                    param=key,
-                )
+        key = parsed.custom_template
+        if key is not None:
+            raise AdmissionError(
+                400,
+                f"'{key}' is not accepted by this gateway; the server's own chat template is used.",
+                code="unsupported_parameter",
+                param=key,
+            )
 
     @property
     def tokenizer_lane(self) -> str:

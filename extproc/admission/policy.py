@@ -74,3 +74,22 @@ class ModelPolicy:
     media: MediaCosts = field(default_factory=MediaCosts)
     # The pool (limits.models key, KV feed pool) this model's requests count against; None: its own name.
     pool: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepBounds:
+    """The most per-step work one request may ask of the engine (`admission.per_step`); past them, 400.
+
+    None of it is KV, so no token budget sees it, but all of it runs at every decode step of every
+    sequence, inside the batch every other request shares. Defaults are vLLM v0.32.0's own limits where it
+    has one: 4 stop strings (envs.py `VLLM_MAX_STOP_STRINGS`), 128 bad words (`VLLM_MAX_NUM_BAD_WORDS`),
+    20 logprobs (config/model.py `max_logprobs`). vLLM bounds neither `logit_bias` (sampling_params.py
+    `from_optional`) nor the prompt length of `prompt_logprobs`, which computes full-vocabulary logits at
+    every prompt position: their defaults are set far above ordinary use.
+    """
+
+    stop: int = 4
+    bad_words: int = 128
+    logit_bias: int = 1024
+    logprobs: int = 20
+    prompt_logprobs_tokens: int = 2048

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, Protocol
 
 from extproc.admission import prompt as prompts
 from extproc.admission.errors import AdmissionError
 from extproc.admission.fields import load_object
-from extproc.admission.policy import MissingMaxTokens, ModelPolicy
+from extproc.admission.policy import MissingMaxTokens, ModelPolicy, StepBounds
 from extproc.admission.prompt import Count, Prompt
 
 
@@ -53,10 +53,33 @@ class Api(enum.StrEnum):
 USAGE_OPTION_APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.GENERATE_TOKENS})
 """APIs whose streams report usage only when asked (`stream_options.include_usage`)."""
 
+DEFAULT_STEP_BOUNDS = StepBounds()
+"""Per-step work bounds when the caller passes none (the `admission.per_step` defaults)."""
+
 ALLOW_STORED_CONTEXT = False
 """Default for requests that prepend a conversation stored on the backend (Responses
 `previous_response_id`, SGLang `session_params`): refused, since its size is unknown to the gateway. When
 allowed, such a prompt is opaque and charged the whole context window."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """Work a request asks of the engine at every step beyond its KV cache (vLLM v0.32.0
+    sampling_params.py `SamplingParams`): strings matched against each new token, token ids biased or banned
+    in every step's logits, and logprobs over the vocabulary. `logprobs` and `prompt_logprobs` are the
+    values the engine will use (-1: the whole vocabulary), None when none are asked for; `prompt_logprobs`
+    includes what `echo` implies."""
+
+    stop: int = 0
+    bad_words: int = 0
+    logit_bias: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_param: str = "logprobs"  # the field that asked for `logprobs` (chat: `top_logprobs`)
+    stop_param: str = "stop"  # the field holding the stop strings (Anthropic: `stop_sequences`)
+
+
+NO_STEP_WORK = StepWork()
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,18 @@ class ParsedRequest:
     generates: bool = True  # False for pooling APIs: no completion is reserved
     # The field that prepends a conversation stored on the backend, when the request uses one.
     stored_context: str | None = None
+    # vLLM's `truncate_prompt_tokens` (Responses `truncation: "auto"` is -1): the prompt is cut to this many
+    # tokens before generation, -1 meaning the most the window allows (see `truncation_limit`).
+    truncate_prompt_tokens: int | None = None
+    # What the request declares it will generate per sequence at least: `min_tokens`, or with `ignore_eos`
+    # the whole bound (the engine ignores the end-of-sequence token, so nothing but the bound stops it).
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    min_tokens_param: str = "min_tokens"  # named when `min_tokens` exceeds the output bound
+    # The field carrying a request-supplied chat template (`chat_template`, or `chat_template_kwargs.
+    # chat_template`), None when the server's own template is used.
+    custom_template: str | None = None
+    work: StepWork = NO_STEP_WORK
     body: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -95,6 +130,9 @@ class Reservation:
     completion_tokens: int  # reserved for output: per-sequence bound x sequences x prompts (0 for pooling)
     # The bound written into the body (missing_max_tokens: inject), None when the body keeps its own.
     injected_max_tokens: int | None = None
+    # Of `completion_tokens`, what the request declares it will generate (`min_tokens`, `ignore_eos`): a
+    # forecast of its completion never books less.
+    committed_completion_tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -133,13 +171,17 @@ def adapter_for(api: Api) -> Adapter:
 
 
 def parse_request(
-    api: Api, raw: bytes, *, allow_stored_context: bool = ALLOW_STORED_CONTEXT
+    api: Api,
+    raw: bytes,
+    *,
+    allow_stored_context: bool = ALLOW_STORED_CONTEXT,
+    bounds: StepBounds = DEFAULT_STEP_BOUNDS,
 ) -> ParsedRequest:
     """Decode and validate a request body; cheap (JSON and field checks only, no tokenizing).
 
     Raises AdmissionError(400) naming the offending field. Unknown fields pass through untouched. A request
     that prepends a stored conversation is refused unless `allow_stored_context` (see
-    `ALLOW_STORED_CONTEXT`).
+    `ALLOW_STORED_CONTEXT`); one that asks for more per-step work than `bounds` allow is refused.
     """
     try:
         parsed = adapter_for(api).parse(load_object(raw))
@@ -155,39 +197,125 @@ def parse_request(
             code="unsupported_parameter",
             param=parsed.stored_context,
         )
-    return parsed
+    check_step_work(parsed.work, bounds)
+    template = custom_template(parsed.body)
+    return parsed if template is None else replace(parsed, custom_template=template)
+
+
+def custom_template(body: dict[str, Any]) -> str | None:
+    """The field of a request-supplied chat template, whatever the API: vLLM renders a top-level
+    `chat_template`, and a `chat_template_kwargs.chat_template` too (it is merged into the template call),
+    and refuses both unless started with `--trust-request-chat-template` (vLLM v0.32.0
+    renderers/online_renderer.py:679-697 `validate_chat_template`, renderers/params.py:136-141)."""
+    if body.get("chat_template") is not None:
+        return "chat_template"
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("chat_template") is not None:
+        return "chat_template_kwargs.chat_template"
+    return None
+
+
+def check_step_work(work: StepWork, bounds: StepBounds) -> None:
+    """Refuse per-step work past the configured bounds (`admission.per_step`), naming the field."""
+    lists = (
+        (work.stop_param, work.stop, bounds.stop),
+        ("bad_words", work.bad_words, bounds.bad_words),
+        ("logit_bias", work.logit_bias, bounds.logit_bias),
+    )
+    for name, size, most in lists:
+        if size > most:
+            raise AdmissionError(
+                400,
+                f"'{name}' has {size} entries; this gateway accepts at most {most}.",
+                code="invalid_value",
+                param=name,
+            )
+    for name, value in ((work.logprobs_param, work.logprobs), ("prompt_logprobs", work.prompt_logprobs)):
+        if value is not None and (value < 0 or value > bounds.logprobs):
+            asked = "the whole vocabulary" if value < 0 else str(value)
+            raise AdmissionError(
+                400,
+                f"'{name}' asks for {asked} logprobs per token; this gateway accepts at most "
+                f"{bounds.logprobs}.",
+                code="invalid_value",
+                param=name,
+            )
 
 
 # ----------------------------------------------------------------------------------------------------
 # Counting
 
 
+def truncation_limit(req: ParsedRequest, policy: ModelPolicy) -> int | None:
+    """Tokens vLLM keeps of each prompt under `truncate_prompt_tokens`, None without truncation.
+
+    vLLM v0.32.0 renderers/params.py: a value above the window is refused (`TokenizeParams.__post_init__`);
+    -1 keeps the most the window allows, less one token for output when the request generates
+    (`max_truncation_tokens`). The prompt is cut before the output bound is computed, so each sequence may
+    then generate up to the window less the kept prompt (entrypoints/serve/utils/api_utils.py:169
+    `get_max_tokens`).
+    """
+    limit = req.truncate_prompt_tokens
+    if limit is None:
+        return None
+    window = policy.context_window
+    if limit > window:
+        raise AdmissionError(
+            400,
+            f"truncate_prompt_tokens={limit} cannot be greater than max_model_len={window}. Please request a "
+            "smaller truncation size.",
+            code="invalid_value",
+            param="truncate_prompt_tokens",
+        )
+    if limit < 0:
+        return window - 1 if req.generates else window
+    return limit
+
+
 def count_prompt_tokens(req: ParsedRequest, policy: ModelPolicy) -> list[Count]:
     """Tokens of each prompt; CPU heavy, so the caller runs large prompts in a worker thread.
 
     Counting of a prompt stops once it is proven larger than the context window (and no later prompt is
-    counted): the work an adversarial body can cause is bounded by the window, not the body size.
+    counted): the work an adversarial body can cause is bounded by the window, not the body size. Under
+    truncation it stops once a prompt is proven longer than what is kept, and goes on to the next prompt:
+    a longer prompt is cut, not refused.
     """
+    limit = truncation_limit(req, policy)
     counts: list[Count] = []
     for item in req.prompts:
-        counted = prompts.count(item, policy, stop_above=policy.context_window)
+        counted = prompts.count(item, policy, stop_above=policy.context_window if limit is None else limit)
         counts.append(counted)
-        if not counted.complete:
+        if not counted.complete and limit is None:
             break
     return counts
 
 
+def _kept(counted: Count, limit: int | None) -> Count:
+    """A prompt's count after truncation to `limit` tokens (an unfinished count is past the limit)."""
+    if limit is None:
+        return counted
+    if not counted.complete:
+        return Count(limit, limit)
+    return Count(min(counted.low, limit), min(counted.high, limit))
+
+
 def prompt_token_lower_bound(req: ParsedRequest, policy: ModelPolicy) -> int:
-    """The largest single prompt's lower bound, computed without tokenizing (see `prompt.lower_bound`).
+    """The largest single prompt's lower bound, computed without tokenizing (see `prompt.lower_bound`),
+    after truncation.
 
     Opaque prompts are left out: their size is unknown, so only the backend can judge their length.
     """
-    return max((prompts.lower_bound(p, policy) for p in req.prompts if not p.opaque), default=0)
+    limit = truncation_limit(req, policy)
+    lowest = max((prompts.lower_bound(p, policy) for p in req.prompts if not p.opaque), default=0)
+    return lowest if limit is None else min(lowest, limit)
 
 
 def prompt_token_upper_bound(req: ParsedRequest, policy: ModelPolicy) -> int:
-    """Sum over prompts of a bound never below the exact count (see `prompt.upper_bound`)."""
-    return sum(prompts.upper_bound(p, policy) for p in req.prompts)
+    """Sum over prompts of a bound never below the exact count (see `prompt.upper_bound`), after
+    truncation."""
+    limit = truncation_limit(req, policy)
+    highs = (prompts.upper_bound(p, policy) for p in req.prompts)
+    return sum(high if limit is None else min(high, limit) for high in highs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -214,7 +342,9 @@ def context_error(req: ParsedRequest, policy: ModelPolicy, prompt: int, completi
     raise AdmissionError(400, message, code="context_length_exceeded", param=param)
 
 
-def plan_reservation(req: ParsedRequest, counts: list[Count], policy: ModelPolicy) -> Reservation:
+def plan_reservation(
+    req: ParsedRequest, counts: list[Count], policy: ModelPolicy, bounds: StepBounds = DEFAULT_STEP_BOUNDS
+) -> Reservation:
     """Check every prompt against the context window and size the reservation.
 
     Each sequence needs its prompt plus its completion in KV cache, so the completion reservation is the
@@ -222,6 +352,7 @@ def plan_reservation(req: ParsedRequest, counts: list[Count], policy: ModelPolic
     backend may generate up to the rest of the context: that is reserved, or (`missing_max_tokens: inject`)
     the policy's default is written into the body and reserved. A prompt is refused only when its count is
     proven too large (`Count.low`); the reservation uses `Count.high`, so it is never below the truth.
+    Under truncation each prompt counts what the backend keeps of it (`truncation_limit`).
 
     An opaque prompt (its size unknown to the gateway) is reserved as a whole window per sequence family:
     the backend guarantees prompt + completion <= window, and judges the prompt's length itself.
@@ -229,15 +360,18 @@ def plan_reservation(req: ParsedRequest, counts: list[Count], policy: ModelPolic
     if len(counts) > req.prompt_count or not counts:
         raise ValueError(f"expected up to {req.prompt_count} prompt counts, got {len(counts)}")
     window = policy.context_window
+    limit = truncation_limit(req, policy)
     requested = req.requested_max_tokens
-    pairs = list(zip(counts, req.prompts, strict=False))
+    pairs = [(_kept(c, limit), p) for c, p in zip(counts, req.prompts, strict=False)]
     injected: int | None = None
     if req.generates and requested is None and policy.missing_max_tokens is MissingMaxTokens.INJECT:
-        # One bound for every prompt of the request, small enough that each prompt still fits the window.
+        # One bound for every prompt of the request, small enough that each prompt still fits the window,
+        # and not below the request's own `min_tokens` (vLLM refuses min_tokens above max_tokens).
         room = min((window - c.high for c, p in pairs if not p.opaque), default=window)
-        injected = max(1, min(policy.default_max_tokens, room))
+        injected = max(1, min(max(policy.default_max_tokens, req.min_tokens), room))
     prompt_total = 0
     completion_total = 0
+    committed = 0
     for counted, prompt in pairs:
         if prompt.opaque:
             held_prompt, held_completion = _opaque_share(
@@ -245,13 +379,20 @@ def plan_reservation(req: ParsedRequest, counts: list[Count], policy: ModelPolic
             )
             prompt_total += held_prompt
             completion_total += held_completion
+            committed += _committed(req, held_completion // max(1, req.sequences))
             continue
         prompt_total += counted.high
+        _check_prompt_logprobs(req, counted, bounds)
         if not req.generates:
             if counted.low > window:
                 context_error(req, policy, counted.low, None)
             continue
-        if requested is not None:
+        if requested is not None and limit is not None:
+            # vLLM clamps the bound to what the kept prompt leaves (`get_max_tokens`), never refuses it.
+            if counted.low >= window:
+                context_error(req, policy, counted.low, None)
+            per_sequence = min(requested, window - counted.low)
+        elif requested is not None:
             if counted.low + requested > window:
                 context_error(req, policy, counted.low, requested)
             per_sequence = requested
@@ -259,13 +400,52 @@ def plan_reservation(req: ParsedRequest, counts: list[Count], policy: ModelPolic
             if counted.low >= window:
                 context_error(req, policy, counted.low, None)
             per_sequence = injected if injected is not None else max(1, window - counted.low)
+        _check_min_tokens(req, per_sequence)
         completion_total += per_sequence * req.sequences
+        committed += _committed(req, per_sequence)
     if len(counts) < req.prompt_count:
         raise ValueError("counting stopped early but no prompt exceeded the context window")
     return Reservation(
         prompt_tokens=prompt_total,
         completion_tokens=completion_total,
         injected_max_tokens=injected,
+        committed_completion_tokens=committed,
+    )
+
+
+def _committed(req: ParsedRequest, per_sequence: int) -> int:
+    """Completion tokens the request declares it will generate for one prompt, over its sequences: the
+    whole bound under `ignore_eos`, else `min_tokens` (vLLM v0.32.0 sampling_params.py: EOS is not a stop
+    under `ignore_eos`; `min_tokens` suppresses every stop until that many tokens)."""
+    if not req.generates:
+        return 0
+    floor = per_sequence if req.ignore_eos else min(req.min_tokens, per_sequence)
+    return floor * req.sequences
+
+
+def _check_min_tokens(req: ParsedRequest, per_sequence: int) -> None:
+    """vLLM refuses `min_tokens` above the output bound it computed (vLLM v0.32.0 sampling_params.py
+    `_verify_args`); so does the gateway, before holding anything."""
+    if req.min_tokens > per_sequence:
+        raise AdmissionError(
+            400,
+            f"{req.min_tokens_param} must be less than or equal to max_tokens={per_sequence}, got "
+            f"{req.min_tokens}.",
+            code="invalid_value",
+            param=req.min_tokens_param,
+        )
+
+
+def _check_prompt_logprobs(req: ParsedRequest, counted: Count, bounds: StepBounds) -> None:
+    """Prompt logprobs are full-vocabulary logits at every prompt position: bounded by prompt length."""
+    if req.work.prompt_logprobs is None or counted.low <= bounds.prompt_logprobs_tokens:
+        return
+    raise AdmissionError(
+        400,
+        f"'prompt_logprobs' (also implied by 'echo' with logprobs) is accepted for prompts of at most "
+        f"{bounds.prompt_logprobs_tokens} tokens; this prompt has {counted.low}.",
+        code="invalid_value",
+        param="prompt_logprobs",
     )
 
 

@@ -9,7 +9,10 @@ from that key's own finished requests, and robustly:
 * the estimate is a high quantile (default p90) of the key's recent samples, so a burst of short answers
   moves it only once they are most of what the key sends, and a single long answer is not averaged away;
 * until a key has `min_samples` samples it uses the prior (default 1.0: the whole allowance);
-* it never falls below `floor`.
+* it never falls below `floor`;
+* it is only an expectation for requests that say nothing: the budget never expects less than what a
+  request declares it will generate (`min_tokens`, or its whole allowance under `ignore_eos`; see
+  `KvBudget.expected_completion`), so a key cannot train its own forecast down to under-book those.
 
 Pure and synchronous; memory is bounded by `max_keys` (least recently used keys are forgotten and start
 again from the prior, which is the safe direction).

@@ -135,7 +135,7 @@ class KvBudget:
         self._fresh_until: float | None = None
         self._unexplained = 0.0
         self._booked = 0
-        self._last_fit: tuple[float | None, int, int, str, int] | None = None
+        self._last_fit: tuple[float | None, int, int, int, str, int] | None = None
         self._booked_with = 0
         self.set_capacity(capacity_tokens)
 
@@ -216,10 +216,14 @@ class KvBudget:
         self._booked = self._book(now)[0]
         self._last_fit = None
 
-    def expected_completion(self, allowance: int, learner_key: str = "") -> int:
-        """Completion tokens a request of `learner_key` with this allowance is expected to produce."""
+    def expected_completion(self, allowance: int, learner_key: str = "", committed: int = 0) -> int:
+        """Completion tokens a request of `learner_key` with this allowance is expected to produce: the
+        learned share of the allowance, never below what the request declares it will generate
+        (`committed`: `min_tokens`, or the whole allowance under `ignore_eos`), so a key's history of short
+        answers cannot shrink the booking of a request that says it will run long."""
         allowance = max(0, int(allowance))
-        return min(allowance, math.ceil(allowance * self.learner.ratio(learner_key)))
+        learned = math.ceil(allowance * self.learner.ratio(learner_key))
+        return min(allowance, max(learned, int(committed)))
 
     def would_fit(
         self,
@@ -229,6 +233,7 @@ class KvBudget:
         *,
         now: float | None = None,
         sequences: int = 1,
+        committed: int = 0,
     ) -> tuple[bool, int | None]:
         """Whether a request fits at `now`, and the headroom before it. Capacity unknown: (True, None).
 
@@ -238,11 +243,18 @@ class KvBudget:
         budget = self.budget_tokens
         if budget is None:
             return True, None
-        candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences)
+        candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences, committed)
         self._booked, booked_with = self._book(now, candidate)
         headroom = budget - self._booked
         # admit() right after this decision books the same request: it reuses the sum just computed.
-        self._last_fit = (now, candidate.prompt, candidate.allowance, learner_key, candidate.sequences)
+        self._last_fit = (
+            now,
+            candidate.prompt,
+            candidate.allowance,
+            candidate.expected_completion,
+            learner_key,
+            candidate.sequences,
+        )
         self._booked_with = booked_with
         if not self._leases:
             return True, headroom
@@ -257,15 +269,17 @@ class KvBudget:
         *,
         now: float | None = None,
         sequences: int = 1,
+        committed: int = 0,
     ) -> int:
-        """Record an admitted request; `expected_completion` is its completion allowance (max_tokens).
+        """Record an admitted request; `expected_completion` is its completion allowance (max_tokens), of
+        which it declares it will generate at least `committed` (see `expected_completion`).
 
         Returns the lifetime footprint charged. A lease id already present is a caller bug: ValueError.
         """
         if lease_id in self._leases:
             raise ValueError(f"kv_budget: lease {lease_id!r} already admitted")
-        lease = self._new_lease(prompt_tokens, expected_completion, learner_key, now, sequences)
-        fit = (now, lease.prompt, lease.allowance, learner_key, lease.sequences)
+        lease = self._new_lease(prompt_tokens, expected_completion, learner_key, now, sequences, committed)
+        fit = (now, lease.prompt, lease.allowance, lease.expected_completion, learner_key, lease.sequences)
         self._booked = self._booked_with if fit == self._last_fit else self._book(now, lease)[1]
         self._last_fit = None
         self._leases[lease_id] = lease
@@ -337,13 +351,19 @@ class KvBudget:
     # -- internals ---------------------------------------------------------------------------------------
 
     def _new_lease(
-        self, prompt: int, allowance: int, learner_key: str, now: float | None, sequences: int
+        self,
+        prompt: int,
+        allowance: int,
+        learner_key: str,
+        now: float | None,
+        sequences: int,
+        committed: int = 0,
     ) -> _Lease:
         allowance = max(0, int(allowance))
         return _Lease(
             prompt=max(0, int(prompt)),
             allowance=allowance,
-            expected_completion=self.expected_completion(allowance, learner_key),
+            expected_completion=self.expected_completion(allowance, learner_key, committed),
             learner_key=learner_key,
             sequences=max(1, int(sequences)),
             admitted_at=now,

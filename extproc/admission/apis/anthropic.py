@@ -24,9 +24,9 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.common import drop_priority
-from extproc.admission.apis.openai import ContentTexts
+from extproc.admission.apis.openai import ContentTexts, entries, template_inputs
 from extproc.admission.prompt import Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest
+from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.usage import Observed, count_int
 from extproc.admission.verdicts import Refusal
 
@@ -188,6 +188,8 @@ def messages_prompt(body: Mapping[str, Any]) -> Prompt:
     tools = f.opt_list(body, "tools", "tools")
     if tools:
         blocks.text(tools, "tools")
+    # vLLM v0.32.0 entrypoints/anthropic/protocol.py:293 passes `chat_template_kwargs` to the template.
+    blocks.collected.texts.extend(template_inputs(body, ()))
     c = blocks.collected
     return Prompt(texts=tuple(c.texts), messages=c.messages, templated=True, media=c.media)
 
@@ -208,6 +210,7 @@ class MessagesAdapter:
             requested_max_tokens=requested,
             max_tokens_param="max_tokens",
             prompt_param="messages",
+            work=StepWork(stop=entries(body.get("stop_sequences")), stop_param="stop_sequences"),
             body=body,
         )
 

@@ -3,8 +3,11 @@
 `messages` is a list of conversations; each is rendered and generated on its own, one choice per
 conversation (vLLM v0.33.0 entrypoints/openai/chat_completion/protocol.py:1140-1262
 `BatchChatCompletionRequest`), so each is one prompt here with the request's output bound. `n` must be 1
-(protocol.py:1255-1259); there is no `stream` (the answer is one JSON body) and no `tools` field (extra
-fields are ignored, so tools are not rendered and not counted).
+(protocol.py:1255-1259); there is no `stream` (the answer is one JSON body). Each conversation becomes
+a chat request built from every other field of the body, extra fields included (vLLM v0.32.0
+chat_completion/protocol.py:1226-1232 `to_chat_completion_request` dumps the model, whose extra fields are
+allowed), so `tools`, `documents` and `chat_template_kwargs` are rendered into every conversation and
+`truncate_prompt_tokens`, `min_tokens`, `ignore_eos` and the per-step fields apply as in chat.
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.openai import chat_output_bound, chat_prompt, edit_priority
+from extproc.admission.apis.openai import (
+    chat_output_bound,
+    chat_prompt,
+    chat_step_work,
+    edit_priority,
+    least_output,
+    truncation,
+)
 from extproc.admission.request import Api, BodyEdits, ParsedRequest
 
 
@@ -36,11 +46,13 @@ class ChatBatchAdapter:
                 code="invalid_value",
                 param="n",
             )
+        shared = {key: value for key, value in body.items() if key != "messages"}
         prompts = tuple(
-            chat_prompt({f"messages[{i}]": conversation}, key=f"messages[{i}]")
+            chat_prompt({**shared, f"messages[{i}]": conversation}, key=f"messages[{i}]")
             for i, conversation in enumerate(conversations)
         )
         requested, param = chat_output_bound(body)
+        least, ignore_eos = least_output(body)
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -48,6 +60,10 @@ class ChatBatchAdapter:
             requested_max_tokens=requested,
             max_tokens_param=param,
             prompt_param="messages",
+            truncate_prompt_tokens=truncation(body),
+            min_tokens=least,
+            ignore_eos=ignore_eos,
+            work=chat_step_work(body),
             body=body,
         )
 

@@ -6,7 +6,14 @@ this code does not know) count every string they hold; media parts (images, audi
 model's configured media cost; every other message field counts as text (strings) or compact JSON
 (structures: `tool_calls`, `function_call`, ...), `reasoning_content` and `tool_call_id` included. Request
 level `tools`, `functions` and `documents` are rendered too. Each message adds the template's per-message
-overhead and the request its per-request overhead (`ModelPolicy.template`).
+overhead and the request its per-request overhead (`ModelPolicy.template`). Every value of
+`chat_template_kwargs` is a variable the template may render (vLLM v0.32.0 renderers/hf.py:715-743
+`resolve_chat_template_kwargs` passes each one the template names: `documents`, `custom_tools`,
+`date_string`, `tools`, ...), so each is counted too: strings as they are, structures as compact JSON.
+
+Output rules (vLLM v0.32.0, cited beside each): `truncate_prompt_tokens` cuts the prompt before the output
+bound is computed; `min_tokens` and `ignore_eos` declare a least output; `stop`, `bad_words`, `logit_bias`
+and the logprobs fields are per-step work, bounded by `admission.per_step`.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 from extproc.admission import fields as f
 from extproc.admission.apis.common import padded
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest
+from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
 
 MEDIA_PARTS: dict[str, Media] = {
     "image_url": Media(images=1),
@@ -32,7 +39,9 @@ MEDIA_PARTS: dict[str, Media] = {
 """Content-part types that become media items on a multimodal model (never text)."""
 
 TEMPLATED_REQUEST_FIELDS = ("tools", "functions", "documents")
-"""Request-level fields the chat template renders into the prompt."""
+"""Request-level fields the chat template renders into the prompt (besides `chat_template_kwargs`)."""
+
+TEMPLATE_KWARGS = "chat_template_kwargs"
 
 
 class ContentTexts:
@@ -118,12 +127,87 @@ def chat_prompt(body: Mapping[str, Any], key: str = "messages") -> Prompt:
     collected = ContentTexts()
     for i, message in enumerate(messages):
         collected.add_message(message, f"{key}[{i}]")
-    for name in TEMPLATED_REQUEST_FIELDS:
+    collected.texts.extend(template_inputs(body))
+    return Prompt(
+        texts=tuple(collected.texts), messages=collected.messages, templated=True, media=collected.media
+    )
+
+
+def template_inputs(body: Mapping[str, Any], fields: tuple[str, ...] = TEMPLATED_REQUEST_FIELDS) -> list[str]:
+    """Texts the chat template renders besides the messages: the request-level `fields` and every value of
+    `chat_template_kwargs` (a request-supplied `chat_template` there is refused, not counted: see
+    `request.custom_template`)."""
+    collected = ContentTexts()
+    for name in fields:
         value = f.opt_list(body, name, name)
         if value:
             collected.add_value(value, name)
-    return Prompt(
-        texts=tuple(collected.texts), messages=collected.messages, templated=True, media=collected.media
+    kwargs = f.opt_object(body, TEMPLATE_KWARGS, TEMPLATE_KWARGS) or {}
+    for name, value in kwargs.items():
+        if name != "chat_template":
+            collected.add_value(value, f"{TEMPLATE_KWARGS}.{name}")
+    return collected.texts
+
+
+def truncation(body: Mapping[str, Any], param: str = "truncate_prompt_tokens") -> int | None:
+    """`truncate_prompt_tokens`: -1 or more (vLLM v0.32.0 entrypoints/openai/chat_completion/protocol.py:285,
+    completion/protocol.py:88, pooling/base/protocol.py:42)."""
+    return f.opt_int(body, "truncate_prompt_tokens", low=-1, high=f.MAX_TOKENS_LIMIT, param=param)
+
+
+def least_output(body: Mapping[str, Any], prefix: str = "") -> tuple[int, bool]:
+    """(`min_tokens`, `ignore_eos`): what a request declares it will generate at least per sequence
+    (vLLM v0.32.0 chat_completion/protocol.py:281-282, completion/protocol.py:84-85)."""
+    least = f.opt_int(body, "min_tokens", low=0, high=f.MAX_TOKENS_LIMIT, param=f"{prefix}min_tokens") or 0
+    return least, bool(f.opt_bool(body, "ignore_eos", f"{prefix}ignore_eos"))
+
+
+def entries(value: Any) -> int:
+    """How many entries a per-step list holds: a string is one (`stop: "x"`), an array or object its length;
+    anything else is left for the backend to refuse."""
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, list | dict):
+        return len(value)
+    return 0
+
+
+def int_value(value: Any) -> int | None:
+    """A JSON integer, else None (the backend refuses other types itself)."""
+    return value if type(value) is int else None
+
+
+def chat_step_work(body: Mapping[str, Any]) -> StepWork:
+    """Per-step work of a chat request: `top_logprobs` applies when `logprobs` is true, and `echo` without
+    `prompt_logprobs` asks for `top_logprobs` prompt logprobs (vLLM v0.32.0
+    chat_completion/protocol.py:742-765 `to_sampling_params`)."""
+    top = int_value(body.get("top_logprobs")) or 0
+    prompt = int_value(body.get("prompt_logprobs"))
+    if prompt is None and body.get("echo") is True:
+        prompt = top
+    return StepWork(
+        stop=entries(body.get("stop")),
+        bad_words=entries(body.get("bad_words")),
+        logit_bias=entries(body.get("logit_bias")),
+        logprobs=top if body.get("logprobs") is True else None,
+        prompt_logprobs=prompt,
+        logprobs_param="top_logprobs",
+    )
+
+
+def completion_step_work(body: Mapping[str, Any]) -> StepWork:
+    """Per-step work of a completions request (or vLLM's sampling params): `echo` without `prompt_logprobs`
+    asks for `logprobs` prompt logprobs (vLLM v0.32.0 completion/protocol.py:372-374)."""
+    logprobs = int_value(body.get("logprobs"))
+    prompt = int_value(body.get("prompt_logprobs"))
+    if prompt is None and body.get("echo") is True:
+        prompt = logprobs
+    return StepWork(
+        stop=entries(body.get("stop")),
+        bad_words=entries(body.get("bad_words")),
+        logit_bias=entries(body.get("logit_bias")),
+        logprobs=logprobs,
+        prompt_logprobs=prompt,
     )
 
 
@@ -197,6 +281,7 @@ class ChatAdapter:
         stream, include_usage = stream_options(body)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         requested, param = chat_output_bound(body)
+        least, ignore_eos = least_output(body)
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -207,6 +292,10 @@ class ChatAdapter:
             requested_max_tokens=requested,
             max_tokens_param=param,
             prompt_param="messages",
+            truncate_prompt_tokens=truncation(body),
+            min_tokens=least,
+            ignore_eos=ignore_eos,
+            work=chat_step_work(body),
             body=body,
         )
 
@@ -243,6 +332,7 @@ class CompletionsAdapter:
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
         embeds = _prompt_embeds(body)
         found = embeds if embeds and body.get("prompt") is None else embeds + text_prompts(body, "prompt")
+        least, ignore_eos = least_output(body)
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -252,6 +342,10 @@ class CompletionsAdapter:
             sequences=max(n, best_of),  # the backend decodes best_of sequences and returns n
             requested_max_tokens=requested,
             prompt_param="prompt",
+            truncate_prompt_tokens=truncation(body),
+            min_tokens=least,
+            ignore_eos=ignore_eos,
+            work=completion_step_work(body),
             body=body,
         )
 
@@ -281,6 +375,7 @@ class EmbeddingsAdapter:
             prompts=padded(body, found),
             prompt_param=param,
             generates=False,
+            truncate_prompt_tokens=truncation(body),
             body=body,
         )
 

@@ -20,7 +20,13 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.common import drop_priority, optional_model, padded
-from extproc.admission.apis.openai import ContentTexts, chat_prompt, edit_priority, text_prompts
+from extproc.admission.apis.openai import (
+    ContentTexts,
+    chat_prompt,
+    edit_priority,
+    text_prompts,
+    truncation,
+)
 from extproc.admission.apis.sglang import NATIVE_INPUTS, SGLangEncodeAdapter
 from extproc.admission.prompt import Media, Prompt
 from extproc.admission.request import Api, BodyEdits, ParsedRequest
@@ -33,7 +39,13 @@ def _pooled(
     api: Api, body: dict[str, Any], prompts: tuple[Prompt, ...], param: str, model: str
 ) -> ParsedRequest:
     return ParsedRequest(
-        api=api, model=model, prompts=padded(body, prompts), prompt_param=param, generates=False, body=body
+        api=api,
+        model=model,
+        prompts=padded(body, prompts),
+        prompt_param=param,
+        generates=False,
+        truncate_prompt_tokens=truncation(body),
+        body=body,
     )
 
 

@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.openai import ContentTexts, edit_priority
+from extproc.admission.apis.openai import ContentTexts, edit_priority, entries, int_value, template_inputs
 from extproc.admission.prompt import Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest
+from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.usage import Observed, count_int
 
 CLIENT_TOOL_TYPES = frozenset({"function", "custom", "namespace"})
@@ -129,9 +129,7 @@ def responses_prompt(body: Mapping[str, Any]) -> Prompt:
             code="invalid_type",
             param="input",
         )
-    tools = f.opt_list(body, "tools", "tools")
-    if tools:
-        items.collected.add_value(tools, "tools")
+    items.collected.texts.extend(template_inputs(body, ("tools",)))
     c = items.collected
     return Prompt(texts=tuple(c.texts), messages=c.messages, templated=True, media=c.media)
 
@@ -146,6 +144,23 @@ def builtin_tools(body: Mapping[str, Any]) -> list[str]:
         if kind not in CLIENT_TOOL_TYPES:
             found.append(kind)
     return found
+
+
+TRUNCATION_VALUES = ("auto", "disabled")
+
+
+def _truncation(body: Mapping[str, Any]) -> int | None:
+    """`truncation: "auto"` truncates the prompt to what the window allows, like `truncate_prompt_tokens:
+    -1`; `"disabled"` (the default) does not (vLLM v0.32.0 entrypoints/openai/responses/protocol.py:267,
+    :464, serving.py:426-435)."""
+    value = body.get("truncation")
+    if value is not None and value not in TRUNCATION_VALUES:
+        f.bad(
+            f"'truncation' must be one of {', '.join(TRUNCATION_VALUES)}, got {value!r}.",
+            code="invalid_value",
+            param="truncation",
+        )
+    return -1 if value == "auto" else None
 
 
 class ResponsesAdapter:
@@ -182,6 +197,14 @@ class ResponsesAdapter:
             max_tokens_param="max_output_tokens",
             prompt_param="input",
             stored_context=stored,
+            truncate_prompt_tokens=_truncation(body),
+            ignore_eos=bool(f.opt_bool(body, "ignore_eos", "ignore_eos")),
+            work=StepWork(
+                stop=entries(body.get("stop")),
+                logit_bias=entries(body.get("logit_bias")),
+                logprobs=int_value(body.get("top_logprobs")) or None,
+                logprobs_param="top_logprobs",
+            ),
             body=body,
         )
 

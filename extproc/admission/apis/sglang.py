@@ -24,9 +24,9 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.common import UNNAMED_MODEL
-from extproc.admission.apis.openai import edit_priority
+from extproc.admission.apis.openai import edit_priority, entries, int_value
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest
+from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.usage import Observed, count_int
 
 NATIVE_INPUTS = ("text", "input_ids", "input_embeds")
@@ -186,6 +186,51 @@ def _fan_out(items: list[dict[str, Any]]) -> tuple[int, int]:
     return (1, beams) if beams > 1 else (ns.pop(), 1)
 
 
+def _least_output(items: list[dict[str, Any]]) -> tuple[int, bool]:
+    """(`min_new_tokens`, `ignore_eos`) over the requests of a batch: the largest, and whether any ignores
+    EOS (SGLang docs/backend/sampling_params.md "Core Parameters")."""
+    least = max(
+        f.opt_int(
+            p, "min_new_tokens", low=0, high=f.MAX_TOKENS_LIMIT, param=_param(items, i, "min_new_tokens")
+        )
+        or 0
+        for i, p in enumerate(items)
+    )
+    ignore = any(f.opt_bool(p, "ignore_eos", _param(items, i, "ignore_eos")) for i, p in enumerate(items))
+    return least, ignore
+
+
+def _any(value: Any) -> bool:
+    """A per-request field of a batch (a value, or a list of one per request): true for any request."""
+    return any(v is True for v in value) if isinstance(value, list) else value is True
+
+
+def _largest_int(value: Any) -> int | None:
+    """The largest integer of a per-request field, None when none is an integer."""
+    found = [int_value(v) for v in (value if isinstance(value, list) else [value])]
+    ints = [v for v in found if v is not None]
+    return max(ints) if ints else None
+
+
+def _step_work(body: Mapping[str, Any], items: list[dict[str, Any]]) -> StepWork:
+    """Per-step work of a native request: `stop` per request, `top_logprobs_num` logprobs when
+    `return_logprob`, and prompt logprobs when `logprob_start_len` starts inside the prompt (default -1:
+    output only; SGLang docs/backend/sampling_params.md "`/generate` Endpoint")."""
+    top: int | None = None
+    prompt: int | None = None
+    if _any(body.get("return_logprob")):
+        top = _largest_int(body.get("top_logprobs_num")) or 0
+        start = _largest_int(body.get("logprob_start_len"))
+        prompt = top if start is not None and start >= 0 else None
+    return StepWork(
+        stop=max(entries(p.get("stop")) for p in items),
+        logit_bias=max(entries(p.get("logit_bias")) for p in items),
+        logprobs=top,
+        prompt_logprobs=prompt,
+        logprobs_param="top_logprobs_num",
+    )
+
+
 def _stored(body: Mapping[str, Any], found: tuple[Prompt, ...]) -> tuple[str | None, tuple[Prompt, ...]]:
     if body.get("session_params") is None:
         return None, found
@@ -200,6 +245,7 @@ class SGLangGenerateAdapter:
         items = _sampling_items(body)
         samples, beams = _fan_out(items)
         stored, found = _stored(body, found)
+        least, ignore_eos = _least_output(items)
         return ParsedRequest(
             api=self.api,
             model=UNNAMED_MODEL,
@@ -210,6 +256,10 @@ class SGLangGenerateAdapter:
             max_tokens_param="max_new_tokens",
             prompt_param=param,
             stored_context=stored,
+            min_tokens=least,
+            ignore_eos=ignore_eos,
+            min_tokens_param="min_new_tokens",
+            work=_step_work(body, items),
             body=body,
         )
 

@@ -17,7 +17,14 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.common import optional_model
-from extproc.admission.apis.openai import MEDIA_PARTS, ask_for_usage, edit_priority, stream_options
+from extproc.admission.apis.openai import (
+    MEDIA_PARTS,
+    ask_for_usage,
+    completion_step_work,
+    edit_priority,
+    least_output,
+    stream_options,
+)
 from extproc.admission.prompt import NO_MEDIA, Prompt
 from extproc.admission.request import Api, BodyEdits, ParsedRequest
 from extproc.admission.usage import Observed, read_openai_usage
@@ -64,6 +71,9 @@ class GenerateTokensAdapter:
                 param="sampling_params",
             )
         stream, include_usage = stream_options(body)
+        # `sampling_params` is vLLM's `SamplingParams` itself (vLLM v0.32.0
+        # entrypoints/scale_out/token_in_token_out/protocol.py): the same least output and per-step work.
+        least, ignore_eos = least_output(params, "sampling_params.")
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -76,6 +86,10 @@ class GenerateTokensAdapter:
             ),
             max_tokens_param="sampling_params.max_tokens",
             prompt_param="token_ids",
+            min_tokens=least,
+            ignore_eos=ignore_eos,
+            min_tokens_param="sampling_params.min_tokens",
+            work=completion_step_work(params),
             body=body,
         )
 

@@ -270,7 +270,10 @@ def test_batch_chat_is_one_prompt_per_conversation() -> None:
         Api.CHAT_BATCH,
         {"model": "m", "messages": conversations, "max_completion_tokens": 9, "tools": [{"x": 1}]},
     )
-    assert counts(req) == [tk("user", "one"), tk("system", "s", "user", "two")]  # tools are not rendered
+    # vLLM builds each conversation's chat request from every other field, extra ones included: the tools
+    # are rendered into each conversation.
+    tools = tk('[{"x":1}]')
+    assert counts(req) == [tk("user", "one") + tools, tk("system", "s", "user", "two") + tools]
     assert (req.requested_max_tokens, req.max_tokens_param, req.sequences) == (9, "max_completion_tokens", 1)
     assert (
         plan(
