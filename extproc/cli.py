@@ -37,6 +37,18 @@ def print_envoy_config(profile: str, template: Path | None, config_path: Path | 
     return 0
 
 
+def check_config(path: Path) -> int:
+    """Validate a file the way the sidecar loads it; print every problem, one per line (exit 1)."""
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"invalid config: {problem}", file=sys.stderr)
+        return 1
+    print("config ok")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,13 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(args)
 
     if args.command == "check-config":
-        try:
-            load_config(args.config)
-        except ConfigError as exc:
-            print(f"invalid config: {exc}", file=sys.stderr)
-            return 1
-        print("config ok")
-        return 0
+        return check_config(args.config)
     if args.command == "stack":
         from extproc.stack import run_stack
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import hashlib
 import logging
 import math
 import os
+import reprlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -41,10 +44,49 @@ _IntFields = TypeVar("_IntFields", TemplateCosts, MediaCosts)
 
 DEFAULT_MODEL = "*"
 """Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
+DEFAULT_POLICY = ModelPolicy(context_window=8192)
+"""The `models."*"` defaults (docs/configuration.md): what an absent or partial entry falls back to."""
+
+
+MAX_PROBLEM_CHARS = 300
+"""The most one problem's text may carry: an error quotes the bad value, and a log line must stay a line."""
+MAX_PROBLEMS_SHOWN = 20
+"""Problems joined into the message (and so the log line); `ConfigError.problems` keeps every one."""
+
+
+def _capped(text: str, limit: int = MAX_PROBLEM_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlist = _SHOWN.maxdict = 5
+_SHOWN.maxlevel = 2
+
+
+def _shown(value: Any) -> str:
+    """A bad value as an error quotes it: bounded however large or deeply aliased the value is."""
+    return _SHOWN.repr(value)
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot be used; the message starts with the offending key path."""
+    """A configuration that cannot be used; each problem starts with the offending key path.
+
+    One error may carry several problems (every unknown key of a file, say), each capped to
+    `MAX_PROBLEM_CHARS`; the message joins the first `MAX_PROBLEMS_SHOWN`, so a log line stays bounded.
+    """
+
+    def __init__(self, *problems: str) -> None:
+        self.problems: tuple[str, ...] = tuple(_capped(p) for p in problems) or ("<root>: invalid config",)
+        shown = "; ".join(self.problems[:MAX_PROBLEMS_SHOWN])
+        more = len(self.problems) - MAX_PROBLEMS_SHOWN
+        super().__init__(shown if more <= 0 else f"{shown}; and {more} more")
+
+
+_UNKNOWN_KEYS: ContextVar[list[str] | None] = ContextVar("unknown_keys", default=None)
+"""While `parse_config` runs: the unknown keys found so far, so that every one is reported, not the first."""
+MAX_SUGGESTIONS = 100
+"""Unknown keys that get a "did you mean" (difflib) suggestion; the rest are listed plainly."""
 
 
 @dataclass(frozen=True)
@@ -279,7 +321,7 @@ class _Section:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{self.key(name)}: must be an integer >= {minimum}, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be an integer >= {minimum}, got {_shown(value)}")
         return value
 
     def required_integer(self, name: str, default: int, minimum: int = 0) -> int:
@@ -292,7 +334,7 @@ class _Section:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-            raise ConfigError(f"{self.key(name)}: must be a number >= {minimum}, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be a number >= {minimum}, got {_shown(value)}")
         return float(value)
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -300,7 +342,7 @@ class _Section:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise ConfigError(f"{self.key(name)}: must be true or false, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be true or false, got {_shown(value)}")
         return value
 
     def string(self, name: str, default: str | None) -> str | None:
@@ -308,7 +350,7 @@ class _Section:
         if value is None:
             return default
         if not isinstance(value, str) or not value:
-            raise ConfigError(f"{self.key(name)}: must be a non-empty string, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be a non-empty string, got {_shown(value)}")
         return value
 
     def string_list(self, name: str) -> tuple[str, ...]:
@@ -316,13 +358,27 @@ class _Section:
         if value is None:
             return ()
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{self.key(name)}: must be a list of non-empty strings, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be a list of non-empty strings, got {_shown(value)}")
         return tuple(value)
 
     def done(self) -> None:
-        unknown = sorted(set(self.data) - self.seen)
-        if unknown:
-            raise ConfigError(f"{self.key(str(unknown[0]))}: unknown key")
+        """Every key nobody read is unknown: collected while `parse_config` runs, else raised at once."""
+        unknown = [str(name) for name in self.data if name not in self.seen]
+        if not unknown:
+            return
+        found = _UNKNOWN_KEYS.get()
+        problems = [
+            self._unknown(name, found is None or len(found) + i < MAX_SUGGESTIONS)
+            for i, name in enumerate(unknown)
+        ]
+        if found is None:
+            raise ConfigError(*problems)
+        found.extend(problems)
+
+    def _unknown(self, name: str, suggest: bool) -> str:
+        close = difflib.get_close_matches(name, sorted(self.seen), n=1) if suggest else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{self.key(name)}: unknown key{hint}"
 
 
 def _listen(section: _Section, name: str, default: str) -> str:
@@ -676,7 +732,25 @@ def _readable(section: _Section, name: str) -> str | None:
 
 
 def parse_config(data: Any) -> Config:
-    """Build a validated `Config` from parsed YAML."""
+    """Build a validated `Config` from parsed YAML.
+
+    Unknown keys are collected as the sections are read, so one error lists all of them (each with its
+    closest known key) ahead of any other problem, which may well be a consequence of the misspelling.
+    """
+    unknown: list[str] = []
+    token = _UNKNOWN_KEYS.set(unknown)
+    try:
+        config = _parse_root(data)
+    except ConfigError as exc:
+        raise ConfigError(*unknown, *exc.problems) from None
+    finally:
+        _UNKNOWN_KEYS.reset(token)
+    if unknown:
+        raise ConfigError(*unknown)
+    return config
+
+
+def _parse_root(data: Any) -> Config:
     root = _Section(data, "")
 
     srv = root.section("server")
@@ -732,9 +806,9 @@ def parse_config(data: Any) -> Config:
 
     mdl = root.section("models")
     default_policy = (
-        _model_policy(mdl.section(DEFAULT_MODEL), None)
+        _model_policy(mdl.section(DEFAULT_MODEL), DEFAULT_POLICY)
         if DEFAULT_MODEL in mdl.data
-        else ModelPolicy(context_window=8192)
+        else DEFAULT_POLICY
     )
     models: dict[str, ModelPolicy] = {DEFAULT_MODEL: default_policy}
     for name in mdl.data:
@@ -809,6 +883,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"<file>: invalid YAML in {path}: {exc}") from exc
+    if data is None:
+        # An emptied ConfigMap would otherwise run with no limits at all; `{}` says "all defaults" on purpose.
+        raise ConfigError(f"<file>: {path} holds no YAML document (write {{}} for all defaults)")
     return parse_config(data)
 
 
