@@ -9,7 +9,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from extproc.config import Config, ConfigError, load_config
+from extproc.config import Config, ConfigError, config_warnings, load_config
 from extproc.logs import setup_logging
 from extproc.plan.cli import add_plan_parser, run_plan
 from extproc.stack import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
@@ -38,13 +38,16 @@ def print_envoy_config(profile: str, template: Path | None, config_path: Path | 
 
 
 def check_config(path: Path) -> int:
-    """Validate a file the way the sidecar loads it; print every problem, one per line (exit 1)."""
+    """Validate a file the way the sidecar loads it: every problem, one per line (exit 1); warnings about
+    settings that work against each other do not fail it."""
     try:
-        load_config(path)
+        config = load_config(path)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"invalid config: {problem}", file=sys.stderr)
         return 1
+    for warning in config_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     print("config ok")
     return 0
 

@@ -557,3 +557,68 @@ def documented_names() -> set[str]:
     for path, _, _ in documented_rows():
         names |= suffixes(".".join(path))
     return names
+
+
+# -- warnings: valid settings that work against each other --------------------------------------------------
+
+BUDGET: dict[str, Any] = {
+    "feedback": {"exporters": ["127.0.0.1:50061"]},
+    "kv_budget": {"enabled": True, "target_utilization": 0.9},
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({}, ["adaptive.low_watermark (0.7) and adaptive.high_watermark (0.85) sit below"]),
+        ({"adaptive": {"low_watermark": 0.8, "high_watermark": 0.95}}, ["adaptive.low_watermark (0.8) sits"]),
+        ({"adaptive": {"low_watermark": 0.92, "high_watermark": 0.98}}, []),
+        (
+            {
+                "adaptive": {
+                    "low_watermark": 0.92,
+                    "high_watermark": 0.98,
+                    "pools": {"llama": {"low_watermark": 0.5}, "qwen": {}},
+                }
+            },
+            ["adaptive.pools.llama.low_watermark (0.5) sits below kv_budget.target_utilization (0.9)"],
+        ),
+        ({"kv_budget": {"enabled": False}}, []),
+    ],
+)
+def test_watermarks_below_the_budget_target_are_warned(extra: dict[str, Any], named: list[str]) -> None:
+    from extproc.config import config_warnings
+
+    warnings = config_warnings(parse_config(merged(BUDGET, extra)))
+    assert len(warnings) == len(named), warnings
+    for warning, start in zip(warnings, named, strict=True):
+        assert warning.startswith(start), warning
+        assert "both act and stack" in warning
+
+
+def test_check_config_prints_warnings_and_still_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(BUDGET))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "config ok\n"
+    assert out.err.startswith("warning: adaptive.low_watermark (0.7) and adaptive.high_watermark (0.85)")
+
+
+async def test_a_reload_logs_the_warnings_of_the_new_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("log_level: info\n")
+
+    async def on_change(_config: Config) -> None:
+        pass
+
+    watcher = ConfigWatcher(path, on_change, interval_s=3600)
+    path.write_text(yaml.safe_dump(BUDGET))
+    with caplog.at_level("WARNING", logger="extproc.config"):
+        assert await watcher.check() is True
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(messages) == 1 and "kv_budget.target_utilization (0.9)" in messages[0], messages
