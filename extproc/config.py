@@ -7,7 +7,9 @@ falls back to a default is worse than a refused reload.
 
 `ConfigWatcher` polls the file for changes. A ConfigMap volume replaces a `..data` symlink atomically, which
 inotify on the file itself misses, so the watcher compares the resolved target and its stat on every poll.
-A new file that fails validation is refused with a log line and the running config stays.
+A changed file is loaded in a child process within bounds on size and alias expansion
+(extproc/config_load.py), so the event loop keeps serving; a new file that fails validation is refused
+with a log line and the running config stays.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
-
-import yaml
 
 from extproc.admission.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
 from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
@@ -914,25 +914,29 @@ def log_warnings(config: Config, path: str | os.PathLike[str]) -> None:
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a YAML config file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"<file>: cannot read {path}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"<file>: invalid YAML in {path}: {exc}") from exc
-    if data is None:
-        # An emptied ConfigMap would otherwise run with no limits at all; `{}` says "all defaults" on purpose.
-        raise ConfigError(f"<file>: {path} holds no YAML document (write {{}} for all defaults)")
-    return parse_config(data)
+    """Read and validate a YAML config file, within the bounds of extproc/config_load.py (size, aliases,
+    depth); every failure, `MemoryError` included, is a `ConfigError`."""
+    from extproc.config_load import load_file  # it builds on this module
+
+    return load_file(path)
 
 
-def _fingerprint(path: Path) -> tuple[str, bytes] | None:
+def _load_off_loop(path: Path) -> Awaitable[Config]:
+    from extproc.config_load import load_isolated
+
+    return load_isolated(path)
+
+
+_FINGERPRINT_BYTES = 64 << 20
+"""Bytes of the file hashed to notice a change (past the config size bound the loader refuses it anyway)."""
+
+
+def _fingerprint(path: Path) -> tuple[str, int, bytes] | None:
     try:
         real = os.path.realpath(path)
-        return real, hashlib.sha256(Path(real).read_bytes()).digest()
+        with open(real, "rb") as handle:
+            head = handle.read(_FINGERPRINT_BYTES)
+            return real, os.fstat(handle.fileno()).st_size, hashlib.sha256(head).digest()
     except OSError:
         return None
 
@@ -950,6 +954,9 @@ class ConfigWatcher:
     """Polls a config file and hands each valid new version to `on_change`; keeps the old one otherwise.
 
     `on_result` hears the outcome of every change (the sidecar counts them in `extproc_config_reloads_total`).
+    A changed file is loaded off the event loop (`load`: by default a child process, see
+    extproc/config_load.py), so admission and `/healthz` keep answering while a large file loads; whatever
+    goes wrong there is a counted refusal with a bounded log line.
     """
 
     def __init__(
@@ -958,10 +965,12 @@ class ConfigWatcher:
         on_change: Callable[[Config], Awaitable[None]],
         interval_s: float,
         on_result: Callable[[ReloadResult], None] = lambda _result: None,
+        load: Callable[[Path], Awaitable[Config]] = _load_off_loop,
     ) -> None:
         self.path = Path(path)
         self.on_change = on_change
         self.on_result = on_result
+        self.load = load
         self.interval_s = interval_s
         self._last = _fingerprint(self.path)
         self._unreadable = False
@@ -980,7 +989,7 @@ class ConfigWatcher:
 
     async def check(self) -> bool:
         """Reload if the file changed; returns True when a new config was applied."""
-        current = _fingerprint(self.path)
+        current = await asyncio.to_thread(_fingerprint, self.path)
         if current is None:
             if not self._unreadable:
                 self._unreadable = True
@@ -991,15 +1000,18 @@ class ConfigWatcher:
             return False
         self._last = current
         try:
-            config = load_config(self.path)
+            config = await self.load(self.path)
         except ConfigError as exc:
             self._refused(ReloadResult.REFUSED, str(exc))
+            return False
+        except Exception as exc:  # the loader itself failed (could not start a process, say)
+            self._refused(ReloadResult.REFUSED, _capped(f"{type(exc).__name__}: {exc}"))
             return False
         log_warnings(config, self.path)
         try:
             await self.on_change(config)
         except Exception as exc:
-            self._refused(ReloadResult.FAILED, f"{type(exc).__name__}: {exc}", exc)
+            self._refused(ReloadResult.FAILED, _capped(f"{type(exc).__name__}: {exc}"), exc)
             return False
         self.reloads += 1
         self.on_result(ReloadResult.APPLIED)

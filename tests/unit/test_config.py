@@ -622,3 +622,55 @@ async def test_a_reload_logs_the_warnings_of_the_new_config(
         assert await watcher.check() is True
     messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(messages) == 1 and "kv_budget.target_utilization (0.9)" in messages[0], messages
+
+
+# -- bounds on what a file may make the loader build ------------------------------------------------------
+
+
+def laughs(levels: int, fan: int = 9) -> str:
+    """The "billion laughs" file: each level is `fan` aliases of the one before (fan ** levels nodes)."""
+    lines = [f"l0: &l0 [{', '.join(['lol'] * fan)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * fan)}]" for i in range(1, levels)]
+    lines.append(f"max_concurrency: *l{levels - 1}")  # where a refusal quotes the value
+    return "\n".join(["limits:", "  global:", *(f"    {line}" for line in lines)]) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (laughs(7), "YAML expands to more than 2000000 nodes"),  # 9^7 = 4.8 x 10^6 nodes
+        (laughs(9), "YAML expands to more than 2000000 nodes"),  # the classic: 9^9 = 3.9 x 10^8 nodes
+        # Under the node bound, but the refusal used to quote the expanded value (an 80 MB log line).
+        (f"limits: {{global: {{max_concurrency: &x [{'a' * 1000}, {'b' * 1000}]}}}}\n", "limits.global"),
+        ("shadow: &s " + "x" * 1_000_000 + "\nlist: [" + ", ".join(["*s"] * 70) + "]\n", "scalars expand"),
+        ("limits: " + "[" * 500 + "]" * 500 + "\n", "YAML nested deeper than 64 levels"),
+        ("shadow: " + "1" * 5_000 + "\n", "ValueError"),  # longer than Python converts to an int
+    ],
+)
+def test_a_yaml_bomb_is_refused_cheaply_and_quoted_briefly(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert error in str(err.value), str(err.value)[:500]
+    assert len(str(err.value)) <= MAX_PROBLEM_CHARS + 40
+
+
+def test_a_file_over_the_size_bound_is_refused_unread(tmp_path: Path) -> None:
+    from extproc.config_load import MAX_CONFIG_BYTES
+
+    path = tmp_path / "huge.yaml"
+    path.write_text("#" * MAX_CONFIG_BYTES + "\n")  # one comment line: valid YAML, and "all defaults" before
+    with pytest.raises(ConfigError, match=f"larger than {MAX_CONFIG_BYTES} bytes"):
+        load_config(path)
+
+
+def test_aliases_within_the_bounds_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text(
+        "limits:\n  tenant_default: &base {max_concurrency: 2, tokens_per_minute: 1000}\n"
+        "  tenants: {a: *base, b: {<<: *base, max_concurrency: 5}}\n"
+    )
+    config = load_config(path)
+    assert config.limits.tenants["a"] == LimitSpec(max_concurrency=2, tokens_per_minute=1000)
+    assert config.limits.tenants["b"] == LimitSpec(max_concurrency=5, tokens_per_minute=1000)
