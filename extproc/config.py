@@ -363,7 +363,9 @@ class _Section:
 
     def done(self) -> None:
         """Every key nobody read is unknown: collected while `parse_config` runs, else raised at once."""
-        unknown = [str(name) for name in self.data if name not in self.seen]
+        unknown = [
+            name if isinstance(name, str) else _shown(name) for name in self.data if name not in self.seen
+        ]
         if not unknown:
             return
         found = _UNKNOWN_KEYS.get()

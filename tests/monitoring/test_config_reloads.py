@@ -25,6 +25,7 @@ from extproc.config import MAX_PROBLEM_CHARS, Config, ConfigError, ConfigWatcher
 from extproc.config_load import load_isolated
 from extproc.metrics import Metrics
 
+REPO = Path(__file__).resolve().parents[2]
 CONFIG: dict[str, Any] = {
     "server": {
         "grpc_listen": "127.0.0.1:0",
@@ -255,3 +256,12 @@ async def test_the_loading_child_reports_its_failures_as_config_errors(
     monkeypatch.setattr(config_load, "parse_config", exhausted)
     with pytest.raises(ConfigError, match="MemoryError while loading"):
         config_load.load_file(path)
+
+
+SHIPPED = [REPO / "config" / "local.yaml", *sorted((REPO / "k8s").rglob("config.yaml"))]
+
+
+async def test_the_child_sends_back_what_an_in_process_load_builds() -> None:
+    """The config the sidecar applies after a reload is the one `check-config` and a start would build."""
+    for path in SHIPPED:
+        assert await load_isolated(path) == load_config(path), path
