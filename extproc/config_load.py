@@ -63,6 +63,8 @@ _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when PyY
 
 @dataclass(frozen=True)
 class YamlBounds:
+    """What building one YAML document may cost; checked on its events before anything is built."""
+
     max_nodes: int = MAX_YAML_NODES
     max_depth: int = MAX_YAML_DEPTH
     max_scalar_bytes: int = MAX_SCALAR_BYTES
@@ -200,7 +202,12 @@ def _outcome(path: str | os.PathLike[str], returncode: int | None, out: bytes, e
     if returncode != 0 or not out:
         last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
         raise ConfigError(f"<file>: the loader of {path} exited with status {returncode}: {last[0]}")
-    kind, payload = pickle.loads(out)  # our own child, over our own pipe
+    try:
+        kind, payload = pickle.loads(out)  # our own child, over our own pipe
+    except Exception as exc:  # cut short: the child died while writing
+        raise ConfigError(
+            f"<file>: the loader of {path} sent back no outcome ({type(exc).__name__})"
+        ) from None
     if kind == "problems":
         raise ConfigError(*payload)
     if not isinstance(payload, Config):
@@ -217,8 +224,8 @@ def _cap_memory(limit: int = CHILD_MEMORY_BYTES) -> None:
 
 def _child(path: str) -> int:
     """The loading child (`_CHILD_MAIN`). Its stdout carries only the pickled outcome."""
-    result = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    sys.stdout = sys.stderr  # nothing a library prints may corrupt the outcome
+    result = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever a library prints, from Python or native code, goes to stderr
     _cap_memory()
     outcome: tuple[str, Any]
     try:

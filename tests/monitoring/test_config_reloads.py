@@ -265,3 +265,12 @@ async def test_the_child_sends_back_what_an_in_process_load_builds() -> None:
     """The config the sidecar applies after a reload is the one `check-config` and a start would build."""
     for path in SHIPPED:
         assert await load_isolated(path) == load_config(path), path
+
+
+def test_a_child_that_dies_is_a_refusal_naming_its_status() -> None:
+    from extproc.config_load import _outcome
+
+    with pytest.raises(ConfigError, match="exited with status -9: Killed"):
+        _outcome("c.yaml", -9, b"", b"Traceback...\nKilled\n")
+    with pytest.raises(ConfigError, match="sent back no outcome"):
+        _outcome("c.yaml", 0, b"\x80\x05garbage", b"")
