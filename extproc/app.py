@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc import __version__
 from extproc.accesslog import EndReports
 from extproc.admission.service import AdmissionService, Deps
-from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config
+from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config, log_warnings
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
@@ -266,6 +266,7 @@ class Sidecar:
 async def serve(config_path: Path) -> None:
     """Run until SIGTERM or SIGINT, then drain and exit."""
     config = load_config(config_path)
+    log_warnings(config, config_path)
     sidecar = Sidecar(config=config, config_path=config_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -9,7 +9,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from extproc.config import Config, ConfigError, load_config
+from extproc.config import Config, ConfigError, config_warnings, load_config
 from extproc.logs import setup_logging
 from extproc.plan.cli import add_plan_parser, run_plan
 from extproc.stack import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
@@ -34,6 +34,21 @@ def print_envoy_config(profile: str, template: Path | None, config_path: Path | 
     rendered = render_envoy_yaml(source, sidecar)
     note = ISTIO_NOTE if rendered.startswith("apiVersion: networking.istio.io") else ""
     sys.stdout.write(HEADER.format(args=args, source=shown) + note + rendered)
+    return 0
+
+
+def check_config(path: Path) -> int:
+    """Validate a file the way the sidecar loads it: every problem, one per line (exit 1); warnings about
+    settings that work against each other do not fail it."""
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"invalid config: {problem}", file=sys.stderr)
+        return 1
+    for warning in config_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
+    print("config ok")
     return 0
 
 
@@ -69,13 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(args)
 
     if args.command == "check-config":
-        try:
-            load_config(args.config)
-        except ConfigError as exc:
-            print(f"invalid config: {exc}", file=sys.stderr)
-            return 1
-        print("config ok")
-        return 0
+        return check_config(args.config)
     if args.command == "stack":
         from extproc.stack import run_stack
 

@@ -7,25 +7,28 @@ falls back to a default is worse than a refused reload.
 
 `ConfigWatcher` polls the file for changes. A ConfigMap volume replaces a `..data` symlink atomically, which
 inotify on the file itself misses, so the watcher compares the resolved target and its stat on every poll.
-A new file that fails validation is refused with a log line and the running config stays.
+A changed file is loaded in a child process within bounds on size and alias expansion
+(extproc/config_load.py), so the event loop keeps serving; a new file that fails validation is refused
+with a log line and the running config stays.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import hashlib
 import logging
 import math
 import os
+import reprlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
-
-import yaml
 
 from extproc.admission.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
 from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, StepBounds, TemplateCosts
@@ -41,10 +44,49 @@ _IntFields = TypeVar("_IntFields", TemplateCosts, MediaCosts)
 
 DEFAULT_MODEL = "*"
 """Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
+DEFAULT_POLICY = ModelPolicy(context_window=8192)
+"""The `models."*"` defaults (docs/configuration.md): what an absent or partial entry falls back to."""
+
+
+MAX_PROBLEM_CHARS = 300
+"""The most one problem's text may carry: an error quotes the bad value, and a log line must stay a line."""
+MAX_PROBLEMS_SHOWN = 20
+"""Problems joined into the message (and so the log line); `ConfigError.problems` keeps every one."""
+
+
+def _capped(text: str, limit: int = MAX_PROBLEM_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlist = _SHOWN.maxdict = 5
+_SHOWN.maxlevel = 2
+
+
+def _shown(value: Any) -> str:
+    """A bad value as an error quotes it: bounded however large or deeply aliased the value is."""
+    return _SHOWN.repr(value)
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot be used; the message starts with the offending key path."""
+    """A configuration that cannot be used; each problem starts with the offending key path.
+
+    One error may carry several problems (every unknown key of a file, say), each capped to
+    `MAX_PROBLEM_CHARS`; the message joins the first `MAX_PROBLEMS_SHOWN`, so a log line stays bounded.
+    """
+
+    def __init__(self, *problems: str) -> None:
+        self.problems: tuple[str, ...] = tuple(_capped(p) for p in problems) or ("<root>: invalid config",)
+        shown = "; ".join(self.problems[:MAX_PROBLEMS_SHOWN])
+        more = len(self.problems) - MAX_PROBLEMS_SHOWN
+        super().__init__(shown if more <= 0 else f"{shown}; and {more} more")
+
+
+_UNKNOWN_KEYS: ContextVar[list[str] | None] = ContextVar("unknown_keys", default=None)
+"""While `parse_config` runs: the unknown keys found so far, so that every one is reported, not the first."""
+MAX_SUGGESTIONS = 100
+"""Unknown keys that get a "did you mean" (difflib) suggestion; the rest are listed plainly."""
 
 
 @dataclass(frozen=True)
@@ -282,7 +324,7 @@ class _Section:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{self.key(name)}: must be an integer >= {minimum}, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be an integer >= {minimum}, got {_shown(value)}")
         return value
 
     def required_integer(self, name: str, default: int, minimum: int = 0) -> int:
@@ -295,7 +337,7 @@ class _Section:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-            raise ConfigError(f"{self.key(name)}: must be a number >= {minimum}, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be a number >= {minimum}, got {_shown(value)}")
         return float(value)
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -303,7 +345,7 @@ class _Section:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise ConfigError(f"{self.key(name)}: must be true or false, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be true or false, got {_shown(value)}")
         return value
 
     def string(self, name: str, default: str | None) -> str | None:
@@ -311,7 +353,7 @@ class _Section:
         if value is None:
             return default
         if not isinstance(value, str) or not value:
-            raise ConfigError(f"{self.key(name)}: must be a non-empty string, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be a non-empty string, got {_shown(value)}")
         return value
 
     def string_list(self, name: str) -> tuple[str, ...]:
@@ -319,13 +361,29 @@ class _Section:
         if value is None:
             return ()
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{self.key(name)}: must be a list of non-empty strings, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: must be a list of non-empty strings, got {_shown(value)}")
         return tuple(value)
 
     def done(self) -> None:
-        unknown = sorted(set(self.data) - self.seen)
-        if unknown:
-            raise ConfigError(f"{self.key(str(unknown[0]))}: unknown key")
+        """Every key nobody read is unknown: collected while `parse_config` runs, else raised at once."""
+        unknown = [
+            name if isinstance(name, str) else _shown(name) for name in self.data if name not in self.seen
+        ]
+        if not unknown:
+            return
+        found = _UNKNOWN_KEYS.get()
+        problems = [
+            self._unknown(name, found is None or len(found) + i < MAX_SUGGESTIONS)
+            for i, name in enumerate(unknown)
+        ]
+        if found is None:
+            raise ConfigError(*problems)
+        found.extend(problems)
+
+    def _unknown(self, name: str, suggest: bool) -> str:
+        close = difflib.get_close_matches(name, sorted(self.seen), n=1) if suggest else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{self.key(name)}: unknown key{hint}"
 
 
 def _listen(section: _Section, name: str, default: str) -> str:
@@ -683,7 +741,25 @@ def _readable(section: _Section, name: str) -> str | None:
 
 
 def parse_config(data: Any) -> Config:
-    """Build a validated `Config` from parsed YAML."""
+    """Build a validated `Config` from parsed YAML.
+
+    Unknown keys are collected as the sections are read, so one error lists all of them (each with its
+    closest known key) ahead of any other problem, which may well be a consequence of the misspelling.
+    """
+    unknown: list[str] = []
+    token = _UNKNOWN_KEYS.set(unknown)
+    try:
+        config = _parse_root(data)
+    except ConfigError as exc:
+        raise ConfigError(*unknown, *exc.problems) from None
+    finally:
+        _UNKNOWN_KEYS.reset(token)
+    if unknown:
+        raise ConfigError(*unknown)
+    return config
+
+
+def _parse_root(data: Any) -> Config:
     root = _Section(data, "")
 
     srv = root.section("server")
@@ -751,9 +827,9 @@ def parse_config(data: Any) -> Config:
 
     mdl = root.section("models")
     default_policy = (
-        _model_policy(mdl.section(DEFAULT_MODEL), None)
+        _model_policy(mdl.section(DEFAULT_MODEL), DEFAULT_POLICY)
         if DEFAULT_MODEL in mdl.data
-        else ModelPolicy(context_window=8192)
+        else DEFAULT_POLICY
     )
     models: dict[str, ModelPolicy] = {DEFAULT_MODEL: default_policy}
     for name in mdl.data:
@@ -818,23 +894,70 @@ def parse_config(data: Any) -> Config:
     )
 
 
+def config_warnings(config: Config) -> list[str]:
+    """Settings that are valid but work against each other: `check-config` prints them, the sidecar logs them
+    at every load. Each names the keys to change."""
+    return _watermarks_under_budget(config.feedback)
+
+
+def _watermarks_under_budget(feedback: FeedbackConfig) -> list[str]:
+    """Adaptive watermarks below the KV budget's target: the budget admits up to the target while the scale
+    already cuts the limits on the same KV, so both act and stack (docs/feedback.md: the scale fell to 0.64
+    on top of the budget against a real engine). A pool that only inherits the defaults is warned once."""
+    budget = feedback.kv_budget
+    if not (feedback.enabled and budget.enabled):
+        return []
+    entries = [("adaptive", feedback.adaptive_default)]
+    entries += [
+        (f"adaptive.pools.{pool}", adaptive)
+        for pool, adaptive in feedback.adaptive_pools.items()
+        if adaptive != feedback.adaptive_default
+    ]
+    warnings = []
+    for path, adaptive in entries:
+        marks = {"low_watermark": adaptive.low_watermark, "high_watermark": adaptive.high_watermark}
+        below = [
+            f"{path}.{key} ({value:g})" for key, value in marks.items() if value < budget.target_utilization
+        ]
+        if below:
+            warnings.append(
+                f"{' and '.join(below)} {'sit' if len(below) > 1 else 'sits'} below "
+                f"kv_budget.target_utilization ({budget.target_utilization:g}): the adaptive scale cuts the "
+                "limits on KV the budget still admits into, so both act and stack; set the watermarks above "
+                "the target (e.g. 0.92 / 0.98, docs/feedback.md)"
+            )
+    return warnings
+
+
+def log_warnings(config: Config, path: str | os.PathLike[str]) -> None:
+    for warning in config_warnings(config):
+        log.warning("config: %s", warning, extra={"path": str(path)})
+
+
 def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a YAML config file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"<file>: cannot read {path}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"<file>: invalid YAML in {path}: {exc}") from exc
-    return parse_config(data)
+    """Read and validate a YAML config file, within the bounds of extproc/config_load.py (size, aliases,
+    depth); every failure, `MemoryError` included, is a `ConfigError`."""
+    from extproc.config_load import load_file  # it builds on this module
+
+    return load_file(path)
 
 
-def _fingerprint(path: Path) -> tuple[str, bytes] | None:
+def _load_off_loop(path: Path) -> Awaitable[Config]:
+    from extproc.config_load import load_isolated
+
+    return load_isolated(path)
+
+
+_FINGERPRINT_BYTES = 64 << 20
+"""Bytes of the file hashed to notice a change (past the config size bound the loader refuses it anyway)."""
+
+
+def _fingerprint(path: Path) -> tuple[str, int, bytes] | None:
     try:
         real = os.path.realpath(path)
-        return real, hashlib.sha256(Path(real).read_bytes()).digest()
+        with open(real, "rb") as handle:
+            head = handle.read(_FINGERPRINT_BYTES)
+            return real, os.fstat(handle.fileno()).st_size, hashlib.sha256(head).digest()
     except OSError:
         return None
 
@@ -852,6 +975,9 @@ class ConfigWatcher:
     """Polls a config file and hands each valid new version to `on_change`; keeps the old one otherwise.
 
     `on_result` hears the outcome of every change (the sidecar counts them in `extproc_config_reloads_total`).
+    A changed file is loaded off the event loop (`load`: by default a child process, see
+    extproc/config_load.py), so admission and `/healthz` keep answering while a large file loads; whatever
+    goes wrong there is a counted refusal with a bounded log line.
     """
 
     def __init__(
@@ -860,10 +986,12 @@ class ConfigWatcher:
         on_change: Callable[[Config], Awaitable[None]],
         interval_s: float,
         on_result: Callable[[ReloadResult], None] = lambda _result: None,
+        load: Callable[[Path], Awaitable[Config]] = _load_off_loop,
     ) -> None:
         self.path = Path(path)
         self.on_change = on_change
         self.on_result = on_result
+        self.load = load
         self.interval_s = interval_s
         self._last = _fingerprint(self.path)
         self._unreadable = False
@@ -882,7 +1010,7 @@ class ConfigWatcher:
 
     async def check(self) -> bool:
         """Reload if the file changed; returns True when a new config was applied."""
-        current = _fingerprint(self.path)
+        current = await asyncio.to_thread(_fingerprint, self.path)
         if current is None:
             if not self._unreadable:
                 self._unreadable = True
@@ -893,14 +1021,18 @@ class ConfigWatcher:
             return False
         self._last = current
         try:
-            config = load_config(self.path)
+            config = await self.load(self.path)
         except ConfigError as exc:
             self._refused(ReloadResult.REFUSED, str(exc))
             return False
+        except Exception as exc:  # the loader itself failed (could not start a process, say)
+            self._refused(ReloadResult.REFUSED, _capped(f"{type(exc).__name__}: {exc}"))
+            return False
+        log_warnings(config, self.path)
         try:
             await self.on_change(config)
         except Exception as exc:
-            self._refused(ReloadResult.FAILED, f"{type(exc).__name__}: {exc}", exc)
+            self._refused(ReloadResult.FAILED, _capped(f"{type(exc).__name__}: {exc}"), exc)
             return False
         self.reloads += 1
         self.on_result(ReloadResult.APPLIED)

@@ -1,11 +1,18 @@
 """Every outcome of a config file change is counted, so a refused edit shows on the dashboard and alerts.
 
 A refused edit used to be logged only: the watcher caught the validation error before the sidecar's counter
-saw it, so `extproc_config_reloads_total` only ever counted `applied`.
+saw it, so `extproc_config_reloads_total` only ever counted `applied`. A reload also used to run on the
+event loop: a large file stalled `/healthz` and admission for as long as it took to parse, and a YAML bomb
+stalled it too, and was logged with its expanded value.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
+import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +21,11 @@ import pytest
 import yaml
 
 from extproc.app import Sidecar
-from extproc.config import Config, ConfigWatcher, ReloadResult, load_config
+from extproc.config import MAX_PROBLEM_CHARS, Config, ConfigError, ConfigWatcher, ReloadResult, load_config
+from extproc.config_load import load_isolated
 from extproc.metrics import Metrics
 
+REPO = Path(__file__).resolve().parents[2]
 CONFIG: dict[str, Any] = {
     "server": {
         "grpc_listen": "127.0.0.1:0",
@@ -120,3 +129,148 @@ async def test_sidecar_counts_each_reload_outcome_from_zero(
     await sidecar.watcher.check()
     assert reloads(sidecar) == {"applied": 1, "refused": 1, "failed": 1, "unreadable": 1}
     assert sidecar.config.limits.global_.max_concurrency == 6
+
+
+ENVOY_MESSAGE_TIMEOUT_S = 1.0
+"""The shipped Envoy configs' ext_proc `message_timeout`: a loop stall this long fails requests."""
+
+
+def many_tenants(count: int) -> str:
+    """The config above with `count` tenants of their own limits (10^5 of them: 6.7 MB)."""
+    rows = "\n".join(
+        f"    t{i:06d}: {{max_concurrency: 4, tokens_per_minute: {1000 + i}}}" for i in range(count)
+    )
+    server = yaml.safe_dump({"server": CONFIG["server"]})
+    return f"{server}limits:\n  global: {{max_concurrency: 2}}\n  tenants:\n{rows}\n"
+
+
+class HealthProbe:
+    """Probes `/healthz` from another thread, as the kubelet does, and keeps each answer's latency."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/healthz"
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="healthz-probe")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            with urllib.request.urlopen(self.url, timeout=60) as response:
+                assert response.status == 200
+            self.latencies.append(time.perf_counter() - start)
+            self._stop.wait(0.02)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join)  # the loop must keep serving the probe's last request
+
+
+async def test_a_large_reload_keeps_healthz_answering(sidecar: Sidecar) -> None:
+    """30,000 tenants (2 MB) used to parse on the event loop for seconds; now the loop barely notices."""
+    assert sidecar.watcher is not None and sidecar.config_path is not None and sidecar.admin_port
+    sidecar.config_path.write_text(many_tenants(30_000))
+    probe = HealthProbe(sidecar.admin_port)
+    probe.start()
+    try:
+        applied = await sidecar.watcher.check()
+    finally:
+        await probe.stop()
+    assert applied is True
+    assert len(sidecar.config.limits.tenants) == 30_000
+    assert reloads(sidecar)["applied"] == 1
+    assert len(probe.latencies) >= 3, probe.latencies  # it kept answering while the file loaded
+    assert max(probe.latencies) < ENVOY_MESSAGE_TIMEOUT_S, max(probe.latencies)
+
+
+async def test_a_yaml_bomb_reload_is_counted_and_logged_briefly(
+    sidecar: Sidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert sidecar.watcher is not None and sidecar.config_path is not None and sidecar.admin_port
+    levels = [f"    l0: &l0 [{', '.join(['lol'] * 10)}]"]
+    levels += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 7)]
+    sidecar.config_path.write_text(
+        "limits:\n  global:\n" + "\n".join(levels) + "\n    max_concurrency: *l6\n"
+    )
+    probe = HealthProbe(sidecar.admin_port)
+    probe.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="extproc.config"):
+            applied = await sidecar.watcher.check()
+    finally:
+        await probe.stop()
+    assert applied is False
+    assert reloads(sidecar)["refused"] == 1
+    assert sidecar.config.limits.global_.max_concurrency == 2
+    errors = [getattr(record, "error", "") for record in caplog.records]
+    assert len(errors) == 1 and "YAML expands to more than" in errors[0], errors
+    assert len(errors[0]) <= MAX_PROBLEM_CHARS + 40
+    assert max(probe.latencies, default=0.0) < ENVOY_MESSAGE_TIMEOUT_S
+
+
+@pytest.mark.parametrize("error", [MemoryError, RecursionError, OSError])
+async def test_any_loader_failure_is_a_counted_refusal(tmp_path: Path, error: type[BaseException]) -> None:
+    path = tmp_path / "config.yaml"
+    write(path, CONFIG)
+    results: list[ReloadResult] = []
+
+    async def failing(_path: Path) -> Config:
+        raise error("x" * 10_000)
+
+    async def on_change(_config: Config) -> None:
+        raise AssertionError("nothing may be applied")
+
+    watcher = ConfigWatcher(path, on_change, 3600, on_result=results.append, load=failing)
+    write(path, {**CONFIG, "log_level": "debug"})
+    assert await watcher.check() is False
+    assert results == [ReloadResult.REFUSED]
+
+
+async def test_the_loading_child_reports_its_failures_as_config_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "config.yaml"
+    write(path, CONFIG)
+    assert (await load_isolated(path)).limits.global_.max_concurrency == 2
+    write(path, {"surprise": 1, "log_levl": "info"})
+    with pytest.raises(ConfigError) as err:
+        await load_isolated(path)
+    assert sorted(err.value.problems) == [
+        "log_levl: unknown key (did you mean 'log_level'?)",
+        "surprise: unknown key",
+    ]
+    with pytest.raises(ConfigError, match="took longer than"):
+        await load_isolated(path, timeout_s=0.001)
+    from extproc import config_load
+
+    monkeypatch.setattr(config_load, "parse_config", lambda _data: [][0])  # IndexError, a bug
+    with pytest.raises(ConfigError, match=r"cannot load .*: IndexError"):
+        config_load.load_file(path)
+
+    def exhausted(_data: Any) -> Config:
+        raise MemoryError
+
+    monkeypatch.setattr(config_load, "parse_config", exhausted)
+    with pytest.raises(ConfigError, match="MemoryError while loading"):
+        config_load.load_file(path)
+
+
+SHIPPED = [REPO / "config" / "local.yaml", *sorted((REPO / "k8s").rglob("config.yaml"))]
+
+
+async def test_the_child_sends_back_what_an_in_process_load_builds() -> None:
+    """The config the sidecar applies after a reload is the one `check-config` and a start would build."""
+    for path in SHIPPED:
+        assert await load_isolated(path) == load_config(path), path
+
+
+def test_a_child_that_dies_is_a_refusal_naming_its_status() -> None:
+    from extproc.config_load import _outcome
+
+    with pytest.raises(ConfigError, match="exited with status -9: Killed"):
+        _outcome("c.yaml", -9, b"", b"Traceback...\nKilled\n")
+    with pytest.raises(ConfigError, match="sent back no outcome"):
+        _outcome("c.yaml", 0, b"\x80\x05garbage", b"")

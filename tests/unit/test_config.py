@@ -8,7 +8,16 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import DEFAULT_MODEL, Config, ConfigError, ConfigWatcher, load_config, parse_config
+from extproc.cli import main
+from extproc.config import (
+    DEFAULT_MODEL,
+    MAX_PROBLEM_CHARS,
+    Config,
+    ConfigError,
+    ConfigWatcher,
+    load_config,
+    parse_config,
+)
 from extproc.core.limiter import LimitSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -332,3 +341,336 @@ def test_queue_wait_must_fit_under_envoys_max_message_timeout() -> None:
     assert config.admission.envoy_max_message_timeout_seconds == 120
     # A class that never queues (max_queued 0) holds no Envoy timer.
     parse_config({"classes": [{"name": "a", "queue": {"max_wait_seconds": 60, "max_queued": 0}}]})
+
+
+def test_every_unknown_key_is_reported_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(
+            {
+                "survey": 1,
+                "limits": {"global": {"max_concurency": 3}},
+                "adaptive": {"low_watermrk": 0.2, "zzz": 1},
+                "models": {"m": {"context_window": 10, "colour": "red"}},
+            }
+        )
+    problems = err.value.problems
+    assert len(problems) == 5, problems
+    assert "models.m.colour: unknown key" in problems
+    assert "limits.global.max_concurency: unknown key (did you mean 'max_concurrency'?)" in problems
+    assert "adaptive.low_watermrk: unknown key (did you mean 'low_watermark'?)" in problems
+    assert "adaptive.zzz: unknown key" in problems
+    assert "survey: unknown key (did you mean 'server'?)" in problems
+
+
+def test_unknown_keys_come_before_other_errors() -> None:
+    """A later error may be a consequence of a misspelling: the unknown keys are listed first."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"limits": {"global": {"max_concurency": 3}}, "log_level": "chatty"})
+    assert (
+        err.value.problems[0] == "limits.global.max_concurency: unknown key (did you mean 'max_concurrency'?)"
+    )
+    assert err.value.problems[1].startswith("log_level: must be one of")
+
+
+def test_an_error_quotes_at_most_a_bounded_value() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"limits": {"global": {"max_concurrency": [list(range(100_000))] * 3}}})
+    assert len(str(err.value)) < 200, str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config({f"key{i}": i for i in range(1000)})
+    assert len(err.value.problems) == 1000
+    assert len(str(err.value)) < 20 * MAX_PROBLEM_CHARS
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("", "holds no YAML document"),
+        ("# only a comment\n", "holds no YAML document"),
+        ("- a\n- b\n", "<root>: must be a mapping, got list"),
+        ("just words\n", "<root>: must be a mapping, got str"),
+        ("survey: 1\nlog_levl: info\n", "log_levl: unknown key (did you mean 'log_level'?)"),
+    ],
+)
+def test_check_config_refuses_empty_and_non_mapping_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, error: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "config ok" not in out.out
+    assert error in out.err, out.err
+    if "survey" in text:  # every unknown key, one line each
+        assert out.err.count("invalid config:") == 2, out.err
+    path.write_text("{}\n")  # all defaults, said on purpose
+    assert main(["check-config", str(path)]) == 0
+
+
+def test_a_partial_default_model_entry_keeps_the_documented_window() -> None:
+    config = parse_config({"models": {"*": {"default_max_tokens": 512}}})
+    assert config.models[DEFAULT_MODEL].context_window == 8192
+    assert config.models[DEFAULT_MODEL].default_max_tokens == 512
+
+
+# -- docs/configuration.md and the code agree ---------------------------------------------------------------
+
+TABLE_SECTIONS = {
+    "server": ("server",),
+    "admission": ("admission",),
+    "models": ("models", "*"),
+    "paths": ("paths",),
+    "feedback": ("feedback",),
+    "adaptive": ("adaptive",),
+    "kv_budget": ("kv_budget",),
+    "store": ("store",),
+}
+"""Sections whose `| key | default | ...` table documents every key, by the YAML path they sit at."""
+
+DEFAULT_CONTEXT: dict[str, dict[str, Any]] = {
+    # Read only with a feed source: a wrong default would not show in a config without one.
+    "feedback.resolve_interval_seconds": {"feedback": {"exporters": ["127.0.0.1:50061"]}},
+    "feedback.scrape_interval_seconds": {
+        "feedback": {
+            "direct_targets": [{"url": "http://127.0.0.1:8000/metrics", "kind": "vllm", "model": "m"}]
+        }
+    },
+    # TLS settings need a rediss:// URL.
+    "store.redis.tls.verify": {"store": {"redis": {"url": "rediss://127.0.0.1:6379/0"}}},
+}
+
+
+def documented_rows() -> list[tuple[tuple[str, ...], str, str | None]]:
+    """(YAML path, key as documented, default as documented or None where it is not a literal)."""
+    import re
+
+    rows: list[tuple[tuple[str, ...], str, str | None]] = []
+    text = (REPO / "docs" / "configuration.md").read_text()
+    for heading, body in re.findall(r"^## `([a-z_]+)`\n(.*?)(?=^## |\Z)", text, re.S | re.M):
+        if heading not in TABLE_SECTIONS or "| key | default |" not in body:
+            continue
+        for line in body.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) < 2 or not cells[0].startswith("`"):
+                continue
+            keys = re.findall(r"`([^`]+)`", cells[0])
+            parts = [p.strip() for p in cells[1].split(", ")] if len(keys) > 1 else [cells[1]]
+            parts = parts if len(parts) == len(keys) else [cells[1]] * len(keys)
+            table_keys = set(re.findall(r"^\| `([^`]+)`", body, re.M))
+            for key, part in zip(keys, parts, strict=True):
+                literal = re.match(r"^`([^`]+)`", part)
+                value = literal.group(1) if literal and literal.group(1) not in table_keys else None
+                rows.append(((*TABLE_SECTIONS[heading], *key.split(".")), key, value))
+    return rows
+
+
+def nested(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for name in reversed(path):
+        out = {name: out}
+    assert isinstance(out, dict)
+    return out
+
+
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and key in out else value
+    return out
+
+
+def yaml_value(text: str) -> Any:
+    value = yaml.safe_load(text)
+    return text if isinstance(value, dict) else value  # `extproc:` is a string, not a mapping
+
+
+def test_documented_defaults_are_the_codes_defaults() -> None:
+    """Each literal default in docs/configuration.md's tables, written out explicitly, changes nothing."""
+    rows = [row for row in documented_rows() if row[2] is not None and "<" not in row[1]]
+    assert len(rows) >= 50, rows
+    wrong = []
+    for path, _key, default in rows:
+        assert default is not None
+        dotted = ".".join(p for p in path if p != "*")
+        context = merged(nested(path[:-1], {}), DEFAULT_CONTEXT.get(dotted, {}))
+        try:
+            implicit = parse_config(context)
+            explicit = parse_config(merged(context, nested(path, yaml_value(default))))
+        except ConfigError as exc:
+            wrong.append(f"{dotted}: documented default {default!r}: {exc}")
+            continue
+        if explicit != implicit:
+            wrong.append(f"{dotted}: documented default {default!r} is not the code's")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_key_the_code_reads_is_documented(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key `parse_config` reads but docs/configuration.md never names is a key no operator can find."""
+    from extproc import config as config_module
+
+    read: set[str] = set()
+    original = config_module._Section.get
+
+    def recording(self: Any, name: str) -> Any:
+        read.add(self.key(name))
+        return original(self, name)
+
+    monkeypatch.setattr(config_module._Section, "get", recording)
+    rich: dict[str, Any] = {
+        "models": {"*": {}, "NAME": {}},
+        "classes": [{"name": "a"}],
+        "tenants": {"NAME": {"class": "a"}},
+        "limits": {
+            "global": {"guaranteed": {"a": {}}},
+            "models": {"NAME": {}},
+            "tenants": {"NAME": {}},
+        },
+        "adaptive": {"pools": {"NAME": {}}},
+        "feedback": {"exporters": ["127.0.0.1:50061"]},
+        "kv_budget": {"enabled": True},
+        "store": {"redis": {"url": "rediss://127.0.0.1:6379/0", "tls": {}}},
+    }
+    parse_config(rich)
+    leaves = {key for key in read if not any(other.startswith(f"{key}.") for other in read)}
+    named = documented_names()
+    missing = [key for key in sorted(leaves) if not suffixes(key) & named]
+    assert not missing, f"read by the code, not in docs/configuration.md: {missing}"
+
+
+def suffixes(key: str) -> set[str]:
+    """`limits.models.NAME.max_concurrency` -> {max_concurrency, models.max_concurrency, ...}: the ways the
+    docs name a key (in its section's table, or in prose under its section)."""
+    import re
+
+    parts = [p for p in re.sub(r"\[\d+\]", "", key).split(".") if p not in ("NAME", "*", '"*"', "a")]
+    parts = [p for p in parts if not p.startswith("<")]
+    return {".".join(parts[i:]) for i in range(len(parts))}
+
+
+def documented_names() -> set[str]:
+    import re
+
+    text = re.sub(r"```.*?```", "", (REPO / "docs" / "configuration.md").read_text(), flags=re.S)
+    names: set[str] = set()
+    for token in re.findall(r"`([^`]+)`", text):
+        names |= suffixes(token)
+    for path, _, _ in documented_rows():
+        names |= suffixes(".".join(path))
+    return names
+
+
+# -- warnings: valid settings that work against each other --------------------------------------------------
+
+BUDGET: dict[str, Any] = {
+    "feedback": {"exporters": ["127.0.0.1:50061"]},
+    "kv_budget": {"enabled": True, "target_utilization": 0.9},
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({}, ["adaptive.low_watermark (0.7) and adaptive.high_watermark (0.85) sit below"]),
+        ({"adaptive": {"low_watermark": 0.8, "high_watermark": 0.95}}, ["adaptive.low_watermark (0.8) sits"]),
+        ({"adaptive": {"low_watermark": 0.92, "high_watermark": 0.98}}, []),
+        (
+            {
+                "adaptive": {
+                    "low_watermark": 0.92,
+                    "high_watermark": 0.98,
+                    "pools": {"llama": {"low_watermark": 0.5}, "qwen": {}},
+                }
+            },
+            ["adaptive.pools.llama.low_watermark (0.5) sits below kv_budget.target_utilization (0.9)"],
+        ),
+        ({"kv_budget": {"enabled": False}}, []),
+    ],
+)
+def test_watermarks_below_the_budget_target_are_warned(extra: dict[str, Any], named: list[str]) -> None:
+    from extproc.config import config_warnings
+
+    warnings = config_warnings(parse_config(merged(BUDGET, extra)))
+    assert len(warnings) == len(named), warnings
+    for warning, start in zip(warnings, named, strict=True):
+        assert warning.startswith(start), warning
+        assert "both act and stack" in warning
+
+
+def test_check_config_prints_warnings_and_still_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(BUDGET))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "config ok\n"
+    assert out.err.startswith("warning: adaptive.low_watermark (0.7) and adaptive.high_watermark (0.85)")
+
+
+async def test_a_reload_logs_the_warnings_of_the_new_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("log_level: info\n")
+
+    async def on_change(_config: Config) -> None:
+        pass
+
+    watcher = ConfigWatcher(path, on_change, interval_s=3600)
+    path.write_text(yaml.safe_dump(BUDGET))
+    with caplog.at_level("WARNING", logger="extproc.config"):
+        assert await watcher.check() is True
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(messages) == 1 and "kv_budget.target_utilization (0.9)" in messages[0], messages
+
+
+# -- bounds on what a file may make the loader build ------------------------------------------------------
+
+
+def laughs(levels: int, fan: int = 9) -> str:
+    """The "billion laughs" file: each level is `fan` aliases of the one before (fan ** levels nodes)."""
+    lines = [f"l0: &l0 [{', '.join(['lol'] * fan)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * fan)}]" for i in range(1, levels)]
+    lines.append(f"max_concurrency: *l{levels - 1}")  # where a refusal quotes the value
+    return "\n".join(["limits:", "  global:", *(f"    {line}" for line in lines)]) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (laughs(7), "YAML expands to more than 2000000 nodes"),  # 9^7 = 4.8 x 10^6 nodes
+        (laughs(9), "YAML expands to more than 2000000 nodes"),  # the classic: 9^9 = 3.9 x 10^8 nodes
+        # Under the node bound, but the refusal used to quote the expanded value (an 80 MB log line).
+        (f"limits: {{global: {{max_concurrency: &x [{'a' * 1000}, {'b' * 1000}]}}}}\n", "limits.global"),
+        ("shadow: &s " + "x" * 1_000_000 + "\nlist: [" + ", ".join(["*s"] * 70) + "]\n", "scalars expand"),
+        ("limits: " + "[" * 500 + "]" * 500 + "\n", "YAML nested deeper than 64 levels"),
+        ("shadow: " + "1" * 5_000 + "\n", "ValueError"),  # longer than Python converts to an int
+    ],
+)
+def test_a_yaml_bomb_is_refused_cheaply_and_quoted_briefly(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert error in str(err.value), str(err.value)[:500]
+    assert len(str(err.value)) <= MAX_PROBLEM_CHARS + 40
+
+
+def test_a_file_over_the_size_bound_is_refused_unread(tmp_path: Path) -> None:
+    from extproc.config_load import MAX_CONFIG_BYTES
+
+    path = tmp_path / "huge.yaml"
+    path.write_text("#" * MAX_CONFIG_BYTES + "\n")  # one comment line: valid YAML, and "all defaults" before
+    with pytest.raises(ConfigError, match=f"larger than {MAX_CONFIG_BYTES} bytes"):
+        load_config(path)
+
+
+def test_aliases_within_the_bounds_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text(
+        "limits:\n  tenant_default: &base {max_concurrency: 2, tokens_per_minute: 1000}\n"
+        "  tenants: {a: *base, b: {<<: *base, max_concurrency: 5}}\n"
+    )
+    config = load_config(path)
+    assert config.limits.tenants["a"] == LimitSpec(max_concurrency=2, tokens_per_minute=1000)
+    assert config.limits.tenants["b"] == LimitSpec(max_concurrency=5, tokens_per_minute=1000)
