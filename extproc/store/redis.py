@@ -19,6 +19,10 @@ Releases wake waiters across replicas: while any replica has requests queued, a 
 `<prefix>{limits}:wake`, and every replica subscribed there pumps its queue at once instead of on its next
 100 ms tick. The subscription reconnects on its own after Redis restarts or fails over.
 
+Redis forgetting the state (a flush, a restart without persistence, eviction) is noticed within one guard
+interval and the leases each replica holds are re-asserted before admissions resume; a Redis whose
+`maxmemory-policy` may evict limiter keys is refused (see `redis_guard`).
+
 Failures never hang a request: every call is bounded by `timeout_s` and raises `StoreUnavailable`. After
 `BREAKER_FAILURES` consecutive failures calls fail fast for `BREAKER_OPEN_S`, then probe again. A release
 that fails is retried in the background (bounded) and otherwise left to lease expiry.
@@ -81,6 +85,7 @@ from extproc.store.redis_connect import (
     TlsOptions,
     connect,
 )
+from extproc.store.redis_guard import DEFAULT_GUARD_INTERVAL_S, Epoch, PolicyCheck, new_epoch_id
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +127,11 @@ WAITING_ANNOUNCE_S = 2.0
 WAITING_REFRESH_S = 0.5
 """A replica with queued requests announces it for this long, refreshed this often while they wait."""
 
+RESTORE_WITHIN = 0.9
+"""A lease missing from Redis is re-added only while less than this fraction of its TTL has passed since this
+replica last had it confirmed (acquired or renewed): within that time it cannot have expired, so Redis lost
+it. Later it may have expired (Redis unreachable for longer than the TTL): it is then lost, never revived."""
+
 WAKE_BACKOFF_S = (0.1, 2.0)
 """Reconnect delays of the wake-up subscription: first and largest."""
 
@@ -152,12 +162,21 @@ class RedisUnavailable(StoreUnavailable):
     """
 
 
+class RedisUnsafe(RedisUnavailable):
+    """Redis answers, but admitting through it now could exceed the limits: it lost its state and the
+    replicas are re-asserting their leases, or its `maxmemory-policy` may evict limiter keys. The script
+    admitted nothing."""
+
+
 @dataclass
 class _Open:
     """A lease this replica holds: what to renew."""
 
     lease: Lease
     member: str
+    confirmed_at: float
+    """`time.monotonic()` when the last call that placed or renewed it was sent: Redis holds it until at
+    least this plus the lease TTL, unless Redis lost it."""
 
 
 @dataclass
@@ -178,9 +197,10 @@ class RedisStore:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         refresh_s: float = DEFAULT_REFRESH_S,
         max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
+        guard_interval_s: float = DEFAULT_GUARD_INTERVAL_S,
     ) -> None:
-        if lease_ttl_s <= 0 or timeout_s <= 0 or refresh_s <= 0:
-            raise ValueError("lease_ttl_s, timeout_s and refresh_s must be > 0")
+        if lease_ttl_s <= 0 or timeout_s <= 0 or refresh_s <= 0 or guard_interval_s <= 0:
+            raise ValueError("lease_ttl_s, timeout_s, refresh_s and guard_interval_s must be > 0")
         self.client = client
         # One hash tag for every key: a script touches keys of several limiter keys, which Redis Cluster only
         # allows within one slot.
@@ -189,6 +209,13 @@ class RedisStore:
         self.renew_interval_s = lease_ttl_s / 3
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
+        self.guard_interval_s = guard_interval_s
+        self.recovery_s = guard_interval_s + BACKGROUND_TIMEOUT_S
+        """How long admissions wait after a loss is found: every replica holding leases finds it within one
+        guard interval (and extends the wait), then re-asserts them within the background bound."""
+        self._epoch = ""  # the run id of the state this replica's leases are counted in ('' not seen yet)
+        self._policy = PolicyCheck()
+        self._recovery: asyncio.Task[None] | None = None
         self._acquire = client.register_script(redis_scripts.ACQUIRE)
         self._release = client.register_script(redis_scripts.RELEASE)
         self._peek = client.register_script(redis_scripts.PEEK)
@@ -196,6 +223,7 @@ class RedisStore:
         self._forget = client.register_script(redis_scripts.FORGET)
         self._scale = client.register_script(redis_scripts.SCALE)
         self._waiting = client.register_script(redis_scripts.WAITING)
+        self._guard = client.register_script(redis_scripts.GUARD)
         self._scripts = (
             self._acquire,
             self._release,
@@ -204,6 +232,7 @@ class RedisStore:
             self._forget,
             self._scale,
             self._waiting,
+            self._guard,
         )
         self._slots = asyncio.Semaphore(max_in_flight)
         self._specs: dict[str, LimitSpec] = {}
@@ -235,6 +264,10 @@ class RedisStore:
         """Wake-up messages received from releases (on any replica)."""
         self.stale_retries = 0
         """Calls sent again because the effective scale had changed."""
+        self.state_losses = 0
+        """Times Redis was found to have lost the state (epoch gone, or leases missing before expiry)."""
+        self.restored_leases = 0
+        """Leases re-added because Redis had lost them before their expiry."""
         self.server_time = 0.0
         self.judged: list[float] = []
         """Redis server time of the last state read (what the last decision was judged at)."""
@@ -252,6 +285,7 @@ class RedisStore:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         refresh_s: float = DEFAULT_REFRESH_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        guard_interval_s: float = DEFAULT_GUARD_INTERVAL_S,
     ) -> RedisStore:
         """A store on a `redis://` / `rediss://` / `unix://` URL, one Redis or (`mode="cluster"`) a Redis
         Cluster reached through any of its nodes. The client never retries on its own: a retried acquire
@@ -272,13 +306,15 @@ class RedisStore:
             timeout_s=timeout_s,
             refresh_s=refresh_s,
             max_in_flight=max_connections,
+            guard_interval_s=guard_interval_s,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the scripts and start renewing leases. Redis being down now is logged, not fatal: scripts
-        are loaded again on first use (also after a Redis restart flushed them)."""
+        """Load the scripts, learn the epoch, check the eviction policy and start renewing leases. Redis being
+        down now is logged, not fatal: scripts are loaded again on first use (also after a Redis restart
+        flushed them), the epoch and the policy on the next guard check."""
         try:
             async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
                 for script in self._scripts:
@@ -286,8 +322,11 @@ class RedisStore:
         except RAW_CLIENT_ERRORS as exc:
             self._failed(exc)
             log.warning("redis store: cannot load scripts yet", extra={"error": self.last_error})
+        with contextlib.suppress(StoreUnavailable):
+            await self.check_state()
         loop = asyncio.get_running_loop()
         self._tasks = [
+            loop.create_task(self._guard_loop(), name="redis-store-guard"),
             loop.create_task(self._renew_loop(), name="redis-store-renew"),
             loop.create_task(self._refresh_loop(), name="redis-store-refresh"),
             loop.create_task(self._scale_loop(), name="redis-store-scale"),
@@ -316,8 +355,9 @@ class RedisStore:
 
     @property
     def available(self) -> bool:
-        """False while calls fail fast after repeated failures (for readiness or a fallback decision)."""
-        return time.monotonic() >= self._fail_fast_until
+        """False while calls fail fast after repeated failures, or while Redis may evict limiter keys (for
+        readiness or a fallback decision)."""
+        return time.monotonic() >= self._fail_fast_until and self._policy.state != "evicting"
 
     @property
     def open_leases(self) -> int:
@@ -376,7 +416,12 @@ class RedisStore:
 
     def health(self) -> StoreHealth:
         return StoreHealth(
-            available=self.available, lost_leases=self.lost_leases, dropped_releases=self.dropped_releases
+            available=self.available,
+            lost_leases=self.lost_leases,
+            dropped_releases=self.dropped_releases,
+            state_losses=self.state_losses,
+            restored_leases=self.restored_leases,
+            eviction=self._policy.state,
         )
 
     async def _propose(self, key: str, scale: float) -> None:
@@ -482,6 +527,8 @@ class RedisStore:
         if not unique:
             status = RateLimitStatus()
             return Lease(lease_id, unique, tokens, time.monotonic(), status, holder)
+        if self._policy.state == "evicting":
+            raise RedisUnsafe(f"redis maxmemory-policy {self._policy.policy} may evict limiter keys")
         head = [
             member,
             repr(self.lease_ttl_s),
@@ -491,10 +538,17 @@ class RedisStore:
             "1" if use_pool else "0",
             repr(SHRUNK_RETRY_S if use_pool else DEFAULT_HOLD_S),
         ]
+        recovery_ms = str(math.ceil(self.recovery_s * 1000))
+        sent_at = time.monotonic()
         try:
             raw = await self._run(
-                self._acquire, lambda: [*head, *self._keyspec(unique)], unique, self.timeout_s
+                self._acquire,
+                lambda: [*head, self._epoch, recovery_ms, *self._keyspec(unique)],
+                unique,
+                self.timeout_s,
             )
+        except RedisUnsafe:
+            raise  # the script refused before placing anything
         except (StoreUnavailable, asyncio.CancelledError):
             # The script may have run before the answer was lost: take back any slot it placed.
             self._spawn(self._forget_lease(member, unique, holder))
@@ -525,7 +579,7 @@ class RedisStore:
             holder=holder,
             placements=placements,
         )
-        self._open[lease_id] = _Open(lease, member)
+        self._open[lease_id] = _Open(lease, member, sent_at)
         return lease
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
@@ -601,16 +655,25 @@ class RedisStore:
                 for _ in range(STALE_RETRIES + 1):
                     sent = [self._scales.get(k, 1.0) for k in keys]
                     raw = await self._call(script, args())
-                    if not isinstance(raw, list) or not raw or raw[0] != "stale":
+                    if not isinstance(raw, list) or not raw or raw[0] not in ("stale", "epoch", "recovering"):
                         break
-                    self.stale_retries += 1
-                    self._adopt_scales(keys, [float(v) for v in raw[1:]])
+                    if raw[0] == "stale":
+                        self.stale_retries += 1
+                        self._adopt_scales(keys, [float(v) for v in raw[1:]])
+                    elif raw[0] == "epoch":
+                        epoch = Epoch(str(raw[1]), float(raw[2]))
+                        if self._on_epoch(epoch) or epoch.recovery_left_s > 0:
+                            raise RedisUnsafe("redis lost its state: leases being re-asserted")
+                    else:
+                        raise RedisUnsafe(f"redis lost its state: leases being re-asserted for {raw[1]} s")
                 else:
                     raise RedisUnavailable("redis: the effective scale kept changing")
         except CLIENT_ERRORS as exc:
             self._failed(exc)
             self._refresh_topology()
             raise RedisUnavailable(f"redis: {self.last_error}") from exc
+        if self._failures:
+            self._spawn(self.check_state())  # answering again: possibly another server, another policy
         self._failures = 0
         self._fail_fast_until = 0.0
         self.judged = sent
@@ -650,6 +713,7 @@ class RedisStore:
     def _failed(self, exc: BaseException) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self._failures += 1
+        self._policy.due = True
         if self._failures >= BREAKER_FAILURES:
             self._fail_fast_until = time.monotonic() + BREAKER_OPEN_S
         if isinstance(exc, ResponseError) and not isinstance(exc, TRANSIENT_REFUSALS):
@@ -789,12 +853,14 @@ class RedisStore:
             return 0
         chunks = [entries[i : i + 500] for i in range(0, len(entries), 500)]
         key_ttl = str(self._lease_key_ttl_ms())
+        sent_at = time.monotonic()
         calls = []
         for chunk in chunks:
             args = [repr(self.lease_ttl_s), key_ttl, str(len(chunk))]
             for entry in chunk:
                 places = entry.lease.placements
-                args += [entry.member, str(len(places))]
+                alive = sent_at < entry.confirmed_at + self.lease_ttl_s * RESTORE_WITHIN
+                args += [entry.member, "1" if alive else "0", str(len(places))]
                 for placement in places:
                     args += [placement.key, placement.slot]
             calls.append(self._call(self._renew, args))
@@ -806,16 +872,110 @@ class RedisStore:
         except CLIENT_ERRORS as exc:
             self._failed(exc)
             raise RedisUnavailable(f"redis: {self.last_error}") from exc
-        lost = 0
-        for chunk, indices in zip(chunks, results, strict=True):
-            for index in indices:
+        lost = restored = 0
+        for chunk, (lost_at, restored_at) in zip(chunks, results, strict=True):
+            for index in lost_at:
                 entry = chunk[int(index) - 1]
                 if self._open.pop(entry.lease.lease_id, None) is not None:
                     lost += 1
+            for index in restored_at:
+                entry = chunk[int(index) - 1]
+                if entry.lease.lease_id in self._open:
+                    restored += 1
+                else:  # settled while the renewal was on its way: its release ran first, undo the re-add
+                    self._spawn(self._forget_placed(entry.member, entry.lease.placements))
+        for entry in entries:
+            if entry.lease.lease_id in self._open:
+                entry.confirmed_at = sent_at
         if lost:
             self.lost_leases += lost
             log.warning("redis store: leases expired before renewal", extra={"lost": lost})
+        if restored:
+            self._restored(restored)
         return len(entries) - lost
+
+    def _restored(self, count: int) -> None:
+        self.restored_leases += count
+        if self._recovery is None:  # found by a renewal, not after an epoch change: keys were dropped
+            self.state_losses += 1
+        log.error(
+            "redis store: leases missing before their expiry (Redis evicted, flushed or restarted empty); "
+            "re-added",
+            extra={"restored": count},
+        )
+
+    async def _forget_placed(self, member: str, placements: Sequence[Placement]) -> None:
+        pairs = [part for p in placements for part in (p.key, p.slot)]
+        with contextlib.suppress(StoreUnavailable):
+            await self._run(self._forget, lambda: [member, *pairs], (), BACKGROUND_TIMEOUT_S, fail_fast=False)
+
+    # -- state-loss guard ----------------------------------------------------------------------------------
+
+    async def _guard_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.guard_interval_s)
+            try:
+                await self.check_state()
+            except StoreUnavailable:
+                pass
+            except Exception:
+                log.exception("redis store: state check failed")
+
+    async def check_state(self) -> None:
+        """Read the eviction policy when due and compare the stored epoch with the one this replica knows;
+        raises `StoreUnavailable` when Redis does not answer."""
+        now = time.monotonic()
+        if self._policy.needs_check(now):
+            try:
+                await self._policy.check(self.client, BACKGROUND_TIMEOUT_S, now)
+            except RAW_CLIENT_ERRORS as exc:
+                raise RedisUnavailable(f"redis: {type(exc).__name__}") from exc
+        recovery_ms = str(math.ceil(self.recovery_s * 1000))
+        raw = await self._run(
+            self._guard,
+            lambda: [self._epoch, new_epoch_id(), recovery_ms],
+            (),
+            BACKGROUND_TIMEOUT_S,
+            fail_fast=False,
+        )
+        self._on_epoch(Epoch(str(raw[0]), float(raw[1])))
+        if self._recovery is not None:
+            await asyncio.shield(self._recovery)
+
+    def _on_epoch(self, epoch: Epoch) -> bool:
+        """Adopt the first epoch seen; a different one later means Redis lost the state: re-assert (once at
+        a time). True while this replica's leases are not yet counted in the stored state."""
+        if not self._epoch:
+            self._epoch = epoch.id
+            return False
+        if epoch.id == self._epoch:
+            return False
+        if self._recovery is None:
+            self._recovery = asyncio.get_running_loop().create_task(self._recover(epoch.id))
+            self._background.add(self._recovery)
+            self._recovery.add_done_callback(self._background.discard)
+        return True
+
+    async def _recover(self, epoch_id: str) -> None:
+        """Re-add this replica's open leases and re-send its scale proposals into the new state, then adopt
+        its epoch. On failure the old epoch is kept, so the next check finds the loss again and retries."""
+        self.state_losses += 1
+        log.error(
+            "redis store: Redis lost the limiter state (flushed, restarted empty or evicted); re-asserting "
+            "this replica's leases before admitting again",
+            extra={"open_leases": len(self._open)},
+        )
+        try:
+            await self.renew()
+            self._scales.clear()
+            self._blocks.clear()
+            for key, scale in list(self._proposed.items()):
+                await self._propose(key, scale)
+            self._epoch = epoch_id
+        except StoreUnavailable:
+            log.warning("redis store: leases not re-asserted yet", extra={"error": self.last_error})
+        finally:
+            self._recovery = None
 
     async def _refresh_loop(self) -> None:
         while True:
