@@ -58,24 +58,21 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 # The store reuses the limiter's per-key arithmetic (share split, pool accounting, retry hints, status) on the
-# state read from Redis, so that the two stores cannot drift apart. These are private to the core on purpose.
+# state read from Redis, so that the two stores cannot drift apart.
 from extproc.core.bucket import TokenBucket
-from extproc.core.limiter import (
-    DEFAULT_HOLD_S,
-    SHRUNK_RETRY_S,
-    JointLimiter,
-    KeySnapshot,
-    Lease,
-    LimitSpec,
-    Placement,
-    RateLimitStatus,
-    Reason,
-    Rejection,
-    _KeyState,
-    _Share,
-)
+from extproc.core.limiter import Lease, Placement, Reason, Rejection
 from extproc.core.ports import StoreHealth, StoreUnavailable
 from extproc.core.shares import SHARED
+from extproc.core.state import (
+    DEFAULT_HOLD_S,
+    SHRUNK_RETRY_S,
+    KeySnapshot,
+    KeyState,
+    LimitSpec,
+    RateLimitStatus,
+    Share,
+    tightest_status,
+)
 from extproc.store import redis_scripts
 from extproc.store.redis_connect import (
     DEFAULT_MAX_CONNECTIONS,
@@ -181,7 +178,7 @@ class _Open:
 
 @dataclass
 class _Cached:
-    view: _KeyState  # the key as last read from Redis; turned into a KeySnapshot only at scrape time
+    view: KeyState  # the key as last read from Redis; turned into a KeySnapshot only at scrape time
     seen_at: float
 
 
@@ -246,7 +243,6 @@ class RedisStore:
         self._announced_until = 0.0
         self._topology_task: asyncio.Task[None] | None = None
         self._closed = False
-        self._calc = JointLimiter(clock=time.monotonic)  # only its `_status` arithmetic is used
         self._replica = secrets.randbits(30)
         self._ids = itertools.count(1)
         self._open: dict[int, _Open] = {}
@@ -474,10 +470,10 @@ class RedisStore:
                 return default, False
         return LimitSpec(), False
 
-    def _template(self, key: str) -> _KeyState:
+    def _template(self, key: str) -> KeyState:
         """The key's configured shares with their effective capacities, nothing counted yet."""
         spec, configured = self._spec(key)
-        state = _KeyState(
+        state = KeyState(
             spec=spec, priority=self._priority, scale=self._scales.get(key, 1.0), configured=configured
         )
         state.rebuild(0.0)
@@ -506,7 +502,7 @@ class RedisStore:
                 name,
                 _num(share.concurrency),
                 _num(share.tokens_per_minute),
-                repr(state._base_tokens(name)),
+                repr(state.base_tokens(name)),
             ]
         return out
 
@@ -559,7 +555,7 @@ class RedisStore:
         if code:
             key = unique[index - 1]
             view = views[index - 1]
-            status = self._calc._status(unique, views, holder, now)
+            status = tightest_status(unique, views, holder, now)
             if code == 1:
                 return Rejection(Reason.CONCURRENCY, key, view.slot_retry_after(holder), status)
             if code == 3:
@@ -575,7 +571,7 @@ class RedisStore:
             keys=unique,
             reserved_tokens=tokens,
             acquired_at=now,
-            status=self._calc._status(unique, views, holder, now),
+            status=tightest_status(unique, views, holder, now),
             holder=holder,
             placements=placements,
         )
@@ -626,7 +622,7 @@ class RedisStore:
         if not unique:
             return RateLimitStatus()
         views, now = await self._peek_keys(list(unique), "0", background=False)
-        return self._calc._status(unique, views, holder, now)
+        return tightest_status(unique, views, holder, now)
 
     def snapshot(self) -> list[KeySnapshot]:
         """Every key seen lately, as of its last read from Redis (no I/O: called at metrics scrape time)."""
@@ -720,7 +716,7 @@ class RedisStore:
             # a script error or a proxy refusing scripts: never silent
             log.error("redis store: command refused", extra={"error": self.last_error})
 
-    async def _peek_keys(self, keys: list[str], mode: str, background: bool) -> tuple[list[_KeyState], float]:
+    async def _peek_keys(self, keys: list[str], mode: str, background: bool) -> tuple[list[KeyState], float]:
         """One PEEK call (mode "0", "fill" or "resize", see `redis_scripts.PEEK`); updates the cache."""
         timeout = BACKGROUND_TIMEOUT_S if background else self.timeout_s
         raw = await self._run(
@@ -733,10 +729,10 @@ class RedisStore:
 
     def _parse_states(
         self, keys: Sequence[str], raw: list[Any], now: float, scales: Sequence[float], with_places: bool
-    ) -> tuple[list[tuple[str, str]], list[_KeyState]]:
+    ) -> tuple[list[tuple[str, str]], list[KeyState]]:
         """Rebuild each key's state as the limiter would hold it, from a script's reply."""
         places: list[tuple[str, str]] = []
-        views: list[_KeyState] = []
+        views: list[KeyState] = []
         i = 0
         for key, scale in zip(keys, scales, strict=True):
             if with_places:
@@ -759,11 +755,11 @@ class RedisStore:
         hold: float | None,
         now: float,
         scale: float,
-    ) -> _KeyState:
+    ) -> KeyState:
         spec, configured = self._spec(key)
-        state = _KeyState(spec=spec, priority=self._priority, scale=scale, configured=configured)
+        state = KeyState(spec=spec, priority=self._priority, scale=scale, configured=configured)
         for name, active, _ in shares:
-            state.shares[name] = _Share(active=active)
+            state.shares[name] = Share(active=active)
         state.rebuild(now)
         for name, _, tokens in shares:
             share = state.shares.get(name)
@@ -777,7 +773,7 @@ class RedisStore:
         state.hold_ewma_s = hold
         return state
 
-    def _remember(self, keys: Sequence[str], views: Sequence[_KeyState], now: float) -> None:
+    def _remember(self, keys: Sequence[str], views: Sequence[KeyState], now: float) -> None:
         self.server_time = max(self.server_time, now)
         seen = time.monotonic()
         for key, view in zip(keys, views, strict=True):
