@@ -224,8 +224,10 @@ class StateGuard:
 
     def restored(self, count: int) -> None:
         """A renewal re-added `count` leases Redis had lost; outside a recovery that is a loss of its own."""
-        if self._recovery is None:  # found by a renewal, not after an epoch change: keys were dropped
-            self.state_losses += 1
+        if self._recovery is not None:  # the re-assertion after an epoch change, already logged
+            log.info("redis store: leases re-asserted", extra={"restored": count})
+            return
+        self.state_losses += 1  # found by a renewal under a kept epoch: keys were dropped
         log.error(
             "redis store: leases missing before their expiry (Redis evicted, flushed or restarted empty); "
             "re-added",
