@@ -21,7 +21,6 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
-from extproc.store.redis import scripts
 from extproc.store.redis.breaker import (
     CLIENT_ERRORS,
     RAW_CLIENT_ERRORS,
@@ -30,6 +29,7 @@ from extproc.store.redis.breaker import (
     RedisUnsafe,
 )
 from extproc.store.redis.connection import Client
+from extproc.store.redis.scripts import ACQUIRE, FORGET, GUARD, PEEK, RELEASE, RENEW, SCALE, WAITING
 
 log = logging.getLogger("extproc.store.redis")
 
@@ -65,14 +65,14 @@ class Scripts:
     """The store's Lua scripts, registered on one client (loaded again by redis-py on NOSCRIPT)."""
 
     def __init__(self, client: Client) -> None:
-        self.acquire = client.register_script(scripts.ACQUIRE)
-        self.release = client.register_script(scripts.RELEASE)
-        self.peek = client.register_script(scripts.PEEK)
-        self.renew = client.register_script(scripts.RENEW)
-        self.forget = client.register_script(scripts.FORGET)
-        self.scale = client.register_script(scripts.SCALE)
-        self.waiting = client.register_script(scripts.WAITING)
-        self.guard = client.register_script(scripts.GUARD)
+        self.acquire = client.register_script(ACQUIRE)
+        self.release = client.register_script(RELEASE)
+        self.peek = client.register_script(PEEK)
+        self.renew = client.register_script(RENEW)
+        self.forget = client.register_script(FORGET)
+        self.scale = client.register_script(SCALE)
+        self.waiting = client.register_script(WAITING)
+        self.guard = client.register_script(GUARD)
 
     @property
     def all(self) -> tuple[AsyncScript, ...]:
@@ -103,6 +103,9 @@ class Calls:
         """This replica's id in Redis: the high bits of its lease ids and the field of its scale proposals."""
         self._slots = asyncio.Semaphore(max_in_flight)
         self._topology_task: asyncio.Task[Any] | None = None
+        self.closed = False
+        """Set by the store's close: background loops end at their next turn even if a cancellation was
+        swallowed (taken for a timeout) inside the client."""
         self.judged: list[float] = []
         """The scales of the keys of the last call answered (what its script judged at)."""
         self.stale_retries = 0
@@ -195,6 +198,12 @@ class Calls:
         self._topology_task = self.background.spawn(refresh())
 
     async def close(self) -> None:
+        """Close the client's connections, waiting at most `BACKGROUND_TIMEOUT_S` (a close that holds on to
+        its cancellation is left behind rather than hanging the shutdown)."""
+        self.closed = True
+        task = self.background.spawn(self._aclose())
+        await asyncio.wait({task}, timeout=BACKGROUND_TIMEOUT_S)
+
+    async def _aclose(self) -> None:
         with contextlib.suppress(*RAW_CLIENT_ERRORS):
-            async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
-                await self.client.aclose()
+            await self.client.aclose()

@@ -157,7 +157,7 @@ class StateGuard:
         return [self.epoch, str(math.ceil(self.recovery_s * 1000))]
 
     async def loop(self) -> None:
-        while True:
+        while not self.calls.closed:
             await asyncio.sleep(self.guard_interval_s)
             try:
                 await self.check()

@@ -246,7 +246,7 @@ class Leases:
     # -- renewal -------------------------------------------------------------------------------------------
 
     async def renew_loop(self) -> None:
-        while True:
+        while not self.calls.closed:
             await asyncio.sleep(self.renew_interval_s)
             try:
                 await self.renew()

@@ -89,7 +89,7 @@ class Scales:
 
     async def loop(self) -> None:
         """Re-send this replica's proposals, so they stay fresh and expired ones of dead replicas age out."""
-        while True:
+        while not self.calls.closed:
             await asyncio.sleep(SCALE_REFRESH_S)
             for key, scale in list(self.proposed.items()):
                 try:

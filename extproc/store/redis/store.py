@@ -158,6 +158,7 @@ class RedisStore:
         the sidecar's shutdown.
         """
         self.wake.closed = True
+        self.calls.closed = True
         tasks = [*self._tasks, *self.background.tasks]
         for task in tasks:
             task.cancel()
@@ -237,7 +238,7 @@ class RedisStore:
         await self.scales.repropose()
 
     async def _refresh_loop(self) -> None:
-        while True:
+        while not self.calls.closed:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
