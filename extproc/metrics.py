@@ -105,6 +105,26 @@ class _StoreCollector(Collector):
             "Settlements given up after their retries: the slot stays counted until the lease TTL.",
             value=health.dropped_releases,
         )
+        yield CounterMetricFamily(
+            "extproc_store_state_losses",
+            "Times the shared store was found to have lost the limiter state (flushed, restarted empty, "
+            "evicted); admissions waited while the replicas re-asserted their leases.",
+            value=health.state_losses,
+        )
+        yield CounterMetricFamily(
+            "extproc_store_restored_leases",
+            "Leases this replica re-added to the shared store because it had lost them before expiry.",
+            value=health.restored_leases,
+        )
+        eviction = GaugeMetricFamily(
+            "extproc_store_eviction_check",
+            "1 for the shared store's eviction verdict: safe (maxmemory-policy noeviction), evicting (the "
+            "store refuses to admit through it) or unverified (CONFIG GET refused).",
+            labels=["state"],
+        )
+        for state in ("safe", "evicting", "unverified"):
+            eviction.add_metric([state], 1.0 if health.eviction == state else 0.0)
+        yield eviction
 
 
 class Metrics:

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 
 
 class StoreUnavailable(Exception):
     """The store could not answer in time (a shared store down or unreachable); nothing was admitted."""
+
+
+EvictionCheck = Literal["safe", "evicting", "unverified"]
+"""Whether a shared store can drop limiter keys to make room: `safe` (never: also the in-process store),
+`evicting` (it may: the store refuses to admit through it), `unverified` (it would not say)."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,11 @@ class StoreHealth:
     fallback_acquires: int = 0
     lost_leases: int = 0
     dropped_releases: int = 0
+    state_losses: int = 0
+    """Times the shared store was found to have forgotten its state (flushed, restarted empty, evicted)."""
+    restored_leases: int = 0
+    """Leases this replica re-added because the shared store had lost them before their expiry."""
+    eviction: EvictionCheck = "safe"
 
 
 class LimiterStore(Protocol):

@@ -18,7 +18,7 @@ def build_store(config: StoreConfig, clock: Clock) -> LimiterStore:
         return LocalStore(clock=clock)
     # Only deployments that share state need the client.
     from extproc.store.redis import RedisStore
-    from extproc.store.redis_connect import Credentials, Mode, TlsOptions, Verify
+    from extproc.store.redis.connection import Credentials, Mode, TlsOptions, Verify
 
     tls = None
     if config.redis_url.startswith("rediss://"):

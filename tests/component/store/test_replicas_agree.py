@@ -13,8 +13,8 @@ from extproc import queueing
 from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
-from extproc.store import redis as redis_store
 from extproc.store.redis import RedisStore
+from extproc.store.redis import scales as redis_scales
 
 LIMITS = {"model:m": LimitSpec(max_concurrency=100), "global": LimitSpec(max_concurrency=1)}
 
@@ -86,7 +86,7 @@ async def test_no_decision_at_the_old_scale_after_the_new_one_is_stored(
 async def test_a_dead_replicas_proposal_ages_out(
     pair: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store, "SCALE_PROPOSAL_TTL_S", 0.5)
+    monkeypatch.setattr(redis_scales, "SCALE_PROPOSAL_TTL_S", 0.5)
     a, b = pair
     await a.set_scale("model:m", 0.5)
     await a.close()  # a dies holding the limits low

@@ -17,7 +17,7 @@ from extproc.core.limiter import Lease, LimitSpec
 from extproc.core.ports import StoreUnavailable
 from extproc.store.factory import build_store
 from extproc.store.redis import RedisStore
-from extproc.store.redis_connect import Credentials, TlsOptions
+from extproc.store.redis.connection import Credentials, TlsOptions
 from tests.component.store.certs import make_certificates
 from tests.component.store.redis_server import RedisServer
 

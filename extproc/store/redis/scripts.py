@@ -24,6 +24,11 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
   after the last proposal, and then the scale is 1 again.
 - `P wq` (string): present while some replica has requests waiting in its queue; a release then publishes
   on the channel `P wake` so that the other replicas try their waiters at once.
+- `P epoch` (hash): `id`, the run id of the state these keys hold, and `rec`, the server time until which
+  admissions wait for the replicas to re-assert their leases after a loss was found. Refreshed by every
+  acquire and guard check (1 day TTL), so it is gone only when Redis lost its data (a flush, a restart
+  without persistence, eviction): a replica that knew another id then knows its leases are no longer
+  counted (`guard.py`).
 
 A missing bucket is a full one: an expired bucket had refilled to capacity anyway.
 
@@ -177,6 +182,25 @@ local function free_slots(k, name)
   return free
 end
 
+-- The run id of the stored state, created when missing; `known` is the id the caller last saw ('' none).
+-- A caller that knew another id proves the state was lost: admissions then wait `rec_ms` (from now) for
+-- every replica to re-assert its leases. Returns the id and the recovery time left (s, <= 0: none).
+local function epoch(known, new_id, rec_ms, now)
+  local ek = P .. 'epoch'
+  local cur = redis.call('HMGET', ek, 'id', 'rec')
+  local id, rec = cur[1], tonumber(cur[2] or '0')
+  if not id then
+    id, rec = new_id, 0
+    redis.call('HSET', ek, 'id', id, 'rec', '0')
+  end
+  if known ~= '' and known ~= id then
+    rec = math.max(rec, now + rec_ms / 1000)
+    redis.call('HSET', ek, 'rec', fmt(rec))
+  end
+  redis.call('PEXPIRE', ek, 86400000)
+  return id, rec - now
+end
+
 local function append_state(out, k)
   out[#out + 1] = k.hold or ''
   out[#out + 1] = #k.order
@@ -193,16 +217,22 @@ ACQUIRE = (
     COMMON
     + r"""
 -- ARGV: member, lease ttl s, lease key ttl ms, tokens, holder ('' none), use_pool ('1'/'0'),
---       wait hint when only the pool could ever hold the tokens, KEYSPEC
--- Reply: code (0 admitted, 1 concurrency, 2 tokens, 3 too large), refusing key index, server now,
+--       wait hint when only the pool could ever hold the tokens, the epoch id the caller knows ('' none),
+--       the recovery time after a loss (ms), KEYSPEC
+-- Reply: `epoch` with the stored id and the recovery time left when the caller knows another id;
+--        `recovering` with the time left while replicas re-assert their leases after a loss; `stale`;
+--        or code (0 admitted, 1 concurrency, 2 tokens, 3 too large), refusing key index, server now,
 --        then per key: slot share, token share ('' none), hold, share count, (name, active, tokens)...
 local member, ttl, key_ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local tokens, holder, use_pool = tonumber(ARGV[4]), ARGV[5], ARGV[6] == '1'
 local fallback_wait = tonumber(ARGV[7])
-local keys = parse_keys(8)
+local keys = parse_keys(10)
+local now = clock()
+local ep, left = epoch(ARGV[8], member, tonumber(ARGV[9]), now)
+if ep ~= ARGV[8] then return {'epoch', ep, fmt(left)} end
+if left > 0 then return {'recovering', fmt(left)} end
 local refused = stale(keys)
 if refused then return refused end
-local now = clock()
 for _, k in ipairs(keys) do gather(k, now) end
 
 local function reply(code, idx, slots, toks)
@@ -384,35 +414,49 @@ return out
 RENEW = (
     COMMON
     + r"""
--- ARGV: lease ttl s, lease key ttl ms, lease count, then per lease: member, n, (key, slot share) x n
--- Reply: 1-based indices of leases found expired (they are removed, never revived).
+-- ARGV: lease ttl s, lease key ttl ms, lease count, then per lease: member, restore ('1': the caller knows
+--       it is alive, so re-add it where it is missing), n, (key, slot share) x n
+-- Reply: {1-based indices of leases found expired (removed, never revived)},
+--        {indices of leases that were missing and are re-added: Redis lost them before their expiry}.
 local ttl, key_ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local n, i = tonumber(ARGV[3]), 4
 local now = clock()
 local expiry = now + ttl
-local lost = {}
+local lost, restored = {}, {}
 for li = 1, n do
-  local member, m = ARGV[i], tonumber(ARGV[i + 1])
-  i = i + 2
-  local alive = true
-  if m > 0 then
-    local score = redis.call('ZSCORE', rkey('l', ARGV[i], ARGV[i + 1]), member)
-    alive = score and tonumber(score) > now
+  local member, restore, m = ARGV[i], ARGV[i + 1] == '1', tonumber(ARGV[i + 2])
+  i = i + 3
+  local alive, missing, expired = m == 0, false, false
+  for j = 0, m - 1 do
+    local score = redis.call('ZSCORE', rkey('l', ARGV[i + 2 * j], ARGV[i + 2 * j + 1]), member)
+    if not score then
+      missing = true
+    elseif tonumber(score) > now then
+      alive = true
+    else
+      expired = true
+    end
   end
+  local keep = not expired and (alive or restore)
   for _ = 1, m do
-    local lk = rkey('l', ARGV[i], ARGV[i + 1])
-    if alive then
-      redis.call('ZADD', lk, 'XX', expiry, member)
+    local lk, setk = rkey('l', ARGV[i], ARGV[i + 1]), rkey('s', ARGV[i])
+    if keep then
+      redis.call('ZADD', lk, expiry, member)
       redis.call('PEXPIRE', lk, key_ttl_ms)
-      redis.call('PEXPIRE', rkey('s', ARGV[i]), key_ttl_ms)
+      redis.call('SADD', setk, ARGV[i + 1])
+      redis.call('PEXPIRE', setk, key_ttl_ms)
     else
       redis.call('ZREM', lk, member)
     end
     i = i + 2
   end
-  if not alive then lost[#lost + 1] = li end
+  if not keep then
+    lost[#lost + 1] = li
+  elseif missing then
+    restored[#restored + 1] = li
+  end
 end
-return lost
+return {lost, restored}
 """
 )
 
@@ -491,3 +535,13 @@ WAITING = r"""
 redis.call('SET', KEYS[1] .. 'wq', '1', 'PX', tonumber(ARGV[1]))
 return 1
 """
+
+GUARD = (
+    COMMON
+    + r"""
+-- ARGV: the epoch id the caller knows ('' none), an id to create the epoch with, the recovery time (ms).
+-- Reply: the stored epoch id and the recovery time left (s). See `epoch` above.
+local id, left = epoch(ARGV[1], ARGV[2], tonumber(ARGV[3]), clock())
+return {id, fmt(left)}
+"""
+)
