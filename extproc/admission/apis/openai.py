@@ -24,8 +24,12 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.common import padded
+from extproc.admission.apis.spec import BOTH, GENERATES, PROMPT_ONLY, ApiSpec, path, shared
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.readspec import ReadSpec, json_key, json_text
+from extproc.admission.tokens import content_texts
+from extproc.admission.usage import Observed, count_int
 
 MEDIA_PARTS: dict[str, Media] = {
     "image_url": Media(images=1),
@@ -381,3 +385,109 @@ class EmbeddingsAdapter:
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         return edit_priority(body, edits)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the responses carry
+
+
+class OpenAIDialect:
+    """Chat completions and completions: `choices[].delta` / `choices[].message` / `choices[].text`, and
+    `usage.{prompt_tokens,completion_tokens}` (the include_usage event has `"choices": []`)."""
+
+    def event(self, name: bytes, obj: Mapping[str, Any]) -> Observed:
+        return self._read(obj, "delta")
+
+    def body(self, obj: Any) -> Observed:
+        return self._read(obj, "message") if isinstance(obj, dict) else Observed()
+
+    def _read(self, obj: Mapping[str, Any], key: str) -> Observed:
+        seen = Observed.of_body(obj)
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    _choice_texts(choice, key, seen.texts)
+        read_openai_usage(obj, seen)
+        return seen
+
+
+def read_openai_usage(obj: Mapping[str, Any], seen: Observed) -> None:
+    """`usage.{prompt_tokens,completion_tokens}`; an event whose `choices` are empty is the usage-only one."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        choices = obj.get("choices")
+        seen.usage_seen = True
+        seen.prompt = count_int(usage.get("prompt_tokens"))
+        seen.completion = count_int(usage.get("completion_tokens"))
+        seen.usage_only = choices is None or choices == []
+
+
+OPENAI_DIALECT = OpenAIDialect()
+
+
+def _choice_texts(choice: Mapping[str, Any], key: str, texts: list[str]) -> None:
+    """The generated text in one choice (`delta` for chunks, `message` for bodies, `text` for completions)."""
+    text = choice.get("text")  # completions
+    if isinstance(text, str):
+        texts.append(text)
+    part = choice.get(key)
+    if isinstance(part, dict):
+        texts.extend(content_texts(part.get("content")))
+        reasoning = part.get("reasoning_content")
+        if not isinstance(reasoning, str):
+            reasoning = part.get("reasoning")
+        if isinstance(reasoning, str):
+            texts.append(reasoning)
+        tool_calls = part.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                if isinstance(call, dict):
+                    _function_texts(call.get("function"), texts)
+        _function_texts(part.get("function_call"), texts)
+
+
+def _function_texts(function: Any, texts: list[str]) -> None:
+    """The generated name and arguments of a tool or function call (both are decoded tokens)."""
+    if not isinstance(function, dict):
+        return
+    for key in ("name", "arguments"):
+        value = function.get(key)
+        if isinstance(value, str):
+            texts.append(value)
+
+
+# OpenAI chunks (`OpenAIDialect`): generated text in `delta.content`, `delta.reasoning_content` or
+# `delta.reasoning`, tool call names and arguments, completions' `text`.
+OPENAI_SPEC = ReadSpec(
+    content=tuple(
+        json_text(k) for k in ("content", "reasoning_content", "reasoning", "arguments", "name", "text")
+    ),
+    usage_only=json_key("choices") + "%[%s*%]",
+)
+"""How the proxy reads OpenAI chunks; also the spec of every API that answers only with a JSON body (the
+dialect reads the body whole, the patterns never match)."""
+
+CHAT = ApiSpec(
+    api=Api.CHAT,
+    adapter=ChatAdapter(),
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(path("/v1/chat/completions", GENERATES),),
+    usage_option=True,
+)
+COMPLETIONS = ApiSpec(
+    api=Api.COMPLETIONS,
+    adapter=CompletionsAdapter(),
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(path("/v1/completions", GENERATES, BOTH),),
+    usage_option=True,
+)
+EMBEDDINGS = ApiSpec(
+    api=Api.EMBEDDINGS,
+    adapter=EmbeddingsAdapter(),
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(path("/v1/embeddings", PROMPT_ONLY),),
+)

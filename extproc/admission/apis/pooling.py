@@ -21,6 +21,8 @@ from typing import Any
 from extproc.admission import fields as f
 from extproc.admission.apis.common import drop_priority, optional_model, padded
 from extproc.admission.apis.openai import (
+    OPENAI_DIALECT,
+    OPENAI_SPEC,
     ContentTexts,
     chat_prompt,
     edit_priority,
@@ -28,16 +30,18 @@ from extproc.admission.apis.openai import (
     truncation,
 )
 from extproc.admission.apis.sglang import NATIVE_INPUTS, SGLangEncodeAdapter
+from extproc.admission.apis.spec import BOTH, PROMPT_ONLY, SGLANG, VLLM, ApiSpec, path, shared
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
 from extproc.admission.prompt import Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest
 from extproc.admission.usage import Observed, count_int
 
 IMAGE = Media(images=1)
 
 
-def _pooled(
+def pooled(
     api: Api, body: dict[str, Any], prompts: tuple[Prompt, ...], param: str, model: str
 ) -> ParsedRequest:
+    """A request that runs the model on its prompts and generates nothing."""
     return ParsedRequest(
         api=api,
         model=model,
@@ -61,14 +65,14 @@ class PoolingAdapter:
             if body.get("data") is not None:
                 # vLLM IO-processor plugin request (entrypoints/pooling/pooling/protocol.py:64-80): its
                 # `data` becomes prompts the gateway cannot see; one window each at most per request.
-                return _pooled(self.api, body, (Prompt(opaque=True),), "data", optional_model(body))
+                return pooled(self.api, body, (Prompt(opaque=True),), "data", optional_model(body))
         model = optional_model(body)
         if body.get("messages") is not None and body.get("input") is not None:
             # Two shapes in one body: which one the server validates first is not the gateway's to guess.
             f.bad("Send either 'input' or 'messages', not both.", code="invalid_value", param="messages")
         if body.get("messages") is not None:
-            return _pooled(self.api, body, (chat_prompt(body),), "messages", model)
-        return _pooled(self.api, body, text_prompts(body, "input"), "input", model)
+            return pooled(self.api, body, (chat_prompt(body),), "messages", model)
+        return pooled(self.api, body, text_prompts(body, "input"), "input", model)
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         return edit_priority(body, edits)
@@ -174,7 +178,7 @@ class ScoreAdapter:
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = optional_model(body)
         pairs, param = score_pairs(body)
-        return _pooled(self.api, body, pairs, param, model)
+        return pooled(self.api, body, pairs, param, model)
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         return edit_priority(body, edits)
@@ -231,7 +235,7 @@ class CohereEmbedAdapter:
                 f.bad(f"'{where}' must be a string.", code="invalid_type", param=where)
             else:
                 prompts.append(Prompt(texts=(value,)) if key == "texts" else Prompt(media=IMAGE))
-        return _pooled(self.api, body, tuple(prompts), key, model)
+        return pooled(self.api, body, tuple(prompts), key, model)
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         return edit_priority(body, edits)
@@ -259,7 +263,7 @@ class CohereDialect:
         return seen
 
 
-COHERE = CohereDialect()
+COHERE_DIALECT = CohereDialect()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -275,8 +279,8 @@ class TokenizeAdapter:
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = optional_model(body)
         if body.get("messages") is not None:
-            return _pooled(self.api, body, (chat_prompt(body),), "messages", model)
-        return _pooled(self.api, body, text_prompts(body, "prompt"), "prompt", model)
+            return pooled(self.api, body, (chat_prompt(body),), "messages", model)
+        return pooled(self.api, body, text_prompts(body, "prompt"), "prompt", model)
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         return drop_priority(body, edits)
@@ -299,7 +303,7 @@ class DetokenizeAdapter:
         else:
             f.token_ids(tokens, "tokens")
             prompts = (Prompt(fixed_tokens=len(tokens)),)
-        return _pooled(self.api, body, prompts, "tokens", model)
+        return pooled(self.api, body, prompts, "tokens", model)
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         return drop_priority(body, edits)
@@ -326,4 +330,61 @@ class TokenizeDialect:
         return seen
 
 
-TOKENIZE = TokenizeDialect()
+TOKENIZE_DIALECT = TokenizeDialect()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Specs: these APIs answer with one JSON body, read whole by the dialect (the OpenAI read spec never
+# matches a JSON body's events).
+
+PAIRS = "runs the model on each (query, document) pair"
+NO_MODEL = "decodes token ids; no model runs"
+
+POOLING = ApiSpec(
+    api=Api.POOLING,
+    adapter=PoolingAdapter(),
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(
+        path("/classify", PROMPT_ONLY, BOTH, ("POST", "PUT")),
+        path("/v1/classify", PROMPT_ONLY, SGLANG),
+        path("/pooling", PROMPT_ONLY, VLLM),
+    ),
+)
+SCORE = ApiSpec(
+    api=Api.SCORE,
+    adapter=ScoreAdapter(),
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(
+        path("/score", PAIRS, VLLM),
+        path("/v1/score", "runs the model on each (query, item) pair"),
+        path("/rerank", PAIRS, VLLM),
+        path("/v1/rerank", PAIRS, BOTH, ("POST", "PUT")),
+        path("/v2/rerank", PAIRS, VLLM),
+    ),
+)
+COHERE_EMBED = ApiSpec(
+    api=Api.COHERE_EMBED,
+    adapter=CohereEmbedAdapter(),
+    dialect=shared(COHERE_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(path("/v2/embed", PROMPT_ONLY + " (Cohere schema)", VLLM),),
+)
+TOKENIZE = ApiSpec(
+    api=Api.TOKENIZE,
+    adapter=TokenizeAdapter(),
+    dialect=shared(TOKENIZE_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(
+        path("/tokenize", "renders the chat template and processes media; no model runs"),
+        path("/v1/tokenize", "tokenizes; no model runs", SGLANG),
+    ),
+)
+DETOKENIZE = ApiSpec(
+    api=Api.DETOKENIZE,
+    adapter=DetokenizeAdapter(),
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(path("/detokenize", NO_MODEL), path("/v1/detokenize", NO_MODEL, SGLANG)),
+)

@@ -25,8 +25,10 @@ from typing import Any
 from extproc.admission import fields as f
 from extproc.admission.apis.common import UNNAMED_MODEL
 from extproc.admission.apis.openai import edit_priority, entries, int_value
+from extproc.admission.apis.spec import GENERATES, PROMPT_ONLY, SGLANG, ApiSpec, path
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.readspec import ReadSpec, json_text
 from extproc.admission.usage import Observed, count_int
 
 NATIVE_INPUTS = ("text", "input_ids", "input_embeds")
@@ -337,3 +339,22 @@ class SGLangDialect:
             seen.prompt = sum(self._prompt.values()) if self._prompt else None
             seen.completion = sum(self._completion.values())
         return seen
+
+
+# Cumulative `meta_info` on every event.
+SGLANG_SPEC = ReadSpec(content=(json_text("text"),), usage_key="meta_info")
+
+SGLANG_GENERATE = ApiSpec(
+    api=Api.SGLANG_GENERATE,
+    adapter=SGLangGenerateAdapter(),
+    dialect=SGLangDialect,  # sums per-request counts: a fresh one per response
+    read=SGLANG_SPEC,
+    paths=(path("/generate", GENERATES, SGLANG, ("POST", "PUT")),),
+)
+SGLANG_ENCODE = ApiSpec(
+    api=Api.SGLANG_ENCODE,
+    adapter=SGLangEncodeAdapter(),
+    dialect=SGLangDialect,
+    read=SGLANG_SPEC,
+    paths=(path("/encode", PROMPT_ONLY, SGLANG, ("POST", "PUT")),),
+)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.admission.apis import ADAPTERS, DIALECTS, dialect_for
+from extproc.admission.apis import REGISTRY, dialect_for, spec_of
 from extproc.admission.paths import (
     BACKEND_CONTROL_HEADERS,
     DEFAULT_RULES,
@@ -87,10 +87,12 @@ def test_the_longest_prefix_wins() -> None:
 
 
 def test_every_metered_api_has_an_adapter_and_a_dialect() -> None:
-    assert set(ADAPTERS) == set(Api) == set(DIALECTS)
+    apis = [spec.api for spec in REGISTRY]
+    assert len(apis) == len(set(apis)) and set(apis) == set(Api)
+    assert all(spec.adapter.api is spec.api for spec in REGISTRY)
     for rule in DEFAULT_RULES:
         if rule.api is not None:
-            assert ADAPTERS[rule.api].api is rule.api
+            assert spec_of(rule.api).adapter.api is rule.api
             assert dialect_for(rule.api) is not None
 
 
