@@ -16,6 +16,7 @@ from __future__ import annotations
 from extproc.admission.apis import (
     anthropic,
     chat_batch,
+    cohere_embed,
     invocations,
     openai,
     pooling,
@@ -41,7 +42,7 @@ REGISTRY: tuple[ApiSpec, ...] = (
     sglang.SGLANG_ENCODE,
     pooling.POOLING,
     pooling.SCORE,
-    pooling.COHERE_EMBED,
+    cohere_embed.COHERE_EMBED,
     pooling.TOKENIZE,
     pooling.DETOKENIZE,
 )
