@@ -16,7 +16,8 @@ from extproc.admission.prompt import Prompt
 
 
 class Api(enum.StrEnum):
-    """The request shapes the sidecar meters; each has one adapter in `extproc/admission/apis/`."""
+    """The request shapes the sidecar meters, by name; each has one `ApiSpec` in `extproc/admission/apis/`
+    (the registry there lists them, and a test checks every name has its spec)."""
 
     CHAT = "chat"
     COMPLETIONS = "completions"
