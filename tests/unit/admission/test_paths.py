@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 import pytest
 
+from extproc.admission import apis
 from extproc.admission.apis import REGISTRY, dialect_for, spec_of
+from extproc.admission.apis.spec import ApiSpec
 from extproc.admission.paths import (
     BACKEND_CONTROL_HEADERS,
     DEFAULT_RULES,
@@ -94,6 +98,18 @@ def test_every_metered_api_has_an_adapter_and_a_dialect() -> None:
         if rule.api is not None:
             assert spec_of(rule.api).adapter.api is rule.api
             assert dialect_for(rule.api) is not None
+
+
+def test_every_spec_an_api_module_defines_is_registered() -> None:
+    """A spec written but left out of the registry would serve none of its paths: a test says so."""
+    defined = {
+        id(value): f"{module.name}.{name}"
+        for module in pkgutil.iter_modules(apis.__path__, f"{apis.__name__}.")
+        for name, value in vars(importlib.import_module(module.name)).items()
+        if isinstance(value, ApiSpec)
+    }
+    registered = {defined.get(id(spec), f"unlisted {spec.api}") for spec in REGISTRY}
+    assert registered == set(defined.values())
 
 
 def test_backend_control_headers_are_lower_case_and_cited() -> None:
