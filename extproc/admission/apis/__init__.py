@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from extproc.admission.apis import (
     anthropic,
+    chat,
     chat_batch,
     cohere_embed,
+    completions,
+    embeddings,
     invocations,
-    openai,
     pooling,
     responses,
     sglang,
@@ -30,9 +32,9 @@ from extproc.admission.usage import Dialect
 from extproc.admission.verdicts import Refusal
 
 REGISTRY: tuple[ApiSpec, ...] = (
-    openai.CHAT,
-    openai.COMPLETIONS,
-    openai.EMBEDDINGS,
+    chat.CHAT,
+    completions.COMPLETIONS,
+    embeddings.EMBEDDINGS,
     chat_batch.CHAT_BATCH,
     responses.RESPONSES,
     anthropic.MESSAGES,

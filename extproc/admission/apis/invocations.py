@@ -14,13 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.openai import (
-    OPENAI_DIALECT,
-    OPENAI_SPEC,
-    ChatAdapter,
-    CompletionsAdapter,
-    EmbeddingsAdapter,
-)
+from extproc.admission.apis.chat import ChatAdapter
+from extproc.admission.apis.completions import CompletionsAdapter
+from extproc.admission.apis.embeddings import EmbeddingsAdapter
+from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC
 from extproc.admission.apis.pooling import SCORE_SHAPES, PoolingAdapter, ScoreAdapter
 from extproc.admission.apis.spec import ApiSpec, path, shared
 from extproc.admission.parsed import Adapter, Api, BodyEdits, ParsedRequest
