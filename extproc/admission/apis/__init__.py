@@ -19,12 +19,16 @@ from extproc.admission.apis import (
     chat_batch,
     cohere_embed,
     completions,
+    detokenize,
     embeddings,
     invocations,
     pooling,
     responses,
+    score,
     sglang,
+    sglang_encode,
     token_io,
+    tokenize,
 )
 from extproc.admission.apis.spec import ApiSpec
 from extproc.admission.parsed import Adapter, Api
@@ -41,12 +45,12 @@ REGISTRY: tuple[ApiSpec, ...] = (
     invocations.INVOCATIONS,
     token_io.GENERATE_TOKENS,
     sglang.SGLANG_GENERATE,
-    sglang.SGLANG_ENCODE,
+    sglang_encode.SGLANG_ENCODE,
     pooling.POOLING,
-    pooling.SCORE,
+    score.SCORE,
     cohere_embed.COHERE_EMBED,
-    pooling.TOKENIZE,
-    pooling.DETOKENIZE,
+    tokenize.TOKENIZE,
+    detokenize.DETOKENIZE,
 )
 """Every metered API, in the order of the path table's metered rows (docs/admission.md)."""
 

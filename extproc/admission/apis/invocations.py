@@ -18,7 +18,8 @@ from extproc.admission.apis.chat import ChatAdapter
 from extproc.admission.apis.completions import CompletionsAdapter
 from extproc.admission.apis.embeddings import EmbeddingsAdapter
 from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC
-from extproc.admission.apis.pooling import SCORE_SHAPES, PoolingAdapter, ScoreAdapter
+from extproc.admission.apis.pooling import PoolingAdapter
+from extproc.admission.apis.score import SCORE_SHAPES, ScoreAdapter
 from extproc.admission.apis.spec import ApiSpec, path, shared
 from extproc.admission.parsed import Adapter, Api, BodyEdits, ParsedRequest
 
