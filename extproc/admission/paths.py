@@ -26,18 +26,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
-from extproc.admission.request import Api
+from extproc.admission.apis import REGISTRY
+from extproc.admission.apis.spec import BOTH, SGLANG, VLLM, ApiSpec
+from extproc.admission.parsed import Api
 
 
 class RouteKind(enum.StrEnum):
     METERED = "metered"
     FREE = "free"
     DENIED = "denied"
-
-
-VLLM = "vLLM"
-SGLANG = "SGLang"
-BOTH = "vLLM, SGLang"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +56,6 @@ class PathRule:
         return self.path[:-1] if self.path.endswith("/*") else None
 
 
-def _metered(
-    path: str, api: Api, reason: str, engines: str = BOTH, methods: Iterable[str] = ("POST",)
-) -> PathRule:
-    return PathRule(path, frozenset(methods), RouteKind.METERED, api, reason, engines)
-
-
 def _free(path: str, reason: str, methods: Iterable[str] = ("GET",), engines: str = BOTH) -> PathRule:
     return PathRule(path, frozenset(methods), RouteKind.FREE, None, reason, engines)
 
@@ -73,40 +64,24 @@ def _refused(path: str, methods: str, engines: str, reason: str) -> PathRule:
     return PathRule(path, frozenset(methods.split(",")), RouteKind.DENIED, None, reason, engines)
 
 
-GENERATES = "generates"
-PROMPT_ONLY = "runs the model on the prompt; nothing is generated"
+def _metered(spec: ApiSpec) -> tuple[PathRule, ...]:
+    """The rows of one API's paths (its `ApiSpec.paths`)."""
+    return tuple(
+        PathRule(row.path, row.methods, RouteKind.METERED, spec.api, row.reason, row.engines)
+        for row in spec.paths
+    )
+
 
 DEFAULT_RULES: tuple[PathRule, ...] = (
-    _metered("/v1/chat/completions", Api.CHAT, GENERATES),
-    _metered("/v1/completions", Api.COMPLETIONS, GENERATES),
-    _metered("/v1/embeddings", Api.EMBEDDINGS, PROMPT_ONLY),
-    _metered("/v1/chat/completions/batch", Api.CHAT_BATCH, "generates, one prompt per conversation", VLLM),
-    _metered("/v1/responses", Api.RESPONSES, "generates; built-in tools re-run it per tool call"),
-    _metered("/v1/messages", Api.MESSAGES, "generates (Anthropic Messages)"),
-    _metered("/invocations", Api.INVOCATIONS, "generates or pools: the API is chosen by the body's shape"),
-    _metered("/inference/v1/generate", Api.GENERATE_TOKENS, "generates from token ids", VLLM),
-    _metered("/generate", Api.SGLANG_GENERATE, GENERATES, SGLANG, ("POST", "PUT")),
-    _metered("/encode", Api.SGLANG_ENCODE, PROMPT_ONLY, SGLANG, ("POST", "PUT")),
-    _metered("/classify", Api.POOLING, PROMPT_ONLY, BOTH, ("POST", "PUT")),
-    _metered("/v1/classify", Api.POOLING, PROMPT_ONLY, SGLANG),
-    _metered("/pooling", Api.POOLING, PROMPT_ONLY, VLLM),
-    _metered("/score", Api.SCORE, "runs the model on each (query, document) pair", VLLM),
-    _metered("/v1/score", Api.SCORE, "runs the model on each (query, item) pair"),
-    _metered("/rerank", Api.SCORE, "runs the model on each (query, document) pair", VLLM),
-    _metered("/v1/rerank", Api.SCORE, "runs the model on each (query, document) pair", BOTH, ("POST", "PUT")),
-    _metered("/v2/rerank", Api.SCORE, "runs the model on each (query, document) pair", VLLM),
-    _metered("/v2/embed", Api.COHERE_EMBED, PROMPT_ONLY + " (Cohere schema)", VLLM),
-    _metered("/tokenize", Api.TOKENIZE, "renders the chat template and processes media; no model runs"),
-    _metered("/v1/tokenize", Api.TOKENIZE, "tokenizes; no model runs", SGLANG),
-    _metered("/detokenize", Api.DETOKENIZE, "decodes token ids; no model runs"),
-    _metered("/v1/detokenize", Api.DETOKENIZE, "decodes token ids; no model runs", SGLANG),
+    *(rule for spec in REGISTRY for rule in _metered(spec)),
     _free("/v1/models", "lists served models; runs nothing"),
     _free("/v1/models/*", "one model's card; runs nothing", engines=SGLANG),
     _free("/health", "liveness; runs nothing on vLLM, a one-token generation on SGLang"),
     _free("/ping", "liveness (SageMaker); runs nothing", ("GET", "POST")),
     _free("/version", "server version; runs nothing", engines=VLLM),
 )
-"""The routing table: metered and free paths. Anything else is refused."""
+"""The routing table: metered paths (each API's own, from its spec in `extproc/admission/apis/`) and free
+paths. Anything else is refused."""
 
 ADMIN = "administration: never for clients"
 NOT_METERED = "generates through an API this gateway does not meter"

@@ -1,10 +1,11 @@
 """The lean profile's response path: what the proxy reads for the sidecar, and the facts it settles on.
 
 In the lean profile the sidecar sees only the request. Envoy reads the response with a Lua filter
-(extproc/lean/response.lua) that knows no API: at admission the sidecar hands it a `ReadSpec` (Lua
-patterns built here from what each API's `Dialect` reads), and when the request ends Envoy's access log
-brings back what the filter saw (`ResponseReading`). `facts_of` turns that into the same `ResponseFacts`
-the inline profile learns message by message, and the one charging rule (settlement.py) applies.
+(extproc/lean/response.lua) that knows no API: at admission the sidecar hands it the API's `ReadSpec` (Lua
+patterns in the API's spec under `extproc/admission/apis/`, matching what its `Dialect` reads), and when
+the request ends Envoy's access log brings back what the filter saw (`ResponseReading`). `facts_of` turns
+that into the same `ResponseFacts` the inline profile learns message by message, and the one charging rule
+(settlement.py) applies.
 
 What the filter reports, per response:
 
@@ -28,121 +29,26 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.admission.apis import dialect_for
-from extproc.admission.request import Api
+from extproc.admission.apis import dialect_for, spec_of
+from extproc.admission.apis.openai import OPENAI_SPEC
+from extproc.admission.parsed import Api
+from extproc.admission.readspec import ReadSpec
 from extproc.admission.settlement import ResponseFacts
 from extproc.admission.usage import Observed, ResponseUsageTracker, Usage
 
-
-def _key(name: str) -> str:
-    """A Lua pattern for a JSON key and its colon, with the optional spaces some servers write."""
-    return f'"{name}"%s*:%s*'
-
-
-def _text(name: str) -> str:
-    """A JSON string field with at least one character: `"content":""` (a role-only delta) is no content."""
-    return _key(name) + '"[^"]'
-
-
-def _type(name: str) -> str:
-    """The `type` field of an event naming `name` (a Lua pattern: dots escaped by the caller)."""
-    return _key("type") + f'"{name}"'
-
-
-COMMON_ERRORS = (
-    _key("error") + "{",  # {"error": {...}}: vLLM's ErrorResponse, SGLang, the simulator
-    _key("object") + '"error"',  # {"object": "error", ...}: older vLLM
-    "^event:%s*error%s",  # an `event: error` line first in the event...
-    "\nevent:%s*error%s",  # ...or after an `id:` line
-)
-"""Lua patterns of an error event any API may send. An escaped quote inside generated text (`\\"error\\":`)
-never matches: the key's closing quote must follow the name directly."""
-
-DONE = ("data:%s*%[DONE%]",)
-
-
-@dataclass(frozen=True, slots=True)
-class ReadSpec:
-    """How the proxy's Lua filter reads one API's streamed answers: Lua patterns matched against each whole
-    SSE event (its `event:` and `data:` lines).
-
-    An event is a content event when it matches one of `content` and none of `not_content`; `final` marks
-    the end of a complete answer, `error` a failed one. `usage_key` names the JSON key whose object value
-    is captured as the usage. `usage_only` marks the usage event a client did not ask for (stripped when
-    the sidecar injected `include_usage`).
-    """
-
-    content: tuple[str, ...]
-    not_content: tuple[str, ...] = ()
-    final: tuple[str, ...] = DONE
-    error: tuple[str, ...] = COMMON_ERRORS
-    usage_key: str = "usage"
-    usage_only: str | None = None
-
-    @property
-    def usage_pattern(self) -> str:
-        """Captures the key's object value with balanced braces (`%b{}`); `"usage": null` does not match."""
-        return _key(self.usage_key) + "(%b{})"
-
-    def to_struct(self, strip: bool) -> dict[str, Any]:
-        """The spec as the Lua filter reads it from dynamic metadata (lists become Lua arrays)."""
-        out: dict[str, Any] = {
-            "content": list(self.content),
-            "not_content": list(self.not_content),
-            "final": list(self.final),
-            "error": list(self.error),
-            "usage": self.usage_pattern,
-            "usage_key": f'"{self.usage_key}"',
-            "strip": strip,
-        }
-        if self.usage_only is not None:
-            out["only"] = self.usage_only
-        return out
-
-
-# OpenAI chunks (extproc/admission/usage.py OpenAIDialect): generated text in `delta.content`,
-# `delta.reasoning_content` or `delta.reasoning`, tool call names and arguments, completions' `text`.
-OPENAI_SPEC = ReadSpec(
-    content=tuple(
-        _text(k) for k in ("content", "reasoning_content", "reasoning", "arguments", "name", "text")
-    ),
-    usage_only=_key("choices") + "%[%s*%]",
-)
-# Token ids (extproc/admission/apis/token_io.py): each id is one generated token.
-TOKEN_IDS_SPEC = ReadSpec(
-    content=(_key("token_ids") + "%[%s*%d", _text("text")),
-    usage_only=_key("choices") + "%[%s*%]",
-)
-# Responses (extproc/admission/apis/responses.py): `*.delta` events except audio; the terminal events carry
-# the usage; no `[DONE]`.
-RESPONSES_SPEC = ReadSpec(
-    content=(_key("type") + '"response%.[%w_%.]*%.delta"',),
-    not_content=(_type("response%.audio%.delta"),),
-    final=tuple(_type(t) for t in ("response%.completed", "response%.incomplete", "response%.failed")),
-    error=(*COMMON_ERRORS, _type("error"), _type("response%.failed")),
-)
-# Anthropic Messages (extproc/admission/apis/anthropic.py): `content_block_delta` carries the text,
-# `message_start` the prompt's usage, `message_delta` the output's, `message_stop` ends the answer.
-MESSAGES_SPEC = ReadSpec(
-    content=(_type("content_block_delta"),),
-    final=(_type("message_stop"),),
-    error=(*COMMON_ERRORS, _type("error")),
-)
-# SGLang native (extproc/admission/apis/sglang.py): cumulative `meta_info` on every event.
-SGLANG_SPEC = ReadSpec(content=(_text("text"),), usage_key="meta_info")
-
-SPECS: dict[Api, ReadSpec] = {
-    Api.RESPONSES: RESPONSES_SPEC,
-    Api.MESSAGES: MESSAGES_SPEC,
-    Api.GENERATE_TOKENS: TOKEN_IDS_SPEC,
-    Api.SGLANG_GENERATE: SGLANG_SPEC,
-    Api.SGLANG_ENCODE: SGLANG_SPEC,
-}
-"""Every other API streams OpenAI chunks, or answers only with a JSON body (read whole by the dialect)."""
+__all__ = [
+    "OPENAI_SPEC",
+    "ReadSpec",
+    "ReportedTiming",
+    "ResponseReading",
+    "facts_of",
+    "spec_for",
+]
 
 
 def spec_for(api: Api) -> ReadSpec:
-    return SPECS.get(api, OPENAI_SPEC)
+    """How the proxy reads this API's streamed answers (its `ApiSpec.read`)."""
+    return spec_of(api).read
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,9 @@
 The work is split by cost so admission can decide as early and as cheaply as possible:
 
 1. `parse_request` decodes JSON and validates the fields that drive admission, through the API's adapter
-   (`extproc/admission/apis/`). It never tokenizes, so it is safe to run on the event loop. A malformed
-   request is refused here with the 400 the backend would have returned.
+   (its `ApiSpec` in `extproc/admission/apis/`; the types it fills are in `extproc/admission/parsed.py`).
+   It never tokenizes, so it is safe to run on the event loop. A malformed request is refused here with
+   the 400 the backend would have returned.
 2. `prompt_token_lower_bound` is arithmetic on byte counts gathered while parsing: a request whose bound
    already exceeds the context window is refused without tokenizing it.
 3. `count_prompt_tokens` tokenizes (CPU heavy; tiktoken releases the GIL), stopping once a prompt is
@@ -18,40 +19,40 @@ write an output bound (under `missing_max_tokens: inject`), and strip or set the
 
 from __future__ import annotations
 
-import enum
 import json
-from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn
 
 from extproc.admission import prompt as prompts
+from extproc.admission.apis import USAGE_OPTION_APIS, adapter_for
 from extproc.admission.errors import AdmissionError
 from extproc.admission.fields import load_object
+from extproc.admission.parsed import NO_STEP_WORK, Adapter, Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.policy import MissingMaxTokens, ModelPolicy, StepBounds
-from extproc.admission.prompt import Count, Prompt
+from extproc.admission.prompt import Count
 
-
-class Api(enum.StrEnum):
-    """The request shapes the sidecar meters; each has one adapter in `extproc/admission/apis/`."""
-
-    CHAT = "chat"
-    COMPLETIONS = "completions"
-    EMBEDDINGS = "embeddings"
-    CHAT_BATCH = "chat_batch"  # vLLM /v1/chat/completions/batch: one conversation per prompt
-    RESPONSES = "responses"  # OpenAI Responses (/v1/responses)
-    MESSAGES = "messages"  # Anthropic Messages (/v1/messages)
-    INVOCATIONS = "invocations"  # SageMaker: resolved by body shape; a parsed request names the API found
-    GENERATE_TOKENS = "generate_tokens"  # vLLM token-in/token-out (/inference/v1/generate)
-    SGLANG_GENERATE = "sglang_generate"  # SGLang native /generate
-    SGLANG_ENCODE = "sglang_encode"  # SGLang native /encode and /classify: prompt tokens only
-    POOLING = "pooling"  # vLLM /pooling, /classify, SGLang /v1/classify: prompt tokens only
-    SCORE = "score"  # score and rerank: one prompt per (query, document) pair
-    COHERE_EMBED = "cohere_embed"  # vLLM /v2/embed (Cohere's embed schema)
-    TOKENIZE = "tokenize"  # renders and tokenizes (media included), runs no model
-    DETOKENIZE = "detokenize"
-
-
-USAGE_OPTION_APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.GENERATE_TOKENS})
-"""APIs whose streams report usage only when asked (`stream_options.include_usage`)."""
+__all__ = [
+    "ALLOW_STORED_CONTEXT",
+    "DEFAULT_STEP_BOUNDS",
+    "NO_STEP_WORK",
+    "USAGE_OPTION_APIS",
+    "Adapter",
+    "Api",
+    "BodyEdits",
+    "ParsedRequest",
+    "Reservation",
+    "StepWork",
+    "check_step_work",
+    "context_error",
+    "count_prompt_tokens",
+    "custom_template",
+    "edit_body",
+    "parse_request",
+    "plan_reservation",
+    "prompt_token_lower_bound",
+    "prompt_token_upper_bound",
+    "truncation_limit",
+]
 
 DEFAULT_STEP_BOUNDS = StepBounds()
 """Per-step work bounds when the caller passes none (the `admission.per_step` defaults)."""
@@ -60,66 +61,6 @@ ALLOW_STORED_CONTEXT = False
 """Default for requests that prepend a conversation stored on the backend (Responses
 `previous_response_id`, SGLang `session_params`): refused, since its size is unknown to the gateway. When
 allowed, such a prompt is opaque and charged the whole context window."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepWork:
-    """Work a request asks of the engine at every step beyond its KV cache (vLLM v0.32.0
-    sampling_params.py `SamplingParams`): strings matched against each new token, token ids biased or banned
-    in every step's logits, and logprobs over the vocabulary. `logprobs` and `prompt_logprobs` are the
-    values the engine will use (-1: the whole vocabulary), None when none are asked for; `prompt_logprobs`
-    includes what `echo` implies."""
-
-    stop: int = 0
-    bad_words: int = 0
-    logit_bias: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logprobs_param: str = "logprobs"  # the field that asked for `logprobs` (chat: `top_logprobs`)
-    stop_param: str = "stop"  # the field holding the stop strings (Anthropic: `stop_sequences`)
-
-
-NO_STEP_WORK = StepWork()
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    """The admission-relevant facts of a validated request, plus the parsed body for re-serialisation."""
-
-    api: Api
-    model: str
-    prompts: tuple[Prompt, ...]
-    stream: bool = False
-    include_usage: bool = False  # the client asked for usage in the stream (chat, completions)
-    # Sequences the backend decodes per prompt, each holding KV cache for its completion (n, best_of).
-    sequences: int = 1
-    requested_max_tokens: int | None = None
-    max_tokens_param: str = "max_tokens"  # named in context-length errors
-    prompt_param: str = "prompt"  # named in context-length errors ("messages", "prompt", "input")
-    generates: bool = True  # False for pooling APIs: no completion is reserved
-    # The field that prepends a conversation stored on the backend, when the request uses one.
-    stored_context: str | None = None
-    # vLLM's `truncate_prompt_tokens` (Responses `truncation: "auto"` is -1): the prompt is cut to this many
-    # tokens before generation, -1 meaning the most the window allows (see `truncation_limit`).
-    truncate_prompt_tokens: int | None = None
-    # What the request declares it will generate per sequence at least: `min_tokens`, or with `ignore_eos`
-    # the whole bound (the engine ignores the end-of-sequence token, so nothing but the bound stops it).
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    min_tokens_param: str = "min_tokens"  # named when `min_tokens` exceeds the output bound
-    # The field carrying a request-supplied chat template (`chat_template`, or `chat_template_kwargs.
-    # chat_template`), None when the server's own template is used.
-    custom_template: str | None = None
-    work: StepWork = NO_STEP_WORK
-    body: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def prompt_count(self) -> int:
-        return len(self.prompts)
-
-    @property
-    def text_bytes(self) -> int:
-        return sum(p.text_bytes for p in self.prompts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,37 +78,6 @@ class Reservation:
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class BodyEdits:
-    """Changes to a request body before it goes upstream (see `edit_body`)."""
-
-    include_usage: bool = False
-    max_tokens: int | None = None
-    strip_priority: bool = False
-    priority: int | None = None
-
-    def __bool__(self) -> bool:
-        return self.include_usage or self.max_tokens is not None or self.strip_priority
-
-
-class Adapter(Protocol):
-    """One API: validation into `ParsedRequest`, and the body edits it supports."""
-
-    api: Api
-
-    def parse(self, body: dict[str, Any]) -> ParsedRequest: ...
-
-    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        """Apply `edits` to `body` (a shallow copy the caller owns); True when anything changed."""
-        ...
-
-
-def adapter_for(api: Api) -> Adapter:
-    from extproc.admission.apis import ADAPTERS
-
-    return ADAPTERS[api]
 
 
 def parse_request(

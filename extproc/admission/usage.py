@@ -25,8 +25,9 @@ Settlement facts the server relies on:
   skipped and usage reports what is known. Memory is bounded by `max_buffer_bytes`: streaming keeps only the
   current incomplete event; a non-streaming body is kept up to the cap, and past it only its last
   `TAIL_BYTES`, from which the usage object (written after the choices) is still read at `finish()`.
-* What an event or body means is the API's `Dialect` (OpenAI chunks by default): where generated text,
-  usage, errors and the final event are.
+* What an event or body means is the API's `Dialect` (each API's module under `extproc/admission/apis/`
+  has one; OpenAI chunks are `apis/openai.py`'s): where generated text, usage, errors and the final event
+  are.
 * With `strip_usage_chunk=True` (the sidecar injected include_usage; the client did not ask) the usage-only
   event (`"choices": []` plus usage) is removed from the bytes sent to the client. To do so an incomplete
   trailing event is held back and released with the next chunk or by `finish()`; the caller must send what
@@ -44,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from extproc.admission.tokens import content_texts, count_text
+from extproc.admission.tokens import count_text
 
 TAIL_BYTES = 256 * 1024
 """Bytes kept from the end of a non-streamed body larger than the buffer cap: its usage object lives there."""
@@ -105,41 +106,6 @@ class Dialect(Protocol):
         ...
 
 
-class OpenAIDialect:
-    """Chat completions and completions: `choices[].delta` / `choices[].message` / `choices[].text`, and
-    `usage.{prompt_tokens,completion_tokens}` (the include_usage event has `"choices": []`)."""
-
-    def event(self, name: bytes, obj: Mapping[str, Any]) -> Observed:
-        return self._read(obj, "delta")
-
-    def body(self, obj: Any) -> Observed:
-        return self._read(obj, "message") if isinstance(obj, dict) else Observed()
-
-    def _read(self, obj: Mapping[str, Any], key: str) -> Observed:
-        seen = Observed.of_body(obj)
-        choices = obj.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                if isinstance(choice, dict):
-                    _choice_texts(choice, key, seen.texts)
-        read_openai_usage(obj, seen)
-        return seen
-
-
-def read_openai_usage(obj: Mapping[str, Any], seen: Observed) -> None:
-    """`usage.{prompt_tokens,completion_tokens}`; an event whose `choices` are empty is the usage-only one."""
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        choices = obj.get("choices")
-        seen.usage_seen = True
-        seen.prompt = count_int(usage.get("prompt_tokens"))
-        seen.completion = count_int(usage.get("completion_tokens"))
-        seen.usage_only = choices is None or choices == []
-
-
-OPENAI = OpenAIDialect()
-
-
 class ResponseUsageTracker:
     """Follows one response body (SSE or JSON) to learn its token usage; see the module docstring."""
 
@@ -150,7 +116,7 @@ class ResponseUsageTracker:
         encoding: str,
         strip_usage_chunk: bool = False,
         max_buffer_bytes: int = 8 << 20,
-        dialect: Dialect = OPENAI,
+        dialect: Dialect,
     ) -> None:
         self._dialect = dialect
         self._encoding = encoding
@@ -431,34 +397,3 @@ class ResponseUsageTracker:
         if seen.completion is not None:
             self._reported_completion = seen.completion
             self._counted_since_report = 0
-
-
-def _choice_texts(choice: Mapping[str, Any], key: str, texts: list[str]) -> None:
-    """The generated text in one choice (`delta` for chunks, `message` for bodies, `text` for completions)."""
-    text = choice.get("text")  # completions
-    if isinstance(text, str):
-        texts.append(text)
-    part = choice.get(key)
-    if isinstance(part, dict):
-        texts.extend(content_texts(part.get("content")))
-        reasoning = part.get("reasoning_content")
-        if not isinstance(reasoning, str):
-            reasoning = part.get("reasoning")
-        if isinstance(reasoning, str):
-            texts.append(reasoning)
-        tool_calls = part.get("tool_calls")
-        if isinstance(tool_calls, list):
-            for call in tool_calls:
-                if isinstance(call, dict):
-                    _function_texts(call.get("function"), texts)
-        _function_texts(part.get("function_call"), texts)
-
-
-def _function_texts(function: Any, texts: list[str]) -> None:
-    """The generated name and arguments of a tool or function call (both are decoded tokens)."""
-    if not isinstance(function, dict):
-        return
-    for key in ("name", "arguments"):
-        value = function.get(key)
-        if isinstance(value, str):
-            texts.append(value)

@@ -1,89 +1,81 @@
-"""One adapter per metered API: how its body is validated into a `ParsedRequest` and how it may be edited;
-one dialect per API: how its responses carry generated text and usage.
+"""The metered APIs: one `ApiSpec` per API (`spec.py`), each in its API's module, and the registry that
+lists them.
 
-Adding an API is one adapter here, its dialect, and its row in the path table (`extproc/admission/paths.py`).
+An API's spec holds everything the gateway knows about it: its adapter (how a body is validated into a
+`ParsedRequest` and how it may be edited), its response dialect (inline profile) and Lua read spec (lean
+profile), the error envelope its clients parse, whether its streams report usage only when asked, and the
+paths it is served on. Every per-API lookup (`spec_of`, `dialect_for`, `render_refusal`, the metered rows
+of `extproc/admission/paths.py`) reads this list; nothing else keeps a table by API.
+
+Adding an API: write its module here ending with its `ApiSpec`, name it in `Api`
+(`extproc/admission/parsed.py`), and add the spec to `REGISTRY`; docs/architecture.md walks through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from extproc.admission.apis.anthropic import MESSAGES, MessagesAdapter, anthropic_refusal
-from extproc.admission.apis.chat_batch import ChatBatchAdapter
-from extproc.admission.apis.invocations import InvocationsAdapter
-from extproc.admission.apis.openai import ChatAdapter, CompletionsAdapter, EmbeddingsAdapter
-from extproc.admission.apis.pooling import (
-    COHERE,
-    TOKENIZE,
-    CohereEmbedAdapter,
-    DetokenizeAdapter,
-    PoolingAdapter,
-    ScoreAdapter,
-    TokenizeAdapter,
+from extproc.admission.apis import (
+    anthropic,
+    chat,
+    chat_batch,
+    cohere_embed,
+    completions,
+    detokenize,
+    embeddings,
+    invocations,
+    pooling,
+    responses,
+    score,
+    sglang,
+    sglang_encode,
+    token_io,
+    tokenize,
 )
-from extproc.admission.apis.responses import RESPONSES, ResponsesAdapter
-from extproc.admission.apis.sglang import SGLangDialect, SGLangEncodeAdapter, SGLangGenerateAdapter
-from extproc.admission.apis.token_io import TOKEN_IDS, GenerateTokensAdapter
-from extproc.admission.request import Adapter, Api
-from extproc.admission.usage import OPENAI, Dialect
+from extproc.admission.apis.spec import ApiSpec
+from extproc.admission.parsed import Adapter, Api
+from extproc.admission.usage import Dialect
 from extproc.admission.verdicts import Refusal
 
-ADAPTERS: dict[Api, Adapter] = {
-    Api.CHAT: ChatAdapter(),
-    Api.COMPLETIONS: CompletionsAdapter(),
-    Api.EMBEDDINGS: EmbeddingsAdapter(),
-    Api.CHAT_BATCH: ChatBatchAdapter(),
-    Api.RESPONSES: ResponsesAdapter(),
-    Api.MESSAGES: MessagesAdapter(),
-    Api.INVOCATIONS: InvocationsAdapter(),
-    Api.GENERATE_TOKENS: GenerateTokensAdapter(),
-    Api.SGLANG_GENERATE: SGLangGenerateAdapter(),
-    Api.SGLANG_ENCODE: SGLangEncodeAdapter(),
-    Api.POOLING: PoolingAdapter(),
-    Api.SCORE: ScoreAdapter(),
-    Api.COHERE_EMBED: CohereEmbedAdapter(),
-    Api.TOKENIZE: TokenizeAdapter(),
-    Api.DETOKENIZE: DetokenizeAdapter(),
-}
+REGISTRY: tuple[ApiSpec, ...] = (
+    chat.CHAT,
+    completions.COMPLETIONS,
+    embeddings.EMBEDDINGS,
+    chat_batch.CHAT_BATCH,
+    responses.RESPONSES,
+    anthropic.MESSAGES,
+    invocations.INVOCATIONS,
+    token_io.GENERATE_TOKENS,
+    sglang.SGLANG_GENERATE,
+    sglang_encode.SGLANG_ENCODE,
+    pooling.POOLING,
+    score.SCORE,
+    cohere_embed.COHERE_EMBED,
+    tokenize.TOKENIZE,
+    detokenize.DETOKENIZE,
+)
+"""Every metered API, in the order of the path table's metered rows (docs/admission.md)."""
+
+USAGE_OPTION_APIS = frozenset(spec.api for spec in REGISTRY if spec.usage_option)
+"""APIs whose streams report usage only when asked (`stream_options.include_usage`)."""
+
+_BY_API: dict[Api, ApiSpec] = {spec.api: spec for spec in REGISTRY}
 
 
-def _shared(dialect: Dialect) -> Callable[[], Dialect]:
-    return lambda: dialect
+def spec_of(api: Api) -> ApiSpec:
+    """The spec of a metered API (every `Api` has one: tests/unit/admission/test_paths.py checks it)."""
+    return _BY_API[api]
 
 
-DIALECTS: dict[Api, Callable[[], Dialect]] = {
-    Api.CHAT: _shared(OPENAI),
-    Api.COMPLETIONS: _shared(OPENAI),
-    Api.EMBEDDINGS: _shared(OPENAI),
-    Api.CHAT_BATCH: _shared(OPENAI),
-    Api.RESPONSES: _shared(RESPONSES),
-    Api.MESSAGES: _shared(MESSAGES),
-    # A parsed /invocations request names the API it resolved to; this entry is never used for it.
-    Api.INVOCATIONS: _shared(OPENAI),
-    Api.GENERATE_TOKENS: _shared(TOKEN_IDS),
-    Api.SGLANG_GENERATE: SGLangDialect,
-    Api.SGLANG_ENCODE: SGLangDialect,
-    Api.POOLING: _shared(OPENAI),
-    Api.SCORE: _shared(OPENAI),
-    Api.COHERE_EMBED: _shared(COHERE),
-    Api.TOKENIZE: _shared(TOKENIZE),
-    Api.DETOKENIZE: _shared(OPENAI),
-}
-"""A dialect per API, made per response: most are stateless and shared, SGLang's sums per-request counts."""
+def adapter_for(api: Api) -> Adapter:
+    """How the API's bodies are validated and edited."""
+    return _BY_API[api].adapter
 
 
 def dialect_for(api: Api) -> Dialect:
     """How the API's responses carry generated text and usage; a fresh reader for each response."""
-    return DIALECTS[api]()
-
-
-REFUSAL_RENDERERS: dict[Api, Callable[[Refusal], Refusal]] = {
-    Api.MESSAGES: anthropic_refusal,
-}
-"""APIs whose clients expect another error envelope than OpenAI's; every other API keeps OpenAI's."""
+    return _BY_API[api].dialect()
 
 
 def render_refusal(api: Api | None, refusal: Refusal) -> Refusal:
-    """A refusal in the error envelope the API's clients parse (status and headers unchanged)."""
-    render = REFUSAL_RENDERERS.get(api) if api is not None else None
-    return refusal if render is None else render(refusal)
+    """A refusal in the error envelope the API's clients parse (status and headers unchanged); OpenAI's
+    before the request's API is known."""
+    return refusal if api is None else _BY_API[api].render_refusal(refusal)

@@ -25,8 +25,10 @@ from typing import Any
 from extproc.admission import fields as f
 from extproc.admission.apis.common import drop_priority
 from extproc.admission.apis.openai import ContentTexts, entries, template_inputs
+from extproc.admission.apis.spec import BOTH, ApiSpec, path, shared
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type
 from extproc.admission.usage import Observed, count_int
 from extproc.admission.verdicts import Refusal
 
@@ -299,7 +301,7 @@ def _block_texts(block: Mapping[str, Any], texts: list[str]) -> None:
         texts.append(json.dumps(block["input"]))
 
 
-MESSAGES = MessagesDialect()
+MESSAGES_DIALECT = MessagesDialect()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -339,3 +341,21 @@ def anthropic_refusal(refusal: Refusal) -> Refusal:
     payload = {"type": "error", "error": {"type": error_type(refusal.status), "message": message}}
     body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     return replace(refusal, body=body)
+
+
+# `content_block_delta` carries the text, `message_start` the prompt's usage, `message_delta` the output's,
+# `message_stop` ends the answer.
+MESSAGES_SPEC = ReadSpec(
+    content=(event_type("content_block_delta"),),
+    final=(event_type("message_stop"),),
+    error=(*COMMON_ERRORS, event_type("error")),
+)
+
+MESSAGES = ApiSpec(
+    api=Api.MESSAGES,
+    adapter=MessagesAdapter(),
+    dialect=shared(MESSAGES_DIALECT),
+    read=MESSAGES_SPEC,
+    paths=(path("/v1/messages", "generates (Anthropic Messages)", BOTH),),
+    render_refusal=anthropic_refusal,
+)

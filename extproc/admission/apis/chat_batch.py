@@ -16,6 +16,8 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.openai import (
+    OPENAI_DIALECT,
+    OPENAI_SPEC,
     chat_output_bound,
     chat_prompt,
     chat_step_work,
@@ -23,7 +25,8 @@ from extproc.admission.apis.openai import (
     least_output,
     truncation,
 )
-from extproc.admission.request import Api, BodyEdits, ParsedRequest
+from extproc.admission.apis.spec import VLLM, ApiSpec, path, shared
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
 
 
 class ChatBatchAdapter:
@@ -73,3 +76,12 @@ class ChatBatchAdapter:
             body["max_tokens"] = edits.max_tokens
             changed = True
         return edit_priority(body, edits) or changed
+
+
+CHAT_BATCH = ApiSpec(
+    api=Api.CHAT_BATCH,
+    adapter=ChatBatchAdapter(),
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(path("/v1/chat/completions/batch", "generates, one prompt per conversation", VLLM),),
+)

@@ -14,9 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.openai import ChatAdapter, CompletionsAdapter, EmbeddingsAdapter
-from extproc.admission.apis.pooling import SCORE_SHAPES, PoolingAdapter, ScoreAdapter
-from extproc.admission.request import Adapter, Api, BodyEdits, ParsedRequest, adapter_for
+from extproc.admission.apis.chat import ChatAdapter
+from extproc.admission.apis.completions import CompletionsAdapter
+from extproc.admission.apis.embeddings import EmbeddingsAdapter
+from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC
+from extproc.admission.apis.pooling import PoolingAdapter
+from extproc.admission.apis.score import SCORE_SHAPES, ScoreAdapter
+from extproc.admission.apis.spec import ApiSpec, path, shared
+from extproc.admission.parsed import Adapter, Api, BodyEdits, ParsedRequest
 
 ORDER: tuple[tuple[tuple[str, ...], Adapter], ...] = (
     (("messages",), ChatAdapter()),
@@ -63,6 +68,18 @@ class InvocationsAdapter:
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         """A parsed request names the API it resolved to, whose adapter edits it."""
-        if req.api is Api.INVOCATIONS:
-            return False
-        return adapter_for(req.api).edit(req, body, edits)
+        for _, adapter in ORDER:
+            if adapter.api is req.api:
+                return adapter.edit(req, body, edits)
+        return False
+
+
+INVOCATIONS = ApiSpec(
+    api=Api.INVOCATIONS,
+    adapter=InvocationsAdapter(),
+    # A parsed /invocations request names the API it resolved to, whose spec reads its response and renders
+    # its refusals; this API's own dialect and read spec are never used.
+    dialect=shared(OPENAI_DIALECT),
+    read=OPENAI_SPEC,
+    paths=(path("/invocations", "generates or pools: the API is chosen by the body's shape"),),
+)

@@ -1,4 +1,6 @@
-"""OpenAI's chat completions, completions and embeddings, as vLLM and SGLang serve them.
+"""OpenAI's request schema as vLLM and SGLang serve it, shared by chat (`chat.py`), completions
+(`completions.py`), embeddings (`embeddings.py`) and the APIs built on them, and OpenAI's response
+dialect and Lua read spec.
 
 Counting rule for chat: everything a message carries is rendered by the chat template, so everything is
 counted. Content parts with text (`text`, `input_text`, `output_text`, `refusal`, `thinking`, or any type
@@ -19,13 +21,14 @@ and the logprobs fields are per-step work, bounded by `admission.per_step`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.common import padded
+from extproc.admission.parsed import BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.readspec import ReadSpec, json_key, json_text
+from extproc.admission.tokens import content_texts
+from extproc.admission.usage import Observed, count_int
 
 MEDIA_PARTS: dict[str, Media] = {
     "image_url": Media(images=1),
@@ -230,7 +233,7 @@ def ask_for_usage(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) ->
     return True
 
 
-def _edit_generation(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) -> bool:
+def edit_generation(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) -> bool:
     """Edits common to chat and completions: usage in the stream, an output bound, the priority."""
     changed = ask_for_usage(body, req, edits)
     if edits.max_tokens is not None and req.requested_max_tokens is None:
@@ -252,57 +255,6 @@ def edit_priority(body: dict[str, Any], edits: BodyEdits) -> bool:
     return False
 
 
-def _prompt_embeds(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
-    """`prompt_embeds` (vLLM: one base64 tensor or a list of them): each is a prompt rendered before any
-    `prompt` (vLLM v0.33.0 renderers/online_renderer.py:713-726) whose length cannot be known without the
-    model, so each is opaque."""
-    value = body.get("prompt_embeds")
-    if value is None:
-        return ()
-    return tuple(Prompt(opaque=True) for _ in (value if isinstance(value, list) else [value]))
-
-
-def _with_input_ids(prompt: Prompt, body: Mapping[str, Any]) -> Prompt:
-    """SGLang's chat takes pre-tokenized `input_ids` that replace the rendered messages (SGLang v0.5.23
-    srt/entrypoints/openai/protocol.py:1044-1047, serving_chat.py:1945-1951); they are counted on top of the
-    messages, so the prompt is never below what either server renders."""
-    ids = f.opt_list(body, "input_ids", "input_ids")
-    if not ids:
-        return prompt
-    f.token_ids(ids, "input_ids")
-    return replace(prompt, fixed_tokens=prompt.fixed_tokens + len(ids))
-
-
-class ChatAdapter:
-    api = Api.CHAT
-
-    def parse(self, body: dict[str, Any]) -> ParsedRequest:
-        model = f.model_name(body)
-        stream, include_usage = stream_options(body)
-        n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
-        requested, param = chat_output_bound(body)
-        least, ignore_eos = least_output(body)
-        return ParsedRequest(
-            api=self.api,
-            model=model,
-            prompts=(_with_input_ids(chat_prompt(body), body),),
-            stream=stream,
-            include_usage=include_usage,
-            sequences=n,
-            requested_max_tokens=requested,
-            max_tokens_param=param,
-            prompt_param="messages",
-            truncate_prompt_tokens=truncation(body),
-            min_tokens=least,
-            ignore_eos=ignore_eos,
-            work=chat_step_work(body),
-            body=body,
-        )
-
-    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        return _edit_generation(body, req, edits)
-
-
 def chat_output_bound(body: Mapping[str, Any]) -> tuple[int | None, str]:
     """A chat request's output bound and the field it came from: `max_completion_tokens` wins over the
     deprecated `max_tokens` when both are sent, as in vLLM's chat protocol."""
@@ -321,63 +273,83 @@ def text_prompts(body: Mapping[str, Any], key: str) -> tuple[Prompt, ...]:
     return tuple(out)
 
 
-class CompletionsAdapter:
-    api = Api.COMPLETIONS
-
-    def parse(self, body: dict[str, Any]) -> ParsedRequest:
-        model = f.model_name(body)
-        stream, include_usage = stream_options(body)
-        n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
-        best_of = f.opt_int(body, "best_of", low=1, high=f.MAX_N) or 1
-        requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
-        embeds = _prompt_embeds(body)
-        found = embeds if embeds and body.get("prompt") is None else embeds + text_prompts(body, "prompt")
-        least, ignore_eos = least_output(body)
-        return ParsedRequest(
-            api=self.api,
-            model=model,
-            prompts=found,
-            stream=stream,
-            include_usage=include_usage,
-            sequences=max(n, best_of),  # the backend decodes best_of sequences and returns n
-            requested_max_tokens=requested,
-            prompt_param="prompt",
-            truncate_prompt_tokens=truncation(body),
-            min_tokens=least,
-            ignore_eos=ignore_eos,
-            work=completion_step_work(body),
-            body=body,
-        )
-
-    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        return _edit_generation(body, req, edits)
+# ----------------------------------------------------------------------------------------------------
+# What the responses carry
 
 
-class EmbeddingsAdapter:
-    """Embeddings (and vLLM's chat-style embeddings with `messages`): prompt tokens only; vLLM's
-    `padding: "max_length"` charges each prompt the whole window."""
+class OpenAIDialect:
+    """Chat completions and completions: `choices[].delta` / `choices[].message` / `choices[].text`, and
+    `usage.{prompt_tokens,completion_tokens}` (the include_usage event has `"choices": []`)."""
 
-    api = Api.EMBEDDINGS
+    def event(self, name: bytes, obj: Mapping[str, Any]) -> Observed:
+        return self._read(obj, "delta")
 
-    def parse(self, body: dict[str, Any]) -> ParsedRequest:
-        model = f.model_name(body)
-        if body.get("messages") is not None and body.get("input") is not None:
-            # Two shapes in one body: which one the server validates first is not the gateway's to guess.
-            f.bad("Send either 'input' or 'messages', not both.", code="invalid_value", param="messages")
-        if body.get("messages") is not None:
-            found: tuple[Prompt, ...] = (chat_prompt(body),)
-            param = "messages"
-        else:
-            found, param = text_prompts(body, "input"), "input"
-        return ParsedRequest(
-            api=self.api,
-            model=model,
-            prompts=padded(body, found),
-            prompt_param=param,
-            generates=False,
-            truncate_prompt_tokens=truncation(body),
-            body=body,
-        )
+    def body(self, obj: Any) -> Observed:
+        return self._read(obj, "message") if isinstance(obj, dict) else Observed()
 
-    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        return edit_priority(body, edits)
+    def _read(self, obj: Mapping[str, Any], key: str) -> Observed:
+        seen = Observed.of_body(obj)
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    _choice_texts(choice, key, seen.texts)
+        read_openai_usage(obj, seen)
+        return seen
+
+
+def read_openai_usage(obj: Mapping[str, Any], seen: Observed) -> None:
+    """`usage.{prompt_tokens,completion_tokens}`; an event whose `choices` are empty is the usage-only one."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        choices = obj.get("choices")
+        seen.usage_seen = True
+        seen.prompt = count_int(usage.get("prompt_tokens"))
+        seen.completion = count_int(usage.get("completion_tokens"))
+        seen.usage_only = choices is None or choices == []
+
+
+OPENAI_DIALECT = OpenAIDialect()
+
+
+def _choice_texts(choice: Mapping[str, Any], key: str, texts: list[str]) -> None:
+    """The generated text in one choice (`delta` for chunks, `message` for bodies, `text` for completions)."""
+    text = choice.get("text")  # completions
+    if isinstance(text, str):
+        texts.append(text)
+    part = choice.get(key)
+    if isinstance(part, dict):
+        texts.extend(content_texts(part.get("content")))
+        reasoning = part.get("reasoning_content")
+        if not isinstance(reasoning, str):
+            reasoning = part.get("reasoning")
+        if isinstance(reasoning, str):
+            texts.append(reasoning)
+        tool_calls = part.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                if isinstance(call, dict):
+                    _function_texts(call.get("function"), texts)
+        _function_texts(part.get("function_call"), texts)
+
+
+def _function_texts(function: Any, texts: list[str]) -> None:
+    """The generated name and arguments of a tool or function call (both are decoded tokens)."""
+    if not isinstance(function, dict):
+        return
+    for key in ("name", "arguments"):
+        value = function.get(key)
+        if isinstance(value, str):
+            texts.append(value)
+
+
+# OpenAI chunks (`OpenAIDialect`): generated text in `delta.content`, `delta.reasoning_content` or
+# `delta.reasoning`, tool call names and arguments, completions' `text`.
+OPENAI_SPEC = ReadSpec(
+    content=tuple(
+        json_text(k) for k in ("content", "reasoning_content", "reasoning", "arguments", "name", "text")
+    ),
+    usage_only=json_key("choices") + "%[%s*%]",
+)
+"""How the proxy reads OpenAI chunks; also the spec of every API that answers only with a JSON body (the
+dialect reads the body whole, the patterns never match)."""

@@ -30,8 +30,10 @@ from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.openai import ContentTexts, edit_priority, entries, int_value, template_inputs
+from extproc.admission.apis.spec import ApiSpec, path, shared
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type, json_key
 from extproc.admission.usage import Observed, count_int
 
 CLIENT_TOOL_TYPES = frozenset({"function", "custom", "namespace"})
@@ -311,4 +313,21 @@ class ResponsesDialect:
         return seen
 
 
-RESPONSES = ResponsesDialect()
+RESPONSES_DIALECT = ResponsesDialect()
+
+
+# `*.delta` events except audio; the terminal events carry the usage; no `[DONE]`.
+RESPONSES_SPEC = ReadSpec(
+    content=(json_key("type") + '"response%.[%w_%.]*%.delta"',),
+    not_content=(event_type("response%.audio%.delta"),),
+    final=tuple(event_type(t) for t in ("response%.completed", "response%.incomplete", "response%.failed")),
+    error=(*COMMON_ERRORS, event_type("error"), event_type("response%.failed")),
+)
+
+RESPONSES = ApiSpec(
+    api=Api.RESPONSES,
+    adapter=ResponsesAdapter(),
+    dialect=shared(RESPONSES_DIALECT),
+    read=RESPONSES_SPEC,
+    paths=(path("/v1/responses", "generates; built-in tools re-run it per tool call"),),
+)

@@ -1,4 +1,5 @@
-"""SGLang's native API: `/generate` (generation) and `/encode`, `/classify` (prompt tokens only).
+"""SGLang's native API: `/generate` here, and `/encode`, `/classify` (prompt tokens only) in
+`sglang_encode.py`, which shares its request shape and dialect.
 
 Request (SGLang v0.5.23 srt/managers/io_struct.py:176-315 `GenerateReqInput`, 1204-1264
 `EmbeddingReqInput`): the prompt is one of `text` (a string, or a list: a batch; `/encode` also takes
@@ -25,8 +26,10 @@ from typing import Any
 from extproc.admission import fields as f
 from extproc.admission.apis.common import UNNAMED_MODEL
 from extproc.admission.apis.openai import edit_priority, entries, int_value
+from extproc.admission.apis.spec import GENERATES, SGLANG, ApiSpec, path
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.readspec import ReadSpec, json_text
 from extproc.admission.usage import Observed, count_int
 
 NATIVE_INPUTS = ("text", "input_ids", "input_embeds")
@@ -275,26 +278,6 @@ class SGLangGenerateAdapter:
         return edit_priority(body, edits) or changed
 
 
-class SGLangEncodeAdapter:
-    """`/encode` and SGLang's `/classify`: embeddings and reward scores, prompt tokens only."""
-
-    api = Api.SGLANG_ENCODE
-
-    def parse(self, body: dict[str, Any]) -> ParsedRequest:
-        found, param = native_prompts(body, encode=True)
-        return ParsedRequest(
-            api=self.api,
-            model=UNNAMED_MODEL,
-            prompts=found,
-            prompt_param=param,
-            generates=False,
-            body=body,
-        )
-
-    def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        return edit_priority(body, edits)
-
-
 class SGLangDialect:
     """SGLang native results: usage is `meta_info` per request, cumulative while streaming.
 
@@ -337,3 +320,15 @@ class SGLangDialect:
             seen.prompt = sum(self._prompt.values()) if self._prompt else None
             seen.completion = sum(self._completion.values())
         return seen
+
+
+# Cumulative `meta_info` on every event.
+SGLANG_SPEC = ReadSpec(content=(json_text("text"),), usage_key="meta_info")
+
+SGLANG_GENERATE = ApiSpec(
+    api=Api.SGLANG_GENERATE,
+    adapter=SGLangGenerateAdapter(),
+    dialect=SGLangDialect,  # sums per-request counts: a fresh one per response
+    read=SGLANG_SPEC,
+    paths=(path("/generate", GENERATES, SGLANG, ("POST", "PUT")),),
+)

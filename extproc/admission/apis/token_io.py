@@ -23,11 +23,14 @@ from extproc.admission.apis.openai import (
     completion_step_work,
     edit_priority,
     least_output,
+    read_openai_usage,
     stream_options,
 )
+from extproc.admission.apis.spec import VLLM, ApiSpec, path, shared
+from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
 from extproc.admission.prompt import NO_MEDIA, Prompt
-from extproc.admission.request import Api, BodyEdits, ParsedRequest
-from extproc.admission.usage import Observed, read_openai_usage
+from extproc.admission.readspec import ReadSpec, json_key, json_text
+from extproc.admission.usage import Observed
 
 CONTENT_PART_TYPES = ("image_url", "audio_url", "video_url")
 """Raw media the server resolves (serving.py:276-285); other part types are ignored there."""
@@ -128,4 +131,20 @@ class TokenIdsDialect:
         return seen
 
 
-TOKEN_IDS = TokenIdsDialect()
+TOKEN_IDS_DIALECT = TokenIdsDialect()
+
+
+# Each id is one generated token.
+TOKEN_IDS_SPEC = ReadSpec(
+    content=(json_key("token_ids") + "%[%s*%d", json_text("text")),
+    usage_only=json_key("choices") + "%[%s*%]",
+)
+
+GENERATE_TOKENS = ApiSpec(
+    api=Api.GENERATE_TOKENS,
+    adapter=GenerateTokensAdapter(),
+    dialect=shared(TOKEN_IDS_DIALECT),
+    read=TOKEN_IDS_SPEC,
+    paths=(path("/inference/v1/generate", "generates from token ids", VLLM),),
+    usage_option=True,
+)

@@ -33,8 +33,8 @@ def tk(*texts: str) -> int:
     return sum(len(enc.encode_ordinary(t)) for t in texts)
 
 
-def parse(api: Api, body: dict[str, Any], **options: bool) -> ParsedRequest:
-    return parse_request(api, json.dumps(body).encode(), **options)
+def parse(api: Api, body: dict[str, Any], *, allow_stored_context: bool = False) -> ParsedRequest:
+    return parse_request(api, json.dumps(body).encode(), allow_stored_context=allow_stored_context)
 
 
 def counts(req: ParsedRequest, policy: ModelPolicy = BARE) -> list[int]:

