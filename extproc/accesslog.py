@@ -17,8 +17,9 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
   logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded rule
-(extproc/server_lean.py). An entry whose key is unknown (settled already, or issued before a restart) is
-counted and ignored.
+(extproc/server_lean.py). The streams opening and closing, and every entry, tell the lean runtime's
+`ReportChannel` whether the channel works. An entry whose key is unknown (settled already, or issued before
+a restart) is counted and ignored.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from google.protobuf import struct_pb2
 
 from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.service import AdmissionService
-from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
+from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE, ReportChannel
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,9 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
 class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Settles each waiting lease from its access-log entry."""
 
-    def __init__(self, service: AdmissionService) -> None:
+    def __init__(self, service: AdmissionService, channel: ReportChannel | None = None) -> None:
         self.service = service
+        self.channel = channel
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -109,6 +111,8 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         task = asyncio.current_task()
         assert task is not None
         self._streams.add(task)
+        if self.channel is not None:
+            self.channel.stream_opened()
         try:
             async for message in request_iterator:
                 for entry in message.http_logs.log_entry:
@@ -118,6 +122,8 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
                 raise
         finally:
             self._streams.discard(task)
+            if self.channel is not None:
+                self.channel.stream_closed(closing=self._closing)
         return als_pb2.StreamAccessLogsResponse()
 
     def close(self) -> None:
@@ -127,6 +133,8 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
             task.cancel()
 
     def settle(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        if self.channel is not None:
+            self.channel.reported()
         metadata = entry.common_properties.metadata.filter_metadata
         admitted = metadata.get(NAMESPACE)
         key = admitted.fields.get(REPORT_KEY) if admitted is not None else None

@@ -2,16 +2,31 @@
 
 * The sidecar down: Envoy's ext_proc filter fails closed; the client gets a retryable 503 with a retry hint
   in OpenAI JSON, not a bare 500 (envoy/envoy.yaml, local_reply_config).
+* The lean profile's end-report channel lost (the access log cut by a relay while ext_proc works; Envoy killed
+  with streams open): detected and shown, each slot freed when its request ends instead of after
+  `end_report_wait_seconds`, the charge from the time to the stream's end x the learned decode rate, within
+  1.5x of what the engine generated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import functools
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import openai
 import pytest
 
-from extproc.stack import LocalStack
+from extproc.envoy_yaml import http_connection_managers
+from extproc.lean.render import EXTPROC_CLUSTER
+from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
 from tests.e2e.conftest import fixed_step_sim, http, metric, start_stack
 
 MODEL = "llama-3-8b"
@@ -53,3 +68,213 @@ def test_sidecar_down_is_a_retryable_503_in_openai_json(lone_stack: LocalStack) 
     assert "try again" in error["message"]
     # Nothing reached the backend: the simulator counted one request, the one before the sidecar stopped.
     assert metric(f"{lone_stack.upstream_url}/metrics", "vllm:request_success_total") == 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The end-report channel lost (lean profile): Envoy's access log to the sidecar broken while ext_proc works.
+
+
+class Relay:
+    """A TCP relay in front of the sidecar's gRPC port for Envoy's access log only: `cut()` breaks that
+    channel (listener and open connections closed, new ones refused) while ext_proc keeps its own path."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> None:
+        if self._listener is not None:
+            # shutdown() wakes the thread blocked in accept() (Linux); close() alone leaves it listening.
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+
+def via_relay(relay: Relay) -> Callable[[dict[str, Any]], None]:
+    """An Envoy patch: the end-report logger talks to the sidecar through `relay`, ext_proc directly."""
+
+    def patch(config: dict[str, Any]) -> None:
+        trust_client_tenant_header(config)
+        clusters = config["static_resources"]["clusters"]
+        sidecar = next(c for c in clusters if c["name"] == EXTPROC_CLUSTER)
+        copy = json.loads(json.dumps(sidecar))
+        copy["name"] = copy["load_assignment"]["cluster_name"] = "end_report_relay"
+        for group in copy["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = relay.port
+        clusters.append(copy)
+        for hcm in http_connection_managers(config):
+            for logger in hcm["access_log"]:
+                if logger["name"] == "envoy.access_loggers.http_grpc":
+                    service = logger["typed_config"]["common_config"]["grpc_service"]
+                    service["envoy_grpc"]["cluster_name"] = "end_report_relay"
+
+    return patch
+
+
+STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine
+CHANNEL_CONFIG: dict[str, Any] = {
+    "models": {"*": {"context_window": 4096, "default_max_tokens": 256}},
+    "limits": {"global": {"tokens_per_minute": 10_000_000, "max_concurrency": 4}},
+    "admission": {"end_report_wait_seconds": 5},
+}
+
+
+@pytest.fixture
+def relayed() -> Iterator[tuple[LocalStack, Relay]]:
+    ports = Ports.free()
+    relay = Relay(ports.grpc)
+    relay.start()
+    stack = LocalStack(
+        ports=ports,
+        sidecar_config=CHANNEL_CONFIG,
+        sim_args=fixed_step_sim(MODEL, STEP_MS),
+        envoy_patch=via_relay(relay),
+        profile="lean",
+    )
+    try:
+        stack.start()
+        yield stack, relay
+    finally:
+        stack.stop()
+        relay.cut()
+
+
+def stream_chat(url: str, max_tokens: int) -> int:
+    """One streamed chat completion read to its end; the completion tokens its usage reports."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a long story."}],
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = 0
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return usage
+
+
+def sidecar_metric(stack: LocalStack, name: str, **labels: str) -> float:
+    return metric(f"{stack.admin_url}/metrics", name, **labels)
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until `check()` held (bounded loop); raises past `timeout_s`."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"not reached in {timeout_s}s")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_lost_end_report_channel_is_detected_released_at_the_end_and_charged_near_the_truth(
+    relayed: tuple[LocalStack, Relay],
+) -> None:
+    stack, relay = relayed
+    completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
+    # The channel works: completed streams teach the pool's decode rate.
+    for _ in range(3):
+        assert stream_chat(stack.envoy_url, 40) == 40
+    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 5)
+    assert sidecar_metric(stack, "extproc_end_reports_total", result="matched") == 3
+    assert sidecar_metric(stack, "extproc_end_report_channel_up") == 1
+
+    relay.cut()
+    before = completion()
+    truth = 0
+    released_after: list[float] = []
+    for _ in range(6):
+        truth += stream_chat(stack.envoy_url, 40)
+        released_after.append(wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 10))
+    wait_for(lambda: sidecar_metric(stack, "extproc_settlements_total", outcome="expired") == 6, 10)
+    charged = completion() - before
+    print(f"charged {charged} for {truth} generated; released after {released_after}")
+    # Shown: the gauge, the log line.
+    assert sidecar_metric(stack, "extproc_end_report_channel_up") == 0
+    assert "end-report channel down" in stack.processes["sidecar"].log()
+    # Once detected, a slot is released when its request ends, not after the 5 s wait.
+    assert max(released_after) < 1.0, released_after
+    # Charged from the stream's end and the learned pace: within 1.5x of what was generated.
+    assert truth / 1.5 <= charged <= truth * 1.5, (charged, truth)
+    # The path back: the late report of the next request proves the channel again.
+    relay.start()
+    assert stream_chat(stack.envoy_url, 20) == 20
+    wait_for(lambda: sidecar_metric(stack, "extproc_end_report_channel_up") == 1, 5)
+
+
+def test_envoy_killed_with_streams_open_frees_the_slots_at_once_and_charges_near_the_truth(
+    relayed: tuple[LocalStack, Relay],
+) -> None:
+    stack, _relay = relayed
+    generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
+    completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
+    for _ in range(3):
+        assert stream_chat(stack.envoy_url, 40) == 40
+    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 5)
+    before_generated, before_charged = generated(), completion()
+    streams = [threading.Thread(target=_stream_until_cut, args=(stack.envoy_url,)) for _ in range(3)]
+    for thread in streams:
+        thread.start()
+    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 3, 10)
+    time.sleep(2.0)  # the answers stream for a while (40 tokens each) before Envoy dies
+    envoy = stack.processes.pop("envoy")
+    os.killpg(envoy.popen.pid, signal.SIGKILL)
+    envoy.popen.wait(5)
+    killed_at = time.monotonic()
+    freed_after = wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 10)
+    for thread in streams:
+        thread.join(10)
+    time.sleep(0.5)  # the engine stops each sequence at its next step after the connection closed
+    truth, charged = generated() - before_generated, completion() - before_charged
+    print(f"charged {charged} for {truth} generated; freed {freed_after:.2f}s after the kill")
+    assert freed_after < 1.0, time.monotonic() - killed_at
+    assert sidecar_metric(stack, "extproc_end_report_channel_up") == 0
+    assert truth / 1.5 <= charged <= truth * 1.5, (charged, truth)
+
+
+def _stream_until_cut(url: str) -> None:
+    with contextlib.suppress(Exception):  # whatever the transport raises once Envoy is gone
+        stream_chat(url, 400)
