@@ -9,7 +9,8 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 * `common_properties.metadata.filter_metadata`: `extproc` (the report key the sidecar set) and
   `extproc.response` (what the Lua response reader saw, extproc/lean/response.lua);
 * `response.response_code`: the status sent to the client, 0 when no response started;
-* `common_properties.start_time` and `time_to_last_upstream_rx_byte` (offset from it), with the Lua
+* `common_properties.start_time` and `time_to_last_upstream_rx_byte` (offset from it; `duration`, the
+  stream's end, where the upstream's answer never ended), with the Lua
   reader's `t1` (the first content event, on Envoy's same wall clock): the first-token delay and the decode
   time of a streamed answer, from which the pool's decode pace is learned for the KV budget's forecast and
   for the charge of unseen answers (`time_to_first_upstream_rx_byte` stands in without `t1`);
@@ -82,9 +83,14 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
     it, the span from the first to the last upstream byte stands in for the decode time only: a streaming
     server sends its headers before queueing and prefill, so that span includes them."""
     props = entry.common_properties
-    if not props.HasField("time_to_last_upstream_rx_byte"):
+    if props.HasField("time_to_last_upstream_rx_byte"):
+        last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()
+    elif props.HasField("duration"):
+        # The upstream's answer never ended (reset at the lifetime bound, the client gone): the engine ran
+        # until the stream's end, which `duration` (start to end of the stream) marks.
+        last_s = props.duration.ToTimedelta().total_seconds()
+    else:
         return None
-    last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()
     if reading.first_content_ms is not None and props.HasField("start_time"):
         start_ms = props.start_time.ToMilliseconds()
         first_s = (reading.first_content_ms - start_ms) / 1000.0

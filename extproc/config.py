@@ -102,6 +102,8 @@ class AdmissionConfig:
     envoy_max_message_timeout_seconds: float = 30.0
     # Lean profile: how long after a request ended its end report may arrive before the lease expires.
     end_report_wait_seconds: float = 2.0
+    # The lifetime bound of a metered request, rendered into each metered Envoy route (max_stream_duration).
+    max_request_seconds: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -721,6 +723,9 @@ def parse_config(data: Any) -> Config:
         ),
         envoy_max_message_timeout_seconds=adm.number("envoy_max_message_timeout_seconds", 30.0, minimum=1.0),
         end_report_wait_seconds=adm.number("end_report_wait_seconds", 2.0, minimum=0.05),
+        max_request_seconds=adm.number(
+            "max_request_seconds", AdmissionConfig.max_request_seconds, minimum=1.0
+        ),
     )
     adm.done()
     # grpc drops a message larger than its receive limit without telling the handler; Envoy then times out.

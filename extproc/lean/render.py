@@ -23,6 +23,9 @@ What changes, and why:
   mappers make it OpenAI JSON).
 * Body cap: `request_body_buffer_limit` on the virtual host at `admission.max_body_bytes`: over it Envoy
   answers 413 itself, before the sidecar sees a byte.
+* Lifetime bound: every metered route's `max_stream_duration` (RouteAction field 36, MaxStreamDuration:
+  "the maximum duration allowed for streams on the route", reset past it) is `admission.max_request_seconds`,
+  so a slow or stalled reader cannot hold a slot and its KV without end (free routes keep the listener's).
 * A buffer filter (`envoy.filters.http.buffer`) after ext_proc: with the header phase skipped, ext_proc lets
   the request headers continue at once, and the router would open the upstream request before admission.
   The buffer filter holds them until the whole (admitted, possibly rewritten) body is there, and sets the
@@ -97,14 +100,16 @@ def render_lean(
     inline: dict[str, Any],
     table: PathTable = DEFAULT_TABLE,
     max_body_bytes: int = 1 << 20,
+    max_request_seconds: float = 1800.0,
 ) -> dict[str, Any]:
     """The lean profile's Envoy config made from an inline one (see the module docstring)."""
     config = copy.deepcopy(inline)
     for hcm in http_connection_managers(config):
         _lean_filters(hcm, max_body_bytes)
         upstream = _upstream_route(hcm)
+        metered = {**upstream, "max_stream_duration": lifetime_bound(max_request_seconds)}
         for vhost in hcm["route_config"]["virtual_hosts"]:
-            _lean_virtual_host(vhost, table, upstream, max_body_bytes)
+            _lean_virtual_host(vhost, table, upstream, metered, max_body_bytes)
         hcm.setdefault("access_log", []).append(_end_report_logger())
     return config
 
@@ -164,24 +169,35 @@ def _lua_filter() -> dict[str, Any]:
     }
 
 
+def lifetime_bound(seconds: float) -> dict[str, Any]:
+    """A metered route's `max_stream_duration` (config.route.v3.RouteAction.MaxStreamDuration)."""
+    return {"max_stream_duration": f"{seconds:g}s"}
+
+
 def _upstream_route(hcm: dict[str, Any]) -> dict[str, Any]:
-    """The inline config's catch-all route action (`prefix: /`): where metered and free requests go."""
+    """The inline config's catch-all route action (`prefix: /`) without its lifetime bound: where metered
+    and free requests go (the metered routes get the configured bound back)."""
     for vhost in hcm["route_config"]["virtual_hosts"]:
         for route in vhost["routes"]:
             if route.get("match") == {"prefix": "/"} and "route" in route:
-                action: dict[str, Any] = route["route"]
+                action: dict[str, Any] = dict(route["route"])
+                action.pop("max_stream_duration", None)
                 return action
     raise ValueError("the inline config has no catch-all route (`prefix: /`) to the upstream")
 
 
 def _lean_virtual_host(
-    vhost: dict[str, Any], table: PathTable, upstream: dict[str, Any], max_body_bytes: int
+    vhost: dict[str, Any],
+    table: PathTable,
+    upstream: dict[str, Any],
+    metered: dict[str, Any],
+    max_body_bytes: int,
 ) -> None:
     vhost.pop("typed_per_filter_config", None)  # the inline profile's response phases
     vhost["request_body_buffer_limit"] = max_body_bytes
     vhost["request_headers_to_add"] = [_from_metadata(name) for name in FORWARDED_REQUEST_HEADERS]
     vhost["response_headers_to_add"] = [_from_metadata(name) for name in RATELIMIT_HEADERS]
-    vhost["routes"] = routes(table, upstream)
+    vhost["routes"] = routes(table, upstream, metered)
 
 
 def _from_metadata(name: str) -> dict[str, Any]:
@@ -193,14 +209,18 @@ def _from_metadata(name: str) -> dict[str, Any]:
     }
 
 
-def routes(table: PathTable, upstream: dict[str, Any]) -> list[dict[str, Any]]:
-    """Metered routes (two per rule), free routes, OPTIONS on every listed path, then 404 for the rest."""
+def routes(
+    table: PathTable, upstream: dict[str, Any], metered: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Metered routes (two per rule, to `metered`: the upstream with the lifetime bound), free routes,
+    OPTIONS on every listed path, then 404 for the rest."""
     rules = sorted(table.rules.values(), key=lambda rule: rule.prefix is not None)  # exact paths first
+    metered = upstream if metered is None else metered
     out: list[dict[str, Any]] = []
     for rule in rules:
         if rule.kind is RouteKind.METERED:
-            out.append(_route(f"metered {rule.path}", rule, upstream, body=True))
-            out.append(_route(f"metered {rule.path} (headers)", rule, upstream, body=False))
+            out.append(_route(f"metered {rule.path}", rule, metered, body=True))
+            out.append(_route(f"metered {rule.path} (headers)", rule, metered, body=False))
         elif rule.kind is RouteKind.FREE:
             out.append(_free(f"free {rule.path}", _match(rule, rule.methods), upstream))
     for rule in rules:
@@ -305,7 +325,8 @@ def render_envoy_yaml(template: Path, sidecar: Config) -> str:
     if inline.get("kind") == "EnvoyFilter":
         lean = render_istio_lean(inline)
     else:
-        lean = render_lean(inline, sidecar.paths, sidecar.admission.max_body_bytes)
+        admission = sidecar.admission
+        lean = render_lean(inline, sidecar.paths, admission.max_body_bytes, admission.max_request_seconds)
     return yaml.dump(lean, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 

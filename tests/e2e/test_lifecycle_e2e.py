@@ -6,6 +6,8 @@
   with streams open): detected and shown, each slot freed when its request ends instead of after
   `end_report_wait_seconds`, the charge from the time to the stream's end x the learned decode rate, within
   1.5x of what the engine generated.
+* A slow reader (a raw socket reading 1 KiB every 0.1 s of a 24 x 2,000-token answer): the metered route's
+  lifetime bound (`admission.max_request_seconds`) ends it, and it pays for what the engine generated.
 """
 
 from __future__ import annotations
@@ -278,3 +280,101 @@ def test_envoy_killed_with_streams_open_frees_the_slots_at_once_and_charges_near
 def _stream_until_cut(url: str) -> None:
     with contextlib.suppress(Exception):  # whatever the transport raises once Envoy is gone
         stream_chat(url, 400)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A slow reader: a lifetime bound ends the lease, and the charge follows the engine, not the reading.
+
+LIFETIME_S = 6
+SLOW_CONFIG: dict[str, Any] = {
+    "models": {"*": {"context_window": 4096, "default_max_tokens": 256}},
+    "limits": {"global": {"tokens_per_minute": 100_000_000}},
+    "admission": {"max_request_seconds": LIFETIME_S},
+}
+SLOW_SIM = fixed_step_sim(MODEL, 2, "--num-gpu-blocks", "8192", "--max-model-len", "4096")
+
+
+def bound_inline_route(config: dict[str, Any]) -> None:
+    """The inline template's metered route with the test's lifetime bound (the lean rendering takes it from
+    `admission.max_request_seconds`)."""
+    trust_client_tenant_header(config)
+    for hcm in http_connection_managers(config):
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            for route in vhost["routes"]:
+                if route["name"] == "llm":
+                    route["route"]["max_stream_duration"] = {"max_stream_duration": f"{LIFETIME_S}s"}
+
+
+@pytest.fixture(params=["inline", "lean"])
+def slow_stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
+    stack = LocalStack(
+        ports=Ports.free(),
+        sidecar_config=SLOW_CONFIG,
+        sim_args=SLOW_SIM,
+        envoy_patch=bound_inline_route if request.param == "inline" else trust_client_tenant_header,
+        profile=request.param,
+    )
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_a_slow_reader_is_bounded_and_pays_for_what_the_engine_generated(slow_stack: LocalStack) -> None:
+    stack = slow_stack
+    for _ in range(2):  # completed streams teach the pool's decode rate
+        assert stream_chat(stack.envoy_url, 40) == 40
+    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 5)
+    generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
+    completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
+    before_generated, before_charged = generated(), completion()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a long story."}],
+            "n": 24,
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=30)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    read = 0
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        started = time.monotonic()
+        freed_at = None
+        # Read 1 KiB every 0.1 s (10 KiB/s against ~10 MB of answer) until the slot is free, 20 s at most.
+        while time.monotonic() - started < 20:
+            chunk = sock.recv(1024)
+            if not chunk:
+                break
+            read += len(chunk)
+            if freed_at is None and sidecar_metric(stack, "extproc_active_requests") == 0:
+                freed_at = time.monotonic() - started
+                break
+            time.sleep(0.1)
+        if freed_at is None:
+            freed_at = wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 10) + (
+                time.monotonic() - started
+            )
+    finally:
+        sock.close()
+    wait_for(lambda: stack_idle(stack), 10)
+    truth, charged = generated() - before_generated, completion() - before_charged
+    print(f"{stack.profile}: freed after {freed_at:.1f}s, read {read} B, {truth} made, {charged} charged")
+    assert freed_at < LIFETIME_S + 2.0
+    assert read < 1_000_000  # the reader got a small part of the answer
+    # At least what the engine generated (the learned pace rounds per sequence), never above the reservation.
+    assert 0.95 * truth <= charged <= 24 * 2000, (charged, truth)
+
+
+def stack_idle(stack: LocalStack) -> bool:
+    running = metric(f"{stack.upstream_url}/metrics", "vllm:num_requests_running")
+    return running == 0 and sidecar_metric(stack, "extproc_active_requests") == 0

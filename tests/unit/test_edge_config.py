@@ -273,6 +273,28 @@ def test_lean_routes_follow_the_path_table(lean: dict[str, Any]) -> None:
     assert vhost["request_body_buffer_limit"] == AdmissionConfig().max_body_bytes
 
 
+def test_metered_routes_carry_the_lifetime_bound_and_free_routes_do_not(
+    reference: dict[str, Any], lean: dict[str, Any]
+) -> None:
+    bound = {"max_stream_duration": f"{AdmissionConfig().max_request_seconds:g}s"}
+    inline_routes = {r["name"]: r for r in reference["route_config"]["virtual_hosts"][0]["routes"]}
+    assert inline_routes["llm"]["route"]["max_stream_duration"] == bound
+    assert "max_stream_duration" not in inline_routes["health"]["route"]
+    for route in lean["route_config"]["virtual_hosts"][0]["routes"]:
+        if "route" not in route:
+            continue
+        expected = bound if route["name"].startswith("metered ") else None
+        assert route["route"].get("max_stream_duration") == expected, route["name"]
+    configured = parse_config({"admission": {"max_request_seconds": 90}})
+    rendered = yaml.safe_load(render_envoy_yaml(ENVOY_TEMPLATE, configured))
+    chat = next(
+        r
+        for r in hcm_of(rendered)["route_config"]["virtual_hosts"][0]["routes"]
+        if r["name"] == "metered /v1/chat/completions"
+    )
+    assert chat["route"]["max_stream_duration"] == {"max_stream_duration": "90s"}
+
+
 def test_lean_response_headers_come_from_the_admission_metadata(lean: dict[str, Any]) -> None:
     status = RateLimitStatus(
         limit_requests=8,
