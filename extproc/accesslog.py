@@ -18,7 +18,9 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
   logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded rule
-(extproc/server_lean.py). The streams opening and closing, and every entry, tell the lean runtime's
+(extproc/server_lean.py). An entry without a report key is a refusal Envoy answered itself (the logger also
+logs those, extproc/lean/render.py): it is counted in `extproc_requests_total` like the sidecar's own. The
+streams opening and closing, and every entry, tell the lean runtime's
 `ReportChannel` whether the channel works. An entry whose key is unknown (settled already, or issued before
 a restart) is counted and ignored.
 """
@@ -102,6 +104,18 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
     return ReportedTiming(first_token_after_s=None, decode_s=last_s - first_byte_s)
 
 
+ENVOY_REFUSAL_REASONS = {
+    400: "invalid_request",
+    404: "unknown_path",
+    408: "request_timeout",
+    413: "request_too_large",
+    431: "request_header_fields_too_large",
+}
+"""The `reason` of each refusal Envoy answers itself (extproc/lean/render.py ENVOY_REFUSALS), named as the
+sidecar names the same refusal (`unknown_path`, `request_too_large`) or as Envoy's reply words it (the `code`
+of its local-reply mapper)."""
+
+
 class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Settles each waiting lease from its access-log entry."""
 
@@ -132,6 +146,19 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
                 self.channel.stream_closed(closing=self._closing)
         return als_pb2.StreamAccessLogsResponse()
 
+    def count_refusal(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        """An entry without a report key: a refusal Envoy answered itself (a direct 404, a 413 past its body
+        bound, a 408, 431 or 400), counted where the sidecar counts its own refusals."""
+        code = entry.response.response_code.value
+        reason = ENVOY_REFUSAL_REASONS.get(code, "envoy_other")
+        service = self.service
+        service.child(service.metrics.end_reports, "envoy_refusal").inc()
+        service.count("rejected", reason, "none", "none", None)
+        log.info(
+            "request refused by Envoy",
+            extra={"status": code, "reason": reason, "details": entry.response.response_code_details[:100]},
+        )
+
     def close(self) -> None:
         """Shutdown: end Envoy's streams (it keeps them open for good), so the server can stop early."""
         self._closing = True
@@ -144,7 +171,10 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         metadata = entry.common_properties.metadata.filter_metadata
         admitted = metadata.get(NAMESPACE)
         key = admitted.fields.get(REPORT_KEY) if admitted is not None else None
-        exchange = self.service.take_report(key.string_value) if key is not None else None
+        if key is None:
+            self.count_refusal(entry)
+            return
+        exchange = self.service.take_report(key.string_value)
         if exchange is None:
             self.service.child(self.service.metrics.end_reports, "unknown").inc()
             return

@@ -143,11 +143,12 @@ class Metrics:
         self.end_reports = Counter(
             "extproc_end_reports",
             "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
-            "unknown: its lease was settled already, or was issued before a restart).",
+            "unknown: its lease was settled already, or was issued before a restart; envoy_refusal: a "
+            "refusal Envoy answered itself, counted in extproc_requests_total).",
             ["result"],
             registry=r,
         )
-        for result in ("matched", "unknown"):
+        for result in ("matched", "unknown", "envoy_refusal"):
             self.end_reports.labels(result)
         self.end_report_channel = Gauge(
             "extproc_end_report_channel_up",

@@ -175,10 +175,11 @@ class Exchange:
         self.klass = config.class_of(self.tenant)
         if head.end_of_stream:
             return self._refuse(refusals.empty_body())
-        length = head.headers.get("content-length")
-        cap = config.admission.max_body_bytes
-        if length is not None and length.isascii() and length.isdigit() and int(length) > cap:
-            return self._refuse(refusals.too_large(int(length), cap))
+        # A `content-length` over the cap is refused after the body, not now: answered while the client is
+        # still sending, the 413 goes out with `connection: close`, and Envoy, which never drains an unread
+        # request body (envoyproxy/envoy#36080), resets the connection once its delayed_close_timeout (1 s)
+        # passes: a client that writes the whole body before it reads (httpx, the openai SDK) then often gets
+        # a reset instead of the 413. Envoy buffers the body up to its own bound first (envoy/envoy.yaml).
         self.phase = Phase.AWAITING_BODY
         # Headers the engines read to override the body (priority, data-parallel rank, model) never pass.
         control = tuple(h for h in BACKEND_CONTROL_HEADERS if h in head.headers)

@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.admission import refusals
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
@@ -150,12 +151,15 @@ async def test_non_llm_path_passes_through_with_mode_override(harness: Harness) 
     assert harness.metric("extproc_requests_total", decision="passthrough") == 1
 
 
-async def test_content_length_over_cap_is_413_before_the_body(harness: Harness) -> None:
+async def test_content_length_over_cap_is_413_once_the_body_arrived(harness: Harness) -> None:
+    """Refused at the headers, the 413 would race the client's upload and often be reset (exchange.py)."""
     s = harness.stream()
     reply = await s.send(headers_msg("POST", "/v1/chat/completions", **{"content-length": "5000"}))
+    assert reply.HasField("request_headers")
+    reply = await s.send(body_msg(b"x" * 5000))
     assert reply.immediate_response.status.code == 413
     error = json.loads(reply.immediate_response.body)["error"]
-    assert error["code"] == "request_too_large"
+    assert (error["code"], error["message"]) == ("request_too_large", refusals.BODY_TOO_LARGE)
     s.cancel()
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -26,6 +27,7 @@ from typing import Any
 import openai
 import pytest
 
+from extproc.admission import refusals
 from extproc.envoy_yaml import http_connection_managers
 from extproc.lean.render import EXTPROC_CLUSTER
 from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
@@ -378,3 +380,86 @@ def test_a_slow_reader_is_bounded_and_pays_for_what_the_engine_generated(slow_st
 def stack_idle(stack: LocalStack) -> bool:
     running = metric(f"{stack.upstream_url}/metrics", "vllm:num_requests_running")
     return running == 0 and sidecar_metric(stack, "extproc_active_requests") == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Refusals Envoy answers itself: counted where the operator looks, worded like the sidecar's, and readable.
+
+EIGHT_MIB_CHAT = [{"role": "user", "content": "x" * (8 << 20)}]
+
+
+async def _post_8_mib(url: str) -> str:
+    """One 8 MiB chat request with the openai SDK's async transport (httpx, HTTP/1.1): the status and the
+    message, or the transport error's name when the reply never arrived."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    try:
+        await client.chat.completions.create(model=MODEL, messages=EIGHT_MIB_CHAT, max_tokens=5)  # type: ignore[arg-type]
+        return "200"
+    except openai.APIStatusError as err:
+        body = err.body if isinstance(err.body, dict) else {}
+        return f"{err.status_code} {body.get('message')}"
+    except openai.APIConnectionError as err:
+        return type(err.__cause__).__name__
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    "lone_stack",
+    [(profile, CONFIG, fixed_step_sim(MODEL, 5)) for profile in ("inline", "lean")],
+    indirect=True,
+    ids=["inline", "lean"],
+)
+def test_an_over_cap_body_gets_its_413_every_time_with_the_async_sdk(lone_stack: LocalStack) -> None:
+    """Answered while the body still arrived, the 413 was reset 1 try in 6: now it is read first."""
+    outcomes = [asyncio.run(_post_8_mib(lone_stack.envoy_url)) for _ in range(8)]
+    assert outcomes == [f"413 {refusals.BODY_TOO_LARGE}"] * 8, outcomes
+
+
+@pytest.mark.parametrize(
+    "lone_stack", [("lean", CONFIG, fixed_step_sim(MODEL, 5))], indirect=True, ids=["lean"]
+)
+def test_envoys_own_refusals_are_counted_and_worded_like_the_sidecars(lone_stack: LocalStack) -> None:
+    stack = lone_stack
+    rejected = functools.partial(sidecar_metric, stack, "extproc_requests_total", decision="rejected")
+    reply = http("GET", f"{stack.envoy_url}/v1/not-a-path")
+    assert reply.status == 404
+    sidecar_words = json.loads(refusals.unknown_path("GET", "/v1/not-a-path").body)["error"]["message"]
+    assert reply.json()["error"]["message"] == sidecar_words
+    wait_for(lambda: rejected(reason="unknown_path") == 1, 5)
+    # Past the 12 MiB Envoy reads for the sidecar, Envoy answers itself, in the same words. The body is sent
+    # from a thread while the reply is read, so the reply is read whatever Envoy then does to the upload.
+    size = 14 << 20
+    sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=10)
+    head_bytes = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        f"content-length: {size}\r\n\r\n"
+    ).encode()
+    sender = threading.Thread(target=_send_ignoring_reset, args=(sock, head_bytes + b"x" * size), daemon=True)
+    sender.start()
+    try:
+        head, _, body = _read_reply(sock).partition(b"\r\n\r\n")
+    finally:
+        sock.close()
+        sender.join(10)
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert json.loads(body)["error"]["message"] == refusals.BODY_TOO_LARGE
+    wait_for(lambda: rejected(reason="request_too_large") == 1, 5)
+    assert sidecar_metric(stack, "extproc_end_reports_total", result="envoy_refusal") == 2
+
+
+def _send_ignoring_reset(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+
+
+def _read_reply(sock: socket.socket) -> bytes:
+    """A whole HTTP/1.1 reply with a content-length (Envoy's local replies have one)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head = data.split(b"\r\n\r\n", 1)[0].decode().lower()
+    length = int(next(line.split(":")[1] for line in head.split("\r\n") if line.startswith("content-length")))
+    while len(data.split(b"\r\n\r\n", 1)[1]) < length:
+        data += sock.recv(65536)
+    return data
