@@ -9,7 +9,8 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 * `common_properties.metadata.filter_metadata`: `extproc` (the report key the sidecar set) and
   `extproc.response` (what the Lua response reader saw, extproc/lean/response.lua);
 * `response.response_code`: the status sent to the client, 0 when no response started;
-* `common_properties.start_time` and `time_to_last_upstream_rx_byte` (offset from it), with the Lua
+* `common_properties.start_time` and `time_to_last_upstream_rx_byte` (offset from it; `duration`, the
+  stream's end, where the upstream's answer never ended), with the Lua
   reader's `t1` (the first content event, on Envoy's same wall clock): the first-token delay and the decode
   time of a streamed answer, from which the pool's decode pace is learned for the KV budget's forecast and
   for the charge of unseen answers (`time_to_first_upstream_rx_byte` stands in without `t1`);
@@ -17,8 +18,11 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
   logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded rule
-(extproc/server_lean.py). An entry whose key is unknown (settled already, or issued before a restart) is
-counted and ignored.
+(extproc/server_lean.py). An entry without a report key is a refusal Envoy answered itself (the logger also
+logs those, extproc/lean/render.py): it is counted in `extproc_requests_total` like the sidecar's own. The
+streams opening and closing, and every entry, tell the lean runtime's
+`ReportChannel` whether the channel works. An entry whose key is unknown (settled already, or issued before
+a restart) is counted and ignored.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from google.protobuf import struct_pb2
 
 from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.service import AdmissionService
-from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
+from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE, ReportChannel
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +85,14 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
     it, the span from the first to the last upstream byte stands in for the decode time only: a streaming
     server sends its headers before queueing and prefill, so that span includes them."""
     props = entry.common_properties
-    if not props.HasField("time_to_last_upstream_rx_byte"):
+    if props.HasField("time_to_last_upstream_rx_byte"):
+        last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()
+    elif props.HasField("duration"):
+        # The upstream's answer never ended (reset at the lifetime bound, the client gone): the engine ran
+        # until the stream's end, which `duration` (start to end of the stream) marks.
+        last_s = props.duration.ToTimedelta().total_seconds()
+    else:
         return None
-    last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()
     if reading.first_content_ms is not None and props.HasField("start_time"):
         start_ms = props.start_time.ToMilliseconds()
         first_s = (reading.first_content_ms - start_ms) / 1000.0
@@ -95,11 +104,24 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
     return ReportedTiming(first_token_after_s=None, decode_s=last_s - first_byte_s)
 
 
+ENVOY_REFUSAL_REASONS = {
+    400: "invalid_request",
+    404: "unknown_path",
+    408: "request_timeout",
+    413: "request_too_large",
+    431: "request_header_fields_too_large",
+}
+"""The `reason` of each refusal Envoy answers itself (extproc/lean/render.py ENVOY_REFUSALS), named as the
+sidecar names the same refusal (`unknown_path`, `request_too_large`) or as Envoy's reply words it (the `code`
+of its local-reply mapper)."""
+
+
 class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Settles each waiting lease from its access-log entry."""
 
-    def __init__(self, service: AdmissionService) -> None:
+    def __init__(self, service: AdmissionService, channel: ReportChannel | None = None) -> None:
         self.service = service
+        self.channel = channel
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -109,6 +131,8 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         task = asyncio.current_task()
         assert task is not None
         self._streams.add(task)
+        if self.channel is not None:
+            self.channel.stream_opened()
         try:
             async for message in request_iterator:
                 for entry in message.http_logs.log_entry:
@@ -118,7 +142,22 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
                 raise
         finally:
             self._streams.discard(task)
+            if self.channel is not None:
+                self.channel.stream_closed(closing=self._closing)
         return als_pb2.StreamAccessLogsResponse()
+
+    def count_refusal(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        """An entry without a report key: a refusal Envoy answered itself (a direct 404, a 413 past its body
+        bound, a 408, 431 or 400), counted where the sidecar counts its own refusals."""
+        code = entry.response.response_code.value
+        reason = ENVOY_REFUSAL_REASONS.get(code, "envoy_other")
+        service = self.service
+        service.child(service.metrics.end_reports, "envoy_refusal").inc()
+        service.count("rejected", reason, "none", "none", None)
+        log.info(
+            "request refused by Envoy",
+            extra={"status": code, "reason": reason, "details": entry.response.response_code_details[:100]},
+        )
 
     def close(self) -> None:
         """Shutdown: end Envoy's streams (it keeps them open for good), so the server can stop early."""
@@ -127,10 +166,15 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
             task.cancel()
 
     def settle(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        if self.channel is not None:
+            self.channel.reported()
         metadata = entry.common_properties.metadata.filter_metadata
         admitted = metadata.get(NAMESPACE)
         key = admitted.fields.get(REPORT_KEY) if admitted is not None else None
-        exchange = self.service.take_report(key.string_value) if key is not None else None
+        if key is None:
+            self.count_refusal(entry)
+            return
+        exchange = self.service.take_report(key.string_value)
         if exchange is None:
             self.service.child(self.service.metrics.end_reports, "unknown").inc()
             return

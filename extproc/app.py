@@ -81,7 +81,7 @@ class Sidecar:
         )
         self.lean = LeanRuntime(self.admission)
         self.servicer = ExtProcServicer(self.admission, self.lean)
-        self.end_reports = EndReports(self.admission)
+        self.end_reports = EndReports(self.admission, self.lean.channel)
         self.health = health.aio.HealthServicer()
         self.ready = False
         self.grpc_server: grpc.aio.Server | None = None

@@ -146,6 +146,8 @@ class AdmissionConfig:
     end_report_wait_seconds: float = 2.0
     # The most per-step work (stop strings, bad words, logit bias, logprobs) one request may ask for.
     per_step: StepBounds = field(default_factory=StepBounds)
+    # The lifetime bound of a metered request, rendered into each metered Envoy route (max_stream_duration).
+    max_request_seconds: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -816,6 +818,9 @@ def _parse_root(data: Any) -> Config:
         envoy_max_message_timeout_seconds=adm.number("envoy_max_message_timeout_seconds", 30.0, minimum=1.0),
         end_report_wait_seconds=adm.number("end_report_wait_seconds", 2.0, minimum=0.05),
         per_step=per_step,
+        max_request_seconds=adm.number(
+            "max_request_seconds", AdmissionConfig.max_request_seconds, minimum=1.0
+        ),
     )
     adm.done()
     # grpc drops a message larger than its receive limit without telling the handler; Envoy then times out.

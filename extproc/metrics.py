@@ -163,12 +163,29 @@ class Metrics:
         self.end_reports = Counter(
             "extproc_end_reports",
             "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
-            "unknown: its lease was settled already, or was issued before a restart).",
+            "unknown: its lease was settled already, or was issued before a restart; envoy_refusal: a "
+            "refusal Envoy answered itself, counted in extproc_requests_total).",
             ["result"],
             registry=r,
         )
-        for result in ("matched", "unknown"):
+        for result in ("matched", "unknown", "envoy_refusal"):
             self.end_reports.labels(result)
+        self.end_report_channel = Gauge(
+            "extproc_end_report_channel_up",
+            "Lean profile: 1 while Envoy's access-log end reports reach the sidecar, 0 once the channel is "
+            "found lost (no access-log stream open, or 3 ended requests in a row without a report): "
+            "leases are then released when their request ends, charged by estimate.",
+            registry=r,
+        )
+        self.end_report_channel.set(1)
+        self.end_report_channel_losses = Counter(
+            "extproc_end_report_channel_losses",
+            "Lean profile: times the end-report channel was found lost, by how (stream_closed, misses).",
+            ["cause"],
+            registry=r,
+        )
+        for cause in ("stream_closed", "misses"):
+            self.end_report_channel_losses.labels(cause)
         self.active = Gauge("extproc_active_requests", "Admitted requests not yet settled.", registry=r)
         self.streams = Gauge("extproc_streams_active", "Open ext_proc gRPC streams.", registry=r)
         self.tokens_reserved = Counter(

@@ -16,7 +16,11 @@ settles from them.
 The ext_proc stream itself stays open until the HTTP request ends (Envoy 1.40 keeps it open even with
 every response phase off), which serves twice: its end starts the bounded wait for the end report, after
 which the lease settles as `expired` (`admission.end_report_wait_seconds`), and while it is open the sidecar
-can still answer on it. A class cut under KV pressure is reset that way: an ImmediateResponse sent on the
+can still answer on it. Where the report channel is known lost (`ReportChannel`: Envoy's access-log stream
+closed with none left open, or several ended requests in a row got no report), waiting is pointless: a lease
+settles as `expired` the moment its request ends, so its slot is free when the request is.
+
+A class cut under KV pressure is reset through the open stream: an ImmediateResponse sent on the
 open stream makes Envoy reset the HTTP stream, client and backend alike (a tick checks the pools' KV usage
 every `TICK_SECONDS`; there is no per-chunk check in this profile).
 
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -82,6 +87,10 @@ TICK_SECONDS = 0.2
 
 WARN_EVERY_SECONDS = 60.0
 """At most one warning per minute about leases expiring for want of their end report."""
+
+MISSES_FOR_LOSS = 3
+"""Ended requests in a row whose end report never came before the channel counts as lost. One miss can be a
+report dropped in a reconnect; three in a row, with none arriving in between, is a broken path."""
 
 _MODE = processing_mode_pb2.ProcessingMode
 
@@ -138,6 +147,76 @@ class _SpecCache:
         return found
 
 
+class ChannelState(enum.Enum):
+    """What the sidecar knows of Envoy's end-report channel (its gRPC access log)."""
+
+    UP = "up"  # reports arrive, or nothing says they do not (a fresh sidecar: Envoy opens it on first use)
+    LOST = "lost"  # no access-log stream is open, or requests keep ending without a report
+
+
+class ReportChannel:
+    """Whether Envoy's end reports reach the sidecar, from two signals only the sidecar has: the access-log
+    streams open to it (Envoy keeps one per worker for good, so the last one closing means Envoy went away or
+    the path to the sidecar broke) and the ended requests whose report never came. Any report, or a new
+    access-log stream, proves the channel again. Shown as `extproc_end_report_channel_up`, counted in
+    `extproc_end_report_channel_losses_total{cause}`, and logged on each change."""
+
+    def __init__(self, service: AdmissionService, on_lost: Callable[[], None]) -> None:
+        self.service = service
+        self.state = ChannelState.UP
+        self.streams = 0
+        self._misses = 0
+        self._on_lost = on_lost
+
+    @property
+    def lost(self) -> bool:
+        return self.state is ChannelState.LOST
+
+    def stream_opened(self) -> None:
+        self.streams += 1
+        self._restore("access-log stream opened")
+
+    def stream_closed(self, closing: bool = False) -> None:
+        """An access-log stream ended; with none left open (and the sidecar not shutting down) the reports of
+        requests ending now have no way in."""
+        self.streams = max(0, self.streams - 1)
+        if self.streams == 0 and not closing:
+            self._lose("stream_closed")
+
+    def reported(self) -> None:
+        """An access-log entry arrived (whichever lease it names): the channel works."""
+        self._misses = 0
+        self._restore("end report received")
+
+    def missed(self) -> None:
+        """A request's report did not come within the bounded wait."""
+        self._misses += 1
+        if self._misses >= MISSES_FOR_LOSS:
+            self._lose("misses")
+
+    def _lose(self, cause: str) -> None:
+        if self.lost:
+            return
+        self.state = ChannelState.LOST
+        metrics = self.service.metrics
+        metrics.end_report_channel.set(0)
+        self.service.child(metrics.end_report_channel_losses, cause).inc()
+        log.warning(
+            "end-report channel down: leases are released when their request ends and charged by the "
+            "decode-rate estimate (is Envoy's access log reaching the sidecar's gRPC port?)",
+            extra={"cause": cause, "misses": self._misses, "access_log_streams": self.streams},
+        )
+        self._on_lost()
+
+    def _restore(self, why: str) -> None:
+        if not self.lost:
+            return
+        self.state = ChannelState.UP
+        self._misses = 0
+        self.service.metrics.end_report_channel.set(1)
+        log.info("end-report channel restored", extra={"reason": why})
+
+
 class LeanRuntime:
     """What the lean profile's streams share: the bounded wait for end reports, and the tick that follows
     the requests whose responses the sidecar does not see (KV-budget progress, cuts under KV pressure)."""
@@ -148,6 +227,7 @@ class LeanRuntime:
         self._cuts: dict[Exchange, asyncio.Future[Refusal]] = {}
         self._task: asyncio.Task[None] | None = None
         self._warned_at: float | None = None
+        self.channel = ReportChannel(service, self._expire_ended)
 
     def start(self) -> None:
         if self._task is None:
@@ -162,10 +242,19 @@ class LeanRuntime:
 
     def ended(self, exchange: Exchange) -> None:
         """The request's ext_proc stream closed, i.e. the HTTP request ended: wait for its end report at
-        most `admission.end_report_wait_seconds`, then settle it as expired."""
+        most `admission.end_report_wait_seconds`, then settle it as expired (at once: channel lost)."""
         exchange.mark_ended()
+        if self.channel.lost:
+            exchange.expire()
+            return
         wait = self.service.config().admission.end_report_wait_seconds
         asyncio.get_running_loop().call_later(wait, self._expire, exchange, wait)
+
+    def _expire_ended(self) -> None:
+        """The channel was just found lost: the requests that ended and still wait will get no report."""
+        for exchange in self.service.awaiting_reports():
+            if exchange.ended_at is not None:
+                exchange.expire()
 
     def _expire(self, exchange: Exchange, wait: float) -> None:
         """The bound passed: settle as expired, and say so (at most once a minute: a down access-log path
@@ -173,6 +262,7 @@ class LeanRuntime:
         if not exchange.awaiting_report:
             return
         exchange.expire()
+        self.channel.missed()
         now = asyncio.get_running_loop().time()
         if self._warned_at is None or now - self._warned_at >= WARN_EVERY_SECONDS:
             self._warned_at = now

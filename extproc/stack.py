@@ -115,7 +115,8 @@ def render_envoy_config(
         from extproc.lean.render import render_lean
 
         limits = sidecar or Config()
-        config = render_lean(config, limits.paths, limits.admission.max_body_bytes)
+        admission = limits.admission
+        config = render_lean(config, limits.paths, admission.max_body_bytes, admission.max_request_seconds)
     config["admin"]["address"]["socket_address"]["port_value"] = ports.envoy_admin
     for listener in config["static_resources"]["listeners"]:
         if listener["name"] == "llm_ingress":

@@ -172,10 +172,11 @@ class Exchange:
         self.klass = config.class_of(self.tenant)
         if head.end_of_stream:
             return self._refuse(refusals.empty_body())
-        length = head.headers.get("content-length")
-        cap = config.admission.max_body_bytes
-        if length is not None and length.isascii() and length.isdigit() and int(length) > cap:
-            return self._refuse(refusals.too_large(int(length), cap))
+        # A `content-length` over the cap is refused after the body, not now: answered while the client is
+        # still sending, the 413 goes out with `connection: close`, and Envoy, which never drains an unread
+        # request body (envoyproxy/envoy#36080), resets the connection once its delayed_close_timeout (1 s)
+        # passes: a client that writes the whole body before it reads (httpx, the openai SDK) then often gets
+        # a reset instead of the 413. Envoy buffers the body up to its own bound first (envoy/envoy.yaml).
         self.phase = Phase.AWAITING_BODY
         # Headers the engines read to override the body (priority, data-parallel rank, model) never pass.
         control = tuple(h for h in BACKEND_CONTROL_HEADERS if h in head.headers)
@@ -479,6 +480,9 @@ class Exchange:
                 out = (chunk if out is None else out) + tail
             response.completed = True
             self._learn_decode_rate(admitted, response)
+            # The upstream's answer is whole: the engine's work ended here, however slowly the client reads
+            # the rest out of the proxy's buffers, so the lease ends now, not when the client is done.
+            self._settle()
         return FORWARD if out is None else Forward(body=out)
 
     def _learn_decode_rate(self, admitted: Admitted, response: _Response) -> None:
@@ -538,22 +542,43 @@ class Exchange:
                 return ResponseFacts()
             return ResponseFacts(estimated_completion=self._estimate(admitted))
         tracker = response.tracker
+        completed = response.completed or tracker.done_seen
+        unfinished = None
+        if not completed and response.first_chunk_at is not None:
+            unfinished = self._estimate_streamed(admitted, self._until() - response.first_chunk_at)
         return ResponseFacts(
             upstream_status=response.status,
-            completed=response.completed or tracker.done_seen,
+            completed=completed,
             cut=response.cut,
             usage=tracker.usage,
             error_seen=tracker.error_seen,
+            estimated_completion=unfinished or 0,
         )
+
+    def _until(self) -> float:
+        return self.ended_at if self.ended_at is not None else self.service.clock()
+
+    def _estimate_streamed(self, admitted: Admitted | None, decoding_s: float | None) -> int | None:
+        """What the engine generated for an answer that was seen streaming but not to its end: the pool's
+        learned rate over `decoding_s` since the first token (one token each before it), capped by the
+        reservation. None without a learned rate: the tokens that passed are then the only evidence."""
+        if admitted is None or decoding_s is None:
+            return None
+        rates = self.service.decode_rates
+        if not rates.learned(admitted.pool):
+            return None
+        request = admitted.request
+        sequences = request.sequences * request.prompt_count
+        cap = admitted.plan.completion_tokens
+        return min(cap, sequences + rates.estimate(admitted.pool, decoding_s, sequences, cap))
 
     def _estimate(self, admitted: Admitted) -> int:
         """Completion tokens the backend may have generated unseen: the pool's decode rate over the time
         from admission to the end of the request (or to now), capped by the reservation."""
         request = admitted.request
-        until = self.ended_at if self.ended_at is not None else self.service.clock()
         return self.service.decode_rates.estimate(
             admitted.pool,
-            until - admitted.admitted_at,
+            self._until() - admitted.admitted_at,
             request.sequences * request.prompt_count,
             admitted.plan.completion_tokens,
         )
@@ -602,6 +627,11 @@ class Exchange:
             facts = replace(facts, cut=True)
         elif facts.upstream_status is None and not facts.completed:
             facts = replace(facts, estimated_completion=self._estimate(admitted))
+        elif not facts.completed and reading.streamed and timing is not None:
+            # Seen streaming, not to its end (a slow reader cut at the lifetime bound, a client gone): the
+            # engine generated at its pace up to the last upstream byte, whatever the client read.
+            streamed = self._estimate_streamed(admitted, timing.decode_s)
+            facts = replace(facts, estimated_completion=streamed or 0)
         if reading.streamed and timing is not None:
             self._learn_reported_rate(admitted, facts, timing)
         self._settle(facts)

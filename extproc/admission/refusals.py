@@ -32,11 +32,16 @@ def invalid(exc: AdmissionError) -> Refusal:
     return Refusal(exc.status, exc.body(), reason, details=f"extproc_{exc.code or exc.status}")
 
 
+BODY_TOO_LARGE = "The request body is larger than the gateway accepts."
+"""Every 413 in one wording, the sidecar's and Envoy's (its local-reply mapper in envoy/envoy.yaml)."""
+
+
 def too_large(size: int, cap: int) -> Refusal:
+    del size, cap  # not echoed: the words are the same wherever the body is refused, Envoy included
     return invalid(
         AdmissionError(
             413,
-            f"Request body of {size} bytes exceeds the limit of {cap} bytes.",
+            BODY_TOO_LARGE,
             code="request_too_large",
             param=None,
         )

@@ -8,7 +8,8 @@ in docs/architecture.md) hold whichever path delivered them:
 | --------------------------------------------------- | -------------- | --------------------------------- |
 | response completed (end of body, trailers, [DONE])  | completed      | reported usage, else prompt +     |
 |                                                     |                | counted completion                |
-| client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed      |
+| client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed, or  |
+|                                                     |                | the decode-rate estimate if more  |
 | upstream answered >= 400, or sent an error event    | upstream_error | prompt + what was generated       |
 | ended before response headers (client gone, ...)    | aborted        | prompt + estimate of generation   |
 | reset by the sidecar under KV pressure              | cut            | prompt + completion streamed      |
@@ -39,8 +40,9 @@ class ResponseFacts:
 
     `upstream_status` is None when no response headers arrived. `completed` means the end of the response
     was seen. `estimated_completion` is the bound used when the backend may have generated tokens nobody
-    saw (ended before headers, or an expired lease): the caller derives it from elapsed time and the pool's
-    observed decode rate, capped by the reservation.
+    saw (ended before headers, an expired lease, or a stream cut before its end: a slow reader reads less
+    than the engine generated): the caller derives it from elapsed time and the pool's observed decode
+    rate, capped by the reservation, and sets it only where it applies.
     """
 
     upstream_status: int | None = None
@@ -87,7 +89,7 @@ def settle_charge(admitted_prompt: int, facts: ResponseFacts) -> Charge:
         if usage.reported and usage.prompt_tokens is not None:
             prompt = usage.prompt_tokens
         completion = usage.completion_tokens
-    unseen = facts.upstream_status is None and not facts.completed
-    if unseen and ending in (Ending.ABORTED, Ending.EXPIRED):
+    if ending in (Ending.ABORTED, Ending.EXPIRED):
+        # The engine's work, not the client's reading: what passed is a floor, the estimate can be more.
         completion = max(completion, facts.estimated_completion)
     return Charge(ending=ending, prompt=max(0, prompt), completion=max(0, completion))

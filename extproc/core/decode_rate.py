@@ -8,6 +8,11 @@ rate learned from its completed streamed answers (tokens after the first, over t
 and the last chunk) as an exponentially weighted mean, and a configured rate until the first sample.
 
 Elapsed time includes queueing and prefill, so the charge errs high, never above the reservation.
+
+The same estimate bounds a stream that was seen but not to its end (a slow reader the proxy cut at the
+request's lifetime bound, a client gone mid-answer): the engine kept generating at its own pace whatever the
+client read, so such a stream is charged at least the learned rate over the time since its first token
+(never the configured assumption: what was seen is a better floor than a guess).
 Pure: no clock; callers pass durations.
 """
 
@@ -35,6 +40,10 @@ class DecodeRates:
         sample = tokens_per_sequence / seconds
         old = self._rates.get(pool)
         self._rates[pool] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+
+    def learned(self, pool: str) -> bool:
+        """Whether the pool's rate was observed (else `rate` is the configured assumption)."""
+        return pool in self._rates
 
     def estimate(self, pool: str, elapsed_s: float, sequences: int, cap: int) -> int:
         """Tokens the pool may have generated for a request in `elapsed_s`, at most `cap`."""

@@ -21,8 +21,14 @@ What changes, and why:
   opens no ext_proc stream at all for a request without a body: seen with 1.40). Free paths pass with ext_proc
   and Lua disabled; OPTIONS is free on every listed path; anything else is a direct 404 (the local-reply
   mappers make it OpenAI JSON).
-* Body cap: `request_body_buffer_limit` on the virtual host at `admission.max_body_bytes`: over it Envoy
-  answers 413 itself, before the sidecar sees a byte.
+* Body bound: `request_body_buffer_limit` on the virtual host, and the buffer filter's `max_request_bytes`,
+  at `DRAIN_BODY_BYTES` (12 MiB, or `admission.max_body_bytes` if larger), the inline config's bound: a body
+  over the sidecar's cap is read whole and refused by the sidecar, so the client, done writing, reads the
+  413 (a 413 sent while the body still arrives is often reset, envoy/envoy.yaml explains why). Past the
+  bound Envoy answers 413 itself, in the same words.
+* Lifetime bound: every metered route's `max_stream_duration` (RouteAction field 36, MaxStreamDuration:
+  "the maximum duration allowed for streams on the route", reset past it) is `admission.max_request_seconds`,
+  so a slow or stalled reader cannot hold a slot and its KV without end (free routes keep the listener's).
 * A buffer filter (`envoy.filters.http.buffer`) after ext_proc: with the header phase skipped, ext_proc lets
   the request headers continue at once, and the router would open the upstream request before admission.
   The buffer filter holds them until the whole (admitted, possibly rewritten) body is there, and sets the
@@ -33,7 +39,8 @@ What changes, and why:
   metadata the sidecar wrote at admission (`%DYNAMIC_METADATA(extproc:NAME)%`; absent metadata adds nothing).
 * A Lua filter reads admitted responses (extproc/lean/response.lua) and a gRPC access logger
   (`envoy.access_loggers.http_grpc`) sends one entry per admitted request to the sidecar's gRPC port, filtered
-  on the report key so that nothing else is logged there.
+  on the report key, and one per refusal Envoy answered itself (`ENVOY_REFUSALS`), so that the sidecar counts
+  those too; nothing else is logged there.
 """
 
 from __future__ import annotations
@@ -78,6 +85,10 @@ BODY_MODE: dict[str, str] = {
 HEADERS_AND_BODY_MODE = BODY_MODE | {"request_header_mode": "SEND"}
 """The mode of a metered route's requests without a content-length (see the module docstring)."""
 
+DRAIN_BODY_BYTES = 12 << 20
+"""The most of a request body Envoy reads before refusing it (the inline config's request_body_buffer_limit);
+below the sidecar's gRPC receive limit (server.max_receive_message_bytes, 16 MiB)."""
+
 REPORT_FLUSH_INTERVAL = "0.01s"
 """How long Envoy batches access-log entries (CommonGrpcAccessLogConfig.buffer_flush_interval): the bound
 on the delay between a request's end and its slot's release, before the sidecar's own work."""
@@ -97,14 +108,17 @@ def render_lean(
     inline: dict[str, Any],
     table: PathTable = DEFAULT_TABLE,
     max_body_bytes: int = 1 << 20,
+    max_request_seconds: float = 1800.0,
 ) -> dict[str, Any]:
     """The lean profile's Envoy config made from an inline one (see the module docstring)."""
     config = copy.deepcopy(inline)
+    max_body_bytes = max(DRAIN_BODY_BYTES, max_body_bytes)  # refused by the sidecar once read: see above
     for hcm in http_connection_managers(config):
         _lean_filters(hcm, max_body_bytes)
         upstream = _upstream_route(hcm)
+        metered = {**upstream, "max_stream_duration": lifetime_bound(max_request_seconds)}
         for vhost in hcm["route_config"]["virtual_hosts"]:
-            _lean_virtual_host(vhost, table, upstream, max_body_bytes)
+            _lean_virtual_host(vhost, table, upstream, metered, max_body_bytes)
         hcm.setdefault("access_log", []).append(_end_report_logger())
     return config
 
@@ -164,24 +178,35 @@ def _lua_filter() -> dict[str, Any]:
     }
 
 
+def lifetime_bound(seconds: float) -> dict[str, Any]:
+    """A metered route's `max_stream_duration` (config.route.v3.RouteAction.MaxStreamDuration)."""
+    return {"max_stream_duration": f"{seconds:g}s"}
+
+
 def _upstream_route(hcm: dict[str, Any]) -> dict[str, Any]:
-    """The inline config's catch-all route action (`prefix: /`): where metered and free requests go."""
+    """The inline config's catch-all route action (`prefix: /`) without its lifetime bound: where metered
+    and free requests go (the metered routes get the configured bound back)."""
     for vhost in hcm["route_config"]["virtual_hosts"]:
         for route in vhost["routes"]:
             if route.get("match") == {"prefix": "/"} and "route" in route:
-                action: dict[str, Any] = route["route"]
+                action: dict[str, Any] = dict(route["route"])
+                action.pop("max_stream_duration", None)
                 return action
     raise ValueError("the inline config has no catch-all route (`prefix: /`) to the upstream")
 
 
 def _lean_virtual_host(
-    vhost: dict[str, Any], table: PathTable, upstream: dict[str, Any], max_body_bytes: int
+    vhost: dict[str, Any],
+    table: PathTable,
+    upstream: dict[str, Any],
+    metered: dict[str, Any],
+    max_body_bytes: int,
 ) -> None:
     vhost.pop("typed_per_filter_config", None)  # the inline profile's response phases
     vhost["request_body_buffer_limit"] = max_body_bytes
     vhost["request_headers_to_add"] = [_from_metadata(name) for name in FORWARDED_REQUEST_HEADERS]
     vhost["response_headers_to_add"] = [_from_metadata(name) for name in RATELIMIT_HEADERS]
-    vhost["routes"] = routes(table, upstream)
+    vhost["routes"] = routes(table, upstream, metered)
 
 
 def _from_metadata(name: str) -> dict[str, Any]:
@@ -193,14 +218,18 @@ def _from_metadata(name: str) -> dict[str, Any]:
     }
 
 
-def routes(table: PathTable, upstream: dict[str, Any]) -> list[dict[str, Any]]:
-    """Metered routes (two per rule), free routes, OPTIONS on every listed path, then 404 for the rest."""
+def routes(
+    table: PathTable, upstream: dict[str, Any], metered: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Metered routes (two per rule, to `metered`: the upstream with the lifetime bound), free routes,
+    OPTIONS on every listed path, then 404 for the rest."""
     rules = sorted(table.rules.values(), key=lambda rule: rule.prefix is not None)  # exact paths first
+    metered = upstream if metered is None else metered
     out: list[dict[str, Any]] = []
     for rule in rules:
         if rule.kind is RouteKind.METERED:
-            out.append(_route(f"metered {rule.path}", rule, upstream, body=True))
-            out.append(_route(f"metered {rule.path} (headers)", rule, upstream, body=False))
+            out.append(_route(f"metered {rule.path}", rule, metered, body=True))
+            out.append(_route(f"metered {rule.path} (headers)", rule, metered, body=False))
         elif rule.kind is RouteKind.FREE:
             out.append(_free(f"free {rule.path}", _match(rule, rule.methods), upstream))
     for rule in rules:
@@ -260,20 +289,46 @@ def _disabled() -> dict[str, Any]:
     }
 
 
+CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+
+ENVOY_REFUSAL_CODES = (400, 404, 408, 413, 431)
+"""Statuses of the refusals Envoy answers itself in this profile (an unlisted path, a body past the bound,
+a request too slow, headers too large, a malformed request): logged to the sidecar so that
+`extproc_requests_total` counts them with the sidecar's own (extproc/accesslog.py)."""
+
+ENVOY_REFUSALS = (
+    f"response.code in [{', '.join(map(str, ENVOY_REFUSAL_CODES))}]"
+    " && response.code_details != 'via_upstream' && !response.code_details.startsWith('extproc_')"
+)
+"""CEL (envoy.access_loggers.extension_filters.cel) for Envoy's own refusals: not the upstream's answer, not
+the sidecar's ImmediateResponse (its details start with `extproc_`, and the sidecar counted it already)."""
+
+
 def _end_report_logger() -> dict[str, Any]:
-    """One access-log entry per admitted request, to the sidecar (extproc/accesslog.py)."""
+    """One access-log entry per admitted request, and one per refusal Envoy answered itself, to the sidecar
+    (extproc/accesslog.py)."""
+    admitted = {
+        "metadata_filter": {
+            "matcher": {
+                "filter": NAMESPACE,
+                "path": [{"key": REPORT_KEY}],
+                "value": {"present_match": True},
+            },
+            "match_if_key_not_found": False,
+        }
+    }
+    refused = {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": CEL_FILTER,
+                "expression": ENVOY_REFUSALS,
+            },
+        }
+    }
     return {
         "name": "envoy.access_loggers.http_grpc",
-        "filter": {
-            "metadata_filter": {
-                "matcher": {
-                    "filter": NAMESPACE,
-                    "path": [{"key": REPORT_KEY}],
-                    "value": {"present_match": True},
-                },
-                "match_if_key_not_found": False,
-            }
-        },
+        "filter": {"or_filter": {"filters": [admitted, refused]}},
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
@@ -305,7 +360,8 @@ def render_envoy_yaml(template: Path, sidecar: Config) -> str:
     if inline.get("kind") == "EnvoyFilter":
         lean = render_istio_lean(inline)
     else:
-        lean = render_lean(inline, sidecar.paths, sidecar.admission.max_body_bytes)
+        admission = sidecar.admission
+        lean = render_lean(inline, sidecar.paths, admission.max_body_bytes, admission.max_request_seconds)
     return yaml.dump(lean, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 

@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.admission import refusals
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
@@ -150,12 +151,15 @@ async def test_non_llm_path_passes_through_with_mode_override(harness: Harness) 
     assert harness.metric("extproc_requests_total", decision="passthrough") == 1
 
 
-async def test_content_length_over_cap_is_413_before_the_body(harness: Harness) -> None:
+async def test_content_length_over_cap_is_413_once_the_body_arrived(harness: Harness) -> None:
+    """Refused at the headers, the 413 would race the client's upload and often be reset (exchange.py)."""
     s = harness.stream()
     reply = await s.send(headers_msg("POST", "/v1/chat/completions", **{"content-length": "5000"}))
+    assert reply.HasField("request_headers")
+    reply = await s.send(body_msg(b"x" * 5000))
     assert reply.immediate_response.status.code == 413
     error = json.loads(reply.immediate_response.body)["error"]
-    assert error["code"] == "request_too_large"
+    assert (error["code"], error["message"]) == ("request_too_large", refusals.BODY_TOO_LARGE)
     s.cancel()
 
 
@@ -374,6 +378,40 @@ async def test_completed_streams_teach_the_pool_its_decode_rate(harness: Harness
     await s.close()
     await harness.settled()
     assert harness.sidecar.admission.decode_rates.rate("*") == pytest.approx(40.0)  # 80 tokens in 2 s
+
+
+async def test_the_lease_ends_with_the_upstream_answer_not_the_clients_reading(harness: Harness) -> None:
+    """The last chunk passed: the engine is done, though the client may read the rest for minutes."""
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100, stream=True)))
+    await s.send(resp_headers_msg(200, "text/event-stream"))
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":7,"total_tokens":18}}\n\n'
+    await s.send(resp_body_msg(usage + b"data: [DONE]\n\n", eos=True))
+    await harness.settled()  # the ext_proc stream is still open: Envoy has not finished writing to the client
+    assert harness.metric("extproc_settlements_total", outcome="completed") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 7
+    await s.close()
+
+
+async def test_a_stream_read_slowly_is_charged_the_learned_pace_not_what_passed(harness: Harness) -> None:
+    """The client reads slowly, the proxy holds the engine back by its buffers, and the stream is cut at its
+    lifetime bound: 3 events passed in 10 s, but the engine decoded at its learned 40 tokens/s."""
+    await test_completed_streams_teach_the_pool_its_decode_rate(harness)
+    clock = harness.sidecar.clock
+    assert isinstance(clock, FakeClock)
+    before = harness.metric("extproc_tokens_settled_total", kind="completion", model="other")
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=600, stream=True)))
+    await s.send(resp_headers_msg(200, "text/event-stream"))
+    for _ in range(3):
+        await s.send(resp_body_msg(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'))
+    clock.advance(10.0)
+    s.cancel()
+    await harness.settled()
+    charged = harness.metric("extproc_tokens_settled_total", kind="completion", model="other") - before
+    assert charged == 1 + 400  # the first token, then 10 s at 40 tokens/s
 
 
 async def test_upstream_error_refunds_the_completion_reservation(harness: Harness) -> None:

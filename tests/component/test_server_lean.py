@@ -225,3 +225,63 @@ async def test_reported_streams_teach_the_decode_rate_from_the_first_token(harne
     await harness.settled()
     assert harness.sidecar.admission.decode_rates.rate("*") == pytest.approx(40.0)
     await s.close()
+
+
+# -- the end-report channel ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def patient() -> AsyncIterator[Harness]:
+    """A sidecar that waits 30 s for an end report: a settlement sooner than that did not wait."""
+    config = {**CONFIG, "admission": {**CONFIG["admission"], "end_report_wait_seconds": 30}}
+    sidecar = Sidecar(config=parse_config(config), clock=FakeClock(), metrics=Metrics())
+    await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
+    try:
+        yield LeanHarness(sidecar, channel)
+    finally:
+        await channel.close()
+        await sidecar.stop(grace_s=1)
+
+
+async def test_the_last_access_log_stream_closing_loses_the_channel_and_frees_ended_leases(
+    patient: Harness,
+) -> None:
+    harness = patient
+    assert harness.metric("extproc_end_report_channel_up") == 1
+    waiting = harness.stream()
+    await waiting.send(lean_body(chat(max_tokens=40)))
+    await waiting.close()  # ended on Envoy; its report would come within 30 s
+    await eventually(lambda: harness.sidecar.admission.awaiting_reports()[0].ended_at is not None)
+    assert harness.metric("extproc_active_requests") == 1
+    await report(harness, entry("from-before", 200, None))  # Envoy's only access-log stream opens and ends
+    await eventually(lambda: harness.metric("extproc_end_report_channel_up") == 0)
+    assert harness.metric("extproc_end_report_channel_losses_total", cause="stream_closed") == 1
+    await harness.settled()  # the lease that waited: expired now, not after 30 s
+    assert harness.metric("extproc_settlements_total", outcome="expired") == 1
+    # While lost, a lease settles the moment its request ends.
+    s = harness.stream()
+    key = admitted_metadata(await s.send(lean_body(chat(max_tokens=40))))[REPORT_KEY]
+    await s.close()
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="expired") == 2
+    # Its late report proves the channel again (and settles nothing twice).
+    await report(harness, entry(key, 200, None))
+    assert harness.metric("extproc_end_reports_total", result="unknown") == 2
+    # The stream closed again: lost once more, counted.
+    await eventually(lambda: harness.metric("extproc_end_report_channel_losses_total") == 2)
+
+
+async def test_requests_ending_without_reports_lose_the_channel_after_three(harness: Harness) -> None:
+    stub = als_pb2_grpc.AccessLogServiceStub(harness.channel)  # type: ignore[attr-defined]
+    log_stream = stub.StreamAccessLogs()  # Envoy's stream: open, but its entries never come
+    await log_stream.write(als_pb2.StreamAccessLogsMessage())
+    for done in range(1, 4):
+        assert harness.metric("extproc_end_report_channel_up") == 1
+        s = harness.stream()
+        await s.send(lean_body(chat(max_tokens=40)))
+        await s.close()
+        await eventually(lambda n=done: harness.metric("extproc_settlements_total", outcome="expired") == n)
+    assert harness.metric("extproc_end_report_channel_up") == 0
+    assert harness.metric("extproc_end_report_channel_losses_total", cause="misses") == 1
+    log_stream.cancel()

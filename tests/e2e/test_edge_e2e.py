@@ -286,25 +286,24 @@ def test_sidecar_replies_pass_unchanged(edge: Edge) -> None:
     url = f"{edge.stack.envoy_url}/v1/chat/completions"
     bad = assert_openai_error(http("POST", url, raw=b'{"model": '), 400)
     assert bad["message"] != "The request could not be parsed."  # Envoy's own 400 text
-    # Over the sidecar's 4 KiB cap, far under the inline profile's 2 MiB buffer: the sidecar's 413. The
-    # lean profile's route buffers at the sidecar's cap, so Envoy answers before the sidecar sees a byte.
+    # Over the sidecar's 4 KiB cap, far under the 12 MiB Envoy buffers in both profiles: the sidecar's 413,
+    # once the body is read, in the words of Envoy's own 413.
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 8192}]}
     too_large = assert_openai_error(http("POST", url, big), 413)
-    assert too_large["code"] == "request_too_large"
-    assert (too_large["message"] == ENVOY_413) == (edge.flavour == "lean")
+    assert (too_large["message"], too_large["code"]) == (ENVOY_413, "request_too_large")
 
 
 def test_chunked_body_over_envoy_buffer_gets_json_413(edge: Edge) -> None:
     chunk = b"x" * 65536
     frame = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
 
-    def send_3_mib(sock: socket.socket) -> None:
-        for _ in range(48):  # 3 MiB, over the 2 MiB Envoy buffers for the sidecar
+    def send_13_mib(sock: socket.socket) -> None:
+        for _ in range(208):  # 13 MiB, over the 12 MiB Envoy buffers for the sidecar
             sock.sendall(frame)
         sock.sendall(b"0\r\n\r\n")
 
     head = post_head("/v1/chat/completions", {"transfer-encoding": "chunked"})
-    reply = raw_request(edge.stack.ports.envoy, head, send_3_mib).as_reply()
+    reply = raw_request(edge.stack.ports.envoy, head, send_13_mib).as_reply()
     error = assert_openai_error(reply, 413)
     assert (error["message"], error["code"]) == (ENVOY_413, "request_too_large")
 
@@ -376,10 +375,12 @@ class StalledSidecar(external_processor_pb2_grpc.ExternalProcessorServicer):
         yield from ()
 
 
-def test_sidecar_down_gets_json_500(edge: Edge) -> None:
+def test_sidecar_down_gets_a_retryable_json_503(edge: Edge) -> None:
     with sidecar_replaced(edge.stack, None):
         reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT)
-        assert assert_openai_error(reply, 500)["type"] == "server_error"
+        error = assert_openai_error(reply, 503)
+        assert (error["type"], error["code"]) == ("server_error", "service_unavailable")
+        assert reply.headers["retry-after"] == "1"
     assert http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT).status == 200
 
 

@@ -17,7 +17,13 @@ from extproc.admission.headers import ratelimit_headers
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
 from extproc.config import AdmissionConfig, parse_config
 from extproc.core.limiter import RateLimitStatus
-from extproc.lean.render import BODY_MODE, lua_source, render_envoy_yaml
+from extproc.lean.render import (
+    BODY_MODE,
+    DRAIN_BODY_BYTES,
+    ENVOY_REFUSALS,
+    lua_source,
+    render_envoy_yaml,
+)
 from extproc.server_lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
 from extproc.stack import (
     ENVOY_TEMPLATE,
@@ -116,6 +122,9 @@ def test_every_envoy_bound_fits_the_sidecar_config(reference: dict[str, Any]) ->
     gateway = parse_config(yaml.safe_load((REPO / "k8s" / "gateway" / "config.yaml").read_text()))
     assert gateway.admission.envoy_max_message_timeout_seconds == max_message
     assert vhost["request_body_buffer_limit"] > gateway.admission.max_body_bytes
+    # ... and the sidecar can receive the largest body Envoy buffers for it.
+    assert vhost["request_body_buffer_limit"] == DRAIN_BODY_BYTES
+    assert DRAIN_BODY_BYTES < AdmissionConfig().max_body_bytes * 16 <= 16 << 20
 
 
 def test_filter_mode_skips_the_response_and_the_virtual_host_turns_it_on(reference: dict[str, Any]) -> None:
@@ -270,7 +279,30 @@ def test_lean_routes_follow_the_path_table(lean: dict[str, Any]) -> None:
         if per_route.get("disabled") and "route" in route:
             assert route["name"].startswith(("free ", "preflight ")), route["name"]
     assert routes[-1]["name"] == "not found" and routes[-1]["direct_response"] == {"status": 404}
-    assert vhost["request_body_buffer_limit"] == AdmissionConfig().max_body_bytes
+    # Over-cap bodies are read whole, then refused by the sidecar: the client can read the 413.
+    assert vhost["request_body_buffer_limit"] == DRAIN_BODY_BYTES > AdmissionConfig().max_body_bytes
+
+
+def test_metered_routes_carry_the_lifetime_bound_and_free_routes_do_not(
+    reference: dict[str, Any], lean: dict[str, Any]
+) -> None:
+    bound = {"max_stream_duration": f"{AdmissionConfig().max_request_seconds:g}s"}
+    inline_routes = {r["name"]: r for r in reference["route_config"]["virtual_hosts"][0]["routes"]}
+    assert inline_routes["llm"]["route"]["max_stream_duration"] == bound
+    assert "max_stream_duration" not in inline_routes["health"]["route"]
+    for route in lean["route_config"]["virtual_hosts"][0]["routes"]:
+        if "route" not in route:
+            continue
+        expected = bound if route["name"].startswith("metered ") else None
+        assert route["route"].get("max_stream_duration") == expected, route["name"]
+    configured = parse_config({"admission": {"max_request_seconds": 90}})
+    rendered = yaml.safe_load(render_envoy_yaml(ENVOY_TEMPLATE, configured))
+    chat = next(
+        r
+        for r in hcm_of(rendered)["route_config"]["virtual_hosts"][0]["routes"]
+        if r["name"] == "metered /v1/chat/completions"
+    )
+    assert chat["route"]["max_stream_duration"] == {"max_stream_duration": "90s"}
 
 
 def test_lean_response_headers_come_from_the_admission_metadata(lean: dict[str, Any]) -> None:
@@ -290,9 +322,14 @@ def test_lean_response_headers_come_from_the_admission_metadata(lean: dict[str, 
         assert added[name] == f"%DYNAMIC_METADATA({NAMESPACE}:{name})%"
 
 
-def test_lean_reports_only_admitted_requests_to_the_sidecar(lean: dict[str, Any]) -> None:
+def test_lean_reports_admitted_requests_and_envoys_own_refusals_to_the_sidecar(
+    lean: dict[str, Any],
+) -> None:
     logger = next(a for a in lean["access_log"] if a["name"] == "envoy.access_loggers.http_grpc")
-    matcher = logger["filter"]["metadata_filter"]
+    admitted, refused = logger["filter"]["or_filter"]["filters"]
+    expression = refused["extension_filter"]["typed_config"]["expression"]
+    assert expression == ENVOY_REFUSALS and "via_upstream" in expression and "extproc_" in expression
+    matcher = admitted["metadata_filter"]
     assert matcher["matcher"] == {
         "filter": NAMESPACE,
         "path": [{"key": REPORT_KEY}],
