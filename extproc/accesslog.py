@@ -17,8 +17,9 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
   logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded rule
-(extproc/server_lean.py). An entry whose key is unknown (settled already, or issued before a restart) is
-counted and ignored.
+(extproc/server_lean.py). An entry whose key another replica issued is relayed to it through the shared store
+(extproc/report_relay.py); one whose key is unknown (settled already, or issued before a restart) is counted
+and ignored.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -35,6 +36,9 @@ from google.protobuf import struct_pb2
 from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.service import AdmissionService
 from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
+
+if TYPE_CHECKING:
+    from extproc.report_relay import ReportRelay
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +100,12 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
 
 
 class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    """Settles each waiting lease from its access-log entry."""
+    """Settles each waiting lease from its access-log entry. With a shared store, an entry for a lease
+    another replica holds is relayed to it (extproc/report_relay.py)."""
 
     def __init__(self, service: AdmissionService) -> None:
         self.service = service
+        self.relay: ReportRelay | None = None
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -132,7 +138,10 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         key = admitted.fields.get(REPORT_KEY) if admitted is not None else None
         exchange = self.service.take_report(key.string_value) if key is not None else None
         if exchange is None:
-            self.service.child(self.service.metrics.end_reports, "unknown").inc()
+            relayed = (
+                key is not None and self.relay is not None and self.relay.forward(key.string_value, entry)
+            )
+            self.service.child(self.service.metrics.end_reports, "relayed" if relayed else "unknown").inc()
             return
         self.service.child(self.service.metrics.end_reports, "matched").inc()
         code = entry.response.response_code.value

@@ -143,11 +143,12 @@ class Metrics:
         self.end_reports = Counter(
             "extproc_end_reports",
             "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
-            "unknown: its lease was settled already, or was issued before a restart).",
+            "relayed: handed to the replica holding its lease; unknown: its lease was settled already, or "
+            "was issued before a restart).",
             ["result"],
             registry=r,
         )
-        for result in ("matched", "unknown"):
+        for result in ("matched", "relayed", "unknown"):
             self.end_reports.labels(result)
         self.active = Gauge("extproc_active_requests", "Admitted requests not yet settled.", registry=r)
         self.streams = Gauge("extproc_streams_active", "Open ext_proc gRPC streams.", registry=r)
