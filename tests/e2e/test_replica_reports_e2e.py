@@ -4,6 +4,8 @@ exactly and at once.
 
 Two sidecar replicas share one real Redis; one real Envoy (lean profile) sends its ext_proc streams to
 replica A and its gRPC access log to replica B, the worst case of the two separately balanced connections.
+The access logger is the one Envoy Gateway builds from k8s/envoy-gateway/lean/envoyproxy.yaml: its CEL match,
+its log name, Envoy's default flush interval.
 B relays each entry to A through Redis (extproc/report_relay.py). Without the relay the lease would wait for
 `end_report_wait_seconds` (60 s here) and then be charged an estimate: the test's one slot would stay taken.
 """
@@ -20,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from extproc.stack import LocalStack, Ports, Process, sidecar_config_with_ports, wait_http
+from extproc.stack import REPO, LocalStack, Ports, Process, sidecar_config_with_ports, wait_http
 from tests.component.store.redis_server import RedisServer
 from tests.e2e.conftest import Stack, fixed_step_sim, http, metric
 
@@ -41,8 +43,41 @@ def sidecar_config(redis_url: str) -> dict[str, Any]:
     }
 
 
+ENVOY_PROXY = REPO / "k8s" / "envoy-gateway" / "lean" / "envoyproxy.yaml"
+
+
+def shipped_sink() -> tuple[str, str]:
+    """The CEL match and log name of the shipped EnvoyProxy's ALS sink."""
+    setting = yaml.safe_load(ENVOY_PROXY.read_text())["spec"]["telemetry"]["accessLog"]["settings"][0]
+    (expression,) = setting["matches"]
+    return expression, setting["sinks"][0]["als"]["logName"]
+
+
+CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+
+
+def as_envoy_gateway_builds_it(logger: dict[str, Any]) -> None:
+    """The access logger as Envoy Gateway v1.9.0 builds it from envoyproxy.yaml (internal/xds/translator/
+    accesslog.go): the `matches` CEL expression as its filter, the sink's log name, and no
+    buffer_flush_interval (Envoy's 1 s default)."""
+    expression, log_name = shipped_sink()
+    logger["filter"] = {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": CEL_FILTER,
+                "expression": expression,
+            },
+        }
+    }
+    common = logger["typed_config"]["common_config"]
+    common["log_name"] = log_name
+    common.pop("buffer_flush_interval", None)
+
+
 def access_log_to(port: int) -> Any:
-    """An Envoy patch: the gRPC access logger reports to a cluster of its own, the sidecar on `port`."""
+    """An Envoy patch: the gRPC access logger, as Envoy Gateway builds it, reports to a cluster of its own,
+    the sidecar on `port`."""
 
     def patch(config: dict[str, Any]) -> None:
         clusters = config["static_resources"]["clusters"]
@@ -59,6 +94,7 @@ def access_log_to(port: int) -> Any:
                 if logger["name"] == "envoy.access_loggers.http_grpc":
                     service = logger["typed_config"]["common_config"]["grpc_service"]
                     service["envoy_grpc"]["cluster_name"] = "llm_admission_reports"
+                    as_envoy_gateway_builds_it(logger)
                     loggers += 1
         assert loggers == 1, "the lean config has one gRPC access logger"
 

@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.config import parse_config
+from extproc.lean.render import lua_source
+from extproc.server_lean import NAMESPACE as NAMESPACE_METADATA
 from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
 
 NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml"}
@@ -99,3 +102,42 @@ def test_the_readmes_deploy_commands_are_the_tested_builds() -> None:
     kustomizations = set(roots("Kustomization"))
     for path in commands:
         assert (REPO / path).resolve() in kustomizations, f"README.md: kubectl apply -k {path} is not tested"
+
+
+ENVOY_GATEWAY_LEAN = K8S / "envoy-gateway" / "lean"
+
+
+def test_apply_envoy_gateway_gives_its_lean_profile() -> None:
+    assert built(K8S / "envoy-gateway") == built(ENVOY_GATEWAY_LEAN)
+
+
+def test_envoy_gateway_lean_ships_the_packaged_lua_reader() -> None:
+    """kustomize reads files only below the kustomization: the copy must stay the packaged reader."""
+    lua = named(built(ENVOY_GATEWAY_LEAN), "ConfigMap", "extproc-lean-lua")
+    assert lua["data"]["lua"] == lua_source()
+    policy = named(built(ENVOY_GATEWAY_LEAN), "EnvoyExtensionPolicy", "extproc-admission")
+    assert policy["spec"]["lua"] == [
+        {"type": "ValueRef", "valueRef": {"group": "", "kind": "ConfigMap", "name": lua["metadata"]["name"]}}
+    ]
+
+
+def test_envoy_gateway_lean_wires_metadata_reports_and_store_together() -> None:
+    docs = built(ENVOY_GATEWAY_LEAN)
+    ext_proc = named(docs, "EnvoyExtensionPolicy", "extproc-admission")["spec"]["extProc"][0]
+    assert "response" not in ext_proc["processingMode"]  # no response phase: the Lua reader reads it
+    assert ext_proc["metadata"]["writableNamespaces"] == [NAMESPACE_METADATA]
+    service = named(docs, "Service", "extproc-admission")
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    proxy = named(docs, "EnvoyProxy", "extproc-lean")
+    sink = proxy["spec"]["telemetry"]["accessLog"]["settings"][0]["sinks"][0]["als"]
+    assert sink["backendRefs"] == [{"name": "extproc-admission", "port": grpc_port}]
+    gateway = named(docs, "Gateway", "llm-gateway")
+    assert gateway["spec"]["infrastructure"]["parametersRef"]["name"] == "extproc-lean"
+    config = parse_config(yaml.safe_load((ENVOY_GATEWAY_LEAN / "config.yaml").read_text()))
+    redis = named(docs, "Service", "extproc-redis")
+    assert config.store.backend == "redis"
+    assert (
+        config.store.redis_url == f"redis://extproc-redis.extproc.svc:{redis['spec']['ports'][0]['port']}/0"
+    )
+    assert named(docs, "Deployment", "extproc-admission")["spec"]["replicas"] == 2
+    assert config.store.fallback_share == 0.5

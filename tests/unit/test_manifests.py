@@ -39,6 +39,9 @@ CUSTOM_RESOURCES = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"),
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"),
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"),
+    ("gateway.networking.k8s.io/v1", "Gateway"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("networking.istio.io/v1alpha3", "EnvoyFilter"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
@@ -195,6 +198,10 @@ def override(doc: dict[str, Any]) -> Any:
 
 def patch(doc: dict[str, Any], index: int = 0) -> Any:
     return doc["spec"]["configPatches"][index]
+
+
+def als_sink(doc: dict[str, Any]) -> Any:
+    return doc["spec"]["telemetry"]["accessLog"]["settings"][0]["sinks"][0]
 
 
 def rule(doc: dict[str, Any]) -> Any:
@@ -364,6 +371,58 @@ BROKEN: list[Any] = [
         "oneOf",
         id="btp-cel-response-and-redirect",
     ),
+    # EnvoyExtensionPolicy, lean: the Lua reader and the metadata namespaces
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: d["spec"].update(lua=[{"type": "ValueRef", "inline": "return"}]),
+        ("spec", "lua", 0),
+        "oneOf",
+        id="eep-cel-lua-valueRef-without-valueRef",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: extproc(d).update(metadata={"writableNamespaces": ["envoy.filters.http.lua"]}),
+        (*EXT_PROC, "metadata", "writableNamespaces", 0),
+        "not",
+        id="eep-cel-writable-envoy-namespace",
+    ),
+    # EnvoyProxy
+    pytest.param(
+        "EnvoyProxy",
+        lambda d: rename(als_sink(d)["als"], "logName", "log_name"),
+        ("spec", "telemetry", "accessLog", "settings", 0, "sinks", 0, "als"),
+        "additionalProperties",
+        id="ep-misspelt-logName",
+    ),
+    pytest.param(
+        "EnvoyProxy",
+        lambda d: als_sink(d).update(type="GRPC"),
+        ("spec", "telemetry", "accessLog", "settings", 0, "sinks", 0, "type"),
+        "enum",
+        id="ep-bad-sink-type",
+    ),
+    pytest.param(
+        "EnvoyProxy",
+        lambda d: als_sink(d)["als"].pop("type"),
+        ("spec", "telemetry", "accessLog", "settings", 0, "sinks", 0, "als"),
+        "required",
+        id="ep-als-without-type",
+    ),
+    # Gateway, HTTPRoute
+    pytest.param(
+        "Gateway",
+        lambda d: d["spec"]["listeners"][0].update(protocol="http", port=0),
+        ("spec", "listeners", 0, "port"),
+        "minimum",
+        id="gw-bad-port",
+    ),
+    pytest.param(
+        "HTTPRoute",
+        lambda d: d["spec"]["rules"][0]["matches"][0]["path"].update(type="Prefix"),
+        ("spec", "rules", 0, "matches", 0, "path", "type"),
+        "enum",
+        id="route-bad-path-type",
+    ),
     # EnvoyFilter (the CRD requires no field at the levels we use)
     pytest.param(
         "EnvoyFilter",
@@ -495,15 +554,21 @@ def test_exporter_does_not_ask_for_a_system_priority_class() -> None:
     assert "priorityclass.yaml" in kustomization["resources"]
 
 
-@pytest.mark.parametrize("config", [K8S / "gateway" / "config.yaml", K8S / "envoy-gateway" / "config.yaml"])
+ENVOY_GATEWAY_PROFILES = [K8S / "envoy-gateway" / "inline", K8S / "envoy-gateway" / "lean"]
+
+
+@pytest.mark.parametrize(
+    "config", [K8S / "gateway" / "config.yaml", *(p / "config.yaml" for p in ENVOY_GATEWAY_PROFILES)]
+)
 def test_sidecar_configs_are_valid(config: Path) -> None:
     load_config(config)
 
 
-def test_envoy_gateway_sidecar_config_refuses_queueing_classes() -> None:
+@pytest.mark.parametrize("profile", ENVOY_GATEWAY_PROFILES, ids=lambda p: p.name)
+def test_envoy_gateway_sidecar_config_refuses_queueing_classes(profile: Path) -> None:
     """Envoy Gateway sets no max_message_timeout, so the sidecar cannot extend Envoy's timer to wait."""
-    config = yaml.safe_load((K8S / "envoy-gateway" / "config.yaml").read_text())
-    policy = next(doc for _, doc in objects() if doc["kind"] == "EnvoyExtensionPolicy")
+    config = yaml.safe_load((profile / "config.yaml").read_text())
+    policy = next(doc for doc in built(profile) if doc["kind"] == "EnvoyExtensionPolicy")
     timeout = policy["spec"]["extProc"][0]["messageTimeout"]
     assert config["admission"]["envoy_max_message_timeout_seconds"] == float(timeout.removesuffix("s"))
 
