@@ -146,7 +146,9 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         self.service.child(self.service.metrics.end_reports, "matched").inc()
         code = entry.response.response_code.value
         reading = reading_of(metadata.get(RESPONSE_NAMESPACE))
-        exchange.report(code or None, reading, timing_of(entry, reading))
+        # No byte sent upstream: a filter after the sidecar (an endpoint picker) answered the request locally.
+        forwarded = entry.common_properties.HasField("time_to_first_upstream_tx_byte")
+        exchange.report(code or None, reading, timing_of(entry, reading), forwarded)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "end report",

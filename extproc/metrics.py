@@ -176,7 +176,8 @@ class Metrics:
         self.settlements = Counter(
             "extproc_settlements",
             "Leases settled, by how the response ended (completed, aborted, upstream_error, cut, expired: "
-            "the lean profile's end report did not come within admission.end_report_wait_seconds).",
+            "the lean profile's end report did not come within admission.end_report_wait_seconds; "
+            "not_forwarded: a filter after the sidecar, such as an endpoint picker, answered it).",
             ["outcome"],
             registry=r,
         )

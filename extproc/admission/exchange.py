@@ -113,6 +113,7 @@ class _Response:
     completed: bool = False
     cut: bool = False
     first_chunk_at: float | None = None
+    forwarded: bool = True
 
 
 class Exchange:
@@ -430,8 +431,12 @@ class Exchange:
 
     # -- response -------------------------------------------------------------------------------------------
 
-    def response_headers(self, status: int | None, content_type: str, end_of_stream: bool) -> Forward:
-        """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers."""
+    def response_headers(
+        self, status: int | None, content_type: str, end_of_stream: bool, from_router: bool = True
+    ) -> Forward:
+        """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers.
+        `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so an error
+        status came from a filter after the sidecar (an endpoint picker) and the request was not forwarded."""
         admitted = self.admitted
         if admitted is None or self.phase is not Phase.ADMITTED:
             return FORWARD
@@ -444,7 +449,11 @@ class Exchange:
             dialect=dialect_for(admitted.request.api),
         )
         self.response = _Response(
-            status=status, tracker=tracker, streaming=streaming, completed=end_of_stream
+            status=status,
+            tracker=tracker,
+            streaming=streaming,
+            completed=end_of_stream,
+            forwarded=from_router or ok,
         )
         self.phase = Phase.RESPONDING
         return Forward(set_headers=ratelimit_headers(admitted.lease.status))
@@ -540,6 +549,7 @@ class Exchange:
             cut=response.cut,
             usage=tracker.usage,
             error_seen=tracker.error_seen,
+            forwarded=response.forwarded,
         )
 
     def _estimate(self, admitted: Admitted) -> int:
@@ -586,14 +596,21 @@ class Exchange:
             self.ended_at = self.service.clock()
 
     def report(
-        self, status: int | None, reading: ResponseReading, timing: ReportedTiming | None = None
+        self,
+        status: int | None,
+        reading: ResponseReading,
+        timing: ReportedTiming | None = None,
+        forwarded: bool = True,
     ) -> None:
         """Settle from the proxy's end report: the response code (None: no response started), what its
-        reader saw, and when the answer's tokens came (for the decode rate and the KV budget's pace)."""
+        reader saw, when the answer's tokens came (for the decode rate and the KV budget's pace), and
+        whether any byte of the request was sent upstream (`forwarded`)."""
         admitted = self.admitted
         if admitted is None or self.phase is not Phase.ADMITTED:
             return
         facts = facts_of(status, reading, admitted.request.api, admitted.policy.encoding)
+        if not forwarded:
+            facts = replace(facts, forwarded=False)
         if self._cut_unseen:
             facts = replace(facts, cut=True)
         elif facts.upstream_status is None and not facts.completed:

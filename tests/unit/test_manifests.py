@@ -42,6 +42,7 @@ CUSTOM_RESOURCES = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"),
     ("gateway.networking.k8s.io/v1", "Gateway"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
     ("networking.istio.io/v1alpha3", "EnvoyFilter"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
