@@ -40,6 +40,8 @@ PUBLISH_TIMEOUT_S = 1.0
 SUBSCRIBE_WAIT_S = 2.0
 """How long start() waits for the first subscription: entries for this replica published before it are lost,
 so the sidecar subscribes before it reports ready (Redis down: it starts anyway and keeps trying)."""
+LOG_EVERY = 1000
+"""While publishing fails, one warning for the first lost entry and then one per this many."""
 MAX_IN_FLIGHT = 1024
 """Publishes waiting on Redis at once; more are dropped and counted rather than queued without bound."""
 
@@ -113,7 +115,11 @@ class ReportRelay:
             self.published += 1
         except RAW_CLIENT_ERRORS as exc:
             self.dropped += 1  # the entry is lost: the owner's lease expires by the rule
-            log.warning("report relay: publish failed", extra={"error": type(exc).__name__})
+            if self.dropped == 1 or self.dropped % LOG_EVERY == 0:  # Redis down: not one line per request
+                log.warning(
+                    "report relay: publish failed",
+                    extra={"error": type(exc).__name__, "dropped": self.dropped},
+                )
 
     def _received(self, payload: object) -> None:
         entry = accesslog_pb2.HTTPAccessLogEntry()

@@ -18,6 +18,7 @@ import yaml
 from extproc.config import parse_config
 from extproc.lean.render import lua_source
 from extproc.server_lean import NAMESPACE as NAMESPACE_METADATA
+from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
 
 NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml"}
@@ -32,6 +33,17 @@ def where(directory: Path) -> str:
 @pytest.mark.parametrize("directory", roots("Kustomization"), ids=where)
 def test_every_kustomization_builds(directory: Path) -> None:
     assert built(directory)
+
+
+def test_a_missing_kubectl_fails_with_the_way_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never a skip: without kubectl nothing here is tested, so the tests say how to get it."""
+    monkeypatch.setattr(kustomize_build.shutil, "which", lambda _name: None)
+    kustomize_build.kubectl.cache_clear()
+    try:
+        with pytest.raises(pytest.fail.Exception, match=r"kubectl is not installed: install kubectl 1\.27"):
+            kustomize_build.kubectl()
+    finally:
+        kustomize_build.kubectl.cache_clear()
 
 
 def test_every_component_is_named_by_a_kustomization() -> None:
