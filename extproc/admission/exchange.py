@@ -74,6 +74,14 @@ OFF_LOOP_FINISH_BYTES = 64 * 1024
 TEMPLATE_FIELDS = ("chat_template",)
 """Request fields that replace the server's chat template (vLLM accepts `chat_template` per request)."""
 
+PICKER_REFUSALS = frozenset({429, 503})
+"""The statuses an inference pool's endpoint picker refuses with (ImmediateResponse 429: shed; 503: no ready
+endpoint; gateway-api-inference-extension v1.6.0 docs/proposals/004-endpoint-picker-protocol). Inline, only
+these, without the router's header, count as never forwarded: Envoy's router makes its own 502 and 504
+without that header too, after the backend may have read the prompt, and they keep the backend-error rule.
+Its own 503 (connection failure, or a reset before the response) is refunded in full like a picker's: the
+inline profile cannot tell them apart; the lean one can (no byte sent upstream)."""
+
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
 _BUDGET_IDS = itertools.count()
@@ -435,8 +443,9 @@ class Exchange:
         self, status: int | None, content_type: str, end_of_stream: bool, from_router: bool = True
     ) -> Forward:
         """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers.
-        `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so an error
-        status came from a filter after the sidecar (an endpoint picker) and the request was not forwarded."""
+        `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so a picker
+        refusal status (PICKER_REFUSALS) came from a filter after the sidecar and the request was not
+        forwarded."""
         admitted = self.admitted
         if admitted is None or self.phase is not Phase.ADMITTED:
             return FORWARD
@@ -453,7 +462,7 @@ class Exchange:
             tracker=tracker,
             streaming=streaming,
             completed=end_of_stream,
-            forwarded=from_router or ok,
+            forwarded=from_router or ok or status not in PICKER_REFUSALS,
         )
         self.phase = Phase.RESPONDING
         return Forward(set_headers=ratelimit_headers(admitted.lease.status))

@@ -409,6 +409,20 @@ async def test_an_error_a_later_filter_answered_refunds_everything(harness: Harn
     assert reserved > 0 and harness.metric("extproc_tokens_refunded_total") == reserved
 
 
+async def test_the_routers_own_timeout_keeps_the_backend_error_rule(harness: Harness) -> None:
+    """A 504 without the router header is Envoy's upstream timeout: the backend may have read the prompt."""
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    await s.send(resp_headers_msg(504, "text/plain", from_router=False))
+    await s.send(resp_body_msg(b"upstream request timeout", eos=True))
+    await s.close()
+    await harness.settled()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+    assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="prompt", model="other") > 0
+
+
 async def test_unknown_model_refused_when_configured(harness: Harness) -> None:
     config = dict(BASE_CONFIG, admission={**BASE_CONFIG["admission"], "reject_unknown_models": True})
     await harness.sidecar.apply_config(parse_config(config))
