@@ -20,9 +20,10 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded rule
 (extproc/server_lean.py). An entry without a report key is a refusal Envoy answered itself (the logger also
 logs those, extproc/lean/render.py): it is counted in `extproc_requests_total` like the sidecar's own. The
-streams opening and closing, and every entry, tell the lean runtime's
-`ReportChannel` whether the channel works. An entry whose key is unknown (settled already, or issued before
-a restart) is counted and ignored.
+streams opening and closing, and every entry, tell the lean runtime's `ReportChannel` whether the channel
+works. An entry whose key another replica issued is relayed to it through the shared store
+(extproc/report_relay.py); one whose key is unknown (settled already, or issued before a restart) is counted
+and ignored.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -39,6 +40,9 @@ from google.protobuf import struct_pb2
 from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.service import AdmissionService
 from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE, ReportChannel
+
+if TYPE_CHECKING:
+    from extproc.report_relay import ReportRelay
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +121,13 @@ of its local-reply mapper)."""
 
 
 class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    """Settles each waiting lease from its access-log entry."""
+    """Settles each waiting lease from its access-log entry. With a shared store, an entry for a lease
+    another replica holds is relayed to it (extproc/report_relay.py)."""
 
     def __init__(self, service: AdmissionService, channel: ReportChannel | None = None) -> None:
         self.service = service
         self.channel = channel
+        self.relay: ReportRelay | None = None
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -176,12 +182,17 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
             return
         exchange = self.service.take_report(key.string_value)
         if exchange is None:
-            self.service.child(self.service.metrics.end_reports, "unknown").inc()
+            relayed = (
+                key is not None and self.relay is not None and self.relay.forward(key.string_value, entry)
+            )
+            self.service.child(self.service.metrics.end_reports, "relayed" if relayed else "unknown").inc()
             return
         self.service.child(self.service.metrics.end_reports, "matched").inc()
         code = entry.response.response_code.value
         reading = reading_of(metadata.get(RESPONSE_NAMESPACE))
-        exchange.report(code or None, reading, timing_of(entry, reading))
+        # No byte sent upstream: a filter after the sidecar (an endpoint picker) answered the request locally.
+        forwarded = entry.common_properties.HasField("time_to_first_upstream_tx_byte")
+        exchange.report(code or None, reading, timing_of(entry, reading), forwarded)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "end report",

@@ -178,6 +178,7 @@ class Sidecar:
             self.watcher.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._prune_loop(), name="prune"))
         self.lean.start()
+        await self._start_relay()
         for service in ("", EXTPROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.ready = True
@@ -189,6 +190,22 @@ class Sidecar:
                 "version": __version__,
             },
         )
+
+    async def _start_relay(self) -> None:
+        """With a shared store, end reports for leases of other replicas go to them, and theirs come here
+        (extproc/report_relay.py): subscribed before the sidecar reports ready."""
+        if self.config.store.backend != "redis":
+            return
+        from extproc.report_relay import ReportRelay, shared_client  # imports the Redis client
+
+        client = shared_client(self.store)
+        if client is None:
+            return
+        relay = ReportRelay(
+            client, self.config.store.key_prefix, self.admission.report_prefix, self.end_reports.settle
+        )
+        await relay.start()
+        self.end_reports.relay = relay
 
     async def _start_admin(self) -> None:
         app = web.Application()
@@ -245,6 +262,8 @@ class Sidecar:
         await self.lean.stop()
         self.admission.settle_open()
         await self.admission.drain()
+        if self.end_reports.relay is not None:
+            await self.end_reports.relay.close()
         assert self.store is not None
         await self.store.close()
         if self.admin_runner is not None:

@@ -163,12 +163,13 @@ class Metrics:
         self.end_reports = Counter(
             "extproc_end_reports",
             "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
-            "unknown: its lease was settled already, or was issued before a restart; envoy_refusal: a "
-            "refusal Envoy answered itself, counted in extproc_requests_total).",
+            "relayed: handed to the replica holding its lease; unknown: its lease was settled already, or "
+            "was issued before a restart; envoy_refusal: a refusal Envoy answered itself, counted in "
+            "extproc_requests_total).",
             ["result"],
             registry=r,
         )
-        for result in ("matched", "unknown", "envoy_refusal"):
+        for result in ("matched", "relayed", "unknown", "envoy_refusal"):
             self.end_reports.labels(result)
         self.end_report_channel = Gauge(
             "extproc_end_report_channel_up",
@@ -212,7 +213,8 @@ class Metrics:
         self.settlements = Counter(
             "extproc_settlements",
             "Leases settled, by how the response ended (completed, aborted, upstream_error, cut, expired: "
-            "the lean profile's end report did not come within admission.end_report_wait_seconds).",
+            "the lean profile's end report did not come within admission.end_report_wait_seconds; "
+            "not_forwarded: a filter after the sidecar, such as an endpoint picker, answered it).",
             ["outcome"],
             registry=r,
         )

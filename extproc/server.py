@@ -38,6 +38,13 @@ __all__ = ["EXT_PROC_ATTRIBUTES", "ExtProcServicer", "StreamTranslator", "client
 
 log = logging.getLogger(__name__)
 
+UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"
+"""Set by Envoy's router on every upstream response to a complete request, unless its
+`suppress_envoy_headers` is on (envoy source/common/router/router.cc Filter::onUpstreamHeaders, v1.40): an
+error response without it was made by a filter between the sidecar and the router, and never reached the
+backend. Keep `suppress_envoy_headers` off (every shipped config does): behind such a router the backend's own
+errors would be taken for local ones and their prompt refunded."""
+
 
 class StreamTranslator:
     """One ext_proc stream: translates each message to the exchange and each verdict to a reply."""
@@ -61,6 +68,7 @@ class StreamTranslator:
                 int(status) if status.isdigit() else None,
                 headers.get("content-type", ""),
                 request.response_headers.end_of_stream,
+                from_router=UPSTREAM_SERVICE_TIME in headers,
             )
             yield pb.ProcessingResponse(
                 response_headers=pb.HeadersResponse(response=common_response(verdict))

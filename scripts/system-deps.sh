@@ -3,7 +3,26 @@
 # shared store, standalone and Cluster), prometheus and promtool (monitoring rules), openssl (TLS test
 # certificates). Missing ones are installed with apt-get (as root, or through passwordless sudo); otherwise
 # this fails naming the packages, so that `make test` never silently skips those tests.
+# kubectl (its built-in kustomize builds every shipped kustomization, tests/unit/test_kustomize.py) is checked,
+# not installed: Debian's only package of it, kubernetes-client (1.20 in bookworm), bundles kustomize v2.0.3,
+# which predates the Components that k8s/kustomization.yaml uses.
 set -euo pipefail
+
+# kustomize v5 or later: what the kustomizations are tested with (kubectl 1.27+ bundles it).
+check_kubectl() {
+  local how="install kubectl 1.27 or later from https://kubernetes.io/docs/tasks/tools/ (pkgs.k8s.io)"
+  if ! command -v kubectl >/dev/null 2>&1; then
+    echo "error: the tests need kubectl (its built-in kustomize builds k8s/); ${how}" >&2
+    exit 1
+  fi
+  local version
+  version=$(kubectl version --client -o json 2>/dev/null | sed -n 's/.*"kustomizeVersion": *"v\{0,1\}\([0-9]*\).*/\1/p')
+  if [ -z "$version" ] || [ "$version" -lt 5 ]; then
+    echo "error: kubectl's kustomize is ${version:-unknown} (major), the tests need v5 or later; ${how}" >&2
+    exit 1
+  fi
+}
+check_kubectl
 
 declare -A package=(
   [redis-server]=redis-server

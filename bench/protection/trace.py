@@ -18,14 +18,17 @@ from bench.common import REPO
 
 TRACE_FILES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
 ENV_VAR = "EXTPROC_TRACES_DIR"
+SAMPLE_DIR = REPO / "bench" / "traces"
 
 
 def traces_dir() -> Path | None:
-    """Where the CSVs are: $EXTPROC_TRACES_DIR, else `../shared/traces` next to the repository (CI copy)."""
+    """Where the CSVs are: $EXTPROC_TRACES_DIR, else `../shared/traces` next to the repository (CI copy), else
+    the sample the repository ships (bench/traces/: the first rows of each trace, every request the benchmark
+    replays; its README says where the full traces live)."""
     candidates = []
     if os.environ.get(ENV_VAR):
         candidates.append(Path(os.environ[ENV_VAR]))
-    candidates += [REPO.parent / "shared" / "traces", Path("/work/shared/traces")]
+    candidates += [REPO.parent / "shared" / "traces", Path("/work/shared/traces"), SAMPLE_DIR]
     for cand in candidates:
         if all((cand / name).is_file() for name in TRACE_FILES.values()):
             return cand

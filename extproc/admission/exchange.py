@@ -71,6 +71,14 @@ OFF_LOOP_PARSE_BYTES = 64 * 1024
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""
 
+PICKER_REFUSALS = frozenset({429, 503})
+"""The statuses an inference pool's endpoint picker refuses with (ImmediateResponse 429: shed; 503: no ready
+endpoint; gateway-api-inference-extension v1.6.0 docs/proposals/004-endpoint-picker-protocol). Inline, only
+these, without the router's header, count as never forwarded: Envoy's router makes its own 502 and 504
+without that header too, after the backend may have read the prompt, and they keep the backend-error rule.
+Its own 503 (connection failure, or a reset before the response) is refunded in full like a picker's: the
+inline profile cannot tell them apart; the lean one can (no byte sent upstream)."""
+
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
 _BUDGET_IDS = itertools.count()
@@ -110,6 +118,7 @@ class _Response:
     completed: bool = False
     cut: bool = False
     first_chunk_at: float | None = None
+    forwarded: bool = True
 
 
 class Exchange:
@@ -435,8 +444,13 @@ class Exchange:
 
     # -- response -------------------------------------------------------------------------------------------
 
-    def response_headers(self, status: int | None, content_type: str, end_of_stream: bool) -> Forward:
-        """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers."""
+    def response_headers(
+        self, status: int | None, content_type: str, end_of_stream: bool, from_router: bool = True
+    ) -> Forward:
+        """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers.
+        `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so a picker
+        refusal status (PICKER_REFUSALS) came from a filter after the sidecar and the request was not
+        forwarded."""
         admitted = self.admitted
         if admitted is None or self.phase is not Phase.ADMITTED:
             return FORWARD
@@ -449,7 +463,11 @@ class Exchange:
             dialect=dialect_for(admitted.request.api),
         )
         self.response = _Response(
-            status=status, tracker=tracker, streaming=streaming, completed=end_of_stream
+            status=status,
+            tracker=tracker,
+            streaming=streaming,
+            completed=end_of_stream,
+            forwarded=from_router or ok or status not in PICKER_REFUSALS,
         )
         self.phase = Phase.RESPONDING
         return Forward(set_headers=ratelimit_headers(admitted.lease.status))
@@ -553,6 +571,7 @@ class Exchange:
             usage=tracker.usage,
             error_seen=tracker.error_seen,
             estimated_completion=unfinished or 0,
+            forwarded=response.forwarded,
         )
 
     def _until(self) -> float:
@@ -615,14 +634,21 @@ class Exchange:
             self.ended_at = self.service.clock()
 
     def report(
-        self, status: int | None, reading: ResponseReading, timing: ReportedTiming | None = None
+        self,
+        status: int | None,
+        reading: ResponseReading,
+        timing: ReportedTiming | None = None,
+        forwarded: bool = True,
     ) -> None:
         """Settle from the proxy's end report: the response code (None: no response started), what its
-        reader saw, and when the answer's tokens came (for the decode rate and the KV budget's pace)."""
+        reader saw, when the answer's tokens came (for the decode rate and the KV budget's pace), and
+        whether any byte of the request was sent upstream (`forwarded`)."""
         admitted = self.admitted
         if admitted is None or self.phase is not Phase.ADMITTED:
             return
         facts = facts_of(status, reading, admitted.request.api, admitted.policy.encoding)
+        if not forwarded:
+            facts = replace(facts, forwarded=False)
         if self._cut_unseen:
             facts = replace(facts, cut=True)
         elif facts.upstream_status is None and not facts.completed:

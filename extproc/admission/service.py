@@ -287,6 +287,11 @@ class AdmissionService:
         self._reports[key] = exchange
         return key
 
+    @property
+    def report_prefix(self) -> str:
+        """The prefix of every report key this process issues: names this replica to the others."""
+        return self._report_prefix
+
     def take_report(self, key: str) -> Any | None:
         """The exchange a report is for, removed from the registry; None for an unknown or settled key."""
         return self._reports.pop(key, None)

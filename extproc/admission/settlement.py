@@ -11,6 +11,8 @@ in docs/architecture.md) hold whichever path delivered them:
 | client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed, or  |
 |                                                     |                | the decode-rate estimate if more  |
 | upstream answered >= 400, or sent an error event    | upstream_error | prompt + what was generated       |
+| answered by a later proxy filter, never sent to the | not_forwarded  | nothing                           |
+| backend (an inference pool's endpoint picker)       |                |                                   |
 | ended before response headers (client gone, ...)    | aborted        | prompt + estimate of generation   |
 | reset by the sidecar under KV pressure              | cut            | prompt + completion streamed      |
 | no end signal within the lease's bound (lean)       | expired        | prompt + estimate of generation   |
@@ -30,6 +32,7 @@ class Ending(enum.StrEnum):
     COMPLETED = "completed"
     ABORTED = "aborted"
     UPSTREAM_ERROR = "upstream_error"
+    NOT_FORWARDED = "not_forwarded"
     CUT = "cut"
     EXPIRED = "expired"
 
@@ -42,7 +45,9 @@ class ResponseFacts:
     was seen. `estimated_completion` is the bound used when the backend may have generated tokens nobody
     saw (ended before headers, an expired lease, or a stream cut before its end: a slow reader reads less
     than the engine generated): the caller derives it from elapsed time and the pool's observed decode
-    rate, capped by the reservation, and sets it only where it applies.
+    rate, capped by the reservation, and sets it only where it applies. `forwarded` is False when the
+    request never reached the backend: a filter after the sidecar answered it locally (an endpoint picker's
+    429 or 503), so the engine neither read the prompt nor generated anything.
     """
 
     upstream_status: int | None = None
@@ -52,6 +57,7 @@ class ResponseFacts:
     usage: Usage | None = None
     error_seen: bool = False
     estimated_completion: int = 0
+    forwarded: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,8 @@ class Charge:
 def ending_of(facts: ResponseFacts) -> Ending:
     if facts.cut:
         return Ending.CUT
+    if not facts.forwarded:
+        return Ending.NOT_FORWARDED
     if (facts.upstream_status is not None and facts.upstream_status >= 400) or facts.error_seen:
         return Ending.UPSTREAM_ERROR
     if facts.completed:
@@ -82,6 +90,8 @@ def ending_of(facts: ResponseFacts) -> Ending:
 def settle_charge(admitted_prompt: int, facts: ResponseFacts) -> Charge:
     """Tokens to charge for a request admitted with `admitted_prompt` prompt tokens, under the rules above."""
     ending = ending_of(facts)
+    if ending is Ending.NOT_FORWARDED:
+        return Charge(ending=ending, prompt=0, completion=0)
     prompt = admitted_prompt
     completion = 0
     usage = facts.usage

@@ -27,20 +27,32 @@ DEFAULT_MODEL = "llama-3-8b"
 DEFAULT_GPU = "h100-80gb"
 
 
+class DefaultsOnceFormatter(argparse.HelpFormatter):
+    """Appends an option's default to its help, once. argparse's ArgumentDefaultsHelpFormatter appends it to
+    every option: after a help that already names the default ("default: model name (default: None)"), and
+    as "(default: None)" or "(default: False)" for an option that is simply off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "plan",
         help="size a deployment (KV capacity) and suggest the sidecar's limits",
         description="Size a vLLM deployment from a model config and a GPU, suggest the sidecar's limits "
         "with the arithmetic shown, and optionally rehearse them on the simulator (docs/planning.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnceFormatter,
     )
     m = p.add_argument_group("model")
     m.add_argument(
         "--model-config",
         metavar="PATH|PRESET",
         default=None,
-        help=f"a Hugging Face config.json, or a preset name ({DEFAULT_MODEL} when neither is given)",
+        help=f"a Hugging Face config.json, or a preset name (default, without --model: {DEFAULT_MODEL})",
     )
     m.add_argument(
         "--model", metavar="PRESET", default=None, help="a preset name (same as --model-config NAME)"
@@ -67,7 +79,9 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     d.add_argument("--overhead-gib", type=float, default=None, help="replace the overhead model per GPU")
     t = p.add_argument_group("traffic")
-    t.add_argument("--traffic", type=Path, default=None, help="Azure-format trace CSV (../shared/traces/)")
+    t.add_argument(
+        "--traffic", type=Path, default=None, help="Azure-format trace CSV (a sample: bench/traces/)"
+    )
     t.add_argument("--traffic-limit", type=int, default=None, help="use the first N requests")
     t.add_argument("--traffic-window", type=float, default=None, help="use the first S seconds")
     t.add_argument(

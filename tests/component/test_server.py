@@ -51,8 +51,13 @@ def body_msg(body: bytes, eos: bool = True) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=eos))
 
 
-def resp_headers_msg(status: int, content_type: str, eos: bool = False) -> pb.ProcessingRequest:
+def resp_headers_msg(
+    status: int, content_type: str, eos: bool = False, from_router: bool = True
+) -> pb.ProcessingRequest:
+    """Response headers as ext_proc sees them: an upstream answer carries what Envoy's router adds to it."""
     items = {":status": str(status), "content-type": content_type}
+    if from_router:
+        items["x-envoy-upstream-service-time"] = "3"
     return pb.ProcessingRequest(response_headers=_http_headers(items, eos))
 
 
@@ -425,6 +430,35 @@ async def test_upstream_error_refunds_the_completion_reservation(harness: Harnes
     await eventually(lambda: harness.metric("extproc_active_requests") == 0)
     assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
     assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 0
+
+
+async def test_an_error_a_later_filter_answered_refunds_everything(harness: Harness) -> None:
+    """No router header: a filter after the sidecar (an endpoint picker) answered, the engine never saw it."""
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    await s.send(resp_headers_msg(429, "application/json", from_router=False))
+    await s.send(resp_body_msg(b'{"error":{"message":"shed"}}', eos=True))
+    await s.close()
+    await harness.settled()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+    assert harness.metric("extproc_settlements_total", outcome="not_forwarded") == 1
+    reserved = harness.metric("extproc_tokens_reserved_total")
+    assert reserved > 0 and harness.metric("extproc_tokens_refunded_total") == reserved
+
+
+async def test_the_routers_own_timeout_keeps_the_backend_error_rule(harness: Harness) -> None:
+    """A 504 without the router header is Envoy's upstream timeout: the backend may have read the prompt."""
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    await s.send(resp_headers_msg(504, "text/plain", from_router=False))
+    await s.send(resp_body_msg(b"upstream request timeout", eos=True))
+    await s.close()
+    await harness.settled()
+    await eventually(lambda: harness.metric("extproc_active_requests") == 0)
+    assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
+    assert harness.metric("extproc_tokens_settled_total", kind="prompt", model="other") > 0
 
 
 async def test_unknown_model_refused_when_configured(harness: Harness) -> None:

@@ -55,6 +55,8 @@ def entry(key: str, status: int, reading: dict[str, Any] | None) -> accesslog_pb
         metadata[RESPONSE_NAMESPACE].CopyFrom(struct_pb2.Struct())
         metadata[RESPONSE_NAMESPACE].update(reading)
     log.response.response_code.value = status
+    # Envoy sets it once the request's first byte went upstream: every request here reached the backend.
+    log.common_properties.time_to_first_upstream_tx_byte.FromMilliseconds(1)
     return log
 
 

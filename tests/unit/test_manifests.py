@@ -1,12 +1,14 @@
-"""The Kubernetes manifests hang together and are valid for the API server.
+"""The Kubernetes manifests are valid for the API server, as `kubectl apply -k` sends them.
 
-Every file parses and every kustomize reference exists. Built-in objects validate against the Kubernetes
-OpenAPI schemas for KUBERNETES_VERSION shipped in the `kubernetes-validate` package (strict: unknown fields
-are errors). Custom resources (Envoy Gateway policies, the Istio EnvoyFilter, Prometheus Operator objects)
-validate against our own JSON Schemas in tests/data/schemas/, one per group, version and kind: each states the
-part of the published CRD's openAPIV3Schema that our manifests touch (every allowed field name at the levels
-we use, so a misspelt field is refused as by `kubectl apply`; types, enums, patterns, required fields; the CEL
-rules of those levels as JSON Schema conditions) and names the CRD release it was derived from.
+The objects checked are the output of `kubectl kustomize` on every shipped kustomization
+(tests/unit/kustomize_build.py), plus the Istio EnvoyFilter, which is applied on its own. Built-in objects
+validate against the Kubernetes OpenAPI schemas for KUBERNETES_VERSION shipped in the `kubernetes-validate`
+package (strict: unknown fields are errors). Custom resources (Envoy Gateway policies, the Istio EnvoyFilter,
+Prometheus Operator objects) validate against our own JSON Schemas in tests/data/schemas/, one per group,
+version and kind: each states the part of the published CRD's openAPIV3Schema that our manifests touch (every
+allowed field name at the levels we use, so a misspelt field is refused as by `kubectl apply`; types, enums,
+patterns, required fields; the CEL rules of those levels as JSON Schema conditions) and names the CRD release
+it was derived from.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
 from extproc.config import load_config
+from tests.unit.kustomize_build import K8S, REPO, built, built_objects
 
-REPO = Path(__file__).resolve().parents[2]
-K8S = REPO / "k8s"
 ISTIO_FILTER = REPO / "envoy" / "istio" / "envoyfilter.yaml"
 KUBERNETES_VERSION = "1.33.0"
 NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml"}
@@ -38,6 +39,10 @@ CUSTOM_RESOURCES = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"),
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"),
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"),
+    ("gateway.networking.k8s.io/v1", "Gateway"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
     ("networking.istio.io/v1alpha3", "EnvoyFilter"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
@@ -45,14 +50,13 @@ CUSTOM_RESOURCES = {
 CUSTOM_GROUPS = {api_version.split("/")[0] for api_version, _ in CUSTOM_RESOURCES}
 
 
-def objects() -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every Kubernetes object the project ships (k8s/ and the Istio EnvoyFilter)."""
-    for path in [*sorted(K8S.rglob("*.yaml")), ISTIO_FILTER]:
-        if path.name in NOT_OBJECTS:
-            continue
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                yield path, doc
+def objects() -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every Kubernetes object the project ships, with where it comes from: each kustomization's build, and
+    the Istio EnvoyFilter."""
+    yield from built_objects()
+    for doc in yaml.safe_load_all(ISTIO_FILTER.read_text()):
+        if doc:
+            yield str(ISTIO_FILTER.relative_to(REPO)), doc
 
 
 def is_custom(doc: dict[str, Any]) -> bool:
@@ -104,7 +108,7 @@ def schema_errors(doc: dict[str, Any]) -> list[ValidationError]:
 
 
 @functools.cache
-def parsed_objects() -> tuple[tuple[Path, dict[str, Any]], ...]:
+def parsed_objects() -> tuple[tuple[str, dict[str, Any]], ...]:
     return tuple(objects())
 
 
@@ -115,26 +119,24 @@ def shipped(kind: str) -> dict[str, Any]:
 
 def test_builtin_objects_validate_against_the_kubernetes_schema() -> None:
     checked = set()
-    for path, doc in objects():
+    for where, doc in objects():
         if is_custom(doc):
             continue
         try:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            raise AssertionError(
-                f"{path.relative_to(REPO)} {doc['kind']}: {exc.message} at {exc.path}"
-            ) from exc
+            raise AssertionError(f"{where} {doc['kind']}: {exc.message} at {exc.path}") from exc
         checked.add(doc["kind"])
     assert {"Deployment", "DaemonSet", "Service", "PriorityClass", "ClusterRole"} <= checked
 
 
 def test_custom_resources_validate_against_their_crd_schema() -> None:
     checked = set()
-    for path, doc in objects():
+    for where, doc in objects():
         if not is_custom(doc):
             continue
         errors = schema_errors(doc)
-        assert not errors, f"{path.relative_to(REPO)} {doc['kind']}: " + "; ".join(
+        assert not errors, f"{where} {doc['kind']}: " + "; ".join(
             f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:5]
         )
         checked.add((doc["apiVersion"], doc["kind"]))
@@ -197,6 +199,10 @@ def override(doc: dict[str, Any]) -> Any:
 
 def patch(doc: dict[str, Any], index: int = 0) -> Any:
     return doc["spec"]["configPatches"][index]
+
+
+def als_sink(doc: dict[str, Any]) -> Any:
+    return doc["spec"]["telemetry"]["accessLog"]["settings"][0]["sinks"][0]
 
 
 def rule(doc: dict[str, Any]) -> Any:
@@ -366,6 +372,58 @@ BROKEN: list[Any] = [
         "oneOf",
         id="btp-cel-response-and-redirect",
     ),
+    # EnvoyExtensionPolicy, lean: the Lua reader and the metadata namespaces
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: d["spec"].update(lua=[{"type": "ValueRef", "inline": "return"}]),
+        ("spec", "lua", 0),
+        "oneOf",
+        id="eep-cel-lua-valueRef-without-valueRef",
+    ),
+    pytest.param(
+        "EnvoyExtensionPolicy",
+        lambda d: extproc(d).update(metadata={"writableNamespaces": ["envoy.filters.http.lua"]}),
+        (*EXT_PROC, "metadata", "writableNamespaces", 0),
+        "not",
+        id="eep-cel-writable-envoy-namespace",
+    ),
+    # EnvoyProxy
+    pytest.param(
+        "EnvoyProxy",
+        lambda d: rename(als_sink(d)["als"], "logName", "log_name"),
+        ("spec", "telemetry", "accessLog", "settings", 0, "sinks", 0, "als"),
+        "additionalProperties",
+        id="ep-misspelt-logName",
+    ),
+    pytest.param(
+        "EnvoyProxy",
+        lambda d: als_sink(d).update(type="GRPC"),
+        ("spec", "telemetry", "accessLog", "settings", 0, "sinks", 0, "type"),
+        "enum",
+        id="ep-bad-sink-type",
+    ),
+    pytest.param(
+        "EnvoyProxy",
+        lambda d: als_sink(d)["als"].pop("type"),
+        ("spec", "telemetry", "accessLog", "settings", 0, "sinks", 0, "als"),
+        "required",
+        id="ep-als-without-type",
+    ),
+    # Gateway, HTTPRoute
+    pytest.param(
+        "Gateway",
+        lambda d: d["spec"]["listeners"][0].update(protocol="http", port=0),
+        ("spec", "listeners", 0, "port"),
+        "minimum",
+        id="gw-bad-port",
+    ),
+    pytest.param(
+        "HTTPRoute",
+        lambda d: d["spec"]["rules"][0]["matches"][0]["path"].update(type="Prefix"),
+        ("spec", "rules", 0, "matches", 0, "path", "type"),
+        "enum",
+        id="route-bad-path-type",
+    ),
     # EnvoyFilter (the CRD requires no field at the levels we use)
     pytest.param(
         "EnvoyFilter",
@@ -487,7 +545,7 @@ def test_a_broken_custom_resource_is_refused(
 
 def test_exporter_does_not_ask_for_a_system_priority_class() -> None:
     """system-node-critical outside kube-system is refused on clusters that limit the critical classes."""
-    docs = [doc for path, doc in objects() if path.parent.name == "exporter"]
+    docs = built(K8S / "exporter")
     daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
     name = daemonset["spec"]["template"]["spec"]["priorityClassName"]
     assert not name.startswith("system-")
@@ -497,15 +555,21 @@ def test_exporter_does_not_ask_for_a_system_priority_class() -> None:
     assert "priorityclass.yaml" in kustomization["resources"]
 
 
-@pytest.mark.parametrize("config", [K8S / "gateway" / "config.yaml", K8S / "envoy-gateway" / "config.yaml"])
+ENVOY_GATEWAY_PROFILES = [K8S / "envoy-gateway" / "inline", K8S / "envoy-gateway" / "lean"]
+
+
+@pytest.mark.parametrize(
+    "config", [K8S / "gateway" / "config.yaml", *(p / "config.yaml" for p in ENVOY_GATEWAY_PROFILES)]
+)
 def test_sidecar_configs_are_valid(config: Path) -> None:
     load_config(config)
 
 
-def test_envoy_gateway_sidecar_config_refuses_queueing_classes() -> None:
+@pytest.mark.parametrize("profile", ENVOY_GATEWAY_PROFILES, ids=lambda p: p.name)
+def test_envoy_gateway_sidecar_config_refuses_queueing_classes(profile: Path) -> None:
     """Envoy Gateway sets no max_message_timeout, so the sidecar cannot extend Envoy's timer to wait."""
-    config = yaml.safe_load((K8S / "envoy-gateway" / "config.yaml").read_text())
-    policy = next(doc for _, doc in objects() if doc["kind"] == "EnvoyExtensionPolicy")
+    config = yaml.safe_load((profile / "config.yaml").read_text())
+    policy = next(doc for doc in built(profile) if doc["kind"] == "EnvoyExtensionPolicy")
     timeout = policy["spec"]["extProc"][0]["messageTimeout"]
     assert config["admission"]["envoy_max_message_timeout_seconds"] == float(timeout.removesuffix("s"))
 
@@ -514,20 +578,10 @@ def test_every_manifest_parses_and_has_kind() -> None:
     files = sorted(K8S.rglob("*.yaml"))
     assert files
     for path in files:
+        if path.name in NOT_OBJECTS:
+            continue
         for doc in yaml.safe_load_all(path.read_text()):
-            if path.name in {"config.yaml", "envoy.yaml"}:
-                continue
             assert doc and "kind" in doc and "apiVersion" in doc, path
-
-
-def test_kustomizations_reference_existing_files() -> None:
-    for kustomization in K8S.rglob("kustomization.yaml"):
-        spec = yaml.safe_load(kustomization.read_text())
-        for resource in spec.get("resources", []):
-            assert (kustomization.parent / resource).exists(), f"{kustomization}: {resource}"
-        for generator in spec.get("configMapGenerator", []):
-            for file in generator.get("files", []):
-                assert (kustomization.parent / file.split("=")[-1]).exists(), f"{kustomization}: {file}"
 
 
 def test_gateway_sidecar_config_is_valid_and_matches_the_pod() -> None:
@@ -543,8 +597,7 @@ def test_gateway_sidecar_config_is_valid_and_matches_the_pod() -> None:
 
 
 def test_every_container_image_is_pinned() -> None:
-    for path in K8S.rglob("*.yaml"):
-        for doc in yaml.safe_load_all(path.read_text()):
-            spec = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
-            for container in spec.get("containers", []):
-                assert not container["image"].endswith(":latest"), path
+    for where, doc in objects():
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for container in spec.get("containers", []):
+            assert ":" in container["image"] and not container["image"].endswith(":latest"), where

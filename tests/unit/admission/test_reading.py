@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from extproc.admission.reading import ReadSpec, ResponseReading, facts_of, spec_for
 from extproc.admission.request import Api
-from extproc.admission.settlement import Ending, ending_of, settle_charge
+from extproc.admission.settlement import Ending, ResponseFacts, ending_of, settle_charge
 
 ENC = "cl100k_base"
 
@@ -85,3 +86,15 @@ def test_every_api_has_a_spec_with_a_usage_capture_and_strips_only_usage_option_
         assert struct["strip"] is True and struct["content"] and struct["final"] and struct["error"]
     assert spec_for(Api.SGLANG_GENERATE).usage_key == "meta_info"
     assert spec_for(Api.MESSAGES).usage_only is None
+
+
+def test_a_request_never_forwarded_is_charged_nothing_whatever_its_reply() -> None:
+    """Answered by a filter after the sidecar (an endpoint picker's 429 or 503): the engine never saw it."""
+    for status in (429, 503, None):
+        reading = ResponseReading(body='{"error":{"message":"no endpoint"}}', body_end=True)
+        facts = replace(facts_of(status, reading, Api.CHAT, ENC), forwarded=False)
+        charge = settle_charge(40, facts)
+        assert (charge.ending, charge.prompt, charge.completion) == (Ending.NOT_FORWARDED, 0, 0)
+    # A cut is the sidecar's own doing and keeps its rule.
+    cut = settle_charge(40, ResponseFacts(cut=True, forwarded=False))
+    assert (cut.ending, cut.prompt) == (Ending.CUT, 40)

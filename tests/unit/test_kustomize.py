@@ -1,0 +1,155 @@
+"""The shipped kustomizations build with the real `kubectl kustomize`, and build what the README says.
+
+`kubectl apply -k k8s/` must give the lean profile and `k8s/inline/` the inline one, differing only in Envoy's
+bootstrap; every manifest file must reach some build (a file no kustomization names is never applied); every
+`kubectl apply -k` path in the README must be one of the builds tested here. test_manifests.py validates the
+built objects against the API server's schemas.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import parse_config
+from extproc.lean.render import lua_source
+from extproc.server_lean import NAMESPACE as NAMESPACE_METADATA
+from tests.unit import kustomize_build
+from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
+
+NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml"}
+NAMESPACE = "extproc"
+CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding"}
+
+
+def where(directory: Path) -> str:
+    return str(directory.relative_to(REPO))
+
+
+@pytest.mark.parametrize("directory", roots("Kustomization"), ids=where)
+def test_every_kustomization_builds(directory: Path) -> None:
+    assert built(directory)
+
+
+def test_a_missing_kubectl_fails_with_the_way_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never a skip: without kubectl nothing here is tested, so the tests say how to get it."""
+    monkeypatch.setattr(kustomize_build.shutil, "which", lambda _name: None)
+    kustomize_build.kubectl.cache_clear()
+    try:
+        with pytest.raises(pytest.fail.Exception, match=r"kubectl is not installed: install kubectl 1\.27"):
+            kustomize_build.kubectl()
+    finally:
+        kustomize_build.kubectl.cache_clear()
+
+
+def test_every_component_is_named_by_a_kustomization() -> None:
+    """A Component cannot be built alone: it is tested through the kustomizations that name it."""
+    named_components = set()
+    for directory in roots("Kustomization"):
+        spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        named_components |= {(directory / c).resolve() for c in spec.get("components", [])}
+    assert set(roots("Component")) <= named_components
+
+
+def identity(doc: dict[str, Any]) -> tuple[str, str, str]:
+    return doc["apiVersion"], doc["kind"], doc["metadata"]["name"]
+
+
+def test_every_manifest_file_reaches_a_build() -> None:
+    built_ids = {identity(doc) for _, doc in built_objects()}
+    for path in sorted(K8S.rglob("*.yaml")):
+        if path.name in NOT_OBJECTS:
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert identity(doc) in built_ids, f"{path.relative_to(REPO)}: {identity(doc)} is in no build"
+
+
+def envoy_bootstrap(directory: Path) -> str:
+    """The envoy.yaml of the gateway pod's Envoy ConfigMap in this build, checked to be the one it mounts."""
+    docs = built(directory)
+    config_map = named(docs, "ConfigMap", "extproc-envoy")
+    pod = named(docs, "Deployment", "extproc-gateway")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "envoy-config")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    return str(config_map["data"]["envoy.yaml"])
+
+
+def test_apply_k8s_gives_the_lean_profile_and_inline_the_inline_one() -> None:
+    assert envoy_bootstrap(K8S) == (K8S / "gateway" / "lean" / "envoy.yaml").read_text()
+    assert envoy_bootstrap(K8S / "inline") == (K8S / "gateway" / "envoy.yaml").read_text()
+
+
+def without_envoy_bootstrap(directory: Path) -> list[dict[str, Any]]:
+    """The build with the Envoy ConfigMap's hashed name and content blanked out."""
+    text = yaml.safe_dump_all(built(directory))
+    name = named(built(directory), "ConfigMap", "extproc-envoy")["metadata"]["name"]
+    docs = list(yaml.safe_load_all(text.replace(name, "extproc-envoy")))
+    for doc in docs:
+        if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "extproc-envoy":
+            doc["data"] = {}
+    return docs
+
+
+def test_the_two_profiles_differ_only_in_envoys_bootstrap() -> None:
+    assert without_envoy_bootstrap(K8S) == without_envoy_bootstrap(K8S / "inline")
+
+
+@pytest.mark.parametrize("directory", [K8S, K8S / "inline"], ids=where)
+def test_every_namespaced_object_lands_in_the_extproc_namespace(directory: Path) -> None:
+    for doc in built(directory):
+        if doc["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in doc["metadata"], identity(doc)
+        else:
+            assert doc["metadata"].get("namespace") == NAMESPACE, identity(doc)
+
+
+def test_the_readmes_deploy_commands_are_the_tested_builds() -> None:
+    readme = (REPO / "README.md").read_text()
+    commands = re.findall(r"kubectl apply -k ([\w./-]+)", readme)
+    assert commands, "README.md names no `kubectl apply -k` command"
+    kustomizations = set(roots("Kustomization"))
+    for path in commands:
+        assert (REPO / path).resolve() in kustomizations, f"README.md: kubectl apply -k {path} is not tested"
+
+
+ENVOY_GATEWAY_LEAN = K8S / "envoy-gateway" / "lean"
+
+
+def test_apply_envoy_gateway_gives_its_lean_profile() -> None:
+    assert built(K8S / "envoy-gateway") == built(ENVOY_GATEWAY_LEAN)
+
+
+def test_envoy_gateway_lean_ships_the_packaged_lua_reader() -> None:
+    """kustomize reads files only below the kustomization: the copy must stay the packaged reader."""
+    lua = named(built(ENVOY_GATEWAY_LEAN), "ConfigMap", "extproc-lean-lua")
+    assert lua["data"]["lua"] == lua_source()
+    policy = named(built(ENVOY_GATEWAY_LEAN), "EnvoyExtensionPolicy", "extproc-admission")
+    assert policy["spec"]["lua"] == [
+        {"type": "ValueRef", "valueRef": {"group": "", "kind": "ConfigMap", "name": lua["metadata"]["name"]}}
+    ]
+
+
+def test_envoy_gateway_lean_wires_metadata_reports_and_store_together() -> None:
+    docs = built(ENVOY_GATEWAY_LEAN)
+    ext_proc = named(docs, "EnvoyExtensionPolicy", "extproc-admission")["spec"]["extProc"][0]
+    assert "response" not in ext_proc["processingMode"]  # no response phase: the Lua reader reads it
+    assert ext_proc["metadata"]["writableNamespaces"] == [NAMESPACE_METADATA]
+    service = named(docs, "Service", "extproc-admission")
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    proxy = named(docs, "EnvoyProxy", "extproc-lean")
+    sink = proxy["spec"]["telemetry"]["accessLog"]["settings"][0]["sinks"][0]["als"]
+    assert sink["backendRefs"] == [{"name": "extproc-admission", "port": grpc_port}]
+    gateway = named(docs, "Gateway", "llm-gateway")
+    assert gateway["spec"]["infrastructure"]["parametersRef"]["name"] == "extproc-lean"
+    config = parse_config(yaml.safe_load((ENVOY_GATEWAY_LEAN / "config.yaml").read_text()))
+    redis = named(docs, "Service", "extproc-redis")
+    assert config.store.backend == "redis"
+    assert (
+        config.store.redis_url == f"redis://extproc-redis.extproc.svc:{redis['spec']['ports'][0]['port']}/0"
+    )
+    assert named(docs, "Deployment", "extproc-admission")["spec"]["replicas"] == 2
+    assert config.store.fallback_share == 0.5
