@@ -515,6 +515,29 @@ def test_every_key_the_code_reads_is_documented() -> None:
     assert not missing, f"read by the code, not in docs/configuration.md: {missing}"
 
 
+def test_every_documented_key_is_in_the_schema() -> None:
+    """A row of docs/configuration.md's tables that the schema does not accept documents a key that a file
+    cannot set (a rename, a removal, a typo in the docs)."""
+    import re
+
+    from extproc.config.schema import leaf_keys
+
+    keys = [re.sub(r"\[0\]", "", key).split(".") for key in leaf_keys()]
+
+    def accepted(path: tuple[str, ...]) -> bool:
+        wanted = ["NAME" if part == "*" or part.startswith("<") else part for part in path]
+        return any(
+            len(key) >= len(wanted)
+            and all(w == k or (w == "NAME" and k) for w, k in zip(wanted, key, strict=False))
+            for key in keys
+        )
+
+    rows = documented_rows()
+    assert len(rows) >= 50, rows
+    unknown = [".".join(path) for path, _key, _default in rows if not accepted(path)]
+    assert not unknown, f"documented in docs/configuration.md, not in the schema: {unknown}"
+
+
 def suffixes(key: str) -> set[str]:
     """`limits.models.NAME.max_concurrency` -> {max_concurrency, models.max_concurrency, ...}: the ways the
     docs name a key (in its section's table, or in prose under its section)."""
