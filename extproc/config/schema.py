@@ -30,7 +30,7 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
 
 from extproc.admission.policy import MissingMaxTokens
 from extproc.admission.tokens import get_encoding
@@ -57,7 +57,7 @@ Ratio = Annotated[float, PlainValidator(number(0.01, 1.0))]
 
 
 class Section(BaseModel):
-    """A YAML mapping: unknown keys refused, `null` values read as absent, frozen once validated."""
+    """A YAML mapping: unknown keys refused, frozen once validated (`nulls_absent` reads `null`s first)."""
 
     model_config: ClassVar[ConfigDict] = ConfigDict(extra="forbid", frozen=True)
 
@@ -67,15 +67,63 @@ class Section(BaseModel):
         """The keys this section accepts, as the YAML spells them (`class`, not `klass`)."""
         return frozenset(info.alias or name for name, info in cls.model_fields.items())
 
-    @model_validator(mode="before")
     @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        if data is None:
-            return {}
-        if isinstance(data, Mapping):
-            keys = cls.yaml_keys()
-            return {k: v for k, v in data.items() if v is not None or k not in keys}
-        return data
+    @functools.cache
+    def nested(cls) -> dict[str, Any]:
+        """The keys whose values are sections, maps or lists, by YAML key: what `nulls_absent` walks into."""
+        out = {}
+        for name, info in cls.model_fields.items():
+            kind = unwrapped(info.annotation)
+            if get_origin(kind) in (dict, tuple, list) or (
+                isinstance(kind, type) and issubclass(kind, Section)
+            ):
+                out[info.alias or name] = kind
+        return out
+
+
+def nulls_absent(data: Any, kind: Any = None) -> Any:
+    """Parsed YAML as the schema reads it: a section's key set to `null` is absent (its default applies), a
+    map entry set to `null` is an empty section (`tenants: {acme: }` names acme with no settings). A
+    `null` under a key the section does not know is kept, so it is still reported as unknown.
+
+    One walk before validation, which skips every mapping without a `null` or a nested key (a tenant's
+    limits), so a 10^5-tenant file costs little; a validator per section would cost a Python call each.
+    """
+    kind = ConfigFile if kind is None else kind
+    if isinstance(kind, type) and issubclass(kind, Section):
+        if not isinstance(data, Mapping):
+            return data
+        nested, keys = kind.nested(), kind.yaml_keys()
+        if nested.keys().isdisjoint(data) and None not in data.values():
+            return data
+        return {
+            k: nulls_absent(v, nested[k]) if k in nested else v
+            for k, v in data.items()
+            if v is not None or k not in keys
+        }
+    origin = get_origin(kind)
+    if origin is dict and isinstance(data, Mapping):
+        value = unwrapped(get_args(kind)[1])
+        if not (isinstance(value, type) and issubclass(value, Section)):
+            return {k: nulls_absent(v, value) for k, v in data.items()}
+        nested = value.nested()
+        return {  # the common entry (a tenant's limits) checked here, without a call per entry
+            k: v
+            if isinstance(v, Mapping) and nested.keys().isdisjoint(v) and None not in v.values()
+            else _entry(v, value)
+            for k, v in data.items()
+        }
+    if origin in (tuple, list) and isinstance(data, list):
+        item = unwrapped(get_args(kind)[0])
+        return [_entry(v, item) for v in data]
+    return data
+
+
+def _entry(value: Any, kind: Any) -> Any:
+    """A map entry or list item: `null` where a section belongs is an empty one."""
+    if value is None and isinstance(kind, type) and issubclass(kind, Section):
+        return {}
+    return nulls_absent(value, kind)
 
 
 # -- server ------------------------------------------------------------------------------------------------

@@ -675,3 +675,23 @@ def test_aliases_within_the_bounds_still_load(tmp_path: Path) -> None:
     config = load_config(path)
     assert config.limits.tenants["a"] == LimitSpec(max_concurrency=2, tokens_per_minute=1000)
     assert config.limits.tenants["b"] == LimitSpec(max_concurrency=5, tokens_per_minute=1000)
+
+
+def test_null_reads_as_absent_and_a_null_entry_as_an_empty_one() -> None:
+    """`key: ` (YAML null) keeps the default; `tenants: {acme: }` still names acme; an unknown key is
+    reported whatever its value."""
+    config = parse_config(
+        {
+            "server": None,
+            "admission": {"max_body_bytes": None},
+            "limits": {"tenant_default": {"max_concurrency": 3}, "tenants": {"acme": None}},
+            "models": {"m": None},
+        }
+    )
+    assert config.server == parse_config({}).server
+    assert config.admission.max_body_bytes == parse_config({}).admission.max_body_bytes
+    assert config.limits.tenants == {"acme": LimitSpec()}
+    assert config.models["m"] == config.models[DEFAULT_MODEL]
+    with pytest.raises(ConfigError) as err:
+        parse_config({"admission": {"max_body_byte": None}})
+    assert err.value.problems == ("admission.max_body_byte: unknown key (did you mean 'max_body_bytes'?)",)
