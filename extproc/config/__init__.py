@@ -7,6 +7,7 @@ falls back to a default is worse than a refused reload.
 
 - `schema`: one pydantic class per YAML section, mirroring the file; the one place keys and defaults live.
 - `build`: `parse_config`, which validates against the schema and builds the runtime types.
+- `problems`, `walk`: pydantic's errors as key-path sentences; the schema's keys, and how `null` is read.
 - `runtime`: `Config` and the types the packages take.
 - `watch`: `load_config` and `ConfigWatcher`; the bounded, off-loop loader is extproc/config_load.py.
 """

@@ -1,8 +1,8 @@
 """`parse_config`: parsed YAML -> validated `ConfigFile` -> the runtime `Config`, in one pass each.
 
 The schema (extproc/config/schema.py) checks every key's type and range and reports every problem at once;
-this module turns its errors into key-path sentences, lists unknown keys first (each with its closest known
-key: a later error may be a consequence of the misspelling), then checks what spans keys (a queue wait
+extproc/config/problems.py turns its errors into key-path sentences, unknown keys first (a later error may be
+a consequence of the misspelling). This module then checks what spans keys (a queue wait
 against Envoy's timeout, a tenant's class, a guarantee's class) and what needs the environment (readable
 Secret files, a set variable), and builds the runtime types.
 """
@@ -10,23 +10,22 @@ Secret files, a set variable), and builds the runtime types.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import gc
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, get_args, get_origin
+from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
 
 from extproc.admission.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
 from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, StepBounds, TemplateCosts
 from extproc.admission.tokens import get_encoding
 from extproc.config import schema
-from extproc.config.errors import MAX_SUGGESTIONS, ConfigError, shown
+from extproc.config.errors import ConfigError
+from extproc.config.problems import problems
 from extproc.config.runtime import (
     DEFAULT_CLASS,
     DEFAULT_MODEL,
@@ -41,6 +40,7 @@ from extproc.config.runtime import (
     StoreConfig,
     TenantConfig,
 )
+from extproc.config.walk import nulls_absent
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveConfigError
 from extproc.core.limiter import LimitSpec
 from extproc.feed.targets import Target, target_from_mapping
@@ -72,69 +72,9 @@ def validate(data: Any) -> schema.ConfigFile:
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"<root>: must be a mapping, got {type(data).__name__}")
     try:
-        return schema.ConfigFile.model_validate(schema.nulls_absent(data or {}))
+        return schema.ConfigFile.model_validate(nulls_absent(data or {}))
     except ValidationError as exc:
         raise ConfigError(*problems(exc.errors(include_url=False, include_context=False))) from None
-
-
-def problems(errors: Sequence[ErrorDetails]) -> list[str]:
-    """Pydantic's errors as `key.path: sentence`, unknown keys first."""
-    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
-    rest = [e for e in errors if e["type"] != "extra_forbidden"]
-    out = [_unknown(e["loc"], i < MAX_SUGGESTIONS) for i, e in enumerate(unknown)]
-    return out + [f"{key_path(_owner(e['loc']))}: {_sentence(e)}" for e in rest]
-
-
-def key_path(loc: Sequence[int | str]) -> str:
-    """`("classes", 0, "name")` -> `classes[0].name`; the empty path is `<root>`."""
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        else:
-            text += f".{part}" if text else str(part)
-    return text or "<root>"
-
-
-def _owner(loc: Sequence[int | str]) -> Sequence[int | str]:
-    """A map key's own error (`models.3.[key]`) is the map's."""
-    return loc[:-2] if loc and loc[-1] == "[key]" else loc
-
-
-def _sentence(error: ErrorDetails) -> str:
-    kind = error["type"]
-    if kind == "config":
-        return error["msg"]
-    if kind == "missing":
-        return "required"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"must be a mapping, got {type(error.get('input')).__name__}"
-    if kind in ("tuple_type", "list_type"):
-        return f"must be a list, got {type(error.get('input')).__name__}"
-    return error["msg"]
-
-
-def _unknown(loc: Sequence[int | str], suggest: bool) -> str:
-    name = loc[-1] if loc else ""
-    shown_name = name if isinstance(name, str) else shown(name)
-    known = sorted(_section_at(loc[:-1]).yaml_keys()) if suggest else []
-    close = difflib.get_close_matches(shown_name, known, n=1) if known else []
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{key_path([*loc[:-1], shown_name])}: unknown key{hint}"
-
-
-def _section_at(loc: Sequence[int | str]) -> type[schema.Section]:
-    """The schema class of the mapping at `loc` (the keys an unknown key is compared with)."""
-    kind: Any = schema.ConfigFile
-    for part in loc:
-        kind = schema.unwrapped(kind)
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            fields = {info.alias or name: info.annotation for name, info in kind.model_fields.items()}
-            kind = fields.get(str(part))
-        elif get_origin(kind) in (dict, tuple, list):
-            kind = get_args(kind)[-1 if get_origin(kind) is dict else 0]
-    kind = schema.unwrapped(kind)
-    return kind if isinstance(kind, type) and issubclass(kind, schema.Section) else schema.Section
 
 
 # -- the runtime config ------------------------------------------------------------------------------------

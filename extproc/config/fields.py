@@ -8,8 +8,10 @@ prefixes with the key path.
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, NoReturn, get_args
+from typing import Annotated, Any, Literal, NoReturn, get_args, get_origin
 
 from pydantic import PlainValidator
 from pydantic_core import PydanticCustomError
@@ -116,3 +118,15 @@ Listen = Annotated[str, PlainValidator(_listen)]
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 """The log levels `log_level` accepts, in any case."""
+
+
+def unwrapped(kind: Any) -> Any:
+    """`X | None` and `Annotated[X, ...]` as `X`."""
+    while True:
+        origin = get_origin(kind)
+        if origin is typing.Annotated:
+            kind = get_args(kind)[0]
+        elif origin in (typing.Union, types.UnionType):
+            kind = next(a for a in get_args(kind) if a is not type(None))
+        else:
+            return kind

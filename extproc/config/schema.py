@@ -25,10 +25,7 @@ build.py; a row in docs/configuration.md (tests/unit/test_config.py fails until 
 from __future__ import annotations
 
 import functools
-import types
-import typing
-from collections.abc import Iterator, Mapping
-from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
 
@@ -51,13 +48,14 @@ from extproc.config.fields import (
     integer,
     number,
     one_of,
+    unwrapped,
 )
 
 Ratio = Annotated[float, PlainValidator(number(0.01, 1.0))]
 
 
 class Section(BaseModel):
-    """A YAML mapping: unknown keys refused, frozen once validated (`nulls_absent` reads `null`s first)."""
+    """A YAML mapping: unknown keys refused, frozen once validated (`walk.nulls_absent` reads nulls)."""
 
     model_config: ClassVar[ConfigDict] = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,7 +68,7 @@ class Section(BaseModel):
     @classmethod
     @functools.cache
     def nested(cls) -> dict[str, Any]:
-        """The keys whose values are sections, maps or lists, by YAML key: what `nulls_absent` walks into."""
+        """The keys whose values are sections, maps or lists, by YAML key: what `walk.nulls_absent` enters."""
         out = {}
         for name, info in cls.model_fields.items():
             kind = unwrapped(info.annotation)
@@ -79,51 +77,6 @@ class Section(BaseModel):
             ):
                 out[info.alias or name] = kind
         return out
-
-
-def nulls_absent(data: Any, kind: Any = None) -> Any:
-    """Parsed YAML as the schema reads it: a section's key set to `null` is absent (its default applies), a
-    map entry set to `null` is an empty section (`tenants: {acme: }` names acme with no settings). A
-    `null` under a key the section does not know is kept, so it is still reported as unknown.
-
-    One walk before validation, which skips every mapping without a `null` or a nested key (a tenant's
-    limits), so a 10^5-tenant file costs little; a validator per section would cost a Python call each.
-    """
-    kind = ConfigFile if kind is None else kind
-    if isinstance(kind, type) and issubclass(kind, Section):
-        if not isinstance(data, Mapping):
-            return data
-        nested, keys = kind.nested(), kind.yaml_keys()
-        if nested.keys().isdisjoint(data) and None not in data.values():
-            return data
-        return {
-            k: nulls_absent(v, nested[k]) if k in nested else v
-            for k, v in data.items()
-            if v is not None or k not in keys
-        }
-    origin = get_origin(kind)
-    if origin is dict and isinstance(data, Mapping):
-        value = unwrapped(get_args(kind)[1])
-        if not (isinstance(value, type) and issubclass(value, Section)):
-            return {k: nulls_absent(v, value) for k, v in data.items()}
-        nested = value.nested()
-        return {  # the common entry (a tenant's limits) checked here, without a call per entry
-            k: v
-            if isinstance(v, Mapping) and nested.keys().isdisjoint(v) and None not in v.values()
-            else _entry(v, value)
-            for k, v in data.items()
-        }
-    if origin in (tuple, list) and isinstance(data, list):
-        item = unwrapped(get_args(kind)[0])
-        return [_entry(v, item) for v in data]
-    return data
-
-
-def _entry(value: Any, kind: Any) -> Any:
-    """A map entry or list item: `null` where a section belongs is an empty one."""
-    if value is None and isinstance(kind, type) and issubclass(kind, Section):
-        return {}
-    return nulls_absent(value, kind)
 
 
 # -- server ------------------------------------------------------------------------------------------------
@@ -425,34 +378,3 @@ class ConfigFile(Section):
         if not isinstance(value, list) or not value:
             fail("must be a non-empty list, highest priority first")
         return value
-
-
-# -- walking the schema ------------------------------------------------------------------------------------
-
-
-def unwrapped(kind: Any) -> Any:
-    """`X | None` and `Annotated[X, ...]` as `X`."""
-    while True:
-        origin = get_origin(kind)
-        if origin is typing.Annotated:
-            kind = get_args(kind)[0]
-        elif origin in (typing.Union, types.UnionType):
-            kind = next(a for a in get_args(kind) if a is not type(None))
-        else:
-            return kind
-
-
-def leaf_keys(section: type[Section] = ConfigFile, prefix: str = "") -> Iterator[str]:
-    """Every key a file may set, as a dotted path: a map's keys as `NAME`, a list's items as `[0]`
-    (`limits.models.NAME.max_concurrency`, `classes[0].queue.max_wait_seconds`)."""
-    for name, info in section.model_fields.items():
-        key = f"{prefix}{info.alias or name}"
-        kind = unwrapped(info.annotation)
-        if get_origin(kind) is dict:
-            kind, key = unwrapped(get_args(kind)[1]), f"{key}.NAME"
-        elif get_origin(kind) in (tuple, list):
-            kind, key = unwrapped(get_args(kind)[0]), f"{key}[0]"
-        if isinstance(kind, type) and issubclass(kind, Section):
-            yield from leaf_keys(kind, f"{key}.")
-        else:
-            yield key
