@@ -29,6 +29,7 @@ from extproc.app import Sidecar
 from extproc.config import MAX_PROBLEM_CHARS, Config, ConfigError, ConfigWatcher, ReloadResult, load_config
 from extproc.config_load import load_isolated
 from extproc.metrics import MAX_TENANT_KEYS, Metrics
+from extproc.store.local import LocalStore
 from tests.component.test_server import body_msg, chat, headers_msg
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,7 +208,9 @@ class AdmissionProbe:
         self._thread = threading.Thread(target=self._run, name="admission-probe")
 
     def _messages(self) -> Iterator[pb.ProcessingRequest]:
-        yield headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": self.tenant})
+        head = headers_msg("POST", "/v1/chat/completions")
+        head.request_headers.headers.headers.add(key="x-tenant-id", raw_value=self.tenant.encode())
+        yield head
         yield body_msg(chat(5))
 
     def _run(self) -> None:
@@ -258,6 +261,9 @@ async def test_a_reload_to_many_tenants_keeps_admission_and_metrics_within_envoy
     assert len(admission.latencies) >= 3, admission.latencies
     assert set(admission.replies) == {"request_body"}, admission.replies  # each admitted, none timed out
     assert max(admission.latencies) < ENVOY_MESSAGE_TIMEOUT_S, max(admission.latencies)
+    assert isinstance(sidecar.store, LocalStore)
+    (judged,) = sidecar.store.limiter.snapshot([f"tenant:{admission.tenant}"])
+    assert judged.max_concurrency == 4 and judged.active == 0  # under its own limits; nothing leaked
 
     start = time.perf_counter()
     page = await asyncio.to_thread(_scrape, sidecar.admin_port)
