@@ -45,7 +45,8 @@ class LocalStore:
         self.limiter.set_scale(key, scale)
 
     def snapshot(self) -> list[KeySnapshot]:
-        return self.limiter.snapshot()
+        """The keys metrics show (`JointLimiter.shown_keys`): bounded, however many tenants are in use."""
+        return self.limiter.snapshot(self.limiter.shown_keys())
 
     def prune(self) -> int:
         return self.limiter.prune()

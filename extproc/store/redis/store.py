@@ -177,9 +177,11 @@ class RedisStore:
         priority: Sequence[str] = (),
     ) -> None:
         """Install new base limits. Counts in Redis are kept, so open leases stay counted. Best effort (Redis
-        down is logged, not raised): buckets are stored at the old capacities, then resized to the new ones,
-        and the metrics cache is refreshed."""
-        keys = list(dict.fromkeys([*self.keyspace.specs, *specs, *self.views.entries]))
+        down is logged, not raised): the buckets of keys whose limits change are stored at the old
+        capacities, then resized to the new ones, in batches, and the metrics cache is refreshed. Each
+        script call is built from one config, the old or the new, so no request is judged under a mix; a
+        bucket not resized yet is clamped to the new capacity by the script that next reads it."""
+        keys = self.keyspace.changed_by(specs, defaults, priority, self.views.entries)
         await self.views.sync(keys, "fill")  # at the capacities in force until now
         self.keyspace.configure(specs, defaults, priority)
         await self.views.sync(keys, "resize")
