@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.request import Api, count_prompt_tokens, parse_request
+from extproc.admission.tokens import count_text
 from extproc.core.limiter import JointLimiter, LimitSpec
 from extproc.sim.textgen import vocabulary
 from extproc.store.local import LocalStore
@@ -76,9 +78,13 @@ def _clock() -> Callable[[], float]:
     return clock
 
 
-def _chat_body(tokens: int) -> bytes:
+def _text(tokens: int) -> str:
     words = vocabulary(ENCODING)
-    text = "".join(words[i % len(words)] for i in range(tokens))
+    return "".join(words[i % len(words)] for i in range(tokens))
+
+
+def _chat_body(tokens: int) -> bytes:
+    text = _text(tokens)
     return json.dumps(
         {"model": "llama-3-8b", "max_tokens": 256, "messages": [{"role": "user", "content": text}]}
     ).encode()
@@ -104,3 +110,39 @@ def test_parse_and_count(benchmark: Any, tokens: int) -> None:
     """Parse + count together: the admission CPU per request before the limiter."""
     raw = _chat_body(tokens)
     benchmark(lambda: count_prompt_tokens(parse_request(Api.CHAT, raw), POLICY))
+
+
+HOP_SIZES = [64, 256, 1024, 4096]
+
+
+@pytest.mark.parametrize("tokens", HOP_SIZES, ids=[f"{t}t" for t in HOP_SIZES])
+def test_count_text_on_the_loop(benchmark: Any, tokens: int) -> None:
+    """One text counted where the caller runs (the event loop for prompts up to
+    `admission.inline_count_bytes`)."""
+    text = _text(tokens)
+    loop = asyncio.new_event_loop()
+
+    async def inline() -> int:
+        return count_text(text, ENCODING)
+
+    try:
+        benchmark(lambda: loop.run_until_complete(inline()))
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("tokens", HOP_SIZES, ids=[f"{t}t" for t in HOP_SIZES])
+def test_count_text_through_a_worker_thread(benchmark: Any, tokens: int) -> None:
+    """The same count through `run_in_executor`: the difference to the loop's figure is the hop's cost."""
+    text = _text(tokens)
+    loop = asyncio.new_event_loop()
+    pool = ThreadPoolExecutor(2)
+
+    async def hop() -> int:
+        return await loop.run_in_executor(pool, count_text, text, ENCODING)
+
+    try:
+        benchmark(lambda: loop.run_until_complete(hop()))
+    finally:
+        loop.close()
+        pool.shutdown()
