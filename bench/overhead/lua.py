@@ -12,9 +12,10 @@ run time (`/proc/<pid>/task/*/schedstat`, nanoseconds) over its own phases.
 Variants (`VARIANTS`): `envoy` is plain Envoy without ext_proc or Lua (section 2b's baseline); `idle` the
 lean stack with a Lua filter that reads no body; `iterate`, `copy` and `copy-set` the steps every reader pays
 (resume per chunk, copying the chunk into Lua, one metadata write per chunk); `before` the reader at
-`--before` (a git revision) and `shipped` extproc/lean/response.lua as it is now. Requests ask for
-`stream_options.include_usage`, so the upstream ends each stream with a usage event the reader strips (the
-noop admits with `strip`, as the sidecar does when it injected the option).
+`--before` (a git revision), `shipped` extproc/lean/response.lua as it is now and `shipped-nojit` the
+same with LuaJIT's compiler off. Requests ask for `stream_options.include_usage`, so the upstream ends each
+stream with a usage event the reader strips (the noop admits with `strip`, as the sidecar does when it
+injected the option).
 
 `--callgrind` runs each Envoy under valgrind and counts its instructions per phase instead (repeatable to a
 fraction of a percent where CPU time on a shared machine varies by tens of percent; kernel time is not
@@ -101,6 +102,7 @@ VARIANTS: dict[str, Callable[[str], str | None]] = {
     "copy-set": lambda _rev: _COPY_SET,
     "before": _at,
     "shipped": lambda _rev: lua_source(),
+    "shipped-nojit": lambda _rev: "jit.off()\n" + lua_source(),
 }
 
 
