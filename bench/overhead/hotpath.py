@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import re
 import subprocess
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import percentile, write_json
+from bench.overhead.lagprobe import UVLOOP_ENV
 from bench.overhead.lua import cpu_ns
 from bench.overhead.profiles import CLIENTS, Stack, Variant, chat, closed_loop
 
@@ -116,7 +118,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--repeat", type=int, default=1, help="measured phases, one after another")
     parser.add_argument("--pyspy", type=Path, default=None, help="collapsed py-spy stacks to this file")
+    parser.add_argument("--uvloop", action="store_true", help="the sidecar on uvloop's event loop")
     args = parser.parse_args()
+    if args.uvloop:
+        os.environ[UVLOOP_ENV] = "1"  # read by bench/overhead/lagprobe.py, which runs the sidecar
     variant = Variant(args.processor, args.profile, args.config if args.processor == "sidecar" else "")
     body = chat(args.tokens)
     stack = Stack(variant).start()
@@ -138,11 +143,12 @@ def main() -> None:
     for row in rows:
         cpu = {k: round(v) for k, v in row["cpu_us_per_request"].items()}
         timings = {k: round(v, 2) for k, v in row.items() if k.endswith("_mean_ms")}
+        loop = " (uvloop)" if args.uvloop else ""
         print(
-            f"hotpath: {variant.name} {args.tokens} tokens, {args.clients} clients: errors {row['errors']} "
-            f"p50 {row['p50_ms']:.2f} ms {timings} cpu µs/request {cpu}"
+            f"hotpath: {variant.name}{loop} {args.tokens} tokens, {args.clients} clients: "
+            f"errors {row['errors']} p50 {row['p50_ms']:.2f} ms {timings} cpu µs/request {cpu}"
         )
-    name = f"hotpath-{variant.name}-{args.tokens}-c{args.clients}.json"
+    name = f"hotpath-{variant.name}{'-uvloop' if args.uvloop else ''}-{args.tokens}-c{args.clients}.json"
     write_json(name, {"variant": variant.name, "tokens": args.tokens, "clients": args.clients, "rows": rows})
     if args.pyspy is not None and args.pyspy.is_file():
         print(top(args.pyspy))
