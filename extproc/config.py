@@ -95,6 +95,8 @@ class AdmissionConfig:
     tokenizer_max_wait_seconds: float = 0.5
     # Prompts with at most this many bytes of text are counted on the event loop, without a thread hop.
     inline_count_bytes: int = 8 * 1024
+    # Admit on the prompt's byte-length bound where it decides, and count exactly after (provisional.py).
+    bound_admission: bool = True
     # Per-sequence decode rate assumed for a pool until its completed streams teach the real one; bounds the
     # charge of answers nobody saw (a client that left before the response headers).
     assumed_decode_tokens_per_second: float = 100.0
@@ -734,6 +736,7 @@ def parse_config(data: Any) -> Config:
         inline_count_bytes=adm.required_integer(
             "inline_count_bytes", AdmissionConfig.inline_count_bytes, minimum=0
         ),
+        bound_admission=adm.boolean("bound_admission", AdmissionConfig.bound_admission),
         assumed_decode_tokens_per_second=adm.number(
             "assumed_decode_tokens_per_second", AdmissionConfig.assumed_decode_tokens_per_second, minimum=1.0
         ),

@@ -194,6 +194,7 @@ class RedisStore:
         self._peek = client.register_script(redis_scripts.PEEK)
         self._renew = client.register_script(redis_scripts.RENEW)
         self._forget = client.register_script(redis_scripts.FORGET)
+        self._refund = client.register_script(redis_scripts.REFUND)
         self._scale = client.register_script(redis_scripts.SCALE)
         self._waiting = client.register_script(redis_scripts.WAITING)
         self._scripts = (
@@ -202,6 +203,7 @@ class RedisStore:
             self._peek,
             self._renew,
             self._forget,
+            self._refund,
             self._scale,
             self._waiting,
         )
@@ -565,6 +567,32 @@ class RedisStore:
         _, views = self._parse_states(lease.keys, raw[2:], now, self.judged, with_places=False)
         self._remember(lease.keys, views, now)
         return bool(int(raw[0]))
+
+    async def refund(self, lease: Lease, tokens: int) -> bool:
+        """Give `tokens` of an open lease's reservation back to its buckets now, in one script call.
+
+        False when the lease is settled, or found removed or expired in Redis. When Redis does not answer
+        the refund may or may not have run: the lease is then taken as refunded (its release refunds that
+        much less), so a lost reply can under-refund a bucket until it refills, never refund it twice.
+        """
+        tokens = max(0, min(tokens, lease.reserved_tokens))
+        if lease.settled or not lease.placements or tokens == 0:
+            return False
+        head = [str(lease.lease_id), str(tokens)]
+        tail: list[str] = []
+        for placement in lease.placements:
+            tail += [placement.slot, placement.tokens or ""]
+        try:
+            raw = await self._run(
+                self._refund, lambda: [*head, *self._keyspec(lease.keys), *tail], lease.keys, self.timeout_s
+            )
+        except StoreUnavailable:
+            lease.reserved_tokens -= tokens
+            return False
+        if not int(raw[0]):
+            return False
+        lease.reserved_tokens -= tokens
+        return True
 
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         """The tightest remaining capacity over `keys` (one script call; raises `StoreUnavailable`)."""
