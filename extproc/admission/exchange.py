@@ -139,6 +139,11 @@ class Exchange:
         return self.klass.name if self.klass is not None else "none"
 
     @property
+    def correction(self) -> provisional.Correction | None:
+        """The exact count that follows an admission on the prompt's bound; None when counted first."""
+        return self._correction
+
+    @property
     def finished(self) -> bool:
         """True once nothing more can happen: refused, passed through, or settled."""
         return self.phase in (Phase.REFUSED, Phase.PASSTHROUGH, Phase.SETTLED)

@@ -126,7 +126,7 @@ def exact_prompt(raw: bytes) -> int:
 def test_every_token_of_the_sidecars_encoding_is_at_least_one_byte() -> None:
     """The proof of `count <= bytes`: a BPE over bytes whose every token spans >= 1 byte, special tokens
     encoded as ordinary text (`encode_ordinary`), so no token can stand for less than a byte."""
-    ranks = get_encoding(DEFAULT_ENCODING)._mergeable_ranks  # noqa: SLF001
+    ranks = get_encoding(DEFAULT_ENCODING)._mergeable_ranks
     assert ranks and min(len(token) for token in ranks) >= 1
 
 
@@ -195,7 +195,8 @@ def test_near_the_window_the_exact_count_decides() -> None:
 
 def test_without_max_tokens_the_rest_of_the_window_depends_on_the_count() -> None:
     assert plan_for(body(max_tokens=None)) is None  # `reserve_window`: window - prompt
-    injected = plan_for(body(max_tokens=None), {"models": {"*": {"context_window": 8192, "missing_max_tokens": "inject"}}})
+    inject = {"models": {"*": {"context_window": 8192, "missing_max_tokens": "inject"}}}
+    injected = plan_for(body(max_tokens=None), inject)
     assert injected is not None and injected.injected_max_tokens == 1024
 
 
@@ -207,7 +208,7 @@ async def test_admitted_on_the_bound_then_corrected_once_while_it_runs() -> None
     raw = body()
     exchange, verdict = await r.decide(raw)
     assert isinstance(verdict, Forward) and exchange.phase is Phase.ADMITTED
-    correction = exchange._correction  # noqa: SLF001
+    correction = exchange.correction
     assert correction is not None and correction.stage is Stage.COUNTING
     bound_total = exchange.admitted.plan.total  # type: ignore[union-attr]
     assert r.tokens_left() == 1_000_000 - bound_total
@@ -240,7 +241,7 @@ def end_inline(exchange: Exchange, how: str) -> None:
     elif how == "cut":
         exchange.response_headers(200, "text/event-stream", False)
         assert exchange.response is not None
-        exchange._cut(exchange.response)  # noqa: SLF001  (what a KV-pressure cut does)
+        exchange._cut(exchange.response)
     elif how == "expired":
         exchange.expire()
     elif how == "reported":
@@ -255,7 +256,7 @@ async def test_a_request_that_ends_before_its_count_settles_once_on_the_exact_co
     raw = body()
     exchange, verdict = await r.decide(raw)
     assert isinstance(verdict, Forward)
-    correction = exchange._correction  # noqa: SLF001
+    correction = exchange.correction
     assert correction is not None and correction.stage is Stage.COUNTING
     end_inline(exchange, how)  # before the count ran
     assert exchange.phase is Phase.SETTLED
@@ -296,7 +297,7 @@ async def test_a_settlement_during_the_refund_waits_for_it() -> None:
     r.store.release = noted_release  # type: ignore[method-assign]
     exchange, _ = await r.decide(body())
     await settle_loop()
-    correction = exchange._correction  # noqa: SLF001
+    correction = exchange.correction
     assert correction is not None and correction.stage is Stage.REFUNDING
     exchange.close()
     await settle_loop()
@@ -318,7 +319,7 @@ async def test_a_count_that_fails_keeps_the_bound_and_settles_on_it() -> None:
     exchange, _ = await r.decide(body())
     r.service.count_prompts = busy
     await settle_loop()
-    correction = exchange._correction  # noqa: SLF001
+    correction = exchange.correction
     assert correction is not None and correction.stage is Stage.ABANDONED
     bound = exchange.admitted.plan.prompt_tokens  # type: ignore[union-attr]
     exchange.close()
@@ -337,7 +338,7 @@ async def test_a_bucket_the_bound_overflows_admits_on_the_exact_count() -> None:
     r = await rig(tokens_per_minute=exact_total + 10)
     exchange, verdict = await r.decide(raw)
     assert isinstance(verdict, Forward)
-    assert exchange._correction is None  # noqa: SLF001  (counted first)
+    assert exchange.correction is None
     assert exchange.admitted is not None and exchange.admitted.lease.reserved_tokens == exact_total
     exchange.close()
     await r.service.drain()
@@ -351,7 +352,7 @@ async def test_a_kv_budget_the_bound_overflows_admits_on_the_exact_count() -> No
     r.budget.admit("other", 0, 0)  # not empty, so nothing is admitted for being first
     exchange, verdict = await r.decide(raw)
     assert isinstance(verdict, Forward)
-    assert exchange._correction is None  # noqa: SLF001
+    assert exchange.correction is None
     exchange.close()
     await r.service.drain()
 
@@ -359,7 +360,7 @@ async def test_a_kv_budget_the_bound_overflows_admits_on_the_exact_count() -> No
 async def test_switched_off_every_request_is_counted_first() -> None:
     r = await rig(config={"admission": {"bound_admission": False}})
     exchange, verdict = await r.decide(body())
-    assert isinstance(verdict, Forward) and exchange._correction is None  # noqa: SLF001
+    assert isinstance(verdict, Forward) and exchange.correction is None
     exchange.close()
     await r.service.drain()
     assert r.refunds == []
