@@ -82,10 +82,16 @@ def post(stack: Stack, body: dict[str, Any]) -> urllib.request.Request:
     return request
 
 
+def prompt_byte_bound(messages: list[dict[str, Any]], per_message: int, per_request: int) -> int:
+    """The prompt bound a chat request is admitted on: the UTF-8 bytes of its roles and contents plus the
+    template's costs (docs/admission.md, "Admission on a bound")."""
+    text = sum(len(m[k].encode()) for m in messages for k in ("role", "content"))
+    return text + per_message * len(messages) + per_request
+
+
 def bound_of(body: dict[str, Any]) -> int:
-    """What the sidecar reserves on the bound: text bytes (role and content) + template + max_tokens."""
-    text = sum(len(m[k].encode()) for m in body["messages"] for k in ("role", "content"))
-    return text + 3 * len(body["messages"]) + 3 + int(body["max_tokens"])
+    """What the sidecar reserves on the bound here: the prompt's bound (template 3 + 3) + max_tokens."""
+    return prompt_byte_bound(body["messages"], 3, 3) + int(body["max_tokens"])
 
 
 def test_admitted_on_the_bound_corrected_while_it_streams_and_settled_exactly(stack: Stack) -> None:
