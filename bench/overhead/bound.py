@@ -26,6 +26,7 @@ from bench.overhead import profiles
 from bench.overhead.profiles import Stack, Variant, chat, measured
 
 NEAR_TOKENS = 1700
+SHIPPED = profiles.shipped
 
 STACKS: tuple[tuple[str, Variant, dict[str, Any] | None, tuple[str, ...]], ...] = (
     ("envoy", Variant("none"), None, ("seq_1k", "seq_near", "seq_4k")),
@@ -50,7 +51,7 @@ BODIES = {"seq_1k": chat(1024), "seq_near": chat(NEAR_TOKENS), "seq_4k": chat(40
 
 def config_for(window: int, bound: bool) -> dict[str, Any]:
     """config/local.yaml with llama-3-8b's window and the option set."""
-    config = copy.deepcopy(profiles.shipped())
+    config = copy.deepcopy(SHIPPED())
     config["models"]["llama-3-8b"]["context_window"] = window
     config.setdefault("admission", {})["bound_admission"] = bound
     return config

@@ -221,7 +221,10 @@ class Exchange:
             yield self._refuse(refusals.tokenizer_busy())
             return
         if on_bound is not None:
-            yield on_bound
+            try:
+                yield on_bound
+            finally:
+                self._start_correction()  # the proxy has the verdict: the count is off its critical path
             return
         assert plan is not None
         assert self.klass is not None and self.pool is not None
@@ -316,11 +319,14 @@ class Exchange:
         if not isinstance(result, Lease):
             return None  # a bucket or a slot said no: count, and decide on the exact need
         facts, new_body, strip_usage = self._forwarding(parsed, bound, config)
-        correction = self._correction = provisional.Correction(self.service, self.tokenizer_lane)
-        verdict = self._admit(result, facts, bound, budget, held, strip_usage=strip_usage, new_body=new_body)
-        assert self.admitted is not None
-        correction.start(self.admitted, self._corrected)
-        return verdict
+        self._correction = provisional.Correction(self.service, self.tokenizer_lane)
+        return self._admit(result, facts, bound, budget, held, strip_usage=strip_usage, new_body=new_body)
+
+    def _start_correction(self) -> None:
+        """Count a bound admission exactly: once the proxy has its verdict, or once it ends if that is
+        sooner (its settlement waits for the count). Idempotent."""
+        if self._correction is not None and self.admitted is not None:
+            self._correction.start(self.admitted, self._corrected)
 
     def _corrected(self, admitted: Admitted) -> None:
         self.admitted = admitted
@@ -634,6 +640,7 @@ class Exchange:
         facts = self.facts() if facts is None else facts
         correction = self._correction
         if correction is not None and correction.defer(functools.partial(self._charge, facts)):
+            self._start_correction()
             return  # admitted on a bound: settled with the exact count once it is in (provisional.py)
         self._charge(facts, admitted)
 

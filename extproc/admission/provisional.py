@@ -131,7 +131,10 @@ class Correction:
         return self.stage in (Stage.COUNTING, Stage.REFUNDING)
 
     def start(self, admitted: Admitted, on_corrected: Callable[[Admitted], None]) -> None:
-        """Count `admitted`'s prompts in the background; `on_corrected` receives the corrected admission."""
+        """Count `admitted`'s prompts in the background; `on_corrected` receives the corrected admission.
+        Only the first call starts anything."""
+        if self.task is not None:
+            return
         self._on_corrected = on_corrected
         self.task = self.service.track(asyncio.ensure_future(self._run(admitted)))
 

@@ -365,3 +365,28 @@ async def test_switched_off_every_request_is_counted_first() -> None:
     await r.service.drain()
     assert r.refunds == []
     r.assert_ledger_exact()
+
+
+async def test_the_count_starts_only_once_the_proxy_has_the_verdict() -> None:
+    """Off the critical path: nothing is counted until the handler comes back for the next verdict (it has
+    written this one); a request that ends before then starts its count from the settlement."""
+    r = await rig()
+    exchange = Exchange(r.service)
+    exchange.request_headers(HEAD)
+    verdicts = exchange.request_body(body())
+    verdict = await verdicts.__anext__()
+    assert isinstance(verdict, Forward)
+    correction = exchange.correction
+    assert correction is not None and correction.task is None
+    await settle_loop()
+    assert correction.task is None  # still waiting for the handler
+    exchange.close()  # the request ended first
+    assert correction.task is not None
+    await settle_loop()
+    await r.service.drain()
+    assert correction.stage is Stage.CORRECTED
+    assert r.metric("extproc_tokens_settled_total", model="other", kind="prompt") == exact_prompt(body())
+    r.assert_ledger_exact()
+    with pytest.raises(StopAsyncIteration):
+        await verdicts.__anext__()
+    assert correction.task is not None  # started once
