@@ -16,14 +16,22 @@ Added latency = p50 minus plain Envoy's p50 in the same run; the ratio to the no
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import statistics
 import time
 from typing import Any
 
-from bench.common import write_json
+from bench.common import percentile, write_json
 from bench.overhead import profiles
 from bench.overhead.profiles import Stack, Variant, chat, measured
+from extproc.admission.exchange import Exchange, RequestHead
+from extproc.admission.verdicts import Forward
+from extproc.app import Sidecar
+from extproc.config import parse_config
+from extproc.core.clock import FakeClock
+from extproc.metrics import Metrics
+from extproc.store.local import LocalStore
 
 NEAR_TOKENS = 1700
 SHIPPED = profiles.shipped
@@ -94,11 +102,54 @@ def added(run: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+async def _decisions(raw: bytes, window: int, bound: bool, n: int) -> list[float]:
+    """Time to the admission verdict inside one process (no gRPC, no Envoy): parse, bound or count, plan,
+    limiter, KV budget; the exact count of a bound admission runs after the clock stops."""
+    clock = FakeClock()  # a second per request: the shipped buckets refill, nothing is refused
+    config = parse_config(config_for(window, bound))
+    sidecar = Sidecar(config=config, store=LocalStore(clock), metrics=Metrics(), clock=clock)
+    await sidecar.apply_config(config)
+    head = RequestHead("POST", "/v1/chat/completions", {})
+    times: list[float] = []
+    for i in range(n + 20):
+        clock.advance(1.0)
+        exchange = Exchange(sidecar.admission)
+        exchange.request_headers(head)
+        t0 = time.perf_counter()
+        steps = exchange.request_body(raw)
+        verdict = await steps.__anext__()
+        elapsed = time.perf_counter() - t0
+        assert isinstance(verdict, Forward), verdict
+        async for _ in steps:
+            pass
+        exchange.close()
+        await sidecar.admission.drain()
+        if i >= 20:  # warm-up
+            times.append(elapsed * 1e6)
+    return times
+
+
+def decisions(n: int) -> dict[str, dict[str, float]]:
+    """p50 / p90 µs to the verdict, bound admission on and off, for 1k tokens in 8k and 4k in 32k."""
+    out: dict[str, dict[str, float]] = {}
+    for label, body, window in (("1k-8k", BODIES["seq_1k"], 8192), ("4k-32k", BODIES["seq_4k"], 32768)):
+        for bound in (True, False):
+            times = asyncio.run(_decisions(body, window, bound, n))
+            key = f"{label}-{'on' if bound else 'off'}"
+            out[key] = {"p50_us": percentile(times, 50), "p90_us": percentile(times, 90)}
+            print(f"bound: decision {key}: {out[key]}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--decisions-only", action="store_true", help="in-process time to the verdict")
     args = parser.parse_args()
+    if args.decisions_only:
+        write_json("overhead-bound-decisions.json", decisions(1000))
+        return
     t0 = time.monotonic()
     runs = [[run_stack(*stack, n=args.requests) for stack in STACKS] for _ in range(args.repeat)]
     figures = [added(run) for run in runs]
