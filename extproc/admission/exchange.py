@@ -303,7 +303,7 @@ class Exchange:
         bound = provisional.bound_plan(parsed, self._policy, config.admission.per_step)
         budget = self.service.deps.kv_budget(self.pool)
         if bound is None or not provisional.may_admit_on_bound(
-            self.service, self.klass, budget, parsed, bound, self.tenant
+            self.service, self.klass, budget, parsed, bound, self.tenant, self.tokenizer_lane
         ):
             return None
         held = self._hold_kv(budget, parsed, bound)

@@ -92,14 +92,20 @@ def may_admit_on_bound(
     req: ParsedRequest,
     bound: Reservation,
     tenant: str,
+    lane: str,
 ) -> bool:
     """Whether to try the bound at all: not in shadow mode, not when the class must queue behind others
-    (a queued request waits for its exact need, not an over-estimate), and only if it fits the KV budget."""
+    (a queued request waits for its exact need, not an over-estimate), not when the client's tokenizer lane
+    is busy, and only if it fits the KV budget."""
     config = service.config()
     if not config.admission.bound_admission or config.shadow or klass.shadow:
         return False
     queue = service.deps.queue
     if queue is not None and queue.must_queue(klass.name):
+        return False
+    if req.text_bytes > config.admission.inline_count_bytes and not service.lanes.free(lane):
+        # The count after would wait in the client's tokenizer lane, where it could delay (or, past the
+        # lane's backlog, refuse) the client's next request: count this one first instead.
         return False
     if budget is None:
         return True

@@ -390,3 +390,18 @@ async def test_the_count_starts_only_once_the_proxy_has_the_verdict() -> None:
     with pytest.raises(StopAsyncIteration):
         await verdicts.__anext__()
     assert correction.task is not None  # started once
+
+
+@pytest.mark.parametrize("lane_free", [True, False])
+async def test_a_large_prompt_takes_the_bound_only_while_its_tokenizer_lane_is_free(lane_free: bool) -> None:
+    """The count after must not queue in the client's lane: it could delay or refuse the next request."""
+    r = await rig(config={"models": {"*": {"context_window": 32768}}})
+    raw = body(content=WORDS * 5)  # ~10 kB: counted on the tokenizer threads
+    r.service.lanes.free = lambda _lane: lane_free
+    exchange, verdict = await r.decide(raw)
+    assert isinstance(verdict, Forward)
+    assert (exchange.correction is not None) is lane_free
+    await settle_loop()
+    exchange.close()
+    await r.service.drain()
+    r.assert_ledger_exact()
