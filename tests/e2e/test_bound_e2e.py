@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim, http, profile_stack
+from tests.e2e.conftest import Stack, fixed_step_sim, http, profile_stack, scrape
 
 MODEL = "llama-3-8b"
 TIGHT_TPM = 1000
@@ -51,13 +51,23 @@ def chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
 
 
 def counters(stack: Stack) -> dict[str, float]:
+    """The ledger's counters from one scrape, so a settlement cannot land between two of them."""
+    samples = scrape(f"{stack.stack.admin_url}/metrics")
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            value
+            for (sample, sample_labels), value in samples.items()
+            if sample == name and all(dict(sample_labels).get(k) == v for k, v in labels.items())
+        )
+
     return {
-        "reserved": stack.sidecar("extproc_tokens_reserved_total"),
-        "refunded": stack.sidecar("extproc_tokens_refunded_total"),
-        "overrun": stack.sidecar("extproc_tokens_overrun_total"),
-        "prompt": stack.sidecar("extproc_tokens_settled_total", kind="prompt"),
-        "completion": stack.sidecar("extproc_tokens_settled_total", kind="completion"),
-        "active": stack.sidecar("extproc_active_requests"),
+        "reserved": total("extproc_tokens_reserved_total"),
+        "refunded": total("extproc_tokens_refunded_total"),
+        "overrun": total("extproc_tokens_overrun_total"),
+        "prompt": total("extproc_tokens_settled_total", kind="prompt"),
+        "completion": total("extproc_tokens_settled_total", kind="completion"),
+        "active": total("extproc_active_requests"),
     }
 
 
