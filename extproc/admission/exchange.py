@@ -25,7 +25,7 @@ import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
-from extproc.admission import refusals
+from extproc.admission import provisional, refusals
 from extproc.admission.apis import dialect_for, render_refusal
 from extproc.admission.errors import AdmissionError
 from extproc.admission.headers import ratelimit_headers
@@ -141,10 +141,16 @@ class Exchange:
         self.report_key: str | None = None
         self.ended_at: float | None = None
         self._cut_unseen = False
+        self._correction: provisional.Correction | None = None  # set when admitted on a bound
 
     @property
     def class_name(self) -> str:
         return self.klass.name if self.klass is not None else "none"
+
+    @property
+    def correction(self) -> provisional.Correction | None:
+        """The exact count that follows an admission on the prompt's bound; None when counted first."""
+        return self._correction
 
     @property
     def finished(self) -> bool:
@@ -215,13 +221,22 @@ class Exchange:
             yield self._refuse(refusals.too_large(len(raw), cap))
             return
         try:
-            parsed, plan = await self._plan(raw, config)
+            parsed = await self._parse(raw, config)
+            on_bound = await self._admit_on_bound(parsed, config)  # no count yet (provisional.py)
+            plan = await self._count(parsed, config) if on_bound is None else None
         except AdmissionError as exc:
             yield self._refuse(refusals.invalid(exc))
             return
         except LaneFull:
             yield self._refuse(refusals.tokenizer_busy())
             return
+        if on_bound is not None:
+            try:
+                yield on_bound
+            finally:
+                self._start_correction()  # the proxy has the verdict: the count is off its critical path
+            return
+        assert plan is not None
         assert self.klass is not None and self.pool is not None
         shadow = config.shadow or self.klass.shadow
         budget = self.service.deps.kv_budget(self.pool)
@@ -238,22 +253,8 @@ class Exchange:
                 refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
                 yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
                 return
-        edits = BodyEdits(
-            include_usage=config.admission.inject_include_usage,
-            max_tokens=plan.injected_max_tokens,
-            strip_priority=True,
-            priority=self.klass.backend_priority,
-        )
-        new_body = edit_body(parsed, edits)
-        strip_usage = (
-            edits.include_usage
-            and parsed.stream
-            and not parsed.include_usage
-            and parsed.api in USAGE_OPTION_APIS
-        )
-        # Keep the admission facts, not the parsed body: a waiting request must not hold megabytes of JSON.
-        facts = replace(parsed, body={})
-        keys = ["global", f"model:{self.pool}", f"tenant:{self.tenant}"]
+        facts, new_body, strip_usage = self._forwarding(parsed, plan, config)
+        keys = self._keys()
         result: Lease | Rejection | Refusal | None = None
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         held = self._hold_kv(budget, parsed, plan)
@@ -276,6 +277,69 @@ class Exchange:
             return
         assert isinstance(result, Lease)
         yield self._admit(result, facts, plan, budget, held, strip_usage=strip_usage, new_body=new_body)
+
+    def _forwarding(
+        self, parsed: ParsedRequest, plan: Reservation, config: Config
+    ) -> tuple[ParsedRequest, bytes | None, bool]:
+        """The admission facts kept (not the parsed body: a waiting request must not hold megabytes of
+        JSON), the edited body (None: unchanged), and whether to strip a usage event the client did not
+        ask for."""
+        assert self.klass is not None
+        edits = BodyEdits(
+            include_usage=config.admission.inject_include_usage,
+            max_tokens=plan.injected_max_tokens,
+            strip_priority=True,
+            priority=self.klass.backend_priority,
+        )
+        new_body = edit_body(parsed, edits)
+        strip_usage = (
+            edits.include_usage
+            and parsed.stream
+            and not parsed.include_usage
+            and parsed.api in USAGE_OPTION_APIS
+        )
+        return replace(parsed, body={}), new_body, strip_usage
+
+    def _keys(self) -> list[str]:
+        return ["global", f"model:{self.pool}", f"tenant:{self.tenant}"]
+
+    async def _admit_on_bound(self, parsed: ParsedRequest, config: Config) -> Forward | Refusal | None:
+        """Admit on the prompt's upper bound where it decides, the exact count to follow (`provisional.py`).
+
+        Returns the verdict, or None when the request must be counted first: near the window,
+        when the bound does not fit the KV budget or a bucket, or when it must queue. Nothing is held then.
+        """
+        assert self.klass is not None and self.pool is not None and self._policy is not None
+        bound = provisional.bound_plan(parsed, self._policy, config.admission.per_step)
+        budget = self.service.deps.kv_budget(self.pool)
+        if bound is None or not provisional.may_admit_on_bound(
+            self.service, self.klass, budget, parsed, bound, self.tenant, self.tokenizer_lane
+        ):
+            return None
+        held = self._hold_kv(budget, parsed, bound)
+        result: Lease | Rejection | None = None
+        try:
+            result = await self.service.acquire(self._keys(), bound.total, self.klass.name)
+        except StoreUnavailable:
+            return self._refuse(refusals.store_unavailable())
+        finally:
+            if budget is not None and not isinstance(result, Lease):
+                budget.release(held)
+                self.service.deps.budget_changed(self.pool)
+        if not isinstance(result, Lease):
+            return None  # a bucket or a slot said no: count, and decide on the exact need
+        facts, new_body, strip_usage = self._forwarding(parsed, bound, config)
+        self._correction = provisional.Correction(self.service, self.tokenizer_lane)
+        return self._admit(result, facts, bound, budget, held, strip_usage=strip_usage, new_body=new_body)
+
+    def _start_correction(self) -> None:
+        """Count a bound admission exactly: once the proxy has its verdict, or once it ends if that is
+        sooner (its settlement waits for the count). Idempotent."""
+        if self._correction is not None and self.admitted is not None:
+            self._correction.start(self.admitted, self._corrected)
+
+    def _corrected(self, admitted: Admitted) -> None:
+        self.admitted = admitted
 
     def _hold_kv(self, budget: KvBudget | None, parsed: ParsedRequest, plan: Reservation) -> str:
         """Record the request in the pool's KV budget under an id of its own; returns that id."""
@@ -381,8 +445,8 @@ class Exchange:
             return Forward(set_headers=headers) if headers else FORWARD
         return Forward(set_headers=(*headers, ("content-length", str(len(new_body)))), body=new_body)
 
-    async def _plan(self, raw: bytes, config: Config) -> tuple[ParsedRequest, Reservation]:
-        """Parse, resolve the model's policy and pool, bound and count the prompt, size the reservation."""
+    async def _parse(self, raw: bytes, config: Config) -> ParsedRequest:
+        """Parse, resolve the model's policy and pool, refuse a prompt whose lower bound is too long."""
         assert self.api is not None
         service = self.service
         stored = config.admission.allow_stored_context
@@ -416,10 +480,16 @@ class Exchange:
                 code="context_length_exceeded",
                 param=parsed.prompt_param,
             )
+        return parsed
+
+    async def _count(self, parsed: ParsedRequest, config: Config) -> Reservation:
+        """Count the prompt exactly and size the reservation on it."""
+        service, policy = self.service, self._policy
+        assert policy is not None
         started = service.clock()
         counts = await service.count_prompts(parsed, policy, self.tokenizer_lane)
         service.metrics.tokenize_seconds.observe(service.clock() - started)
-        return parsed, plan_reservation(parsed, counts, policy, config.admission.per_step)
+        return plan_reservation(parsed, counts, policy, config.admission.per_step)
 
     def _check_template(self, parsed: ParsedRequest, config: Config) -> None:
         """A request-supplied chat template can expand a small body into a huge prompt: refuse it unless the
@@ -611,8 +681,15 @@ class Exchange:
         self.phase = Phase.SETTLED
         if self.report_key is not None:
             self.service.forget_report(self.report_key)
-        charge = settle_charge(admitted.plan.prompt_tokens, self.facts() if facts is None else facts)
-        self.service.settle(admitted, charge)
+        facts = self.facts() if facts is None else facts
+        correction = self._correction
+        if correction is not None and correction.defer(functools.partial(self._charge, facts)):
+            self._start_correction()
+            return  # admitted on a bound: settled with the exact count once it is in (provisional.py)
+        self._charge(facts, admitted)
+
+    def _charge(self, facts: ResponseFacts, admitted: Admitted) -> None:
+        self.service.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts))
 
     # -- end report (lean profile) --------------------------------------------------------------------------
     # The proxy reads the response (extproc/admission/reading.py) and reports when the request ended; the

@@ -85,6 +85,7 @@ class AdmissionConfig:
     tokenizer_backlog_per_client: int = _ADMISSION.tokenizer_backlog_per_client
     tokenizer_max_wait_seconds: float = _ADMISSION.tokenizer_max_wait_seconds
     inline_count_bytes: int = _ADMISSION.inline_count_bytes
+    bound_admission: bool = _ADMISSION.bound_admission
     assumed_decode_tokens_per_second: float = _ADMISSION.assumed_decode_tokens_per_second
     envoy_max_message_timeout_seconds: float = _ADMISSION.envoy_max_message_timeout_seconds
     end_report_wait_seconds: float = _ADMISSION.end_report_wait_seconds

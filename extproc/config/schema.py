@@ -134,6 +134,8 @@ class Admission(Section):
     tokenizer_max_wait_seconds: Seconds = 0.5
     # Prompts with at most this many bytes of text are counted on the event loop, without a thread hop.
     inline_count_bytes: NonNegInt = 8 * 1024
+    # Admit on the prompt's byte-length bound where it decides, and count exactly after (provisional.py).
+    bound_admission: Flag = True
     # Per-sequence decode rate assumed for a pool until its completed streams teach the real one; bounds the
     # charge of answers nobody saw (a client that left before the response headers).
     assumed_decode_tokens_per_second: Annotated[float, PlainValidator(number(1.0))] = 100.0

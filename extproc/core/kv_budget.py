@@ -308,6 +308,18 @@ class KvBudget:
         self._demand += lease.footprint - before
         return True
 
+    def correct_prompt(self, lease_id: str, prompt_tokens: int) -> bool:
+        """Lower a lease's prompt to its exact count (it was booked on a bound, `provisional.py`); never
+        raises it. False for an unknown (already released) lease, which is harmless."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        self._last_fit = None
+        before = lease.footprint
+        lease.prompt = max(0, min(lease.prompt, int(prompt_tokens)))
+        self._demand += lease.footprint - before
+        return True
+
     def estimate_progress(self, lease_id: str, tokens: int) -> bool:
         """Completion tokens a request whose stream nobody watches has probably generated (the lean profile,
         from elapsed time and the pool's decode rate): grows its lifetime footprint when it runs past its

@@ -271,6 +271,22 @@ class JointLimiter:
                 state.rebuild(now)  # drops a share whose guarantee was removed once it is empty
         return True
 
+    def refund(self, lease: Lease, tokens: int) -> bool:
+        """Lower an open lease's reservation by `tokens` (at most what it holds), returning them to the
+        buckets it took from, as its settlement would (never above capacity). False once it is settled."""
+        if lease.settled:
+            return False
+        tokens = max(0, min(tokens, lease.reserved_tokens))
+        now = self.clock()
+        for placement in lease.placements:
+            if placement.tokens is None:
+                continue
+            share = self._state(placement.key).shares.get(placement.tokens)
+            if share is not None and share.bucket is not None:
+                share.bucket.settle(tokens, 0, now)
+        lease.reserved_tokens -= tokens
+        return True
+
     def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         unique = tuple(dict.fromkeys(keys))
         return tightest_status(unique, [self._state(k) for k in unique], holder, self.clock())

@@ -27,6 +27,9 @@ class LocalStore:
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         return self.limiter.release(lease, actual_tokens)
 
+    async def refund(self, lease: Lease, tokens: int) -> bool:
+        return self.limiter.refund(lease, tokens)
+
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         return self.limiter.status(keys, holder)
 

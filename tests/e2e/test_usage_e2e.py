@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack, fixed_step_sim, profile_stack
+from tests.e2e.test_bound_e2e import prompt_byte_bound
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -102,7 +103,8 @@ def test_sync_non_streaming_usage_equals_settlement(stack: Stack, client: openai
     assert result.usage is not None
     delta = Ledger.read(stack) - before
     assert_exact(delta, result.usage.prompt_tokens, result.usage.completion_tokens)
-    assert delta.reserved == result.usage.prompt_tokens + 40
+    # Admitted on the prompt's byte bound; `assert_exact` proves the correction to the exact count.
+    assert delta.reserved == prompt_byte_bound(MESSAGES, 3, 3) + 40
 
 
 def test_sync_streaming_with_client_usage(stack: Stack, client: openai.OpenAI) -> None:

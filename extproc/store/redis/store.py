@@ -39,6 +39,7 @@ from extproc.store.redis.connection import (
 from extproc.store.redis.guard import DEFAULT_GUARD_INTERVAL_S, StateGuard
 from extproc.store.redis.keyspace import Keyspace
 from extproc.store.redis.leases import Leases
+from extproc.store.redis.refunds import refund
 from extproc.store.redis.scales import Scales
 from extproc.store.redis.views import Views
 from extproc.store.redis.wake import Wake
@@ -204,6 +205,9 @@ class RedisStore:
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         return await self.leases.release(lease, actual_tokens)
+
+    async def refund(self, lease: Lease, tokens: int) -> bool:
+        return await refund(self.calls, self.keyspace, lease, tokens, self.timeout_s)
 
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         """The tightest remaining capacity over `keys` (one script call; raises `StoreUnavailable`)."""
