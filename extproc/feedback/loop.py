@@ -112,6 +112,11 @@ class FeedbackLoop:
         snap = self._snapshots.get(pool)
         return snap.kv_capacity_tokens if snap is not None and not snap.stale else None
 
+    def decode_tokens_per_second(self, pool: str) -> float | None:
+        """The decode pace per sequence the pool's fresh endpoints publish, None when none does or stale."""
+        snap = self._snapshots.get(pool)
+        return snap.decode_tokens_per_second if snap is not None and not snap.stale else None
+
     def evaluate(self, pools: set[str] | None = None) -> None:
         """Re-aggregate and step the controllers of `pools` (all when None) at `clock()`."""
         now = self._clock()
