@@ -2,16 +2,18 @@
 
 An engine's generation-token counter (vLLM `vllm:generation_tokens_total`, SGLang
 `sglang:realtime_tokens_total{mode="decode"}`: see `engines.py`) grows by every token it generates. Between
-two scrapes, its growth over the interval over the mean number of running requests at the interval's two
-ends is what each running sequence generated per second. The sidecar charges a request whose end it never
-heard of with that pace when it has learned none from its own streams (`extproc.core.decode_rate`), instead
-of a configured assumption that can be five times off.
+two scrapes (at least `min_window_s` apart), its growth over the interval over the mean number of running
+requests at the interval's two ends is what each running sequence generated per second. The sidecar charges
+a request whose end it never heard of with that pace when it has learned none from its own streams
+(`extproc.core.decode_rate`), instead of a configured assumption that can be five times off.
 
-No reading (None) rather than a wrong one: on an endpoint's first scrape, when the counter went down (the
-engine restarted: the new value becomes the baseline), when nothing ran at either end or nothing was generated
-(an idle or stalled engine says nothing about its pace, and a pace of 0 would charge nothing), when a value is
-not a finite non-negative number, when the clock did not move, or when the pace is beyond any engine's
-(`MAX_DECODE_TOKENS_PER_SECOND`). Pure: the caller passes the monotonic time of each scrape.
+No pace (None) rather than a wrong one on an endpoint's first scrape, after a counter that went down (the
+engine restarted: the new value becomes the baseline) and after a value that is not a finite non-negative
+number (the series starts afresh). A window with nothing running at one end or nothing generated (an idle,
+starting, draining or stalled engine says nothing about its pace, and a pace of 0 would charge nothing), a
+pace beyond any engine's (`MAX_DECODE_TOKENS_PER_SECOND`) and a reading before the window is `min_window_s`
+long give no new pace: the last one read is given again. Pure: the caller passes the monotonic time of each
+scrape.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class _Reading:
     running: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Window:
+    start: _Reading
+    held: float | None = None  # the pace of the last window closed, given while the next one fills
+
+
 def plausible_pace(value: float | None) -> float | None:
     """The pace if it can be one (finite, above 0, at most `MAX_DECODE_TOKENS_PER_SECOND`), else None."""
     if value is None or not math.isfinite(value) or not 0.0 < value <= MAX_DECODE_TOKENS_PER_SECOND:
@@ -45,33 +53,48 @@ def _usable(value: float | None) -> bool:
 
 
 class PaceMeter:
-    """The last counter reading per endpoint and model; `observe` gives the pace since the previous one."""
+    """Per endpoint and model, the counter reading a window started at; `observe` gives the pace.
 
-    def __init__(self) -> None:
-        self._last: dict[PaceKey, _Reading] = {}
+    A window closes at the first reading at least `min_window_s` after its start: a scrape's own latency
+    varies by tens of milliseconds, which over a 200 ms interval is a 10 % error in the pace. While a window
+    fills, and after a window that gives no reading, the last pace read is given again: every sample between
+    carries it, and an engine that just drained still has the pace its last requests ran at (what charging
+    them needs). A window with no running request at one end is no reading: the batch started or drained
+    inside it, where the mean of the two ends is off by up to 2x either way.
+    """
+
+    def __init__(self, min_window_s: float = 1.0) -> None:
+        self.min_window_s = min_window_s
+        self._windows: dict[PaceKey, _Window] = {}
 
     def observe(
         self, key: PaceKey, generated: float | None, running: float | None, at: float
     ) -> float | None:
-        """Tokens per second per running sequence since the previous reading of `key`, or None (see above)."""
+        """Tokens per second per running sequence over the last window of `key`, or None (see above)."""
         if generated is None or running is None or not (_usable(generated) and _usable(running)):
-            self._last.pop(key, None)  # a gap in the readings: the next interval starts afresh
+            self._windows.pop(key, None)  # a gap in the readings: the next window starts afresh
             return None
-        prev = self._last.get(key)
-        if prev is not None and at <= prev.at:
-            return None  # the clock did not move: keep the older baseline
-        self._last[key] = _Reading(at, generated, running)
-        if prev is None or generated < prev.generated:
-            return None  # first reading, or a counter reset: this one is the new baseline
-        mean_running = (prev.running + running) / 2.0
-        if mean_running <= 0.0:
+        now = _Reading(at, generated, running)
+        window = self._windows.get(key)
+        if window is None or generated < window.start.generated:
+            self._windows[key] = _Window(now)  # first reading, or a counter reset: the new baseline
             return None
-        return plausible_pace((generated - prev.generated) / (at - prev.at) / mean_running)
+        start = window.start
+        if at - start.at < self.min_window_s or at <= start.at:
+            return window.held
+        pace = None
+        if min(start.running, running) > 0.0:
+            pace = plausible_pace(
+                (generated - start.generated) / (at - start.at) / ((start.running + running) / 2)
+            )
+        held = pace if pace is not None else window.held
+        self._windows[key] = _Window(now, held)
+        return held
 
     def forget(self, endpoint: str) -> None:
-        """Drop an endpoint's baselines (its scrape failed or it left): its counter may restart meanwhile."""
-        for key in [k for k in self._last if k[0] == endpoint]:
-            del self._last[key]
+        """Drop an endpoint's windows (its scrape failed or it left): its counter may restart meanwhile."""
+        for key in [k for k in self._windows if k[0] == endpoint]:
+            del self._windows[key]
 
     def __len__(self) -> int:
-        return len(self._last)
+        return len(self._windows)
