@@ -132,7 +132,9 @@ class FeedbackLoop:
             else:
                 state = ctl.observe(snap.kv_usage, snap.requests_waiting, snap.newest_at, now)
             if self._metrics is not None:
-                self._metrics.observe_state(pool, state, self.capacity_tokens(pool))
+                self._metrics.observe_state(
+                    pool, state, self.capacity_tokens(pool), self.decode_tokens_per_second(pool)
+                )
             if not _same(before, state) and self._on_update is not None:
                 try:
                     self._on_update(pool, state)

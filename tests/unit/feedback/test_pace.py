@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.feed.engines import ServerKind
@@ -13,6 +14,7 @@ from extproc.feed.parse import parse_metrics
 from extproc.feed.sample import FeedSample, checked, from_proto, to_proto
 from extproc.feedback.aggregate import StoredSample, aggregate
 from extproc.feedback.loop import FeedbackLoop
+from extproc.feedback.metrics import register_feedback_metrics
 from extproc.feedback.settings import SubscriberConfig
 
 from .test_engine_fixtures import page
@@ -161,10 +163,19 @@ def test_pool_pace_is_weighted_by_running_and_ignores_stale_or_down_endpoints() 
 
 def test_the_loop_gives_the_pace_of_a_fresh_pool_only() -> None:
     now = [100.0]
-    loop = FeedbackLoop(SubscriberConfig(exporters=("127.0.0.1:1",)), {"m": AdaptiveConfig()}, lambda: now[0])
+    registry = CollectorRegistry()
+    loop = FeedbackLoop(
+        SubscriberConfig(exporters=("127.0.0.1:1",)),
+        {"m": AdaptiveConfig()},
+        lambda: now[0],
+        metrics=register_feedback_metrics(registry),
+    )
     assert loop.decode_tokens_per_second("m") is None
     loop.subscriber.ingest(sample("a:1", 18.0))
     assert loop.decode_tokens_per_second("m") == pytest.approx(18.0)
+    gauge = "extproc_feed_decode_tokens_per_second"
+    assert registry.get_sample_value(gauge, {"pool": "m"}) == pytest.approx(18.0)
     now[0] += 60.0
     loop.evaluate()
     assert loop.decode_tokens_per_second("m") is None  # stale: the pace is no longer read
+    assert math.isnan(registry.get_sample_value(gauge, {"pool": "m"}) or 0.0)
