@@ -59,9 +59,11 @@ class DecodeRates:
         return self.rate_and_source(pool)[0]
 
     def source(self, pool: str) -> RateSource:
+        """Which of the three the pool's rate is now (tests and logs tell a fed charge from a guess)."""
         return self.rate_and_source(pool)[1]
 
     def rate_and_source(self, pool: str) -> tuple[float, RateSource]:
+        """The rate and where it came from; a fed value that is no pace (0, NaN, inf) is not taken."""
         learned = self._rates.get(pool)
         if learned is not None:
             return learned, RateSource.LEARNED
