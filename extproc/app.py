@@ -79,6 +79,7 @@ class Sidecar:
                 settle_executor=self.settle_executor,
             )
         )
+        self.admission.decode_rates.fed = self.feedback.decode_rate  # the feed's pace, until one is learned
         self.lean = LeanRuntime(self.admission)
         self.servicer = ExtProcServicer(self.admission, self.lean)
         self.end_reports = EndReports(self.admission, self.lean.channel)
