@@ -26,12 +26,12 @@ import aiohttp
 import pytest
 
 from extproc.stack import LocalStack, Ports, trust_client_tenant_header
-from tests.e2e.conftest import fixed_step_sim, metric
 from tests.monitoring.live import (
     Prometheus,
     dashboard_targets,
     substitute,
 )
+from tests.support.stack import fixed_step_sim, metric
 
 pytestmark = pytest.mark.e2e
 
