@@ -1,7 +1,7 @@
 """The tests tree's own rule: a test module imports only support modules (tests/support/, a directory's
-helper modules), never another test module nor a conftest. Importing a test module runs its module-level
-fixtures and constants in a second place and ties one suite's layout to another's; a helper two suites need
-belongs in a support module."""
+helper modules), never another test module nor a conftest, and support modules and conftests do not either.
+Importing a test module runs its module-level fixtures and constants in a second place and ties one suite's
+layout to another's; a helper two suites need belongs in a support module."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def forbidden(module: str) -> bool:
 
 def violations() -> list[str]:
     found: list[str] = []
-    for path in sorted(TESTS.rglob("test_*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for module in sorted(set(imported_modules(tree))):
             if forbidden(module):
@@ -40,7 +40,7 @@ def violations() -> list[str]:
     return found
 
 
-def test_no_test_module_imports_another_test_module_or_a_conftest() -> None:
+def test_no_module_of_the_tests_tree_imports_a_test_module_or_a_conftest() -> None:
     assert violations() == []
 
 
