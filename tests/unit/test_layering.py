@@ -135,10 +135,8 @@ def doc_rows(text: str) -> dict[str, DocRow]:
         if not line.startswith("|") or len(cells) != 3 or cells[0] in ("package", "---"):
             continue
         paths = tuple(re.findall(r"`(extproc/[^`]*)`", cells[0]))
-        io = frozenset(word.strip() for word in cells[2].split(",")) - {
-            "none",
-            "\u2013",
-        }  # an en dash: nothing to say
+        # "none" and an en dash both say the row does no I/O.
+        io = frozenset(word.strip() for word in cells[2].split(",")) - {"none", "\u2013"}
         rows[cells[0]] = DocRow(paths, io)
     return rows
 
