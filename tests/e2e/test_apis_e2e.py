@@ -17,8 +17,8 @@ import anthropic
 import openai
 import pytest
 
-from tests.e2e.conftest import Reply, Stack, fixed_step_sim, http, profile_stack
-from tests.e2e.test_usage_e2e import Ledger, assert_exact, wait_settled
+from tests.support.ledger import Ledger, assert_exact, wait_settled
+from tests.support.stack import Reply, Stack, fixed_step_sim, http, profile_stack
 
 MODEL = "llama-3-8b"
 WINDOW = 8192

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim, http, profile_stack, scrape
+from tests.support.ledger import prompt_byte_bound
+from tests.support.stack import Stack, fixed_step_sim, http, profile_stack, scrape
 
 MODEL = "llama-3-8b"
 TIGHT_TPM = 1000
@@ -90,13 +91,6 @@ def post(stack: Stack, body: dict[str, Any]) -> urllib.request.Request:
     request = urllib.request.Request(f"{stack.url}/v1/chat/completions", data=raw, method="POST")
     request.add_header("content-type", "application/json")
     return request
-
-
-def prompt_byte_bound(messages: list[dict[str, Any]], per_message: int, per_request: int) -> int:
-    """The prompt bound a chat request is admitted on: the UTF-8 bytes of its roles and contents plus the
-    template's costs (docs/admission.md, "Admission on a bound")."""
-    text = sum(len(m[k].encode()) for m in messages for k in ("role", "content"))
-    return text + per_message * len(messages) + per_request
 
 
 def bound_of(body: dict[str, Any]) -> int:

@@ -22,7 +22,7 @@ import pytest
 from extproc.envoy_yaml import http_connection_managers
 from extproc.lean.render import EXTPROC_CLUSTER
 from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
-from tests.e2e.conftest import fixed_step_sim, metric
+from tests.support.stack import fixed_step_sim, metric
 
 MODEL = "llama-3-8b"
 STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine

@@ -18,9 +18,8 @@ import openai
 import pytest
 
 from extproc.stack import PROFILES, LocalStack, Ports
-from tests.e2e.conftest import Stack, fixed_step_sim
-from tests.e2e.test_bound_e2e import prompt_byte_bound
-from tests.e2e.test_usage_e2e import Ledger
+from tests.support.ledger import Ledger, prompt_byte_bound
+from tests.support.stack import Stack, fixed_step_sim
 
 pytestmark = pytest.mark.e2e
 

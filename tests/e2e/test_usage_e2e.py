@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim, profile_stack
-from tests.e2e.test_bound_e2e import prompt_byte_bound
+from tests.support.ledger import Ledger, assert_exact, prompt_byte_bound, wait_settled
+from tests.support.stack import Stack, fixed_step_sim, profile_stack
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -50,51 +49,6 @@ def stack(make_stack: Any, profile: str) -> Iterator[Stack]:
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
-
-
-@dataclass
-class Ledger:
-    """The sidecar's and the simulator's token counters, to diff around one call."""
-
-    reserved: float
-    refunded: float
-    prompt: float
-    completion: float
-    sim_prompt: float
-    sim_generated: float
-
-    @classmethod
-    def read(cls, stack: Stack) -> Ledger:
-        settled_done = wait_settled(stack)
-        assert settled_done
-        return cls(
-            reserved=stack.sidecar("extproc_tokens_reserved_total"),
-            refunded=stack.sidecar("extproc_tokens_refunded_total"),
-            prompt=stack.sidecar("extproc_tokens_settled_total", kind="prompt"),
-            completion=stack.sidecar("extproc_tokens_settled_total", kind="completion"),
-            sim_prompt=stack.upstream("vllm:prompt_tokens_total"),
-            sim_generated=stack.upstream("vllm:generation_tokens_total"),
-        )
-
-    def __sub__(self, other: Ledger) -> Ledger:
-        return Ledger(*(a - b for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
-
-
-def wait_settled(stack: Stack, limit_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if stack.sidecar("extproc_active_requests") == 0:
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def assert_exact(delta: Ledger, prompt: int, completion: int) -> None:
-    assert delta.prompt == prompt
-    assert delta.completion == completion
-    assert delta.refunded == delta.reserved - (prompt + completion)
-    assert delta.sim_prompt == prompt
-    assert delta.sim_generated == completion
 
 
 def test_sync_non_streaming_usage_equals_settlement(stack: Stack, client: openai.OpenAI) -> None:

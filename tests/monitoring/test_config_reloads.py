@@ -30,7 +30,7 @@ from extproc.config import MAX_PROBLEM_CHARS, Config, ConfigError, ConfigWatcher
 from extproc.config_load import load_isolated
 from extproc.metrics import MAX_TENANT_KEYS, Metrics
 from extproc.store.local import LocalStore
-from tests.component.test_server import body_msg, chat, headers_msg
+from tests.support.servicer import body_msg, chat, headers_msg
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG: dict[str, Any] = {

@@ -12,7 +12,7 @@ from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
-from tests.component.test_server import chat
+from tests.support.servicer import chat
 
 HEAD = RequestHead("POST", "/v1/chat/completions", {})
 
