@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import math
 import os
 import random
@@ -30,10 +31,12 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
 import openai
 import tiktoken
 
@@ -66,6 +69,7 @@ class Outcome:
     ttft_s: float | None = None
     end_s: float = 0.0
     completion: int = 0
+    admitted_ttft_s: float | None = None  # from the attempt that was served (after the SDK's retries)
 
 
 @dataclass
@@ -76,11 +80,14 @@ class RunResult:
     ok: int
     refused: int
     errors: int
+    error_statuses: dict[int, int]
     preemptions: float
     goodput_tok_s: float
     slo_goodput_tok_s: float
     ttft_p50_s: float | None
     ttft_p99_s: float | None
+    admitted_ttft_p50_s: float | None
+    admitted_ttft_p99_s: float | None
     kv_mean: float
     kv_peak: float
     wall_s: float
@@ -172,8 +179,21 @@ class KvSampler(threading.Thread):
                 self.samples.append(metric(self.url, "vllm:kv_cache_usage_perc"))
 
 
+ATTEMPT: contextvars.ContextVar[list[float]] = contextvars.ContextVar("attempt")
+"""When the current request's latest HTTP attempt was sent (set by an httpx hook, per task): the SDK retries
+inside one call, and the TTFT of an admitted request counts from the attempt that was admitted."""
+
+
+async def _mark_attempt(_request: httpx.Request) -> None:
+    holder = ATTEMPT.get(None)
+    if holder is not None:
+        holder[0] = time.monotonic()
+
+
 async def send(client: openai.AsyncOpenAI, text: str, output: int, start: float) -> Outcome:
     sent = time.monotonic()
+    attempt = [sent]
+    ATTEMPT.set(attempt)
     try:
         stream = await client.completions.create(
             model=MODEL,
@@ -183,26 +203,32 @@ async def send(client: openai.AsyncOpenAI, text: str, output: int, start: float)
             stream_options={"include_usage": True},
         )
         ttft: float | None = None
+        admitted_ttft: float | None = None
         completion = 0
         async for chunk in stream:
             if ttft is None and chunk.choices and chunk.choices[0].text:
                 ttft = time.monotonic() - sent
+                admitted_ttft = time.monotonic() - attempt[0]
             if chunk.usage is not None:
                 completion = chunk.usage.completion_tokens
-        return Outcome(200, ttft, time.monotonic() - start, completion)
-    except openai.RateLimitError:
-        return Outcome(429, end_s=time.monotonic() - start)
+        return Outcome(200, ttft, time.monotonic() - start, completion, admitted_ttft)
+    except openai.APIStatusError as exc:
+        return Outcome(exc.status_code, end_s=time.monotonic() - start)
     except (openai.APIError, OSError):
-        return Outcome(500, end_s=time.monotonic() - start)
+        return Outcome(599, end_s=time.monotonic() - start)  # no HTTP answer (reset, timeout)
 
 
 async def replay(
     url: str, trace: list[Shaped], words: list[str], retries: int, deadline_s: float
 ) -> list[Outcome]:
     start = time.monotonic()
-    async with openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=retries, timeout=deadline_s
-    ) as client:
+    hooks = {"request": [_mark_attempt]}
+    async with (
+        httpx.AsyncClient(event_hooks=hooks, timeout=deadline_s) as http_client,
+        openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=retries, http_client=http_client
+        ) as client,
+    ):
 
         async def at(i: int, req: Shaped) -> Outcome:
             await asyncio.sleep(max(0.0, req.at - (time.monotonic() - start)))
@@ -215,9 +241,14 @@ async def replay(
         return [t.result() if t in done else Outcome(504) for t in tasks]
 
 
+def p99(values: list[float]) -> float | None:
+    return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)] if values else None
+
+
 def summarize(mode: str, client: str, outcomes: list[Outcome], wall: float, kv: list[float]) -> RunResult:
     ok = [o for o in outcomes if o.status == 200]
     ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+    admitted = sorted(o.admitted_ttft_s for o in ok if o.admitted_ttft_s is not None)
     tokens = sum(o.completion for o in ok)
     slo = sum(o.completion for o in ok if o.ttft_s is not None and o.ttft_s <= SLO_TTFT_S)
     busy = [k for k in kv if k > 0] or [0.0]
@@ -228,11 +259,14 @@ def summarize(mode: str, client: str, outcomes: list[Outcome], wall: float, kv: 
         ok=len(ok),
         refused=sum(o.status == 429 for o in outcomes),
         errors=sum(o.status not in (200, 429) for o in outcomes),
+        error_statuses=dict(Counter(o.status for o in outcomes if o.status not in (200, 429))),
         preemptions=0.0,
         goodput_tok_s=tokens / wall,
         slo_goodput_tok_s=slo / wall,
         ttft_p50_s=statistics.median(ttfts) if ttfts else None,
-        ttft_p99_s=ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)] if ttfts else None,
+        ttft_p99_s=p99(ttfts),
+        admitted_ttft_p50_s=statistics.median(admitted) if admitted else None,
+        admitted_ttft_p99_s=p99(admitted),
         kv_mean=statistics.fmean(busy),
         kv_peak=max(kv or [0.0]),
         wall_s=wall,
@@ -278,7 +312,7 @@ def start_engine(workdir: Path) -> tuple[Process, str]:
     return process, url
 
 
-SIM_TIMING = ("--step-base-ms", "6", "--decode-per-seq-ms", "0.4", "--prefill-per-token-ms", "0.02")
+SIM_TIMING = ("--step-base-ms", "9", "--decode-per-seq-ms", "0.6", "--prefill-per-token-ms", "0.3")
 """The simulator's step cost fitted to the CPU engine's direct run (docs/simulator.md, calibration)."""
 
 
