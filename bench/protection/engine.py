@@ -312,7 +312,7 @@ def start_engine(workdir: Path) -> tuple[Process, str]:
     return process, url
 
 
-SIM_TIMING = ("--step-base-ms", "9", "--decode-per-seq-ms", "0.6", "--prefill-per-token-ms", "0.3")
+SIM_TIMING = ("--step-base-ms", "7", "--decode-per-seq-ms", "0.5", "--prefill-per-token-ms", "0.08")
 """The simulator's step cost fitted to the CPU engine's direct run (docs/simulator.md, calibration)."""
 
 
