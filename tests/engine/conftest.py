@@ -47,6 +47,9 @@ CACHE_TOKENS = BLOCK_TOKENS * BLOCKS
 MAX_MODEL_LEN = 8192
 START_TIMEOUT_S = 420.0
 """A cold start on two shared cores: imports, model load, warm-up. Generous, never a skip."""
+ENGINE_TEST_TIMEOUT_S = 900
+"""pytest-timeout's limit for an engine test, its fixtures' setup included (the first one builds the model
+and starts the engine; the suite's default 120 s would cut a slow start)."""
 
 
 @dataclass

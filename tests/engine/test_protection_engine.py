@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import Stack, http, metric
-from tests.engine.conftest import CACHE_TOKENS, MODEL, Engine
+from tests.engine.conftest import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.engine.stacks import engine_config, start_gateway, wait_idle
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 REQUESTS = 10
 PROMPT_WORDS = 1000

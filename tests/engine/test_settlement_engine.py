@@ -17,10 +17,10 @@ import pytest
 
 from extproc.stack import PROFILES
 from tests.e2e.conftest import Stack, http
-from tests.engine.conftest import MODEL, Engine
+from tests.engine.conftest import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.engine.stacks import Ledger, assert_settled_as_engine, engine_config, start_gateway
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 EOT_ID = 100263
 """`<|eot_id|>` in the tiny model's vocabulary (tests/engine/build_model.py): the model's stop token."""

@@ -15,6 +15,7 @@ import json
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
@@ -22,10 +23,10 @@ from extproc.admission.paths import DEFAULT_TABLE, KNOWN_REFUSED, RouteKind, nor
 from extproc.feed.engines import ServerKind
 from extproc.feed.parse import parse_metrics
 from tests.e2e.conftest import Stack, http, metric
-from tests.engine.conftest import CACHE_TOKENS, MODEL, Engine
+from tests.engine.conftest import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.engine.stacks import engine_config, start_gateway
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 HTTP_METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH")
 
@@ -97,11 +98,13 @@ def test_feed_parser_reads_the_live_page(engine: Engine) -> None:
 
 
 @pytest.fixture(scope="module")
-def fed_stack(engine: Engine) -> Stack:
-    config = engine_config()
-    gateway = start_gateway(engine, config, "lean", with_exporter=True)
-    yield Stack(gateway)  # type: ignore[misc]
-    gateway.stop()
+def fed_stack(engine: Engine) -> Iterator[Stack]:
+    """A gateway whose KV feed comes from an exporter scraping the engine, as a DaemonSet would."""
+    gateway = start_gateway(engine, engine_config(), "lean", with_exporter=True)
+    try:
+        yield Stack(gateway)
+    finally:
+        gateway.stop()
 
 
 def test_exporter_feeds_the_sidecar_from_the_live_page(fed_stack: Stack) -> None:
