@@ -241,16 +241,18 @@ class Exchange:
         shadow = config.shadow or self.klass.shadow
         budget = self.service.deps.kv_budget(self.pool)
         if budget is not None:
+            now = self.service.clock()
             fits, headroom = budget.would_fit(
                 plan.prompt_tokens,
                 plan.completion_tokens,
                 self.tenant,
-                now=self.service.clock(),
+                now=now,
                 sequences=parsed.sequences * parsed.prompt_count,
                 committed=plan.committed_completion_tokens,
             )
             if not fits:
-                refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0)
+                wait = refusals.kv_retry_after(budget, self.service.retry_hints, self.pool, now)
+                refusal = refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait)
                 yield self._shadow_pass(refusal.reason) if shadow else self._refuse(refusal)
                 return
         facts, new_body, strip_usage = self._forwarding(parsed, plan, config)
