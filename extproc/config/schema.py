@@ -157,6 +157,7 @@ class Template(Section):
 
     per_message: NonNegInt | None = None
     per_request: NonNegInt | None = None
+    bos: NonNegInt | None = None
 
 
 class Media(Section):
