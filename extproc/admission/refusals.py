@@ -112,11 +112,14 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
 def kv_retry_after(budget: KvBudget, hints: RetryHints, pool: str, now: float) -> float:
     """A KV-budget refusal's `retry-after`: when enough booked KV is forecast to free for the request just
     refused (`KvBudget.fit_etas`), the n-th refused client of a pool aiming at the n-th release so a flood
-    does not come back all at once (`RetryHints`). A fixed second would spend an SDK's two default
-    retries within two seconds while the admitted answers run for ten."""
+    does not come back all at once (`RetryHints`); at least the fixed second. A fixed second alone would
+    spend an SDK's two default retries within two seconds while the admitted answers run for ten."""
     etas = [max(MIN_REMAINING_S, eta) for eta in budget.fit_etas(now)]
     hint = hints.hint(f"kv:{pool}", etas, now)
-    return KV_RETRY_AFTER_S if hint is None else hint
+    # Never sooner than the fixed second: a forecast that says "now" for a request it just refused is wrong
+    # (a pace learned at a smaller batch, leases taken for finished), and clients following it would spend
+    # their retries in a few hundred milliseconds (measured on vLLM: hints of 50 ms).
+    return KV_RETRY_AFTER_S if hint is None else max(KV_RETRY_AFTER_S, hint)
 
 
 def kv_budget(model: str, needed: int, headroom: int, retry_after_s: float = KV_RETRY_AFTER_S) -> Refusal:

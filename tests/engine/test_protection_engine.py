@@ -111,7 +111,9 @@ def test_gateway_overload_preempts_nothing(engine: Engine, gateway: Stack) -> No
     hints = [hint for _, given in results for hint in given]
     assert hints, "the overload never reached the KV budget"
     assert preemptions(engine) - before == 0
-    # The refusals' retry-after is the forecast of when booked KV frees: admitted answers run for seconds,
-    # so the hints reach past the fixed second they used to be.
-    assert max(hints) > 1.5, hints
+    # The refusals' retry-after is the forecast of when booked KV frees, never under a second: a pace
+    # learned from one short stream is faster than the overloaded batch's, and a forecast of "now" for a
+    # refused request once sent clients back within 50 ms. Admitted answers run for seconds, so most runs
+    # also see hints well past the second (tests/unit/core/test_kv_fit_etas.py pins the arithmetic).
+    assert min(hints) >= 1.0, hints
     wait_idle(gateway)

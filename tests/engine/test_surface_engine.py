@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import re
 import time
 import urllib.request
@@ -123,7 +124,8 @@ def test_exporter_feeds_the_sidecar_from_the_live_page(fed_stack: Stack) -> None
         reply = pool.submit(http, "POST", f"{fed_stack.url}/v1/completions", body)
         seen = 0.0
         while not reply.done() and seen == 0:
-            seen = fed_stack.sidecar("extproc_kv_usage_ratio")
+            value = fed_stack.sidecar("extproc_kv_usage_ratio")
+            seen = 0.0 if math.isnan(value) else value  # NaN until the pool's first sample
             time.sleep(0.05)
         assert reply.result().status == 200
     # 1,500 prompt tokens and part of the answer: at least 12 of the 127 usable blocks.

@@ -64,3 +64,11 @@ def test_hints_are_bounded_by_what_sdks_honour() -> None:
     budget.admit("slow", 100, 800, now=0.0)
     budget.would_fit(100, 300, now=0.0)
     assert refusals.kv_retry_after(budget, RetryHints(jitter=0.0), "pool", 0.0) == 60.0
+
+
+def test_a_forecast_of_now_is_not_followed_below_a_second() -> None:
+    """Leases taken for finished (a pace learned too fast) give an ETA of ~0 for a request just refused."""
+    budget = budget_at_pace(100.0)
+    budget.would_fit(100, 300, now=10.0)  # 10 s in, at 100 tokens/s both leases should have ended
+    assert budget.fit_etas(10.0) == [0.0, 0.0]
+    assert refusals.kv_retry_after(budget, RetryHints(jitter=0.0), "pool", 10.0) == refusals.KV_RETRY_AFTER_S
