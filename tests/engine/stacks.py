@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from extproc.stack import LocalStack, Ports, trust_client_tenant_header
-from tests.e2e.conftest import Stack
-from tests.engine.conftest import MAX_MODEL_LEN, MODEL, Engine
+from tests.support.engine import MAX_MODEL_LEN, MODEL, Engine
+from tests.support.stack import Stack
 
 LLAMA3_TEMPLATE = {"per_message": 4, "per_request": 5, "bos": 1}
 """Llama-3's template costs as measured on this engine (docs/configuration.md, template costs): a message is

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, http, metric
-from tests.engine.conftest import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.engine.stacks import engine_config, start_gateway, wait_idle
+from tests.support.engine import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
+from tests.support.stack import Stack, http, metric
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 

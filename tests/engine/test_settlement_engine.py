@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from extproc.stack import PROFILES
-from tests.e2e.conftest import Stack, http
-from tests.engine.conftest import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.engine.stacks import Ledger, assert_settled_as_engine, engine_config, start_gateway
+from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
+from tests.support.stack import Stack, http
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 

@@ -23,9 +23,9 @@ import pytest
 from extproc.admission.paths import DEFAULT_TABLE, KNOWN_REFUSED, RouteKind, normalize_path
 from extproc.feed.engines import ServerKind
 from extproc.feed.parse import parse_metrics
-from tests.e2e.conftest import Stack, http, metric
-from tests.engine.conftest import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.engine.stacks import engine_config, start_gateway
+from tests.support.engine import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
+from tests.support.stack import Stack, http, metric
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
