@@ -37,9 +37,10 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import struct_pb2
 
+from extproc.admission.names import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
 from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.service import AdmissionService
-from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE, ReportChannel
+from extproc.server_lean import ReportChannel
 
 if TYPE_CHECKING:
     from extproc.report_relay import ReportRelay

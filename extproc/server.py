@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.admission.exchange import Exchange
+from extproc.admission.names import UPSTREAM_SERVICE_TIME
 from extproc.admission.service import AdmissionService
 from extproc.admission.verdicts import Refusal
 from extproc.server_lean import LeanRuntime, LeanTranslator, is_lean
@@ -37,13 +38,6 @@ from extproc.wire import (
 __all__ = ["EXT_PROC_ATTRIBUTES", "ExtProcServicer", "StreamTranslator", "client_address"]
 
 log = logging.getLogger(__name__)
-
-UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"
-"""Set by Envoy's router on every upstream response to a complete request, unless its
-`suppress_envoy_headers` is on (envoy source/common/router/router.cc Filter::onUpstreamHeaders, v1.40): an
-error response without it was made by a filter between the sidecar and the router, and never reached the
-backend. Keep `suppress_envoy_headers` off (every shipped config does): behind such a router the backend's own
-errors would be taken for local ones and their prompt refunded."""
 
 
 class StreamTranslator:

@@ -44,6 +44,15 @@ from google.protobuf.duration_pb2 import Duration
 
 from extproc.admission.exchange import Exchange, Phase, RequestHead
 from extproc.admission.headers import ratelimit_headers
+from extproc.admission.names import (
+    FORWARDED_REQUEST_HEADERS,
+    NAMESPACE,
+    RATELIMIT_HEADERS,
+    READ_SPEC_KEY,
+    REPORT_KEY,
+    RESPONSE_NAMESPACE,
+    tenant_attribute,
+)
 from extproc.admission.reading import ReadSpec
 from extproc.admission.service import AdmissionService
 from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
@@ -57,30 +66,18 @@ from extproc.wire import (
     on_request_headers,
 )
 
+__all__ = [
+    "NAMESPACE",
+    "RATELIMIT_HEADERS",
+    "REPORT_KEY",
+    "RESPONSE_NAMESPACE",
+    "LeanRuntime",
+    "LeanTranslator",
+    "is_lean",
+    "tenant_attribute",
+]
+
 log = logging.getLogger(__name__)
-
-NAMESPACE = "extproc"
-"""Dynamic-metadata namespace the sidecar writes (ext_proc `metadata_options.receiving_namespaces`)."""
-
-RESPONSE_NAMESPACE = "extproc.response"
-"""Dynamic-metadata namespace the Lua filter writes and the access log brings back."""
-
-REPORT_KEY = "id"
-"""The report key in `NAMESPACE`; only requests that carry it are logged (the access log's filter)."""
-
-FORWARDED_REQUEST_HEADERS = ("x-vllm-priority",)
-"""Request headers the sidecar may set on an admitted request. Envoy skips the request headers in this
-profile, so the sidecar passes them as metadata and the route adds them (`request_headers_to_add`)."""
-
-RATELIMIT_HEADERS = (
-    "x-ratelimit-limit-requests",
-    "x-ratelimit-remaining-requests",
-    "x-ratelimit-reset-requests",
-    "x-ratelimit-limit-tokens",
-    "x-ratelimit-remaining-tokens",
-    "x-ratelimit-reset-tokens",
-)
-"""Response headers the route copies from the admission's metadata (`response_headers_to_add`)."""
 
 TICK_SECONDS = 0.2
 """How often open lean requests are checked: the KV budget's estimate of their progress, and cuts."""
@@ -100,12 +97,6 @@ def is_lean(request: pb.ProcessingRequest) -> bool:
     if not request.HasField("protocol_config"):
         return False
     return bool(request.protocol_config.response_body_mode != _MODE.STREAMED)
-
-
-def tenant_attribute(header: str) -> str:
-    """The CEL attribute that gives the sidecar one request header without the header phase
-    (`request.headers` is a map; Envoy 1.40 evaluates each `request_attributes` entry as an expression)."""
-    return f"request.headers['{header}']"
 
 
 def _attribute(request: pb.ProcessingRequest, name: str) -> str | None:
@@ -378,7 +369,7 @@ class LeanTranslator:
         key, spec = exchange.expect_report()
         fields = reply.dynamic_metadata.fields[NAMESPACE].struct_value.fields
         fields[REPORT_KEY].string_value = key
-        fields["read"].CopyFrom(self.runtime.specs.value(spec, admitted.strip_usage))
+        fields[READ_SPEC_KEY].CopyFrom(self.runtime.specs.value(spec, admitted.strip_usage))
         for name, value in ratelimit_headers(admitted.lease.status):
             fields[name].string_value = value
         for name, value in forward.set_headers:
