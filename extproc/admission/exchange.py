@@ -27,17 +27,15 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
 from extproc.admission import refusals
-from extproc.admission.apis import dialect_for
+from extproc.admission.answer import Answer
 from extproc.admission.decision import Decision, Granted, RequestFacts, Shadowed, refuse
 from extproc.admission.headers import ratelimit_headers
-from extproc.admission.inflight import InFlight, Seen
+from extproc.admission.inflight import InFlight
 from extproc.admission.names import FORWARDED_REQUEST_HEADERS
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, RouteKind
 from extproc.admission.reading import spec_for
 from extproc.admission.service import AdmissionService
-from extproc.admission.settlement import ResponseFacts
 from extproc.admission.unseen import UnseenStreams
-from extproc.admission.usage import ResponseUsageTracker
 from extproc.admission.verdicts import (
     FORWARD,
     PASSTHROUGH,
@@ -51,14 +49,6 @@ from extproc.admission.verdicts import (
 
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""
-
-PICKER_REFUSALS = frozenset({429, 503})
-"""The statuses an inference pool's endpoint picker refuses with (ImmediateResponse 429: shed; 503: no ready
-endpoint; gateway-api-inference-extension v1.6.0 docs/proposals/004-endpoint-picker-protocol). Inline, only
-these, without the router's header, count as never forwarded: Envoy's router makes its own 502 and 504
-without that header too, after the backend may have read the prompt, and they keep the backend-error rule.
-Its own 503 (connection failure, or a reset before the response) is refunded in full like a picker's: the
-inline profile cannot tell them apart; the lean one can (no byte sent upstream)."""
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
@@ -86,35 +76,6 @@ class RequestHead:
     client: str | None = None  # the client's address, when the proxy sends it
 
 
-@dataclass(slots=True)
-class _Response:
-    """What the inline profile has seen of the upstream's answer, and when its first chunk came."""
-
-    status: int | None
-    tracker: ResponseUsageTracker
-    streaming: bool = False
-    completed: bool = False
-    first_chunk_at: float | None = None
-    forwarded: bool = True
-
-    def seen(self, live: bool = False, decode_s: float | None = None) -> Seen:
-        tracker = self.tracker
-        facts = ResponseFacts(
-            upstream_status=self.status,
-            completed=self.completed or tracker.done_seen,
-            usage=tracker.usage,
-            error_seen=tracker.error_seen,
-            forwarded=self.forwarded,
-        )
-        return Seen(
-            facts,
-            streamed=self.streaming,
-            live=live,
-            content_since=self.first_chunk_at,
-            decode_s=decode_s,
-        )
-
-
 class Exchange:
     """One request: routing, its decision, and what is seen of its answer (see the module docstring)."""
 
@@ -125,7 +86,7 @@ class Exchange:
         self.request: RequestFacts | None = None
         self.model_label = "unknown"
         self.inflight: InFlight | None = None
-        self.response: _Response | None = None
+        self.response: Answer | None = None
         self._closed = False
 
     @property
@@ -232,27 +193,13 @@ class Exchange:
     ) -> Forward:
         """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers.
         `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so a picker
-        refusal status (PICKER_REFUSALS) came from a filter after the sidecar and the request was not
+        refusal status (`answer.PICKER_REFUSALS`) came from a filter after the sidecar and the request was not
         forwarded."""
         inflight = self.inflight
         if inflight is None or self.phase is not Phase.ADMITTED:
             return FORWARD
         admitted = inflight.admitted
-        streaming = "text/event-stream" in content_type
-        ok = status is not None and status < 400
-        tracker = ResponseUsageTracker(
-            streaming=streaming,
-            encoding=admitted.policy.encoding,
-            strip_usage_chunk=admitted.strip_usage and streaming and ok,
-            dialect=dialect_for(admitted.request.api),
-        )
-        self.response = response = _Response(
-            status=status,
-            tracker=tracker,
-            streaming=streaming,
-            completed=end_of_stream,
-            forwarded=from_router or ok or status not in PICKER_REFUSALS,
-        )
+        self.response = response = Answer.open(admitted, status, content_type, end_of_stream, from_router)
         self._phase = Phase.RESPONDING
         inflight.observe(response.seen())
         return Forward(set_headers=ratelimit_headers(admitted.lease.status))

@@ -18,10 +18,11 @@ import logging
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from extproc.admission.booking import KvBooking
+from extproc.admission.hints import SlotHints
 from extproc.admission.lanes import Lanes
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.prompt import Count
@@ -31,9 +32,9 @@ from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Lease, Reason, Rejection
+from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
-from extproc.core.slot_eta import MIN_REMAINING_S, RetryHints, remaining_times
+from extproc.core.slot_eta import OpenLease
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
 
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
     from extproc.admission.inflight import InFlight
 
 log = logging.getLogger(__name__)
-
-ETA_CACHE_S = 0.05
-"""How long a key's open-lease remaining times are reused for retry hints."""
 
 
 @dataclass
@@ -118,8 +116,7 @@ class AdmissionService:
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
     _open: set[OpenStream] = field(default_factory=set)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
-    retry_hints: RetryHints = field(default_factory=RetryHints)
-    _etas: dict[str, tuple[float, list[float]]] = field(default_factory=dict)
+    slot_hints: SlotHints = field(default_factory=SlotHints)
     lanes: Lanes = field(init=False)
     # Lean profile: admitted exchanges whose end the proxy reports, by report key (`expect_report`).
     _reports: dict[str, InFlight] = field(default_factory=dict)
@@ -173,29 +170,16 @@ class AdmissionService:
     # -- retry hints ----------------------------------------------------------------------------------------
 
     def retry_hint(self, rejection: Rejection) -> Rejection:
-        """A slot refusal's `retry-after` from the leases open on its key (see `core/slot_eta.py`), in place
-        of the store's average-based estimate; leases held by other replicas of a shared store are not
-        seen here, so the store's estimate stays when this replica holds none on the key."""
-        if rejection.reason is not Reason.CONCURRENCY:
-            return rejection
-        now = self.clock()
-        cached = self._etas.get(rejection.key)
-        if cached is None or now - cached[0] > ETA_CACHE_S:
-            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
-            leases = [
-                lease
-                for stream in self._open
-                if (inflight := stream.inflight) is not None
-                and (lease := inflight.open_lease(rejection.key)) is not None
-            ]
-            cached = self._etas[rejection.key] = (now, remaining_times(leases))
-            if len(self._etas) > 1024:
-                self._etas = {rejection.key: cached}
-        etas = [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]
-        hint = self.retry_hints.hint(rejection.key, etas, now)
-        if hint is None:
-            return rejection
-        return replace(rejection, retry_after_s=hint, status=replace(rejection.status, reset_requests_s=hint))
+        """A slot refusal's `retry-after` from the leases open here on its key (`hints.py`)."""
+        return self.slot_hints.apply(rejection, self.clock(), self._open_leases)
+
+    def _open_leases(self, key: str) -> list[OpenLease]:
+        """The requests whose streams are open here and that hold a lease on `key`."""
+        return [
+            lease
+            for stream in self._open
+            if (inflight := stream.inflight) is not None and (lease := inflight.open_lease(key)) is not None
+        ]
 
     # -- leases --------------------------------------------------------------------------------------------
 
