@@ -3,7 +3,8 @@
 A request is checked (`fits`), booked before the limiter's await (`hold`, so that concurrent decisions see
 each other's footprints), given back if it is not admitted (`give_back`), followed while it runs (`progress`
 from the chunks the inline profile sees, `follow` from the decode-rate estimate where nobody sees them), and
-released when it settles (`release`). Each change that can move the budget's headroom tells the feedback
+released when it settles (`release`); a completed stream nobody watched teaches it the pool's pace
+(`learn_pace`). Each change that can move the budget's headroom tells the feedback
 side (`changed`), which republishes the pool's KV state.
 """
 
@@ -97,6 +98,11 @@ class KvBooking:
             return False
         self.budget.estimate_progress(self.id, estimated_tokens)
         return True
+
+    def learn_pace(self, first_token_after_s: float, tokens_per_sequence: float, decode_s: float) -> None:
+        """A completed stream the budget did not watch (lean) teaches its forecast the pool's pace."""
+        if self.budget is not None:
+            self.budget.observe_unseen_stream(first_token_after_s, tokens_per_sequence, decode_s)
 
     def expected_completion(self, allowance: float) -> float:
         """The completion the budget expects of a request allowed `allowance` tokens per sequence (without

@@ -64,9 +64,8 @@ def learn_pace(
     request = admitted.request
     tokens = completion_tokens / max(1, request.sequences * request.prompt_count) - 1
     rates.observe(admitted.pool, tokens, decode_s)
-    budget = admitted.booking.budget
-    if budget is not None and first_token_after_s is not None:
-        budget.observe_unseen_stream(first_token_after_s, tokens, decode_s)
+    if first_token_after_s is not None:
+        admitted.booking.learn_pace(first_token_after_s, tokens, decode_s)
 
 
 class InFlight:
