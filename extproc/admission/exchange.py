@@ -99,15 +99,6 @@ class Exchange:
         """True once nothing more can happen: refused, passed through, or settled."""
         return self.phase in (Phase.REFUSED, Phase.PASSTHROUGH, Phase.SETTLED)
 
-    def _refuse(self, refusal: Refusal) -> Refusal:
-        self._phase = Phase.REFUSED
-        request = self.request
-        if request is None:
-            return refuse(self.service, None, refusal, self.model_label, "none", None)
-        return refuse(
-            self.service, request.api, refusal, self.model_label, request.klass.name, request.tenant
-        )
-
     # -- request --------------------------------------------------------------------------------------------
 
     def request_headers(self, head: RequestHead) -> RequestVerdict:
@@ -125,7 +116,11 @@ class Exchange:
         tenant = claimed if _TENANT_RE.fullmatch(claimed) else config.admission.tenant.default
         self.request = RequestFacts(rule.api, tenant, config.class_of(tenant), head.client)
         if head.end_of_stream:
-            return self._refuse(refusals.empty_body())
+            self._phase = Phase.REFUSED
+            request = self.request
+            return refuse(
+                self.service, request.api, refusals.empty_body(), "unknown", request.klass.name, tenant
+            )
         # A `content-length` over the cap is refused after the body, not now: answered while the client is
         # still sending, the 413 goes out with `connection: close`, and Envoy, which never drains an unread
         # request body (envoyproxy/envoy#36080), resets the connection once its delayed_close_timeout (1 s)
