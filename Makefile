@@ -5,7 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 LINTED := extproc tests $(wildcard bench)
 
-.PHONY: install system-deps run test test-fast lint proto bench bench-full clean
+ENGINE_VENV ?= .venv-vllm
+
+.PHONY: install system-deps engine-env run test test-fast lint proto bench bench-full clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,17 +22,22 @@ install: $(STAMP)
 system-deps:
 	bash scripts/system-deps.sh
 
+## The real-engine tier's vLLM 0.32.0 (CPU build) in its own venv (3.5 GB; reused when present).
+engine-env:
+	bash scripts/engine-env.sh $(ENGINE_VENV)
+
 ## Start the local stack: simulator + sidecar + Envoy on 127.0.0.1 (Ctrl-C stops it).
 run: $(STAMP)
 	$(BIN)/python -m extproc stack
 
-## Lint, type-check and run every test: unit, component and end-to-end (real Envoy).
-test: $(STAMP) system-deps lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+## Lint, type-check and run every test: unit, component, end-to-end (real Envoy) and the real-engine tier
+## (a real vLLM behind the gateway, tests/engine).
+test: $(STAMP) system-deps engine-env lint
+	EXTPROC_ENGINE_VENV=$(abspath $(ENGINE_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider
 
 ## Unit and component tests only (no Envoy processes).
 test-fast: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m "not e2e and not engine"
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
@@ -49,4 +56,4 @@ bench-full: $(STAMP)
 	$(BIN)/python -m bench --full
 
 clean:
-	rm -rf $(VENV) run .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(ENGINE_VENV) run .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

@@ -86,6 +86,7 @@ class Sidecar:
         self.admin_port: int | None = None
         self.watcher: ConfigWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._limit_keys: Collection[str] = ()
         self._started = False
         self._stopped = False
         self.metrics.info.labels(__version__).set(1)
@@ -95,8 +96,8 @@ class Sidecar:
         self.metrics.watch_store(self.store.health)
 
     def _exported_keys(self) -> Collection[str]:
-        specs, _ = self.config.limit_specs()
-        return specs.keys()
+        """The configured keys, as last applied (not rebuilt per scrape: 10^5 tenants take 0.1 s)."""
+        return self._limit_keys
 
     def _set_scale(self, key: str, scale: float) -> None:
         """Adaptive feedback runs on the event loop; the in-process store applies a scale at once. A shared
@@ -110,6 +111,7 @@ class Sidecar:
         assert self.store is not None
         specs, defaults = config.limit_specs()
         await self.store.apply_limits(specs, defaults, config.priority)
+        self._limit_keys = specs.keys()
         self.config = config
         admission = config.admission
         self.admission.decode_rates.default_tokens_per_second = admission.assumed_decode_tokens_per_second

@@ -1,6 +1,11 @@
 """Structured logging: one JSON object per line, with the `extra` fields of each call as keys.
 
 Request bodies are never logged; handlers pass only sizes, counts, model names and decisions.
+
+A refusal is logged at info level, and under overload refusals are most requests: a line must be cheap.
+The formatter reuses the timestamp's text within a second, and `setup_logging` turns off what the standard
+library gathers for every record but these lines never show (the caller's file and line, found by walking the
+stack; thread, process and multiprocessing names). bench/RESULTS.md section 2d has the figures.
 """
 
 from __future__ import annotations
@@ -11,20 +16,31 @@ import sys
 import time
 from typing import Any
 
-_RESERVED = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+_RESERVED = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._second = -1
+        self._stamp = ""
+
+    def _timestamp(self, record: logging.LogRecord) -> str:
+        second = int(record.created)
+        if second != self._second:  # one strftime per second, not per line
+            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = second
+        return f"{self._stamp}.{int(record.msecs):03d}Z"
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": self._timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
         for key, value in vars(record).items():
-            if key not in _RESERVED and not key.startswith("_"):
+            if key not in _RESERVED and key[0] != "_":
                 out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
@@ -32,9 +48,17 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str = "INFO") -> None:
-    """Root logger to stderr as JSON lines; called by entry points (sidecar, exporter), never libraries."""
+    """Root logger to stderr as JSON lines; called by entry points (sidecar, exporter), never libraries.
+
+    It also switches off, for the whole process, the record fields no line shows: `findCaller`'s stack walk
+    (`logging._srcfile`), and the thread, process and multiprocessing names.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    logging._srcfile = None  # the documented switch (logging docs, "Optimization")
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False

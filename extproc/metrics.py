@@ -2,21 +2,41 @@
 
 Each `Metrics` owns its registry so that several sidecars (tests, benchmarks) can live in one process.
 Label values are bounded: models not named in the config are reported as `other`, and per-key limit gauges
-are exported only for configured keys, never for every tenant a client ever claimed.
+are exported only for configured keys, never for every tenant a client ever claimed; of tenants with limits
+of their own, only the `MAX_TENANT_KEYS` busiest (a config may name 10^5 of them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+import heapq
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.core.limiter import KeySnapshot
+from extproc.core.limiter import SNAPSHOT_BUSIEST_KEYS, KeySnapshot
 from extproc.core.ports import StoreHealth
 
 DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+MAX_TENANT_KEYS = SNAPSHOT_BUSIEST_KEYS
+"""Tenant keys (`tenant:*`) with per-key gauges, the busiest (`_use`); other configured keys all have them."""
+
+
+def _use(snap: KeySnapshot) -> tuple[int, float]:
+    """How busy a key is: leases held, then tokens short of a full bucket (recent use)."""
+    capacity, available = snap.effective_tokens_per_minute, snap.tokens_available
+    return snap.active, (capacity - available) if capacity is not None and available is not None else 0.0
+
+
+def _bounded(snaps: Sequence[KeySnapshot]) -> Sequence[KeySnapshot]:
+    """`snaps` with only the `MAX_TENANT_KEYS` busiest tenant keys (`_use`)."""
+    tenants = [snap for snap in snaps if snap.key.startswith("tenant:")]
+    if len(tenants) <= MAX_TENANT_KEYS:
+        return snaps
+    top = {snap.key for snap in heapq.nlargest(MAX_TENANT_KEYS, tenants, key=_use)}
+    return [snap for snap in snaps if not snap.key.startswith("tenant:") or snap.key in top]
 
 
 class _LimitCollector(Collector):
@@ -49,7 +69,7 @@ class _LimitCollector(Collector):
             "extproc_limit_scale_ratio", "Adaptive scale applied to the key's base limits.", labels=["key"]
         )
         exported = self._exported()
-        snaps = [snap for snap in self._snapshot() if snap.key in exported]
+        snaps = _bounded([snap for snap in self._snapshot() if snap.key in exported])
         for snap in snaps:
             if snap.effective_concurrency is not None:
                 conc.add_metric([snap.key], snap.effective_concurrency)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.request import Api, count_prompt_tokens, parse_request
+from extproc.admission.tokens import count_text
 from extproc.core.limiter import JointLimiter, LimitSpec
 from extproc.sim.textgen import vocabulary
 from extproc.store.local import LocalStore
@@ -76,9 +78,13 @@ def _clock() -> Callable[[], float]:
     return clock
 
 
-def _chat_body(tokens: int) -> bytes:
+def _text(tokens: int) -> str:
     words = vocabulary(ENCODING)
-    text = "".join(words[i % len(words)] for i in range(tokens))
+    return "".join(words[i % len(words)] for i in range(tokens))
+
+
+def _chat_body(tokens: int) -> bytes:
+    text = _text(tokens)
     return json.dumps(
         {"model": "llama-3-8b", "max_tokens": 256, "messages": [{"role": "user", "content": text}]}
     ).encode()
@@ -104,3 +110,103 @@ def test_parse_and_count(benchmark: Any, tokens: int) -> None:
     """Parse + count together: the admission CPU per request before the limiter."""
     raw = _chat_body(tokens)
     benchmark(lambda: count_prompt_tokens(parse_request(Api.CHAT, raw), POLICY))
+
+
+HOP_SIZES = [64, 256, 1024, 4096]
+
+
+@pytest.mark.parametrize("tokens", HOP_SIZES, ids=[f"{t}t" for t in HOP_SIZES])
+def test_count_text_on_the_loop(benchmark: Any, tokens: int) -> None:
+    """One text counted where the caller runs (the event loop for prompts up to
+    `admission.inline_count_bytes`)."""
+    text = _text(tokens)
+    loop = asyncio.new_event_loop()
+
+    async def inline() -> int:
+        return count_text(text, ENCODING)
+
+    try:
+        benchmark(lambda: loop.run_until_complete(inline()))
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("tokens", HOP_SIZES, ids=[f"{t}t" for t in HOP_SIZES])
+def test_count_text_through_a_worker_thread(benchmark: Any, tokens: int) -> None:
+    """The same count through `run_in_executor`: the difference to the loop's figure is the hop's cost."""
+    text = _text(tokens)
+    loop = asyncio.new_event_loop()
+    pool = ThreadPoolExecutor(2)
+
+    async def hop() -> int:
+        return await loop.run_in_executor(pool, count_text, text, ENCODING)
+
+    try:
+        benchmark(lambda: loop.run_until_complete(hop()))
+    finally:
+        loop.close()
+        pool.shutdown()
+
+
+LUA_STANDIN = """
+return function(script, spec, chunks)
+  local admitted = { id = "bench", read = spec }
+  local metadata = {
+    get = function(_, namespace) if namespace == "extproc" then return admitted end end,
+    set = function(_, _namespace, _key, _value) end,
+  }
+  local info = { dynamicMetadata = function(_) return metadata end }
+  local headers = { get = function(_, _name) return "text/event-stream" end }
+  local buffers = {}
+  for i = 1, #chunks do
+    local buffer = { bytes = chunks[i] }
+    function buffer:length() return #self.bytes end
+    function buffer:getBytes(_index, _length) return self.bytes end
+    function buffer:setBytes(bytes) end
+    buffers[i] = buffer
+  end
+  local handle = {
+    timestamp = function(_) return 0 end,
+    streamInfo = function(_) return info end,
+    headers = function(_) return headers end,
+    bodyChunks = function(_)
+      local i = 0
+      return function() i = i + 1; return buffers[i] end
+    end,
+  }
+  local env = setmetatable({}, { __index = _G })
+  assert(load(script, "response.lua", "t", env))()
+  return function() env.envoy_on_response(handle) end
+end
+"""
+
+
+@pytest.mark.parametrize("chunks", [10, 100])
+def test_lua_reader_stream(benchmark: Any, chunks: int) -> None:
+    """extproc/lean/response.lua over a vLLM-style chat stream of `chunks` content events (one per chunk),
+    a usage event it strips and `[DONE]`, under LuaJIT 2.1 (lupa) with a stand-in for Envoy's handle whose
+    calls cost nothing: the reader's own Lua work. (100 - 10 chunk time) / 90 is its cost per chunk; what
+    Envoy's side of the calls adds is measured by `python -m bench.overhead.lua`."""
+    import lupa.luajit21 as lupa  # type: ignore[import-untyped]
+
+    from extproc.admission.reading import OPENAI_SPEC
+    from extproc.lean.render import lua_source
+
+    lua = lupa.LuaRuntime(encoding=None)
+
+    def table(value: Any) -> Any:
+        if isinstance(value, dict):
+            return lua.table_from({k.encode(): table(v) for k, v in value.items()})
+        if isinstance(value, list):
+            return lua.table_from([table(v) for v in value])
+        return value.encode() if isinstance(value, str) else value
+
+    head = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    delta = {**head, "choices": [{"index": 0, "delta": {"content": " the"}, "finish_reason": None}]}
+    usage = {**head, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    events = [delta] * chunks + [usage]
+    stream = [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
+    run = lua.execute(LUA_STANDIN.encode())(
+        lua_source().encode(), table(OPENAI_SPEC.to_struct(strip=True)), table(stream)
+    )
+    benchmark(run)

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,16 @@ async def main(config: Path, samples: list[tuple[float, float]] | None) -> None:
             await probe
 
 
+UVLOOP_ENV = "EXTPROC_BENCH_UVLOOP"
+"""Set to 1 (bench/overhead/hotpath.py --uvloop) to run the sidecar on uvloop's event loop instead of
+asyncio's: what the loop implementation changes in the per-request cost (`pip install uvloop`)."""
+
+
 if __name__ == "__main__":
+    if os.environ.get(UVLOOP_ENV) == "1":
+        import uvloop  # type: ignore[import-not-found, unused-ignore]  # optional: pip install uvloop
+
+        uvloop.install()
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=None, help="loop-lag samples")

@@ -1,11 +1,12 @@
 """One request's entry in its pool's KV budget: every change admission makes to a budget goes through here.
 
 A request is checked (`fits`), booked before the limiter's await (`hold`, so that concurrent decisions see
-each other's footprints), given back if it is not admitted (`give_back`), followed while it runs (`progress`
-from the chunks the inline profile sees, `follow` from the decode-rate estimate where nobody sees them), and
-released when it settles (`release`); a completed stream nobody watched teaches it the pool's pace
-(`learn_pace`). Each change that can move the budget's headroom tells the feedback
-side (`changed`), which republishes the pool's KV state.
+each other's footprints), given back if it is not admitted (`give_back`), lowered to the exact count after
+an admission on the prompt's bound (`correct_prompt`), followed while it runs (`progress` from the chunks
+the inline profile sees, `follow` from the decode-rate estimate where nobody sees them), and released when
+it settles (`release`); a completed stream nobody watched teaches it the pool's pace (`learn_pace`). Each
+change that can move the budget's headroom tells the feedback side (`changed`), which republishes the
+pool's KV state.
 """
 
 from __future__ import annotations
@@ -42,15 +43,18 @@ class KvBooking:
         self.id = f"x{next(_BUDGET_IDS)}"
         self.held = False
 
-    def fits(self, request: ParsedRequest, plan: Reservation) -> tuple[bool, int | None]:
-        """Whether the request fits the pool's KV budget now, and the headroom before it."""
+    def fits(
+        self, request: ParsedRequest, plan: Reservation, now: float | None = None
+    ) -> tuple[bool, int | None]:
+        """Whether the request fits the pool's KV budget at `now` (default: the clock's now), and the
+        headroom before it."""
         if self.budget is None:
             return True, None
         return self.budget.would_fit(
             plan.prompt_tokens,
             plan.completion_tokens,
             self.tenant,
-            now=self.clock(),
+            now=self.clock() if now is None else now,
             sequences=request.sequences * request.prompt_count,
             committed=plan.committed_completion_tokens,
         )
@@ -70,6 +74,12 @@ class KvBooking:
         )
         self.held = True
         self.changed(self.pool)
+
+    def correct_prompt(self, prompt_tokens: int) -> None:
+        """Admitted on the prompt's bound (`provisional.py`): lower the booked prompt to its exact count."""
+        if self.budget is not None:
+            self.budget.correct_prompt(self.id, prompt_tokens)
+            self.changed(self.pool)
 
     def give_back(self) -> None:
         """Not admitted (refused, or the caller went away while it waited): the booking goes."""

@@ -34,6 +34,8 @@ class KvSignals(Protocol):
 
     def served_as(self, model: str, config: Config) -> str | None: ...
 
+    def decode_rate(self, pool: str) -> float | None: ...
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -75,4 +77,6 @@ def build_admission(
         deps.kv_usage = signals.kv_usage
         deps.served_as = signals.served_as
     service = AdmissionService(deps)
+    if signals is not None:
+        service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned
     return Admission(service, UnseenStreams(service))

@@ -1,11 +1,15 @@
 """The admission decision: a request's facts and body in, `Granted | Refusal | Shadowed` out.
 
-    parse ─▶ resolve the model's policy and pool ─▶ bound, then count, the prompt ─▶ size the reservation
-          ─▶ KV budget check ─▶ book the KV ─▶ acquire a lease (or wait in the class's queue) ─▶ grant
+    parse ─▶ resolve the model's policy and pool ─▶ check the prompt's lower bound
+          ─▶ where the upper bound decides: book the KV, acquire on the bound ─▶ grant (count after)
+          ─▶ else count the prompt ─▶ size the reservation ─▶ KV budget check ─▶ book the KV
+          ─▶ acquire a lease (or wait in the class's queue) ─▶ grant
 
 `Decision.run` yields `Hold` before it waits in a queue, then exactly one outcome, counted once. It calls
 nothing of the exchange that asked; the exchange turns the outcome into its phase and verdict. The prompt's
-exact count is awaited in one place, `Decision.plan` (`service.count_prompts`).
+exact count is awaited in one place, `Decision.plan` (`service.count_prompts`), unless the request is
+admitted on its byte bound (`on_bound`, `provisional.py`): the grant then carries the `Correction` that
+counts it after the verdict.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from extproc.admission import refusals
+from extproc.admission import provisional, refusals
 from extproc.admission.apis import render_refusal
 from extproc.admission.booking import KvBooking
 from extproc.admission.errors import AdmissionError
@@ -59,10 +63,12 @@ class RequestFacts:
 
 @dataclass(frozen=True, slots=True)
 class Granted:
-    """Admitted: the lease and its facts, and how the request goes upstream (edited body, headers)."""
+    """Admitted: the lease and its facts, how the request goes upstream (edited body, headers), and, when
+    admitted on the prompt's bound, the exact count to follow once the proxy has the verdict."""
 
     admitted: Admitted
     forward: Forward
+    correction: provisional.Correction | None = None  # admitted on the prompt's bound: the count follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,44 +133,37 @@ class Decision:
             return
         try:
             parsed, policy, pool = await self.resolve(raw, config)
-            plan = await self.plan(parsed, policy, config)
+            self.check(parsed, policy, config)
+            on_bound = await self.on_bound(parsed, policy, pool, config)  # no count yet (provisional.py)
+            plan = await self.plan(parsed, policy, config) if on_bound is None else None
         except AdmissionError as exc:
             yield self.refuse(refusals.invalid(exc))
             return
         except LaneFull:
             yield self.refuse(refusals.tokenizer_busy())
             return
-        klass, tenant = self.request.klass, self.request.tenant
+        if on_bound is not None:
+            yield on_bound
+            return
+        assert plan is not None
+        klass = self.request.klass
         shadow = config.shadow or klass.shadow
         service = self.service
-        booking = KvBooking(
-            service.deps.kv_budget(pool), pool, tenant, service.deps.budget_changed, service.deps.clock
-        )
-        fits, headroom = booking.fits(parsed, plan)
+        booking = self._booking(pool)
+        now = service.clock()
+        fits, headroom = booking.fits(parsed, plan, now)
         if not fits:
-            yield self._deny(refusals.kv_budget(parsed.model, plan.total, headroom or 0), shadow)
+            assert booking.budget is not None
+            hints = service.slot_hints.hints  # one spread of retry times for slot and KV refusals
+            wait = refusals.kv_retry_after(booking.budget, hints, pool, now)
+            yield self._deny(refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait), shadow)
             return
-        edits = BodyEdits(
-            include_usage=config.admission.inject_include_usage,
-            max_tokens=plan.injected_max_tokens,
-            strip_priority=True,
-            priority=klass.backend_priority,
-        )
-        new_body = edit_body(parsed, edits)
-        strip_usage = (
-            edits.include_usage
-            and parsed.stream
-            and not parsed.include_usage
-            and parsed.api in USAGE_OPTION_APIS
-        )
-        # Keep the admission facts, not the parsed body: a waiting request must not hold megabytes of JSON.
-        facts = replace(parsed, body={})
-        keys = ["global", f"model:{pool}", f"tenant:{tenant}"]
+        facts, new_body, strip_usage = self._forwarding(parsed, plan, config)
         result: Lease | Rejection | Refusal | None = None
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         booking.hold(parsed, plan)
         try:
-            async for step in self.acquire(keys, plan.total, shadow):
+            async for step in self.acquire(self._keys(pool), plan.total, shadow):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -180,8 +179,81 @@ class Decision:
             yield self._deny(refusal, shadow)
             return
         assert isinstance(result, Lease)
+        yield self._grant(result, facts, policy, pool, plan, booking, strip_usage, new_body)
+
+    async def on_bound(
+        self, parsed: ParsedRequest, policy: ModelPolicy, pool: str, config: Config
+    ) -> Granted | Refusal | None:
+        """Admit on the prompt's upper bound where it decides, the exact count to follow (`provisional.py`).
+
+        Returns the outcome, or None when the request must be counted first: near the window, when the
+        bound does not fit the KV budget or a bucket, or when it must queue. Nothing is held then.
+        """
+        klass, service = self.request.klass, self.service
+        bound = provisional.bound_plan(parsed, policy, config.admission.per_step)
+        booking = self._booking(pool)
+        if bound is None or not provisional.may_admit_on_bound(
+            service, klass, booking.budget, parsed, bound, self.request.tenant, self.tokenizer_lane
+        ):
+            return None
+        booking.hold(parsed, bound)
+        result: Lease | Rejection | None = None
+        try:
+            result = await service.acquire(self._keys(pool), bound.total, klass.name)
+        except StoreUnavailable:
+            return self.refuse(refusals.store_unavailable())
+        finally:
+            if not isinstance(result, Lease):
+                booking.give_back()
+        if not isinstance(result, Lease):
+            return None  # a bucket or a slot said no: count, and decide on the exact need
+        facts, new_body, strip_usage = self._forwarding(parsed, bound, config)
+        granted = self._grant(result, facts, policy, pool, bound, booking, strip_usage, new_body)
+        return replace(granted, correction=provisional.Correction(service, self.tokenizer_lane))
+
+    def _booking(self, pool: str) -> KvBooking:
+        deps = self.service.deps
+        return KvBooking(deps.kv_budget(pool), pool, self.request.tenant, deps.budget_changed, deps.clock)
+
+    def _keys(self, pool: str) -> list[str]:
+        return ["global", f"model:{pool}", f"tenant:{self.request.tenant}"]
+
+    def _forwarding(
+        self, parsed: ParsedRequest, plan: Reservation, config: Config
+    ) -> tuple[ParsedRequest, bytes | None, bool]:
+        """The admission facts kept (not the parsed body: a waiting request must not hold megabytes of
+        JSON), the edited body (None: unchanged), and whether to strip a usage event the client did not
+        ask for."""
+        edits = BodyEdits(
+            include_usage=config.admission.inject_include_usage,
+            max_tokens=plan.injected_max_tokens,
+            strip_priority=True,
+            priority=self.request.klass.backend_priority,
+        )
+        new_body = edit_body(parsed, edits)
+        strip_usage = (
+            edits.include_usage
+            and parsed.stream
+            and not parsed.include_usage
+            and parsed.api in USAGE_OPTION_APIS
+        )
+        return replace(parsed, body={}), new_body, strip_usage
+
+    def _grant(
+        self,
+        lease: Lease,
+        facts: ParsedRequest,
+        policy: ModelPolicy,
+        pool: str,
+        plan: Reservation,
+        booking: KvBooking,
+        strip_usage: bool,
+        new_body: bytes | None,
+    ) -> Granted:
+        """The admission, counted once, and how the request goes upstream."""
+        klass, tenant, service = self.request.klass, self.request.tenant, self.service
         admitted = Admitted(
-            lease=result,
+            lease=lease,
             request=facts,
             policy=policy,
             pool=pool,
@@ -196,7 +268,7 @@ class Decision:
         service.count("admitted", "ok", self.model_label, klass.name, tenant)
         service.child(service.metrics.tokens_reserved, self.model_label).inc(plan.total)
         service.metrics.active.inc()
-        yield Granted(admitted, self._forward(klass, new_body))
+        return Granted(admitted, self._forward(klass, new_body))
 
     @staticmethod
     def _forward(klass: ClassConfig, new_body: bytes | None) -> Forward:
@@ -230,8 +302,9 @@ class Decision:
         self.model_label = config.model_label(pool)
         return parsed, policy, pool
 
-    async def plan(self, parsed: ParsedRequest, policy: ModelPolicy, config: Config) -> Reservation:
-        """Bound the prompt, await its exact count, and size the reservation from it."""
+    def check(self, parsed: ParsedRequest, policy: ModelPolicy, config: Config) -> None:
+        """Refuse what needs no count: a request-supplied chat template, a prompt whose cheap lower bound
+        is already past the context window."""
         self._check_template(parsed, config)
         lower = prompt_token_lower_bound(parsed, policy)
         if lower >= policy.context_window + (0 if parsed.generates else 1):
@@ -242,6 +315,9 @@ class Decision:
                 code="context_length_exceeded",
                 param=parsed.prompt_param,
             )
+
+    async def plan(self, parsed: ParsedRequest, policy: ModelPolicy, config: Config) -> Reservation:
+        """Await the prompt's exact count, and size the reservation from it."""
         service = self.service
         started = service.clock()
         counts = await service.count_prompts(parsed, policy, self.tokenizer_lane)

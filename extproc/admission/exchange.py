@@ -33,8 +33,9 @@ from extproc.admission.headers import ratelimit_headers
 from extproc.admission.inflight import InFlight
 from extproc.admission.names import FORWARDED_REQUEST_HEADERS
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, RouteKind
+from extproc.admission.provisional import Correction
 from extproc.admission.reading import spec_for
-from extproc.admission.service import AdmissionService
+from extproc.admission.service import AdmissionService, Admitted
 from extproc.admission.unseen import UnseenStreams
 from extproc.admission.verdicts import (
     FORWARD,
@@ -95,6 +96,16 @@ class Exchange:
         return Phase.SETTLED if inflight is not None and inflight.settled else self._phase
 
     @property
+    def admitted(self) -> Admitted | None:
+        """The admission this request holds (its plan corrected once a bound admission is counted)."""
+        return self.inflight.admitted if self.inflight is not None else None
+
+    @property
+    def correction(self) -> Correction | None:
+        """The exact count that follows an admission on the prompt's bound; None when counted first."""
+        return self.inflight.correction if self.inflight is not None else None
+
+    @property
     def finished(self) -> bool:
         """True once nothing more can happen: refused, passed through, or settled."""
         return self.phase in (Phase.REFUSED, Phase.PASSTHROUGH, Phase.SETTLED)
@@ -151,7 +162,12 @@ class Exchange:
             verdict = self._outcome(step)
             outcome = "refused" if isinstance(verdict, Refusal) else "admitted"
             service.child(service.metrics.decision_seconds, outcome).observe(service.clock() - started)
-            yield verdict
+            try:
+                yield verdict
+            finally:
+                if self.inflight is not None:
+                    # The proxy has the verdict: a bound admission's count is off its critical path.
+                    self.inflight.start_correction()
 
     def _outcome(self, step: Granted | Refusal | Shadowed) -> Forward | Refusal:
         if isinstance(step, Refusal):
@@ -161,7 +177,7 @@ class Exchange:
             self._phase = Phase.PASSTHROUGH
             return FORWARD
         self._phase = Phase.ADMITTED
-        inflight = self.inflight = InFlight(self.service, step.admitted)
+        inflight = self.inflight = InFlight(self.service, step.admitted, step.correction)
         if self._closed:
             # The request ended while it waited (a cancel the wait swallowed): settle now, not at GC.
             inflight.settle()

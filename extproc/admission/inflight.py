@@ -2,7 +2,8 @@
 
 Each profile hands over what it saw as a `Seen` through one call, `observe`: the inline profile after every
 response message, the lean profile once, from the proxy's end report. `settle()` charges the lease from the
-last observation (extproc/admission/settlement.py), exactly once, however many paths reach it. Where the
+last observation (extproc/admission/settlement.py), exactly once, however many paths reach it; a request
+admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in. Where the
 answer was not seen to its end, the charge includes the pool's decode-rate estimate of what the engine
 generated; a completed stream teaches that rate (`learn_pace`, the one place it is learned).
 
@@ -11,10 +12,11 @@ One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its poo
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 
-from extproc.admission import refusals
+from extproc.admission import provisional, refusals
 from extproc.admission.service import AdmissionService, Admitted
 from extproc.admission.settlement import ResponseFacts, settle_charge
 from extproc.admission.verdicts import Refusal
@@ -71,9 +73,15 @@ def learn_pace(
 class InFlight:
     """One admitted request until its lease settles (see the module docstring)."""
 
-    def __init__(self, service: AdmissionService, admitted: Admitted) -> None:
+    def __init__(
+        self,
+        service: AdmissionService,
+        admitted: Admitted,
+        correction: provisional.Correction | None = None,
+    ) -> None:
         self.service = service
         self.admitted = admitted
+        self.correction = correction  # admitted on the prompt's bound: its exact count follows
         self.seen = NOTHING_SEEN
         self.settled = False
         self.was_cut = False
@@ -168,7 +176,23 @@ class InFlight:
         self.settled = True
         if self.report_key is not None:
             self.service.forget_report(self.report_key)
-        self.service.settle(self.admitted, settle_charge(self.admitted.plan.prompt_tokens, facts))
+        correction = self.correction
+        if correction is not None and correction.defer(functools.partial(self._book, facts)):
+            self.start_correction()
+            return  # admitted on a bound: settled with the exact count once it is in (provisional.py)
+        self._book(facts, self.admitted)
+
+    def _book(self, facts: ResponseFacts, admitted: Admitted) -> None:
+        self.service.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts))
+
+    def start_correction(self) -> None:
+        """Count a bound admission exactly: once the proxy has its verdict, or once it settles if that is
+        sooner (its settlement waits for the count). Idempotent; nothing without a correction."""
+        if self.correction is not None:
+            self.correction.start(self.admitted, self._corrected)
+
+    def _corrected(self, admitted: Admitted) -> None:
+        self.admitted = admitted
 
     def _until(self) -> float:
         return self.ended_at if self.ended_at is not None else self.service.clock()

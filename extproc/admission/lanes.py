@@ -79,6 +79,10 @@ class Lanes:
                 raise LaneFull(lane) from None
             raise
 
+    def free(self, lane: str) -> bool:
+        """Whether a job of `lane` would start now, waiting behind nothing."""
+        return lane not in self._waiting and self._can_start(lane)
+
     def _can_start(self, lane: str) -> bool:
         return self._total < self.threads and self._running.get(lane, 0) < self.per_lane
 

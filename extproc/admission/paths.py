@@ -129,6 +129,7 @@ KNOWN_REFUSED: tuple[PathRule, ...] = (
     _refused("/v1/loads", "GET", SGLANG, "engine internals"),
     _refused("/kv_event_sources", "GET", VLLM, "engine internals"),
     _refused("/docs", "GET", VLLM, "the engine's API documentation: not for clients"),
+    _refused("/docs/oauth2-redirect", "GET", VLLM, "the engine's API documentation: not for clients"),
     _refused("/redoc", "GET", VLLM, "the engine's API documentation: not for clients"),
     _refused("/openapi.json", "GET", VLLM, "the engine's API documentation: not for clients"),
     _refused("/adapters", "POST", VLLM, ADMIN + " (loads LoRA weights)"),

@@ -31,6 +31,10 @@ class TemplateCosts:
 
     per_message: int = 8
     per_request: int = 32
+    # Tokens the tokenizer adds to a text prompt that no chat template wraps (/v1/completions, text
+    # embeddings): Llama and Mistral tokenizers prepend BOS, vLLM's completions path keeps it
+    # (add_special_tokens=True); Qwen's adds none. Token-id prompts are passed as given, so none there.
+    bos: int = 0
 
 
 @dataclass(frozen=True, slots=True)

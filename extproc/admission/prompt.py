@@ -80,6 +80,8 @@ def known_tokens(prompt: Prompt, policy: ModelPolicy) -> int:
     template = prompt.messages * policy.template.per_message
     if prompt.templated:
         template += policy.template.per_request
+    elif prompt.texts:
+        template += policy.template.bos
     return (
         prompt.fixed_tokens
         + template

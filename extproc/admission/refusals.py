@@ -11,10 +11,13 @@ from __future__ import annotations
 from extproc.admission.errors import AdmissionError, error_body
 from extproc.admission.headers import format_duration, ratelimit_headers, retry_headers
 from extproc.admission.verdicts import Header, Refusal
+from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Reason, Rejection
+from extproc.core.slot_eta import MIN_REMAINING_S, RetryHints
 
 KV_RETRY_AFTER_S = 1.0
-"""Retry hint for a KV-budget refusal: running sequences finish and free blocks continuously."""
+"""Retry hint for a KV-budget refusal while the pool's decode pace is unknown (no forecast of when the
+running sequences end)."""
 
 STORE_RETRY_AFTER_S = 1.0
 """Retry hint while the shared limiter store is unreachable (fail-closed mode)."""
@@ -106,14 +109,25 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
     return Refusal(429, body, reason, _reason(reason, headers), f"extproc_rate_limited_{reason}")
 
 
-def kv_budget(model: str, needed: int, headroom: int) -> Refusal:
+def kv_retry_after(budget: KvBudget, hints: RetryHints, pool: str, now: float) -> float:
+    """A KV-budget refusal's `retry-after`: when enough booked KV is forecast to free for the request just
+    refused (`KvBudget.fit_etas`), the n-th refused client of a pool aiming at the n-th release so a flood
+    does not come back all at once (`RetryHints`). A fixed second would spend an SDK's two default
+    retries within two seconds while the admitted answers run for ten."""
+    etas = [max(MIN_REMAINING_S, eta) for eta in budget.fit_etas(now)]
+    hint = hints.hint(f"kv:{pool}", etas, now)
+    return KV_RETRY_AFTER_S if hint is None else hint
+
+
+def kv_budget(model: str, needed: int, headroom: int, retry_after_s: float = KV_RETRY_AFTER_S) -> Refusal:
     """The pool's KV cache cannot take this request's footprint now; sequences finishing will free it."""
     message = (
         f"The KV cache of {model} is at its admission target: this request needs up to {needed} tokens of "
-        f"KV cache and {max(0, headroom)} are available. Please try again shortly."
+        f"KV cache and {max(0, headroom)} are available. "
+        f"Please try again in {format_duration(retry_after_s)}."
     )
     body = error_body(message, type="tokens", code="rate_limit_exceeded")
-    headers = _reason("kv_budget", retry_headers(KV_RETRY_AFTER_S))
+    headers = _reason("kv_budget", retry_headers(retry_after_s))
     return Refusal(429, body, "kv_budget", headers, "extproc_rate_limited_kv_budget")
 
 

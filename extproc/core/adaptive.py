@@ -26,6 +26,16 @@ import math
 from dataclasses import dataclass, field
 
 
+class AdaptiveConfigError(ValueError):
+    """A bad `AdaptiveConfig` field: `key` names it and `reason` says why, so a config loader can put the
+    problem under its own key path (`adaptive.pools.llama.min_scale`) without editing the message."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"adaptive.{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class AdaptiveConfig:
     """Tuning of one pool's controller; validated on construction so bad config fails at startup."""
@@ -41,7 +51,7 @@ class AdaptiveConfig:
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
-            return ValueError(f"adaptive.{key}: {why}")
+            return AdaptiveConfigError(key, why)
 
         for key in (
             "low_watermark",

@@ -5,21 +5,45 @@ seconds, or a lease whose end signal never came). The backend still generated to
 charging the prompt alone would let a client run long generations for free by disconnecting. The charge is
 instead `min(reserved completion, elapsed x decode rate x sequences)`, with the pool's per-sequence decode
 rate learned from its completed streamed answers (tokens after the first, over the time between the first
-and the last chunk) as an exponentially weighted mean, and a configured rate until the first sample.
+and the last chunk) as an exponentially weighted mean.
+
+Which rate `rate(pool)` gives, first that exists:
+1. learned: from the pool's own completed streams here (what this sidecar saw end to end);
+2. fed: the engines' own pace from the KV feed (`fed(pool)`, their generation-token counters per running
+   sequence between scrapes, `extproc.feed.pace`), while the pool has no learned rate: a sidecar whose end
+   reports never arrive (the lean profile with Envoy's access log down) never completes a stream, and
+   without the feed would charge every expired lease at the assumption;
+3. assumed: `default_tokens_per_second` (`admission.assumed_decode_tokens_per_second`).
 
 Elapsed time includes queueing and prefill, so the charge errs high, never above the reservation.
 
 The same estimate bounds a stream that was seen but not to its end (a slow reader the proxy cut at the
 request's lifetime bound, a client gone mid-answer): the engine kept generating at its own pace whatever the
 client read, so such a stream is charged at least the learned rate over the time since its first token
-(never the configured assumption: what was seen is a better floor than a guess).
-Pure: no clock; callers pass durations.
+(never the configured assumption, nor the fed pace: `learned` is about this pool's own streams).
+Pure: no clock; callers pass durations (`fed` reads the feed's newest aggregate).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+FedRate = Callable[[str], float | None]
+
+
+class RateSource(StrEnum):
+    """Where `DecodeRates.rate` took a pool's rate from, in the order it looks."""
+
+    LEARNED = "learned"
+    FED = "fed"
+    ASSUMED = "assumed"
+
+
+def _no_feed(pool: str) -> float | None:
+    return None
 
 
 @dataclass
@@ -27,11 +51,26 @@ class DecodeRates:
     default_tokens_per_second: float = 100.0
     alpha: float = 0.2
     min_tokens: int = 16  # shorter answers carry too much timing noise to be a sample
+    fed: FedRate = _no_feed  # the pool's pace from the KV feed, None without a fresh one
     _rates: dict[str, float] = field(default_factory=dict, init=False)
 
     def rate(self, pool: str) -> float:
-        """Tokens per second per sequence of the pool (the configured default until observed)."""
-        return self._rates.get(pool, self.default_tokens_per_second)
+        """Tokens per second per sequence of the pool: learned, else fed, else assumed (see above)."""
+        return self.rate_and_source(pool)[0]
+
+    def source(self, pool: str) -> RateSource:
+        """Which of the three the pool's rate is now (tests and logs tell a fed charge from a guess)."""
+        return self.rate_and_source(pool)[1]
+
+    def rate_and_source(self, pool: str) -> tuple[float, RateSource]:
+        """The rate and where it came from; a fed value that is no pace (0, NaN, inf) is not taken."""
+        learned = self._rates.get(pool)
+        if learned is not None:
+            return learned, RateSource.LEARNED
+        fed = self.fed(pool)
+        if fed is not None and math.isfinite(fed) and fed > 0.0:
+            return fed, RateSource.FED
+        return self.default_tokens_per_second, RateSource.ASSUMED
 
     def observe(self, pool: str, tokens_per_sequence: float, seconds: float) -> None:
         """A completed streamed answer: `tokens_per_sequence` tokens after the first, over `seconds`."""
@@ -42,7 +81,7 @@ class DecodeRates:
         self._rates[pool] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
     def learned(self, pool: str) -> bool:
-        """Whether the pool's rate was observed (else `rate` is the configured assumption)."""
+        """Whether the pool's rate was learned from its own streams (else `rate` is fed or assumed)."""
         return pool in self._rates
 
     def estimate(self, pool: str, elapsed_s: float, sequences: int, cap: int) -> int:

@@ -193,6 +193,40 @@ class KvBudget:
             and now <= self._fresh_until
         )
 
+    def fit_etas(self, now: float | None) -> list[float]:
+        """After a refusal by `would_fit`: when enough booked KV frees for that request, in seconds from
+        `now`, and when each later lease is expected to end (successive refused clients can aim at
+        successive releases). Empty when the pool's decode pace is unknown, so no forecast exists.
+
+        Leases end in the order of their forecast ends (`trajectory`: expected completion less tokens done,
+        in steps of one token per sequence) at the learned pace, plus the first-token delay still ahead of
+        a lease with no progress yet; each end frees its lifetime footprint from the booking the refused
+        request was compared with.
+        """
+        budget = self.budget_tokens
+        rate = self.pace.tokens_per_second
+        if budget is None or now is None or rate is None or rate <= 0 or not self._leases:
+            return []
+        delay = self.pace.first_token_delay
+        ends = sorted(
+            (self._seconds_left(lease, now, rate, delay), lease.footprint) for lease in self._leases.values()
+        )
+        excess = self._booked_with - budget
+        freed = 0
+        for index, (_, footprint) in enumerate(ends):
+            freed += footprint
+            if freed >= excess:
+                return [s for s, _ in ends[index:]]
+        return [ends[-1][0]]
+
+    @staticmethod
+    def _seconds_left(lease: _Lease, now: float, rate: float, delay: float) -> float:
+        _, _, end = lease.trajectory(now, rate, delay)
+        seconds = max(0.0, end) / rate
+        if lease.first_progress is None and lease.admitted_at is not None:
+            seconds += max(0.0, delay - (now - lease.admitted_at))
+        return seconds
+
     # -- updates -----------------------------------------------------------------------------------------
 
     def set_capacity(self, capacity_tokens: int | None) -> None:
@@ -305,6 +339,18 @@ class KvBudget:
                     self.pace.observe_first_token(now - lease.admitted_at)
             lease.last_progress_at = now
         lease.streamed = streamed
+        self._demand += lease.footprint - before
+        return True
+
+    def correct_prompt(self, lease_id: str, prompt_tokens: int) -> bool:
+        """Lower a lease's prompt to its exact count (it was booked on a bound, `provisional.py`); never
+        raises it. False for an unknown (already released) lease, which is harmless."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        self._last_fit = None
+        before = lease.footprint
+        lease.prompt = max(0, min(lease.prompt, int(prompt_tokens)))
         self._demand += lease.footprint - before
         return True
 

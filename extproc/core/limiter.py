@@ -17,10 +17,19 @@ try to settle the same lease; the first wins and the rest are no-ops, so capacit
 Limits change at run time (config reload, adaptive scale). A lowered concurrency limit never evicts in-flight
 work: it admits nothing until enough leases end. Key and share state outlive their configuration while
 leases on them are open, so a reload cannot orphan a slot.
+
+A reload costs the event loop next to nothing whatever the number of keys it names: `apply_limits` swaps the
+table of specs in one step and marks every key's state stale (a generation number); a key is brought up to
+date the next time anything touches it, from the spec in force and at the instant of the reload, so each
+request is judged wholly under the old limits or wholly under the new ones, never a mix. A key whose spec
+did not change is not rebuilt at all. Only the first `EAGER_KEYS` configured keys (the global key and the
+models come first) are created at once, so that their gauges exist before any traffic; the others (10^5
+tenants with limits of their own) are created on first use and forgotten again when idle.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -41,8 +50,10 @@ from extproc.core.state import (
 
 __all__ = [
     "DEFAULT_HOLD_S",
+    "EAGER_KEYS",
     "HOLD_EWMA_ALPHA",
     "SHRUNK_RETRY_S",
+    "SNAPSHOT_BUSIEST_KEYS",
     "JointLimiter",
     "KeySnapshot",
     "Lease",
@@ -56,6 +67,12 @@ __all__ = [
 
 HOLD_EWMA_ALPHA = 0.2
 """Weight of the newest lease duration in the per-key hold-time average used for slot retry hints."""
+
+EAGER_KEYS = 1000
+"""Configured keys created when limits are applied (in the order given); the rest wait for their first use."""
+
+SNAPSHOT_BUSIEST_KEYS = 100
+"""Keys besides the first `EAGER_KEYS` configured ones that `shown_keys` names: the most leases held."""
 
 
 class Reason(StrEnum):
@@ -111,6 +128,10 @@ class JointLimiter:
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     default_spec_by_prefix: dict[str, LimitSpec] = field(default_factory=dict)
     priority: tuple[str, ...] = ()
+    _specs: dict[str, LimitSpec] = field(default_factory=dict)
+    _eager: frozenset[str] = frozenset()
+    _generation: int = 0
+    _applied_at: float = 0.0
 
     # -- configuration -------------------------------------------------------------------------------------
 
@@ -124,22 +145,17 @@ class JointLimiter:
 
         `defaults` maps a key prefix (e.g. "tenant:") to the limits a key gets the first time it is seen,
         for key families that are open-ended (tenants). `priority` lists the classes highest first: the
-        order in which their guarantees are protected under pressure.
+        order in which their guarantees are protected under pressure. Existing keys are brought up to date
+        lazily (see the module docstring); the cost here is one copy of `specs` and `EAGER_KEYS` keys.
         """
-        now = self.clock()
+        self._applied_at = self.clock()
+        self._specs = dict(specs)
         self.default_spec_by_prefix = dict(defaults or {})
         self.priority = tuple(priority)
-        for key, state in self._keys.items():
-            state.priority = self.priority
-            if key not in specs:
-                state.spec = self._default_for(key) or LimitSpec()
-                state.configured = False
-                state.rebuild(now)
-        for key, spec in specs.items():
-            state = self._keys.setdefault(key, KeyState(spec=spec, priority=self.priority))
-            state.spec = spec
-            state.configured = True
-            state.rebuild(now)
+        self._generation += 1
+        self._eager = frozenset(itertools.islice(self._specs, EAGER_KEYS))
+        for key in self._eager:
+            self._state(key)
 
     def set_scale(self, key: str, scale: float) -> None:
         """Multiply a key's base limits by `scale` (adaptive feedback); in-flight leases are kept."""
@@ -150,20 +166,30 @@ class JointLimiter:
             state.scale = scale
             state.rebuild(self.clock())
 
-    def _default_for(self, key: str) -> LimitSpec | None:
-        for prefix, spec in self.default_spec_by_prefix.items():
+    def _spec_for(self, key: str) -> tuple[LimitSpec, bool]:
+        """The key's spec in force and whether it is configured (else a prefix default, or unlimited)."""
+        spec = self._specs.get(key)
+        if spec is not None:
+            return spec, True
+        for prefix, default in self.default_spec_by_prefix.items():
             if key.startswith(prefix):
-                return spec
-        return None
+                return default, False
+        return LimitSpec(), False
 
     def _state(self, key: str) -> KeyState:
+        """The key's state under the limits in force: created on first use, brought up to date if stale."""
         state = self._keys.get(key)
         if state is None:
+            spec, configured = self._spec_for(key)
             state = KeyState(
-                spec=self._default_for(key) or LimitSpec(), priority=self.priority, configured=False
+                spec=spec, priority=self.priority, configured=configured, generation=self._generation
             )
             state.rebuild(self.clock())
             self._keys[key] = state
+        elif state.generation != self._generation:
+            spec, configured = self._spec_for(key)
+            state.reconfigure(spec, self.priority, configured, self._applied_at)
+            state.generation = self._generation
         return state
 
     # -- admission -----------------------------------------------------------------------------------------
@@ -245,6 +271,22 @@ class JointLimiter:
                 state.rebuild(now)  # drops a share whose guarantee was removed once it is empty
         return True
 
+    def refund(self, lease: Lease, tokens: int) -> bool:
+        """Lower an open lease's reservation by `tokens` (at most what it holds), returning them to the
+        buckets it took from, as its settlement would (never above capacity). False once it is settled."""
+        if lease.settled:
+            return False
+        tokens = max(0, min(tokens, lease.reserved_tokens))
+        now = self.clock()
+        for placement in lease.placements:
+            if placement.tokens is None:
+                continue
+            share = self._state(placement.key).shares.get(placement.tokens)
+            if share is not None and share.bucket is not None:
+                share.bucket.settle(tokens, 0, now)
+        lease.reserved_tokens -= tokens
+        return True
+
     def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         unique = tuple(dict.fromkeys(keys))
         return tightest_status(unique, [self._state(k) for k in unique], holder, self.clock())
@@ -252,19 +294,29 @@ class JointLimiter:
     # -- housekeeping and observation ---------------------------------------------------------------------
 
     def prune(self) -> int:
-        """Forget unconfigured keys that hold nothing (idle tenants): open-ended key families stay bounded."""
+        """Forget idle keys that would be created again as they are: unconfigured ones (idle tenants) and
+        configured ones past the first `EAGER_KEYS`, so open-ended key families stay bounded by use."""
         now = self.clock()
-        dead = [k for k, s in self._keys.items() if not s.configured and s.idle(now)]
+        dead = [k for k in self._keys if k not in self._eager and self._state(k).idle(now)]
         for key in dead:
             del self._keys[key]
         return len(dead)
 
+    def shown_keys(self, busiest: int = SNAPSHOT_BUSIEST_KEYS) -> list[str]:
+        """The keys worth a metrics series: the first `EAGER_KEYS` configured keys, then the `busiest` other
+        keys in use, most leases first. Ranking reads one counter per key in use, so a scrape costs the
+        same whether 10 or 10^5 tenants have limits of their own."""
+        others = (k for k in self._keys if k not in self._eager)
+        ranked = heapq.nlargest(busiest, others, key=lambda k: self._keys[k].active)
+        return [*itertools.islice(self._specs, EAGER_KEYS), *ranked]
+
     def snapshot(self, keys: Iterable[str] | None = None) -> list[KeySnapshot]:
+        """Keys in use (and the first `EAGER_KEYS` configured ones), or those of `keys` that are."""
         now = self.clock()
         names = list(self._keys) if keys is None else [k for k in keys if k in self._keys]
         out = []
         for key in names:
-            state = self._keys[key]
+            state = self._state(key)
             for share in state.shares.values():
                 if share.bucket is not None:
                     share.bucket.refill(now)

@@ -52,6 +52,12 @@ class LimiterStore(Protocol):
         """Settle a lease to the tokens really used; False when it was settled before."""
         ...
 
+    async def refund(self, lease: Lease, tokens: int) -> bool:
+        """Lower an open lease's reservation by `tokens` and return them to its buckets now (a reservation
+        made on a bound, corrected once the exact count is known); False when the lease is settled or gone.
+        The lease's `reserved_tokens` drops by what was refunded, so its settlement stays exact."""
+        ...
+
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         """The tightest remaining capacity over `keys`, for response headers."""
         ...

@@ -111,6 +111,21 @@ class KeyState:
     shares: dict[str, Share] = field(default_factory=dict)
     hold_ewma_s: float | None = None
     configured: bool = True
+    generation: int = 0
+    """The limits version this state was last brought up to date with (see `JointLimiter`)."""
+
+    def reconfigure(
+        self, spec: LimitSpec, priority: tuple[str, ...], configured: bool, applied_at: float
+    ) -> None:
+        """Take a reload's spec and class priority, rebuilt as of `applied_at`, the instant of the reload
+        (nothing touched this state since, so its buckets are refilled at the old rate up to then and at
+        the new one after, as if rebuilt at once). An unchanged spec costs nothing."""
+        self.configured = configured
+        if spec == self.spec and priority == self.priority:
+            return
+        self.spec = spec
+        self.priority = priority
+        self.rebuild(applied_at)
 
     def rebuild(self, now: float) -> None:
         """Recompute every share's effective capacity from the spec, the class priority and the scale."""

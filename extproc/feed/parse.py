@@ -4,9 +4,9 @@ Pure: text in, dataclasses out, and engine-agnostic: which series mean what come
 `EngineProfile` (`extproc.feed.engines`). Names are matched exactly: a prefix match on
 `vllm:num_requests_waiting` would also count `vllm:num_requests_waiting_by_reason`.
 
-Aggregation over the series of one model: breakdown series (non-empty breakdown label) are dropped;
-series are grouped by the profile's replica labels (independent schedulers). Counts (waiting, running,
-preemptions) are the max inside a group (tensor/pipeline ranks repeat the same queue) summed across
+Aggregation over the series of one model: breakdown series (non-empty breakdown label) are dropped; series
+are grouped by the profile's replica labels (independent schedulers). Counts (waiting, running, preemptions,
+generated tokens) are the max inside a group (tensor/pipeline ranks repeat the same queue) summed across
 groups; KV usage is the max inside a group, then the max (default) or mean across groups; capacity comes
 from the first capacity source of the profile that yields a value (see `engines.py`).
 
@@ -83,6 +83,7 @@ class ModelSignals:
     preemptions_total: float | None
     kv_capacity_tokens: int | None
     series: int
+    generation_tokens_total: float | None = None  # counter: the decode pace is its growth between scrapes
 
 
 def _unescape(value: str) -> str:
@@ -373,6 +374,7 @@ class _ModelView:
             preemptions_total=self.counted("preemptions"),
             kv_capacity_tokens=capacity,
             series=len(self.series),
+            generation_tokens_total=self.counted("generated"),
         )
 
 

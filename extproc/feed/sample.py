@@ -3,10 +3,12 @@
 Components pass `FeedSample` (a frozen dataclass with plain Python types) and convert at the gRPC edge
 only, so the parser, hub, aggregation and tests never depend on generated code.
 
-`checked(sample)` is the one rule for readings that cannot be true (NaN, ±inf, a negative usage or count,
-a capacity of 0 or beyond `MAX_KV_CAPACITY_TOKENS`): such a sample becomes a down sample with reason
-`invalid`, so its endpoint counts as missing (stale), never as a reading. Both ends apply it: the exporter
-after parsing a page, the sidecar on every sample off the wire (it does not trust the wire).
+`checked(sample)` is the one rule for readings that cannot be true (NaN, ±inf, a negative usage or count, a
+capacity of 0 or beyond `MAX_KV_CAPACITY_TOKENS`): such a sample becomes a down sample with reason
+`invalid`, so its endpoint counts as missing (stale), never as a reading. A decode pace that cannot be true
+is dropped alone (the pace only bounds what an unreported request is charged; losing the KV reading over it
+would lose protection). Both ends apply it: the exporter after parsing a page, the sidecar on every sample
+off the wire (it does not trust the wire).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from extproc.feed.engines import ServerKind
+from extproc.feed.pace import plausible_pace
 from extproc.feed.parse import ModelSignals
 from extproc.feed.proto import feedback_pb2
 
@@ -59,6 +62,8 @@ class FeedSample:
     error: str = ""
     scrape_duration_seconds: float = 0.0
     served_names: tuple[str, ...] = ()  # from the server's /v1/models: this model, aliases, adapters
+    # Tokens per second per running sequence since the endpoint's previous scrape (`feed.pace`); None unknown.
+    decode_tokens_per_second: float | None = None
 
     @property
     def key(self) -> SampleKey:
@@ -73,6 +78,7 @@ class FeedSample:
         sample_time: float,
         duration: float,
         served_names: tuple[str, ...] = (),
+        decode_tokens_per_second: float | None = None,
     ) -> FeedSample:
         return cls(
             node=node,
@@ -88,6 +94,7 @@ class FeedSample:
             up=True,
             scrape_duration_seconds=duration,
             served_names=served_names,
+            decode_tokens_per_second=decode_tokens_per_second,
         )
 
     @classmethod
@@ -140,9 +147,9 @@ def problem(sample: FeedSample) -> str | None:
 
 
 def checked(sample: FeedSample) -> FeedSample:
-    """The sample if its readings are plausible (a usage above 1 clamped to 1), else a down sample whose
-    error is `invalid: <field> <value>`: its endpoint is then missing from the pool, as after a failed
-    scrape."""
+    """The sample if its readings are plausible (a usage above 1 clamped to 1, an impossible decode pace
+    dropped), else a down sample whose error is `invalid: <field> <value>`: its endpoint is then missing
+    from the pool, as after a failed scrape."""
     why = problem(sample)
     if why is not None:
         return FeedSample.down(
@@ -156,6 +163,9 @@ def checked(sample: FeedSample) -> FeedSample:
         )
     if sample.kv_usage is not None and sample.kv_usage > 1.0:
         sample = replace(sample, kv_usage=1.0)
+    pace = sample.decode_tokens_per_second
+    if pace is not None and plausible_pace(pace) is None:
+        sample = replace(sample, decode_tokens_per_second=None)  # advisory: dropped alone, the rest stands
     names = plausible_names(sample.served_names)
     return sample if names == sample.served_names else replace(sample, served_names=names)
 
@@ -184,7 +194,7 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
         scrape_duration_seconds=sample.scrape_duration_seconds,
         served_names=list(sample.served_names),
     )
-    for field in ("kv_usage", *_COUNTS):
+    for field in ("kv_usage", *_COUNTS, "decode_tokens_per_second"):
         value = getattr(sample, field)
         if value is not None:
             setattr(msg, field, value)
@@ -217,4 +227,5 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         error=msg.error,
         scrape_duration_seconds=msg.scrape_duration_seconds,
         served_names=tuple(msg.served_names),
+        decode_tokens_per_second=opt("decode_tokens_per_second"),
     )

@@ -15,6 +15,10 @@ For engines whose model list is known (`EngineProfile.served_names_path`: vLLM),
 names its pool is served under (`listing.names_by_pool`: aliases, LoRA adapters). A list that cannot be
 read keeps the last one read; an endpoint that fails is asked again when it returns.
 
+Every sample of an endpoint that was scraped before carries its decode pace since then (`feed.pace`: the
+generation-token counter's growth per running sequence and second, on the scraper's monotonic clock); a
+failed scrape drops the endpoint's baseline.
+
 The served model name (the pool a sample belongs to) comes from the target's `model`, else from the
 page's model label. When the page has none (TGI) or only a placeholder (trtllm-serve's
 `model_name="undefined"`), the engine's OpenAI `/v1/models` on the same host:port is asked once and the
@@ -34,6 +38,7 @@ import aiohttp
 
 from extproc.feed.engines import PROFILES, EngineProfile, ServerKind
 from extproc.feed.listing import names_by_pool, parse_model_list
+from extproc.feed.pace import PaceMeter
 from extproc.feed.parse import MetricsParseError, ModelNameMissing, ModelSignals, PageFilter, parse_metrics
 from extproc.feed.sample import MAX_MODEL_NAME, FeedSample, checked
 from extproc.feed.targets import Target
@@ -80,11 +85,13 @@ class Scraper:
         self._models: dict[str, tuple[str, ...]] = {}
         self._api_models: dict[str, str] = {}
         self._listings: dict[str, tuple[float, dict[str, tuple[str, ...]]]] = {}  # endpoint: (read at, names)
+        self._pace = PaceMeter()
 
     def forget(self, target: Target) -> None:
         self._models.pop(target.endpoint, None)
         self._api_models.pop(target.endpoint, None)
         self._listings.pop(target.endpoint, None)
+        self._pace.forget(target.endpoint)
 
     def known_models(self, target: Target) -> tuple[str, ...]:
         if target.model is not None:
@@ -126,12 +133,21 @@ class Scraper:
         served: dict[str, tuple[str, ...]],
     ) -> ScrapeResult:
         """Samples of a parsed page; one holding an impossible reading is sent down (reason `invalid`)."""
-        duration = self._mono() - start
+        done = self._mono()
+        duration = done - start
         now = self._wall()
         samples = [
             checked(
                 FeedSample.from_signals(
-                    self._node, target.endpoint, s, now, duration, served.get(s.model, ())
+                    self._node,
+                    target.endpoint,
+                    s,
+                    now,
+                    duration,
+                    served.get(s.model, ()),
+                    self._pace.observe(
+                        (target.endpoint, s.model), s.generation_tokens_total, s.requests_running, done
+                    ),
                 )
             )
             for s in signals.values()
@@ -212,6 +228,7 @@ class Scraper:
         if reason in ("connect", "timeout", "http_status"):
             self._api_models.pop(target.endpoint, None)  # a restarted server may serve another model
             self._listings.pop(target.endpoint, None)
+        self._pace.forget(target.endpoint)  # an engine that failed may come back with a fresh counter
         duration = self._mono() - start
         now = self._wall()
         kind: ServerKind | None = target.kind

@@ -3,7 +3,8 @@
 A pool is every endpoint serving the same model name. Its KV usage is the max over fresh endpoints by
 default (the fullest server preempts first, and the sidecar cannot steer requests away from it), the mean
 as an option; waiting, running, KV capacity and KV tokens in use (usage x capacity per endpoint) are
-summed. Samples that are down (up=false) or older than the staleness window (by the sidecar's own receive
+summed; the decode pace per sequence is the mean of the endpoints' paces weighted by their running
+requests. Samples that are down (up=false) or older than the staleness window (by the sidecar's own receive
 time, so exporter clock skew cannot fake freshness) are excluded, and so is any sample holding a reading no
 server can have (`sample.problem`; the subscriber already stores those as down): one endpoint's NaN cannot
 make the pool's aggregate NaN. A pool with no fresh sample is stale.
@@ -42,6 +43,20 @@ class PoolSnapshot:
     newest_at: float | None
     stale: bool
     kv_used_tokens: float | None = None  # summed usage x capacity of fresh endpoints publishing both
+    decode_tokens_per_second: float | None = None  # per sequence, over fresh endpoints publishing a pace
+
+
+def pool_pace(items: Iterable[StoredSample]) -> float | None:
+    """The pool's decode pace per sequence: the endpoints' paces weighted by their running requests (at
+    least 1 each, so an endpoint that just went idle still counts), None when no fresh endpoint has one."""
+    weighted = [
+        (pace, max(1.0, s.sample.requests_running or 0.0))
+        for s in items
+        if (pace := s.sample.decode_tokens_per_second) is not None
+    ]
+    if not weighted:
+        return None
+    return sum(pace * weight for pace, weight in weighted) / sum(weight for _, weight in weighted)
 
 
 def aggregate(
@@ -84,5 +99,6 @@ def aggregate(
             newest_at=max((s.received_at for s in items), default=None),
             stale=not items,
             kv_used_tokens=sum(used) if used else None,
+            decode_tokens_per_second=pool_pace(items),
         )
     return out

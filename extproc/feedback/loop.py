@@ -112,6 +112,11 @@ class FeedbackLoop:
         snap = self._snapshots.get(pool)
         return snap.kv_capacity_tokens if snap is not None and not snap.stale else None
 
+    def decode_tokens_per_second(self, pool: str) -> float | None:
+        """The decode pace per sequence the pool's fresh endpoints publish, None when none does or stale."""
+        snap = self._snapshots.get(pool)
+        return snap.decode_tokens_per_second if snap is not None and not snap.stale else None
+
     def evaluate(self, pools: set[str] | None = None) -> None:
         """Re-aggregate and step the controllers of `pools` (all when None) at `clock()`."""
         now = self._clock()
@@ -127,7 +132,9 @@ class FeedbackLoop:
             else:
                 state = ctl.observe(snap.kv_usage, snap.requests_waiting, snap.newest_at, now)
             if self._metrics is not None:
-                self._metrics.observe_state(pool, state, self.capacity_tokens(pool))
+                self._metrics.observe_state(
+                    pool, state, self.capacity_tokens(pool), self.decode_tokens_per_second(pool)
+                )
             if not _same(before, state) and self._on_update is not None:
                 try:
                     self._on_update(pool, state)

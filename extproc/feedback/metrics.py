@@ -16,6 +16,13 @@ class FeedbackMetrics:
     """The gauges and counters of the KV feedback path, labelled by pool (served model name)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.decode_pace = Gauge(
+            "extproc_feed_decode_tokens_per_second",
+            "Decode pace per running sequence the pool's fresh engines publish (NaN: none): the rate an "
+            "unreported request is charged at while the pool has none learned from its streams.",
+            ["pool"],
+            registry=registry,
+        )
         self.kv_usage = Gauge(
             "extproc_kv_usage_ratio",
             "Aggregated KV-cache usage of the pool (0..1).",
@@ -82,7 +89,15 @@ class FeedbackMetrics:
             registry=registry,
         )
 
-    def observe_state(self, pool: str, state: ControllerState, capacity_tokens: int | None) -> None:
+    def observe_state(
+        self,
+        pool: str,
+        state: ControllerState,
+        capacity_tokens: int | None,
+        decode_tokens_per_second: float | None = None,
+    ) -> None:
+        pace = decode_tokens_per_second
+        self.decode_pace.labels(pool).set(pace if pace is not None else float("nan"))
         self.kv_usage.labels(pool).set(state.kv_usage if state.kv_usage is not None else float("nan"))
         self.requests_waiting.labels(pool).set(state.waiting)
         self.scale.labels(pool).set(state.scale)

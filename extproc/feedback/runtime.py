@@ -177,6 +177,11 @@ class FeedbackRuntime:
             return None
         return state.kv_usage
 
+    def decode_rate(self, pool: str) -> float | None:
+        """The pool's decode pace per sequence from the engines' counters (`feed.pace`), None without a
+        fresh one: the fallback of `DecodeRates` while the pool has no pace learned from its streams."""
+        return self.loop.decode_tokens_per_second(pool) if self.loop is not None else None
+
     def budget_changed(self, pool: str) -> None:
         budget = self._budgets.get(pool)
         if budget is not None:

@@ -2,7 +2,8 @@
 
 `extproc.config` builds a `SubscriberConfig` while loading the YAML file; keeping it here (and not beside
 the gRPC/aiohttp code in `subscriber.py`) lets the config layer load and validate without importing I/O
-packages.
+packages. A bad field raises `SubscriberConfigError`, whose `key` the config loader puts under its own
+section (`feedback.exporters`).
 """
 
 from __future__ import annotations
@@ -34,20 +35,37 @@ class SubscriberConfig:
 
     def __post_init__(self) -> None:
         if not (self.exporters or self.service or self.direct_targets):
-            raise ValueError("subscriber.exporters: give exporters, a service name or direct targets")
-        for addr in (*self.exporters, *([self.service] if self.service else [])):
-            split_hostport(addr)
+            raise SubscriberConfigError("exporters", "give exporters, a service name or direct targets")
+        for key, addr in (*(("exporters", a) for a in self.exporters), ("service", self.service or "h:0")):
+            if _hostport(addr) is None:
+                raise SubscriberConfigError(key, f"expected host:port, got {addr!r}")
         if not 0 < self.backoff_initial <= self.backoff_max:
-            raise ValueError("subscriber.backoff_initial: must be > 0 and <= backoff_max")
+            raise SubscriberConfigError("backoff_initial", "must be > 0 and <= backoff_max")
         if self.backoff_multiplier < 1:
-            raise ValueError("subscriber.backoff_multiplier: must be >= 1")
+            raise SubscriberConfigError("backoff_multiplier", "must be >= 1")
         if not 0 <= self.backoff_jitter < 1:
-            raise ValueError("subscriber.backoff_jitter: must be in [0, 1)")
+            raise SubscriberConfigError("backoff_jitter", "must be in [0, 1)")
+
+
+class SubscriberConfigError(ValueError):
+    """A bad `SubscriberConfig` field: `key` names it, `reason` says why."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"subscriber.{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+def _hostport(addr: str) -> tuple[str, int] | None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
     """`host:port` or `[v6]:port` as (host, port); raises ValueError naming the bad address."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    parsed = _hostport(addr)
+    if parsed is None:
         raise ValueError(f"subscriber: expected host:port, got {addr!r}")
-    return host.strip("[]"), int(port)
+    return parsed

@@ -4,7 +4,8 @@
 -- `extproc` namespace: `id` (the key its end report is matched by) and `read`, a reading spec built from
 -- the API's response dialect (extproc/admission/reading.py): Lua patterns that mark a content event, a final
 -- event, an error event and the usage-only event, the JSON key that holds usage (`usage_key`, quoted, for a
--- quick plain search), and whether to strip the usage-only event (the sidecar injected `stream_options.include_usage`; the client did not ask for it).
+-- quick plain search; the usage pattern starts with it), and whether to strip the usage-only event (the
+-- sidecar injected `stream_options.include_usage`; the client did not ask for it).
 -- This script knows no API: it applies the patterns and writes what it saw to `extproc.response`, which
 -- Envoy's gRPC access log hands to the sidecar when the request ends:
 --   n  content events counted          m  n when the last usage object was seen
@@ -15,6 +16,12 @@
 --      request start and last upstream byte it gives the sidecar the first-token delay and the decode rate
 -- Envoy runs no Lua when a client disconnects, so every value is written as soon as it changes.
 -- Handles from streamInfo() expire at each yield (every chunk): they are fetched again each time.
+--
+-- Cost: this runs for every token the fleet streams, so the per-chunk path does as little as it can
+-- (bench/overhead/lua.py measures it, bench/RESULTS.md section 2c): event ends are found with plain
+-- searches, not a pattern; an event that is the whole chunk (the usual case: one upstream write per token)
+-- is not copied; a pattern runs only where its literal start (e.g. `"content"`) was found by a plain
+-- search; a chunk's bytes are rebuilt only when an event is dropped or part of one is held back.
 
 local IN = "extproc"
 local OUT = "extproc.response"
@@ -22,14 +29,69 @@ local HOLD_MAX = 65536 -- an incomplete SSE event is held (and, when stripping, 
 local BODY_MAX = 65536 -- a JSON body is handed over whole up to this size...
 local TAIL = 8192 -- ...and past it only its end, where the usage object is written
 
+local find, match, sub, byte = string.find, string.match, string.sub, string.byte
+local concat = table.concat
+local LF, CR = 10, 13
+
 local function set(handle, key, value)
   handle:streamInfo():dynamicMetadata():set(OUT, key, value)
 end
 
+-- The literal text every match of a pattern starts with (`"content"` of `"content"%s*:%s*"[^"]`), or false
+-- when it has none (anchored, or a class, a set or an optional character first). Kept per Lua state (one per
+-- Envoy worker, living as long as the config): the specs' patterns are a few dozen fixed strings.
+local LITERAL_CACHE_MAX = 256
+local literals, cached = {}, 0
+local MAGIC = "^$()%.[]*+-?"
+
+local function literal_start(pattern)
+  local known = literals[pattern]
+  if known ~= nil then
+    return known
+  end
+  local out, i = {}, 1
+  while i <= #pattern do
+    local c = sub(pattern, i, i)
+    if c == "%" then
+      c = sub(pattern, i + 1, i + 1)
+      if c == "" or find(c, "%w") then
+        break -- a class (%s, %d), %b or %f: not one fixed character
+      end
+      i = i + 2
+    elseif find(MAGIC, c, 1, true) then
+      break
+    else
+      i = i + 1
+    end
+    local quantifier = sub(pattern, i, i)
+    if quantifier == "*" or quantifier == "?" or quantifier == "-" then
+      break -- this character may be absent from a match
+    end
+    out[#out + 1] = c
+    if quantifier == "+" then
+      break
+    end
+  end
+  local literal = #out > 0 and concat(out) or false
+  if cached < LITERAL_CACHE_MAX then
+    literals[pattern] = literal
+    cached = cached + 1
+  end
+  return literal
+end
+
+-- Whether `text` matches one of `patterns`. No match can start before the first occurrence of a pattern's
+-- literal start, so a plain search for it decides most events and the pattern runs only from there.
 local function matches(text, patterns)
   if patterns ~= nil then
-    for _, pattern in ipairs(patterns) do
-      if string.find(text, pattern) ~= nil then
+    for i = 1, #patterns do
+      local pattern = patterns[i]
+      local literal = literal_start(pattern)
+      local from = 1
+      if literal then
+        from = find(text, literal, 1, true)
+      end
+      if from ~= nil and find(text, pattern, from) ~= nil then
         return true
       end
     end
@@ -50,19 +112,53 @@ local function classify(event, spec, state)
       state.error = true
     end
   end
-  if string.find(event, spec.usage_key, 1, true) == nil then
+  local at = find(event, spec.usage_key, 1, true)
+  if at == nil then
     return false -- a plain search first: the usage pattern runs only where the key is
   end
-  local usage = string.match(event, spec.usage)
+  local usage = match(event, spec.usage, at)
   if usage ~= nil then
     if state.u0 == nil then
       state.u0 = usage
     end
     state.u = usage
     state.m = state.n
-    return spec.strip and spec.only ~= nil and string.find(event, spec.only) ~= nil
+    return spec.strip and spec.only ~= nil and find(event, spec.only) ~= nil
   end
   return false
+end
+
+-- The last byte of the first event that ends at or after `pos`: its blank line is "\n\n", "\r\n\r\n",
+-- "\n\r\n" or "\r\n\n" (what the pattern "\r?\n\r?\n" finds), searched for as plain newlines.
+local function event_end(text, pos)
+  while true do
+    local at = find(text, "\n", pos, true)
+    if at == nil then
+      return nil
+    end
+    local after = byte(text, at + 1)
+    if after == LF then
+      return at + 1
+    end
+    if after == CR and byte(text, at + 2) == LF then
+      return at + 2
+    end
+    pos = at + 1
+  end
+end
+
+-- `text` without the byte ranges in `dropped` (pairs of first and last positions, in order) and without
+-- what follows `upto`.
+local function without(text, dropped, upto)
+  local out, from = {}, 1
+  if dropped ~= nil then
+    for i = 1, #dropped, 2 do
+      out[#out + 1] = sub(text, from, dropped[i] - 1)
+      from = dropped[i + 1] + 1
+    end
+  end
+  out[#out + 1] = sub(text, from, upto)
+  return concat(out)
 end
 
 local function publish(handle, state, seen)
@@ -94,6 +190,7 @@ end
 local function read_events(handle, spec)
   local state = { n = 0, m = 0, final = false, error = false }
   local seen = { n = 0, final = false, error = false }
+  local strip = spec.strip == true
   local held = ""
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
@@ -102,34 +199,31 @@ local function read_events(handle, spec)
     if was_held then
       text = held .. text
     end
-    local kept = spec.strip and {} or nil
-    local dropped = false
+    local length = #text
+    local dropped = nil -- first and last positions of the events to drop, made on the first one
     local pos = 1
-    while true do
-      local first, last = string.find(text, "\r?\n\r?\n", pos)
-      if first == nil then
-        break
+    local last = event_end(text, 1)
+    while last ~= nil do
+      local event = text
+      if pos ~= 1 or last ~= length then
+        event = sub(text, pos, last)
       end
-      local event = string.sub(text, pos, last)
       if classify(event, spec, state) then
-        dropped = true
-      elseif kept ~= nil then
-        kept[#kept + 1] = event
+        dropped = dropped or {}
+        dropped[#dropped + 1] = pos
+        dropped[#dropped + 1] = last
       end
       pos = last + 1
+      last = event_end(text, pos)
     end
-    held = string.sub(text, pos)
+    held = pos <= length and sub(text, pos) or ""
     if #held > HOLD_MAX or (size == 0 and #held > 0) then
-      -- Too large to be a usage event, or the end of the stream (an empty last chunk): released as it is.
-      if kept ~= nil then
-        kept[#kept + 1] = held
-      end
-      held = ""
+      held = "" -- too large to be a usage event, or the end of the stream (an empty last chunk): released
     end
     -- Only a stripping reader changes bytes, and only when it dropped an event or holds part of one:
     -- otherwise the chunk passes untouched (no copy). A counting reader keeps a partial event for parsing.
-    if kept ~= nil and (dropped or was_held or #held > 0) then
-      chunk:setBytes(table.concat(kept))
+    if strip and (dropped ~= nil or was_held or #held > 0) then
+      chunk:setBytes(without(text, dropped, length - #held))
     end
     publish(handle, state, seen)
   end
@@ -144,14 +238,14 @@ local function read_body(handle)
       if tail == nil and size + length <= BODY_MAX then
         parts[#parts + 1] = bytes
       else
-        tail = string.sub((tail or table.concat(parts)) .. bytes, -TAIL)
+        tail = sub((tail or concat(parts)) .. bytes, -TAIL)
         parts = {}
       end
       size = size + length
     end
   end
   if tail == nil then
-    set(handle, "b", table.concat(parts))
+    set(handle, "b", concat(parts))
   else
     set(handle, "t", tail)
   end
@@ -164,7 +258,7 @@ function envoy_on_response(handle)
   end
   local spec = admitted.read
   local kind = handle:headers():get("content-type") or ""
-  if string.find(kind, "text/event-stream", 1, true) ~= nil then
+  if find(kind, "text/event-stream", 1, true) ~= nil then
     read_events(handle, spec)
   else
     read_body(handle)

@@ -102,6 +102,11 @@ class FallbackStore:
             await self.fallback.release(shadow, 0)
         return await self.primary.release(lease, actual_tokens)
 
+    async def refund(self, lease: Lease, tokens: int) -> bool:
+        if id(lease) in self._local:
+            return await self.fallback.refund(lease, tokens)
+        return await self.primary.refund(lease, tokens)  # the local shadow holds a slot, no tokens
+
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         try:
             return await self.primary.status(keys, holder)

@@ -27,6 +27,9 @@ class LocalStore:
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         return self.limiter.release(lease, actual_tokens)
 
+    async def refund(self, lease: Lease, tokens: int) -> bool:
+        return self.limiter.refund(lease, tokens)
+
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         return self.limiter.status(keys, holder)
 
@@ -45,7 +48,8 @@ class LocalStore:
         self.limiter.set_scale(key, scale)
 
     def snapshot(self) -> list[KeySnapshot]:
-        return self.limiter.snapshot()
+        """The keys metrics show (`JointLimiter.shown_keys`): bounded, however many tenants are in use."""
+        return self.limiter.snapshot(self.limiter.shown_keys())
 
     def prune(self) -> int:
         return self.limiter.prune()

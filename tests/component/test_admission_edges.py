@@ -18,9 +18,10 @@ from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
 from extproc.store.local import LocalStore
-from tests.component.test_classes import CONFIG as CLASS_CONFIG
-from tests.component.test_classes import admit, start
-from tests.component.test_server import Harness, body_msg, chat, eventually, header_map, headers_msg
+from tests.support.classes import CONFIG as CLASS_CONFIG
+from tests.support.classes import admit, start
+from tests.support.servicer import Harness, body_msg, chat, header_map, headers_msg
+from tests.support.waiting import eventually
 
 
 @pytest.mark.parametrize(

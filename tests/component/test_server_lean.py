@@ -22,7 +22,8 @@ from extproc.config import parse_config
 from extproc.core.clock import FakeClock
 from extproc.metrics import Metrics
 from extproc.server_lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE, is_lean
-from tests.component.test_server import BASE_CONFIG, Harness, chat, eventually, headers_msg
+from tests.support.servicer import BASE_CONFIG, Harness, chat, headers_msg
+from tests.support.waiting import eventually
 
 _MODE = processing_mode_pb2.ProcessingMode
 CONFIG: dict[str, Any] = {

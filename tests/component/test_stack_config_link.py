@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from extproc.stack import LocalStack, Ports, Process, foreground_stack, sidecar_config_with_ports, wait_http
-from tests.e2e.conftest import metric
+from tests.support.stack import metric
 
 
 def configmap_version(volume: Path, name: str, config: dict[str, Any]) -> None:

@@ -2,102 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import PROFILES, LocalStack, Ports, trust_client_tenant_header
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-def http(
-    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None
-) -> Reply:
-    """A plain HTTP call that returns error statuses instead of raising."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url, data=data, method=method)
-    request.add_header("content-type", "application/json")
-    for key, value in (headers or {}).items():
-        request.add_header(key, value)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return Reply(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())
-    except urllib.error.HTTPError as err:
-        return Reply(err.code, {k.lower(): v for k, v in err.headers.items()}, err.read())
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = http("GET", url).body.decode()
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
-    return out
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples named `name` whose labels include `labels`."""
-    total = 0.0
-    for (sample, sample_labels), value in scrape(url).items():
-        if sample == name and all(dict(sample_labels).get(k) == v for k, v in labels.items()):
-            total += value
-    return total
-
-
-class Stack:
-    def __init__(self, stack: LocalStack) -> None:
-        self.stack = stack
-        self.url = stack.envoy_url
-
-    def sidecar(self, name: str, **labels: str) -> float:
-        return metric(f"{self.stack.admin_url}/metrics", name, **labels)
-
-    def upstream(self, name: str, **labels: str) -> float:
-        return metric(f"{self.stack.upstream_url}/metrics", name, **labels)
-
-    def upstream_requests(self) -> float:
-        """Requests that reached the simulator: finished for any reason, or still running or queued."""
-        return (
-            self.upstream("vllm:request_success_total")
-            + self.upstream("vllm:num_requests_running")
-            + self.upstream("vllm:num_requests_waiting")
-        )
-
-
-def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
-    """Simulator arguments for a decode step of `step_ms` whatever the batch and no prefill cost, so a test
-    knows how long an answer streams (tokens x step)."""
-    steady = ["--step-base-ms", f"{step_ms:g}", "--decode-per-seq-ms", "0", "--prefill-per-token-ms", "0"]
-    return ["--model", model, *extra, *steady]
-
-
-def start_stack(config: dict[str, Any], sim_args: list[str], profile: str = "inline") -> LocalStack:
-    """A stack whose clients name their tenant in the tenant header (no authn filter sets it here);
-    tests/e2e/test_edge_e2e.py covers the strip itself."""
-    stack = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=config,
-        sim_args=sim_args,
-        envoy_patch=trust_client_tenant_header,
-        profile=profile,
-    )
-    stack.start()
-    return stack
+from extproc.stack import PROFILES, LocalStack
+from tests.support.stack import Stack, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +31,3 @@ def profile(request: pytest.FixtureRequest) -> str:
     stack at a time (pytest finishes one parameter's tests before it sets up the next)."""
     value: str = request.param
     return value
-
-
-def profile_stack(
-    make_stack: Any, profile: str, config: dict[str, Any], sim_args: list[str]
-) -> Iterator[Stack]:
-    """A module's stack in one profile, stopped when the module moves on to the other."""
-    stack: Stack = make_stack(config, sim_args, profile)
-    yield stack
-    stack.stack.stop()

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import Reply, Stack, fixed_step_sim, http
+from tests.support.stack import Reply, Stack, fixed_step_sim, http
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {

@@ -17,13 +17,15 @@ import anthropic
 import openai
 import pytest
 
-from tests.e2e.conftest import Reply, Stack, fixed_step_sim, http, profile_stack
-from tests.e2e.test_usage_e2e import Ledger, assert_exact, wait_settled
+from tests.support.ledger import Ledger, assert_exact, wait_settled
+from tests.support.stack import Reply, Stack, fixed_step_sim, http, profile_stack
 
 MODEL = "llama-3-8b"
 WINDOW = 8192
 CONFIG: dict[str, Any] = {
-    "admission": {"max_body_bytes": 65536, "tenant": {"header": "x-tenant"}},
+    # Counted before admission (no bound admission, tests/e2e/test_bound_e2e.py covers it): each reservation
+    # below is then the sidecar's own exact count, compared with the backend's.
+    "admission": {"max_body_bytes": 65536, "tenant": {"header": "x-tenant"}, "bound_admission": False},
     # The simulator frames chat messages as OpenAI documents for cl100k (3 tokens per message, 3 to prime
     # the reply) and renders Responses and Messages requests as chat: with these costs the sidecar's prompt
     # count is exact, so each reservation is known to the token.

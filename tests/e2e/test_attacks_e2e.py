@@ -22,11 +22,19 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim, http, scrape
+from tests.support.attacks import (
+    MODEL,
+    assert_nothing_leaked,
+    chat,
+    post,
+    reserved,
+    upstream_requests,
+    wait_idle,
+)
+from tests.support.stack import Stack, fixed_step_sim, http, scrape
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "llama-3-8b"
 WINDOW = 8192
 CONFIG: dict[str, Any] = {
     "admission": {"max_body_bytes": 1_100_000, "tenant": {"header": "x-tenant-id"}},
@@ -52,18 +60,6 @@ def stack(make_stack: Any) -> Iterator[Stack]:
     assert_nothing_leaked(s)
 
 
-def envoy_stat(stack: Stack, name: str) -> float:
-    """A counter of Envoy's own (admin /stats), e.g. how many requests reached the upstream cluster."""
-    text = http(
-        "GET", f"http://127.0.0.1:{stack.stack.ports.envoy_admin}/stats?filter=^{name}$"
-    ).body.decode()
-    for line in text.splitlines():
-        key, _, value = line.partition(": ")
-        if key == name:
-            return float(value)
-    return 0.0
-
-
 def admitted_decisions(stack: Stack) -> dict[float, float]:
     """The sidecar's cumulative histogram of admitted requests' decision times, by upper bound."""
     out: dict[float, float] = {}
@@ -82,39 +78,6 @@ def quantile_bound(buckets: dict[float, float], q: float) -> float:
     """The upper bound of the bucket that holds quantile `q` of a cumulative histogram."""
     total = buckets[math.inf]
     return next(le for le in sorted(buckets) if buckets[le] >= q * total)
-
-
-def upstream_requests(stack: Stack) -> float:
-    return envoy_stat(stack, "cluster.llm_upstream.upstream_rq_total")
-
-
-def reserved(stack: Stack) -> float:
-    return stack.sidecar("extproc_tokens_reserved_total")
-
-
-def wait_idle(stack: Stack, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while stack.sidecar("extproc_active_requests") != 0:
-        assert time.monotonic() < deadline, "leases still open"
-        time.sleep(0.02)
-
-
-def assert_nothing_leaked(stack: Stack) -> None:
-    wait_idle(stack)
-    reserve, refunded = reserved(stack), stack.sidecar("extproc_tokens_refunded_total")
-    overrun, settled = (
-        stack.sidecar("extproc_tokens_overrun_total"),
-        stack.sidecar("extproc_tokens_settled_total"),
-    )
-    assert reserve - refunded + overrun == settled
-
-
-def chat(content: Any, **fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
-
-
-def post(stack: Stack, path: str, body: Any, **headers: str) -> Any:
-    return http("POST", stack.url + path, body, headers=headers)
 
 
 # -- paths -------------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim, profile_stack
-from tests.e2e.test_usage_e2e import Ledger, wait_settled
+from tests.support.ledger import Ledger, wait_settled
+from tests.support.stack import Stack, fixed_step_sim, profile_stack
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {

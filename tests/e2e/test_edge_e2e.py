@@ -30,13 +30,13 @@ import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from extproc.stack import ENVOY_TEMPLATE, LocalStack, Ports, Process, wait_http
-from tests.e2e.conftest import Reply, http, metric
-from tests.e2e.test_shipped_configs import (
+from tests.support.istio import (
     ISTIO_FILTER,
     ISTIO_LEAN_FILTER,
     apply_envoy_filter,
     bare_gateway,
 )
+from tests.support.stack import Reply, http, metric
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,8 @@ import pytest
 
 from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
 from extproc.stack import PROFILES, LocalStack, Ports
-from tests.e2e.conftest import Stack, fixed_step_sim, http
+from tests.support.stack import Stack, fixed_step_sim, http
+from tests.support.waiting import wait_for
 
 MODEL = "llama-3-8b"
 BASE_SLOTS = 10
@@ -47,18 +48,6 @@ def stack() -> Any:
         yield Stack(local)
     finally:
         local.stop()
-
-
-def wait_for(check: Any, limit_s: float, what: str) -> float:
-    """Seconds until `check` held, measured to the start of the successful check (scrape time excluded)."""
-    start = time.monotonic()
-    while True:
-        probe = time.monotonic()
-        if check():
-            return probe - start
-        if time.monotonic() - start > limit_s:
-            raise AssertionError(f"{what}: not within {limit_s}s")
-        time.sleep(0.02)
 
 
 def scale(stack: Stack) -> float:

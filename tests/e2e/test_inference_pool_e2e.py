@@ -28,8 +28,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 
 from extproc.stack import LocalStack, Ports, free_port
-from tests.e2e.conftest import Stack, fixed_step_sim, http
-from tests.e2e.test_usage_e2e import Ledger, wait_settled
+from tests.support.ledger import Ledger, wait_settled
+from tests.support.stack import Stack, fixed_step_sim, http
 
 pytestmark = pytest.mark.e2e
 

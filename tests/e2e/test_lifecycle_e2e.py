@@ -31,7 +31,7 @@ from extproc.admission import refusals
 from extproc.envoy_yaml import http_connection_managers
 from extproc.lean.render import EXTPROC_CLUSTER
 from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
-from tests.e2e.conftest import fixed_step_sim, http, metric, start_stack
+from tests.support.stack import fixed_step_sim, http, metric, start_stack
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {

@@ -24,7 +24,7 @@ import yaml
 
 from extproc.stack import REPO, LocalStack, Ports, Process, sidecar_config_with_ports, wait_http
 from tests.component.store.redis_server import RedisServer
-from tests.e2e.conftest import Stack, fixed_step_sim, http, metric
+from tests.support.stack import Stack, fixed_step_sim, http, metric
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import Stack, fixed_step_sim
+from tests.support.stack import Stack, fixed_step_sim
 
 pytestmark = pytest.mark.e2e
 

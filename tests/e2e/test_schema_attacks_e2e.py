@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from extproc.stack import PROFILES, LocalStack, Ports
-from tests.e2e.conftest import Reply, Stack, fixed_step_sim, http, profile_stack
-from tests.e2e.test_attacks_e2e import assert_nothing_leaked, chat, post, reserved, upstream_requests
-from tests.e2e.test_feedback_e2e import wait_for
+from tests.support.attacks import assert_nothing_leaked, chat, post, reserved, upstream_requests
+from tests.support.stack import Reply, Stack, fixed_step_sim, http, profile_stack
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from extproc.stack import LocalStack, Ports
-from tests.e2e.conftest import fixed_step_sim
+from tests.support.stack import fixed_step_sim
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from extproc.stack import ENVOY_TEMPLATE, LocalStack, Ports
-from tests.e2e.conftest import Stack, fixed_step_sim
+from tests.support.stack import Stack, fixed_step_sim
 
 MODEL = "llama-3-8b"
 SECRET = b"extproc-e2e-signing-key-0123456789"

@@ -3,7 +3,9 @@
 A refused edit used to be logged only: the watcher caught the validation error before the sidecar's counter
 saw it, so `extproc_config_reloads_total` only ever counted `applied`. A reload also used to run on the
 event loop: a large file stalled `/healthz` and admission for as long as it took to parse, and a YAML bomb
-stalled it too, and was logged with its expanded value.
+stalled it too, and was logged with its expanded value. Applying the limits of 10^5 tenants then still
+held the loop 1-4 s (every key rebuilt at once), and each `/metrics` scrape at that size took seconds and
+returned 27 MB (a gauge per configured tenant).
 """
 
 from __future__ import annotations
@@ -13,17 +15,22 @@ import logging
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.app import Sidecar
 from extproc.config import MAX_PROBLEM_CHARS, Config, ConfigError, ConfigWatcher, ReloadResult, load_config
 from extproc.config_load import load_isolated
-from extproc.metrics import Metrics
+from extproc.metrics import MAX_TENANT_KEYS, Metrics
+from extproc.store.local import LocalStore
+from tests.support.servicer import body_msg, chat, headers_msg
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG: dict[str, Any] = {
@@ -136,12 +143,13 @@ ENVOY_MESSAGE_TIMEOUT_S = 1.0
 
 
 def many_tenants(count: int) -> str:
-    """The config above with `count` tenants of their own limits (10^5 of them: 6.7 MB)."""
+    """The config above with `count` tenants of their own limits (10^5 of them: 6.7 MB), the tenant read
+    from `x-tenant-id`."""
     rows = "\n".join(
         f"    t{i:06d}: {{max_concurrency: 4, tokens_per_minute: {1000 + i}}}" for i in range(count)
     )
-    server = yaml.safe_dump({"server": CONFIG["server"]})
-    return f"{server}limits:\n  global: {{max_concurrency: 2}}\n  tenants:\n{rows}\n"
+    head = yaml.safe_dump({"server": CONFIG["server"], "admission": {"tenant": {"header": "x-tenant-id"}}})
+    return f"{head}limits:\n  global: {{max_concurrency: 2}}\n  tenants:\n{rows}\n"
 
 
 class HealthProbe:
@@ -184,6 +192,96 @@ async def test_a_large_reload_keeps_healthz_answering(sidecar: Sidecar) -> None:
     assert reloads(sidecar)["applied"] == 1
     assert len(probe.latencies) >= 3, probe.latencies  # it kept answering while the file loaded
     assert max(probe.latencies) < ENVOY_MESSAGE_TIMEOUT_S, max(probe.latencies)
+
+
+class AdmissionProbe:
+    """Sends requests through the ext_proc admission path from another thread, as Envoy does, each message
+    answered within Envoy's `message_timeout` or counted as timed out; keeps each request's latency."""
+
+    def __init__(self, port: int, tenant: str) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+        self.tenant = tenant
+        self.latencies: list[float] = []
+        self.replies: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="admission-probe")
+
+    def _messages(self) -> Iterator[pb.ProcessingRequest]:
+        head = headers_msg("POST", "/v1/chat/completions")
+        head.request_headers.headers.headers.add(key="x-tenant-id", raw_value=self.tenant.encode())
+        yield head
+        yield body_msg(chat(5))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            call = self.stub.Process(self._messages(), timeout=2 * ENVOY_MESSAGE_TIMEOUT_S)
+            try:
+                replies = [next(call).WhichOneof("response") for _ in range(2)]
+            except grpc.RpcError as err:
+                replies = [f"error {err.code().name}"]
+            finally:
+                call.cancel()  # the client goes away: its lease is settled
+            self.latencies.append(time.perf_counter() - start)
+            self.replies.append(replies[-1] or "")
+            self._stop.wait(0.02)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join)
+        self.channel.close()
+
+
+async def test_a_reload_to_many_tenants_keeps_admission_and_metrics_within_envoys_timeout(
+    sidecar: Sidecar,
+) -> None:
+    """10^5 tenants of their own limits: admission and `/healthz` keep answering within Envoy's message
+    timeout while the file loads and its limits are applied, and `/metrics` stays small and quick."""
+    assert sidecar.watcher is not None and sidecar.config_path is not None and sidecar.admin_port
+    assert sidecar.grpc_port
+    count = 100_000
+    sidecar.config_path.write_text(many_tenants(count))
+    health = HealthProbe(sidecar.admin_port)
+    admission = AdmissionProbe(sidecar.grpc_port, tenant=f"t{count - 1:06d}")  # a key created on first use
+    health.start()
+    admission.start()
+    try:
+        applied = await sidecar.watcher.check()
+        await asyncio.sleep(0.5)  # requests judged under the new limits, too
+    finally:
+        await admission.stop()
+        await health.stop()
+    assert applied is True and len(sidecar.config.limits.tenants) == count
+    assert len(health.latencies) >= 3, health.latencies
+    assert max(health.latencies) < ENVOY_MESSAGE_TIMEOUT_S, max(health.latencies)
+    assert len(admission.latencies) >= 3, admission.latencies
+    assert set(admission.replies) == {"request_body"}, admission.replies  # each admitted, none timed out
+    assert max(admission.latencies) < ENVOY_MESSAGE_TIMEOUT_S, max(admission.latencies)
+    assert isinstance(sidecar.store, LocalStore)
+    (judged,) = sidecar.store.limiter.snapshot([f"tenant:{admission.tenant}"])
+    assert judged.max_concurrency == 4 and judged.active == 0  # under its own limits; nothing leaked
+
+    start = time.perf_counter()
+    page = await asyncio.to_thread(_scrape, sidecar.admin_port)
+    assert time.perf_counter() - start < ENVOY_MESSAGE_TIMEOUT_S
+    assert len(page) < 1_000_000, len(page)
+    tenants = {
+        line.split('"')[1]
+        for line in page.splitlines()
+        if line.startswith('extproc_limit_scale_ratio{key="tenant:')
+    }
+    assert 0 < len(tenants) <= MAX_TENANT_KEYS, len(tenants)
+    assert 'extproc_limit_concurrency{key="global"} 2.0' in page
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+        body: bytes = response.read()
+    return body.decode()
 
 
 async def test_a_yaml_bomb_reload_is_counted_and_logged_briefly(

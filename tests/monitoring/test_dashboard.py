@@ -20,7 +20,7 @@ from tests.monitoring.promtool import DASHBOARD, MONITORING, rule_groups
 BUILTIN_VARIABLES = {"__rate_interval", "__interval", "__range"}
 VARIABLE = re.compile(r"\$\{?(\w+)")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-# The panels the dashboard exists for (issue 13), by title.
+# The panels the dashboard exists for (issue 13, and the exporter's page bound), by title.
 REQUIRED_PANELS = {
     "Admitted vs refused",
     "Refused by reason",
@@ -38,6 +38,7 @@ REQUIRED_PANELS = {
     "Feed staleness",
     "Store errors",
     "Config reloads",
+    "Exporter page size",
 }
 
 

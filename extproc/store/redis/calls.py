@@ -29,7 +29,17 @@ from extproc.store.redis.breaker import (
     RedisUnsafe,
 )
 from extproc.store.redis.connection import Client
-from extproc.store.redis.scripts import ACQUIRE, FORGET, GUARD, PEEK, RELEASE, RENEW, SCALE, WAITING
+from extproc.store.redis.scripts import (
+    ACQUIRE,
+    FORGET,
+    GUARD,
+    PEEK,
+    REFUND,
+    RELEASE,
+    RENEW,
+    SCALE,
+    WAITING,
+)
 
 log = logging.getLogger("extproc.store.redis")
 
@@ -70,6 +80,7 @@ class Scripts:
         self.peek = client.register_script(PEEK)
         self.renew = client.register_script(RENEW)
         self.forget = client.register_script(FORGET)
+        self.refund = client.register_script(REFUND)
         self.scale = client.register_script(SCALE)
         self.waiting = client.register_script(WAITING)
         self.guard = client.register_script(GUARD)
@@ -82,6 +93,7 @@ class Scripts:
             self.peek,
             self.renew,
             self.forget,
+            self.refund,
             self.scale,
             self.waiting,
             self.guard,

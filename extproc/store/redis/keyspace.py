@@ -9,10 +9,12 @@ and statuses come from one implementation (`extproc.core.state`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from extproc.core.bucket import TokenBucket
+from extproc.core.limiter import EAGER_KEYS
 from extproc.core.state import KeyState, LimitSpec, Share
 
 CACHE_MAX_KEYS = 4096
@@ -30,6 +32,8 @@ class Keyspace:
         self.defaults: dict[str, LimitSpec] = {}
         self.priority: tuple[str, ...] = ()
         self.configured = False
+        self.eager: frozenset[str] = frozenset()
+        """The first `EAGER_KEYS` configured keys: always in the metrics cache, as the in-process store."""
         self._blocks: dict[str, list[str]] = {}
         self._scales: dict[str, float] = {}  # the effective scale of each key, as last stored in Redis
 
@@ -43,7 +47,26 @@ class Keyspace:
         self.defaults = dict(defaults or {})
         self.priority = tuple(priority)
         self.configured = True
+        self.eager = frozenset(itertools.islice(self.specs, EAGER_KEYS))
         self._blocks.clear()
+
+    def changed_by(
+        self,
+        specs: Mapping[str, LimitSpec],
+        defaults: Mapping[str, LimitSpec] | None,
+        priority: Sequence[str],
+        seen: Iterable[str],
+    ) -> list[str]:
+        """Keys (configured before or now, or `seen`) whose shares a new config changes: every one when the
+        class order changes, else those whose spec (their own or their prefix default) differs. Only these
+        have buckets to store at the old capacities and resize, so a reload that touches a few of 10^5
+        tenants costs a few keys' worth of Redis calls."""
+        new = Keyspace()
+        new.configure(specs, defaults, priority)
+        keys = dict.fromkeys(itertools.chain(self.specs, specs, seen))
+        if new.priority != self.priority:
+            return list(keys)
+        return [key for key in keys if self.spec(key) != new.spec(key)]
 
     # -- scales --------------------------------------------------------------------------------------------
 

@@ -373,6 +373,40 @@ return out
 """
 )
 
+REFUND = (
+    COMMON
+    + r"""
+-- ARGV: member, tokens, KEYSPEC, then per key: slot share, token share.
+-- Reply: 1 if the lease is alive and its buckets got `tokens` back (never above capacity), else 0, then
+-- server now. The caller lowers its lease's reservation by `tokens` on 1, so the release stays exact.
+local member, tokens = ARGV[1], tonumber(ARGV[2])
+local keys, i = parse_keys(3)
+local refused = stale(keys)
+if refused then return refused end
+local now = clock()
+local places = {}
+for k = 1, #keys do
+  places[k] = {slot = ARGV[i], tok = ARGV[i + 1]}
+  i = i + 2
+end
+if #keys == 0 then return {0, fmt(now)} end
+local score = redis.call('ZSCORE', rkey('l', keys[1].key, places[1].slot), member)
+if not (score and tonumber(score) > now) then return {0, fmt(now)} end
+for k, spec in ipairs(keys) do
+  local share = places[k].tok
+  local sh = spec.shares[share]
+  if share ~= '' and sh and sh.cap ~= nil and sh.cap > 0 then
+    local t = load_bucket(spec.key, share, now)
+    if t ~= nil then  -- a missing bucket is full: nothing to give back
+      save_bucket(spec.key, share, math.min(t + tokens, sh.cap), now, sh.cap)
+    end
+  end
+end
+if redis.call('EXISTS', P .. 'wq') == 1 then redis.call('PUBLISH', P .. 'wake', 'refund') end
+return {1, fmt(now)}
+"""
+)
+
 PEEK = (
     COMMON
     + r"""

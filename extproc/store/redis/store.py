@@ -39,6 +39,7 @@ from extproc.store.redis.connection import (
 from extproc.store.redis.guard import DEFAULT_GUARD_INTERVAL_S, StateGuard
 from extproc.store.redis.keyspace import Keyspace
 from extproc.store.redis.leases import Leases
+from extproc.store.redis.refunds import refund
 from extproc.store.redis.scales import Scales
 from extproc.store.redis.views import Views
 from extproc.store.redis.wake import Wake
@@ -177,9 +178,11 @@ class RedisStore:
         priority: Sequence[str] = (),
     ) -> None:
         """Install new base limits. Counts in Redis are kept, so open leases stay counted. Best effort (Redis
-        down is logged, not raised): buckets are stored at the old capacities, then resized to the new ones,
-        and the metrics cache is refreshed."""
-        keys = list(dict.fromkeys([*self.keyspace.specs, *specs, *self.views.entries]))
+        down is logged, not raised): the buckets of keys whose limits change are stored at the old
+        capacities, then resized to the new ones, in batches, and the metrics cache is refreshed. Each
+        script call is built from one config, the old or the new, so no request is judged under a mix; a
+        bucket not resized yet is clamped to the new capacity by the script that next reads it."""
+        keys = self.keyspace.changed_by(specs, defaults, priority, self.views.entries)
         await self.views.sync(keys, "fill")  # at the capacities in force until now
         self.keyspace.configure(specs, defaults, priority)
         await self.views.sync(keys, "resize")
@@ -202,6 +205,9 @@ class RedisStore:
 
     async def release(self, lease: Lease, actual_tokens: int) -> bool:
         return await self.leases.release(lease, actual_tokens)
+
+    async def refund(self, lease: Lease, tokens: int) -> bool:
+        return await refund(self.calls, self.keyspace, lease, tokens, self.timeout_s)
 
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
         """The tightest remaining capacity over `keys` (one script call; raises `StoreUnavailable`)."""

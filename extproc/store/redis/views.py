@@ -7,11 +7,14 @@ change starts from the level a bucket really had, as the in-process limiter does
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from extproc.core.limiter import EAGER_KEYS, SNAPSHOT_BUSIEST_KEYS
 from extproc.core.ports import StoreUnavailable
 from extproc.core.state import KeySnapshot, KeyState
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
@@ -20,7 +23,11 @@ from extproc.store.redis.keyspace import CACHE_MAX_KEYS, Keyspace
 log = logging.getLogger("extproc.store.redis")
 
 CACHE_IDLE_S = 300.0
-"""Unconfigured keys (tenants) leave the metrics cache after this long unseen."""
+"""Keys past the first `EAGER_KEYS` configured ones (tenants) leave the metrics cache this long unseen."""
+
+SYNC_BATCH_KEYS = 256
+"""Keys per PEEK call when a reload stores or resizes buckets or the cache is refreshed: the event loop and
+Redis serve other calls between batches, however many keys a config names."""
 
 
 @dataclass
@@ -46,9 +53,9 @@ class Views:
         for key, view in zip(keys, views, strict=True):
             self.entries.pop(key, None)  # re-insert: the dict stays ordered by last use
             self.entries[key] = Cached(view, seen)
-        if len(self.entries) > CACHE_MAX_KEYS:
-            specs = self.keyspace.specs
-            extra = [k for k in self.entries if k not in specs][: len(self.entries) - CACHE_MAX_KEYS]
+        if len(self.entries) > CACHE_MAX_KEYS + len(self.keyspace.eager):
+            eager = self.keyspace.eager
+            extra = [k for k in self.entries if k not in eager][: len(self.entries) - CACHE_MAX_KEYS]
             for key in extra:
                 del self.entries[key]
 
@@ -61,7 +68,16 @@ class Views:
         return places, views
 
     def snapshot(self) -> list[KeySnapshot]:
-        return [entry.view.snapshot(key) for key, entry in self.entries.items()]
+        """The first `EAGER_KEYS` configured keys and the `SNAPSHOT_BUSIEST_KEYS` other cached keys holding
+        the most leases, as `JointLimiter.shown_keys` picks them."""
+        eager = self.keyspace.eager
+        others = (k for k in self.entries if k not in eager)
+        ranked = heapq.nlargest(SNAPSHOT_BUSIEST_KEYS, others, key=lambda k: self.entries[k].view.active)
+        shown = [
+            *(k for k in itertools.islice(self.keyspace.specs, EAGER_KEYS) if k in self.entries),
+            *ranked,
+        ]
+        return [self.entries[key].view.snapshot(key) for key in shown]
 
     async def read(self, keys: list[str], mode: str, background: bool) -> tuple[list[KeyState], float]:
         """One PEEK call (mode "0", "fill" or "resize", see `scripts.PEEK`); updates the cache."""
@@ -78,27 +94,32 @@ class Views:
         return views, now
 
     async def sync(self, keys: list[str], mode: str) -> None:
-        """Store the keys' buckets at the capacities in force (`fill`) or resize them (`resize`). Best
-        effort: Redis down is logged."""
+        """Store the keys' buckets at the capacities in force (`fill`) or resize them (`resize`), in batches
+        of `SYNC_BATCH_KEYS`. Best effort: Redis down is logged."""
         if not keys or (mode == "fill" and not self.keyspace.configured):
             return  # a replica that has no config yet knows no capacities to fill at
         try:
-            await self.read(keys, mode, background=True)
+            await self.read_batched(keys, mode)
         except StoreUnavailable:
             log.warning(
                 "redis store: limits applied locally, Redis not updated yet", extra={"keys": len(keys)}
             )
 
+    async def read_batched(self, keys: list[str], mode: str) -> None:
+        for start in range(0, len(keys), SYNC_BATCH_KEYS):
+            await self.read(keys[start : start + SYNC_BATCH_KEYS], mode, background=True)
+
     def known_keys(self) -> list[str]:
-        """Configured keys and keys seen lately, after forgetting tenants idle for `CACHE_IDLE_S`."""
+        """The first `EAGER_KEYS` configured keys and keys seen lately, after forgetting the others idle for
+        `CACHE_IDLE_S`."""
         cutoff = time.monotonic() - CACHE_IDLE_S
-        specs = self.keyspace.specs
-        for key in [k for k, c in self.entries.items() if k not in specs and c.seen_at < cutoff]:
+        eager = self.keyspace.eager
+        for key in [k for k, c in self.entries.items() if k not in eager and c.seen_at < cutoff]:
             del self.entries[key]
-        return list(dict.fromkeys([*specs, *self.entries]))
+        return list(dict.fromkeys([*itertools.islice(self.keyspace.specs, EAGER_KEYS), *self.entries]))
 
     async def refresh(self) -> None:
-        """Re-read configured keys and keys seen lately into the metrics cache; forget idle tenants."""
+        """Re-read the keys `known_keys` names into the metrics cache; forget idle tenants."""
         keys = self.known_keys()
         if keys:
-            await self.read(keys, "0", background=True)
+            await self.read_batched(keys, "0")

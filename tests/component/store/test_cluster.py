@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,6 +22,7 @@ from extproc.store.fallback import FallbackStore
 from extproc.store.local import LocalStore
 from extproc.store.redis import RedisStore
 from tests.component.store.redis_cluster import RedisClusterNodes
+from tests.support.waiting import until
 
 LIMIT = 8
 LIMITS = {"global": LimitSpec(max_concurrency=LIMIT, tokens_per_minute=6_000_000)}
@@ -93,15 +94,6 @@ async def hold(store: LimiterStore, index: int, lease: Lease, local: bool, load:
     else:
         load.shared_in_flight -= 1
     await store.release(lease, 10)
-
-
-async def until(check: Callable[[], bool], limit_s: float) -> None:
-    """Wait for `check` up to `limit_s`; the assertions after it say what was expected."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        if check() or time.monotonic() > deadline:
-            return
-        await asyncio.sleep(0.05)
 
 
 def leases_left(cluster: RedisClusterNodes) -> int:

@@ -25,7 +25,7 @@ from extproc.store.factory import build_store
 from extproc.store.redis import RedisStore
 from tests.component.store.certs import make_certificates
 from tests.component.store.redis_cluster import RedisClusterNodes
-from tests.component.store.test_cluster import until
+from tests.support.waiting import until
 
 LIMITS = {"global": LimitSpec(max_concurrency=2, tokens_per_minute=60_000)}
 

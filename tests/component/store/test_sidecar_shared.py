@@ -16,7 +16,8 @@ from extproc.metrics import Metrics
 from extproc.store.fallback import FallbackStore, share_of
 from extproc.store.redis import BREAKER_OPEN_S, RedisStore
 from tests.component.store.redis_server import RedisServer
-from tests.component.test_server import Harness, body_msg, chat, eventually, header_map, headers_msg
+from tests.support.servicer import Harness, body_msg, chat, header_map, headers_msg
+from tests.support.waiting import eventually
 
 
 def config(url: str, **store: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from extproc.core.decode_rate import DecodeRates
+from extproc.core.decode_rate import DecodeRates, RateSource
 
 
 def test_default_until_observed_then_ewma() -> None:
@@ -33,3 +33,26 @@ def test_estimate_is_elapsed_times_rate_times_sequences_capped_by_the_reservatio
     assert rates.estimate("p", 60.0, 1, 2000) == 2000
     assert rates.estimate("p", 0.0, 1, 2000) == 0
     assert rates.estimate("p", 1.0, 1, 0) == 0
+
+
+def test_order_is_learned_then_fed_then_assumed() -> None:
+    fed: dict[str, float | None] = {"p": 20.0}
+    rates = DecodeRates(default_tokens_per_second=100.0, fed=fed.get)
+    assert (rates.rate("p"), rates.source("p")) == (20.0, RateSource.FED)  # no stream completed yet
+    assert (rates.rate("q"), rates.source("q")) == (100.0, RateSource.ASSUMED)  # the feed knows no pace
+    assert not rates.learned("p")  # the fed pace is not the pool's own: the streamed-cut floor ignores it
+    rates.observe("p", 400, 10.0)  # a completed stream: 40 tok/s
+    assert (rates.rate("p"), rates.source("p")) == (40.0, RateSource.LEARNED)  # learned wins over fed
+    assert rates.learned("p")
+
+
+@pytest.mark.parametrize("bad", [None, 0.0, -5.0, math.nan, math.inf])
+def test_a_fed_value_that_is_no_pace_falls_to_the_assumption(bad: float | None) -> None:
+    rates = DecodeRates(default_tokens_per_second=100.0, fed=lambda pool: bad)
+    assert (rates.rate("p"), rates.source("p")) == (100.0, RateSource.ASSUMED)
+
+
+def test_an_expired_lease_is_charged_at_the_fed_pace() -> None:
+    """60 s of a lease whose end never came, on an engine running 20 tok/s per sequence: 1,200, not 6,000."""
+    rates = DecodeRates(default_tokens_per_second=100.0, fed=lambda pool: 20.0)
+    assert rates.estimate("p", 60.0, 1, 10_000) == 1200

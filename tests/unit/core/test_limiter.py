@@ -4,7 +4,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from extproc.core.clock import FakeClock
-from extproc.core.limiter import JointLimiter, Lease, LimitSpec, Reason, Rejection
+from extproc.core.limiter import EAGER_KEYS, JointLimiter, Lease, LimitSpec, Reason, Rejection
+from extproc.core.state import KeyState
 
 
 def make(specs: dict[str, LimitSpec], clock: FakeClock | None = None) -> tuple[JointLimiter, FakeClock]:
@@ -253,3 +254,88 @@ class LimiterMachine(RuleBasedStateMachine):
 
 TestLimiterMachine = LimiterMachine.TestCase
 TestLimiterMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- reloads of many keys --------------------------------------------------------------------------------
+
+
+def many(count: int, tpm: int = 600) -> dict[str, LimitSpec]:
+    specs = {"global": LimitSpec(max_concurrency=1000)}
+    specs |= {f"tenant:t{i}": LimitSpec(max_concurrency=1, tokens_per_minute=tpm) for i in range(count)}
+    return specs
+
+
+def test_a_reload_creates_only_the_first_keys_and_the_rest_on_first_use() -> None:
+    limiter, _ = make(many(20_000))
+    assert len(limiter.snapshot()) == EAGER_KEYS  # not 20,001 states built on the event loop
+    last = "tenant:t19999"
+    assert isinstance(limiter.acquire(["global", last], 600), Lease)
+    assert isinstance(limiter.acquire(["global", last], 0), Rejection)  # its own limit, not unlimited
+    assert limiter.snapshot([last])[0].effective_concurrency == 1
+
+
+def test_a_stale_key_is_judged_as_of_the_reload_not_as_of_its_next_use() -> None:
+    """Refill runs at the old rate until the reload and at the new one after, as an eager rebuild does."""
+    limiter, clock = make({"k": LimitSpec(tokens_per_minute=600)})  # 10 tokens/s
+    assert isinstance(limiter.acquire(["k"], 600), Lease)
+    clock.advance(10.0)  # +100 at the old rate
+    limiter.apply_limits({"k": LimitSpec(tokens_per_minute=1200)})  # 20 tokens/s from now
+    clock.advance(20.0)  # +400 at the new rate; nothing touched the key meanwhile
+    assert limiter.snapshot(["k"])[0].tokens_available == pytest.approx(500)
+
+
+def test_a_request_sees_the_old_limits_or_the_new_ones_never_a_mix() -> None:
+    old = {"global": LimitSpec(max_concurrency=3), "tenant:a": LimitSpec(max_concurrency=2)}
+    limiter, _ = make(old)
+    held = [limiter.acquire(["global", "tenant:a"], 0) for _ in range(2)]
+    assert all(isinstance(h, Lease) for h in held)
+    limiter.apply_limits({"global": LimitSpec(max_concurrency=10), "tenant:a": LimitSpec(max_concurrency=1)})
+    refused = limiter.acquire(["global", "tenant:a"], 0)  # new global room, but the tenant's new limit
+    assert isinstance(refused, Rejection) and refused.key == "tenant:a"
+    assert refused.status.limit_requests == 1
+
+
+def test_an_unchanged_key_is_not_rebuilt(monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = many(3000)
+    limiter, clock = make(specs)
+    for i in range(3000):
+        limiter.acquire([f"tenant:t{i}"], 1)
+    rebuilt: list[str] = []
+    original = KeyState.rebuild
+
+    def counting(self: KeyState, now: float) -> None:
+        rebuilt.append(repr(self.spec))
+        original(self, now)
+
+    monkeypatch.setattr(KeyState, "rebuild", counting)
+    clock.advance(1.0)
+    limiter.apply_limits({**specs, "tenant:t2999": LimitSpec(max_concurrency=2)})
+    for i in range(3000):
+        limiter.status([f"tenant:t{i}"])
+    assert rebuilt == [repr(LimitSpec(max_concurrency=2))]
+
+
+def test_idle_keys_past_the_first_are_forgotten_and_come_back_with_their_limits() -> None:
+    limiter, clock = make(many(EAGER_KEYS + 10))
+    extra = f"tenant:t{EAGER_KEYS + 5}"
+    lease = limiter.acquire([extra], 60)
+    assert isinstance(lease, Lease)
+    limiter.release(lease, 60)
+    clock.advance(6.0)  # refilled: idle
+    assert limiter.prune() == 1
+    assert len(limiter.snapshot()) == EAGER_KEYS  # the first configured keys stay, for their gauges
+    assert limiter.snapshot([extra]) == []
+    assert limiter.status([extra]).limit_requests == 1
+
+
+def test_the_keys_shown_are_bounded_the_busiest_first() -> None:
+    limiter, _ = make(many(EAGER_KEYS + 500))
+    busy = [f"tenant:t{EAGER_KEYS + i}" for i in range(500)]
+    for key in busy:
+        limiter.acquire([key], 0)
+    limiter.acquire(["tenant:unconfigured"], 0)
+    shown = limiter.shown_keys(busiest=5)
+    assert shown[:EAGER_KEYS] == list(many(EAGER_KEYS))[:EAGER_KEYS]
+    assert len(shown) == EAGER_KEYS + 5
+    assert all(limiter.snapshot([k])[0].active == 1 for k in shown[EAGER_KEYS:])
+    assert len(limiter.snapshot()) == EAGER_KEYS + 501  # every key in use is still there, just not shown

@@ -12,7 +12,7 @@ from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
-from tests.component.test_server import chat
+from tests.support.servicer import chat
 
 HEAD = RequestHead("POST", "/v1/chat/completions", {})
 
@@ -37,6 +37,7 @@ async def one_footprint() -> int:
     probe = KvBudget(capacity_tokens=10**6)
     sidecar, _ = await sidecar_with(probe)
     exchange, _ = await decide(sidecar)
+    await sidecar.admission.drain()  # a bound admission's exact count lands: the footprint it settles at
     footprint = probe.demand_tokens
     exchange.close()
     await sidecar.admission.drain()
@@ -51,6 +52,7 @@ async def test_concurrent_decisions_cannot_both_take_the_last_headroom() -> None
     sidecar, _ = await sidecar_with(budget)
     budget.admit("other", 0, 0)  # the pool is not empty, so nothing is admitted for being first
     results = await asyncio.gather(*(decide(sidecar) for _ in range(4)))
+    await sidecar.admission.drain()
     verdicts = [verdict for _, verdict in results]
     assert sum(isinstance(v, Forward) for v in verdicts) == 1
     refused = [v for v in verdicts if isinstance(v, Refusal)]

@@ -3,41 +3,17 @@ and the feedback loop (sidecar side) meet only in `extproc.feed`."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import imports
+
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGE = ROOT / "extproc"
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every `extproc...` module named by an import anywhere in the file (function-level imports too)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            out.add(base)
-            out.update(f"{base}.{alias.name}" for alias in node.names)
-    return {name for name in out if name == "extproc" or name.startswith("extproc.")}
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: {m for m in imported_modules(path) if m in modules} for name, path in modules.items()}
+    return imports.import_graph(ROOT, "extproc")
 
 
 def in_package(module: str, package: str) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lupa.luajit21 as lupa  # LuaJIT 2.1, as in Envoy
+import lupa.luajit21 as lupa  # type: ignore[import-untyped]  # LuaJIT 2.1, as in Envoy
 import pytest
 from google.protobuf import struct_pb2
 
@@ -238,7 +238,7 @@ def test_generated_text_that_quotes_error_or_usage_is_content(reader: Reader) ->
 
 
 def test_anthropic_prompt_and_output_usage_come_from_two_events(reader: Reader) -> None:
-    events = [
+    events: list[dict[str, Any]] = [
         {"type": "message_start", "message": {"usage": {"input_tokens": 21, "output_tokens": 1}}},
         {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
         *(
@@ -285,3 +285,81 @@ def test_the_first_content_event_is_timed_once(reader: Reader) -> None:
     assert reading_of(seen.struct()).first_content_ms == 1_700_000_000_020.0
     body = reader.read(Api.CHAT, "application/json", [json.dumps({"usage": USAGE}).encode()])
     assert "t1" not in body.fields  # a JSON answer has no content events to time
+
+
+def test_every_blank_line_form_ends_an_event(reader: Reader) -> None:
+    """The reader finds event ends with plain newline searches: "\\n\\n", "\\r\\n\\r\\n", "\\n\\r\\n" and
+    "\\r\\n\\n" all end an event (the forms of the pattern `\\r?\\n\\r?\\n`), wherever the chunks are cut."""
+    delta = 'data: {"choices":[{"delta":{"content":"a"}}]}'
+    usage = f"data: {json.dumps({'choices': [], 'usage': USAGE})}"
+    text = f"{delta}\n\n{delta}\r\n\r\n{delta}\n\r\n{delta}\r\n\n{usage}\r\n\n{delta}\n\ndata: [DONE]\n\r\n"
+    expected = text.replace(f"{usage}\r\n\n", "").encode()
+    for chunks in every_split(text.encode()):
+        seen = reader.read(Api.CHAT, "text/event-stream", chunks, strip=True)
+        assert seen.client == expected, chunks
+        assert (seen.fields["n"], seen.fields["m"], seen.fields["f"]) == (5, 4, True)
+        assert json.loads(seen.fields["u"]) == USAGE
+
+
+def test_a_lone_newline_or_a_bare_carriage_return_does_not_end_an_event(reader: Reader) -> None:
+    text = b'data: {"choices":[{"delta":{"content":"a\\nb"}}]}\nid: 7\r\r\n\n'
+    seen = reader.read(Api.CHAT, "text/event-stream", [text[:50], text[50:]])
+    assert seen.fields["n"] == 1 and seen.client == text
+
+
+def test_a_pattern_matching_past_the_first_occurrence_of_its_literal_start_still_matches(
+    reader: Reader,
+) -> None:
+    """The plain search finds the first `"content"`: an empty or null one must not hide a later match."""
+    events: list[dict[str, Any]] = [
+        {"choices": [{"delta": {"content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}}]},
+        {"choices": [{"delta": {"content": ""}}], "x": {"content": "late"}},
+        {"choices": [{"delta": {"content": ""}}]},  # role-only delta: no content
+    ]
+    seen = reader.read(Api.CHAT, "text/event-stream", [sse(*events, "[DONE]")])
+    assert seen.fields["n"] == 2 and seen.fields["f"] is True
+
+
+def test_an_event_error_line_marks_an_error_first_in_the_event_or_after_an_id(reader: Reader) -> None:
+    """`^event:%s*error%s` (anchored, no literal start) and `\\nevent:%s*error%s` (after an `id:` line)."""
+    first = b'event: error\ndata: {"message": "overloaded"}\n\n'
+    after_id = b'id: 3\nevent: error\ndata: {"message": "overloaded"}\n\n'
+    content = b'data: {"choices":[{"delta":{"content":"event: error "}}]}\n\n'
+    for text in (first, content + after_id):
+        assert reader.read(Api.CHAT, "text/event-stream", [text], reset=True).fields["e"] is True
+    assert "e" not in reader.read(Api.CHAT, "text/event-stream", [content], reset=True).fields
+
+
+def test_a_responses_stream_counts_deltas_but_not_audio_and_reads_the_final_usage(reader: Reader) -> None:
+    def event(payload: dict[str, Any]) -> str:
+        return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
+
+    usage = {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": {"id": "r1", "usage": None}},
+        *({"type": "response.output_text.delta", "delta": f"w{i}"} for i in range(3)),
+        {"type": "response.audio.delta", "delta": "AAAA"},
+        {"type": "response.reasoning_text.delta", "delta": "hm"},
+        {"type": "response.completed", "response": {"id": "r1", "usage": usage}},
+    ]
+    text = "".join(event(e) for e in events).encode()
+    for chunks in every_split(text):
+        seen = reader.read(Api.RESPONSES, "text/event-stream", chunks)
+        assert seen.client == text
+        assert (seen.fields["n"], seen.fields["f"]) == (4, True) and json.loads(seen.fields["u"]) == usage
+        charge = settle_charge(9, facts_of(200, reading_of(seen.struct()), Api.RESPONSES, ENC))
+        assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 9, 4)
+
+
+def test_sglang_usage_on_every_event_keeps_the_last_one(reader: Reader) -> None:
+    events = [
+        {"text": "a" * (i + 1), "meta_info": {"id": "q", "prompt_tokens": 7, "completion_tokens": i + 1}}
+        for i in range(5)
+    ]
+    text = sse(*events, "[DONE]")
+    seen = reader.read(Api.SGLANG_GENERATE, "text/event-stream", cuts(text, [30, 200, 201]))
+    assert (seen.fields["n"], seen.fields["m"]) == (5, 5)
+    assert json.loads(seen.fields["u0"])["completion_tokens"] == 1
+    assert json.loads(seen.fields["u"])["completion_tokens"] == 5
+    charge = settle_charge(7, facts_of(200, reading_of(seen.struct()), Api.SGLANG_GENERATE, ENC))
+    assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 7, 5)

@@ -1,0 +1,61 @@
+"""The sidecar's configuration: one YAML file, which becomes the Kubernetes ConfigMap.
+
+Everything is validated when the file is loaded, and every error names the key path that is wrong
+(`limits.models.llama.max_concurrency: must be an integer >= 0`), because the operator reading the log line
+is usually editing a ConfigMap under pressure. Unknown keys are errors too: a misspelt limit that silently
+falls back to a default is worse than a refused reload.
+
+- `schema`: one pydantic class per YAML section, mirroring the file; the one place keys and defaults live.
+- `build`: `parse_config`, which validates against the schema and builds the runtime types.
+- `problems`, `walk`: pydantic's errors as key-path sentences; the schema's keys, and how `null` is read.
+- `runtime`: `Config` and the types the packages take.
+- `watch`: `load_config` and `ConfigWatcher`; the bounded, off-loop loader is extproc/config_load.py.
+"""
+
+from __future__ import annotations
+
+from extproc.config.build import parse_config
+from extproc.config.errors import MAX_PROBLEM_CHARS, MAX_PROBLEMS_SHOWN, MAX_SUGGESTIONS, ConfigError
+from extproc.config.runtime import (
+    DEFAULT_CLASS,
+    DEFAULT_MODEL,
+    DEFAULT_POLICY,
+    AdmissionConfig,
+    ClassConfig,
+    Config,
+    FeedbackConfig,
+    KvBudgetConfig,
+    LimitsConfig,
+    ServerConfig,
+    StoreConfig,
+    TenantConfig,
+)
+from extproc.config.warnings import config_warnings, log_warnings
+from extproc.config.watch import ConfigWatcher, ReloadResult, load_config
+from extproc.feedback.settings import SubscriberConfig  # the runtime type of `feedback`'s source keys
+
+__all__ = [
+    "DEFAULT_CLASS",
+    "DEFAULT_MODEL",
+    "DEFAULT_POLICY",
+    "MAX_PROBLEMS_SHOWN",
+    "MAX_PROBLEM_CHARS",
+    "MAX_SUGGESTIONS",
+    "AdmissionConfig",
+    "ClassConfig",
+    "Config",
+    "ConfigError",
+    "ConfigWatcher",
+    "FeedbackConfig",
+    "KvBudgetConfig",
+    "LimitsConfig",
+    "ReloadResult",
+    "ServerConfig",
+    "StoreConfig",
+    "SubscriberConfig",
+    "TenantConfig",
+    "config_warnings",
+    "load_config",
+    "log_warnings",
+    "parse_config",
+]

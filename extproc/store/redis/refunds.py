@@ -1,0 +1,36 @@
+"""Part of an open lease's reservation given back early (bound admission: the exact prompt count came in
+under the byte bound the request was admitted on; extproc/admission/provisional.py)."""
+
+from __future__ import annotations
+
+from extproc.core.limiter import Lease
+from extproc.core.ports import StoreUnavailable
+from extproc.store.redis.calls import Calls
+from extproc.store.redis.keyspace import Keyspace
+
+
+async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, timeout_s: float) -> bool:
+    """Give `tokens` of an open lease's reservation back to its buckets now, in one script call.
+
+    False when the lease is settled, or found removed or expired in Redis. When Redis does not answer the
+    refund may or may not have run: the lease is then taken as refunded (its release refunds that much
+    less), so a lost reply can under-refund a bucket until it refills, never refund it twice.
+    """
+    tokens = max(0, min(tokens, lease.reserved_tokens))
+    if lease.settled or not lease.placements or tokens == 0:
+        return False
+    head = [str(lease.lease_id), str(tokens)]
+    tail: list[str] = []
+    for placement in lease.placements:
+        tail += [placement.slot, placement.tokens or ""]
+    try:
+        raw = await calls.run(
+            calls.scripts.refund, lambda: [*head, *keyspace.keyspec(lease.keys), *tail], lease.keys, timeout_s
+        )
+    except StoreUnavailable:
+        lease.reserved_tokens -= tokens
+        return False
+    if not int(raw[0]):
+        return False
+    lease.reserved_tokens -= tokens
+    return True

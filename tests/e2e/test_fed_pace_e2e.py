@@ -1,0 +1,118 @@
+"""An end-report channel that never worked (lean profile): leases are charged at the engine's pace from the
+KV feed, not at the assumed rate.
+
+Envoy's access log to the sidecar points at a port nobody listens on from the start, so no stream ever
+completes at the sidecar and no decode rate is learned. The simulator (20 tokens/s per sequence) is scraped
+by a real exporter whose samples carry the engine's decode pace; the sidecar charges each lease from the
+time to its stream's end times that pace: within 1.5x of the tokens generated, where the assumed 100
+tokens/s charged 5x.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from extproc.envoy_yaml import http_connection_managers
+from extproc.lean.render import EXTPROC_CLUSTER
+from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
+from tests.support.stack import fixed_step_sim, metric
+
+MODEL = "llama-3-8b"
+STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine
+STREAMS = 4
+ANSWER = 80  # 4 s per answer: the exporter's one-second windows see the batch at full size
+RESERVED = 1000  # max_tokens: the cap of each charge, far above the answer so the rate decides the charge
+CONFIG: dict[str, Any] = {
+    # The model is configured, so it is its own pool, the one the feed reports (`models."*"` pools every
+    # unconfigured name under "*", which no engine reports).
+    "models": {"*": {"context_window": 4096, "default_max_tokens": 256}, MODEL: {"context_window": 4096}},
+    "limits": {"global": {"tokens_per_minute": 10_000_000, "max_concurrency": 8}},
+    "admission": {"end_report_wait_seconds": 5, "assumed_decode_tokens_per_second": 100},
+}
+
+
+def dead_end_reports(port: int) -> Callable[[dict[str, Any]], None]:
+    """An Envoy patch: the end-report logger talks to `port`, where nothing listens; ext_proc is intact."""
+
+    def patch(config: dict[str, Any]) -> None:
+        trust_client_tenant_header(config)
+        clusters = config["static_resources"]["clusters"]
+        sidecar = next(c for c in clusters if c["name"] == EXTPROC_CLUSTER)
+        dead = json.loads(json.dumps(sidecar))
+        dead["name"] = dead["load_assignment"]["cluster_name"] = "end_report_nowhere"
+        for group in dead["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
+        clusters.append(dead)
+        for hcm in http_connection_managers(config):
+            for logger in hcm["access_log"]:
+                if logger["name"] == "envoy.access_loggers.http_grpc":
+                    service = logger["typed_config"]["common_config"]["grpc_service"]
+                    service["envoy_grpc"]["cluster_name"] = "end_report_nowhere"
+
+    return patch
+
+
+@pytest.fixture
+def no_reports() -> Iterator[LocalStack]:
+    stack = LocalStack(
+        ports=Ports.free(),
+        sidecar_config=CONFIG,
+        sim_args=fixed_step_sim(MODEL, STEP_MS),
+        envoy_patch=dead_end_reports(free_port()),
+        profile="lean",
+        with_exporter=True,
+    )
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def stream_chat(url: str, out: list[int]) -> None:
+    """One streamed answer of ANSWER tokens under a reservation of RESERVED; its usage appended to `out`."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a long story."}],
+            max_tokens=RESERVED,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"sim_output_tokens": ANSWER},  # the simulator's answer length
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                out.append(chunk.usage.completion_tokens)
+
+
+def test_leases_without_any_end_report_are_charged_at_the_fed_pace(no_reports: LocalStack) -> None:
+    stack = no_reports
+    sidecar = f"{stack.admin_url}/metrics"
+    generated = f"{stack.upstream_url}/metrics"
+    before_generated = metric(generated, "vllm:generation_tokens_total")
+    before_charged = metric(sidecar, "extproc_tokens_settled_total", kind="completion")
+    usages: list[int] = []
+    threads = [threading.Thread(target=stream_chat, args=(stack.envoy_url, usages)) for _ in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert usages == [ANSWER] * STREAMS
+    deadline = time.monotonic() + 20
+    while metric(sidecar, "extproc_settlements_total", outcome="expired") < STREAMS:
+        assert time.monotonic() < deadline, "the leases did not expire"
+        time.sleep(0.1)
+    truth = metric(generated, "vllm:generation_tokens_total") - before_generated
+    charged = metric(sidecar, "extproc_tokens_settled_total", kind="completion") - before_charged
+    pace = metric(sidecar, "extproc_feed_decode_tokens_per_second", pool=MODEL)
+    print(f"charged {charged} for {truth} generated at a fed pace of {pace:.1f} tokens/s")
+    assert metric(sidecar, "extproc_end_reports_total", result="matched") == 0  # nothing was learned
+    assert truth / 1.5 <= charged <= truth * 1.5, (charged, truth, pace)

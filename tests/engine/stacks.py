@@ -1,0 +1,110 @@
+"""Gateway stacks in front of the tier's one engine, and the counters both sides keep.
+
+A stack is Envoy + the sidecar (+ the exporter when asked) with `LocalStack(with_simulator=False)` and its
+upstream port set to the engine's, so the same engine serves both profiles and the direct baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from extproc.stack import LocalStack, Ports, trust_client_tenant_header
+from tests.e2e.conftest import Stack
+from tests.engine.conftest import MAX_MODEL_LEN, MODEL, Engine
+
+LLAMA3_TEMPLATE = {"per_message": 4, "per_request": 5, "bos": 1}
+"""Llama-3's template costs as measured on this engine (docs/configuration.md, template costs): a message is
+`<|start_header_id|>`, the role, `<|end_header_id|>`, a blank line, the text and `<|eot_id|>` (the sidecar
+tokenizes the role with the text, so 4 remain); a request adds `<|begin_of_text|>` and the assistant header
+(4); a completions prompt gets `<|begin_of_text|>`."""
+
+
+def engine_config(**limits: Any) -> dict[str, Any]:
+    """A sidecar config for the tiny engine: its window, Llama-3's template costs, generous limits."""
+    return {
+        "admission": {"max_body_bytes": 1_048_576, "tenant": {"header": "x-tenant"}},
+        "models": {
+            "*": {"context_window": MAX_MODEL_LEN, "default_max_tokens": 256, "template": LLAMA3_TEMPLATE}
+        },
+        "limits": {
+            "global": {"tokens_per_minute": 100_000_000},
+            "models": {MODEL: {"max_concurrency": 64}},
+            **limits,
+        },
+    }
+
+
+def start_gateway(
+    engine: Engine, config: dict[str, Any], profile: str, with_exporter: bool = False
+) -> LocalStack:
+    ports = replace(Ports.free(), upstream=engine.port)
+    stack = LocalStack(
+        ports=ports,
+        sidecar_config=config,
+        with_simulator=False,
+        with_exporter=with_exporter,
+        envoy_patch=trust_client_tenant_header,
+        profile=profile,
+        model=MODEL,
+    )
+    stack.start()
+    return stack
+
+
+@dataclass
+class Ledger:
+    """The sidecar's token counters and the engine's own, to diff around a call."""
+
+    reserved: float
+    refunded: float
+    overrun: float
+    prompt: float
+    completion: float
+    engine_prompt: float
+    engine_generated: float
+
+    @classmethod
+    def read(cls, stack: Stack) -> Ledger:
+        wait_idle(stack)
+        return cls(
+            reserved=stack.sidecar("extproc_tokens_reserved_total"),
+            refunded=stack.sidecar("extproc_tokens_refunded_total"),
+            overrun=stack.sidecar("extproc_tokens_overrun_total"),
+            prompt=stack.sidecar("extproc_tokens_settled_total", kind="prompt"),
+            completion=stack.sidecar("extproc_tokens_settled_total", kind="completion"),
+            engine_prompt=stack.upstream("vllm:prompt_tokens_total"),
+            engine_generated=stack.upstream("vllm:generation_tokens_total"),
+        )
+
+    def __sub__(self, other: Ledger) -> Ledger:
+        return Ledger(*(a - b for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
+
+    @property
+    def charged(self) -> float:
+        """What the buckets kept: the booking, less refunds, plus what the usage exceeded it by."""
+        return self.reserved - self.refunded + self.overrun
+
+
+def wait_idle(stack: Stack, limit_s: float = 30.0) -> None:
+    """Until the sidecar holds nothing and the engine runs nothing (an aborted request leaves the engine a
+    step or two later than the client)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        busy = (
+            stack.sidecar("extproc_active_requests")
+            + stack.upstream("vllm:num_requests_running")
+            + stack.upstream("vllm:num_requests_waiting")
+        )
+        if busy == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not idle after {limit_s}s")
+
+
+def assert_settled_as_engine(delta: Ledger, prompt: int, completion: int) -> None:
+    """The sidecar settled what the engine reported, and the engine's own counters agree."""
+    assert (delta.prompt, delta.completion) == (prompt, completion)
+    assert delta.charged == prompt + completion
+    assert (delta.engine_prompt, delta.engine_generated) == (prompt, completion)

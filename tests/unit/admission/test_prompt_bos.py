@@ -1,0 +1,34 @@
+"""`template.bos`: the BOS token a tokenizer adds to a text prompt no chat template wraps.
+
+vLLM's completions path tokenizes a text prompt with `add_special_tokens=True`, so a Llama tokenizer adds
+`<|begin_of_text|>` (measured against vLLM 0.32.0 in tests/engine); token ids are passed as given, and a
+chat template writes its own BOS (counted in `per_request`).
+"""
+
+from __future__ import annotations
+
+from extproc.admission.policy import ModelPolicy, TemplateCosts
+from extproc.admission.prompt import Prompt, known_tokens
+
+LLAMA3 = ModelPolicy(context_window=8192, template=TemplateCosts(per_message=4, per_request=5, bos=1))
+
+
+def test_a_text_prompt_gets_the_bos() -> None:
+    assert known_tokens(Prompt(texts=("Once upon a time",)), LLAMA3) == 1
+
+
+def test_an_empty_text_prompt_still_gets_it() -> None:
+    assert known_tokens(Prompt(texts=("",)), LLAMA3) == 1
+
+
+def test_token_ids_get_none() -> None:
+    assert known_tokens(Prompt(fixed_tokens=7), LLAMA3) == 7
+
+
+def test_a_templated_prompt_counts_the_template_not_the_bos() -> None:
+    assert known_tokens(Prompt(texts=("user", "hi"), messages=1, templated=True), LLAMA3) == 4 + 5
+
+
+def test_the_default_adds_nothing() -> None:
+    assert TemplateCosts().bos == 0
+    assert known_tokens(Prompt(texts=("x",)), ModelPolicy(context_window=8192)) == 0

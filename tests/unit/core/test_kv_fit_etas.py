@@ -1,0 +1,66 @@
+"""When a refused request will fit: the KV budget's forecast of releases, and the hint a refusal carries."""
+
+from __future__ import annotations
+
+from extproc.admission import refusals
+from extproc.core.kv_budget import KvBudget
+from extproc.core.slot_eta import RetryHints
+
+
+def budget_at_pace(tokens_per_second: float | None) -> KvBudget:
+    budget = KvBudget(capacity_tokens=1000, target_utilization=1.0)
+    if tokens_per_second is not None:
+        budget.pace.observe_stream(tokens_per_second, 1.0)
+    budget.admit("long", 100, 400, now=0.0)  # footprint 500, ends 4 s in at 100 tokens/s
+    budget.admit("short", 100, 100, now=0.0)  # footprint 200, ends 1 s in
+    return budget
+
+
+def test_the_first_release_that_frees_enough_comes_first() -> None:
+    budget = budget_at_pace(100.0)
+    fits, _ = budget.would_fit(100, 300, now=0.0)  # 700 booked + 400 > 1000: 100 too many
+    assert not fits
+    assert budget.fit_etas(0.0) == [1.0, 4.0]
+
+
+def test_a_release_too_small_is_skipped() -> None:
+    budget = budget_at_pace(100.0)
+    fits, _ = budget.would_fit(100, 550, now=0.0)  # 250 too many: the short lease's 200 is not enough
+    assert not fits
+    assert budget.fit_etas(0.0) == [4.0]
+
+
+def test_progress_brings_the_release_closer() -> None:
+    budget = budget_at_pace(100.0)
+    budget.would_fit(100, 300, now=0.5)
+    assert budget.fit_etas(0.5) == [0.5, 3.5]
+
+
+def test_no_pace_no_forecast() -> None:
+    budget = budget_at_pace(None)
+    budget.would_fit(100, 300, now=0.0)
+    assert budget.fit_etas(0.0) == []
+
+
+def test_refusal_hint_follows_the_forecast_and_spreads_a_flood() -> None:
+    budget = budget_at_pace(100.0)
+    budget.would_fit(100, 300, now=0.0)
+    hints = RetryHints(jitter=0.0)
+    waits = [refusals.kv_retry_after(budget, hints, "pool", 0.0) for _ in range(3)]
+    assert waits == [1.0, 4.0, 4.0]  # the second refused client aims at the second release
+    headers = dict(refusals.kv_budget("m", 400, 0, waits[1]).headers)
+    assert (headers["retry-after"], headers["retry-after-ms"]) == ("4", "4000")
+
+
+def test_unknown_pace_falls_back_to_the_fixed_hint() -> None:
+    budget = budget_at_pace(None)
+    budget.would_fit(100, 300, now=0.0)
+    assert refusals.kv_retry_after(budget, RetryHints(jitter=0.0), "pool", 0.0) == refusals.KV_RETRY_AFTER_S
+
+
+def test_hints_are_bounded_by_what_sdks_honour() -> None:
+    budget = KvBudget(capacity_tokens=1000, target_utilization=1.0)
+    budget.pace.observe_stream(16, 1000.0)  # 0.016 tokens/s: a lease ends in hours
+    budget.admit("slow", 100, 800, now=0.0)
+    budget.would_fit(100, 300, now=0.0)
+    assert refusals.kv_retry_after(budget, RetryHints(jitter=0.0), "pool", 0.0) == 60.0
