@@ -3,7 +3,7 @@
 Envoy streams access-log entries (`envoy.access_loggers.http_grpc`, HttpGrpcAccessLogConfig) to this
 `AccessLogService` on the sidecar's gRPC port, in batches flushed every `buffer_flush_interval`. An access-log
 filter logs only requests the sidecar admitted in this profile (their dynamic metadata carries the report
-key, extproc/server_lean.py), so each entry names one waiting lease. What the entry carries (fields of
+key, extproc/admission/names.py), so each entry names one waiting lease. What the entry carries (fields of
 envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 
 * `common_properties.metadata.filter_metadata`: `extproc` (the report key the sidecar set) and
@@ -17,10 +17,10 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 * `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
   logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
 
-Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded rule
-(extproc/server_lean.py). An entry without a report key is a refusal Envoy answered itself (the logger also
-logs those, extproc/lean/render.py): it is counted in `extproc_requests_total` like the sidecar's own. The
-streams opening and closing, and every entry, tell the lean runtime's `ReportChannel` whether the channel
+Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded
+rule (extproc/admission/unseen.py). An entry without a report key is a refusal Envoy answered itself (the
+logger also logs those, extproc/lean/render.py): it is counted in `extproc_requests_total` like the sidecar's
+own. The streams opening and closing, and every entry, tell admission's `ReportChannel` whether the channel
 works. An entry whose key another replica issued is relayed to it through the shared store
 (extproc/report_relay.py); one whose key is unknown (settled already, or issued before a restart) is counted
 and ignored.
@@ -37,9 +37,9 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import struct_pb2
 
+from extproc.admission.names import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
 from extproc.admission.reading import ReportedTiming, ResponseReading
-from extproc.admission.service import AdmissionService
-from extproc.server_lean import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE, ReportChannel
+from extproc.admission.unseen import UnseenStreams
 
 if TYPE_CHECKING:
     from extproc.report_relay import ReportRelay
@@ -124,9 +124,10 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Settles each waiting lease from its access-log entry. With a shared store, an entry for a lease
     another replica holds is relayed to it (extproc/report_relay.py)."""
 
-    def __init__(self, service: AdmissionService, channel: ReportChannel | None = None) -> None:
-        self.service = service
-        self.channel = channel
+    def __init__(self, unseen: UnseenStreams) -> None:
+        self.unseen = unseen
+        self.service = unseen.service
+        self.channel = unseen.channel
         self.relay: ReportRelay | None = None
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -137,8 +138,7 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         task = asyncio.current_task()
         assert task is not None
         self._streams.add(task)
-        if self.channel is not None:
-            self.channel.stream_opened()
+        self.channel.stream_opened()
         try:
             async for message in request_iterator:
                 for entry in message.http_logs.log_entry:
@@ -148,8 +148,7 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
                 raise
         finally:
             self._streams.discard(task)
-            if self.channel is not None:
-                self.channel.stream_closed(closing=self._closing)
+            self.channel.stream_closed(closing=self._closing)
         return als_pb2.StreamAccessLogsResponse()
 
     def count_refusal(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
@@ -172,27 +171,23 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
             task.cancel()
 
     def settle(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        if self.channel is not None:
-            self.channel.reported()
+        self.channel.reported()
         metadata = entry.common_properties.metadata.filter_metadata
         admitted = metadata.get(NAMESPACE)
         key = admitted.fields.get(REPORT_KEY) if admitted is not None else None
         if key is None:
             self.count_refusal(entry)
             return
-        exchange = self.service.take_report(key.string_value)
-        if exchange is None:
-            relayed = (
-                key is not None and self.relay is not None and self.relay.forward(key.string_value, entry)
-            )
-            self.service.child(self.service.metrics.end_reports, "relayed" if relayed else "unknown").inc()
-            return
-        self.service.child(self.service.metrics.end_reports, "matched").inc()
         code = entry.response.response_code.value
         reading = reading_of(metadata.get(RESPONSE_NAMESPACE))
         # No byte sent upstream: a filter after the sidecar (an endpoint picker) answered the request locally.
         forwarded = entry.common_properties.HasField("time_to_first_upstream_tx_byte")
-        exchange.report(code or None, reading, timing_of(entry, reading), forwarded)
+        timing = timing_of(entry, reading)
+        if not self.unseen.report(key.string_value, code or None, reading, timing, forwarded):
+            relayed = self.relay is not None and self.relay.forward(key.string_value, entry)
+            self.service.child(self.service.metrics.end_reports, "relayed" if relayed else "unknown").inc()
+            return
+        self.service.child(self.service.metrics.end_reports, "matched").inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "end report",

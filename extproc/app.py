@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
 from extproc.accesslog import EndReports
-from extproc.admission.service import AdmissionService, Deps
+from extproc.admission.compose import build_admission
 from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config, log_warnings
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
@@ -64,25 +64,20 @@ class Sidecar:
         self.feedback = FeedbackRuntime(self.metrics.registry, self._set_scale, clock=self.clock)
         self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
         self.store.on_wake(self.queue.kick)  # a shared store: capacity freed on other replicas
-        self.admission = AdmissionService(
-            Deps(
-                config=lambda: self.config,
-                store=self.store,
-                metrics=self.metrics,
-                executor=self.executor,
-                clock=self.clock,
-                kv_budget=self.feedback.budget,
-                budget_changed=self.feedback.budget_changed,
-                kv_usage=self.feedback.kv_usage,
-                served_as=self.feedback.served_as,
-                queue=self.queue,
-                settle_executor=self.settle_executor,
-            )
+        built = build_admission(
+            lambda: self.config,
+            self.store,
+            self.clock,
+            self.metrics,
+            signals=self.feedback,
+            queue=self.queue,
+            executor=self.executor,
+            settle_executor=self.settle_executor,
         )
-        self.admission.decode_rates.fed = self.feedback.decode_rate  # the feed's pace, until one is learned
-        self.lean = LeanRuntime(self.admission)
+        self.admission = built.service
+        self.lean = LeanRuntime(built.unseen)
         self.servicer = ExtProcServicer(self.admission, self.lean)
-        self.end_reports = EndReports(self.admission, self.lean.channel)
+        self.end_reports = EndReports(built.unseen)
         self.health = health.aio.HealthServicer()
         self.ready = False
         self.grpc_server: grpc.aio.Server | None = None

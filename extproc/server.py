@@ -20,7 +20,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.admission.exchange import Exchange
+from extproc.admission.names import UPSTREAM_SERVICE_TIME
 from extproc.admission.service import AdmissionService
+from extproc.admission.unseen import UnseenStreams
 from extproc.admission.verdicts import Refusal
 from extproc.server_lean import LeanRuntime, LeanTranslator, is_lean
 from extproc.wire import (
@@ -37,13 +39,6 @@ from extproc.wire import (
 __all__ = ["EXT_PROC_ATTRIBUTES", "ExtProcServicer", "StreamTranslator", "client_address"]
 
 log = logging.getLogger(__name__)
-
-UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"
-"""Set by Envoy's router on every upstream response to a complete request, unless its
-`suppress_envoy_headers` is on (envoy source/common/router/router.cc Filter::onUpstreamHeaders, v1.40): an
-error response without it was made by a filter between the sidecar and the router, and never reached the
-backend. Keep `suppress_envoy_headers` off (every shipped config does): behind such a router the backend's own
-errors would be taken for local ones and their prompt refunded."""
 
 
 class StreamTranslator:
@@ -94,7 +89,7 @@ class StreamTranslator:
 
     def end(self, _context: Any = None) -> None:
         """The stream ended, however it ended: the exchange settles from the messages it saw."""
-        self.exchange.close()
+        self.exchange.stream_ended()
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -103,7 +98,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def __init__(self, service: AdmissionService, lean: LeanRuntime | None = None) -> None:
         self.service = service
-        self.lean = lean if lean is not None else LeanRuntime(service)
+        self.lean = lean if lean is not None else LeanRuntime(UnseenStreams(service))
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -112,10 +107,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         request: pb.ProcessingRequest | Refusal | None = await anext(messages, None)
         if request is None:
             return
-        exchange = Exchange(self.service)
-        stream: StreamTranslator | LeanTranslator = (
-            LeanTranslator(exchange, self.lean) if is_lean(request) else StreamTranslator(exchange)
-        )
+        stream: StreamTranslator | LeanTranslator
+        if is_lean(request):
+            exchange = Exchange(self.service, self.lean.unseen)
+            stream = LeanTranslator(exchange, self.lean)
+        else:
+            exchange = Exchange(self.service)
+            stream = StreamTranslator(exchange)
         self.service.register(exchange)
         self.service.metrics.streams.inc()
         context.add_done_callback(stream.end)

@@ -6,23 +6,19 @@ already done path routing and the body cap (envoy/envoy-lean.yaml, rendered by e
 Requests without a `content-length` (an HTTP/2 body of unknown length, a chunked upload) take a route that
 also sends the request headers, so a request with no body at all still reaches the sidecar and is refused.
 
-The response never reaches the sidecar. An admitted request's reply carries dynamic metadata (namespace
-`extproc`): the key its end report will name, a reading spec for Envoy's Lua filter (how this API marks
-content, usage and the end, see extproc/admission/reading.py), the `x-ratelimit-*` headers Envoy adds to the
-response, and the backend priority header Envoy adds to the upstream request. When the HTTP request ends,
-Envoy's gRPC access log brings the Lua filter's findings back (extproc/accesslog.py), and the exchange
-settles from them.
+The response never reaches the sidecar. An admitted request's `Forward` verdict carries what the proxy
+needs, and this translator writes it as dynamic metadata (namespace `extproc`, names in
+extproc/admission/names.py) without deciding anything: the key its end report will name, a reading spec for
+Envoy's Lua filter (how this API marks content, usage and the end, see extproc/admission/reading.py), and
+name-value pairs the route turns into headers (`x-ratelimit-*` on the response, the backend priority on the
+upstream request). When the HTTP request ends, Envoy's gRPC access log brings the Lua filter's findings back
+(extproc/accesslog.py), and admission settles the request from them.
 
 The ext_proc stream itself stays open until the HTTP request ends (Envoy 1.40 keeps it open even with
 every response phase off), which serves twice: its end starts the bounded wait for the end report, after
 which the lease settles as `expired` (`admission.end_report_wait_seconds`), and while it is open the sidecar
-can still answer on it. Where the report channel is known lost (`ReportChannel`: Envoy's access-log stream
-closed with none left open, or several ended requests in a row got no report), waiting is pointless: a lease
-settles as `expired` the moment its request ends, so its slot is free when the request is.
-
-A class cut under KV pressure is reset through the open stream: an ImmediateResponse sent on the
-open stream makes Envoy reset the HTTP stream, client and backend alike (a tick checks the pools' KV usage
-every `TICK_SECONDS`; there is no per-chunk check in this profile).
+can still answer on it: a cut under KV pressure, decided by admission's tick (extproc/admission/unseen.py),
+goes out as an ImmediateResponse, which makes Envoy reset the HTTP stream, client and backend alike.
 
 The profile is chosen by the Envoy config, not by the sidecar: a stream whose processing mode sends no
 response body (`protocol_config.response_body_mode` other than STREAMED) is translated here.
@@ -30,11 +26,8 @@ response body (`protocol_config.response_body_mode` other than STREAMED) is tran
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import enum
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -42,10 +35,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
-from extproc.admission.exchange import Exchange, Phase, RequestHead
-from extproc.admission.headers import ratelimit_headers
+from extproc.admission.exchange import Exchange, RequestHead
+from extproc.admission.names import (
+    NAMESPACE,
+    RATELIMIT_HEADERS,
+    READ_SPEC_KEY,
+    REPORT_KEY,
+    RESPONSE_NAMESPACE,
+    tenant_attribute,
+)
 from extproc.admission.reading import ReadSpec
-from extproc.admission.service import AdmissionService
+from extproc.admission.unseen import TICK_SECONDS, ReportChannel, UnseenStreams
 from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
 from extproc.config import Config
 from extproc.wire import (
@@ -57,40 +57,19 @@ from extproc.wire import (
     on_request_headers,
 )
 
+__all__ = [
+    "NAMESPACE",
+    "RATELIMIT_HEADERS",
+    "REPORT_KEY",
+    "RESPONSE_NAMESPACE",
+    "TICK_SECONDS",
+    "LeanRuntime",
+    "LeanTranslator",
+    "is_lean",
+    "tenant_attribute",
+]
+
 log = logging.getLogger(__name__)
-
-NAMESPACE = "extproc"
-"""Dynamic-metadata namespace the sidecar writes (ext_proc `metadata_options.receiving_namespaces`)."""
-
-RESPONSE_NAMESPACE = "extproc.response"
-"""Dynamic-metadata namespace the Lua filter writes and the access log brings back."""
-
-REPORT_KEY = "id"
-"""The report key in `NAMESPACE`; only requests that carry it are logged (the access log's filter)."""
-
-FORWARDED_REQUEST_HEADERS = ("x-vllm-priority",)
-"""Request headers the sidecar may set on an admitted request. Envoy skips the request headers in this
-profile, so the sidecar passes them as metadata and the route adds them (`request_headers_to_add`)."""
-
-RATELIMIT_HEADERS = (
-    "x-ratelimit-limit-requests",
-    "x-ratelimit-remaining-requests",
-    "x-ratelimit-reset-requests",
-    "x-ratelimit-limit-tokens",
-    "x-ratelimit-remaining-tokens",
-    "x-ratelimit-reset-tokens",
-)
-"""Response headers the route copies from the admission's metadata (`response_headers_to_add`)."""
-
-TICK_SECONDS = 0.2
-"""How often open lean requests are checked: the KV budget's estimate of their progress, and cuts."""
-
-WARN_EVERY_SECONDS = 60.0
-"""At most one warning per minute about leases expiring for want of their end report."""
-
-MISSES_FOR_LOSS = 3
-"""Ended requests in a row whose end report never came before the channel counts as lost. One miss can be a
-report dropped in a reconnect; three in a row, with none arriving in between, is a broken path."""
 
 _MODE = processing_mode_pb2.ProcessingMode
 
@@ -100,12 +79,6 @@ def is_lean(request: pb.ProcessingRequest) -> bool:
     if not request.HasField("protocol_config"):
         return False
     return bool(request.protocol_config.response_body_mode != _MODE.STREAMED)
-
-
-def tenant_attribute(header: str) -> str:
-    """The CEL attribute that gives the sidecar one request header without the header phase
-    (`request.headers` is a map; Envoy 1.40 evaluates each `request_attributes` entry as an expression)."""
-    return f"request.headers['{header}']"
 
 
 def _attribute(request: pb.ProcessingRequest, name: str) -> str | None:
@@ -147,174 +120,23 @@ class _SpecCache:
         return found
 
 
-class ChannelState(enum.Enum):
-    """What the sidecar knows of Envoy's end-report channel (its gRPC access log)."""
+class LeanRuntime:
+    """What the lean profile's streams share: the reading specs as protobuf values, and admission's
+    bookkeeping of the requests whose answers the sidecar does not see (extproc/admission/unseen.py)."""
 
-    UP = "up"  # reports arrive, or nothing says they do not (a fresh sidecar: Envoy opens it on first use)
-    LOST = "lost"  # no access-log stream is open, or requests keep ending without a report
-
-
-class ReportChannel:
-    """Whether Envoy's end reports reach the sidecar, from two signals only the sidecar has: the access-log
-    streams open to it (Envoy keeps one per worker for good, so the last one closing means Envoy went away or
-    the path to the sidecar broke) and the ended requests whose report never came. Any report, or a new
-    access-log stream, proves the channel again. Shown as `extproc_end_report_channel_up`, counted in
-    `extproc_end_report_channel_losses_total{cause}`, and logged on each change."""
-
-    def __init__(self, service: AdmissionService, on_lost: Callable[[], None]) -> None:
-        self.service = service
-        self.state = ChannelState.UP
-        self.streams = 0
-        self._misses = 0
-        self._on_lost = on_lost
+    def __init__(self, unseen: UnseenStreams) -> None:
+        self.unseen = unseen
+        self.specs = _SpecCache()
 
     @property
-    def lost(self) -> bool:
-        return self.state is ChannelState.LOST
-
-    def stream_opened(self) -> None:
-        self.streams += 1
-        self._restore("access-log stream opened")
-
-    def stream_closed(self, closing: bool = False) -> None:
-        """An access-log stream ended; with none left open (and the sidecar not shutting down) the reports of
-        requests ending now have no way in."""
-        self.streams = max(0, self.streams - 1)
-        if self.streams == 0 and not closing:
-            self._lose("stream_closed")
-
-    def reported(self) -> None:
-        """An access-log entry arrived (whichever lease it names): the channel works."""
-        self._misses = 0
-        self._restore("end report received")
-
-    def missed(self) -> None:
-        """A request's report did not come within the bounded wait."""
-        self._misses += 1
-        if self._misses >= MISSES_FOR_LOSS:
-            self._lose("misses")
-
-    def _lose(self, cause: str) -> None:
-        if self.lost:
-            return
-        self.state = ChannelState.LOST
-        metrics = self.service.metrics
-        metrics.end_report_channel.set(0)
-        self.service.child(metrics.end_report_channel_losses, cause).inc()
-        log.warning(
-            "end-report channel down: leases are released when their request ends and charged by the "
-            "decode-rate estimate (is Envoy's access log reaching the sidecar's gRPC port?)",
-            extra={"cause": cause, "misses": self._misses, "access_log_streams": self.streams},
-        )
-        self._on_lost()
-
-    def _restore(self, why: str) -> None:
-        if not self.lost:
-            return
-        self.state = ChannelState.UP
-        self._misses = 0
-        self.service.metrics.end_report_channel.set(1)
-        log.info("end-report channel restored", extra={"reason": why})
-
-
-class LeanRuntime:
-    """What the lean profile's streams share: the bounded wait for end reports, and the tick that follows
-    the requests whose responses the sidecar does not see (KV-budget progress, cuts under KV pressure)."""
-
-    def __init__(self, service: AdmissionService) -> None:
-        self.service = service
-        self.specs = _SpecCache()
-        self._cuts: dict[Exchange, asyncio.Future[Refusal]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._warned_at: float | None = None
-        self.channel = ReportChannel(service, self._expire_ended)
+    def channel(self) -> ReportChannel:
+        return self.unseen.channel
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._tick_forever(), name="lean-tick")
+        self.unseen.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    def ended(self, exchange: Exchange) -> None:
-        """The request's ext_proc stream closed, i.e. the HTTP request ended: wait for its end report at
-        most `admission.end_report_wait_seconds`, then settle it as expired (at once: channel lost)."""
-        exchange.mark_ended()
-        if self.channel.lost:
-            exchange.expire()
-            return
-        wait = self.service.config().admission.end_report_wait_seconds
-        asyncio.get_running_loop().call_later(wait, self._expire, exchange, wait)
-
-    def _expire_ended(self) -> None:
-        """The channel was just found lost: the requests that ended and still wait will get no report."""
-        for exchange in self.service.awaiting_reports():
-            if exchange.ended_at is not None:
-                exchange.expire()
-
-    def _expire(self, exchange: Exchange, wait: float) -> None:
-        """The bound passed: settle as expired, and say so (at most once a minute: a down access-log path
-        expires every lease, and the metric counts them all)."""
-        if not exchange.awaiting_report:
-            return
-        exchange.expire()
-        self.channel.missed()
-        now = asyncio.get_running_loop().time()
-        if self._warned_at is None or now - self._warned_at >= WARN_EVERY_SECONDS:
-            self._warned_at = now
-            log.warning(
-                "end report missing: lease expired (is Envoy's access log reaching the sidecar?)",
-                extra={"wait_seconds": wait, "model": exchange.model_label},
-            )
-
-    async def cut_or_next(
-        self, exchange: Exchange, messages: AsyncIterator[pb.ProcessingRequest]
-    ) -> pb.ProcessingRequest | Refusal | None:
-        """The stream's next message (None at its end), or a cut decided while the response streams. Only a
-        request of a class that can be cut waits on both."""
-        klass = exchange.klass
-        if not exchange.awaiting_report or klass is None or klass.cut_streams_above_kv is None:
-            return await anext(messages, None)
-        cut: asyncio.Future[Refusal] = asyncio.get_running_loop().create_future()
-        self._cuts[exchange] = cut
-        following = asyncio.ensure_future(anext(messages, None))
-        try:
-            await asyncio.wait((following, cut), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._cuts.pop(exchange, None)
-        if following.done():
-            cut.cancel()
-            return following.result()
-        following.cancel()
-        return cut.result()
-
-    async def _tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_SECONDS)
-            try:
-                self.tick()
-            except Exception:  # a bug here must not stop the tick for every later request
-                log.exception("lean tick failed")
-
-    def tick(self) -> None:
-        """Follow every admitted request still running: grow its KV-budget footprint at the decode rate, and
-        cut it when its class's watermark is passed."""
-        pools: set[str] = set()
-        for exchange in self.service.awaiting_reports():
-            exchange.follow_unseen()
-            if exchange.pool is not None and exchange.admitted is not None and exchange.admitted.budget:
-                pools.add(exchange.pool)
-            cut = self._cuts.get(exchange)
-            if cut is not None and not cut.done():
-                refusal = exchange.cut_unseen()
-                if refusal is not None:
-                    cut.set_result(refusal)
-        for pool in pools:
-            self.service.deps.budget_changed(pool)
+        await self.unseen.stop()
 
 
 class LeanTranslator:
@@ -370,33 +192,27 @@ class LeanTranslator:
         )
 
     def _admitted(self, forward: Forward) -> pb.ProcessingResponse:
+        """The admitting reply; where the end will be reported, the metadata the proxy reads it by."""
         reply = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common_response(forward)))
-        exchange = self.exchange
-        admitted = exchange.admitted
-        if admitted is None or exchange.phase is not Phase.ADMITTED:
+        ticket = forward.report
+        if ticket is None:
             return reply  # shadow mode, or a request that ended while it waited: nothing to report
-        key, spec = exchange.expect_report()
         fields = reply.dynamic_metadata.fields[NAMESPACE].struct_value.fields
-        fields[REPORT_KEY].string_value = key
-        fields["read"].CopyFrom(self.runtime.specs.value(spec, admitted.strip_usage))
-        for name, value in ratelimit_headers(admitted.lease.status):
+        fields[REPORT_KEY].string_value = ticket.key
+        fields[READ_SPEC_KEY].CopyFrom(self.runtime.specs.value(ticket.spec, ticket.strip_usage))
+        for name, value in forward.metadata:
             fields[name].string_value = value
-        for name, value in forward.set_headers:
-            if name in FORWARDED_REQUEST_HEADERS:
-                fields[name].string_value = value
         return reply
 
     async def next(
         self, messages: AsyncIterator[pb.ProcessingRequest]
     ) -> pb.ProcessingRequest | Refusal | None:
-        return await self.runtime.cut_or_next(self.exchange, messages)
+        """The stream's next message, or the cut admission decides while the response streams."""
+        return await self.runtime.unseen.next_or_cut(self.exchange.inflight, anext(messages, None))
 
     def end(self, _context: Any = None) -> None:
-        """However the stream ended: an admitted request waits for its report, anything else closes."""
+        """However the stream ended: an admitted request waits for its report, anything else settles."""
         if self._ended:
             return
         self._ended = True
-        if self.exchange.awaiting_report:
-            self.runtime.ended(self.exchange)
-        else:
-            self.exchange.close()
+        self.exchange.stream_ended()

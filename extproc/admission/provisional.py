@@ -184,9 +184,7 @@ class Correction:
         if tokens <= 0:
             return
         service = self.service
-        if admitted.budget is not None:
-            admitted.budget.correct_prompt(admitted.budget_id, admitted.plan.prompt_tokens - tokens)
-            service.deps.budget_changed(admitted.pool)
+        admitted.booking.correct_prompt(admitted.plan.prompt_tokens - tokens)
         lease = admitted.lease
         before = lease.reserved_tokens
         try:

@@ -2,9 +2,11 @@
 
 `AdmissionService` holds what all requests share (config, limiter store, KV budgets, wait queue, metrics,
 worker threads) and the operations that need it: acquiring a lease so that a cancelled caller can never
-leak one, waiting in a class's queue, and settling a lease exactly once. Each request's life is an
-`Exchange` (see `exchange.py`), created by `open()`; a protocol handler only translates its wire messages to
-the exchange's methods and the returned verdicts back to wire messages.
+leak one, settling a lease exactly once, retry hints from the leases open here, and the registries of open
+streams and of admitted requests whose end the proxy will report. Each request's life is an `Exchange`
+(see `exchange.py`): its decision is `decision.py`, its admitted life `inflight.py`. A protocol handler only
+translates its wire messages to the exchange's methods and the returned verdicts back to wire messages.
+`compose.py` builds the whole from config, store and clock.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import logging
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
+from extproc.admission.booking import KvBooking
+from extproc.admission.hints import SlotHints
 from extproc.admission.lanes import Lanes
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.prompt import Count
@@ -28,16 +32,16 @@ from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Lease, Reason, Rejection
+from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
-from extproc.core.slot_eta import MIN_REMAINING_S, OpenLease, RetryHints, remaining_times
+from extproc.core.slot_eta import OpenLease
 from extproc.metrics import Metrics
 from extproc.queueing import AdmissionQueue
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from extproc.admission.inflight import InFlight
 
-ETA_CACHE_S = 0.05
-"""How long a key's open-lease remaining times are reused for retry hints."""
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,10 +75,23 @@ class Admitted:
     tenant: str
     klass: ClassConfig
     model_label: str
-    budget: KvBudget | None
+    booking: KvBooking  # its entry in the pool's KV budget (booked before the lease was granted)
     strip_usage: bool
     admitted_at: float
-    budget_id: str = ""  # the request's id in `budget` (booked before the lease was granted)
+
+    @property
+    def budget(self) -> KvBudget | None:
+        return self.booking.budget
+
+
+class OpenStream(Protocol):
+    """A request whose protocol stream is open (an `Exchange`): closed at shutdown, and read for the lease
+    it holds (retry hints count only what this replica holds open)."""
+
+    @property
+    def inflight(self) -> InFlight | None: ...
+
+    def close(self) -> None: ...
 
 
 class LabelledChildren:
@@ -97,13 +114,12 @@ class LabelledChildren:
 class AdmissionService:
     deps: Deps
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
-    _open: set[Any] = field(default_factory=set)
+    _open: set[OpenStream] = field(default_factory=set)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
-    retry_hints: RetryHints = field(default_factory=RetryHints)
-    _etas: dict[str, tuple[float, list[float]]] = field(default_factory=dict)
+    slot_hints: SlotHints = field(default_factory=SlotHints)
     lanes: Lanes = field(init=False)
     # Lean profile: admitted exchanges whose end the proxy reports, by report key (`expect_report`).
-    _reports: dict[str, Any] = field(default_factory=dict)
+    _reports: dict[str, InFlight] = field(default_factory=dict)
     _report_prefix: str = field(default_factory=lambda: secrets.token_hex(4))
     _report_seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     child: LabelledChildren = field(default_factory=LabelledChildren)
@@ -154,39 +170,16 @@ class AdmissionService:
     # -- retry hints ----------------------------------------------------------------------------------------
 
     def retry_hint(self, rejection: Rejection) -> Rejection:
-        """A slot refusal's `retry-after` from the leases open on its key (see `core/slot_eta.py`), in place
-        of the store's average-based estimate; leases held by other replicas of a shared store are not
-        seen here, so the store's estimate stays when this replica holds none on the key."""
-        if rejection.reason is not Reason.CONCURRENCY:
-            return rejection
-        now = self.clock()
-        cached = self._etas.get(rejection.key)
-        if cached is None or now - cached[0] > ETA_CACHE_S:
-            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
-            leases = [lease for ex in self._open if (lease := ex.open_lease(rejection.key)) is not None]
-            cached = self._etas[rejection.key] = (now, remaining_times(leases))
-            if len(self._etas) > 1024:
-                self._etas = {rejection.key: cached}
-        etas = [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]
-        hint = self.retry_hints.hint(rejection.key, etas, now)
-        if hint is None:
-            return rejection
-        return replace(rejection, retry_after_s=hint, status=replace(rejection.status, reset_requests_s=hint))
+        """A slot refusal's `retry-after` from the leases open here on its key (`hints.py`)."""
+        return self.slot_hints.apply(rejection, self.clock(), self._open_leases)
 
-    def open_lease(self, admitted: Admitted, streamed: int) -> OpenLease:
-        """What the slot estimate needs of one admitted request, `streamed` completion tokens in."""
-        request = admitted.request
-        sequences = max(1, request.sequences * request.prompt_count)
-        allowance = admitted.plan.completion_tokens / sequences
-        expected = allowance
-        budget = admitted.budget
-        if budget is not None:
-            expected = budget.expected_completion(int(allowance), admitted.tenant)
-        return OpenLease(
-            expected_tokens=expected,
-            streamed_tokens=streamed / sequences,
-            rate=self.decode_rates.rate(admitted.pool),
-        )
+    def _open_leases(self, key: str) -> list[OpenLease]:
+        """The requests whose streams are open here and that hold a lease on `key`."""
+        return [
+            lease
+            for stream in self._open
+            if (inflight := stream.inflight) is not None and (lease := inflight.open_lease(key)) is not None
+        ]
 
     # -- leases --------------------------------------------------------------------------------------------
 
@@ -216,11 +209,8 @@ class AdmissionService:
 
     def settle(self, admitted: Admitted, charge: Charge) -> asyncio.Future[bool]:
         """Release the lease to what was used, update the KV budget, count it; exactly once per lease."""
-        budget = admitted.budget
-        if budget is not None:
-            completed = charge.ending == "completed"
-            budget.release(admitted.budget_id, charge.completion if completed else None)
-            self.deps.budget_changed(admitted.pool)
+        completed = charge.ending == "completed"
+        admitted.booking.release(charge.completion if completed else None)
         future = asyncio.ensure_future(self.deps.store.release(admitted.lease, charge.total))
         future.add_done_callback(lambda done: self._account(done, admitted, charge))
         self.track(future)
@@ -257,11 +247,11 @@ class AdmissionService:
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
-    def register(self, exchange: Any) -> None:
-        self._open.add(exchange)
+    def register(self, stream: OpenStream) -> None:
+        self._open.add(stream)
 
-    def unregister(self, exchange: Any) -> None:
-        self._open.discard(exchange)
+    def unregister(self, stream: OpenStream) -> None:
+        self._open.discard(stream)
 
     def open_streams(self) -> int:
         return len(self._open)
@@ -269,14 +259,14 @@ class AdmissionService:
     def settle_open(self) -> None:
         """On shutdown after the grace period: settle what is still open with what is known, and expire
         the leases whose end report has not come (lean profile)."""
-        for exchange in list(self._open):
-            exchange.close()
-        for exchange in list(self._reports.values()):
-            exchange.expire()
+        for stream in list(self._open):
+            stream.close()
+        for inflight in list(self._reports.values()):
+            inflight.expire()
 
     # -- end reports (lean profile) -------------------------------------------------------------------------
 
-    def expect_report(self, exchange: Any) -> str:
+    def expect_report(self, inflight: InFlight) -> str:
         """Register an admitted exchange whose end the proxy will report, under a key the proxy echoes back.
 
         The key is the sidecar's own (a per-process random prefix and a counter), never a client-supplied
@@ -284,7 +274,8 @@ class AdmissionService:
         a restart matches nothing.
         """
         key = f"{self._report_prefix}-{next(self._report_seq)}"
-        self._reports[key] = exchange
+        self._reports[key] = inflight
+        inflight.report_key = key
         return key
 
     @property
@@ -292,15 +283,15 @@ class AdmissionService:
         """The prefix of every report key this process issues: names this replica to the others."""
         return self._report_prefix
 
-    def take_report(self, key: str) -> Any | None:
-        """The exchange a report is for, removed from the registry; None for an unknown or settled key."""
+    def take_report(self, key: str) -> InFlight | None:
+        """The request a report is for, removed from the registry; None for an unknown or settled key."""
         return self._reports.pop(key, None)
 
     def forget_report(self, key: str) -> None:
         self._reports.pop(key, None)
 
-    def awaiting_reports(self) -> list[Any]:
-        """Admitted exchanges whose end report has not arrived (the lean profile's in-flight requests)."""
+    def awaiting_reports(self) -> list[InFlight]:
+        """Admitted requests whose end report has not arrived (the lean profile's in-flight requests)."""
         return list(self._reports.values())
 
     async def drain(self) -> None:

@@ -10,16 +10,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from extproc.admission.readspec import ReadSpec
+
 Header = tuple[str, str]
 
 
 @dataclass(frozen=True, slots=True)
+class ReportTicket:
+    """What the lean profile's proxy needs to report an admitted request's end: the key the report names,
+    and how to read the answer (`strip_usage`: drop the usage event the client did not ask for)."""
+
+    key: str
+    spec: ReadSpec
+    strip_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Forward:
-    """Let the message through, optionally with header changes and a replacement body."""
+    """Let the message through, optionally with header changes and a replacement body.
+
+    Where the proxy reports the request's end itself (the lean profile), `report` says how, and `metadata`
+    holds the name-value pairs the proxy's route turns into headers (`x-ratelimit-*` on the response, the
+    backend priority on the upstream request): a translator writes them as they are, deciding nothing.
+    """
 
     set_headers: tuple[Header, ...] = ()
     remove_headers: tuple[str, ...] = ()
     body: bytes | None = None
+    report: ReportTicket | None = None
+    metadata: tuple[Header, ...] = ()
 
 
 FORWARD = Forward()

@@ -13,7 +13,7 @@ What changes, and why:
   response body SKIP/NONE. The request's method, path, client address and tenant header come as
   `request_attributes` with the body (Envoy 1.40 evaluates each entry as a CEL expression, so
   `request.headers['x-tenant-id']` gives one header). `metadata_options.receiving_namespaces` lets the
-  sidecar write the `extproc` namespace (extproc/server_lean.py).
+  sidecar write the `extproc` namespace (extproc/admission/names.py).
 * Routes: one per metered path and method (`path` is exact after Envoy's own path normalization; the query
   string is not part of it), split in two: with a `content-length` of at least one byte, the body-only
   mode; without one (HTTP/2 or chunked bodies, or no body at all) a per-route override that also sends the
@@ -52,16 +52,16 @@ from typing import Any
 
 import yaml
 
-from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, PathRule, PathTable, RouteKind
-from extproc.config import Config
-from extproc.envoy_yaml import HEADER_MUTATION, http_connection_managers
-from extproc.server_lean import (
+from extproc.admission.names import (
     FORWARDED_REQUEST_HEADERS,
     NAMESPACE,
     RATELIMIT_HEADERS,
     REPORT_KEY,
     tenant_attribute,
 )
+from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, PathRule, PathTable, RouteKind
+from extproc.config import Config
+from extproc.envoy_yaml import HEADER_MUTATION, http_connection_managers
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 LUA = "envoy.filters.http.lua"

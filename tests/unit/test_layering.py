@@ -82,8 +82,9 @@ LAYERS: dict[str, Layer] = {
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     # The admission core takes config classes (ClassConfig, Config) where it should take its own policy
     # types: issue 19 item 3 (one conversion from config to the runtime types each package takes).
-    ("extproc.admission.exchange", "config"): "admission takes config classes",
+    ("extproc.admission.decision", "config"): "admission takes config classes",
     ("extproc.admission.service", "config"): "admission takes config classes",
+    ("extproc.admission.compose", "config"): "admission is built from the Config it reads per request",
     ("extproc.admission.provisional", "config"): "admission takes config classes",
     # The same for the store factory (StoreConfig) and the feedback runtime (Config, FeedbackConfig).
     ("extproc.store.factory", "config"): "the store factory takes StoreConfig",
@@ -96,10 +97,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     # The watcher defers to config_load's bounded, off-loop file loading, which builds on the package's
     # parser: a cycle, see CYCLE_EXCEPTIONS.
     ("extproc.config.watch", "config_load"): "the watcher loads files through config_load",
-    # server_lean.py is the hub of the lean profile's metadata names and constants that the access log and
-    # the lean renderer read (issue 19 item 5: one definition of each header and metadata name).
-    ("extproc.accesslog", "protocol"): "the metadata names live in server_lean.py",
-    ("extproc.lean.render", "protocol"): "the metadata names live in server_lean.py",
 }
 
 # Import cycles between modules that exist today, each as its set of modules. Both are function-level

@@ -23,6 +23,7 @@ from extproc.admission.provisional import Stage
 from extproc.admission.reading import ResponseReading
 from extproc.admission.request import Api, parse_request
 from extproc.admission.tokens import DEFAULT_ENCODING, count_text, get_encoding, utf8_len
+from extproc.admission.unseen import UnseenStreams
 from extproc.admission.verdicts import Forward, Refusal
 from extproc.app import Sidecar
 from extproc.config import parse_config
@@ -240,12 +241,16 @@ def end_inline(exchange: Exchange, how: str) -> None:
         exchange.close()
     elif how == "cut":
         exchange.response_headers(200, "text/event-stream", False)
-        assert exchange.response is not None
-        exchange._cut(exchange.response)
+        assert exchange.response is not None and exchange.inflight is not None
+        exchange.inflight.was_cut = True  # what `InFlight.cut` decides under KV pressure
+        exchange.inflight.settle()
     elif how == "expired":
-        exchange.expire()
+        assert exchange.inflight is not None
+        exchange.inflight.expire()
     elif how == "reported":
-        exchange.report(None, ResponseReading())  # the lean report: no response started
+        assert exchange.inflight is not None
+        key = exchange.service.expect_report(exchange.inflight)
+        UnseenStreams(exchange.service).report(key, None, ResponseReading())  # no response started
     else:
         raise AssertionError(how)
 

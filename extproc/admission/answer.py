@@ -1,0 +1,77 @@
+"""What the inline profile sees of the upstream's answer, message by message, as the in-flight request's
+`Seen` (extproc/admission/inflight.py): the status, the usage the tracker follows, and when content came."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.admission.apis import dialect_for
+from extproc.admission.inflight import Seen
+from extproc.admission.service import Admitted
+from extproc.admission.settlement import ResponseFacts
+from extproc.admission.usage import ResponseUsageTracker
+
+PICKER_REFUSALS = frozenset({429, 503})
+"""The statuses an inference pool's endpoint picker refuses with (ImmediateResponse 429: shed; 503: no ready
+endpoint; gateway-api-inference-extension v1.6.0 docs/proposals/004-endpoint-picker-protocol). Inline, only
+these, without the router's header, count as never forwarded: Envoy's router makes its own 502 and 504
+without that header too, after the backend may have read the prompt, and they keep the backend-error rule.
+Its own 503 (connection failure, or a reset before the response) is refunded in full like a picker's: the
+inline profile cannot tell them apart; the lean one can (no byte sent upstream)."""
+
+
+@dataclass(slots=True)
+class Answer:
+    """The upstream's answer so far, and when its first chunk came (for the pool's decode rate)."""
+
+    status: int | None
+    tracker: ResponseUsageTracker
+    streaming: bool = False
+    completed: bool = False
+    first_chunk_at: float | None = None
+    forwarded: bool = True
+
+    @classmethod
+    def open(
+        cls,
+        admitted: Admitted,
+        status: int | None,
+        content_type: str,
+        end_of_stream: bool,
+        from_router: bool,
+    ) -> Answer:
+        """Response headers arrived: choose how to read usage (SSE or JSON, removing the usage event the
+        client did not ask for), and whether the request reached the backend at all."""
+        streaming = "text/event-stream" in content_type
+        ok = status is not None and status < 400
+        tracker = ResponseUsageTracker(
+            streaming=streaming,
+            encoding=admitted.policy.encoding,
+            strip_usage_chunk=admitted.strip_usage and streaming and ok,
+            dialect=dialect_for(admitted.request.api),
+        )
+        return cls(
+            status=status,
+            tracker=tracker,
+            streaming=streaming,
+            completed=end_of_stream,
+            forwarded=from_router or ok or status not in PICKER_REFUSALS,
+        )
+
+    def seen(self, live: bool = False, decode_s: float | None = None) -> Seen:
+        """What was seen so far; `live` for a chunk (the KV budget follows it), `decode_s` at the end."""
+        tracker = self.tracker
+        facts = ResponseFacts(
+            upstream_status=self.status,
+            completed=self.completed or tracker.done_seen,
+            usage=tracker.usage,
+            error_seen=tracker.error_seen,
+            forwarded=self.forwarded,
+        )
+        return Seen(
+            facts,
+            streamed=self.streaming,
+            live=live,
+            content_since=self.first_chunk_at,
+            decode_s=decode_s,
+        )

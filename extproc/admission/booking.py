@@ -1,0 +1,122 @@
+"""One request's entry in its pool's KV budget: every change admission makes to a budget goes through here.
+
+A request is checked (`fits`), booked before the limiter's await (`hold`, so that concurrent decisions see
+each other's footprints), given back if it is not admitted (`give_back`), lowered to the exact count after
+an admission on the prompt's bound (`correct_prompt`), followed while it runs (`progress` from the chunks
+the inline profile sees, `follow` from the decode-rate estimate where nobody sees them), and released when
+it settles (`release`); a completed stream nobody watched teaches it the pool's pace (`learn_pace`). Each
+change that can move the budget's headroom tells the feedback side (`changed`), which republishes the
+pool's KV state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from extproc.admission.request import ParsedRequest, Reservation
+from extproc.core.clock import Clock
+from extproc.core.kv_budget import KvBudget
+
+_BUDGET_IDS = itertools.count()
+"""KV-budget lease ids: a request is booked before the limiter grants (and numbers) its lease."""
+
+
+class KvBooking:
+    """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op)."""
+
+    __slots__ = ("budget", "changed", "clock", "held", "id", "pool", "tenant")
+
+    def __init__(
+        self,
+        budget: KvBudget | None,
+        pool: str,
+        tenant: str,
+        changed: Callable[[str], None],
+        clock: Clock,
+    ) -> None:
+        self.budget = budget
+        self.pool = pool
+        self.tenant = tenant
+        self.changed = changed
+        self.clock = clock
+        self.id = f"x{next(_BUDGET_IDS)}"
+        self.held = False
+
+    def fits(
+        self, request: ParsedRequest, plan: Reservation, now: float | None = None
+    ) -> tuple[bool, int | None]:
+        """Whether the request fits the pool's KV budget at `now` (default: the clock's now), and the
+        headroom before it."""
+        if self.budget is None:
+            return True, None
+        return self.budget.would_fit(
+            plan.prompt_tokens,
+            plan.completion_tokens,
+            self.tenant,
+            now=self.clock() if now is None else now,
+            sequences=request.sequences * request.prompt_count,
+            committed=plan.committed_completion_tokens,
+        )
+
+    def hold(self, request: ParsedRequest, plan: Reservation) -> None:
+        """Book the request under an id of its own, before the limiter grants (and numbers) its lease."""
+        if self.budget is None:
+            return
+        self.budget.admit(
+            self.id,
+            plan.prompt_tokens,
+            plan.completion_tokens,
+            self.tenant,
+            now=self.clock(),
+            sequences=request.sequences * request.prompt_count,
+            committed=plan.committed_completion_tokens,
+        )
+        self.held = True
+        self.changed(self.pool)
+
+    def correct_prompt(self, prompt_tokens: int) -> None:
+        """Admitted on the prompt's bound (`provisional.py`): lower the booked prompt to its exact count."""
+        if self.budget is not None:
+            self.budget.correct_prompt(self.id, prompt_tokens)
+            self.changed(self.pool)
+
+    def give_back(self) -> None:
+        """Not admitted (refused, or the caller went away while it waited): the booking goes."""
+        if self.budget is not None:
+            self.budget.release(self.id)
+            self.held = False
+            self.changed(self.pool)
+
+    def release(self, completion: int | None) -> None:
+        """Settled: drop the booking; a completed answer's `completion` teaches the learned ratio."""
+        if self.budget is not None:
+            self.budget.release(self.id, completion)
+            self.held = False
+            self.changed(self.pool)
+
+    def progress(self, streamed_tokens: int, now: float | None) -> None:
+        """The inline profile saw `streamed_tokens` completion tokens so far (`now`: a stream's chunk time,
+        which also teaches the budget's pace; None for a JSON body that arrives whole)."""
+        if self.budget is not None:
+            self.budget.progress(self.id, streamed_tokens, now)
+
+    def follow(self, estimated_tokens: int) -> bool:
+        """The lean profile's estimate of what the request generated unseen; True if the pool has a budget
+        (the caller tells `changed` once per pool per tick, not once per request)."""
+        if self.budget is None:
+            return False
+        self.budget.estimate_progress(self.id, estimated_tokens)
+        return True
+
+    def learn_pace(self, first_token_after_s: float, tokens_per_sequence: float, decode_s: float) -> None:
+        """A completed stream the budget did not watch (lean) teaches its forecast the pool's pace."""
+        if self.budget is not None:
+            self.budget.observe_unseen_stream(first_token_after_s, tokens_per_sequence, decode_s)
+
+    def expected_completion(self, allowance: float) -> float:
+        """The completion the budget expects of a request allowed `allowance` tokens per sequence (without
+        a budget, the whole allowance)."""
+        if self.budget is None:
+            return allowance
+        return self.budget.expected_completion(int(allowance), self.tenant)

@@ -1,0 +1,82 @@
+"""The one place the admission layer is put together: from config, limiter store and clock (and, where the
+sidecar has them, the KV feed's signals, the wait queue and worker threads) to a running `Admission`.
+
+The sidecar (extproc/app.py) and the unit tests build it the same way, so a test's exchange is the
+sidecar's exchange without gRPC: `build_admission(...).exchange()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Protocol
+
+from extproc.admission.exchange import Exchange
+from extproc.admission.service import AdmissionService, Deps
+from extproc.admission.unseen import UnseenStreams
+from extproc.config import Config
+from extproc.core.clock import Clock
+from extproc.core.kv_budget import KvBudget
+from extproc.core.ports import LimiterStore
+from extproc.metrics import Metrics
+from extproc.queueing import AdmissionQueue
+
+
+class KvSignals(Protocol):
+    """What admission reads from the KV feed (extproc/feedback/runtime.py `FeedbackRuntime`)."""
+
+    def budget(self, pool: str) -> KvBudget | None: ...
+
+    def budget_changed(self, pool: str) -> None: ...
+
+    def kv_usage(self, pool: str) -> float | None: ...
+
+    def served_as(self, model: str, config: Config) -> str | None: ...
+
+    def decode_rate(self, pool: str) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The admission layer: the shared service, and the lean profile's bookkeeping of unseen answers."""
+
+    service: AdmissionService
+    unseen: UnseenStreams
+
+    def exchange(self, reported: bool = False) -> Exchange:
+        """A new request: inline (its answer seen message by message), or `reported` (lean: the proxy
+        reports its end)."""
+        return Exchange(self.service, self.unseen if reported else None)
+
+
+def build_admission(
+    config: Callable[[], Config],
+    store: LimiterStore,
+    clock: Clock,
+    metrics: Metrics,
+    *,
+    signals: KvSignals | None = None,
+    queue: AdmissionQueue | None = None,
+    executor: Executor | None = None,
+    settle_executor: Executor | None = None,
+) -> Admission:
+    """Admission over `store`, reading `config()` per request (a reload applies to new requests only)."""
+    deps = Deps(
+        config=config,
+        store=store,
+        metrics=metrics,
+        executor=executor,
+        clock=clock,
+        queue=queue,
+        settle_executor=settle_executor,
+    )
+    if signals is not None:
+        deps.kv_budget = signals.budget
+        deps.budget_changed = signals.budget_changed
+        deps.kv_usage = signals.kv_usage
+        deps.served_as = signals.served_as
+    service = AdmissionService(deps)
+    if signals is not None:
+        service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned
+    return Admission(service, UnseenStreams(service))

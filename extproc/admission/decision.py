@@ -1,0 +1,375 @@
+"""The admission decision: a request's facts and body in, `Granted | Refusal | Shadowed` out.
+
+    parse ─▶ resolve the model's policy and pool ─▶ check the prompt's lower bound
+          ─▶ where the upper bound decides: book the KV, acquire on the bound ─▶ grant (count after)
+          ─▶ else count the prompt ─▶ size the reservation ─▶ KV budget check ─▶ book the KV
+          ─▶ acquire a lease (or wait in the class's queue) ─▶ grant
+
+`Decision.run` yields `Hold` before it waits in a queue, then exactly one outcome, counted once. It calls
+nothing of the exchange that asked; the exchange turns the outcome into its phase and verdict. The prompt's
+exact count is awaited in one place, `Decision.plan` (`service.count_prompts`), unless the request is
+admitted on its byte bound (`on_bound`, `provisional.py`): the grant then carries the `Correction` that
+counts it after the verdict.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from extproc.admission import provisional, refusals
+from extproc.admission.apis import render_refusal
+from extproc.admission.booking import KvBooking
+from extproc.admission.errors import AdmissionError
+from extproc.admission.lanes import LaneFull
+from extproc.admission.names import PRIORITY_HEADER
+from extproc.admission.policy import ModelPolicy
+from extproc.admission.request import (
+    USAGE_OPTION_APIS,
+    Api,
+    BodyEdits,
+    ParsedRequest,
+    Reservation,
+    edit_body,
+    parse_request,
+    plan_reservation,
+    prompt_token_lower_bound,
+)
+from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.verdicts import FORWARD, Forward, Hold, Refusal
+from extproc.config import ClassConfig, Config
+from extproc.core.limiter import Lease, Rejection
+from extproc.core.ports import StoreUnavailable
+from extproc.queueing import WAITABLE, QueueFull
+
+log = logging.getLogger(__name__)
+
+OFF_LOOP_PARSE_BYTES = 64 * 1024
+"""A request body larger than this is parsed in a worker thread (with its tokenizing), not on the loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the request line and headers settled: the API, the tenant and its class, the client."""
+
+    api: Api
+    tenant: str
+    klass: ClassConfig
+    client: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """Admitted: the lease and its facts, how the request goes upstream (edited body, headers), and, when
+    admitted on the prompt's bound, the exact count to follow once the proxy has the verdict."""
+
+    admitted: Admitted
+    forward: Forward
+    correction: provisional.Correction | None = None  # admitted on the prompt's bound: the count follows
+
+
+@dataclass(frozen=True, slots=True)
+class Shadowed:
+    """Shadow mode: enforcement would have refused (`reason`); the request goes on holding no lease."""
+
+    reason: str
+
+
+def refuse(
+    service: AdmissionService,
+    api: Api | None,
+    refusal: Refusal,
+    model_label: str,
+    klass: str,
+    tenant: str | None,
+) -> Refusal:
+    """Count and log a refusal, rendered in the error envelope this API's clients parse."""
+    refusal = render_refusal(api, refusal)
+    service.count("rejected", refusal.reason, model_label, klass, tenant)
+    log.info(
+        "request refused",
+        extra={"status": refusal.status, "reason": refusal.reason, "model": model_label},
+    )
+    return refusal
+
+
+class Decision:
+    """One request's decision (see the module docstring); `model_label` names it once its model is known."""
+
+    def __init__(self, service: AdmissionService, request: RequestFacts) -> None:
+        self.service = service
+        self.request = request
+        self.model_label = "unknown"
+
+    @property
+    def tokenizer_lane(self) -> str:
+        """Whose share of the tokenizer threads this request uses: its tenant, or its client address."""
+        request = self.request
+        if request.tenant == self.service.config().admission.tenant.default and request.client:
+            return f"client:{request.client}"
+        return f"tenant:{request.tenant}"
+
+    def refuse(self, refusal: Refusal) -> Refusal:
+        request = self.request
+        return refuse(
+            self.service, request.api, refusal, self.model_label, request.klass.name, request.tenant
+        )
+
+    def _deny(self, refusal: Refusal, shadow: bool) -> Refusal | Shadowed:
+        if not shadow:
+            return self.refuse(refusal)
+        klass = self.request.klass.name
+        self.service.count("shadow_rejected", refusal.reason, self.model_label, klass, self.request.tenant)
+        log.info("shadow mode: would refuse", extra={"reason": refusal.reason, "class": klass})
+        return Shadowed(refusal.reason)
+
+    async def run(self, raw: bytes, config: Config) -> AsyncIterator[Hold | Granted | Refusal | Shadowed]:
+        cap = config.admission.max_body_bytes
+        if len(raw) > cap:
+            yield self.refuse(refusals.too_large(len(raw), cap))
+            return
+        try:
+            parsed, policy, pool = await self.resolve(raw, config)
+            self.check(parsed, policy, config)
+            on_bound = await self.on_bound(parsed, policy, pool, config)  # no count yet (provisional.py)
+            plan = await self.plan(parsed, policy, config) if on_bound is None else None
+        except AdmissionError as exc:
+            yield self.refuse(refusals.invalid(exc))
+            return
+        except LaneFull:
+            yield self.refuse(refusals.tokenizer_busy())
+            return
+        if on_bound is not None:
+            yield on_bound
+            return
+        assert plan is not None
+        klass = self.request.klass
+        shadow = config.shadow or klass.shadow
+        service = self.service
+        booking = self._booking(pool)
+        now = service.clock()
+        fits, headroom = booking.fits(parsed, plan, now)
+        if not fits:
+            assert booking.budget is not None
+            hints = service.slot_hints.hints  # one spread of retry times for slot and KV refusals
+            wait = refusals.kv_retry_after(booking.budget, hints, pool, now)
+            yield self._deny(refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait), shadow)
+            return
+        facts, new_body, strip_usage = self._forwarding(parsed, plan, config)
+        result: Lease | Rejection | Refusal | None = None
+        # Book the KV before the limiter's await, so that concurrent decisions see each other's.
+        booking.hold(parsed, plan)
+        try:
+            async for step in self.acquire(self._keys(pool), plan.total, shadow):
+                if isinstance(step, Hold):
+                    yield step
+                else:
+                    result = step
+        finally:
+            if not isinstance(result, Lease):
+                booking.give_back()  # refused, or the caller went away while it waited
+        if isinstance(result, Refusal):
+            yield self.refuse(result)
+            return
+        if isinstance(result, Rejection):
+            refusal = refusals.rate_limited(service.retry_hint(result), facts.model, plan.total)
+            yield self._deny(refusal, shadow)
+            return
+        assert isinstance(result, Lease)
+        yield self._grant(result, facts, policy, pool, plan, booking, strip_usage, new_body)
+
+    async def on_bound(
+        self, parsed: ParsedRequest, policy: ModelPolicy, pool: str, config: Config
+    ) -> Granted | Refusal | None:
+        """Admit on the prompt's upper bound where it decides, the exact count to follow (`provisional.py`).
+
+        Returns the outcome, or None when the request must be counted first: near the window, when the
+        bound does not fit the KV budget or a bucket, or when it must queue. Nothing is held then.
+        """
+        klass, service = self.request.klass, self.service
+        bound = provisional.bound_plan(parsed, policy, config.admission.per_step)
+        booking = self._booking(pool)
+        if bound is None or not provisional.may_admit_on_bound(
+            service, klass, booking.budget, parsed, bound, self.request.tenant, self.tokenizer_lane
+        ):
+            return None
+        booking.hold(parsed, bound)
+        result: Lease | Rejection | None = None
+        try:
+            result = await service.acquire(self._keys(pool), bound.total, klass.name)
+        except StoreUnavailable:
+            return self.refuse(refusals.store_unavailable())
+        finally:
+            if not isinstance(result, Lease):
+                booking.give_back()
+        if not isinstance(result, Lease):
+            return None  # a bucket or a slot said no: count, and decide on the exact need
+        facts, new_body, strip_usage = self._forwarding(parsed, bound, config)
+        granted = self._grant(result, facts, policy, pool, bound, booking, strip_usage, new_body)
+        return replace(granted, correction=provisional.Correction(service, self.tokenizer_lane))
+
+    def _booking(self, pool: str) -> KvBooking:
+        deps = self.service.deps
+        return KvBooking(deps.kv_budget(pool), pool, self.request.tenant, deps.budget_changed, deps.clock)
+
+    def _keys(self, pool: str) -> list[str]:
+        return ["global", f"model:{pool}", f"tenant:{self.request.tenant}"]
+
+    def _forwarding(
+        self, parsed: ParsedRequest, plan: Reservation, config: Config
+    ) -> tuple[ParsedRequest, bytes | None, bool]:
+        """The admission facts kept (not the parsed body: a waiting request must not hold megabytes of
+        JSON), the edited body (None: unchanged), and whether to strip a usage event the client did not
+        ask for."""
+        edits = BodyEdits(
+            include_usage=config.admission.inject_include_usage,
+            max_tokens=plan.injected_max_tokens,
+            strip_priority=True,
+            priority=self.request.klass.backend_priority,
+        )
+        new_body = edit_body(parsed, edits)
+        strip_usage = (
+            edits.include_usage
+            and parsed.stream
+            and not parsed.include_usage
+            and parsed.api in USAGE_OPTION_APIS
+        )
+        return replace(parsed, body={}), new_body, strip_usage
+
+    def _grant(
+        self,
+        lease: Lease,
+        facts: ParsedRequest,
+        policy: ModelPolicy,
+        pool: str,
+        plan: Reservation,
+        booking: KvBooking,
+        strip_usage: bool,
+        new_body: bytes | None,
+    ) -> Granted:
+        """The admission, counted once, and how the request goes upstream."""
+        klass, tenant, service = self.request.klass, self.request.tenant, self.service
+        admitted = Admitted(
+            lease=lease,
+            request=facts,
+            policy=policy,
+            pool=pool,
+            plan=plan,
+            tenant=tenant,
+            klass=klass,
+            model_label=self.model_label,
+            booking=booking,
+            strip_usage=strip_usage,
+            admitted_at=service.clock(),
+        )
+        service.count("admitted", "ok", self.model_label, klass.name, tenant)
+        service.child(service.metrics.tokens_reserved, self.model_label).inc(plan.total)
+        service.metrics.active.inc()
+        return Granted(admitted, self._forward(klass, new_body))
+
+    @staticmethod
+    def _forward(klass: ClassConfig, new_body: bytes | None) -> Forward:
+        headers: tuple[tuple[str, str], ...] = ()
+        if klass.backend_priority is not None:
+            # vLLM reads the header on every API (the Messages API has no body field for it).
+            headers = ((PRIORITY_HEADER, str(klass.backend_priority)),)
+        if new_body is None:
+            return Forward(set_headers=headers) if headers else FORWARD
+        return Forward(set_headers=(*headers, ("content-length", str(len(new_body)))), body=new_body)
+
+    async def resolve(self, raw: bytes, config: Config) -> tuple[ParsedRequest, ModelPolicy, str]:
+        """Parse, and resolve the requested model to its policy and pool (404 for one nobody serves)."""
+        api = self.request.api
+        stored = config.admission.allow_stored_context
+        bounds = config.admission.per_step
+        if len(raw) > OFF_LOOP_PARSE_BYTES:
+            # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
+            # worker thread, through the client's lane like its counting.
+            parse = functools.partial(parse_request, allow_stored_context=stored, bounds=bounds)
+            parsed = await self.service.lanes.run(self.tokenizer_lane, parse, api, raw)
+        else:
+            parsed = parse_request(api, raw, allow_stored_context=stored, bounds=bounds)
+        served_as = self.service.deps.served_as(parsed.model, config)
+        policy = config.model_policy(served_as) if served_as is not None else None
+        if served_as is None or policy is None:
+            raise AdmissionError(
+                404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
+            )
+        pool = config.pool_of(served_as)
+        self.model_label = config.model_label(pool)
+        return parsed, policy, pool
+
+    def check(self, parsed: ParsedRequest, policy: ModelPolicy, config: Config) -> None:
+        """Refuse what needs no count: a request-supplied chat template, a prompt whose cheap lower bound
+        is already past the context window."""
+        self._check_template(parsed, config)
+        lower = prompt_token_lower_bound(parsed, policy)
+        if lower >= policy.context_window + (0 if parsed.generates else 1):
+            raise AdmissionError(
+                400,
+                f"This model's maximum context length is {policy.context_window} tokens. However, your "
+                f"request has at least {lower} input tokens. Please reduce the length of the input.",
+                code="context_length_exceeded",
+                param=parsed.prompt_param,
+            )
+
+    async def plan(self, parsed: ParsedRequest, policy: ModelPolicy, config: Config) -> Reservation:
+        """Await the prompt's exact count, and size the reservation from it."""
+        service = self.service
+        started = service.clock()
+        counts = await service.count_prompts(parsed, policy, self.tokenizer_lane)
+        service.metrics.tokenize_seconds.observe(service.clock() - started)
+        return plan_reservation(parsed, counts, policy, config.admission.per_step)
+
+    @staticmethod
+    def _check_template(parsed: ParsedRequest, config: Config) -> None:
+        """A request-supplied chat template can expand a small body into a huge prompt: refuse it unless the
+        operator trusts clients with it (`admission.allow_request_chat_template`)."""
+        if config.admission.allow_request_chat_template:
+            return
+        key = parsed.custom_template
+        if key is not None:
+            raise AdmissionError(
+                400,
+                f"'{key}' is not accepted by this gateway; the server's own chat template is used.",
+                code="unsupported_parameter",
+                param=key,
+            )
+
+    async def acquire(
+        self, keys: list[str], tokens: int, shadow: bool
+    ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
+        """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
+        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down)."""
+        klass, service = self.request.klass, self.service
+        queue = service.deps.queue
+        waits = queue is not None and klass.queues and not shadow
+        behind = queue is not None and queue.must_queue(klass.name)
+        result: Lease | Rejection | None = None
+        try:
+            if not (behind and waits):
+                # Waiters of a higher class are ahead: a class that does not queue may still use its own
+                # guarantee, but not the pool they are waiting for.
+                result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
+            if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
+                assert queue is not None
+                # The proxy's per-message timer must not fire while the request waits for capacity.
+                yield Hold(math.ceil(klass.max_wait_seconds) + 1)
+                try:
+                    result = await queue.wait(
+                        keys, tokens, klass.name, self.request.tenant, klass.max_wait_seconds
+                    )
+                except QueueFull:
+                    yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
+                    return
+                if result is None:
+                    yield refusals.queue_refused("queue_timeout", klass.name, klass.max_wait_seconds)
+                    return
+        except StoreUnavailable:
+            yield refusals.store_unavailable()
+            return
+        assert result is not None
+        yield result

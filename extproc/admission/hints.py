@@ -1,0 +1,44 @@
+"""A slot refusal's `retry-after` from the leases this replica holds open on the refused key.
+
+The store's estimate is an average; the open requests say better when a slot frees: each one's expected
+length (the KV budget's learned completion, else its whole allowance), what it has streamed, and its pool's
+decode rate (`core/slot_eta.py`). Leases held by other replicas of a shared store are not seen here, so the
+store's estimate stays when this replica holds none on the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from extproc.core.limiter import Reason, Rejection
+from extproc.core.slot_eta import MIN_REMAINING_S, OpenLease, RetryHints, remaining_times
+
+ETA_CACHE_S = 0.05
+"""How long a key's open-lease remaining times are reused for retry hints."""
+
+
+@dataclass
+class SlotHints:
+    """Retry hints for slot refusals, from one pass over the open leases per key and `ETA_CACHE_S`."""
+
+    hints: RetryHints = field(default_factory=RetryHints)
+    _etas: dict[str, tuple[float, list[float]]] = field(default_factory=dict)
+
+    def apply(
+        self, rejection: Rejection, now: float, open_leases: Callable[[str], list[OpenLease]]
+    ) -> Rejection:
+        """`rejection` with the hint in place of the store's estimate (unchanged where there is none)."""
+        if rejection.reason is not Reason.CONCURRENCY:
+            return rejection
+        cached = self._etas.get(rejection.key)
+        if cached is None or now - cached[0] > ETA_CACHE_S:
+            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
+            cached = self._etas[rejection.key] = (now, remaining_times(open_leases(rejection.key)))
+            if len(self._etas) > 1024:
+                self._etas = {rejection.key: cached}
+        etas = [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]
+        hint = self.hints.hint(rejection.key, etas, now)
+        if hint is None:
+            return rejection
+        return replace(rejection, retry_after_s=hint, status=replace(rejection.status, reset_requests_s=hint))

@@ -1,0 +1,239 @@
+"""An admitted request until it settles, in either profile: what was seen of its answer, and its one charge.
+
+Each profile hands over what it saw as a `Seen` through one call, `observe`: the inline profile after every
+response message, the lean profile once, from the proxy's end report. `settle()` charges the lease from the
+last observation (extproc/admission/settlement.py), exactly once, however many paths reach it; a request
+admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in. Where the
+answer was not seen to its end, the charge includes the pool's decode-rate estimate of what the engine
+generated; a completed stream teaches that rate (`learn_pace`, the one place it is learned).
+
+One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, replace
+
+from extproc.admission import provisional, refusals
+from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.settlement import ResponseFacts, settle_charge
+from extproc.admission.verdicts import Refusal
+from extproc.core.decode_rate import DecodeRates
+from extproc.core.slot_eta import OpenLease
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What a profile saw of the answer so far.
+
+    `responded`: response headers arrived. `streamed`: the answer is a stream of events. `live`: seen as it
+    happens (the inline profile's chunks), so the KV budget follows its progress. `content_since`: the clock
+    time of the first content chunk (inline), from which the decode time of an unfinished stream is
+    measured. `decode_s`: the time from the first content to the last upstream byte, where it is known (an
+    inline stream at its end, the lean end report); `first_token_after_s`: the request's start to its first
+    content event (lean), which teaches the KV budget's pace.
+    """
+
+    facts: ResponseFacts
+    responded: bool = True
+    streamed: bool = False
+    live: bool = False
+    content_since: float | None = None
+    decode_s: float | None = None
+    first_token_after_s: float | None = None
+
+
+NOTHING_SEEN = Seen(ResponseFacts(), responded=False)
+
+
+def learn_pace(
+    rates: DecodeRates,
+    admitted: Admitted,
+    completion_tokens: int,
+    decode_s: float,
+    first_token_after_s: float | None = None,
+) -> None:
+    """A completed stream teaches its pool's decode rate (tokens after the first, per sequence, over the
+    time from the first content to the last byte) and, where the first content's delay is known, the KV
+    budget's pace: without that a lean sidecar never sees a request progress, and forecast booking falls
+    back to booking whole lifetimes."""
+    if decode_s <= 0 or completion_tokens <= 1:
+        return
+    request = admitted.request
+    tokens = completion_tokens / max(1, request.sequences * request.prompt_count) - 1
+    rates.observe(admitted.pool, tokens, decode_s)
+    if first_token_after_s is not None:
+        admitted.booking.learn_pace(first_token_after_s, tokens, decode_s)
+
+
+class InFlight:
+    """One admitted request until its lease settles (see the module docstring)."""
+
+    def __init__(
+        self,
+        service: AdmissionService,
+        admitted: Admitted,
+        correction: provisional.Correction | None = None,
+    ) -> None:
+        self.service = service
+        self.admitted = admitted
+        self.correction = correction  # admitted on the prompt's bound: its exact count follows
+        self.seen = NOTHING_SEEN
+        self.settled = False
+        self.was_cut = False
+        self.ended_at: float | None = None  # lean: when the request ended on the proxy
+        self.report_key: str | None = None  # lean: the key the proxy's end report names
+
+    @property
+    def awaiting_report(self) -> bool:
+        return self.report_key is not None and not self.settled
+
+    def observe(self, seen: Seen) -> None:
+        """Take what was seen of the answer; a stream seen to its end teaches the pool's pace."""
+        if self.settled:
+            return
+        self.seen = seen
+        facts = seen.facts
+        usage = facts.usage
+        if seen.live and usage is not None:
+            # Only a stream's chunks time its progress (a JSON body arrives whole at the end).
+            self.admitted.booking.progress(
+                usage.completion_tokens, self.service.clock() if seen.streamed else None
+            )
+        if (
+            seen.decode_s is not None
+            and seen.streamed
+            and facts.completed
+            and facts.upstream_status == 200
+            and usage is not None
+        ):
+            learn_pace(
+                self.service.decode_rates,
+                self.admitted,
+                usage.completion_tokens,
+                seen.decode_s,
+                seen.first_token_after_s,
+            )
+
+    def cut(self) -> Refusal | None:
+        """The refusal that resets this stream when its class's KV watermark is passed, else None; at most
+        once. The inline profile settles at once; the lean one from the end report, which brings what was
+        streamed."""
+        if self.settled or self.was_cut:
+            return None
+        admitted = self.admitted
+        threshold = admitted.klass.cut_streams_above_kv
+        if threshold is None:
+            return None
+        usage = self.service.deps.kv_usage(admitted.pool)
+        if usage is None or usage <= threshold:
+            return None
+        self.was_cut = True
+        self.service.metrics.streams_cut.labels(admitted.klass.name).inc()
+        log.warning(
+            "stream cut under KV pressure",
+            extra={"class": admitted.klass.name, "model": admitted.model_label},
+        )
+        return refusals.cut_under_kv_pressure()
+
+    def mark_ended(self) -> None:
+        """The request ended on the proxy (its ext_proc stream closed): the estimate stops growing here."""
+        if self.ended_at is None:
+            self.ended_at = self.service.clock()
+
+    def expire(self) -> None:
+        """No end report within the bound: settle as `expired`, charged the decode-rate estimate."""
+        if not self.settled:
+            self._charge(ResponseFacts(expired=True, estimated_completion=self.estimate()))
+
+    def settle(self) -> None:
+        """Charge the lease from what was last seen; only the first call counts."""
+        if not self.settled:
+            self._charge(self._final_facts())
+
+    def _final_facts(self) -> ResponseFacts:
+        seen = self.seen
+        facts = seen.facts
+        if self.was_cut and seen is not NOTHING_SEEN:
+            return replace(facts, cut=True)
+        if facts.completed:
+            return facts
+        if not seen.responded:
+            return replace(facts, estimated_completion=self.estimate())
+        decoding = seen.decode_s
+        if decoding is None and seen.content_since is not None:
+            decoding = self._until() - seen.content_since
+        streamed = self.estimate_streamed(decoding)
+        return replace(facts, estimated_completion=streamed or 0) if streamed is not None else facts
+
+    def _charge(self, facts: ResponseFacts) -> None:
+        # Booked on the first attempt, whatever the store answers: a shared store answers False for a lease
+        # that already expired there, and the request still ended here.
+        self.settled = True
+        if self.report_key is not None:
+            self.service.forget_report(self.report_key)
+        correction = self.correction
+        if correction is not None and correction.defer(functools.partial(self._book, facts)):
+            self.start_correction()
+            return  # admitted on a bound: settled with the exact count once it is in (provisional.py)
+        self._book(facts, self.admitted)
+
+    def _book(self, facts: ResponseFacts, admitted: Admitted) -> None:
+        self.service.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts))
+
+    def start_correction(self) -> None:
+        """Count a bound admission exactly: once the proxy has its verdict, or once it settles if that is
+        sooner (its settlement waits for the count). Idempotent; nothing without a correction."""
+        if self.correction is not None:
+            self.correction.start(self.admitted, self._corrected)
+
+    def _corrected(self, admitted: Admitted) -> None:
+        self.admitted = admitted
+
+    def _until(self) -> float:
+        return self.ended_at if self.ended_at is not None else self.service.clock()
+
+    def estimate(self) -> int:
+        """Completion tokens the backend may have generated unseen: the pool's decode rate over the time
+        from admission to the end of the request (or to now), capped by the reservation."""
+        admitted = self.admitted
+        request = admitted.request
+        return self.service.decode_rates.estimate(
+            admitted.pool,
+            self._until() - admitted.admitted_at,
+            request.sequences * request.prompt_count,
+            admitted.plan.completion_tokens,
+        )
+
+    def estimate_streamed(self, decoding_s: float | None) -> int | None:
+        """What the engine generated for an answer seen streaming but not to its end: the pool's learned
+        rate over `decoding_s` since the first token (one token each before it), capped by the reservation.
+        None without a learned rate: the tokens that passed are then the only evidence."""
+        rates = self.service.decode_rates
+        admitted = self.admitted
+        if decoding_s is None or not rates.learned(admitted.pool):
+            return None
+        request = admitted.request
+        sequences = request.sequences * request.prompt_count
+        cap = admitted.plan.completion_tokens
+        return min(cap, sequences + rates.estimate(admitted.pool, decoding_s, sequences, cap))
+
+    def open_lease(self, key: str) -> OpenLease | None:
+        """This request as an open lease on `key` (for slot retry hints), or None if it holds none there."""
+        admitted = self.admitted
+        if self.settled or key not in admitted.lease.keys:
+            return None
+        usage = self.seen.facts.usage
+        streamed = usage.completion_tokens if usage is not None else 0
+        request = admitted.request
+        sequences = max(1, request.sequences * request.prompt_count)
+        allowance = admitted.plan.completion_tokens / sequences
+        return OpenLease(
+            expected_tokens=admitted.booking.expected_completion(allowance),
+            streamed_tokens=streamed / sequences,
+            rate=self.service.decode_rates.rate(admitted.pool),
+        )

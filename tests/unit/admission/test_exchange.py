@@ -1,0 +1,205 @@
+"""One request through admission in each profile, built as the sidecar builds it (`build_admission`) but
+with no gRPC, no Envoy and an injected clock: the decision, the in-flight request and its one settlement."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from extproc.admission.compose import Admission, build_admission
+from extproc.admission.exchange import Exchange, Phase, RequestHead
+from extproc.admission.inflight import InFlight
+from extproc.admission.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
+from extproc.admission.verdicts import Forward, Hold, Refusal
+from extproc.config import parse_config
+from extproc.core.clock import FakeClock
+from extproc.core.limiter import LimitSpec
+from extproc.metrics import Metrics
+from extproc.store.local import LocalStore
+
+CONFIG: dict[str, Any] = {
+    "admission": {"tenant": {"header": "x-tenant"}},
+    "classes": [{"name": "standard"}, {"name": "batch", "backend_priority": 7}],
+    "default_class": "standard",
+    "tenants": {"nightly": {"class": "batch"}},
+    "models": {"*": {"context_window": 1000, "default_max_tokens": 100}},
+}
+HEAD = RequestHead("POST", "/v1/chat/completions", {})
+USAGE_81 = b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":81,"total_tokens":92}}\n\n'
+
+
+class Rig:
+    """Admission over an in-process store, a fake clock and a KV usage the test sets."""
+
+    def __init__(self, config: dict[str, Any] = CONFIG, concurrency: int | None = None) -> None:
+        self.clock = FakeClock()
+        self.metrics = Metrics()
+        self.store = LocalStore(clock=self.clock)
+        self.concurrency = concurrency
+        parsed = parse_config(config)
+        self.admission: Admission = build_admission(lambda: parsed, self.store, self.clock, self.metrics)
+        self.kv_usage: float | None = None
+        self.admission.service.deps.kv_usage = lambda _pool: self.kv_usage
+
+    async def start(self) -> Rig:
+        await self.store.apply_limits({"global": LimitSpec(max_concurrency=self.concurrency)})
+        return self
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    @property
+    def active(self) -> int:
+        return self.store.limiter.snapshot(["global"])[0].active
+
+    async def decide(self, exchange: Exchange, body: bytes, head: RequestHead = HEAD) -> Forward | Refusal:
+        exchange.request_headers(head)
+        verdicts = [v async for v in exchange.request_body(body)]
+        assert len(verdicts) == 1 and not isinstance(verdicts[0], Hold)
+        return verdicts[0]
+
+    async def settled(self) -> None:
+        await self.admission.service.drain()
+
+
+def phase(exchange: Exchange) -> Phase:
+    """The exchange's phase, read afresh (each call may have moved it)."""
+    return exchange.phase
+
+
+def chat(max_tokens: int = 100, stream: bool = False) -> bytes:
+    body: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+async def test_inline_a_streamed_answer_settles_at_its_end_and_teaches_the_decode_rate() -> None:
+    rig = await Rig().start()
+    exchange = rig.admission.exchange()
+    verdict = await rig.decide(exchange, chat(stream=True))
+    assert isinstance(verdict, Forward) and verdict.report is None and phase(exchange) is Phase.ADMITTED
+    assert rig.active == 1
+    exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+    await exchange.response_body(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', False)
+    rig.clock.advance(2.0)
+    await exchange.response_body(USAGE_81 + b"data: [DONE]\n\n", True)
+    assert phase(exchange) is Phase.SETTLED
+    await rig.settled()
+    assert rig.active == 0
+    assert rig.metric("extproc_settlements_total", outcome="completed") == 1
+    assert rig.admission.service.decode_rates.rate("*") == pytest.approx(
+        40.0
+    )  # 80 tokens after the first, 2 s
+
+
+async def test_lean_the_forward_verdict_carries_the_report_ticket_and_metadata() -> None:
+    rig = await Rig(concurrency=4).start()
+    exchange = rig.admission.exchange(reported=True)
+    head = RequestHead("POST", "/v1/chat/completions", {}, tenant="nightly")
+    verdict = await rig.decide(exchange, chat(stream=True), head)
+    assert isinstance(verdict, Forward) and verdict.report is not None
+    assert verdict.report.spec is OPENAI_SPEC and verdict.report.strip_usage
+    metadata = dict(verdict.metadata)
+    assert metadata["x-vllm-priority"] == "7"
+    assert metadata["x-ratelimit-remaining-requests"] == "3"
+    exchange.stream_ended()  # the stream's end starts the bounded wait, it does not settle
+    assert phase(exchange) is Phase.ADMITTED and rig.active == 1
+    usage = json.dumps({"prompt_tokens": 9, "completion_tokens": 81})
+    reading = ResponseReading(events=81, events_at_usage=81, usage_last=usage, final=True, body_end=True)
+    unseen = rig.admission.unseen
+    assert unseen.report(verdict.report.key, 200, reading, ReportedTiming(1.0, 2.0))
+    assert not unseen.report(verdict.report.key, 200, reading)  # settled once; the key is spent
+    await rig.settled()
+    assert rig.active == 0 and phase(exchange) is Phase.SETTLED
+    assert rig.metric("extproc_settlements_total", outcome="completed") == 1
+    # The same function learned the pace as the inline profile's: 80 tokens after the first over 2 s.
+    assert rig.admission.service.decode_rates.rate("*") == pytest.approx(40.0)
+
+
+async def test_lean_a_lost_report_channel_expires_an_ended_request_at_once() -> None:
+    rig = await Rig().start()
+    exchange = rig.admission.exchange(reported=True)
+    verdict = await rig.decide(exchange, chat())
+    assert isinstance(verdict, Forward) and verdict.report is not None
+    channel = rig.admission.unseen.channel
+    channel.stream_opened()
+    channel.stream_closed()
+    assert channel.lost
+    rig.clock.advance(0.5)
+    exchange.stream_ended()
+    await rig.settled()
+    assert rig.active == 0
+    assert rig.metric("extproc_settlements_total", outcome="expired") == 1
+    assert rig.admission.service.awaiting_reports() == []
+
+
+CUT_CONFIG: dict[str, Any] = {
+    **CONFIG,
+    "classes": [{"name": "standard", "cut_streams_above_kv": 0.9}, {"name": "batch"}],
+}
+
+
+async def test_inline_one_cut_rule_resets_a_stream_over_its_class_watermark() -> None:
+    rig = await Rig(CUT_CONFIG).start()
+    exchange = rig.admission.exchange()
+    await rig.decide(exchange, chat(stream=True))
+    exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+    rig.kv_usage = 0.5
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    assert isinstance(await exchange.response_body(chunk, False), Forward)
+    rig.kv_usage = 0.95
+    cut = await exchange.response_body(chunk, False)
+    assert isinstance(cut, Refusal) and phase(exchange) is Phase.SETTLED
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="cut") == 1
+    assert rig.metric("extproc_streams_cut_total", **{"class": "standard"}) == 1
+
+
+async def test_lean_the_tick_cuts_through_the_open_stream_and_the_report_settles_it_as_cut() -> None:
+    rig = await Rig(CUT_CONFIG).start()
+    exchange = rig.admission.exchange(reported=True)
+    verdict = await rig.decide(exchange, chat(stream=True))
+    assert isinstance(verdict, Forward) and verdict.report is not None
+    unseen = rig.admission.unseen
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(unseen.next_or_cut(exchange.inflight, never))
+    await asyncio.sleep(0)  # let it register (no time passes)
+    unseen.tick()
+    assert not waiting.done()  # under the watermark
+    rig.kv_usage = 0.95
+    unseen.tick()
+    cut = await waiting
+    assert isinstance(cut, Refusal)
+    assert never.cancelled()
+    exchange.stream_ended()
+    assert unseen.report(verdict.report.key, 200, ResponseReading(events=3))
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="cut") == 1
+
+
+async def test_a_slot_refusal_hints_from_the_request_held_open_here() -> None:
+    """The retry hint reads the open streams' in-flight requests; nothing calls back into an exchange."""
+    rig = await Rig(concurrency=1).start()
+    service = rig.admission.service
+    holder = rig.admission.exchange()
+    service.register(holder)
+    assert isinstance(await rig.decide(holder, chat(max_tokens=100)), Forward)
+    assert isinstance(holder.inflight, InFlight)
+    assert holder.inflight.open_lease("global") is not None
+    refused = await rig.decide(rig.admission.exchange(), chat())
+    assert isinstance(refused, Refusal) and refused.reason == "concurrency"
+    retry_after = dict(refused.headers)["retry-after-ms"]
+    # 100 tokens at the assumed decode rate: the holder's expected remaining time, not the store's average.
+    rate = service.decode_rates.rate("*")
+    assert int(retry_after) == pytest.approx(100 / rate * 1000, rel=0.2)
+    holder.close()
+    await rig.settled()
+    assert rig.active == 0
