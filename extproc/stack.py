@@ -266,6 +266,8 @@ class LocalStack:
     workdir: Path | None = None
     with_sidecar: bool = True
     with_exporter: bool = False
+    # Extra exporter flags (a busy CPU engine answers /metrics slower than the default scrape timeout).
+    exporter_args: Sequence[str] = ()
     # False: the caller serves the upstream port itself (an echo server in the edge tests).
     with_simulator: bool = True
     # Applied to the rendered Envoy config before Envoy starts (tests shorten timeouts with it).
@@ -400,6 +402,7 @@ class LocalStack:
                 f"127.0.0.1:{self.ports.exporter_metrics}",
                 "--target",
                 f"url={self.upstream_url}/metrics,kind=vllm,model={self.model}",
+                *self.exporter_args,
             ],
             self.workdir,
         )

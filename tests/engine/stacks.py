@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from extproc.envoy_yaml import http_connection_managers
 from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 from tests.support.engine import MAX_MODEL_LEN, MODEL, Engine
 from tests.support.stack import Stack
@@ -24,7 +25,13 @@ tokenizes the role with the text, so 4 remain); a request adds `<|begin_of_text|
 def engine_config(**limits: Any) -> dict[str, Any]:
     """A sidecar config for the tiny engine: its window, Llama-3's template costs, generous limits."""
     return {
-        "admission": {"max_body_bytes": 1_048_576, "tenant": {"header": "x-tenant"}},
+        # The tier compares admission's exact prompt count with vLLM's: bound admission (the shipped default,
+        # tests/e2e/test_bound_e2e.py) would reserve the byte bound first and correct it after the verdict.
+        "admission": {
+            "max_body_bytes": 1_048_576,
+            "tenant": {"header": "x-tenant"},
+            "bound_admission": False,
+        },
         "models": {
             "*": {"context_window": MAX_MODEL_LEN, "default_max_tokens": 256, "template": LLAMA3_TEMPLATE}
         },
@@ -36,6 +43,25 @@ def engine_config(**limits: Any) -> dict[str, Any]:
     }
 
 
+ENGINE_HOST_MESSAGE_TIMEOUT = "5s"
+"""The ext_proc message timeout on the engine tier's Envoy. vLLM's CPU backend binds its compute threads to
+one core and reserves the other for its scheduler process (utils/ompmultiprocessing.py, vLLM 0.32.0: "at
+least reserve 1/local_world_size core for scheduler proc"), which leaves the sidecar and Envoy of this
+two-core test host no core of their own while the engine decodes: a message can wait past the shipped 1 s.
+What the tier checks (settlement against vLLM's counters, the path table, the feed, protection) does not
+depend on that timeout; tests/e2e/test_edge_e2e.py covers the shipped one."""
+
+
+def engine_host_envoy(config: dict[str, Any]) -> None:
+    """The tests' tenant-header trust plus the engine host's longer ext_proc message timeout."""
+    trust_client_tenant_header(config)
+    for hcm in http_connection_managers(config):
+        for http_filter in hcm["http_filters"]:
+            typed = http_filter.get("typed_config", {})
+            if "message_timeout" in typed:
+                typed["message_timeout"] = ENGINE_HOST_MESSAGE_TIMEOUT
+
+
 def start_gateway(
     engine: Engine, config: dict[str, Any], profile: str, with_exporter: bool = False
 ) -> LocalStack:
@@ -45,7 +71,10 @@ def start_gateway(
         sidecar_config=config,
         with_simulator=False,
         with_exporter=with_exporter,
-        envoy_patch=trust_client_tenant_header,
+        # The CPU engine shares two cores with everything else: while it decodes, its /metrics page can take
+        # over a second, past the exporter's default 0.8 s scrape timeout.
+        exporter_args=("--timeout", "5"),
+        envoy_patch=engine_host_envoy,
         profile=profile,
         model=MODEL,
     )

@@ -75,6 +75,7 @@ def preemptions(engine: Engine) -> float:
 
 def protected_config() -> dict[str, Any]:
     config = engine_config()
+    config["admission"]["bound_admission"] = True  # protection as shipped
     config["kv_budget"] = {"enabled": True, "target_utilization": 0.9}
     return config
 

@@ -241,7 +241,9 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
                 break
         stream.close()
     delta = Ledger.read(stack) - before
-    assert 5 <= delta.engine_generated < 4000
+    # The engine aborts once Envoy's reset reaches it; a tiny model on an idle host may finish the whole
+    # answer first. Either way the charge is what the engine's own counter says it generated.
+    assert 5 <= delta.engine_generated <= 4000
     assert delta.prompt == delta.engine_prompt
     assert delta.charged == delta.prompt + delta.completion
     assert 5 <= delta.completion <= delta.engine_generated
@@ -255,11 +257,13 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
 
 
 def test_upstream_error_charges_the_prompt_only(stack: Stack) -> None:
-    """vLLM refuses `logprobs` above its `max_logprobs` (20) with a 400 after admission. The engine ran
-    nothing; the sidecar keeps the prompt (its rule for any upstream error, extproc/admission/settlement.py:
-    it cannot tell a refusal from a failure mid-prefill) and refunds the whole output reservation."""
+    """vLLM refuses `top_p` outside (0, 1] with a 400 after admission (SamplingParams._verify_args,
+    sampling_params.py, vLLM 0.32.0); the gateway does not check it. The engine ran nothing; the sidecar
+    keeps the prompt (its rule for any upstream error, extproc/admission/settlement.py: it cannot tell a
+    refusal from a failure mid-prefill) and refunds the whole output reservation. (`logprobs` past vLLM's
+    `max_logprobs` is refused by the gateway itself: admission.per_step.logprobs.)"""
     before = Ledger.read(stack)
-    body: dict[str, Any] = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "logprobs": 1000}
+    body: dict[str, Any] = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "top_p": 5}
     reply = http("POST", f"{stack.url}/v1/completions", body)
     assert reply.status == 400, reply.body
     assert "error" in reply.json() or "message" in reply.json()

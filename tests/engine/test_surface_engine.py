@@ -119,7 +119,8 @@ def test_exporter_feeds_the_sidecar_from_the_live_page(fed_stack: Stack) -> None
     assert metric(exporter, "extproc_exporter_targets_up") == 1
     assert fed_stack.sidecar("extproc_feed_stale") == 0
     # A long answer in flight shows on the engine's page and, through the exporter, in the sidecar.
-    body = {"model": MODEL, "prompt": "word " * 1500, "max_tokens": 1500}
+    # `ignore_eos`: the random-weight model may end an answer at once, before any scrape sees it.
+    body = {"model": MODEL, "prompt": "word " * 1500, "max_tokens": 3000, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(http, "POST", f"{fed_stack.url}/v1/completions", body)
         seen = 0.0
