@@ -246,7 +246,10 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
     assert 5 <= delta.engine_generated <= 4000
     assert delta.prompt == delta.engine_prompt
     assert delta.charged == delta.prompt + delta.completion
-    assert 5 <= delta.completion <= delta.engine_generated
+    # At least what reached the client; at most a few steps over the engine's count: a stream seen but not
+    # to its end is charged the larger of what passed and the learned pace up to the stream's end
+    # (settlement.py), and that end comes after the engine's abort.
+    assert 5 <= delta.completion <= delta.engine_generated + 8
     if stack.stack.profile == "lean":
         # Envoy's Lua reader counts every chunk that reached Envoy: all but the step or two the engine ran
         # after the close, before its abort landed.
