@@ -72,8 +72,8 @@ def start_gateway(
         with_simulator=False,
         with_exporter=with_exporter,
         # The CPU engine shares two cores with everything else: while it decodes, its /metrics page can take
-        # over a second, past the exporter's default 0.8 s scrape timeout.
-        exporter_args=("--timeout", "5"),
+        # several seconds (5 s timed out in CI), past the exporter's default 0.8 s scrape timeout.
+        exporter_args=("--interval", "2", "--timeout", "15"),
         envoy_patch=engine_host_envoy,
         profile=profile,
         model=MODEL,
