@@ -10,7 +10,6 @@ tokens/s charged 5x.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,10 +18,8 @@ from typing import Any
 import openai
 import pytest
 
-from extproc.envoy_yaml import http_connection_managers
-from extproc.lean.render import EXTPROC_CLUSTER
-from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
-from tests.support.stack import fixed_step_sim, metric
+from extproc.stack import LocalStack, Ports, free_port
+from tests.support.stack import end_reports_to, fixed_step_sim, metric
 
 MODEL = "llama-3-8b"
 STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine
@@ -40,24 +37,7 @@ CONFIG: dict[str, Any] = {
 
 def dead_end_reports(port: int) -> Callable[[dict[str, Any]], None]:
     """An Envoy patch: the end-report logger talks to `port`, where nothing listens; ext_proc is intact."""
-
-    def patch(config: dict[str, Any]) -> None:
-        trust_client_tenant_header(config)
-        clusters = config["static_resources"]["clusters"]
-        sidecar = next(c for c in clusters if c["name"] == EXTPROC_CLUSTER)
-        dead = json.loads(json.dumps(sidecar))
-        dead["name"] = dead["load_assignment"]["cluster_name"] = "end_report_nowhere"
-        for group in dead["load_assignment"]["endpoints"]:
-            for endpoint in group["lb_endpoints"]:
-                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
-        clusters.append(dead)
-        for hcm in http_connection_managers(config):
-            for logger in hcm["access_log"]:
-                if logger["name"] == "envoy.access_loggers.http_grpc":
-                    service = logger["typed_config"]["common_config"]["grpc_service"]
-                    service["envoy_grpc"]["cluster_name"] = "end_report_nowhere"
-
-    return patch
+    return end_reports_to(port, "end_report_nowhere")
 
 
 @pytest.fixture

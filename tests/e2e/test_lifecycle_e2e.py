@@ -29,9 +29,8 @@ import pytest
 
 from extproc.admission import refusals
 from extproc.envoy_yaml import http_connection_managers
-from extproc.lean.render import EXTPROC_CLUSTER
 from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
-from tests.support.stack import fixed_step_sim, http, metric, start_stack
+from tests.support.stack import end_reports_to, fixed_step_sim, http, metric, start_stack
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -134,24 +133,7 @@ class Relay:
 
 def via_relay(relay: Relay) -> Callable[[dict[str, Any]], None]:
     """An Envoy patch: the end-report logger talks to the sidecar through `relay`, ext_proc directly."""
-
-    def patch(config: dict[str, Any]) -> None:
-        trust_client_tenant_header(config)
-        clusters = config["static_resources"]["clusters"]
-        sidecar = next(c for c in clusters if c["name"] == EXTPROC_CLUSTER)
-        copy = json.loads(json.dumps(sidecar))
-        copy["name"] = copy["load_assignment"]["cluster_name"] = "end_report_relay"
-        for group in copy["load_assignment"]["endpoints"]:
-            for endpoint in group["lb_endpoints"]:
-                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = relay.port
-        clusters.append(copy)
-        for hcm in http_connection_managers(config):
-            for logger in hcm["access_log"]:
-                if logger["name"] == "envoy.access_loggers.http_grpc":
-                    service = logger["typed_config"]["common_config"]["grpc_service"]
-                    service["envoy_grpc"]["cluster_name"] = "end_report_relay"
-
-    return patch
+    return end_reports_to(relay.port, "end_report_relay")
 
 
 STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.envoy_yaml import http_connection_managers
+from extproc.lean.render import EXTPROC_CLUSTER
 from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 
 
@@ -108,3 +110,26 @@ def profile_stack(
     stack: Stack = make_stack(config, sim_args, profile)
     yield stack
     stack.stack.stop()
+
+
+def end_reports_to(port: int, cluster: str) -> Callable[[dict[str, Any]], None]:
+    """An Envoy patch (with the tests' tenant-header trust): the lean profile's end-report logger talks to
+    `port` through a copy of the sidecar's cluster named `cluster`; ext_proc keeps the sidecar's own."""
+
+    def patch(config: dict[str, Any]) -> None:
+        trust_client_tenant_header(config)
+        clusters = config["static_resources"]["clusters"]
+        sidecar = next(c for c in clusters if c["name"] == EXTPROC_CLUSTER)
+        copy = json.loads(json.dumps(sidecar))
+        copy["name"] = copy["load_assignment"]["cluster_name"] = cluster
+        for group in copy["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
+        clusters.append(copy)
+        for hcm in http_connection_managers(config):
+            for logger in hcm["access_log"]:
+                if logger["name"] == "envoy.access_loggers.http_grpc":
+                    service = logger["typed_config"]["common_config"]["grpc_service"]
+                    service["envoy_grpc"]["cluster_name"] = cluster
+
+    return patch
