@@ -27,12 +27,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc import __version__
 from extproc.accesslog import EndReports
 from extproc.admission.compose import build_admission
+from extproc.admission.queueing import AdmissionQueue
 from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config, log_warnings
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
-from extproc.queueing import AdmissionQueue
 from extproc.server import ExtProcServicer
 from extproc.server_lean import LeanRuntime
 from extproc.store.factory import build_store

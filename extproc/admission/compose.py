@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.admission.exchange import Exchange
+from extproc.admission.queueing import AdmissionQueue
 from extproc.admission.service import AdmissionService, Deps
 from extproc.admission.unseen import UnseenStreams
 from extproc.config import Config
@@ -20,7 +21,6 @@ from extproc.core.clock import Clock
 from extproc.core.kv_budget import KvBudget
 from extproc.core.ports import LimiterStore
 from extproc.metrics import Metrics
-from extproc.queueing import AdmissionQueue
 
 
 class KvSignals(Protocol):

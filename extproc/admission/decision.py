@@ -27,6 +27,7 @@ from extproc.admission.errors import AdmissionError
 from extproc.admission.lanes import LaneFull
 from extproc.admission.names import PRIORITY_HEADER
 from extproc.admission.policy import ModelPolicy
+from extproc.admission.queueing import WAITABLE, QueueFull
 from extproc.admission.request import (
     USAGE_OPTION_APIS,
     Api,
@@ -43,7 +44,6 @@ from extproc.admission.verdicts import FORWARD, Forward, Hold, Refusal
 from extproc.config import ClassConfig, Config
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
-from extproc.queueing import WAITABLE, QueueFull
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from extproc.admission.hints import SlotHints
 from extproc.admission.lanes import Lanes
 from extproc.admission.policy import ModelPolicy
 from extproc.admission.prompt import Count
+from extproc.admission.queueing import AdmissionQueue
 from extproc.admission.request import ParsedRequest, Reservation, count_prompt_tokens
 from extproc.admission.settlement import Charge
 from extproc.config import ClassConfig, Config
@@ -36,7 +37,6 @@ from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.core.slot_eta import OpenLease
 from extproc.metrics import Metrics
-from extproc.queueing import AdmissionQueue
 
 if TYPE_CHECKING:
     from extproc.admission.inflight import InFlight

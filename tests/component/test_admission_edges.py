@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from extproc.admission.paths import DEFAULT_TABLE, RouteKind
+from extproc.admission.queueing import AdmissionQueue
 from extproc.admission.request import Api
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import monotonic
 from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
-from extproc.queueing import AdmissionQueue
 from extproc.store.local import LocalStore
 from tests.support.classes import CONFIG as CLASS_CONFIG
 from tests.support.classes import admit, start

@@ -46,8 +46,7 @@ _CLI = "`extproc/cli.py`, `extproc/__main__.py`"
 
 LAYERS: dict[str, Layer] = {
     "core": _layer("`extproc/core/`", ("extproc/core/",)),
-    "admission": _layer("`extproc/admission/`", ("extproc/admission/",), "core", "metrics", "queueing"),
-    "queueing": _layer("`extproc/queueing.py`", ("extproc/queueing.py",), "core", "metrics"),
+    "admission": _layer("`extproc/admission/`", ("extproc/admission/",), "core", "metrics"),
     "store": _layer("`extproc/store/`", ("extproc/store/",), "core"),
     "report_relay": _layer("`extproc/report_relay.py`", ("extproc/report_relay.py",), "store"),
     "protocol": _layer(
@@ -60,7 +59,7 @@ LAYERS: dict[str, Layer] = {
         "`extproc/app.py`",
         ("extproc/app.py",),
         *("accesslog", "admission", "config", "config_load", "core", "feedback", "metrics", "protocol"),
-        *("queueing", "report_relay", "store"),
+        *("report_relay", "store"),
     ),
     "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "lean", "plan", "stack"),
     "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "feed"),

@@ -25,9 +25,9 @@ import asyncio
 import time
 from typing import Any
 
+from extproc.admission.queueing import AdmissionQueue
 from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
-from extproc.queueing import AdmissionQueue
 from extproc.store.redis import RedisStore
 from tests.component.store.redis_server import RedisServer
 

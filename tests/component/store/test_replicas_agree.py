@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from extproc import queueing
+from extproc.admission import queueing
+from extproc.admission.queueing import AdmissionQueue
 from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
-from extproc.queueing import AdmissionQueue
 from extproc.store.redis import RedisStore
 from extproc.store.redis import scales as redis_scales
 
