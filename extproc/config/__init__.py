@@ -9,7 +9,9 @@ falls back to a default is worse than a refused reload.
 - `build`: `parse_config`, which validates against the schema and builds the runtime types.
 - `problems`, `walk`: pydantic's errors as key-path sentences; the schema's keys, and how `null` is read.
 - `runtime`: `Config` and the types the packages take.
-- `watch`: `load_config` and `ConfigWatcher`; the bounded, off-loop loader is extproc/config_load.py.
+- `load`: reading a file within bounds (bytes, nesting, nodes after alias expansion), and loading it in a
+  child process, off the event loop.
+- `watch`: `load_config` and `ConfigWatcher`, over `load`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `ConfigWatcher` polls the file for changes. A ConfigMap volume replaces a `..data` symlink atomically, which
 inotify on the file itself misses, so the watcher compares the resolved target and its stat on every poll.
 A changed file is loaded in a child process within bounds on size and alias expansion
-(extproc/config_load.py), so the event loop keeps serving; a new file that fails validation is refused
+(extproc/config/load.py), so the event loop keeps serving; a new file that fails validation is refused
 with a log line and the running config stays.
 """
 
@@ -19,6 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from extproc.config.errors import ConfigError, capped
+from extproc.config.load import load_file, load_isolated
 from extproc.config.runtime import Config
 from extproc.config.warnings import log_warnings
 
@@ -26,16 +27,12 @@ log = logging.getLogger("extproc.config")
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a YAML config file, within the bounds of extproc/config_load.py (size, aliases,
+    """Read and validate a YAML config file, within the bounds of extproc/config/load.py (size, aliases,
     depth); every failure, `MemoryError` included, is a `ConfigError`."""
-    from extproc.config_load import load_file  # it builds on this module
-
     return load_file(path)
 
 
 def _load_off_loop(path: Path) -> Awaitable[Config]:
-    from extproc.config_load import load_isolated
-
     return load_isolated(path)
 
 
@@ -67,7 +64,7 @@ class ConfigWatcher:
 
     `on_result` hears the outcome of every change (the sidecar counts them in `extproc_config_reloads_total`).
     A changed file is loaded off the event loop (`load`: by default a child process, see
-    extproc/config_load.py), so admission and `/healthz` keep answering while a large file loads; whatever
+    extproc/config/load.py), so admission and `/healthz` keep answering while a large file loads; whatever
     goes wrong there is a counted refusal with a bounded log line.
     """
 

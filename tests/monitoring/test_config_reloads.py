@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.app import Sidecar
 from extproc.config import MAX_PROBLEM_CHARS, Config, ConfigError, ConfigWatcher, ReloadResult, load_config
-from extproc.config_load import load_isolated
+from extproc.config.load import load_isolated
 from extproc.metrics import MAX_TENANT_KEYS, Metrics
 from extproc.store.local import LocalStore
 from tests.support.servicer import body_msg, chat, headers_msg
@@ -342,7 +342,7 @@ async def test_the_loading_child_reports_its_failures_as_config_errors(
     ]
     with pytest.raises(ConfigError, match="took longer than"):
         await load_isolated(path, timeout_s=0.001)
-    from extproc import config_load
+    from extproc.config import load as config_load
 
     monkeypatch.setattr(config_load, "parse_config", lambda _data: [][0])  # IndexError, a bug
     with pytest.raises(ConfigError, match=r"cannot load .*: IndexError"):
@@ -366,7 +366,7 @@ async def test_the_child_sends_back_what_an_in_process_load_builds() -> None:
 
 
 def test_a_child_that_dies_is_a_refusal_naming_its_status() -> None:
-    from extproc.config_load import _outcome
+    from extproc.config.load import _outcome
 
     with pytest.raises(ConfigError, match="exited with status -9: Killed"):
         _outcome("c.yaml", -9, b"", b"Traceback...\nKilled\n")

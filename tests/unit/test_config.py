@@ -658,7 +658,7 @@ def test_a_yaml_bomb_is_refused_cheaply_and_quoted_briefly(tmp_path: Path, text:
 
 
 def test_a_file_over_the_size_bound_is_refused_unread(tmp_path: Path) -> None:
-    from extproc.config_load import MAX_CONFIG_BYTES
+    from extproc.config.load import MAX_CONFIG_BYTES
 
     path = tmp_path / "huge.yaml"
     path.write_text("#" * MAX_CONFIG_BYTES + "\n")  # one comment line: valid YAML, and "all defaults" before

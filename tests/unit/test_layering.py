@@ -58,12 +58,11 @@ LAYERS: dict[str, Layer] = {
     "app": _layer(
         "`extproc/app.py`",
         ("extproc/app.py",),
-        *("accesslog", "admission", "config", "config_load", "core", "feedback", "metrics", "protocol"),
+        *("accesslog", "admission", "config", "core", "feedback", "metrics", "protocol"),
         *("report_relay", "store"),
     ),
     "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "lean", "plan", "stack"),
     "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "feed"),
-    "config_load": _layer("`extproc/config_load.py`", ("extproc/config_load.py",), "config"),
     "metrics": _layer(_METRICS, ("extproc/metrics.py",), "core"),
     "logs": _layer(_METRICS, ("extproc/logs.py",)),
     "feed": _layer("`extproc/feed/`", ("extproc/feed/",)),
@@ -93,16 +92,11 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("extproc.config", "feedback"): "the package re-exports the feedback settings it validates",
     ("extproc.config.build", "feedback"): "config validates the feedback settings in feedback/settings.py",
     ("extproc.config.runtime", "feedback"): "config holds the feedback package's SubscriberConfig",
-    # The watcher defers to config_load's bounded, off-loop file loading, which builds on the package's
-    # parser: a cycle, see CYCLE_EXCEPTIONS.
-    ("extproc.config.watch", "config_load"): "the watcher loads files through config_load",
 }
 
-# Import cycles between modules that exist today, each as its set of modules. Both are function-level
-# (deferred) imports, which still make the two modules depend on each other.
+# Import cycles between modules that exist today, each as its set of modules. The one left is a
+# function-level (deferred) import, which still makes the two modules depend on each other.
 CYCLE_EXCEPTIONS: dict[frozenset[str], str] = {
-    # The watcher imports config_load, which builds on the package's parser (extproc.config).
-    frozenset({"extproc.config", "extproc.config.watch", "extproc.config_load"}): "config <-> config_load",
     # main.py imports offline for `--offline`; offline.py takes TRACE_START_S from main.py.
     frozenset({"bench.protection.main", "bench.protection.offline"}): "bench protection main <-> offline",
 }

@@ -34,7 +34,9 @@ from typing import Any
 import yaml
 
 import extproc
-from extproc.config import Config, ConfigError, parse_config
+from extproc.config.build import parse_config
+from extproc.config.errors import ConfigError
+from extproc.config.runtime import Config
 
 MAX_CONFIG_BYTES = 16 << 20
 """Largest config file read (16 MiB: about 2.5 x 10^5 tenants with their own limits)."""
@@ -55,7 +57,7 @@ an installed package never shadows anything)."""
 _CHILD_MAIN = (
     "import sys\n"
     "if sys.argv[1] not in sys.path: sys.path.append(sys.argv[1])\n"
-    "from extproc.config_load import _child\n"
+    "from extproc.config.load import _child\n"
     "sys.exit(_child(sys.argv[2]))\n"
 )
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when PyYAML was built with it
