@@ -25,7 +25,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
-from extproc.accesslog import EndReports
 from extproc.admission.compose import build_admission
 from extproc.admission.queueing import AdmissionQueue
 from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config, log_warnings
@@ -33,8 +32,9 @@ from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.feedback.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
-from extproc.server import ExtProcServicer
-from extproc.server_lean import LeanRuntime
+from extproc.protocol.accesslog import EndReports
+from extproc.protocol.lean import LeanRuntime
+from extproc.protocol.servicer import ExtProcServicer
 from extproc.store.factory import build_store
 
 log = logging.getLogger(__name__)
@@ -191,10 +191,10 @@ class Sidecar:
 
     async def _start_relay(self) -> None:
         """With a shared store, end reports for leases of other replicas go to them, and theirs come here
-        (extproc/report_relay.py): subscribed before the sidecar reports ready."""
+        (extproc/protocol/relay.py): subscribed before the sidecar reports ready."""
         if self.config.store.backend != "redis":
             return
-        from extproc.report_relay import ReportRelay, shared_client  # imports the Redis client
+        from extproc.protocol.relay import ReportRelay, shared_client  # imports the Redis client
 
         client = shared_client(self.store)
         if client is None:

@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.admission.reading import OPENAI_SPEC
-from extproc.server_lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY
+from extproc.protocol.lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY
 
 _HEADERS = pb.HeadersResponse()
 _BODY = pb.BodyResponse()

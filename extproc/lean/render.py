@@ -294,7 +294,7 @@ CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3
 ENVOY_REFUSAL_CODES = (400, 404, 408, 413, 431)
 """Statuses of the refusals Envoy answers itself in this profile (an unlisted path, a body past the bound,
 a request too slow, headers too large, a malformed request): logged to the sidecar so that
-`extproc_requests_total` counts them with the sidecar's own (extproc/accesslog.py)."""
+`extproc_requests_total` counts them with the sidecar's own (extproc/protocol/accesslog.py)."""
 
 ENVOY_REFUSALS = (
     f"response.code in [{', '.join(map(str, ENVOY_REFUSAL_CODES))}]"
@@ -306,7 +306,7 @@ the sidecar's ImmediateResponse (its details start with `extproc_`, and the side
 
 def _end_report_logger() -> dict[str, Any]:
     """One access-log entry per admitted request, and one per refusal Envoy answered itself, to the sidecar
-    (extproc/accesslog.py)."""
+    (extproc/protocol/accesslog.py)."""
     admitted = {
         "metadata_filter": {
             "matcher": {

@@ -6,7 +6,7 @@ Two sidecar replicas share one real Redis; one real Envoy (lean profile) sends i
 replica A and its gRPC access log to replica B, the worst case of the two separately balanced connections.
 The access logger is the one Envoy Gateway builds from k8s/envoy-gateway/lean/envoyproxy.yaml: its CEL match,
 its log name, Envoy's default flush interval.
-B relays each entry to A through Redis (extproc/report_relay.py). Without the relay the lease would wait for
+B relays each entry to A through Redis (extproc/protocol/relay.py). Without the relay the lease would wait for
 `end_report_wait_seconds` (60 s here) and then be charged an estimate: the test's one slot would stay taken.
 """
 

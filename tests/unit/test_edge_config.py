@@ -24,7 +24,7 @@ from extproc.lean.render import (
     lua_source,
     render_envoy_yaml,
 )
-from extproc.server_lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
+from extproc.protocol.lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
 from extproc.stack import (
     ENVOY_TEMPLATE,
     Ports,

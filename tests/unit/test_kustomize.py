@@ -17,7 +17,7 @@ import yaml
 
 from extproc.config import parse_config
 from extproc.lean.render import lua_source
-from extproc.server_lean import NAMESPACE as NAMESPACE_METADATA
+from extproc.protocol.lean import NAMESPACE as NAMESPACE_METADATA
 from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
 

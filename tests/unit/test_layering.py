@@ -39,7 +39,6 @@ def _layer(row: str, paths: tuple[str, ...], *may_import: str) -> Layer:
     return Layer(row, paths, frozenset(may_import) | EVERYWHERE)
 
 
-_PROTOCOL = "`extproc/server.py`, `extproc/server_lean.py`, `extproc/wire.py`"
 _FEED_SIDES = "`extproc/exporter/`, `extproc/feedback/`"
 _METRICS = "`extproc/metrics.py`, `extproc/logs.py`"
 _CLI = "`extproc/cli.py`, `extproc/__main__.py`"
@@ -48,18 +47,16 @@ LAYERS: dict[str, Layer] = {
     "core": _layer("`extproc/core/`", ("extproc/core/",)),
     "admission": _layer("`extproc/admission/`", ("extproc/admission/",), "core", "metrics"),
     "store": _layer("`extproc/store/`", ("extproc/store/",), "core"),
-    "report_relay": _layer("`extproc/report_relay.py`", ("extproc/report_relay.py",), "store"),
-    "protocol": _layer(
-        _PROTOCOL, ("extproc/server.py", "extproc/server_lean.py", "extproc/wire.py"), "admission", "config"
-    ),
-    "accesslog": _layer("`extproc/accesslog.py`", ("extproc/accesslog.py",), "admission"),
+    "protocol": _layer("`extproc/protocol/`", ("extproc/protocol/",), "admission", "config"),
+    "accesslog": _layer("`extproc/protocol/accesslog.py`", ("extproc/protocol/accesslog.py",), "admission"),
+    "relay": _layer("`extproc/protocol/relay.py`", ("extproc/protocol/relay.py",), "store"),
     "lean": _layer("`extproc/lean/`", ("extproc/lean/",), "admission", "config", "envoy_yaml"),
     "envoy_yaml": _layer("`extproc/envoy_yaml.py`", ("extproc/envoy_yaml.py",)),
     "app": _layer(
         "`extproc/app.py`",
         ("extproc/app.py",),
         *("accesslog", "admission", "config", "core", "feedback", "metrics", "protocol"),
-        *("report_relay", "store"),
+        *("relay", "store"),
     ),
     "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "lean", "plan", "stack"),
     "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "feed"),
@@ -136,12 +133,16 @@ def doc_rows(text: str) -> dict[str, DocRow]:
 
 
 def layer_of(path: str) -> str | None:
-    """The layer whose paths cover a file (relative to the repository root), or None."""
+    """The layer whose paths cover a file (relative to the repository root), or None. Where a folder's row
+    and a row of one of its files both cover it (`extproc/protocol/` and `extproc/protocol/relay.py`), the
+    more specific path wins."""
+    best: tuple[int, str] | None = None
     for name, layer in LAYERS.items():
         for covered in layer.paths:
-            if path == covered or (covered.endswith("/") and path.startswith(covered)):
-                return name
-    return None
+            covers = path == covered or (covered.endswith("/") and path.startswith(covered))
+            if covers and (best is None or len(covered) > best[0]):
+                best = (len(covered), name)
+    return None if best is None else best[1]
 
 
 @functools.cache

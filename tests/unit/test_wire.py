@@ -1,11 +1,11 @@
-"""Header values as Envoy sends them (extproc/wire.py `header_values`)."""
+"""Header values as Envoy sends them (extproc/protocol/messages.py `header_values`)."""
 
 from __future__ import annotations
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.wire import header_values
+from extproc.protocol.messages import header_values
 
 
 def test_raw_values_are_decoded_value_is_the_fallback_and_keys_are_lowercased() -> None:

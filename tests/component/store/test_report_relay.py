@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from extproc.report_relay import ReportRelay
+from extproc.protocol.relay import ReportRelay
 from extproc.store.redis import RedisStore
 
 

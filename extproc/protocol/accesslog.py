@@ -22,7 +22,7 @@ rule (extproc/admission/unseen.py). An entry without a report key is a refusal E
 logger also logs those, extproc/lean/render.py): it is counted in `extproc_requests_total` like the sidecar's
 own. The streams opening and closing, and every entry, tell admission's `ReportChannel` whether the channel
 works. An entry whose key another replica issued is relayed to it through the shared store
-(extproc/report_relay.py); one whose key is unknown (settled already, or issued before a restart) is counted
+(extproc/protocol/relay.py); one whose key is unknown (settled already, or issued before a restart) is counted
 and ignored.
 """
 
@@ -42,7 +42,7 @@ from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.unseen import UnseenStreams
 
 if TYPE_CHECKING:
-    from extproc.report_relay import ReportRelay
+    from extproc.protocol.relay import ReportRelay
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ of its local-reply mapper)."""
 
 class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """Settles each waiting lease from its access-log entry. With a shared store, an entry for a lease
-    another replica holds is relayed to it (extproc/report_relay.py)."""
+    another replica holds is relayed to it (extproc/protocol/relay.py)."""
 
     def __init__(self, unseen: UnseenStreams) -> None:
         self.unseen = unseen

@@ -12,7 +12,7 @@ extproc/admission/names.py) without deciding anything: the key its end report wi
 Envoy's Lua filter (how this API marks content, usage and the end, see extproc/admission/reading.py), and
 name-value pairs the route turns into headers (`x-ratelimit-*` on the response, the backend priority on the
 upstream request). When the HTTP request ends, Envoy's gRPC access log brings the Lua filter's findings back
-(extproc/accesslog.py), and admission settles the request from them.
+(extproc/protocol/accesslog.py), and admission settles the request from them.
 
 The ext_proc stream itself stays open until the HTTP request ends (Envoy 1.40 keeps it open even with
 every response phase off), which serves twice: its end starts the bounded wait for the end report, after
@@ -48,7 +48,7 @@ from extproc.admission.reading import ReadSpec
 from extproc.admission.unseen import TICK_SECONDS, ReportChannel, UnseenStreams
 from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
 from extproc.config import Config
-from extproc.wire import (
+from extproc.protocol.messages import (
     EXT_PROC_ATTRIBUTES,
     client_address,
     common_response,

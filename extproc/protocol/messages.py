@@ -1,6 +1,6 @@
-"""Protobuf helpers both ext_proc translators share (inline: extproc/server.py, lean: extproc/server_lean.py):
-header values as Envoy 1.40 sends them, verdicts as replies, the request line and claims Envoy delivers.
-Nothing here decides anything."""
+"""Protobuf helpers both ext_proc translators share (inline: extproc/protocol/inline.py, lean:
+extproc/protocol/lean.py): header values as Envoy 1.40 sends them, verdicts as replies, the request line
+and claims Envoy delivers. Nothing here decides anything."""
 
 from __future__ import annotations
 

@@ -1,0 +1,74 @@
+"""The ext_proc servicer: protobuf in, the admission core's verdicts out, in either profile.
+
+Envoy opens one `Process` stream per HTTP request. The servicer makes the request's `Exchange`
+(extproc/admission/exchange.py) and hands the stream to the translator its profile implies: the inline one
+(extproc/protocol/inline.py: request headers, body, response headers and STREAMED chunks) or the lean one
+(extproc/protocol/lean.py: the request body alone). Nothing here decides anything.
+
+However the stream ends (end of response, client disconnect, upstream reset, Envoy's message timeout,
+sidecar shutdown) the exchange is closed from the generator's `finally`, with a gRPC done-callback as a
+backstop, and its lease settles exactly once. Envoy ends every RPC the same way, so how the RPC ended says
+nothing about the response: the exchange decides completeness from the messages it saw.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc.admission.exchange import Exchange
+from extproc.admission.service import AdmissionService
+from extproc.admission.unseen import UnseenStreams
+from extproc.admission.verdicts import Refusal
+from extproc.protocol.inline import StreamTranslator
+from extproc.protocol.lean import LeanRuntime, LeanTranslator, is_lean
+from extproc.protocol.messages import EXT_PROC_ATTRIBUTES, client_address, immediate
+
+__all__ = ["EXT_PROC_ATTRIBUTES", "ExtProcServicer", "StreamTranslator", "client_address"]
+
+log = logging.getLogger(__name__)
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """Serves both profiles: each stream is translated by the profile its processing mode implies
+    (`extproc.protocol.lean.is_lean`, read from the first message's `protocol_config`)."""
+
+    def __init__(self, service: AdmissionService, lean: LeanRuntime | None = None) -> None:
+        self.service = service
+        self.lean = lean if lean is not None else LeanRuntime(UnseenStreams(service))
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        messages = aiter(request_iterator)
+        request: pb.ProcessingRequest | Refusal | None = await anext(messages, None)
+        if request is None:
+            return
+        stream: StreamTranslator | LeanTranslator
+        if is_lean(request):
+            exchange = Exchange(self.service, self.lean.unseen)
+            stream = LeanTranslator(exchange, self.lean)
+        else:
+            exchange = Exchange(self.service)
+            stream = StreamTranslator(exchange)
+        self.service.register(exchange)
+        self.service.metrics.streams.inc()
+        context.add_done_callback(stream.end)
+        try:
+            while request is not None:
+                if isinstance(request, Refusal):  # decided while the response streams: reset it
+                    yield immediate(request)
+                    break
+                async for response in stream.handle(request):
+                    yield response
+                if exchange.finished:
+                    break
+                request = await stream.next(messages)
+        finally:
+            self.service.unregister(exchange)
+            self.service.metrics.streams.dec()
+            stream.end()
