@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 from extproc.config import Config, ConfigError, config_warnings, load_config
+from extproc.envoyconf.profiles import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
 from extproc.logs import setup_logging
 from extproc.plan.cli import add_plan_parser, run_plan
-from extproc.stack import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
 
 
 def print_envoy_config(profile: str, template: Path | None, config_path: Path | None) -> int:
     """Print a profile's Envoy config: the template itself (inline), or the lean rendering of it."""
-    from extproc.lean.render import HEADER, ISTIO_NOTE, render_envoy_yaml
+    from extproc.envoyconf.lean import HEADER, ISTIO_NOTE, render_envoy_yaml
 
     source = template or ENVOY_TEMPLATE
     try:

@@ -30,19 +30,10 @@ from typing import IO, Any
 import yaml
 
 from extproc.config import Config, ConfigError, parse_config
-from extproc.envoy_yaml import HEADER_MUTATION, http_connection_managers
+from extproc.envoyconf.bootstrap import HEADER_MUTATION, http_connection_managers, strip_tenant_header
+from extproc.envoyconf.profiles import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
 
-REPO = Path(__file__).resolve().parent.parent
-ENVOY_TEMPLATE = REPO / "envoy" / "envoy.yaml"
 LOCAL_CONFIG = REPO / "config" / "local.yaml"
-
-PROFILES = ("inline", "lean")
-"""How Envoy and the sidecar split a request's work (docs/architecture.md): `inline` sends the sidecar every
-message of a request, response chunks included; `lean` sends it the request body, reads the response with a
-Lua filter and reports each request's end through the gRPC access log."""
-DEFAULT_PROFILE = "lean"
-"""`make run`'s profile, chosen by measurement (bench/RESULTS.md, overhead of both profiles): it takes the
-response path out of Python."""
 
 
 @dataclass
@@ -110,9 +101,9 @@ def render_envoy_config(
         raise ValueError(f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)}")
     config: dict[str, Any] = yaml.safe_load(template.read_text())
     if tenant_header is not None:
-        _strip_tenant_header(config, tenant_header)
+        strip_tenant_header(config, tenant_header)
     if profile == "lean":
-        from extproc.lean.render import render_lean
+        from extproc.envoyconf.lean import render_lean
 
         limits = sidecar or Config()
         admission = limits.admission
@@ -127,22 +118,6 @@ def render_envoy_config(
             for endpoint in group["lb_endpoints"]:
                 endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
     return config
-
-
-def _strip_tenant_header(config: dict[str, Any], header: str) -> None:
-    """Point the template's tenant-header removal at `header`: the sidecar trusts that header only because
-    Envoy removes any client-sent copy, so the two names must be the same."""
-    replaced = 0
-    for hcm in http_connection_managers(config):
-        for http_filter in hcm["http_filters"]:
-            if http_filter["name"] != HEADER_MUTATION:
-                continue
-            for mutation in http_filter["typed_config"]["mutations"]["request_mutations"]:
-                if "remove" in mutation:
-                    mutation["remove"] = header.lower()
-                    replaced += 1
-    if replaced != 1:
-        raise ValueError(f"the Envoy template must remove exactly one tenant header, found {replaced}")
 
 
 def trust_client_tenant_header(config: dict[str, Any]) -> None:

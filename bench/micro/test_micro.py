@@ -183,14 +183,14 @@ end
 
 @pytest.mark.parametrize("chunks", [10, 100])
 def test_lua_reader_stream(benchmark: Any, chunks: int) -> None:
-    """extproc/lean/response.lua over a vLLM-style chat stream of `chunks` content events (one per chunk),
-    a usage event it strips and `[DONE]`, under LuaJIT 2.1 (lupa) with a stand-in for Envoy's handle whose
-    calls cost nothing: the reader's own Lua work. (100 - 10 chunk time) / 90 is its cost per chunk; what
-    Envoy's side of the calls adds is measured by `python -m bench.overhead.lua`."""
+    """extproc/envoyconf/response.lua over a vLLM-style chat stream of `chunks` content events (one per
+    chunk), a usage event it strips and `[DONE]`, under LuaJIT 2.1 (lupa) with a stand-in for Envoy's handle
+    whose calls cost nothing: the reader's own Lua work. (100 - 10 chunk time) / 90 is its cost per chunk;
+    what Envoy's side of the calls adds is measured by `python -m bench.overhead.lua`."""
     import lupa.luajit21 as lupa  # type: ignore[import-untyped]
 
     from extproc.admission.reading import OPENAI_SPEC
-    from extproc.lean.render import lua_source
+    from extproc.envoyconf.lean import lua_source
 
     lua = lupa.LuaRuntime(encoding=None)
 

@@ -12,7 +12,7 @@ run time (`/proc/<pid>/task/*/schedstat`, nanoseconds) over its own phases.
 Variants (`VARIANTS`): `envoy` is plain Envoy without ext_proc or Lua (section 2b's baseline); `idle` the
 lean stack with a Lua filter that reads no body; `iterate`, `copy` and `copy-set` the steps every reader pays
 (resume per chunk, copying the chunk into Lua, one metadata write per chunk); `before` the reader at
-`--before` (a git revision), `shipped` extproc/lean/response.lua as it is now and `shipped-nojit` the
+`--before` (a git revision), `shipped` extproc/envoyconf/response.lua as it is now and `shipped-nojit` the
 same with LuaJIT's compiler off. Requests ask for `stream_options.include_usage`, so the upstream ends each
 stream with a usage event the reader strips (the noop admits with `strip`, as the sidecar does when it
 injected the option).
@@ -44,7 +44,7 @@ import yaml
 
 from bench.common import REPO, validate_envoy_config, write_json
 from bench.overhead.main import _wait_port, prompt_text
-from extproc.lean.render import LUA, lua_source
+from extproc.envoyconf.lean import LUA, lua_source
 from extproc.stack import (
     Ports,
     Process,
@@ -84,14 +84,18 @@ end
 """
 
 
+LUA_PATHS = ("extproc/envoyconf/response.lua", "extproc/lean/response.lua")
+"""Where the reader has lived, newest first: a `--before` revision may predate the move to envoyconf/."""
+
+
 def _at(rev: str) -> str:
-    return subprocess.run(
-        ["git", "show", f"{rev}:extproc/lean/response.lua"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    for path in LUA_PATHS:
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=False
+        )
+        if shown.returncode == 0:
+            return shown.stdout
+    raise SystemExit(f"{rev}: no Lua response reader at {' or '.join(LUA_PATHS)}")
 
 
 VARIANTS: dict[str, Callable[[str], str | None]] = {

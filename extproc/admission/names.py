@@ -1,7 +1,7 @@
 """Every header and dynamic-metadata name the sidecar and its Envoy configs agree on, defined once.
 
 The lean translator writes these names, the access log reads them back, and the Envoy renderer
-(extproc/lean/render.py) writes the routes that copy them: a name changed here changes all three.
+(extproc/envoyconf/lean.py) writes the routes that copy them: a name changed here changes all three.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The lean profile's response path: what the proxy reads for the sidecar, and the facts it settles on.
 
 In the lean profile the sidecar sees only the request. Envoy reads the response with a Lua filter
-(extproc/lean/response.lua) that knows no API: at admission the sidecar hands it the API's `ReadSpec` (Lua
-patterns in the API's spec under `extproc/admission/apis/`, matching what its `Dialect` reads), and when
+(extproc/envoyconf/response.lua) that knows no API: at admission the sidecar hands it the API's `ReadSpec`
+(Lua patterns in the API's spec under `extproc/admission/apis/`, matching what its `Dialect` reads), and when
 the request ends Envoy's access log brings back what the filter saw (`ResponseReading`). `facts_of` turns
 that into the same `ResponseFacts` the inline profile learns message by message, and the one charging rule
 (settlement.py) applies.

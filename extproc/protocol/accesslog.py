@@ -7,7 +7,7 @@ key, extproc/admission/names.py), so each entry names one waiting lease. What th
 envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 
 * `common_properties.metadata.filter_metadata`: `extproc` (the report key the sidecar set) and
-  `extproc.response` (what the Lua response reader saw, extproc/lean/response.lua);
+  `extproc.response` (what the Lua response reader saw, extproc/envoyconf/response.lua);
 * `response.response_code`: the status sent to the client, 0 when no response started;
 * `common_properties.start_time` and `time_to_last_upstream_rx_byte` (offset from it; `duration`, the
   stream's end, where the upstream's answer never ended), with the Lua
@@ -19,9 +19,9 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded
 rule (extproc/admission/unseen.py). An entry without a report key is a refusal Envoy answered itself (the
-logger also logs those, extproc/lean/render.py): it is counted in `extproc_requests_total` like the sidecar's
-own. The streams opening and closing, and every entry, tell admission's `ReportChannel` whether the channel
-works. An entry whose key another replica issued is relayed to it through the shared store
+logger also logs those, extproc/envoyconf/lean.py): it is counted in `extproc_requests_total` like the
+sidecar's own. The streams opening and closing, and every entry, tell admission's `ReportChannel` whether
+the channel works. An entry whose key another replica issued is relayed to it through the shared store
 (extproc/protocol/relay.py); one whose key is unknown (settled already, or issued before a restart) is counted
 and ignored.
 """
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
-    """The Lua reader's fields (see extproc/lean/response.lua) as a `ResponseReading`."""
+    """The Lua reader's fields (see extproc/envoyconf/response.lua) as a `ResponseReading`."""
     if found is None:
         return ResponseReading()
     fields = found.fields
@@ -115,7 +115,7 @@ ENVOY_REFUSAL_REASONS = {
     413: "request_too_large",
     431: "request_header_fields_too_large",
 }
-"""The `reason` of each refusal Envoy answers itself (extproc/lean/render.py ENVOY_REFUSALS), named as the
+"""The `reason` of each refusal Envoy answers itself (extproc/envoyconf/lean.py ENVOY_REFUSALS), named as the
 sidecar names the same refusal (`unknown_path`, `request_too_large`) or as Envoy's reply words it (the `code`
 of its local-reply mapper)."""
 

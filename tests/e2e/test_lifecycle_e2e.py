@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from extproc.admission import refusals
-from extproc.envoy_yaml import http_connection_managers
+from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
 from tests.support.stack import end_reports_to, fixed_step_sim, http, metric, start_stack
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from extproc.envoy_yaml import http_connection_managers
+from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 from tests.support.engine import MAX_MODEL_LEN, MODEL, Engine
 from tests.support.stack import Stack

@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.envoy_yaml import http_connection_managers
-from extproc.lean.render import EXTPROC_CLUSTER
+from extproc.envoyconf.bootstrap import http_connection_managers
+from extproc.envoyconf.lean import EXTPROC_CLUSTER
 from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 
 

@@ -17,7 +17,7 @@ from extproc.admission.headers import ratelimit_headers
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
 from extproc.config import AdmissionConfig, parse_config
 from extproc.core.limiter import RateLimitStatus
-from extproc.lean.render import (
+from extproc.envoyconf.lean import (
     BODY_MODE,
     DRAIN_BODY_BYTES,
     ENVOY_REFUSALS,

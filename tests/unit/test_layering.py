@@ -50,15 +50,16 @@ LAYERS: dict[str, Layer] = {
     "protocol": _layer("`extproc/protocol/`", ("extproc/protocol/",), "admission", "config"),
     "accesslog": _layer("`extproc/protocol/accesslog.py`", ("extproc/protocol/accesslog.py",), "admission"),
     "relay": _layer("`extproc/protocol/relay.py`", ("extproc/protocol/relay.py",), "store"),
-    "lean": _layer("`extproc/lean/`", ("extproc/lean/",), "admission", "config", "envoy_yaml"),
-    "envoy_yaml": _layer("`extproc/envoy_yaml.py`", ("extproc/envoy_yaml.py",)),
+    "envoyconf": _layer("`extproc/envoyconf/`", ("extproc/envoyconf/",), "admission", "config"),
     "app": _layer(
         "`extproc/app.py`",
         ("extproc/app.py",),
         *("accesslog", "admission", "config", "core", "feedback", "metrics", "protocol"),
         *("relay", "store"),
     ),
-    "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "lean", "plan", "stack"),
+    "cli": _layer(
+        _CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "envoyconf", "plan", "stack"
+    ),
     "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "feed"),
     "metrics": _layer(_METRICS, ("extproc/metrics.py",), "core"),
     "logs": _layer(_METRICS, ("extproc/logs.py",)),
@@ -69,7 +70,7 @@ LAYERS: dict[str, Layer] = {
     "plan": _layer("`extproc/plan/`", ("extproc/plan/",), "core", "geometry", "sim"),
     # The simulator counts tokens as the sidecar does; nothing else of the admission core.
     "sim": _layer("`extproc/sim/`", ("extproc/sim/",), "geometry", "extproc.admission.tokens"),
-    "stack": _layer("`extproc/stack.py`", ("extproc/stack.py",), "config", "envoy_yaml", "lean"),
+    "stack": _layer("`extproc/stack.py`", ("extproc/stack.py",), "config", "envoyconf"),
 }
 
 # Imports that break a rule today, each (importing module, imported layer or module) with why. The test

@@ -1,4 +1,4 @@
-"""The lean profile's Lua response reader (extproc/lean/response.lua), run by LuaJIT 2.1 (Envoy's Lua) in
+"""The lean profile's Lua response reader (extproc/envoyconf/response.lua), run by LuaJIT 2.1 (Envoy's Lua) in
 process through `lupa`, against a stand-in for the parts of Envoy's Lua handle it uses.
 
 The e2e suite runs the same script inside a real Envoy, where each upstream write is usually one chunk. Here
@@ -33,7 +33,7 @@ from extproc.admission.request import Api
 from extproc.admission.settlement import Ending, settle_charge
 from extproc.protocol.accesslog import reading_of
 
-SCRIPT = Path(__file__).resolve().parents[3] / "extproc" / "lean" / "response.lua"
+SCRIPT = Path(__file__).resolve().parents[3] / "extproc" / "envoyconf" / "response.lua"
 ENC = "cl100k_base"
 
 HARNESS = """

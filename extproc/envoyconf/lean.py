@@ -37,7 +37,7 @@ What changes, and why:
   BACKEND_CONTROL_HEADERS): the sidecar cannot remove headers it does not see.
 * The virtual host adds `x-ratelimit-*` to responses and `x-vllm-priority` to upstream requests from the
   metadata the sidecar wrote at admission (`%DYNAMIC_METADATA(extproc:NAME)%`; absent metadata adds nothing).
-* A Lua filter reads admitted responses (extproc/lean/response.lua) and a gRPC access logger
+* A Lua filter reads admitted responses (extproc/envoyconf/response.lua) and a gRPC access logger
   (`envoy.access_loggers.http_grpc`) sends one entry per admitted request to the sidecar's gRPC port, filtered
   on the report key, and one per refusal Envoy answered itself (`ENVOY_REFUSALS`), so that the sidecar counts
   those too; nothing else is logged there.
@@ -61,7 +61,7 @@ from extproc.admission.names import (
 )
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, PathRule, PathTable, RouteKind
 from extproc.config import Config
-from extproc.envoy_yaml import HEADER_MUTATION, http_connection_managers
+from extproc.envoyconf.bootstrap import HEADER_MUTATION, http_connection_managers
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 LUA = "envoy.filters.http.lua"
@@ -100,8 +100,8 @@ HEADER = "# Rendered by `python -m extproc envoy-config --profile lean{args}` fr
 
 
 def lua_source() -> str:
-    """The response reader (extproc/lean/response.lua), shipped with the package."""
-    return resources.files("extproc.lean").joinpath("response.lua").read_text()
+    """The response reader (extproc/envoyconf/response.lua), shipped with the package."""
+    return resources.files("extproc.envoyconf").joinpath("response.lua").read_text()
 
 
 def render_lean(

@@ -1,1 +1,0 @@
-"""The lean profile's Envoy side: the Lua response reader and the config renderer."""
