@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-LINTED := extproc tests $(wildcard bench)
+LINTED := extproc devstack tests $(wildcard bench)
 
 ENGINE_VENV ?= .venv-vllm
 
@@ -28,7 +28,7 @@ engine-env:
 
 ## Start the local stack: simulator + sidecar + Envoy on 127.0.0.1 (Ctrl-C stops it).
 run: $(STAMP)
-	$(BIN)/python -m extproc stack
+	$(BIN)/python -m devstack
 
 ## Lint, type-check and run every test: unit, component, end-to-end (real Envoy) and the real-engine tier
 ## (a real vLLM behind the gateway, tests/engine).
@@ -47,7 +47,7 @@ test-fast: $(STAMP) system-deps
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
-	$(BIN)/mypy extproc
+	$(BIN)/mypy extproc devstack
 
 ## Regenerate the gRPC code of proto/ (CI fails when the committed code is stale).
 proto: $(STAMP)

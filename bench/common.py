@@ -62,7 +62,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 def envoy_version() -> str:
-    from extproc.stack import envoy_binary
+    from devstack.processes import envoy_binary
 
     try:
         out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, timeout=30)
@@ -102,7 +102,7 @@ def machine() -> dict[str, Any]:
 
 def validate_envoy_config(path: Path) -> None:
     """`envoy --mode validate`: a template that Envoy refuses fails the benchmark before any load runs."""
-    from extproc.stack import envoy_binary
+    from devstack.processes import envoy_binary
 
     out = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],

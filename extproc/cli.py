@@ -1,5 +1,6 @@
 """Command line: `extproc serve --config PATH` runs the sidecar; `extproc check-config PATH` validates;
-`extproc plan` sizes a deployment and suggests its limits (docs/planning.md)."""
+`extproc envoy-config` prints a profile's Envoy config; `extproc plan` sizes a deployment and suggests its
+limits (docs/planning.md). The local stack (`make run`) is `python -m devstack`, outside this package."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from extproc.config import Config, ConfigError, config_warnings, load_config
-from extproc.envoyconf.profiles import DEFAULT_PROFILE, ENVOY_TEMPLATE, PROFILES, REPO
+from extproc.envoyconf.profiles import ENVOY_TEMPLATE, PROFILES, REPO
 from extproc.logs import setup_logging
 from extproc.plan.cli import add_plan_parser, run_plan
 
@@ -59,16 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", required=True, type=Path, help="YAML config file (the ConfigMap)")
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("config", type=Path)
-    stack = sub.add_parser("stack", help="run simulator + sidecar + Envoy on localhost (make run)")
-    stack.add_argument(
-        "--config", type=Path, default=None, help="sidecar config (default: config/local.yaml)"
-    )
-    stack.add_argument(
-        "--profile",
-        choices=PROFILES,
-        default=DEFAULT_PROFILE,
-        help=f"how Envoy and the sidecar split the work (default: {DEFAULT_PROFILE}; docs/architecture.md)",
-    )
     render = sub.add_parser("envoy-config", help="print the Envoy config of a profile (lean: rendered)")
     render.add_argument("--profile", choices=PROFILES, default="lean")
     render.add_argument(
@@ -85,10 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "check-config":
         return check_config(args.config)
-    if args.command == "stack":
-        from extproc.stack import run_stack
-
-        return run_stack(args.config, args.profile)
     if args.command == "envoy-config":
         return print_envoy_config(args.profile, args.template, args.config)
 

@@ -40,7 +40,8 @@ from bench.protection.run import (  # noqa: E402
     sidecar_config,
     size_limits,
 )
-from extproc.stack import LocalStack, Ports  # noqa: E402
+from devstack.processes import Ports  # noqa: E402
+from devstack.stack import LocalStack  # noqa: E402
 from tests.monitoring.live import Prometheus, Target, dashboard_targets, substitute  # noqa: E402
 
 # (label, trace requests, rate multiplier): healthy, overloaded, healthy again.

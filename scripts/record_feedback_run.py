@@ -20,7 +20,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import REPO, LocalStack, Ports
+from devstack.processes import Ports
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import REPO
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {

@@ -44,16 +44,9 @@ import yaml
 
 from bench.common import REPO, validate_envoy_config, write_json
 from bench.overhead.main import _wait_port, prompt_text
+from devstack.envoy import remove_ext_proc, render_envoy_config
+from devstack.processes import Ports, Process, envoy_command, free_port, wait_http
 from extproc.envoyconf.lean import LUA, lua_source
-from extproc.stack import (
-    Ports,
-    Process,
-    _remove_ext_proc,
-    envoy_command,
-    free_port,
-    render_envoy_config,
-    wait_http,
-)
 
 SHORT, LONG = 10, 100
 CHUNK_GAP_MS = 2.0
@@ -183,7 +176,7 @@ class Bench:
             ports = Ports(**{**vars(p), "envoy": free_port(), "envoy_admin": free_port()})
             config = render_envoy_config(ports, profile="inline" if source is None else "lean")
             if source is None:
-                _remove_ext_proc(config)
+                remove_ext_proc(config)
             else:
                 _with_lua(config, source)
             path = self.workdir / f"envoy-{name}.yaml"

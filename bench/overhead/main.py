@@ -23,8 +23,9 @@ import aiohttp
 import yaml
 
 from bench.common import percentile, proc_cpu_seconds, validate_envoy_config, write_json
+from devstack.envoy import remove_ext_proc, render_envoy_config
+from devstack.processes import Ports, Process, envoy_command, wait_http
 from extproc.sim.textgen import vocabulary
-from extproc.stack import Ports, Process, _remove_ext_proc, envoy_command, render_envoy_config, wait_http
 
 MODEL = "bench-model"
 STREAM_CHUNKS = 100
@@ -164,7 +165,7 @@ class Stack(StackProcesses):
             self.processes["processor"] = Process.start("processor", argv, self.workdir)
         envoy_cfg = render_envoy_config(self.ports)
         if self.mode == "envoy":
-            _remove_ext_proc(envoy_cfg)
+            remove_ext_proc(envoy_cfg)
         else:
             for f in envoy_cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]:
                 for hf in f["typed_config"]["http_filters"]:

@@ -48,17 +48,10 @@ import yaml
 
 from bench.common import percentile, validate_envoy_config, write_json
 from bench.overhead.main import STREAM_CHUNKS, StackProcesses, _wait_port, prompt_text
+from devstack.envoy import remove_ext_proc, render_envoy_config
+from devstack.processes import Ports, Process, envoy_command, wait_http
+from devstack.stack import LOCAL_CONFIG, sidecar_config_with_ports
 from extproc.config import parse_config
-from extproc.stack import (
-    LOCAL_CONFIG,
-    Ports,
-    Process,
-    _remove_ext_proc,
-    envoy_command,
-    render_envoy_config,
-    sidecar_config_with_ports,
-    wait_http,
-)
 
 MODEL = "llama-3-8b"
 SHORT_STREAM = 10
@@ -160,7 +153,7 @@ class Stack(StackProcesses):
             self.processes["processor"] = Process.start("processor", argv, self.workdir)
         envoy = render_envoy_config(ports, profile=path.profile, sidecar=sidecar)
         if path.processor == "none":
-            _remove_ext_proc(envoy)
+            remove_ext_proc(envoy)
         envoy_path = self.workdir / "envoy.yaml"
         envoy_path.write_text(yaml.safe_dump(envoy))
         validate_envoy_config(envoy_path)

@@ -33,8 +33,9 @@ import yaml
 from bench.common import percentile, proc_cpu_seconds, validate_envoy_config, write_json
 from bench.overhead.main import _wait_port
 from bench.overhead.profiles import admit_all, chat, closed_loop
+from devstack.envoy import render_envoy_config
+from devstack.processes import Ports, Process, envoy_command, free_port, wait_http
 from extproc.config import parse_config
-from extproc.stack import Ports, Process, envoy_command, free_port, render_envoy_config, wait_http
 
 LADDER = (1, 2, 4, 8, 16, 32)
 

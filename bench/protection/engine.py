@@ -42,7 +42,9 @@ import tiktoken
 
 from bench.common import write_json
 from bench.protection import trace as tr
-from extproc.stack import REPO, LocalStack, Ports, Process, free_port, wait_http
+from devstack.processes import Ports, Process, free_port, wait_http
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import REPO
 from tests.engine.conftest import CACHE_TOKENS, ENGINE_VENV, MAX_MODEL_LEN, MODEL, cl100k_file, engine_argv
 
 SLO_TTFT_S = 2.0

@@ -32,7 +32,8 @@ import yaml
 
 from bench.common import parse_prometheus, percentile, validate_envoy_config
 from bench.protection.trace import TraceRequest
-from extproc.stack import LocalStack, Ports
+from devstack.processes import Ports
+from devstack.stack import LocalStack
 
 MODEL = "llama-3-8b"
 HERE = Path(__file__).resolve().parent

@@ -47,7 +47,8 @@ import redis
 import yaml
 
 from bench.common import write_json
-from extproc.stack import Ports, Process, envoy_command, free_port, render_envoy_config, wait_http
+from devstack.envoy import render_envoy_config
+from devstack.processes import Ports, Process, envoy_command, free_port, wait_http
 
 MODEL = "llama-3-8b"
 REPLICAS = 3

@@ -1,4 +1,4 @@
-"""`extproc stack --config PATH` watches PATH as given, so a ConfigMap-style symlink swap is seen.
+"""`python -m devstack --config PATH` watches PATH as given, so a ConfigMap-style symlink swap is seen.
 
 A ConfigMap volume holds `config.yaml -> ..data/config.yaml` and `..data -> ..<timestamp>`; the kubelet
 updates it by pointing `..data` at a new directory. A stack that resolved the path once would hand the
@@ -15,7 +15,9 @@ from typing import Any
 
 import yaml
 
-from extproc.stack import LocalStack, Ports, Process, foreground_stack, sidecar_config_with_ports, wait_http
+from devstack.processes import Ports, Process, wait_http
+from devstack.run import foreground_stack
+from devstack.stack import LocalStack, sidecar_config_with_ports
 from tests.support.stack import metric
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from extproc.stack import PROFILES, LocalStack
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import PROFILES
 from tests.support.stack import Stack, start_stack
 
 

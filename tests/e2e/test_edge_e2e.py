@@ -29,7 +29,9 @@ import pytest
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
-from extproc.stack import ENVOY_TEMPLATE, LocalStack, Ports, Process, wait_http
+from devstack.processes import Ports, Process, wait_http
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import ENVOY_TEMPLATE
 from tests.support.istio import (
     ISTIO_FILTER,
     ISTIO_LEAN_FILTER,

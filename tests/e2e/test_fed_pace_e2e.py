@@ -18,7 +18,8 @@ from typing import Any
 import openai
 import pytest
 
-from extproc.stack import LocalStack, Ports, free_port
+from devstack.processes import Ports, free_port
+from devstack.stack import LocalStack
 from tests.support.stack import end_reports_to, fixed_step_sim, metric
 
 MODEL = "llama-3-8b"

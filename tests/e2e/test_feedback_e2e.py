@@ -16,8 +16,10 @@ import aiohttp
 import grpc
 import pytest
 
+from devstack.processes import Ports
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import PROFILES
 from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.stack import PROFILES, LocalStack, Ports
 from tests.support.stack import Stack, fixed_step_sim, http
 from tests.support.waiting import wait_for
 

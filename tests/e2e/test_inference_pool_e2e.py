@@ -27,7 +27,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 
-from extproc.stack import LocalStack, Ports, free_port
+from devstack.processes import Ports, free_port
+from devstack.stack import LocalStack
 from tests.support.ledger import Ledger, wait_settled
 from tests.support.stack import Stack, fixed_step_sim, http
 

@@ -17,7 +17,9 @@ from typing import Any
 import openai
 import pytest
 
-from extproc.stack import PROFILES, LocalStack, Ports
+from devstack.processes import Ports
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import PROFILES
 from tests.support.ledger import Ledger, prompt_byte_bound
 from tests.support.stack import Stack, fixed_step_sim
 
@@ -128,7 +130,7 @@ def fill_kv(stack: Stack, count: int) -> list[socket.socket]:
 
 @pytest.fixture(scope="module", params=PROFILES)
 def kv_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    from extproc.stack import trust_client_tenant_header
+    from devstack.envoy import trust_client_tenant_header
 
     local = LocalStack(
         ports=Ports.free(),

@@ -27,9 +27,11 @@ from typing import Any
 import openai
 import pytest
 
+from devstack.envoy import trust_client_tenant_header
+from devstack.processes import Ports, free_port
+from devstack.stack import LocalStack
 from extproc.admission import refusals
 from extproc.envoyconf.bootstrap import http_connection_managers
-from extproc.stack import LocalStack, Ports, free_port, trust_client_tenant_header
 from tests.support.stack import end_reports_to, fixed_step_sim, http, metric, start_stack
 
 MODEL = "llama-3-8b"

@@ -22,7 +22,9 @@ import openai
 import pytest
 import yaml
 
-from extproc.stack import REPO, LocalStack, Ports, Process, sidecar_config_with_ports, wait_http
+from devstack.processes import Ports, Process, wait_http
+from devstack.stack import LocalStack, sidecar_config_with_ports
+from extproc.envoyconf.profiles import REPO
 from tests.component.store.redis_server import RedisServer
 from tests.support.stack import Stack, fixed_step_sim, http, metric
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from extproc.stack import PROFILES, LocalStack, Ports
+from devstack.processes import Ports
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import PROFILES
 from tests.support.attacks import assert_nothing_leaked, chat, post, reserved, upstream_requests
 from tests.support.stack import Reply, Stack, fixed_step_sim, http, profile_stack
 from tests.support.waiting import wait_for

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.stack import ENVOY_TEMPLATE, PROFILES, Ports, envoy_binary, render_envoy_config
+from devstack.envoy import render_envoy_config
+from devstack.processes import Ports, envoy_binary
+from extproc.envoyconf.profiles import ENVOY_TEMPLATE, PROFILES
 from tests.support.istio import ISTIO_FILTER, ISTIO_LEAN_FILTER, REPO, apply_envoy_filter, bare_gateway
 
 

@@ -8,7 +8,8 @@ import socket
 import time
 from typing import Any
 
-from extproc.stack import LocalStack, Ports
+from devstack.processes import Ports
+from devstack.stack import LocalStack
 from tests.support.stack import fixed_step_sim
 
 MODEL = "llama-3-8b"

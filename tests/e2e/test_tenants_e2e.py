@@ -20,7 +20,9 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.stack import ENVOY_TEMPLATE, LocalStack, Ports
+from devstack.processes import Ports
+from devstack.stack import LocalStack
+from extproc.envoyconf.profiles import ENVOY_TEMPLATE
 from tests.support.stack import Stack, fixed_step_sim
 
 MODEL = "llama-3-8b"

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from extproc.stack import Process, free_port
+from devstack.processes import Process, free_port
 from tests.support.engine import START_TIMEOUT_S, Engine, build_model, engine_argv, engine_python, wait_engine
 
 

@@ -10,8 +10,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from devstack.envoy import trust_client_tenant_header
+from devstack.processes import Ports
+from devstack.stack import LocalStack
 from extproc.envoyconf.bootstrap import http_connection_managers
-from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 from tests.support.engine import MAX_MODEL_LEN, MODEL, Engine
 from tests.support.stack import Stack
 

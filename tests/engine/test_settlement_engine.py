@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from extproc.stack import PROFILES
+from extproc.envoyconf.profiles import PROFILES
 from tests.engine.stacks import Ledger, assert_settled_as_engine, engine_config, start_gateway
 from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.support.stack import Stack, http

@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import yaml
 
-from extproc.stack import free_port
+from devstack.processes import free_port
 from tests.monitoring.promtool import DASHBOARD, binary, write_rule_file
 
 

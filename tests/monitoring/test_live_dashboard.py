@@ -25,7 +25,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.stack import LocalStack, Ports, trust_client_tenant_header
+from devstack.envoy import trust_client_tenant_header
+from devstack.processes import Ports
+from devstack.stack import LocalStack
 from tests.monitoring.live import (
     Prometheus,
     dashboard_targets,

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.stack import REPO, Process
+from devstack.processes import Process
+from extproc.envoyconf.profiles import REPO
 
 ENGINE_VENV = Path(os.environ.get("EXTPROC_ENGINE_VENV", REPO / ".venv-vllm"))
 """The engine's venv: `make engine-env` makes it at the repository root."""

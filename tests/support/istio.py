@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from extproc.stack import ENVOY_TEMPLATE
+from extproc.envoyconf.profiles import ENVOY_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]
 ISTIO_FILTER = REPO / "envoy" / "istio" / "envoyfilter.yaml"

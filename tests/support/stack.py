@@ -13,9 +13,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from devstack.envoy import trust_client_tenant_header
+from devstack.processes import Ports
+from devstack.stack import LocalStack
 from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.envoyconf.lean import EXTPROC_CLUSTER
-from extproc.stack import LocalStack, Ports, trust_client_tenant_header
 
 
 @dataclass

@@ -6,7 +6,8 @@ The doc's table says what each package holds and which I/O it does; which layers
 below, checked row by row against the doc's table, so a row added, renamed or moved there fails here until
 this table says where it sits. Dependencies point inward: the core imports nothing of the project, the
 admission core and the stores only the core, the protocol layers the admission core, and the composition
-(app, cli, the local stack) everything. Where today's code breaks a rule the import is listed in
+(app, cli) everything. The local stack (devstack/), the benchmarks and the tests sit outside the product:
+they import extproc, never the reverse. Where today's code breaks a rule the import is listed in
 `KNOWN_EXCEPTIONS` with why; any other import across a rule fails.
 """
 
@@ -57,9 +58,7 @@ LAYERS: dict[str, Layer] = {
         *("accesslog", "admission", "config", "core", "feedback", "metrics", "protocol"),
         *("relay", "store"),
     ),
-    "cli": _layer(
-        _CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "envoyconf", "plan", "stack"
-    ),
+    "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "envoyconf", "plan"),
     "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "feed"),
     "metrics": _layer(_METRICS, ("extproc/metrics.py",), "core"),
     "logs": _layer(_METRICS, ("extproc/logs.py",)),
@@ -70,7 +69,6 @@ LAYERS: dict[str, Layer] = {
     "plan": _layer("`extproc/plan/`", ("extproc/plan/",), "core", "geometry", "sim"),
     # The simulator counts tokens as the sidecar does; nothing else of the admission core.
     "sim": _layer("`extproc/sim/`", ("extproc/sim/",), "geometry", "extproc.admission.tokens"),
-    "stack": _layer("`extproc/stack.py`", ("extproc/stack.py",), "config", "envoyconf"),
 }
 
 # Imports that break a rule today, each (importing module, imported layer or module) with why. The test
@@ -250,12 +248,17 @@ def test_every_module_does_only_the_io_its_row_names() -> None:
     assert broken == []
 
 
-def test_extproc_imports_neither_bench_nor_tests() -> None:
+OUTSIDE_THE_PRODUCT = ("bench", "devstack", "tests")
+"""Top-level packages of the repository that import extproc and that extproc never imports: the wheel and
+the image ship extproc alone."""
+
+
+def test_extproc_imports_neither_bench_nor_devstack_nor_tests() -> None:
     broken = [
         f"{module} imports {name}"
         for module, path in extproc_files().items()
         for name in external_imports(ast.parse((ROOT / path).read_text(encoding="utf-8")))
-        if name.split(".")[0] in ("bench", "tests")
+        if name.split(".")[0] in OUTSIDE_THE_PRODUCT
     ]
     assert broken == []
 

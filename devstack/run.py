@@ -1,0 +1,102 @@
+"""`make run` (`python -m devstack`): the local stack in the foreground on the documented ports, its
+banner, and Ctrl-C to stop it."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from devstack.stack import LOCAL_CONFIG, LocalStack
+from extproc.envoyconf.profiles import DEFAULT_PROFILE, PROFILES, REPO
+
+BANNER = """
+Local stack is up ({profile} profile; `python -m devstack --profile {other}` starts the other one,
+docs/architecture.md compares them):
+  Envoy (send requests here)  http://127.0.0.1:{envoy}
+  Envoy admin                 http://127.0.0.1:{envoy_admin}
+  sidecar gRPC (ext_proc)     127.0.0.1:{grpc}
+  sidecar metrics             http://127.0.0.1:{admin}/metrics
+  simulator (vLLM-like)       http://127.0.0.1:{upstream}   (KV usage: /metrics)
+  KV-cache exporter           127.0.0.1:{exporter} (feed), http://127.0.0.1:{exporter_metrics}/metrics
+  logs and rendered configs   {workdir}
+
+Try:
+  curl -s http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model":"llama-3-8b","max_tokens":64,"messages":[{{"role":"user","content":"Hello"}}]}}'
+
+See a 429 from the concurrency limit (8 slots for llama-3-8b in config/local.yaml; for the first seconds the
+KV feed is not fresh yet and the limits sit at 60%):
+  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}}\\n' \\
+    http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model":"llama-3-8b","max_tokens":2000,"messages":[{{"role":"user","content":"Hi"}}]}}' & done; wait
+
+Watch the adaptive scale follow the simulator's KV usage:
+  curl -s http://127.0.0.1:{admin}/metrics | grep -E '^extproc_(kv_usage|adaptive_scale|limit_conc)'
+
+Edit {config} to change limits; the sidecar reloads it without a restart.
+Ctrl-C stops everything.
+"""
+
+
+def foreground_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> LocalStack:
+    """The `make run` stack. The config path is made absolute (the processes run from the repository root)
+    but not resolved, so a symlinked config (a ConfigMap layout) is watched through its link."""
+    return LocalStack(
+        sidecar_config_file=(config or LOCAL_CONFIG).absolute(),
+        workdir=REPO / "run",
+        with_exporter=True,
+        profile=profile,
+    )
+
+
+def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> int:
+    """Foreground `make run`: start the stack with the documented ports and wait for Ctrl-C."""
+    stack = foreground_stack(config, profile)
+    try:
+        stack.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"local stack failed to start: {exc}", file=sys.stderr)
+        for proc in stack.processes.values():
+            print(f"--- {proc.name} ({proc.log_path})\n{proc.log()[-3000:]}", file=sys.stderr)
+        stack.stop()
+        return 1
+    p = stack.ports
+    print(
+        BANNER.format(
+            envoy=p.envoy,
+            envoy_admin=p.envoy_admin,
+            grpc=p.grpc,
+            admin=p.admin,
+            upstream=p.upstream,
+            exporter=p.exporter,
+            exporter_metrics=p.exporter_metrics,
+            workdir=stack.workdir,
+            config=stack.config_path,
+            profile=profile,
+            other=next(p for p in PROFILES if p != profile),
+        ),
+        flush=True,
+    )
+    stopping = False
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stopping:
+            for proc in stack.processes.values():
+                if proc.popen.poll() is not None:
+                    print(
+                        f"{proc.name} exited ({proc.popen.returncode}); see {proc.log_path}", file=sys.stderr
+                    )
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        print("stopping the local stack", flush=True)
+        stack.stop()
+    return 0
