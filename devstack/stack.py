@@ -186,7 +186,7 @@ class LocalStack:
             [
                 sys.executable,
                 "-m",
-                "extproc.exporter",
+                "extproc.kvfeed.exporter",
                 "--node-name",
                 "local",
                 "--grpc-address",

@@ -30,7 +30,7 @@ from extproc.admission.queueing import AdmissionQueue
 from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config, log_warnings
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
-from extproc.feedback.runtime import FeedbackRuntime
+from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
 from extproc.protocol.accesslog import EndReports
 from extproc.protocol.lean import LeanRuntime

@@ -180,7 +180,7 @@ class Stack(StackProcesses):
             [
                 py,
                 "-m",
-                "extproc.exporter",
+                "extproc.kvfeed.exporter",
                 "--node-name",
                 "bench",
                 "--grpc-address",

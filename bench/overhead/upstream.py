@@ -9,8 +9,8 @@ stream), then a usage chunk when the
 request asked for `include_usage` (the sidecar injects it), then `[DONE]`.
 
 `GET /metrics` answers a fixed vLLM metrics page (the names of vllm 0.33.0 vllm/v1/metrics/loggers.py, as
-extproc/feed/engines.py reads them): 30 % KV usage of 27,000 blocks of 16 tokens, so a sidecar in the shipped
-config sees a fresh feed, full limits and a KV budget with a known capacity.
+extproc/kvfeed/engines.py reads them): 30 % KV usage of 27,000 blocks of 16 tokens, so a sidecar in the
+shipped config sees a fresh feed, full limits and a KV budget with a known capacity.
 """
 
 from __future__ import annotations

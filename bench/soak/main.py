@@ -197,7 +197,7 @@ class Stack:
     def start_exporter(self) -> None:
         self.procs["exporter"] = Process.start(
             "exporter",
-            [sys.executable, "-m", "extproc.exporter", "--node-name", "soak",
+            [sys.executable, "-m", "extproc.kvfeed.exporter", "--node-name", "soak",
              "--grpc-address", f"127.0.0.1:{self.ports.exporter}",
              "--metrics-address", f"127.0.0.1:{self.ports.exporter_metrics}",
              "--target", f"url=http://127.0.0.1:{self.ports.upstream}/metrics,kind=vllm,model={MODEL}"],

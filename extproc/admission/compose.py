@@ -24,7 +24,7 @@ from extproc.metrics import Metrics
 
 
 class KvSignals(Protocol):
-    """What admission reads from the KV feed (extproc/feedback/runtime.py `FeedbackRuntime`)."""
+    """What admission reads from the KV feed (extproc/kvfeed/subscriber/runtime.py `FeedbackRuntime`)."""
 
     def budget(self, pool: str) -> KvBudget | None: ...
 

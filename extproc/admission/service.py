@@ -57,7 +57,7 @@ class Deps:
     budget_changed: Callable[[str], None] = lambda _pool: None
     kv_usage: Callable[[str], float | None] = lambda _pool: None
     # The name whose policy and pool a requested model uses (an engine-listed alias or adapter: its base
-    # pool); None refuses it as a model the engines do not serve (extproc.feedback.runtime.served_as).
+    # pool); None refuses it as a model the engines do not serve (kvfeed.subscriber.runtime.served_as).
     served_as: Callable[[str, Config], str | None] = lambda model, _config: model
     queue: AdmissionQueue | None = None
     settle_executor: Executor | None = None

@@ -34,7 +34,9 @@ from extproc.config.runtime import (
 )
 from extproc.config.warnings import config_warnings, log_warnings
 from extproc.config.watch import ConfigWatcher, ReloadResult, load_config
-from extproc.feedback.settings import SubscriberConfig  # the runtime type of `feedback`'s source keys
+from extproc.kvfeed.subscriber.settings import (
+    SubscriberConfig,  # the runtime type of `feedback`'s source keys
+)
 
 __all__ = [
     "DEFAULT_CLASS",

@@ -43,8 +43,8 @@ from extproc.config.runtime import (
 from extproc.config.walk import nulls_absent
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveConfigError
 from extproc.core.limiter import LimitSpec
-from extproc.feed.targets import Target, target_from_mapping
-from extproc.feedback.settings import SubscriberConfig, SubscriberConfigError
+from extproc.kvfeed.subscriber.settings import SubscriberConfig, SubscriberConfigError
+from extproc.kvfeed.targets import Target, target_from_mapping
 
 
 def parse_config(data: Any) -> Config:

@@ -15,7 +15,7 @@ from extproc.admission.policy import ModelPolicy, StepBounds
 from extproc.config import schema
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.core.limiter import LimitSpec
-from extproc.feedback.settings import SubscriberConfig
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
 DEFAULT_MODEL = "*"
 """Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""

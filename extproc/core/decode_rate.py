@@ -10,7 +10,7 @@ and the last chunk) as an exponentially weighted mean.
 Which rate `rate(pool)` gives, first that exists:
 1. learned: from the pool's own completed streams here (what this sidecar saw end to end);
 2. fed: the engines' own pace from the KV feed (`fed(pool)`, their generation-token counters per running
-   sequence between scrapes, `extproc.feed.pace`), while the pool has no learned rate: a sidecar whose end
+   sequence between scrapes, `extproc.kvfeed.pace`), while the pool has no learned rate: a sidecar whose end
    reports never arrive (the lean profile with Envoy's access log down) never completes a stream, and
    without the feed would charge every expired lease at the assumption;
 3. assumed: `default_tokens_per_second` (`admission.assumed_decode_tokens_per_second`).

@@ -195,7 +195,7 @@ class _Sidecar:
 
     def sample(self, now: float, kv_usage: float, waiting: int) -> None:
         """The KV feed: one reading per interval drives the adaptive scale and refreshes the budget's
-        view of the engine (as `extproc.feedback.runtime` does on every fresh sample)."""
+        view of the engine (as `extproc.kvfeed.subscriber.runtime` does on every fresh sample)."""
         if now < self.next_sample_at:
             return
         self.next_sample_at = now + self.limits.feedback_interval_s

@@ -19,7 +19,7 @@ import pytest
 from devstack.processes import Ports
 from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import PROFILES
-from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
 from tests.support.stack import Stack, fixed_step_sim, http
 from tests.support.waiting import wait_for
 

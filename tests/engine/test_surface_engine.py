@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import pytest
 
 from extproc.admission.paths import DEFAULT_TABLE, KNOWN_REFUSED, RouteKind, normalize_path
-from extproc.feed.engines import ServerKind
-from extproc.feed.parse import parse_metrics
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.parse import parse_metrics
 from tests.engine.stacks import engine_config, start_gateway
 from tests.support.engine import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.support.stack import Stack, http, metric

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.app import Sidecar
 from extproc.config import parse_config
-from extproc.exporter.metrics import ExporterMetrics
+from extproc.kvfeed.exporter.metrics import ExporterMetrics
 from extproc.metrics import Metrics
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

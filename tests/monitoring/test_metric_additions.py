@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry
 
 from extproc.app import Sidecar
 from extproc.config import parse_config
-from extproc.exporter.metrics import ExporterMetrics
-from extproc.feed.parse import ServerKind
-from extproc.feed.sample import FeedSample
+from extproc.kvfeed.exporter.metrics import ExporterMetrics
+from extproc.kvfeed.parse import ServerKind
+from extproc.kvfeed.sample import FeedSample
 from extproc.metrics import Metrics
 
 USAGE = "extproc_exporter_kv_usage_ratio"

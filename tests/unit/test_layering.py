@@ -40,7 +40,7 @@ def _layer(row: str, paths: tuple[str, ...], *may_import: str) -> Layer:
     return Layer(row, paths, frozenset(may_import) | EVERYWHERE)
 
 
-_FEED_SIDES = "`extproc/exporter/`, `extproc/feedback/`"
+_FEED_SIDES = "`extproc/kvfeed/exporter/`, `extproc/kvfeed/subscriber/`"
 _METRICS = "`extproc/metrics.py`, `extproc/logs.py`"
 _CLI = "`extproc/cli.py`, `extproc/__main__.py`"
 
@@ -55,16 +55,16 @@ LAYERS: dict[str, Layer] = {
     "app": _layer(
         "`extproc/app.py`",
         ("extproc/app.py",),
-        *("accesslog", "admission", "config", "core", "feedback", "metrics", "protocol"),
+        *("accesslog", "admission", "config", "core", "metrics", "protocol", "subscriber"),
         *("relay", "store"),
     ),
     "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "envoyconf", "plan"),
-    "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "feed"),
+    "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "kvfeed"),
     "metrics": _layer(_METRICS, ("extproc/metrics.py",), "core"),
     "logs": _layer(_METRICS, ("extproc/logs.py",)),
-    "feed": _layer("`extproc/feed/`", ("extproc/feed/",)),
-    "exporter": _layer(_FEED_SIDES, ("extproc/exporter/",), "feed"),
-    "feedback": _layer(_FEED_SIDES, ("extproc/feedback/",), "core", "feed"),
+    "kvfeed": _layer("`extproc/kvfeed/`", ("extproc/kvfeed/",)),
+    "exporter": _layer(_FEED_SIDES, ("extproc/kvfeed/exporter/",), "kvfeed"),
+    "subscriber": _layer(_FEED_SIDES, ("extproc/kvfeed/subscriber/",), "core", "kvfeed"),
     "geometry": _layer("`extproc/geometry/`", ("extproc/geometry/",)),
     "plan": _layer("`extproc/plan/`", ("extproc/plan/",), "core", "geometry", "sim"),
     # The simulator counts tokens as the sidecar does; nothing else of the admission core.
@@ -80,14 +80,14 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("extproc.admission.service", "config"): "admission takes config classes",
     ("extproc.admission.compose", "config"): "admission is built from the Config it reads per request",
     ("extproc.admission.provisional", "config"): "admission takes config classes",
-    # The same for the store factory (StoreConfig) and the feedback runtime (Config, FeedbackConfig).
+    # The same for the store factory (StoreConfig) and the feed subscriber's runtime (Config, FeedbackConfig).
     ("extproc.store.factory", "config"): "the store factory takes StoreConfig",
-    ("extproc.feedback.runtime", "config"): "the feedback runtime takes config classes",
-    # The config package imports the feedback settings it validates, which makes config depend on a side
+    ("extproc.kvfeed.subscriber.runtime", "config"): "the feedback runtime takes config classes",
+    # The config package imports the subscriber settings it validates, which makes config depend on a side
     # of the KV feed (issue 19 item 3).
-    ("extproc.config", "feedback"): "the package re-exports the feedback settings it validates",
-    ("extproc.config.build", "feedback"): "config validates the feedback settings in feedback/settings.py",
-    ("extproc.config.runtime", "feedback"): "config holds the feedback package's SubscriberConfig",
+    ("extproc.config", "subscriber"): "the package re-exports the subscriber settings it validates",
+    ("extproc.config.build", "subscriber"): "config validates the settings in kvfeed/subscriber/settings.py",
+    ("extproc.config.runtime", "subscriber"): "config holds the subscriber's SubscriberConfig",
 }
 
 # Import cycles between modules that exist today, each as its set of modules. The one left is a

@@ -13,12 +13,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.exporter.app import SERVICE_NAME, Exporter, ExporterConfig
-from extproc.exporter.discovery import KubeDiscoveryConfig
-from extproc.feed.engines import ServerKind
-from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feed.sample import FeedSample, from_proto
-from extproc.feed.targets import Target
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.exporter.app import SERVICE_NAME, Exporter, ExporterConfig
+from extproc.kvfeed.exporter.discovery import KubeDiscoveryConfig
+from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.kvfeed.sample import FeedSample, from_proto
+from extproc.kvfeed.targets import Target
 
 from .fakes import FakeInferenceServer, FakeKubeApi, eventually, pod
 

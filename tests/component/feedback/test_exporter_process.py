@@ -1,4 +1,4 @@
-"""`python -m extproc.exporter` as a process: serves metrics, exits cleanly on SIGTERM."""
+"""`python -m extproc.kvfeed.exporter` as a process: serves metrics, exits cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ async def test_process_serves_metrics_and_stops_on_sigterm() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "extproc.exporter",
+        "extproc.kvfeed.exporter",
         "--node-name=n1",
         f"--grpc-address=127.0.0.1:{grpc_port}",
         f"--metrics-address=127.0.0.1:{metrics_port}",

@@ -20,9 +20,9 @@ import pytest
 
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.core.decode_rate import DecodeRates, RateSource
-from extproc.feed.targets import Target
-from extproc.feedback.loop import FeedbackLoop
-from extproc.feedback.settings import SubscriberConfig
+from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
+from extproc.kvfeed.targets import Target
 from extproc.sim.config import SimConfig
 from extproc.sim.scheduler import StepTiming
 from extproc.sim.server import SimServer

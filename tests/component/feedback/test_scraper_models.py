@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from extproc.feed.engines import ServerKind
-from extproc.feed.scraper import Scraper
-from extproc.feed.targets import Target
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.scraper import Scraper
+from extproc.kvfeed.targets import Target
 
 from .fakes import DATA, FakeInferenceServer
 

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from extproc.exporter.app import Exporter, ExporterConfig
-from extproc.feed.engines import ServerKind
-from extproc.feed.scraper import DEFAULT_MAX_BYTES, Scraper, ScrapeResult
-from extproc.feed.targets import Target
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.exporter.app import Exporter, ExporterConfig
+from extproc.kvfeed.scraper import DEFAULT_MAX_BYTES, Scraper, ScrapeResult
+from extproc.kvfeed.targets import Target
 
 from .fakes import DATA, TrickleServer
 

@@ -9,12 +9,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
-from extproc.exporter.app import Exporter, ExporterConfig
-from extproc.feed.targets import Target
-from extproc.feedback.loop import FeedbackLoop
-from extproc.feedback.metrics import register_feedback_metrics
-from extproc.feedback.settings import SubscriberConfig
-from extproc.feedback.subscriber import FeedSubscriber
+from extproc.kvfeed.exporter.app import Exporter, ExporterConfig
+from extproc.kvfeed.subscriber.client import FeedSubscriber
+from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
+from extproc.kvfeed.targets import Target
 
 from .fakes import FakeInferenceServer, eventually
 

@@ -8,13 +8,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
-from extproc.feed.engines import ServerKind
-from extproc.feed.sample import FeedSample
-from extproc.feedback.aggregate import StoredSample, aggregate
-from extproc.feedback.loop import FeedbackLoop
-from extproc.feedback.metrics import register_feedback_metrics
-from extproc.feedback.settings import SubscriberConfig
-from extproc.feedback.subscriber import FeedSubscriber, backoff_delay
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.subscriber.aggregate import StoredSample, aggregate
+from extproc.kvfeed.subscriber.client import FeedSubscriber, backoff_delay
+from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
 
 def s(

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.feed.engines import PROFILES, InfoLabels, ServerKind
-from extproc.feed.parse import MetricsParseError, ModelNameMissing, parse_metrics, parse_series
+from extproc.kvfeed.engines import PROFILES, InfoLabels, ServerKind
+from extproc.kvfeed.parse import MetricsParseError, ModelNameMissing, parse_metrics, parse_series
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "feedback.md"

@@ -8,13 +8,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.exporter.cli import build_parser, config_from_args
-from extproc.exporter.discovery import KubeDiscovery, KubeDiscoveryConfig
-from extproc.exporter.hub import SampleHub
-from extproc.feed.engines import ServerKind
-from extproc.feed.ratelimit import RateLimitedLog
-from extproc.feed.sample import FeedSample, from_proto, to_proto
-from extproc.feed.targets import Target, load_targets_file, parse_target_spec
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.exporter.cli import build_parser, config_from_args
+from extproc.kvfeed.exporter.discovery import KubeDiscovery, KubeDiscoveryConfig
+from extproc.kvfeed.exporter.hub import SampleHub
+from extproc.kvfeed.ratelimit import RateLimitedLog
+from extproc.kvfeed.sample import FeedSample, from_proto, to_proto
+from extproc.kvfeed.targets import Target, load_targets_file, parse_target_spec
 
 
 def sample(endpoint: str = "10.0.0.1:8000", model: str = "m", kv: float = 0.5, t: float = 1.0) -> FeedSample:

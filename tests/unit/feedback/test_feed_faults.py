@@ -19,14 +19,14 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import parse_config
 from extproc.core.adaptive import AdaptiveConfig
-from extproc.feed.engines import ServerKind
-from extproc.feed.parse import MetricsParseError, PageFilter, parse_metrics
-from extproc.feed.proto import feedback_pb2
-from extproc.feed.sample import MAX_KV_CAPACITY_TOKENS, FeedSample, checked, from_proto, problem
-from extproc.feedback.loop import FeedbackLoop
-from extproc.feedback.metrics import register_feedback_metrics
-from extproc.feedback.runtime import FeedbackRuntime
-from extproc.feedback.settings import SubscriberConfig
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.parse import MetricsParseError, PageFilter, parse_metrics
+from extproc.kvfeed.proto import feedback_pb2
+from extproc.kvfeed.sample import MAX_KV_CAPACITY_TOKENS, FeedSample, checked, from_proto, problem
+from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
+from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
 NAN, INF = math.nan, math.inf
 

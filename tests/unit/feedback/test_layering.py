@@ -1,5 +1,5 @@
 """Import layering of the KV feed: config loads without network libraries, and the exporter (node side)
-and the feedback loop (sidecar side) meet only in `extproc.feed`."""
+and the subscriber (sidecar side) meet only in the shared top of `extproc.kvfeed`."""
 
 from __future__ import annotations
 
@@ -38,13 +38,16 @@ def reaches(graph: dict[str, set[str]], start: str, target_package: str) -> list
 def test_graph_sees_the_real_imports() -> None:
     """Guard against a vacuous pass: the walker must find edges that are known to exist."""
     graph = import_graph()
-    assert "extproc.feed.sample" in graph["extproc.exporter.hub"]
-    assert "extproc.feedback.settings" in graph["extproc.config"]
+    assert "extproc.kvfeed.sample" in graph["extproc.kvfeed.exporter.hub"]
+    assert "extproc.kvfeed.subscriber.settings" in graph["extproc.config"]
 
 
 def test_feedback_and_exporter_do_not_import_each_other() -> None:
     graph = import_graph()
-    pairs = (("extproc.feedback", "extproc.exporter"), ("extproc.exporter", "extproc.feedback"))
+    pairs = (
+        ("extproc.kvfeed.subscriber", "extproc.kvfeed.exporter"),
+        ("extproc.kvfeed.exporter", "extproc.kvfeed.subscriber"),
+    )
     for module in graph:
         for side, other in pairs:
             if in_package(module, side):
@@ -54,10 +57,15 @@ def test_feedback_and_exporter_do_not_import_each_other() -> None:
 
 def test_shared_feed_package_imports_neither_side() -> None:
     graph = import_graph()
-    for module in [m for m in graph if in_package(m, "extproc.feed")]:
-        for other in ("extproc.feedback", "extproc.exporter", "extproc.config"):
+    sides = ("extproc.kvfeed.subscriber", "extproc.kvfeed.exporter")
+    shared = [
+        m for m in graph if in_package(m, "extproc.kvfeed") and not any(in_package(m, s) for s in sides)
+    ]
+    assert "extproc.kvfeed.sample" in shared and "extproc.kvfeed.proto.feedback_pb2" in shared
+    for module in shared:
+        for other in (*sides, "extproc.config"):
             chain = reaches(graph, module, other)
-            assert chain is None, f"extproc.feed reaches {other}: {' -> '.join(chain or [])}"
+            assert chain is None, f"{module} reaches {other}: {' -> '.join(chain or [])}"
 
 
 def test_config_imports_no_io_package() -> None:

@@ -8,14 +8,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import AdaptiveConfig
-from extproc.feed.engines import ServerKind
-from extproc.feed.pace import MAX_DECODE_TOKENS_PER_SECOND, PaceMeter, plausible_pace
-from extproc.feed.parse import parse_metrics
-from extproc.feed.sample import FeedSample, checked, from_proto, to_proto
-from extproc.feedback.aggregate import StoredSample, aggregate
-from extproc.feedback.loop import FeedbackLoop
-from extproc.feedback.metrics import register_feedback_metrics
-from extproc.feedback.settings import SubscriberConfig
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.pace import MAX_DECODE_TOKENS_PER_SECOND, PaceMeter, plausible_pace
+from extproc.kvfeed.parse import parse_metrics
+from extproc.kvfeed.sample import FeedSample, checked, from_proto, to_proto
+from extproc.kvfeed.subscriber.aggregate import StoredSample, aggregate
+from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
 from .test_engine_fixtures import page
 

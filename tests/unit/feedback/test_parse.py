@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.feed.engines import ServerKind
-from extproc.feed.parse import MetricsParseError, normalize_usage, parse_metrics, parse_series
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.parse import MetricsParseError, normalize_usage, parse_metrics, parse_series
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 

@@ -32,13 +32,13 @@ def test_generated_code_is_fresh(tmp_path: Path, relative: bool) -> None:
     stale = [
         name
         for name in GENERATED
-        if (tmp_path / name).read_bytes() != (ROOT / "extproc" / "feed" / "proto" / name).read_bytes()
+        if (tmp_path / name).read_bytes() != (ROOT / "extproc" / "kvfeed" / "proto" / name).read_bytes()
     ]
     assert not stale, f"stale generated code {stale}: run scripts/gen_proto.sh (make proto) and commit"
 
 
 def test_generated_import_is_package_absolute() -> None:
-    from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
+    from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
 
     assert feedback_pb2.DESCRIPTOR.package == "extproc.feedback.v1"
     assert hasattr(feedback_pb2_grpc, "KvFeedServicer")

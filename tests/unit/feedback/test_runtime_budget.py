@@ -10,12 +10,12 @@ from prometheus_client import CollectorRegistry
 from extproc.config import ConfigError, parse_config
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
 from extproc.core.kv_budget import Booking
-from extproc.feed.engines import ServerKind
-from extproc.feed.sample import FeedSample
-from extproc.feedback.aggregate import PoolSnapshot
-from extproc.feedback.loop import FeedbackLoop
-from extproc.feedback.runtime import FeedbackRuntime
-from extproc.feedback.settings import SubscriberConfig
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
+from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
 FEED = {"direct_targets": [{"url": "http://127.0.0.1:1/metrics", "kind": "vllm", "model": "m"}]}
 

@@ -15,11 +15,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, parse_config
-from extproc.feed.engines import ServerKind
-from extproc.feed.listing import ModelCard, names_by_pool, parse_model_list
-from extproc.feed.sample import MAX_SERVED_NAMES, FeedSample, checked, from_proto, to_proto
-from extproc.feedback.runtime import FeedbackRuntime
-from extproc.feedback.served import ServedNames
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.listing import ModelCard, names_by_pool, parse_model_list
+from extproc.kvfeed.sample import MAX_SERVED_NAMES, FeedSample, checked, from_proto, to_proto
+from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
+from extproc.kvfeed.subscriber.served import ServedNames
 
 BASE = "llama-3-8b"
 ALIAS = "meta-llama/Meta-Llama-3-8B-Instruct"

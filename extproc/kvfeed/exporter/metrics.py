@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from extproc.feed.sample import FeedSample
+from extproc.kvfeed.sample import FeedSample
 
 
 class ExporterMetrics:

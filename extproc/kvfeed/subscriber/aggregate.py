@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.feed.sample import FeedSample, problem
+from extproc.kvfeed.sample import FeedSample, problem
 
 KvMode = Literal["max", "mean"]
 

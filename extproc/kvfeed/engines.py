@@ -2,7 +2,7 @@
 
 A profile names the exact metrics behind each signal, what each label means, how the KV capacity in tokens
 is derived, where the page lives and where the served model name comes from. The parser
-(`extproc.feed.parse`) is engine-agnostic and driven by these profiles, so adding an engine is adding one
+(`extproc.kvfeed.parse`) is engine-agnostic and driven by these profiles, so adding an engine is adding one
 profile here plus a fixture of its page in `tests/data/metrics/` (rendered from the engine's own metric
 definitions) and a row in docs/feedback.md.
 

@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable, Mapping
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
-from extproc.feed.sample import FeedSample
-from extproc.feedback.aggregate import KvMode, PoolSnapshot, aggregate
-from extproc.feedback.metrics import FeedbackMetrics
-from extproc.feedback.served import ServedNames
-from extproc.feedback.settings import SubscriberConfig
-from extproc.feedback.subscriber import FeedSubscriber, Sleeper
+from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.subscriber.aggregate import KvMode, PoolSnapshot, aggregate
+from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper
+from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
+from extproc.kvfeed.subscriber.served import ServedNames
+from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
 log = logging.getLogger(__name__)
 

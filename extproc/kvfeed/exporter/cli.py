@@ -1,4 +1,4 @@
-"""Command line of the node exporter (`python -m extproc.exporter --help`)."""
+"""Command line of the node exporter (`python -m extproc.kvfeed.exporter --help`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from extproc.exporter.app import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, Exporter, ExporterConfig
-from extproc.exporter.discovery import SA_DIR, KubeDiscoveryConfig
-from extproc.feed.targets import Target, load_targets_file, parse_target_spec
+from extproc.kvfeed.exporter.app import DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, Exporter, ExporterConfig
+from extproc.kvfeed.exporter.discovery import SA_DIR, KubeDiscoveryConfig
+from extproc.kvfeed.targets import Target, load_targets_file, parse_target_spec
 from extproc.logs import setup_logging
 
-log = logging.getLogger("extproc.exporter")
+log = logging.getLogger("extproc.kvfeed.exporter")
 
 
 def _hostport(value: str) -> tuple[str, int]:
@@ -35,7 +35,7 @@ def _default_api_url() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m extproc.exporter",
+        prog="python -m extproc.kvfeed.exporter",
         description=(
             "Scrape the KV-cache and queue metrics of inference servers (vLLM, SGLang, TGI, trtllm-serve, "
             "Triton TRT-LLM) on this node and stream normalized samples to sidecars over gRPC (KvFeed.Watch)."

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from extproc.feed.sample import FeedSample, SampleKey
+from extproc.kvfeed.sample import FeedSample, SampleKey
 
 
 class Subscription:

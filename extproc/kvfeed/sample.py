@@ -17,10 +17,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from extproc.feed.engines import ServerKind
-from extproc.feed.pace import plausible_pace
-from extproc.feed.parse import ModelSignals
-from extproc.feed.proto import feedback_pb2
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.pace import plausible_pace
+from extproc.kvfeed.parse import ModelSignals
+from extproc.kvfeed.proto import feedback_pb2
 
 SampleKey = tuple[str, str, str]  # (node, endpoint, model)
 
@@ -62,7 +62,7 @@ class FeedSample:
     error: str = ""
     scrape_duration_seconds: float = 0.0
     served_names: tuple[str, ...] = ()  # from the server's /v1/models: this model, aliases, adapters
-    # Tokens per second per running sequence since the endpoint's previous scrape (`feed.pace`); None unknown.
+    # Tokens per second per running sequence since the endpoint's previous scrape (kvfeed.pace); None unknown.
     decode_tokens_per_second: float | None = None
 
     @property

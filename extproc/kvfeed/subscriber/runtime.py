@@ -27,9 +27,9 @@ from prometheus_client import CollectorRegistry
 from extproc.config import DEFAULT_MODEL, Config, FeedbackConfig
 from extproc.core.adaptive import ControllerState
 from extproc.core.kv_budget import Booking, KvBudget
-from extproc.feedback.aggregate import PoolSnapshot
-from extproc.feedback.loop import FeedbackLoop
-from extproc.feedback.metrics import FeedbackMetrics, register_feedback_metrics
+from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
+from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.metrics import FeedbackMetrics, register_feedback_metrics
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class FeedbackRuntime:
         return state.kv_usage
 
     def decode_rate(self, pool: str) -> float | None:
-        """The pool's decode pace per sequence from the engines' counters (`feed.pace`), None without a
+        """The pool's decode pace per sequence from the engines' counters (`kvfeed.pace`), None without a
         fresh one: the fallback of `DecodeRates` while the pool has no pace learned from its streams."""
         return self.loop.decode_tokens_per_second(pool) if self.loop is not None else None
 

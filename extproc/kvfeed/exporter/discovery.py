@@ -23,8 +23,8 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from extproc.feed.engines import PROFILES
-from extproc.feed.targets import Target, parse_kind
+from extproc.kvfeed.engines import PROFILES
+from extproc.kvfeed.targets import Target, parse_kind
 
 log = logging.getLogger(__name__)
 

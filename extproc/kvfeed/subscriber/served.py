@@ -12,7 +12,7 @@ own pool.
 
 from __future__ import annotations
 
-from extproc.feed.sample import FeedSample, SampleKey
+from extproc.kvfeed.sample import FeedSample, SampleKey
 
 
 class ServedNames:

@@ -15,7 +15,7 @@ For engines whose model list is known (`EngineProfile.served_names_path`: vLLM),
 names its pool is served under (`listing.names_by_pool`: aliases, LoRA adapters). A list that cannot be
 read keeps the last one read; an endpoint that fails is asked again when it returns.
 
-Every sample of an endpoint that was scraped before carries its decode pace since then (`feed.pace`: the
+Every sample of an endpoint that was scraped before carries its decode pace since then (`kvfeed.pace`: the
 generation-token counter's growth per running sequence and second, on the scraper's monotonic clock); a
 failed scrape drops the endpoint's baseline.
 
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.feed.engines import PROFILES, EngineProfile, ServerKind
-from extproc.feed.listing import names_by_pool, parse_model_list
-from extproc.feed.pace import PaceMeter
-from extproc.feed.parse import MetricsParseError, ModelNameMissing, ModelSignals, PageFilter, parse_metrics
-from extproc.feed.sample import MAX_MODEL_NAME, FeedSample, checked
-from extproc.feed.targets import Target
+from extproc.kvfeed.engines import PROFILES, EngineProfile, ServerKind
+from extproc.kvfeed.listing import names_by_pool, parse_model_list
+from extproc.kvfeed.pace import PaceMeter
+from extproc.kvfeed.parse import MetricsParseError, ModelNameMissing, ModelSignals, PageFilter, parse_metrics
+from extproc.kvfeed.sample import MAX_MODEL_NAME, FeedSample, checked
+from extproc.kvfeed.targets import Target
 
 # The largest metrics page read: 8 MiB, about 140 times a real vLLM 0.32 page (~58 KB) and room for pages of
 # many models, LoRA adapters and histograms (a 4 MB page is read whole).

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from extproc.feed.proto import feedback_pb2 as extproc_dot_feed_dot_proto_dot_feedback__pb2
+from extproc.kvfeed.proto import feedback_pb2 as extproc_dot_kvfeed_dot_proto_dot_feedback__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in extproc/feed/proto/feedback_pb2_grpc.py depends on'
+        + ' but the generated code in extproc/kvfeed/proto/feedback_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class KvFeedStub:
         """
         self.Watch = channel.unary_stream(
                 '/extproc.feedback.v1.KvFeed/Watch',
-                request_serializer=extproc_dot_feed_dot_proto_dot_feedback__pb2.WatchRequest.SerializeToString,
-                response_deserializer=extproc_dot_feed_dot_proto_dot_feedback__pb2.KvSample.FromString,
+                request_serializer=extproc_dot_kvfeed_dot_proto_dot_feedback__pb2.WatchRequest.SerializeToString,
+                response_deserializer=extproc_dot_kvfeed_dot_proto_dot_feedback__pb2.KvSample.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_KvFeedServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=extproc_dot_feed_dot_proto_dot_feedback__pb2.WatchRequest.FromString,
-                    response_serializer=extproc_dot_feed_dot_proto_dot_feedback__pb2.KvSample.SerializeToString,
+                    request_deserializer=extproc_dot_kvfeed_dot_proto_dot_feedback__pb2.WatchRequest.FromString,
+                    response_serializer=extproc_dot_kvfeed_dot_proto_dot_feedback__pb2.KvSample.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class KvFeed:
             request,
             target,
             '/extproc.feedback.v1.KvFeed/Watch',
-            extproc_dot_feed_dot_proto_dot_feedback__pb2.WatchRequest.SerializeToString,
-            extproc_dot_feed_dot_proto_dot_feedback__pb2.KvSample.FromString,
+            extproc_dot_kvfeed_dot_proto_dot_feedback__pb2.WatchRequest.SerializeToString,
+            extproc_dot_kvfeed_dot_proto_dot_feedback__pb2.KvSample.FromString,
             options,
             channel_credentials,
             insecure,

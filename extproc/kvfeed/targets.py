@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.feed.engines import ServerKind
+from extproc.kvfeed.engines import ServerKind
 
 _KEYS = frozenset({"url", "kind", "model"})
 

@@ -1,7 +1,7 @@
 """Normalize the Prometheus page of one inference server into per-model KV and queue signals.
 
 Pure: text in, dataclasses out, and engine-agnostic: which series mean what comes from the engine's
-`EngineProfile` (`extproc.feed.engines`). Names are matched exactly: a prefix match on
+`EngineProfile` (`extproc.kvfeed.engines`). Names are matched exactly: a prefix match on
 `vllm:num_requests_waiting` would also count `vllm:num_requests_waiting_by_reason`.
 
 Aggregation over the series of one model: breakdown series (non-empty breakdown label) are dropped; series
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.feed.engines import (
+from extproc.kvfeed.engines import (
     ALL_NAMES,
     PROFILES,
     BlocksTimesSize,
@@ -230,7 +230,7 @@ def detect_kind(names: Iterable[str]) -> ServerKind:
 def normalize_usage(value: float, unit: Unit) -> float:
     """KV usage as 0..1. Percent families are divided by 100 when above 1; ratio families above 1 are
     clamped (a ratio cannot exceed 1, but reading it as "full" is the safe side). A value no usage can have
-    (NaN, ±inf, negative) comes back as NaN: the sample holding it is refused (`feed.sample.checked`),
+    (NaN, ±inf, negative) comes back as NaN: the sample holding it is refused (`kvfeed.sample.checked`),
     never read as an empty cache."""
     if not (math.isfinite(value) and value >= 0.0):
         return math.nan

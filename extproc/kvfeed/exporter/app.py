@@ -21,15 +21,15 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from extproc.exporter.discovery import Discovery, KubeDiscovery, KubeDiscoveryConfig, StaticDiscovery
-from extproc.exporter.hub import SampleHub
-from extproc.exporter.metrics import ExporterMetrics
-from extproc.exporter.service import KvFeedService
-from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feed.ratelimit import RateLimitedLog
-from extproc.feed.sample import FeedSample
-from extproc.feed.scraper import Scraper, ScrapeResult
-from extproc.feed.targets import Target
+from extproc.kvfeed.exporter.discovery import Discovery, KubeDiscovery, KubeDiscoveryConfig, StaticDiscovery
+from extproc.kvfeed.exporter.hub import SampleHub
+from extproc.kvfeed.exporter.metrics import ExporterMetrics
+from extproc.kvfeed.exporter.service import KvFeedService
+from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.kvfeed.ratelimit import RateLimitedLog
+from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.scraper import Scraper, ScrapeResult
+from extproc.kvfeed.targets import Target
 
 log = logging.getLogger(__name__)
 

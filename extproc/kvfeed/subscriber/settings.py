@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from extproc.feed.targets import Target
+from extproc.kvfeed.targets import Target
 
 
 @dataclass(frozen=True, slots=True)

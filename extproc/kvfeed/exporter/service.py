@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from extproc.exporter.hub import SampleHub
-from extproc.exporter.metrics import ExporterMetrics
-from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feed.sample import to_proto
+from extproc.kvfeed.exporter.hub import SampleHub
+from extproc.kvfeed.exporter.metrics import ExporterMetrics
+from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.kvfeed.sample import to_proto
 
 log = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import grpc
 
-from extproc.feed.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.feed.ratelimit import RateLimitedLog
-from extproc.feed.sample import FeedSample, SampleKey, checked, from_proto
-from extproc.feed.scraper import Scraper
-from extproc.feedback.aggregate import StoredSample
-from extproc.feedback.metrics import FeedbackMetrics
-from extproc.feedback.settings import SubscriberConfig, split_hostport
+from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
+from extproc.kvfeed.ratelimit import RateLimitedLog
+from extproc.kvfeed.sample import FeedSample, SampleKey, checked, from_proto
+from extproc.kvfeed.scraper import Scraper
+from extproc.kvfeed.subscriber.aggregate import StoredSample
+from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
+from extproc.kvfeed.subscriber.settings import SubscriberConfig, split_hostport
 
 log = logging.getLogger(__name__)
 
