@@ -25,8 +25,6 @@ from extproc.config.runtime import (
     AdmissionConfig,
     ClassConfig,
     Config,
-    FeedbackConfig,
-    KvBudgetConfig,
     LimitsConfig,
     ServerConfig,
     StoreConfig,
@@ -34,9 +32,9 @@ from extproc.config.runtime import (
 )
 from extproc.config.warnings import config_warnings, log_warnings
 from extproc.config.watch import ConfigWatcher, ReloadResult, load_config
-from extproc.kvfeed.subscriber.settings import (
-    SubscriberConfig,  # the runtime type of `feedback`'s source keys
-)
+
+# The runtime types of the `feedback`, `adaptive` and `kv_budget` sections: the feed subscriber's own.
+from extproc.kvfeed.subscriber.settings import FeedbackConfig, KvBudgetConfig, SubscriberConfig
 
 __all__ = [
     "DEFAULT_CLASS",

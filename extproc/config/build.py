@@ -33,8 +33,6 @@ from extproc.config.runtime import (
     AdmissionConfig,
     ClassConfig,
     Config,
-    FeedbackConfig,
-    KvBudgetConfig,
     LimitsConfig,
     ServerConfig,
     StoreConfig,
@@ -43,7 +41,12 @@ from extproc.config.runtime import (
 from extproc.config.walk import nulls_absent
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveConfigError
 from extproc.core.limiter import LimitSpec
-from extproc.kvfeed.subscriber.settings import SubscriberConfig, SubscriberConfigError
+from extproc.kvfeed.subscriber.settings import (
+    FeedbackConfig,
+    KvBudgetConfig,
+    SubscriberConfig,
+    SubscriberConfigError,
+)
 from extproc.kvfeed.targets import Target, target_from_mapping
 
 

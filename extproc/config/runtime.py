@@ -2,7 +2,9 @@
 
 Their shapes are what the code needs (a model's policy with its inheritance resolved, limits as
 `LimitSpec`, the feed subscriber's settings), not the file's; their defaults are the schema's
-(extproc/config/schema.py), so `Config()` is the config of an empty file.
+(extproc/config/schema.py), so `Config()` is the config of an empty file. The feed's settings
+(`FeedbackConfig`) are the subscriber's own type (extproc/kvfeed/subscriber/settings.py): config converts
+into them, and the schema takes its defaults from them.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ from dataclasses import dataclass, field
 from extproc.admission.paths import DEFAULT_TABLE, PathTable
 from extproc.admission.policy import ModelPolicy, StepBounds
 from extproc.config import schema
-from extproc.core.adaptive import AdaptiveConfig
 from extproc.core.limiter import LimitSpec
-from extproc.kvfeed.subscriber.settings import SubscriberConfig
+from extproc.kvfeed.subscriber.settings import FeedbackConfig
 
 DEFAULT_MODEL = "*"
 """Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
@@ -34,8 +35,6 @@ _SERVER = schema.Server()
 _ADMISSION = schema.Admission()
 _TENANT = schema.Tenant()
 _STORE = schema.Store()
-_BUDGET = schema.KvBudget()
-_FEEDBACK = schema.Feedback()
 _ROOT = schema.ConfigFile()
 
 
@@ -132,30 +131,6 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
-class KvBudgetConfig:
-    enabled: bool = _BUDGET.enabled
-    target_utilization: float = _BUDGET.target_utilization
-    capacity_share: float = _BUDGET.capacity_share
-    booking: str = _BUDGET.booking  # forecast | lifetime (extproc.core.kv_budget.Booking)
-
-
-@dataclass(frozen=True)
-class FeedbackConfig:
-    """KV-cache feedback: where samples come from and how each pool's limits react to them."""
-
-    subscriber: SubscriberConfig | None = None
-    kv_aggregation: str = _FEEDBACK.kv_aggregation
-    unserved_models: str = _FEEDBACK.unserved_models  # refuse | admit: names a listing engine does not serve
-    adaptive_default: AdaptiveConfig = field(default_factory=AdaptiveConfig)
-    adaptive_pools: Mapping[str, AdaptiveConfig] = field(default_factory=dict)
-    kv_budget: KvBudgetConfig = field(default_factory=KvBudgetConfig)
-
-    @property
-    def enabled(self) -> bool:
-        return self.subscriber is not None
-
-
-@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -198,6 +173,10 @@ class Config:
         if self.admission.reject_unknown_models:
             return None
         return self.models.get(DEFAULT_MODEL) or DEFAULT_POLICY
+
+    def names_model(self, model: str) -> bool:
+        """Whether `models` or `limits.models` names `model` itself (not through `models."*"`)."""
+        return model != DEFAULT_MODEL and (model in self.models or model in self.limits.models)
 
     def pool_of(self, model: str) -> str:
         """The pool a model name's requests count against (its `model:<pool>` key and KV budget).

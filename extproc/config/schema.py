@@ -52,8 +52,11 @@ from extproc.config.fields import (
     one_of,
     unwrapped,
 )
+from extproc.kvfeed.subscriber.settings import FeedbackConfig
 
 Ratio = Annotated[float, PlainValidator(number(0.01, 1.0))]
+_FEEDBACK = FeedbackConfig()
+"""The feed's runtime settings own their defaults; the `feedback` and `kv_budget` sections take them."""
 
 
 class Section(BaseModel):
@@ -279,9 +282,13 @@ class Feedback(Section):
     direct_targets: tuple[Target, ...] = ()
     resolve_interval_seconds: Annotated[float, PlainValidator(number(0.1))] = 10.0
     scrape_interval_seconds: Annotated[float, PlainValidator(number(0.05))] = 1.0
-    kv_aggregation: Annotated[Literal["max", "mean"], one_of(Literal["max", "mean"])] = "max"
+    kv_aggregation: Annotated[Literal["max", "mean"], one_of(Literal["max", "mean"])] = (
+        _FEEDBACK.kv_aggregation
+    )
     # Names a listing engine does not serve.
-    unserved_models: Annotated[Literal["refuse", "admit"], one_of(Literal["refuse", "admit"])] = "refuse"
+    unserved_models: Annotated[Literal["refuse", "admit"], one_of(Literal["refuse", "admit"])] = (
+        _FEEDBACK.unserved_models
+    )
 
     @property
     def has_source(self) -> bool:
@@ -308,10 +315,12 @@ class Adaptive(AdaptiveTuning):
 
 
 class KvBudget(Section):
-    enabled: Flag = False
-    target_utilization: Ratio = 0.9
-    capacity_share: Ratio = 1.0
-    booking: Annotated[Literal["forecast", "lifetime"], one_of(Literal["forecast", "lifetime"])] = "forecast"
+    enabled: Flag = _FEEDBACK.kv_budget.enabled
+    target_utilization: Ratio = _FEEDBACK.kv_budget.target_utilization
+    capacity_share: Ratio = _FEEDBACK.kv_budget.capacity_share
+    booking: Annotated[Literal["forecast", "lifetime"], one_of(Literal["forecast", "lifetime"])] = (
+        _FEEDBACK.kv_budget.booking
+    )
 
 
 # -- store -------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
-from extproc.config.runtime import Config, FeedbackConfig
+from extproc.config.runtime import Config
+from extproc.kvfeed.subscriber.settings import FeedbackConfig
 
 log = logging.getLogger("extproc.config")
 

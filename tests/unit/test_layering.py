@@ -59,7 +59,12 @@ LAYERS: dict[str, Layer] = {
         *("relay", "store"),
     ),
     "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "envoyconf", "plan"),
-    "config": _layer("`extproc/config/`", ("extproc/config/",), "admission", "core", "kvfeed"),
+    # Config converts the file into the runtime types each package takes: the feed subscriber's settings.
+    "config": _layer(
+        "`extproc/config/`",
+        ("extproc/config/",),
+        *("admission", "core", "kvfeed", "extproc.kvfeed.subscriber.settings"),
+    ),
     "metrics": _layer(_METRICS, ("extproc/metrics.py",), "core"),
     "logs": _layer(_METRICS, ("extproc/logs.py",)),
     "kvfeed": _layer("`extproc/kvfeed/`", ("extproc/kvfeed/",)),
@@ -80,14 +85,8 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("extproc.admission.service", "config"): "admission takes config classes",
     ("extproc.admission.compose", "config"): "admission is built from the Config it reads per request",
     ("extproc.admission.provisional", "config"): "admission takes config classes",
-    # The same for the store factory (StoreConfig) and the feed subscriber's runtime (Config, FeedbackConfig).
+    # The same for the store factory (StoreConfig).
     ("extproc.store.factory", "config"): "the store factory takes StoreConfig",
-    ("extproc.kvfeed.subscriber.runtime", "config"): "the feedback runtime takes config classes",
-    # The config package imports the subscriber settings it validates, which makes config depend on a side
-    # of the KV feed (issue 19 item 3).
-    ("extproc.config", "subscriber"): "the package re-exports the subscriber settings it validates",
-    ("extproc.config.build", "subscriber"): "config validates the settings in kvfeed/subscriber/settings.py",
-    ("extproc.config.runtime", "subscriber"): "config holds the subscriber's SubscriberConfig",
 }
 
 # Import cycles between modules that exist today, each as its set of modules. The one left is a

@@ -21,19 +21,32 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
-from extproc.config import DEFAULT_MODEL, Config, FeedbackConfig
 from extproc.core.adaptive import ControllerState
 from extproc.core.kv_budget import Booking, KvBudget
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics, register_feedback_metrics
+from extproc.kvfeed.subscriber.settings import FeedbackConfig
 
 log = logging.getLogger(__name__)
 
 SetScale = Callable[[str, float], None]
+
+
+class ServedPolicy(Protocol):
+    """What `served_as` reads of the sidecar's config per request (extproc.config's `Config` is one): this
+    package takes the behaviour it needs, never the config's classes."""
+
+    @property
+    def feedback(self) -> FeedbackConfig: ...
+
+    def names_model(self, model: str) -> bool:
+        """Whether the config names `model` itself (its `models` or `limits.models`, not `models."*"`)."""
+        ...
 
 
 def pool_key(pool: str) -> str:
@@ -150,14 +163,14 @@ class FeedbackRuntime:
             self._budgets[pool] = budget
         return budget
 
-    def served_as(self, model: str, config: Config) -> str | None:
+    def served_as(self, model: str, config: ServedPolicy) -> str | None:
         """The name whose model policy and pool a request for `model` uses; None: refuse it as unserved.
 
         The config first (a configured name keeps its static `pool`, for engines that do not list), then
         the engines' lists in the feed (an alias or adapter uses its base pool), then, when some engine
         lists and unserved names are refused, None; otherwise the name itself (the `models."*"` pool).
         """
-        if model != DEFAULT_MODEL and (model in config.models or model in config.limits.models):
+        if config.names_model(model):
             return model
         if self.loop is None:
             return model

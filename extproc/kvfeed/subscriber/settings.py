@@ -1,15 +1,20 @@
-"""Plain-data settings of the sidecar's feed subscriber, importable without any network library.
+"""Plain-data settings of the sidecar's side of the feed, importable without any network library.
 
-`extproc.config` builds a `SubscriberConfig` while loading the YAML file; keeping it here (and not beside
-the gRPC/aiohttp code in `subscriber.py`) lets the config layer load and validate without importing I/O
-packages. A bad field raises `SubscriberConfigError`, whose `key` the config loader puts under its own
-section (`feedback.exporters`).
+These are the runtime types the subscriber takes: `extproc.config` converts the YAML file's `feedback`,
+`adaptive` and `kv_budget` sections into a `FeedbackConfig` (with its `SubscriberConfig`) while loading it,
+and the schema's defaults are these classes' own. Keeping them here (and not beside the gRPC/aiohttp code
+in `client.py`) lets the config layer load and validate without importing I/O packages, and this package
+never imports the config's classes. A bad field raises `SubscriberConfigError`, whose `key` the config
+loader puts under its own section (`feedback.exporters`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
+from extproc.core.adaptive import AdaptiveConfig
 from extproc.kvfeed.targets import Target
 
 
@@ -69,3 +74,29 @@ def split_hostport(addr: str) -> tuple[str, int]:
     if parsed is None:
         raise ValueError(f"subscriber: expected host:port, got {addr!r}")
     return parsed
+
+
+@dataclass(frozen=True)
+class KvBudgetConfig:
+    """The KV-token budget of each pool (`kv_budget` in the config file; docs/feedback.md)."""
+
+    enabled: bool = False
+    target_utilization: float = 0.9
+    capacity_share: float = 1.0
+    booking: Literal["forecast", "lifetime"] = "forecast"  # extproc.core.kv_budget.Booking
+
+
+@dataclass(frozen=True)
+class FeedbackConfig:
+    """KV-cache feedback: where samples come from and how each pool's limits react to them."""
+
+    subscriber: SubscriberConfig | None = None
+    kv_aggregation: Literal["max", "mean"] = "max"
+    unserved_models: Literal["refuse", "admit"] = "refuse"  # names a listing engine does not serve
+    adaptive_default: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    adaptive_pools: Mapping[str, AdaptiveConfig] = field(default_factory=dict)
+    kv_budget: KvBudgetConfig = field(default_factory=KvBudgetConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.subscriber is not None
