@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +246,25 @@ def test_classes_and_tenants() -> None:
     assert rules.class_of("stranger").name == "batch"
     assert rules.class_config("critical").queues and rules.class_config("critical").max_queued == 100
     assert rules.tenant_label("chat") == "chat" and rules.tenant_label("x") == "other"
+
+
+def test_admission_rules_are_converted_once_and_share_the_configs_tables() -> None:
+    """Admission's rules are built with the config, not per request, and cost nothing per tenant: they
+    share the config's tables, also across the pipe a reload comes back through."""
+    config = parse_config(
+        {
+            "classes": [{"name": "critical"}, {"name": "batch"}],
+            "tenants": {"chat": {"class": "critical"}},
+            "limits": {"models": {"qwen": {"max_concurrency": 2}}},
+        }
+    )
+    rules = config.admission_rules
+    assert rules.tenant_classes is config.tenant_classes and rules.models is config.models
+    assert rules.limited_models is config.limits.models and rules.classes is config.classes
+    reloaded = pickle.loads(pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL))
+    assert reloaded.admission_rules.tenant_classes is reloaded.tenant_classes
+    assert reloaded.admission_rules.class_of("chat").name == "critical"
+    assert not rules.shadow and replace(config, shadow=True).admission_rules.shadow  # a new config, new rules
 
 
 @pytest.mark.parametrize(
