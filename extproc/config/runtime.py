@@ -2,7 +2,9 @@
 
 Their shapes are what the code needs (a model's policy with its inheritance resolved, limits as
 `LimitSpec`, the feed subscriber's settings), not the file's; their defaults are the schema's
-(extproc/config/schema.py), so `Config()` is the config of an empty file.
+(extproc/config/schema.py), so `Config()` is the config of an empty file. Where a package defines the type
+it takes (admission's `ClassPolicy`, `TenantSource` and `AdmissionRules`, the store's `StoreSettings`), this
+module converts into it, and that package imports nothing of the config's.
 """
 
 from __future__ import annotations
@@ -155,8 +157,8 @@ class Config:
     log_level: str = _ROOT.log_level
     paths: PathTable = DEFAULT_TABLE
     admission_rules: AdmissionRules = field(init=False, repr=False, compare=False)
-    """What admission reads per request, converted once here (a reload builds a new `Config`, so a new
-    policy); the sidecar swaps it with the config in one assignment."""
+    """What admission reads per request, converted once when the config is built (a reload builds a new
+    `Config`, so new rules); the sidecar swaps them with the config in one assignment."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "admission_rules", admission_rules(self))
