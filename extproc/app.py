@@ -65,7 +65,7 @@ class Sidecar:
         self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
         self.store.on_wake(self.queue.kick)  # a shared store: capacity freed on other replicas
         built = build_admission(
-            lambda: self.config,
+            lambda: self.config.admission_rules,  # converted once per load; swapped with the config
             self.store,
             self.clock,
             self.metrics,
@@ -73,6 +73,7 @@ class Sidecar:
             queue=self.queue,
             executor=self.executor,
             settle_executor=self.settle_executor,
+            served_as=lambda model: self.feedback.served_as(model, self.config),
         )
         self.admission = built.service
         self.lean = LeanRuntime(built.unseen)

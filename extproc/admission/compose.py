@@ -1,8 +1,9 @@
-"""The one place the admission layer is put together: from config, limiter store and clock (and, where the
-sidecar has them, the KV feed's signals, the wait queue and worker threads) to a running `Admission`.
+"""The one place the admission layer is put together: from the rules, limiter store and clock (and, where
+the sidecar has them, the KV feed's signals, the wait queue and worker threads) to a running `Admission`.
 
 The sidecar (extproc/app.py) and the unit tests build it the same way, so a test's exchange is the
-sidecar's exchange without gRPC: `build_admission(...).exchange()`.
+sidecar's exchange without gRPC: `build_admission(...).exchange()`. The rules are admission's own type
+(extproc/admission/rules.py), which the config package builds once per load; nothing here reads a config.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Protocol
 
 from extproc.admission.exchange import Exchange
 from extproc.admission.queueing import AdmissionQueue
+from extproc.admission.rules import AdmissionRules
 from extproc.admission.service import AdmissionService, Deps
 from extproc.admission.unseen import UnseenStreams
-from extproc.config import Config
 from extproc.core.clock import Clock
 from extproc.core.kv_budget import KvBudget
 from extproc.core.ports import LimiterStore
@@ -31,8 +32,6 @@ class KvSignals(Protocol):
     def budget_changed(self, pool: str) -> None: ...
 
     def kv_usage(self, pool: str) -> float | None: ...
-
-    def served_as(self, model: str, config: Config) -> str | None: ...
 
     def decode_rate(self, pool: str) -> float | None: ...
 
@@ -51,7 +50,7 @@ class Admission:
 
 
 def build_admission(
-    config: Callable[[], Config],
+    rules: Callable[[], AdmissionRules],
     store: LimiterStore,
     clock: Clock,
     metrics: Metrics,
@@ -60,10 +59,14 @@ def build_admission(
     queue: AdmissionQueue | None = None,
     executor: Executor | None = None,
     settle_executor: Executor | None = None,
+    served_as: Callable[[str], str | None] | None = None,
 ) -> Admission:
-    """Admission over `store`, reading `config()` per request (a reload applies to new requests only)."""
+    """Admission over `store`, reading `rules()` per request (a reload applies to new requests only).
+
+    `served_as` names the model whose rules and pool a requested name uses (the feed's served names, as of
+    the config applied now); without it every name is itself."""
     deps = Deps(
-        config=config,
+        rules=rules,
         store=store,
         metrics=metrics,
         executor=executor,
@@ -75,7 +78,8 @@ def build_admission(
         deps.kv_budget = signals.budget
         deps.budget_changed = signals.budget_changed
         deps.kv_usage = signals.kv_usage
-        deps.served_as = signals.served_as
+    if served_as is not None:
+        deps.served_as = served_as
     service = AdmissionService(deps)
     if signals is not None:
         service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned

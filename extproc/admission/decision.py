@@ -39,9 +39,9 @@ from extproc.admission.request import (
     plan_reservation,
     prompt_token_lower_bound,
 )
+from extproc.admission.rules import AdmissionRules, ClassPolicy
 from extproc.admission.service import AdmissionService, Admitted
 from extproc.admission.verdicts import FORWARD, Forward, Hold, Refusal
-from extproc.config import ClassConfig, Config
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
 
@@ -57,7 +57,7 @@ class RequestFacts:
 
     api: Api
     tenant: str
-    klass: ClassConfig
+    klass: ClassPolicy
     client: str | None = None
 
 
@@ -108,7 +108,7 @@ class Decision:
     def tokenizer_lane(self) -> str:
         """Whose share of the tokenizer threads this request uses: its tenant, or its client address."""
         request = self.request
-        if request.tenant == self.service.config().admission.tenant.default and request.client:
+        if request.tenant == self.service.rules().tenant.default and request.client:
             return f"client:{request.client}"
         return f"tenant:{request.tenant}"
 
@@ -126,16 +126,18 @@ class Decision:
         log.info("shadow mode: would refuse", extra={"reason": refusal.reason, "class": klass})
         return Shadowed(refusal.reason)
 
-    async def run(self, raw: bytes, config: Config) -> AsyncIterator[Hold | Granted | Refusal | Shadowed]:
-        cap = config.admission.max_body_bytes
+    async def run(
+        self, raw: bytes, rules: AdmissionRules
+    ) -> AsyncIterator[Hold | Granted | Refusal | Shadowed]:
+        cap = rules.max_body_bytes
         if len(raw) > cap:
             yield self.refuse(refusals.too_large(len(raw), cap))
             return
         try:
-            parsed, policy, pool = await self.resolve(raw, config)
-            self.check(parsed, policy, config)
-            on_bound = await self.on_bound(parsed, policy, pool, config)  # no count yet (provisional.py)
-            plan = await self.plan(parsed, policy, config) if on_bound is None else None
+            parsed, policy, pool = await self.resolve(raw, rules)
+            self.check(parsed, policy, rules)
+            on_bound = await self.on_bound(parsed, policy, pool, rules)  # no count yet (provisional.py)
+            plan = await self.plan(parsed, policy, rules) if on_bound is None else None
         except AdmissionError as exc:
             yield self.refuse(refusals.invalid(exc))
             return
@@ -147,7 +149,7 @@ class Decision:
             return
         assert plan is not None
         klass = self.request.klass
-        shadow = config.shadow or klass.shadow
+        shadow = rules.shadow or klass.shadow
         service = self.service
         booking = self._booking(pool)
         now = service.clock()
@@ -158,7 +160,7 @@ class Decision:
             wait = refusals.kv_retry_after(booking.budget, hints, pool, now)
             yield self._deny(refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait), shadow)
             return
-        facts, new_body, strip_usage = self._forwarding(parsed, plan, config)
+        facts, new_body, strip_usage = self._forwarding(parsed, plan, rules)
         result: Lease | Rejection | Refusal | None = None
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         booking.hold(parsed, plan)
@@ -182,7 +184,7 @@ class Decision:
         yield self._grant(result, facts, policy, pool, plan, booking, strip_usage, new_body)
 
     async def on_bound(
-        self, parsed: ParsedRequest, policy: ModelPolicy, pool: str, config: Config
+        self, parsed: ParsedRequest, policy: ModelPolicy, pool: str, rules: AdmissionRules
     ) -> Granted | Refusal | None:
         """Admit on the prompt's upper bound where it decides, the exact count to follow (`provisional.py`).
 
@@ -190,7 +192,7 @@ class Decision:
         bound does not fit the KV budget or a bucket, or when it must queue. Nothing is held then.
         """
         klass, service = self.request.klass, self.service
-        bound = provisional.bound_plan(parsed, policy, config.admission.per_step)
+        bound = provisional.bound_plan(parsed, policy, rules.per_step)
         booking = self._booking(pool)
         if bound is None or not provisional.may_admit_on_bound(
             service, klass, booking.budget, parsed, bound, self.request.tenant, self.tokenizer_lane
@@ -207,7 +209,7 @@ class Decision:
                 booking.give_back()
         if not isinstance(result, Lease):
             return None  # a bucket or a slot said no: count, and decide on the exact need
-        facts, new_body, strip_usage = self._forwarding(parsed, bound, config)
+        facts, new_body, strip_usage = self._forwarding(parsed, bound, rules)
         granted = self._grant(result, facts, policy, pool, bound, booking, strip_usage, new_body)
         return replace(granted, correction=provisional.Correction(service, self.tokenizer_lane))
 
@@ -219,13 +221,13 @@ class Decision:
         return ["global", f"model:{pool}", f"tenant:{self.request.tenant}"]
 
     def _forwarding(
-        self, parsed: ParsedRequest, plan: Reservation, config: Config
+        self, parsed: ParsedRequest, plan: Reservation, rules: AdmissionRules
     ) -> tuple[ParsedRequest, bytes | None, bool]:
         """The admission facts kept (not the parsed body: a waiting request must not hold megabytes of
         JSON), the edited body (None: unchanged), and whether to strip a usage event the client did not
         ask for."""
         edits = BodyEdits(
-            include_usage=config.admission.inject_include_usage,
+            include_usage=rules.inject_include_usage,
             max_tokens=plan.injected_max_tokens,
             strip_priority=True,
             priority=self.request.klass.backend_priority,
@@ -271,7 +273,7 @@ class Decision:
         return Granted(admitted, self._forward(klass, new_body))
 
     @staticmethod
-    def _forward(klass: ClassConfig, new_body: bytes | None) -> Forward:
+    def _forward(klass: ClassPolicy, new_body: bytes | None) -> Forward:
         headers: tuple[tuple[str, str], ...] = ()
         if klass.backend_priority is not None:
             # vLLM reads the header on every API (the Messages API has no body field for it).
@@ -280,11 +282,11 @@ class Decision:
             return Forward(set_headers=headers) if headers else FORWARD
         return Forward(set_headers=(*headers, ("content-length", str(len(new_body)))), body=new_body)
 
-    async def resolve(self, raw: bytes, config: Config) -> tuple[ParsedRequest, ModelPolicy, str]:
+    async def resolve(self, raw: bytes, rules: AdmissionRules) -> tuple[ParsedRequest, ModelPolicy, str]:
         """Parse, and resolve the requested model to its policy and pool (404 for one nobody serves)."""
         api = self.request.api
-        stored = config.admission.allow_stored_context
-        bounds = config.admission.per_step
+        stored = rules.allow_stored_context
+        bounds = rules.per_step
         if len(raw) > OFF_LOOP_PARSE_BYTES:
             # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
             # worker thread, through the client's lane like its counting.
@@ -292,20 +294,20 @@ class Decision:
             parsed = await self.service.lanes.run(self.tokenizer_lane, parse, api, raw)
         else:
             parsed = parse_request(api, raw, allow_stored_context=stored, bounds=bounds)
-        served_as = self.service.deps.served_as(parsed.model, config)
-        policy = config.model_policy(served_as) if served_as is not None else None
+        served_as = self.service.deps.served_as(parsed.model)
+        policy = rules.model_policy(served_as) if served_as is not None else None
         if served_as is None or policy is None:
             raise AdmissionError(
                 404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
             )
-        pool = config.pool_of(served_as)
-        self.model_label = config.model_label(pool)
+        pool = rules.pool_of(served_as)
+        self.model_label = rules.model_label(pool)
         return parsed, policy, pool
 
-    def check(self, parsed: ParsedRequest, policy: ModelPolicy, config: Config) -> None:
+    def check(self, parsed: ParsedRequest, policy: ModelPolicy, rules: AdmissionRules) -> None:
         """Refuse what needs no count: a request-supplied chat template, a prompt whose cheap lower bound
         is already past the context window."""
-        self._check_template(parsed, config)
+        self._check_template(parsed, rules)
         lower = prompt_token_lower_bound(parsed, policy)
         if lower >= policy.context_window + (0 if parsed.generates else 1):
             raise AdmissionError(
@@ -316,19 +318,19 @@ class Decision:
                 param=parsed.prompt_param,
             )
 
-    async def plan(self, parsed: ParsedRequest, policy: ModelPolicy, config: Config) -> Reservation:
+    async def plan(self, parsed: ParsedRequest, policy: ModelPolicy, rules: AdmissionRules) -> Reservation:
         """Await the prompt's exact count, and size the reservation from it."""
         service = self.service
         started = service.clock()
         counts = await service.count_prompts(parsed, policy, self.tokenizer_lane)
         service.metrics.tokenize_seconds.observe(service.clock() - started)
-        return plan_reservation(parsed, counts, policy, config.admission.per_step)
+        return plan_reservation(parsed, counts, policy, rules.per_step)
 
     @staticmethod
-    def _check_template(parsed: ParsedRequest, config: Config) -> None:
+    def _check_template(parsed: ParsedRequest, rules: AdmissionRules) -> None:
         """A request-supplied chat template can expand a small body into a huge prompt: refuse it unless the
         operator trusts clients with it (`admission.allow_request_chat_template`)."""
-        if config.admission.allow_request_chat_template:
+        if rules.allow_request_chat_template:
             return
         key = parsed.custom_template
         if key is not None:

@@ -113,8 +113,8 @@ class Exchange:
     # -- request --------------------------------------------------------------------------------------------
 
     def request_headers(self, head: RequestHead) -> RequestVerdict:
-        config = self.service.config()
-        rule = config.paths.route(head.method, head.path)
+        rules = self.service.rules()
+        rule = rules.paths.route(head.method, head.path)
         if rule is None:
             self._phase = Phase.REFUSED
             self.service.count("rejected", "unknown_path", "none", "none", None)
@@ -124,8 +124,8 @@ class Exchange:
             self.service.count("passthrough", "free_path", "none", "none", None)
             return PASSTHROUGH
         claimed = head.tenant or ""
-        tenant = claimed if _TENANT_RE.fullmatch(claimed) else config.admission.tenant.default
-        self.request = RequestFacts(rule.api, tenant, config.class_of(tenant), head.client)
+        tenant = claimed if _TENANT_RE.fullmatch(claimed) else rules.tenant.default
+        self.request = RequestFacts(rule.api, tenant, rules.class_of(tenant), head.client)
         if head.end_of_stream:
             self._phase = Phase.REFUSED
             request = self.request
@@ -154,7 +154,7 @@ class Exchange:
         service = self.service
         started = service.clock()
         decision = Decision(service, request)
-        async for step in decision.run(body, service.config()):
+        async for step in decision.run(body, service.rules()):
             self.model_label = decision.model_label
             if isinstance(step, Hold):
                 yield step

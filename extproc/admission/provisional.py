@@ -41,8 +41,8 @@ from extproc.admission.lanes import LaneFull
 from extproc.admission.policy import ModelPolicy, StepBounds
 from extproc.admission.prompt import Count
 from extproc.admission.request import ParsedRequest, Reservation, plan_reservation
+from extproc.admission.rules import ClassPolicy
 from extproc.admission.service import AdmissionService, Admitted
-from extproc.config import ClassConfig
 from extproc.core.kv_budget import KvBudget
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _completion_terms(plan: Reservation) -> tuple[int, int | None, int]:
 
 def may_admit_on_bound(
     service: AdmissionService,
-    klass: ClassConfig,
+    klass: ClassPolicy,
     budget: KvBudget | None,
     req: ParsedRequest,
     bound: Reservation,
@@ -97,13 +97,13 @@ def may_admit_on_bound(
     """Whether to try the bound at all: not in shadow mode, not when the class must queue behind others
     (a queued request waits for its exact need, not an over-estimate), not when the client's tokenizer lane
     is busy, and only if it fits the KV budget."""
-    config = service.config()
-    if not config.admission.bound_admission or config.shadow or klass.shadow:
+    rules = service.rules()
+    if not rules.bound_admission or rules.shadow or klass.shadow:
         return False
     queue = service.deps.queue
     if queue is not None and queue.must_queue(klass.name):
         return False
-    if req.text_bytes > config.admission.inline_count_bytes and not service.lanes.free(lane):
+    if req.text_bytes > rules.tokenizing.inline_count_bytes and not service.lanes.free(lane):
         # The count after would wait in the client's tokenizer lane, where it could delay (or, past the
         # lane's backlog, refuse) the client's next request: count this one first instead.
         return False
@@ -172,7 +172,7 @@ class Correction:
         request, policy = admitted.request, admitted.policy
         try:
             counts = await self.service.count_prompts(request, policy, self.lane)
-            exact = plan_reservation(request, counts, policy, self.service.config().admission.per_step)
+            exact = plan_reservation(request, counts, policy, self.service.rules().per_step)
         except (LaneFull, AdmissionError, ValueError) as exc:
             log.info("bound admission: exact count failed, the bound stays", extra={"error": str(exc)})
             return None

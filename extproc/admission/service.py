@@ -1,12 +1,12 @@
 """The admission service: the one place that decides, for every protocol profile.
 
-`AdmissionService` holds what all requests share (config, limiter store, KV budgets, wait queue, metrics,
+`AdmissionService` holds what all requests share (rules, limiter store, KV budgets, wait queue, metrics,
 worker threads) and the operations that need it: acquiring a lease so that a cancelled caller can never
 leak one, settling a lease exactly once, retry hints from the leases open here, and the registries of open
 streams and of admitted requests whose end the proxy will report. Each request's life is an `Exchange`
 (see `exchange.py`): its decision is `decision.py`, its admitted life `inflight.py`. A protocol handler only
 translates its wire messages to the exchange's methods and the returned verdicts back to wire messages.
-`compose.py` builds the whole from config, store and clock.
+`compose.py` builds the whole from the rules, store and clock.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from extproc.admission.policy import ModelPolicy
 from extproc.admission.prompt import Count
 from extproc.admission.queueing import AdmissionQueue
 from extproc.admission.request import ParsedRequest, Reservation, count_prompt_tokens
+from extproc.admission.rules import AdmissionRules, ClassPolicy
 from extproc.admission.settlement import Charge
-from extproc.config import ClassConfig, Config
 from extproc.core.clock import Clock, monotonic
 from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Deps:
-    """What every request needs; `config` is read per request so a reload applies to new requests only."""
+    """What every request needs; `rules` is read per request so a reload applies to new requests only."""
 
-    config: Callable[[], Config]
+    rules: Callable[[], AdmissionRules]
     store: LimiterStore
     metrics: Metrics
     executor: Executor | None = None
@@ -58,7 +58,7 @@ class Deps:
     kv_usage: Callable[[str], float | None] = lambda _pool: None
     # The name whose policy and pool a requested model uses (an engine-listed alias or adapter: its base
     # pool); None refuses it as a model the engines do not serve (kvfeed.subscriber.runtime.served_as).
-    served_as: Callable[[str, Config], str | None] = lambda model, _config: model
+    served_as: Callable[[str], str | None] = lambda model: model
     queue: AdmissionQueue | None = None
     settle_executor: Executor | None = None
 
@@ -73,7 +73,7 @@ class Admitted:
     pool: str
     plan: Reservation
     tenant: str
-    klass: ClassConfig
+    klass: ClassPolicy
     model_label: str
     booking: KvBooking  # its entry in the pool's KV budget (booked before the lease was granted)
     strip_usage: bool
@@ -125,21 +125,22 @@ class AdmissionService:
     child: LabelledChildren = field(default_factory=LabelledChildren)
 
     def __post_init__(self) -> None:
-        admission = self.deps.config().admission
+        tokenizing = self.deps.rules().tokenizing
         self.lanes = Lanes(
             self.deps.executor,
-            threads=admission.tokenizer_threads,
-            per_lane=admission.tokenizer_per_client,
-            backlog=admission.tokenizer_backlog_per_client,
-            max_wait_s=admission.tokenizer_max_wait_seconds,
+            threads=tokenizing.threads,
+            per_lane=tokenizing.per_client,
+            backlog=tokenizing.backlog_per_client,
+            max_wait_s=tokenizing.max_wait_seconds,
         )
 
     @property
     def metrics(self) -> Metrics:
         return self.deps.metrics
 
-    def config(self) -> Config:
-        return self.deps.config()
+    def rules(self) -> AdmissionRules:
+        """The rules current now: what a request arriving now is decided by."""
+        return self.deps.rules()
 
     def clock(self) -> float:
         return self.deps.clock()
@@ -150,7 +151,7 @@ class AdmissionService:
         """One decision, counted once: by model and class, and by tenant (allow-listed or `other`)."""
         self.child(self.metrics.requests, decision, reason, model_label, klass).inc()
         if tenant is not None:
-            label = self.config().tenant_label(tenant)
+            label = self.rules().tenant_label(tenant)
             self.child(self.metrics.tenant_requests, label, decision).inc()
 
     # -- tokenizing -----------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class AdmissionService:
         fair turns between clients, a bounded backlog per client (LaneFull beyond it). Counting itself
         stops once a prompt is proven larger than the context window.
         """
-        if req.text_bytes <= self.config().admission.inline_count_bytes:
+        if req.text_bytes <= self.rules().tokenizing.inline_count_bytes:
             return count_prompt_tokens(req, policy)
         return await self.lanes.run(lane, count_prompt_tokens, req, policy)
 

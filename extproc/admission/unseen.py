@@ -177,7 +177,7 @@ class UnseenStreams:
         if self.channel.lost:
             inflight.expire()
             return
-        wait = self.service.config().admission.end_report_wait_seconds
+        wait = self.service.rules().end_report_wait_seconds
         asyncio.get_running_loop().call_later(wait, self._expire, inflight, wait)
 
     def _expire_ended(self) -> None:

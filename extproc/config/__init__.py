@@ -8,7 +8,8 @@ falls back to a default is worse than a refused reload.
 - `schema`: one pydantic class per YAML section, mirroring the file; the one place keys and defaults live.
 - `build`: `parse_config`, which validates against the schema and builds the runtime types.
 - `problems`, `walk`: pydantic's errors as key-path sentences; the schema's keys, and how `null` is read.
-- `runtime`: `Config` and the types the packages take.
+- `runtime`: `Config` and the types the packages take, and `admission_rules`, the one conversion to
+  admission's own policy (extproc/admission/rules.py) that each `Config` holds.
 - `load`: reading a file within bounds (bytes, nesting, nodes after alias expansion), and loading it in a
   child process, off the event loop.
 - `watch`: `load_config` and `ConfigWatcher`, over `load`.
@@ -16,19 +17,17 @@ falls back to a default is worse than a refused reload.
 
 from __future__ import annotations
 
+from extproc.admission.rules import DEFAULT_MODEL  # the `models`/`limits.models` entry for every name
 from extproc.config.build import parse_config
 from extproc.config.errors import MAX_PROBLEM_CHARS, MAX_PROBLEMS_SHOWN, MAX_SUGGESTIONS, ConfigError
 from extproc.config.runtime import (
     DEFAULT_CLASS,
-    DEFAULT_MODEL,
     DEFAULT_POLICY,
     AdmissionConfig,
-    ClassConfig,
     Config,
     LimitsConfig,
     ServerConfig,
-    StoreConfig,
-    TenantConfig,
+    admission_rules,
 )
 from extproc.config.warnings import config_warnings, log_warnings
 from extproc.config.watch import ConfigWatcher, ReloadResult, load_config
@@ -44,7 +43,6 @@ __all__ = [
     "MAX_PROBLEM_CHARS",
     "MAX_SUGGESTIONS",
     "AdmissionConfig",
-    "ClassConfig",
     "Config",
     "ConfigError",
     "ConfigWatcher",
@@ -53,9 +51,8 @@ __all__ = [
     "LimitsConfig",
     "ReloadResult",
     "ServerConfig",
-    "StoreConfig",
     "SubscriberConfig",
-    "TenantConfig",
+    "admission_rules",
     "config_warnings",
     "load_config",
     "log_warnings",

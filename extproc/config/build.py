@@ -22,21 +22,20 @@ from pydantic import BaseModel, ValidationError
 
 from extproc.admission.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
 from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, StepBounds, TemplateCosts
+from extproc.admission.rules import DEFAULT_MODEL, ClassPolicy
 from extproc.admission.tokens import get_encoding
 from extproc.config import schema
 from extproc.config.errors import ConfigError
 from extproc.config.problems import problems
 from extproc.config.runtime import (
     DEFAULT_CLASS,
-    DEFAULT_MODEL,
     DEFAULT_POLICY,
     AdmissionConfig,
-    ClassConfig,
     Config,
     LimitsConfig,
     ServerConfig,
-    StoreConfig,
-    TenantConfig,
+    store_settings,
+    tenant_source,
 )
 from extproc.config.walk import nulls_absent
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveConfigError
@@ -48,6 +47,7 @@ from extproc.kvfeed.subscriber.settings import (
     SubscriberConfigError,
 )
 from extproc.kvfeed.targets import Target, target_from_mapping
+from extproc.store.settings import StoreSettings
 
 
 def parse_config(data: Any) -> Config:
@@ -121,12 +121,7 @@ def _overrides(section: BaseModel) -> dict[str, Any]:
 
 
 def _admission(adm: schema.Admission) -> AdmissionConfig:
-    tenant = TenantConfig(
-        header=adm.tenant.header.lower() if adm.tenant.header else None,
-        metadata_namespace=adm.tenant.metadata.namespace,
-        metadata_key=adm.tenant.metadata.key,
-        default=adm.tenant.default,
-    )
+    tenant = tenant_source(adm.tenant)
     fields = {k: v for k, v in adm.model_dump().items() if k not in ("tenant", "per_step")}
     return AdmissionConfig(
         **fields, tenant=tenant, per_step=replace(StepBounds(), **_overrides(adm.per_step))
@@ -185,17 +180,17 @@ def _limit(limit: schema.Limit, path: str, classes: Sequence[str]) -> LimitSpec:
         raise ConfigError(f"{path}.guaranteed: {exc}") from None
 
 
-def _classes(classes: Sequence[schema.Class] | None) -> tuple[ClassConfig, ...]:
+def _classes(classes: Sequence[schema.Class] | None) -> tuple[ClassPolicy, ...]:
     if classes is None:
-        return (ClassConfig(DEFAULT_CLASS),)
-    out: list[ClassConfig] = []
+        return (ClassPolicy(DEFAULT_CLASS),)
+    out: list[ClassPolicy] = []
     for i, klass in enumerate(classes):
         if any(c.name == klass.name for c in out):
             raise ConfigError(f"classes[{i}].name: duplicate class {klass.name!r}")
         wait = klass.queue.max_wait_seconds
         queued = klass.queue.max_queued
         out.append(
-            ClassConfig(
+            ClassPolicy(
                 name=klass.name,
                 max_wait_seconds=wait,
                 max_queued=queued if queued is not None else (klass.queue.QUEUED_WHEN_WAITING if wait else 0),
@@ -207,7 +202,7 @@ def _classes(classes: Sequence[schema.Class] | None) -> tuple[ClassConfig, ...]:
     return tuple(out)
 
 
-def _check_queue_waits(classes: Sequence[ClassConfig], envoy_max: float) -> None:
+def _check_queue_waits(classes: Sequence[ClassPolicy], envoy_max: float) -> None:
     """A queued request holds Envoy's ext_proc timer, which the sidecar extends to ceil(wait) + 1 s; past
     Envoy's max_message_timeout Envoy ignores the extension and answers 504 after its 1 s message_timeout."""
     for i, klass in enumerate(classes):
@@ -301,26 +296,9 @@ def _adaptive(base: AdaptiveConfig, tuning: schema.AdaptiveTuning, path: str) ->
         raise ConfigError(f"{path}.{exc.key}: {exc.reason}") from None
 
 
-def _store(store: schema.Store) -> StoreConfig:
-    red = store.redis
-    _check_redis(red)
-    return StoreConfig(
-        backend=store.backend,
-        redis_url=red.url,
-        key_prefix=red.key_prefix,
-        lease_ttl_seconds=red.lease_ttl_seconds,
-        timeout_ms=red.timeout_ms,
-        on_unavailable=store.on_unavailable,
-        fallback_share=store.fallback_share,
-        redis_mode=red.mode,
-        redis_username=red.username,
-        redis_password_file=red.password_file,
-        redis_password_env=red.password_env,
-        tls_ca_file=red.tls.ca_file,
-        tls_cert_file=red.tls.cert_file,
-        tls_key_file=red.tls.key_file,
-        tls_verify=red.tls.verify,
-    )
+def _store(store: schema.Store) -> StoreSettings:
+    _check_redis(store.redis)
+    return store_settings(store)
 
 
 def _check_redis(red: schema.Redis) -> None:

@@ -45,9 +45,9 @@ from extproc.admission.names import (
     tenant_attribute,
 )
 from extproc.admission.reading import ReadSpec
+from extproc.admission.rules import TenantSource
 from extproc.admission.unseen import TICK_SECONDS, ReportChannel, UnseenStreams
 from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
-from extproc.config import Config
 from extproc.protocol.messages import (
     EXT_PROC_ATTRIBUTES,
     client_address,
@@ -91,12 +91,11 @@ def _attribute(request: pb.ProcessingRequest, name: str) -> str | None:
     return str(value.string_value)
 
 
-def lean_tenant_claim(request: pb.ProcessingRequest, config: Config) -> str | None:
+def lean_tenant_claim(request: pb.ProcessingRequest, source: TenantSource) -> str | None:
     """The tenant from the trusted source: an earlier filter's dynamic metadata, else the trusted header,
     which Envoy sends as an attribute in this profile (the proxy strips it from clients, docs/tenants.md)."""
-    source = config.admission.tenant
     if source.metadata_namespace:
-        found = metadata_tenant(request, config)
+        found = metadata_tenant(request, source)
         if found is not None:
             return found
     if source.header:
@@ -182,12 +181,12 @@ class LeanTranslator:
 
     def _head(self, request: pb.ProcessingRequest) -> RequestHead:
         """The request line from the attributes Envoy sends with the body (the routes already checked it)."""
-        config = self.exchange.service.config()
+        source = self.exchange.service.rules().tenant
         return RequestHead(
             method=_attribute(request, "request.method") or "",
             path=_attribute(request, "request.path") or "",
             headers={},
-            tenant=lean_tenant_claim(request, config),
+            tenant=lean_tenant_claim(request, source),
             client=client_address(request),
         )
 

@@ -14,8 +14,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from extproc.admission.exchange import Exchange, RequestHead
+from extproc.admission.rules import TenantSource
 from extproc.admission.verdicts import Forward, Header, Hold, Passthrough, Refusal
-from extproc.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,11 @@ def response_body_reply(verdict: Forward | Refusal) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common_response(verdict)))
 
 
-def tenant_claim(request: pb.ProcessingRequest, headers: dict[str, str], config: Config) -> str | None:
+def tenant_claim(request: pb.ProcessingRequest, headers: dict[str, str], source: TenantSource) -> str | None:
     """The tenant from the configured trusted source: dynamic metadata set by an earlier filter, or a header
     that the proxy strips from clients and sets from verified identity (docs/tenants.md)."""
-    source = config.admission.tenant
     if source.metadata_namespace:
-        found = metadata_tenant(request, config)
+        found = metadata_tenant(request, source)
         if found is not None:
             return found
     if source.header:
@@ -111,9 +110,8 @@ def tenant_claim(request: pb.ProcessingRequest, headers: dict[str, str], config:
     return None
 
 
-def metadata_tenant(request: pb.ProcessingRequest, config: Config) -> str | None:
+def metadata_tenant(request: pb.ProcessingRequest, source: TenantSource) -> str | None:
     """The tenant an earlier filter wrote to dynamic metadata (`admission.tenant.metadata`), if any."""
-    source = config.admission.tenant
     namespace = request.metadata_context.filter_metadata.get(source.metadata_namespace or "")
     if namespace is None:
         return None
@@ -144,12 +142,12 @@ def on_request_headers(exchange: Exchange, request: pb.ProcessingRequest) -> pb.
     if request.HasField("protocol_config"):
         _check_body_mode(request.protocol_config.request_body_mode)
     headers = header_values(message)
-    config = exchange.service.config()
+    source = exchange.service.rules().tenant
     head = RequestHead(
         method=headers.get(":method", ""),
         path=headers.get(":path", ""),
         headers=headers,
-        tenant=tenant_claim(request, headers, config),
+        tenant=tenant_claim(request, headers, source),
         end_of_stream=message.end_of_stream,
         client=client_address(request),
     )

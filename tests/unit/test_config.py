@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ def test_limit_keys_and_model_defaults() -> None:
         }
     )
     assert config.models["big"].default_max_tokens == 100  # inherited from "*"
-    assert config.model_policy("unknown") == config.models["*"]
+    assert config.admission_rules.model_policy("unknown") == config.models["*"]
     specs, defaults = config.limit_specs()
     assert specs == {
         "global": LimitSpec(max_concurrency=10),
@@ -67,8 +69,9 @@ def test_unknown_models_refused_when_configured() -> None:
     config = parse_config(
         {"admission": {"reject_unknown_models": True}, "models": {"m": {"context_window": 10}}}
     )
-    assert config.model_policy("other") is None
-    assert config.model_policy("m") is not None
+    rules = config.admission_rules
+    assert rules.model_policy("other") is None
+    assert rules.model_policy("m") is not None
 
 
 @pytest.mark.parametrize(
@@ -238,10 +241,30 @@ def test_classes_and_tenants() -> None:
     )
     assert config.priority == ("critical", "batch")
     assert config.default_class == "batch"  # the lowest class when none is named
-    assert config.class_of("chat").name == "critical"
-    assert config.class_of("stranger").name == "batch"
-    assert config.class_config("critical").queues and config.class_config("critical").max_queued == 100
-    assert config.tenant_label("chat") == "chat" and config.tenant_label("x") == "other"
+    rules = config.admission_rules
+    assert rules.class_of("chat").name == "critical"
+    assert rules.class_of("stranger").name == "batch"
+    assert rules.class_config("critical").queues and rules.class_config("critical").max_queued == 100
+    assert rules.tenant_label("chat") == "chat" and rules.tenant_label("x") == "other"
+
+
+def test_admission_rules_are_converted_once_and_share_the_configs_tables() -> None:
+    """Admission's rules are built with the config, not per request, and cost nothing per tenant: they
+    share the config's tables, also across the pipe a reload comes back through."""
+    config = parse_config(
+        {
+            "classes": [{"name": "critical"}, {"name": "batch"}],
+            "tenants": {"chat": {"class": "critical"}},
+            "limits": {"models": {"qwen": {"max_concurrency": 2}}},
+        }
+    )
+    rules = config.admission_rules
+    assert rules.tenant_classes is config.tenant_classes and rules.models is config.models
+    assert rules.limited_models is config.limits.models and rules.classes is config.classes
+    reloaded = pickle.loads(pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL))
+    assert reloaded.admission_rules.tenant_classes is reloaded.tenant_classes
+    assert reloaded.admission_rules.class_of("chat").name == "critical"
+    assert not rules.shadow and replace(config, shadow=True).admission_rules.shadow  # a new config, new rules
 
 
 @pytest.mark.parametrize(
@@ -283,11 +306,12 @@ def test_model_costs_pools_and_output_bound_policy() -> None:
     assert llama.template.per_message == 4 and llama.template.per_request == 32  # inherited, then default
     assert llama.media.image_tokens == 576 and llama.missing_max_tokens == "inject"
     assert config.models["*"].missing_max_tokens == "reserve_window"
-    assert config.pool_of("llama") == "llama"
-    assert config.pool_of("llama-lora-sql") == "llama"  # an adapter counts against its base model
-    assert config.pool_of("qwen") == "qwen"  # named under limits only
-    assert config.pool_of("made-up") == "llama"  # unknown names share the "*" pool
-    assert parse_config({}).pool_of("made-up") == DEFAULT_MODEL
+    rules = config.admission_rules
+    assert rules.pool_of("llama") == "llama"
+    assert rules.pool_of("llama-lora-sql") == "llama"  # an adapter counts against its base model
+    assert rules.pool_of("qwen") == "qwen"  # named under limits only
+    assert rules.pool_of("made-up") == "llama"  # unknown names share the "*" pool
+    assert parse_config({}).admission_rules.pool_of("made-up") == DEFAULT_MODEL
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,11 @@ from extproc.admission.exchange import Exchange, Phase, RequestHead
 from extproc.admission.inflight import InFlight
 from extproc.admission.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
 from extproc.admission.verdicts import Forward, Hold, Refusal
-from extproc.config import parse_config
 from extproc.core.clock import FakeClock
 from extproc.core.limiter import LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
+from tests.support.rules import admission_rules
 
 CONFIG: dict[str, Any] = {
     "admission": {"tenant": {"header": "x-tenant"}},
@@ -39,8 +39,8 @@ class Rig:
         self.metrics = Metrics()
         self.store = LocalStore(clock=self.clock)
         self.concurrency = concurrency
-        parsed = parse_config(config)
-        self.admission: Admission = build_admission(lambda: parsed, self.store, self.clock, self.metrics)
+        rules = admission_rules(config)
+        self.admission: Admission = build_admission(lambda: rules, self.store, self.clock, self.metrics)
         self.kv_usage: float | None = None
         self.admission.service.deps.kv_usage = lambda _pool: self.kv_usage
 

@@ -32,6 +32,7 @@ from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
+from tests.support.rules import admission_rules
 
 HEAD = RequestHead("POST", "/v1/chat/completions", {})
 WORDS = "the quick brown fox jumps over a lazy dog while " * 40  # ~2 kB of prose, ~4.5 bytes a token
@@ -114,8 +115,7 @@ async def settle_loop() -> None:
 
 def exact_prompt(raw: bytes) -> int:
     """What the exact path reserves for this body's prompt."""
-    config = parse_config({})
-    policy = config.model_policy("m")
+    policy = admission_rules().model_policy("m")
     assert policy is not None
     parsed = parse_request(Api.CHAT, raw)
     return sum(prompts.count(p, policy).high for p in parsed.prompts)
@@ -157,7 +157,7 @@ def test_random_text_never_has_more_tokens_than_bytes() -> None:
 
 def test_the_upper_bound_covers_token_ids_template_and_media() -> None:
     """The non-text parts are the same fixed number in the bound and in the count."""
-    policy = parse_config({}).model_policy("m")
+    policy = admission_rules().model_policy("m")
     assert policy is not None
     item = Prompt(
         texts=("user", "<|endoftext|> hi", "\ud83d"),
@@ -175,10 +175,10 @@ def test_the_upper_bound_covers_token_ids_template_and_media() -> None:
 
 
 def plan_for(raw: bytes, config: dict[str, Any] | None = None) -> Any:
-    parsed_config = parse_config(config or {})
-    policy = parsed_config.model_policy("m")
+    rules = admission_rules(config)
+    policy = rules.model_policy("m")
     assert policy is not None
-    return provisional.bound_plan(parse_request(Api.CHAT, raw), policy, parsed_config.admission.per_step)
+    return provisional.bound_plan(parse_request(Api.CHAT, raw), policy, rules.per_step)
 
 
 def test_the_bound_decides_far_from_the_window() -> None:

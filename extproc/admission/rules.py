@@ -1,0 +1,140 @@
+"""The operator's rules as admission reads them: one frozen `AdmissionRules` per loaded config.
+
+Admission never reads the config package's classes. The config package (extproc/config/runtime.py) builds
+an `AdmissionRules` once per load or reload, sharing its tables (models, tenants' classes) rather than
+copying them, so 10^5 tenants cost nothing more here; the sidecar swaps the whole policy in one assignment
+and each request reads the policy current when it arrives. Nothing in this module converts anything per
+request: every lookup is a dict or set membership on what the load built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from extproc.admission.paths import PathTable
+from extproc.admission.policy import ModelPolicy, StepBounds
+
+DEFAULT_MODEL = "*"
+"""Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    """A priority class (`classes[]`). Order in the config is priority: the first class is the most
+    important."""
+
+    name: str
+    max_wait_seconds: float = 0.0  # 0: answer 429 at once instead of waiting for capacity
+    max_queued: int = 0
+    shadow: bool = False
+    cut_streams_above_kv: float | None = None
+    # Written into the body's `priority` (vLLM/SGLang priority scheduling); None: the client's is removed.
+    backend_priority: int | None = None
+
+    @property
+    def queues(self) -> bool:
+        return self.max_wait_seconds > 0 and self.max_queued > 0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSource:
+    """Where the tenant id comes from (`admission.tenant`): a trusted header, or dynamic metadata set by an
+    earlier filter; `default` for a request that names none (or an invalid one)."""
+
+    header: str | None
+    metadata_namespace: str | None
+    metadata_key: str
+    default: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenizing:
+    """How prompts are counted (`admission.tokenizer_*`, `inline_count_bytes`): on the loop when small,
+    else on the tokenizer threads through each client's lane (extproc/admission/lanes.py)."""
+
+    threads: int
+    per_client: int
+    backlog_per_client: int
+    max_wait_seconds: float
+    inline_count_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRules:
+    """Everything a request's admission reads from the config, resolved at load.
+
+    `models` holds every configured model's policy with inheritance from `models."*"` resolved, and
+    `default_model` the policy an unnamed model falls back to; `limited_models` the names `limits.models`
+    gives limits (a name limited but not described is its own pool). `tenant_classes` maps a tenant to its
+    class name; a tenant it does not name is in `default_class`.
+    """
+
+    models: Mapping[str, ModelPolicy]
+    default_model: ModelPolicy
+    limited_models: Collection[str]
+    reject_unknown_models: bool
+    classes: tuple[ClassPolicy, ...]
+    default_class: str
+    tenant_classes: Mapping[str, str]
+    tenant: TenantSource
+    tenant_metrics: frozenset[str]
+    paths: PathTable
+    tokenizing: Tokenizing
+    per_step: StepBounds
+    max_body_bytes: int
+    inject_include_usage: bool
+    allow_request_chat_template: bool
+    allow_stored_context: bool
+    bound_admission: bool
+    shadow: bool
+    end_report_wait_seconds: float
+
+    def class_of(self, tenant: str) -> ClassPolicy:
+        """The class of a tenant; unknown tenants fall into the default class."""
+        return self.class_config(self.tenant_classes.get(tenant, self.default_class))
+
+    def class_config(self, name: str) -> ClassPolicy:
+        """A class by name; an unknown name is the least important class."""
+        for klass in self.classes:
+            if klass.name == name:
+                return klass
+        return self.classes[-1]
+
+    def tenant_label(self, tenant: str) -> str:
+        """Tenant as a metric label: only allow-listed tenants get their own series."""
+        return tenant if tenant in self.tenant_metrics else "other"
+
+    def model_policy(self, model: str) -> ModelPolicy | None:
+        """Policy for a served model name; None when unknown and unknown models are refused."""
+        policy = self.models.get(model)
+        if policy is not None:
+            return policy
+        if self.reject_unknown_models:
+            return None
+        return self.default_model
+
+    def pool_of(self, model: str) -> str:
+        """The pool a model name's requests count against (its `model:<pool>` key and KV budget).
+
+        A configured model is its own pool unless `pool` names another (an alias, a LoRA adapter of the same
+        base model). Every name the config does not know shares the single pool of `models."*"` (its `pool`,
+        else `*`): a client cannot mint fresh limits or escape the KV budget by inventing model names.
+        """
+        policy = self.models.get(model)
+        if model != DEFAULT_MODEL and policy is not None:
+            return policy.pool or model
+        if model != DEFAULT_MODEL and model in self.limited_models:
+            return model
+        default = self.models.get(DEFAULT_MODEL)
+        return default.pool if default is not None and default.pool else DEFAULT_MODEL
+
+    @staticmethod
+    def model_label(pool: str) -> str:
+        """A pool as the `model` metric label: configured pools by name, the unknown-name pool as `other`."""
+        return pool if pool != DEFAULT_MODEL else "other"
+
+    def model_labels(self) -> list[str]:
+        """Every `model` label value requests can be counted under (bounded by the config)."""
+        pools = {self.pool_of(name) for name in [*self.models, *self.limited_models]}
+        return sorted({self.model_label(pool) for pool in pools} | {"other"})
