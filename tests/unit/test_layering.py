@@ -280,4 +280,9 @@ def test_a_rule_breach_is_caught() -> None:
     assert not allowed("extproc.store.local", "store", "extproc.config")
     assert not allowed("extproc.sim.server", "sim", "extproc.admission.exchange")
     assert allowed("extproc.sim.server", "sim", "extproc.admission.tokens")
+    # A file's own row holds over its folder's: the relay may reach the store, the translators may not.
+    assert layer_of("extproc/protocol/relay.py") == "relay"
+    assert layer_of("extproc/protocol/lean.py") == "protocol"
+    assert allowed("extproc.protocol.relay", "relay", "extproc.store.redis.breaker")
+    assert not allowed("extproc.protocol.lean", "protocol", "extproc.store.redis.breaker")
     assert io_of(ast.parse("import redis.asyncio\nfrom urllib.parse import quote\n")) == {"Redis"}
