@@ -363,3 +363,59 @@ def test_sglang_usage_on_every_event_keeps_the_last_one(reader: Reader) -> None:
     assert json.loads(seen.fields["u"])["completion_tokens"] == 5
     charge = settle_charge(7, facts_of(200, reading_of(seen.struct()), Api("sglang_generate"), ENC))
     assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 7, 5)
+
+
+def cohere_stream(end: dict[str, Any]) -> bytes:
+    """A vLLM Cohere chat v2 stream (vLLM v0.32.0 entrypoints/cohere/serving.py:1425-1551): `data:` only,
+    typed events, one generated delta per content event, `message-end`, then `[DONE]`."""
+    message: list[dict[str, Any]] = [
+        {"id": "c", "type": "message-start", "delta": {"message": {"role": "assistant"}}},
+        {
+            "type": "content-start",
+            "index": 0,
+            "delta": {"message": {"content": {"type": "text", "text": ""}}},
+        },
+        *(
+            {"type": "content-delta", "index": 0, "delta": {"message": {"content": {"text": f"w{i}"}}}}
+            for i in range(3)
+        ),
+        {"type": "citation-start", "index": 0, "delta": {"message": {"citations": {"text": "w0"}}}},
+        {"type": "content-end", "index": 0},
+        {"type": "tool-plan-delta", "delta": {"message": {"tool_plan": "zoom"}}},
+        {
+            "type": "tool-call-start",
+            "index": 0,
+            "delta": {"message": {"tool_calls": {"function": {"name": "z"}}}},
+        },
+        {
+            "type": "tool-call-delta",
+            "index": 0,
+            "delta": {"message": {"tool_calls": {"function": {"arguments": "{}"}}}},
+        },
+        {"type": "tool-call-end", "index": 0},
+    ]
+    return sse(*message, end, "[DONE]")
+
+
+def test_a_cohere_stream_counts_its_deltas_and_reads_the_float_usage_of_message_end(reader: Reader) -> None:
+    usage = {
+        "billed_units": {"input_tokens": 9.0, "output_tokens": 6.0},
+        "tokens": {"input_tokens": 9.0, "output_tokens": 6.0},
+    }
+    text = cohere_stream(
+        {"id": "c", "type": "message-end", "delta": {"finish_reason": "COMPLETE", "usage": usage}}
+    )
+    for chunks in every_split(text):
+        seen = reader.read(Api("cohere_chat"), "text/event-stream", chunks, strip=True)
+        assert seen.client == text  # nothing to strip: vLLM always streams Cohere's usage
+        assert (seen.fields["n"], seen.fields["f"]) == (6, True) and json.loads(seen.fields["u"]) == usage
+        charge = settle_charge(9, facts_of(200, reading_of(seen.struct()), Api("cohere_chat"), ENC))
+        assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 9, 6)
+
+
+def test_a_cohere_stream_that_fails_mid_answer_is_an_upstream_error(reader: Reader) -> None:
+    text = cohere_stream({"type": "message-end", "delta": {"error": "engine died", "finish_reason": "ERROR"}})
+    seen = reader.read(Api("cohere_chat"), "text/event-stream", [text])
+    assert seen.fields["e"] is True and seen.fields["n"] == 6
+    facts = facts_of(200, reading_of(seen.struct()), Api("cohere_chat"), ENC)
+    assert settle_charge(3, facts).ending is Ending.UPSTREAM_ERROR
