@@ -57,13 +57,15 @@ ROLES = ("user", "assistant", "system", "tool")
 """The roles of Cohere's `ChatMessageV2` union; `developer` becomes `system` first (protocol.py:214-245)."""
 
 CONTENT_OPTIONAL = frozenset({"assistant"})
-"""Roles whose `content` may be absent (an assistant turn of only `tool_calls` or `tool_plan`)."""
+"""Roles whose `content` may be absent: an assistant turn of only `tool_calls` or `tool_plan`
+(serving.py:456). A tool message needs its `tool_call_id` (serving.py:490-545)."""
 
 TEMPLATED_FIELDS = ("tools", "documents")
-"""Request-level arrays the template renders (serving.py:608-636, 655-690)."""
+"""Request-level arrays the template renders (serving.py:608-636, 670-685)."""
 
 TEMPLATE_KWARG_FIELDS = ("safety_mode", "citation_options", "thinking")
-"""Request fields vLLM hands the template as `chat_template_kwargs` (serving.py:692-705)."""
+"""Request fields vLLM hands the template as `chat_template_kwargs` (serving.py:687-699); `safety_mode` is
+lower-cased there, so counting it as sent is an upper bound."""
 
 
 def _message(collected: ContentTexts, message: Any, param: str) -> None:
