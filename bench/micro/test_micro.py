@@ -94,13 +94,13 @@ def _chat_body(tokens: int) -> bytes:
 def test_parse_request(benchmark: Any, tokens: int) -> None:
     """JSON decode and validation of a chat body (no tokenizing)."""
     raw = _chat_body(tokens)
-    benchmark(parse_request, Api.CHAT, raw)
+    benchmark(parse_request, Api("chat"), raw)
 
 
 @pytest.mark.parametrize("tokens", [1024, 32768, 131072], ids=["1k", "32k", "128k"])
 def test_count_prompt_tokens(benchmark: Any, tokens: int) -> None:
     """Exact prompt count with tiktoken (cl100k), the step that runs in the worker threads."""
-    req = parse_request(Api.CHAT, _chat_body(tokens))
+    req = parse_request(Api("chat"), _chat_body(tokens))
     counted = benchmark(count_prompt_tokens, req, POLICY)
     assert counted[0].high >= tokens
 
@@ -109,7 +109,7 @@ def test_count_prompt_tokens(benchmark: Any, tokens: int) -> None:
 def test_parse_and_count(benchmark: Any, tokens: int) -> None:
     """Parse + count together: the admission CPU per request before the limiter."""
     raw = _chat_body(tokens)
-    benchmark(lambda: count_prompt_tokens(parse_request(Api.CHAT, raw), POLICY))
+    benchmark(lambda: count_prompt_tokens(parse_request(Api("chat"), raw), POLICY))
 
 
 HOP_SIZES = [64, 256, 1024, 4096]

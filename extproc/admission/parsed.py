@@ -8,32 +8,16 @@ APIs can depend on them without depending on each other.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NewType, Protocol
 
 from extproc.admission.prompt import Prompt
 
-
-class Api(enum.StrEnum):
-    """The request shapes the sidecar meters, by name; each has one `ApiSpec` in `extproc/admission/apis/`
-    (the registry there lists them, and a test checks every name has its spec)."""
-
-    CHAT = "chat"
-    COMPLETIONS = "completions"
-    EMBEDDINGS = "embeddings"
-    CHAT_BATCH = "chat_batch"  # vLLM /v1/chat/completions/batch: one conversation per prompt
-    RESPONSES = "responses"  # OpenAI Responses (/v1/responses)
-    MESSAGES = "messages"  # Anthropic Messages (/v1/messages)
-    INVOCATIONS = "invocations"  # SageMaker: resolved by body shape; a parsed request names the API found
-    GENERATE_TOKENS = "generate_tokens"  # vLLM token-in/token-out (/inference/v1/generate)
-    SGLANG_GENERATE = "sglang_generate"  # SGLang native /generate
-    SGLANG_ENCODE = "sglang_encode"  # SGLang native /encode and /classify: prompt tokens only
-    POOLING = "pooling"  # vLLM /pooling, /classify, SGLang /v1/classify: prompt tokens only
-    SCORE = "score"  # score and rerank: one prompt per (query, document) pair
-    COHERE_EMBED = "cohere_embed"  # vLLM /v2/embed (Cohere's embed schema)
-    TOKENIZE = "tokenize"  # renders and tokenizes (media included), runs no model
-    DETOKENIZE = "detokenize"
+Api = NewType("Api", str)
+"""An API's name ("chat", "messages", "cohere_chat", ...), declared once by its adapter in its module under
+`extproc/admission/apis/` (the adapter's `api`, which is its `ApiSpec.api`) and the key of every per-API
+lookup there. A name rather than an enum of every API, so that adding an API touches only its own module;
+the registry refuses two modules that declare the same name. Lookups by it are one dict access."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,7 +110,6 @@ KNOWN_REFUSED: tuple[PathRule, ...] = (
     _refused("/v1/responses/render", "POST", VLLM, "scale-out rendering: internal to disaggregated serving"),
     _refused("/v1/chat/completions/derender", "POST", VLLM, "scale-out: internal to disaggregated serving"),
     _refused("/v1/completions/derender", "POST", VLLM, "scale-out: internal to disaggregated serving"),
-    _refused("/cohere/v2/chat", "POST", VLLM, NOT_METERED + " (Cohere chat)"),
     _refused(
         "/cohere/v2/chat/render", "POST", VLLM, "scale-out rendering: internal to disaggregated serving"
     ),

@@ -1,8 +1,9 @@
 """aiohttp handlers for the surface vLLM serves, backed by the simulated engine.
 
-Generation APIs (chat, completions, Responses, Anthropic Messages, token-in/token-out, and SageMaker's
-`/invocations` dispatching by body shape) run through the engine and write their answers in their own
-format (`formats.py`) with the same accounting. Pooling APIs are counted and answered without decoding.
+Generation APIs (chat, completions, Responses, Anthropic Messages, Cohere chat v2, token-in/token-out,
+and SageMaker's `/invocations` dispatching by body shape) run through the engine and write their answers
+in their own format (`formats.py`) with the same accounting. Pooling APIs are counted and answered without
+decoding.
 
 Streaming responses are prepared (headers sent) on the first token, not on arrival, so a request that
 fails while still queued (engine crash in oom mode) gets a clean HTTP 500 rather than a half-open SSE
@@ -40,7 +41,13 @@ from extproc.sim.protocol import (
     plan_output,
 )
 from extproc.sim.scheduler import Scheduler
-from extproc.sim.shapes import parse_generate_tokens, parse_messages, parse_responses, pooling_prompts
+from extproc.sim.shapes import (
+    parse_cohere_chat,
+    parse_generate_tokens,
+    parse_messages,
+    parse_responses,
+    pooling_prompts,
+)
 from extproc.sim.textgen import generate_tokens
 
 log = logging.getLogger(__name__)
@@ -94,6 +101,7 @@ def build_app(config: SimConfig, engine: Engine | None = None) -> web.Applicatio
     app.router.add_post("/v1/messages", _messages)
     app.router.add_post("/inference/v1/generate", _generate_tokens)
     app.router.add_post("/invocations", _invocations)
+    app.router.add_post("/cohere/v2/chat", _cohere_chat)
     for path in POOLING_PATHS:
         app.router.add_post(path, _pool)
     app.router.add_get("/v1/models", _models)
@@ -174,6 +182,7 @@ _completions = _handler(_completions_parser, formats.COMPLETIONS)
 _responses = _handler(parse_responses, formats.RESPONSES)
 _messages = _handler(parse_messages, formats.MESSAGES)
 _generate_tokens = _handler(parse_generate_tokens, formats.TOKENS)
+_cohere_chat = _handler(parse_cohere_chat, formats.COHERE_CHAT)
 
 
 async def _invocations(request: web.Request) -> web.StreamResponse:

@@ -4,8 +4,9 @@ Every format reports the same accounting (prompt tokens once per prompt, complet
 choices), so a request's usage does not depend on the API it came through. Event shapes follow vLLM:
 chat and completions chunks (vLLM v0.33.0 entrypoints/openai/chat_completion/serving.py), Responses events
 (entrypoints/openai/responses/serving.py:1343-1460, streaming_events.py:835-950, api_router.py:33-44),
-Anthropic events (entrypoints/anthropic/serving.py:861-1247) and token-in/token-out chunks
-(entrypoints/scale_out/token_in_token_out/serving.py:590-810).
+Anthropic events (entrypoints/anthropic/serving.py:861-1247), token-in/token-out chunks
+(entrypoints/scale_out/token_in_token_out/serving.py:590-810) and Cohere chat v2 events (vLLM v0.32.0
+entrypoints/cohere/serving.py:124-150, 1401-1551, 1600-1631, 1740-1771).
 """
 
 from __future__ import annotations
@@ -358,8 +359,55 @@ class TokensFormat(Format):
         return {"request_id": reply.rid, "choices": choices}
 
 
+class CohereChatFormat(Format):
+    """Cohere chat v2 as vLLM writes it: typed `data:`-only events, usage (as floats) in `message-end`
+    whatever the request asked, then `[DONE]`; errors are `{"message"}`."""
+
+    def _finish(self, reply: Reply) -> str:
+        return "MAX_TOKENS" if reply.truncated else "COMPLETE"
+
+    def _usage(self, reply: Reply) -> dict[str, Any]:
+        counts = {"input_tokens": float(reply.prompt_total), "output_tokens": float(reply.completion)}
+        return {"billed_units": counts, "tokens": dict(counts)}
+
+    def body(self, reply: Reply) -> dict[str, Any]:
+        message = {"role": "assistant", "content": [{"type": "text", "text": reply.choices[0].text}]}
+        return {"id": reply.rid, "finish_reason": self._finish(reply), "message": message} | {
+            "usage": self._usage(reply)
+        }
+
+    def error_body(self, err: ApiError) -> dict[str, Any]:
+        return {"message": err.message}
+
+    def prelude(self, reply: Reply) -> bytes:
+        return data({"id": reply.rid, "type": "message-start", "delta": {"message": {"role": "assistant"}}})
+
+    def open(self, reply: Reply, choice: Choice) -> bytes:
+        start = {"message": {"content": {"type": "text", "text": ""}}}
+        return data({"type": "content-start", "index": 0, "delta": start})
+
+    def token(self, reply: Reply, choice: Choice, k: int, reason: str | None) -> bytes:
+        delta = {"message": {"content": {"text": choice.tokens[k]}}}
+        return data({"type": "content-delta", "index": 0, "delta": delta})
+
+    def close(self, reply: Reply) -> bytes:
+        end = {"finish_reason": self._finish(reply), "usage": self._usage(reply)}
+        return b"".join(
+            (
+                data({"type": "content-end", "index": 0}),
+                data({"id": reply.rid, "type": "message-end", "delta": end}),
+                b"data: [DONE]\n\n",
+            )
+        )
+
+    def stream_error(self, reply: Reply, err: ApiError) -> bytes:
+        end = {"error": err.message, "finish_reason": "ERROR"}
+        return data({"type": "message-end", "delta": end}) + b"data: [DONE]\n\n"
+
+
 CHAT = Format()
 COMPLETIONS = CompletionsFormat()
 RESPONSES = ResponsesFormat()
 MESSAGES = MessagesFormat()
 TOKENS = TokensFormat()
+COHERE_CHAT = CohereChatFormat()

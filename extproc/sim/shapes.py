@@ -145,6 +145,28 @@ def parse_messages(body: Any, header_override: str | None, served_model: str) ->
     )
 
 
+def parse_cohere_chat(body: Any, header_override: str | None, served_model: str) -> ParsedRequest:
+    """Cohere chat v2: its messages as chat messages (`developer` as `system`, text blocks kept), one
+    sequence bounded by `max_tokens`, usage always streamed (vLLM v0.32.0 entrypoints/cohere/serving.py:
+    369-586)."""
+    body = _require_object(body)
+    check_model(body, served_model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise bad_request("messages must contain at least one message", "messages")
+    chat = [
+        {
+            "role": "system" if m.get("role") == "developer" else m.get("role"),
+            "content": _text_of(m.get("content")),
+        }
+        for m in messages
+    ]
+    chat_body = {"messages": chat, "tools": body.get("tools") or None}
+    stream = bool(body.get("stream", False))
+    max_tokens = optional_int(body, "max_tokens", 1)
+    return ParsedRequest(True, chat_body, 1, stream, True, max_tokens, output_override(body, header_override))
+
+
 def parse_generate_tokens(body: Any, header_override: str | None, served_model: str) -> ParsedRequest:
     """`token_ids` and `sampling_params` (vLLM v0.33.0 scale_out/token_in_token_out/protocol.py:221-370)."""
     body = _require_object(body)

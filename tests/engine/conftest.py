@@ -20,7 +20,13 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     workdir = tmp_path_factory.mktemp("engine")
     model_dir = build_model(python, workdir / "model")
     port = free_port()
-    env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    # VLLM_ENABLE_COHERE_API: serve /cohere/v2/chat (vLLM 0.32.0 entrypoints/cohere/api_router.py:273-309)
+    env = {
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_ENABLE_COHERE_API": "1",
+    }
     started = time.monotonic()
     process = Process.start("vllm", engine_argv(python, model_dir, port), workdir, env)
     handle = Engine(process, port, model_dir)

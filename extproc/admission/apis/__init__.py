@@ -1,58 +1,59 @@
-"""The metered APIs: one `ApiSpec` per API (`spec.py`), each in its API's module, and the registry that
-lists them.
+"""The metered APIs: one `ApiSpec` per API (`spec.py`), each at the end of its API's module as `SPEC`, and
+the registry, which finds those modules itself.
 
 An API's spec holds everything the gateway knows about it: its adapter (how a body is validated into a
-`ParsedRequest` and how it may be edited), its response dialect (inline profile) and Lua read spec (lean
-profile), the error envelope its clients parse, whether its streams report usage only when asked, and the
-paths it is served on. Every per-API lookup (`spec_of`, `dialect_for`, `render_refusal`, the metered rows
-of `extproc/admission/paths.py`) reads this list; nothing else keeps a table by API.
+`ParsedRequest` and how it may be edited, and the API's name), its response dialect (inline profile) and
+Lua read spec (lean profile), the error envelope its clients parse, whether its streams report usage only
+when asked, and the paths it is served on. Every per-API lookup (`spec_of`, `dialect_for`,
+`render_refusal`, the metered rows of `extproc/admission/paths.py`) reads the registry; nothing else keeps a
+table by API.
 
-Adding an API: write its module here ending with its `ApiSpec`, name it in `Api`
-(`extproc/admission/parsed.py`), and add the spec to `REGISTRY`; docs/architecture.md walks through it.
+Adding an API is adding its module here, ending with `SPEC = ApiSpec(...)`: the registry imports every
+module of this package in name order and lists the `SPEC` of each that has one (the others, `common.py`,
+`openai.py`, `spec.py`, hold rules several APIs share). docs/architecture.md walks through it.
 """
 
 from __future__ import annotations
 
-from extproc.admission.apis import (
-    anthropic,
-    chat,
-    chat_batch,
-    cohere_embed,
-    completions,
-    detokenize,
-    embeddings,
-    invocations,
-    pooling,
-    responses,
-    score,
-    sglang,
-    sglang_encode,
-    token_io,
-    tokenize,
-)
+import importlib
+import pkgutil
+from collections import Counter
+from collections.abc import Iterable
+
 from extproc.admission.apis.spec import ApiSpec
 from extproc.admission.parsed import Adapter, Api
 from extproc.admission.usage import Dialect
 from extproc.admission.verdicts import Refusal
 
-REGISTRY: tuple[ApiSpec, ...] = (
-    chat.CHAT,
-    completions.COMPLETIONS,
-    embeddings.EMBEDDINGS,
-    chat_batch.CHAT_BATCH,
-    responses.RESPONSES,
-    anthropic.MESSAGES,
-    invocations.INVOCATIONS,
-    token_io.GENERATE_TOKENS,
-    sglang.SGLANG_GENERATE,
-    sglang_encode.SGLANG_ENCODE,
-    pooling.POOLING,
-    score.SCORE,
-    cohere_embed.COHERE_EMBED,
-    tokenize.TOKENIZE,
-    detokenize.DETOKENIZE,
-)
-"""Every metered API, in the order of the path table's metered rows (docs/admission.md)."""
+
+def discover(package: str, folders: Iterable[str]) -> tuple[ApiSpec, ...]:
+    """The `SPEC` of every module of `package` (found in `folders`) that has one, in module-name order.
+
+    Import-time checks, so a mistake stops the process before it serves: a `SPEC` that is not an
+    `ApiSpec`, two modules declaring one API name, or one path served by two APIs.
+    """
+    specs: list[ApiSpec] = []
+    for name in sorted(info.name for info in pkgutil.iter_modules(list(folders))):
+        spec = getattr(importlib.import_module(f"{package}.{name}"), "SPEC", None)
+        if spec is None:
+            continue  # a module of rules several APIs share
+        if not isinstance(spec, ApiSpec):
+            raise TypeError(f"{package}.{name}.SPEC is a {type(spec).__name__}, not an ApiSpec")
+        specs.append(spec)
+    _check_unique("API name", [spec.api for spec in specs])
+    _check_unique("path", [row.path for spec in specs for row in spec.paths])
+    return tuple(specs)
+
+
+def _check_unique(what: str, values: list[str]) -> None:
+    twice = sorted(value for value, count in Counter(values).items() if count > 1)
+    if twice:
+        raise ValueError(f"{what} declared by two API modules: {', '.join(twice)}")
+
+
+REGISTRY: tuple[ApiSpec, ...] = discover(__name__, __path__)
+"""Every metered API, in the order of its module's name: the order of the path table's metered rows
+(docs/admission.md)."""
 
 USAGE_OPTION_APIS = frozenset(spec.api for spec in REGISTRY if spec.usage_option)
 """APIs whose streams report usage only when asked (`stream_options.include_usage`)."""
@@ -61,7 +62,7 @@ _BY_API: dict[Api, ApiSpec] = {spec.api: spec for spec in REGISTRY}
 
 
 def spec_of(api: Api) -> ApiSpec:
-    """The spec of a metered API (every `Api` has one: tests/unit/admission/test_paths.py checks it)."""
+    """The spec of a metered API (every name a request carries comes from a registered adapter)."""
     return _BY_API[api]
 
 

@@ -197,7 +197,7 @@ def messages_prompt(body: Mapping[str, Any]) -> Prompt:
 
 
 class MessagesAdapter:
-    api = Api.MESSAGES
+    api = Api("messages")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
@@ -351,8 +351,7 @@ MESSAGES_SPEC = ReadSpec(
     error=(*COMMON_ERRORS, event_type("error")),
 )
 
-MESSAGES = ApiSpec(
-    api=Api.MESSAGES,
+SPEC = ApiSpec(
     adapter=MessagesAdapter(),
     dialect=shared(MESSAGES_DIALECT),
     read=MESSAGES_SPEC,

@@ -37,7 +37,7 @@ def _with_input_ids(prompt: Prompt, body: Mapping[str, Any]) -> Prompt:
 
 
 class ChatAdapter:
-    api = Api.CHAT
+    api = Api("chat")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
@@ -66,8 +66,7 @@ class ChatAdapter:
         return edit_generation(body, req, edits)
 
 
-CHAT = ApiSpec(
-    api=Api.CHAT,
+SPEC = ApiSpec(
     adapter=ChatAdapter(),
     dialect=shared(OPENAI_DIALECT),
     read=OPENAI_SPEC,

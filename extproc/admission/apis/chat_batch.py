@@ -30,7 +30,7 @@ from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
 
 
 class ChatBatchAdapter:
-    api = Api.CHAT_BATCH
+    api = Api("chat_batch")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
@@ -78,8 +78,7 @@ class ChatBatchAdapter:
         return edit_priority(body, edits) or changed
 
 
-CHAT_BATCH = ApiSpec(
-    api=Api.CHAT_BATCH,
+SPEC = ApiSpec(
     adapter=ChatBatchAdapter(),
     dialect=shared(OPENAI_DIALECT),
     read=OPENAI_SPEC,

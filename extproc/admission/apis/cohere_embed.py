@@ -45,7 +45,7 @@ class CohereEmbedAdapter:
     """`/v2/embed`: exactly one of `texts`, `images`, `inputs`, non-empty (vLLM v0.33.0
     entrypoints/pooling/embed/protocol.py:229-251)."""
 
-    api = Api.COHERE_EMBED
+    api = Api("cohere_embed")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = optional_model(body)
@@ -98,8 +98,7 @@ class CohereDialect:
 COHERE_DIALECT = CohereDialect()
 
 
-COHERE_EMBED = ApiSpec(
-    api=Api.COHERE_EMBED,
+SPEC = ApiSpec(
     adapter=CohereEmbedAdapter(),
     dialect=shared(COHERE_DIALECT),
     read=OPENAI_SPEC,  # one JSON body, read whole by the dialect

@@ -33,7 +33,7 @@ def _prompt_embeds(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
 
 
 class CompletionsAdapter:
-    api = Api.COMPLETIONS
+    api = Api("completions")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
@@ -64,8 +64,7 @@ class CompletionsAdapter:
         return edit_generation(body, req, edits)
 
 
-COMPLETIONS = ApiSpec(
-    api=Api.COMPLETIONS,
+SPEC = ApiSpec(
     adapter=CompletionsAdapter(),
     dialect=shared(OPENAI_DIALECT),
     read=OPENAI_SPEC,

@@ -18,7 +18,7 @@ from extproc.admission.prompt import Prompt
 class DetokenizeAdapter:
     """`/detokenize`: `tokens`, token ids (SGLang also takes a list of them); each id is a token."""
 
-    api = Api.DETOKENIZE
+    api = Api("detokenize")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = optional_model(body)
@@ -40,8 +40,7 @@ class DetokenizeAdapter:
 
 NO_MODEL = "decodes token ids; no model runs"
 
-DETOKENIZE = ApiSpec(
-    api=Api.DETOKENIZE,
+SPEC = ApiSpec(
     adapter=DetokenizeAdapter(),
     dialect=shared(OPENAI_DIALECT),
     read=OPENAI_SPEC,  # one JSON body, read whole by the dialect

@@ -23,7 +23,7 @@ class EmbeddingsAdapter:
     """Embeddings (and vLLM's chat-style embeddings with `messages`): prompt tokens only; vLLM's
     `padding: "max_length"` charges each prompt the whole window."""
 
-    api = Api.EMBEDDINGS
+    api = Api("embeddings")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
@@ -49,8 +49,7 @@ class EmbeddingsAdapter:
         return edit_priority(body, edits)
 
 
-EMBEDDINGS = ApiSpec(
-    api=Api.EMBEDDINGS,
+SPEC = ApiSpec(
     adapter=EmbeddingsAdapter(),
     dialect=shared(OPENAI_DIALECT),
     read=OPENAI_SPEC,

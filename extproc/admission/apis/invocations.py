@@ -61,7 +61,7 @@ def resolve(body: dict[str, Any]) -> Adapter:
 
 
 class InvocationsAdapter:
-    api = Api.INVOCATIONS
+    api = Api("invocations")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         return resolve(body).parse(body)
@@ -69,13 +69,12 @@ class InvocationsAdapter:
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         """A parsed request names the API it resolved to, whose adapter edits it."""
         for _, adapter in ORDER:
-            if adapter.api is req.api:
+            if adapter.api == req.api:
                 return adapter.edit(req, body, edits)
         return False
 
 
-INVOCATIONS = ApiSpec(
-    api=Api.INVOCATIONS,
+SPEC = ApiSpec(
     adapter=InvocationsAdapter(),
     # A parsed /invocations request names the API it resolved to, whose spec reads its response and renders
     # its refusals; this API's own dialect and read spec are never used.

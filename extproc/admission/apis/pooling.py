@@ -49,7 +49,7 @@ def pooled(
 class PoolingAdapter:
     """vLLM `/pooling` and `/classify`, SGLang `/v1/classify` (and SGLang's native `/classify` shape)."""
 
-    api = Api.POOLING
+    api = Api("pooling")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         if body.get("input") is None and body.get("messages") is None:
@@ -71,8 +71,7 @@ class PoolingAdapter:
         return edit_priority(body, edits)
 
 
-POOLING = ApiSpec(
-    api=Api.POOLING,
+SPEC = ApiSpec(
     adapter=PoolingAdapter(),
     dialect=shared(OPENAI_DIALECT),
     read=OPENAI_SPEC,

@@ -166,7 +166,7 @@ def _truncation(body: Mapping[str, Any]) -> int | None:
 
 
 class ResponsesAdapter:
-    api = Api.RESPONSES
+    api = Api("responses")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
@@ -324,8 +324,7 @@ RESPONSES_SPEC = ReadSpec(
     error=(*COMMON_ERRORS, event_type("error"), event_type("response%.failed")),
 )
 
-RESPONSES = ApiSpec(
-    api=Api.RESPONSES,
+SPEC = ApiSpec(
     adapter=ResponsesAdapter(),
     dialect=shared(RESPONSES_DIALECT),
     read=RESPONSES_SPEC,

@@ -108,7 +108,7 @@ def score_pairs(body: Mapping[str, Any]) -> tuple[tuple[Prompt, ...], str]:
 
 
 class ScoreAdapter:
-    api = Api.SCORE
+    api = Api("score")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = optional_model(body)
@@ -121,8 +121,7 @@ class ScoreAdapter:
 
 PAIRS = "runs the model on each (query, document) pair"
 
-SCORE = ApiSpec(
-    api=Api.SCORE,
+SPEC = ApiSpec(
     adapter=ScoreAdapter(),
     dialect=shared(OPENAI_DIALECT),
     read=OPENAI_SPEC,  # one JSON body, read whole by the dialect

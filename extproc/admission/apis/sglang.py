@@ -241,7 +241,7 @@ def _stored(body: Mapping[str, Any], found: tuple[Prompt, ...]) -> tuple[str | N
 
 
 class SGLangGenerateAdapter:
-    api = Api.SGLANG_GENERATE
+    api = Api("sglang_generate")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         found, param = native_prompts(body, encode=False)
@@ -325,8 +325,7 @@ class SGLangDialect:
 # Cumulative `meta_info` on every event.
 SGLANG_SPEC = ReadSpec(content=(json_text("text"),), usage_key="meta_info")
 
-SGLANG_GENERATE = ApiSpec(
-    api=Api.SGLANG_GENERATE,
+SPEC = ApiSpec(
     adapter=SGLangGenerateAdapter(),
     dialect=SGLangDialect,  # sums per-request counts: a fresh one per response
     read=SGLANG_SPEC,

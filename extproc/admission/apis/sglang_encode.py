@@ -16,7 +16,7 @@ from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
 class SGLangEncodeAdapter:
     """`/encode` and SGLang's `/classify`: embeddings and reward scores, prompt tokens only."""
 
-    api = Api.SGLANG_ENCODE
+    api = Api("sglang_encode")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         found, param = native_prompts(body, encode=True)
@@ -33,8 +33,7 @@ class SGLangEncodeAdapter:
         return edit_priority(body, edits)
 
 
-SGLANG_ENCODE = ApiSpec(
-    api=Api.SGLANG_ENCODE,
+SPEC = ApiSpec(
     adapter=SGLangEncodeAdapter(),
     dialect=SGLangDialect,
     read=SGLANG_SPEC,

@@ -1,10 +1,9 @@
 """`ApiSpec`: everything the gateway knows about one metered API, in one value.
 
-Each module under `extproc/admission/apis/` ends with its API's spec (or its family's, one per API); the
-registry in `extproc/admission/apis/__init__.py` is the list of them, and every table the gateway keeps per
-API (adapters, dialects, Lua read specs, error envelopes, the usage option, the metered rows of the path
-table) is read from that list. Adding an API is adding its module, its name in `Api`, and its spec to the
-registry.
+Each API's module under `extproc/admission/apis/` ends with its spec, named `SPEC`; the registry in
+`extproc/admission/apis/__init__.py` finds those modules itself, and every table the gateway keeps per API
+(adapters, dialects, Lua read specs, error envelopes, the usage option, the metered rows of the path table)
+is read from the specs it found. Adding an API is adding its module.
 """
 
 from __future__ import annotations
@@ -52,16 +51,20 @@ def keep_openai_envelope(refusal: Refusal) -> Refusal:
 
 @dataclass(frozen=True, slots=True)
 class ApiSpec:
-    """One API: how its request is validated and edited (`adapter`), how its responses carry text and usage
-    inline (`dialect`, a fresh reader per response) and in the lean profile (`read`), the error envelope its
-    clients parse (`render_refusal`), whether its streams report usage only when asked
-    (`usage_option`: `stream_options.include_usage`, which the sidecar may set and strip), and the paths
-    it is served on."""
+    """One API: how its request is validated and edited (`adapter`, which declares the API's name), how its
+    responses carry text and usage inline (`dialect`, a fresh reader per response) and in the lean profile
+    (`read`), the error envelope its clients parse (`render_refusal`), whether its streams report usage only
+    when asked (`usage_option`: `stream_options.include_usage`, which the sidecar may set and strip), and
+    the paths it is served on."""
 
-    api: Api
     adapter: Adapter
     dialect: Callable[[], Dialect]
     read: ReadSpec
     paths: tuple[ApiPath, ...]
     render_refusal: Callable[[Refusal], Refusal] = keep_openai_envelope
     usage_option: bool = False
+
+    @property
+    def api(self) -> Api:
+        """The API's name, as its adapter declares it (and so as every request it parses names it)."""
+        return self.adapter.api

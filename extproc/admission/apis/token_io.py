@@ -56,7 +56,7 @@ def _media_prompt(body: Mapping[str, Any], ids: list[int]) -> Prompt:
 
 
 class GenerateTokensAdapter:
-    api = Api.GENERATE_TOKENS
+    api = Api("generate_tokens")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = optional_model(body)
@@ -140,8 +140,7 @@ TOKEN_IDS_SPEC = ReadSpec(
     usage_only=json_key("choices") + "%[%s*%]",
 )
 
-GENERATE_TOKENS = ApiSpec(
-    api=Api.GENERATE_TOKENS,
+SPEC = ApiSpec(
     adapter=GenerateTokensAdapter(),
     dialect=shared(TOKEN_IDS_DIALECT),
     read=TOKEN_IDS_SPEC,

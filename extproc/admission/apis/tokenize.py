@@ -19,7 +19,7 @@ class TokenizeAdapter:
     """`/tokenize`: a `prompt` (a string; SGLang also takes a list) or chat `messages` with `tools` (vLLM
     v0.33.0 entrypoints/serve/tokenize/protocol.py:23-60; SGLang v0.5.23 openai/protocol.py:1744-1752)."""
 
-    api = Api.TOKENIZE
+    api = Api("tokenize")
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = optional_model(body)
@@ -54,8 +54,7 @@ class TokenizeDialect:
 
 TOKENIZE_DIALECT = TokenizeDialect()
 
-TOKENIZE = ApiSpec(
-    api=Api.TOKENIZE,
+SPEC = ApiSpec(
     adapter=TokenizeAdapter(),
     dialect=shared(TOKENIZE_DIALECT),
     read=OPENAI_SPEC,  # one JSON body, read whole by the dialect

@@ -17,7 +17,7 @@ from extproc.admission.verdicts import Refusal
 from extproc.core.limiter import RateLimitStatus, Reason, Rejection
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, sse, tk, track
 
-M = Api.MESSAGES
+M = Api("messages")
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -258,7 +258,7 @@ def test_refusals_on_messages_use_anthropics_envelope_and_keep_the_headers() -> 
     status = RateLimitStatus(limit_requests=1, remaining_requests=0, limit_tokens=100, remaining_tokens=0)
     rejection = Rejection(Reason.TOKENS, "tenant:acme", retry_after_s=2.5, status=status)
     openai_shaped = refusals.rate_limited(rejection, "m", 500)
-    rendered = render_refusal(Api.MESSAGES, openai_shaped)
+    rendered = render_refusal(Api("messages"), openai_shaped)
     payload = json.loads(rendered.body)
     assert payload["type"] == "error" and payload["error"]["type"] == "rate_limit_error"
     assert payload["error"]["message"] == json.loads(openai_shaped.body)["error"]["message"]
@@ -269,7 +269,7 @@ def test_refusals_on_messages_use_anthropics_envelope_and_keep_the_headers() -> 
     )
     assert dict(rendered.headers)["retry-after"]
     # every other API keeps OpenAI's envelope
-    assert render_refusal(Api.CHAT, openai_shaped) is openai_shaped
+    assert render_refusal(Api("chat"), openai_shaped) is openai_shaped
     assert render_refusal(None, openai_shaped) is openai_shaped
 
 

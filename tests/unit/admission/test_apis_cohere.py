@@ -12,7 +12,7 @@ from extproc.admission.request import Api
 from tests.unit.admission.apis_helpers import counts, parse, refused, track
 from tests.unit.admission.apis_helpers import tk as tokens
 
-C = Api.COHERE_EMBED
+C = Api("cohere_embed")
 MEDIA = ModelPolicy(1_000_000, template=TemplateCosts(0, 0), media=MediaCosts(image_tokens=100))
 
 

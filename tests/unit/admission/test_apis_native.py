@@ -14,7 +14,7 @@ from extproc.admission.request import Api, BodyEdits, Reservation
 from extproc.config import DEFAULT_MODEL
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, sse, tk, track
 
-G, S, E = Api.GENERATE_TOKENS, Api.SGLANG_GENERATE, Api.SGLANG_ENCODE
+G, S, E = Api("generate_tokens"), Api("sglang_generate"), Api("sglang_encode")
 WINDOW = ModelPolicy(context_window=1000, template=TemplateCosts(0, 0))
 MEDIA = ModelPolicy(
     1_000_000,
@@ -215,7 +215,7 @@ def test_sglang_bodies_one_result_or_a_batch() -> None:
 
 def test_each_response_gets_its_own_sglang_reader() -> None:
     assert dialect_for(S) is not dialect_for(S)
-    assert dialect_for(Api.CHAT) is dialect_for(Api.CHAT)
+    assert dialect_for(Api("chat")) is dialect_for(Api("chat"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -225,35 +225,35 @@ def test_each_response_gets_its_own_sglang_reader() -> None:
 @pytest.mark.parametrize(
     ("request_body", "api"),
     [
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, Api.CHAT),
-        ({"model": "m", "prompt": "hi"}, Api.COMPLETIONS),
-        ({"model": "m", "prompt_embeds": "AAAA"}, Api.COMPLETIONS),
-        ({"model": "m", "input": ["a", "b"]}, Api.EMBEDDINGS),
-        ({"query": "q", "documents": ["a", "b"]}, Api.SCORE),
-        ({"text_1": "q", "text_2": ["a", "b"]}, Api.SCORE),
-        ({"data": {"image": "x"}}, Api.POOLING),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, Api("chat")),
+        ({"model": "m", "prompt": "hi"}, Api("completions")),
+        ({"model": "m", "prompt_embeds": "AAAA"}, Api("completions")),
+        ({"model": "m", "input": ["a", "b"]}, Api("embeddings")),
+        ({"query": "q", "documents": ["a", "b"]}, Api("score")),
+        ({"text_1": "q", "text_2": ["a", "b"]}, Api("score")),
+        ({"data": {"image": "x"}}, Api("pooling")),
     ],
 )
 def test_invocations_resolve_by_shape_in_vllms_order(request_body: dict[str, Any], api: Api) -> None:
-    req = parse(Api.INVOCATIONS, request_body)
-    assert req.api is api
+    req = parse(Api("invocations"), request_body)
+    assert req.api == api
     assert dialect_for(req.api) is not None
 
 
 def test_invocations_are_edited_as_the_api_they_resolved_to() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    out = edited(Api.INVOCATIONS, body, BodyEdits(include_usage=True))
+    out = edited(Api("invocations"), body, BodyEdits(include_usage=True))
     assert out is not None and out["stream_options"] == {"include_usage": True}
 
 
 def test_an_unknown_shape_is_refused() -> None:
-    err = refused(Api.INVOCATIONS, {"model": "m", "foo": 1})
+    err = refused(Api("invocations"), {"model": "m", "foo": 1})
     assert "handler" in err.message
 
 
 def test_missing_max_tokens_on_invocations_follows_the_resolved_api() -> None:
     policy = ModelPolicy(1000, template=TemplateCosts(0, 0), missing_max_tokens=MissingMaxTokens.INJECT)
-    got = plan(Api.INVOCATIONS, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, policy)
+    got = plan(Api("invocations"), {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, policy)
     assert got.injected_max_tokens == 1000 - tk("user", "hi")
 
 
@@ -267,7 +267,7 @@ def test_batch_chat_is_one_prompt_per_conversation() -> None:
         [{"role": "system", "content": "s"}, {"role": "user", "content": "two"}],
     ]
     req = parse(
-        Api.CHAT_BATCH,
+        Api("chat_batch"),
         {"model": "m", "messages": conversations, "max_completion_tokens": 9, "tools": [{"x": 1}]},
     )
     # vLLM builds each conversation's chat request from every other field, extra ones included: the tools
@@ -277,7 +277,7 @@ def test_batch_chat_is_one_prompt_per_conversation() -> None:
     assert (req.requested_max_tokens, req.max_tokens_param, req.sequences) == (9, "max_completion_tokens", 1)
     assert (
         plan(
-            Api.CHAT_BATCH, {"model": "m", "messages": conversations, "max_tokens": 9}, WINDOW
+            Api("chat_batch"), {"model": "m", "messages": conversations, "max_tokens": 9}, WINDOW
         ).completion_tokens
         == 18
     )
@@ -298,13 +298,15 @@ def test_batch_chat_is_one_prompt_per_conversation() -> None:
     ],
 )
 def test_batch_chat_validation_names_the_field(fields: dict[str, Any], code: str, param: str) -> None:
-    err = refused(Api.CHAT_BATCH, {"model": "m", "messages": [[{"role": "user", "content": "a"}]], **fields})
+    err = refused(
+        Api("chat_batch"), {"model": "m", "messages": [[{"role": "user", "content": "a"}]], **fields}
+    )
     assert (err.code, err.param) == (code, param)
 
 
 def test_batch_chat_edits() -> None:
     out = edited(
-        Api.CHAT_BATCH,
+        Api("chat_batch"),
         {"model": "m", "messages": [[{"role": "user", "content": "a"}]]},
         BodyEdits(max_tokens=12, strip_priority=True),
     )
@@ -322,11 +324,11 @@ def test_batch_chat_edits() -> None:
     ],
 )
 def test_a_body_with_the_fields_of_two_apis_is_refused(request_body: dict[str, Any]) -> None:
-    err = refused(Api.INVOCATIONS, request_body)
+    err = refused(Api("invocations"), request_body)
     assert err.code == "invalid_value" and "ambiguous" in err.message
 
 
 def test_sglang_chat_input_ids_are_counted_on_top_of_the_messages() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "input_ids": list(range(500))}
-    assert counts(parse(Api.CHAT, body)) == [tk("user", "x") + 500]
-    assert refused(Api.CHAT, {**body, "input_ids": [1, -1]}).param == "input_ids[1]"
+    assert counts(parse(Api("chat"), body)) == [tk("user", "x") + 500]
+    assert refused(Api("chat"), {**body, "input_ids": [1, -1]}).param == "input_ids[1]"

@@ -13,7 +13,7 @@ from extproc.admission.request import Api, BodyEdits, Reservation
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, track
 from tests.unit.admission.apis_helpers import tk as tokens
 
-P, SC = Api.POOLING, Api.SCORE
+P, SC = Api("pooling"), Api("score")
 BARE_T = ModelPolicy(1_000_000, template=TemplateCosts(0, 0))
 MEDIA = ModelPolicy(1_000_000, template=TemplateCosts(0, 0), media=MediaCosts(image_tokens=100))
 
@@ -29,7 +29,7 @@ def test_pooling_shapes() -> None:
     assert chat.prompt_param == "messages" and counts(chat) == [tokens("user", "hi")]
     plugin = parse(P, {"data": {"url": "s3://tile"}})
     assert plugin.prompt_param == "data" and plugin.prompts[0].opaque
-    for api in (P, Api.EMBEDDINGS):
+    for api in (P, Api("embeddings")):
         both = {"model": "m", "input": "a", "messages": [{"role": "user", "content": "b"}]}
         assert refused(api, both).param == "messages"
     assert plan(P, {"data": {"url": "s3://tile"}}, ModelPolicy(512)) == Reservation(512, 0)
@@ -37,15 +37,15 @@ def test_pooling_shapes() -> None:
 
 def test_sglang_native_classify_is_an_encode_request() -> None:
     req = parse(P, {"text": ["a", "b"]})
-    assert req.api is Api.SGLANG_ENCODE and counts(req) == [tokens("a"), tokens("b")]
+    assert req.api == Api("sglang_encode") and counts(req) == [tokens("a"), tokens("b")]
 
 
 def test_padding_to_max_length_charges_the_window_per_prompt() -> None:
     policy = ModelPolicy(context_window=300)
     assert plan(P, {"input": ["a", "b"], "padding": "max_length"}, policy) == Reservation(600, 0)
-    assert plan(Api.EMBEDDINGS, {"model": "m", "input": "a", "padding": "max_length"}, policy) == Reservation(
-        300, 0
-    )
+    assert plan(
+        Api("embeddings"), {"model": "m", "input": "a", "padding": "max_length"}, policy
+    ) == Reservation(300, 0)
     assert plan(P, {"input": "a", "padding": "do_not_pad"}, policy) == Reservation(tokens("a"), 0)
     err = refused(P, {"input": "a", "padding": "longest"})
     assert (err.code, err.param) == ("invalid_value", "padding")
@@ -134,25 +134,25 @@ def test_rerank_and_score_bodies_report_prompt_tokens() -> None:
 
 
 def test_tokenize_and_detokenize() -> None:
-    assert counts(parse(Api.TOKENIZE, {"prompt": "hello world"})) == [tokens("hello world")]
-    assert counts(parse(Api.TOKENIZE, {"prompt": ["a", "b"]})) == [tokens("a"), tokens("b")]
-    chat = parse(Api.TOKENIZE, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"a": 1}]})
+    assert counts(parse(Api("tokenize"), {"prompt": "hello world"})) == [tokens("hello world")]
+    assert counts(parse(Api("tokenize"), {"prompt": ["a", "b"]})) == [tokens("a"), tokens("b")]
+    chat = parse(Api("tokenize"), {"messages": [{"role": "user", "content": "hi"}], "tools": [{"a": 1}]})
     assert counts(chat) == [tokens("user", "hi", '[{"a":1}]')]
-    assert counts(parse(Api.DETOKENIZE, {"tokens": [1, 2, 3]})) == [3]
-    assert counts(parse(Api.DETOKENIZE, {"tokens": [[1, 2], [3]]})) == [2, 1]
-    assert refused(Api.TOKENIZE, {}).param == "prompt"
-    assert refused(Api.DETOKENIZE, {"tokens": [1, "x"]}).param == "tokens[1]"
-    assert refused(Api.DETOKENIZE, {}).param == "tokens"
-    out = edited(Api.TOKENIZE, {"prompt": "a", "priority": 1}, BodyEdits(strip_priority=True, priority=3))
+    assert counts(parse(Api("detokenize"), {"tokens": [1, 2, 3]})) == [3]
+    assert counts(parse(Api("detokenize"), {"tokens": [[1, 2], [3]]})) == [2, 1]
+    assert refused(Api("tokenize"), {}).param == "prompt"
+    assert refused(Api("detokenize"), {"tokens": [1, "x"]}).param == "tokens[1]"
+    assert refused(Api("detokenize"), {}).param == "tokens"
+    out = edited(Api("tokenize"), {"prompt": "a", "priority": 1}, BodyEdits(strip_priority=True, priority=3))
     assert out == {"prompt": "a"}  # no priority field to set
 
 
 def test_tokenize_reports_its_own_count() -> None:
     usage, _, _ = track(
-        Api.TOKENIZE,
+        Api("tokenize"),
         json.dumps({"count": 7, "max_model_len": 8192, "tokens": [1] * 7}).encode(),
         streaming=False,
     )
     assert (usage.prompt_tokens, usage.completion_tokens) == (7, 0)
-    usage, _, _ = track(Api.TOKENIZE, json.dumps({"count": [2, 3]}).encode(), streaming=False)
+    usage, _, _ = track(Api("tokenize"), json.dumps({"count": [2, 3]}).encode(), streaming=False)
     assert usage.prompt_tokens == 5

@@ -11,7 +11,7 @@ from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, 
 from extproc.admission.request import Api, BodyEdits, Reservation, prompt_token_lower_bound
 from tests.unit.admission.apis_helpers import BARE, counts, edited, parse, plan, refused, sse, tk, track
 
-R = Api.RESPONSES
+R = Api("responses")
 
 
 def body(**fields: Any) -> dict[str, Any]:

@@ -117,7 +117,7 @@ def exact_prompt(raw: bytes) -> int:
     """What the exact path reserves for this body's prompt."""
     policy = admission_rules().model_policy("m")
     assert policy is not None
-    parsed = parse_request(Api.CHAT, raw)
+    parsed = parse_request(Api("chat"), raw)
     return sum(prompts.count(p, policy).high for p in parsed.prompts)
 
 
@@ -178,7 +178,7 @@ def plan_for(raw: bytes, config: dict[str, Any] | None = None) -> Any:
     rules = admission_rules(config)
     policy = rules.model_policy("m")
     assert policy is not None
-    return provisional.bound_plan(parse_request(Api.CHAT, raw), policy, rules.per_step)
+    return provisional.bound_plan(parse_request(Api("chat"), raw), policy, rules.per_step)
 
 
 def test_the_bound_decides_far_from_the_window() -> None:

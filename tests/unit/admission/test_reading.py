@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from extproc.admission.apis import REGISTRY
 from extproc.admission.reading import ReadSpec, ResponseReading, facts_of, spec_for
 from extproc.admission.request import Api
 from extproc.admission.settlement import Ending, ResponseFacts, ending_of, settle_charge
@@ -20,14 +21,14 @@ def test_a_completed_stream_settles_to_the_reported_usage() -> None:
     reading = ResponseReading(
         events=30, events_at_usage=30, usage_last=usage(prompt_tokens=12, completion_tokens=30), final=True
     )
-    facts = facts_of(200, reading, Api.CHAT, ENC)
+    facts = facts_of(200, reading, Api("chat"), ENC)
     assert facts.completed and facts.usage is not None and facts.usage.reported
     assert settle_charge(10, facts).total == 12 + 30
     assert ending_of(facts) is Ending.COMPLETED
 
 
 def test_without_usage_each_content_event_is_one_token_and_the_prompt_is_the_admission_count() -> None:
-    facts = facts_of(200, ResponseReading(events=7), Api.CHAT, ENC)
+    facts = facts_of(200, ResponseReading(events=7), Api("chat"), ENC)
     assert not facts.completed
     charge = settle_charge(10, facts)
     assert (charge.ending, charge.prompt, charge.completion) == (Ending.ABORTED, 10, 7)
@@ -41,20 +42,20 @@ def test_anthropic_prompt_from_message_start_and_output_from_message_delta() -> 
         usage_last=usage(output_tokens=9),
         final=True,
     )
-    charge = settle_charge(5, facts_of(200, reading, Api.MESSAGES, ENC))
+    charge = settle_charge(5, facts_of(200, reading, Api("messages"), ENC))
     assert (charge.prompt, charge.completion) == (20, 9)
 
 
 def test_content_after_the_last_usage_object_is_added() -> None:
     reading = ResponseReading(events=12, events_at_usage=4, usage_last=usage(input_tokens=3, output_tokens=4))
-    assert settle_charge(3, facts_of(200, reading, Api.MESSAGES, ENC)).completion == 4 + 8
+    assert settle_charge(3, facts_of(200, reading, Api("messages"), ENC)).completion == 4 + 8
 
 
 def test_a_json_body_is_parsed_whole_and_an_error_event_is_an_upstream_error() -> None:
     body = json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": usage_dict(3, 2)})
-    facts = facts_of(200, ResponseReading(body=body, body_end=True), Api.CHAT, ENC)
+    facts = facts_of(200, ResponseReading(body=body, body_end=True), Api("chat"), ENC)
     assert facts.completed and settle_charge(9, facts).total == 5
-    failed = facts_of(200, ResponseReading(events=3, error=True), Api.CHAT, ENC)
+    failed = facts_of(200, ResponseReading(events=3, error=True), Api("chat"), ENC)
     assert ending_of(failed) is Ending.UPSTREAM_ERROR and settle_charge(9, failed).completion == 3
 
 
@@ -64,35 +65,35 @@ def usage_dict(prompt: int, completion: int) -> dict[str, int]:
 
 def test_the_tail_of_a_large_body_still_gives_its_usage() -> None:
     tail = '..."index": 0}], "usage": {"prompt_tokens": 400, "completion_tokens": 0, "total_tokens": 400}}'
-    facts = facts_of(200, ResponseReading(tail=tail, body_end=True), Api.EMBEDDINGS, ENC)
+    facts = facts_of(200, ResponseReading(tail=tail, body_end=True), Api("embeddings"), ENC)
     assert settle_charge(10, facts).prompt == 400
 
 
 def test_nothing_seen_leaves_the_estimate_to_the_exchange() -> None:
-    facts = facts_of(None, ResponseReading(), Api.CHAT, ENC)
+    facts = facts_of(None, ResponseReading(), Api("chat"), ENC)
     assert facts.upstream_status is None and facts.usage is None and not facts.completed
 
 
 def test_garbage_usage_text_is_ignored() -> None:
-    facts = facts_of(200, ResponseReading(events=2, usage_last="{not json"), Api.CHAT, ENC)
+    facts = facts_of(200, ResponseReading(events=2, usage_last="{not json"), Api("chat"), ENC)
     assert settle_charge(1, facts).completion == 2
 
 
 def test_every_api_has_a_spec_with_a_usage_capture_and_strips_only_usage_option_apis() -> None:
-    for api in Api:
-        spec = spec_for(api)
+    for entry in REGISTRY:
+        spec = spec_for(entry.api)
         assert isinstance(spec, ReadSpec) and spec.usage_pattern.endswith("(%b{})")
         struct = spec.to_struct(strip=True)
         assert struct["strip"] is True and struct["content"] and struct["final"] and struct["error"]
-    assert spec_for(Api.SGLANG_GENERATE).usage_key == "meta_info"
-    assert spec_for(Api.MESSAGES).usage_only is None
+    assert spec_for(Api("sglang_generate")).usage_key == "meta_info"
+    assert spec_for(Api("messages")).usage_only is None
 
 
 def test_a_request_never_forwarded_is_charged_nothing_whatever_its_reply() -> None:
     """Answered by a filter after the sidecar (an endpoint picker's 429 or 503): the engine never saw it."""
     for status in (429, 503, None):
         reading = ResponseReading(body='{"error":{"message":"no endpoint"}}', body_end=True)
-        facts = replace(facts_of(status, reading, Api.CHAT, ENC), forwarded=False)
+        facts = replace(facts_of(status, reading, Api("chat"), ENC), forwarded=False)
         charge = settle_charge(40, facts)
         assert (charge.ending, charge.prompt, charge.completion) == (Ending.NOT_FORWARDED, 0, 0)
     # A cut is the sidecar's own doing and keeps its rule.

