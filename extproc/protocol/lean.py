@@ -38,15 +38,13 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.names import (
     NAMESPACE,
-    RATELIMIT_HEADERS,
     READ_SPEC_KEY,
     REPORT_KEY,
-    RESPONSE_NAMESPACE,
     tenant_attribute,
 )
 from extproc.admission.reading import ReadSpec
 from extproc.admission.rules import TenantSource
-from extproc.admission.unseen import TICK_SECONDS, ReportChannel, UnseenStreams
+from extproc.admission.unseen import ReportChannel, UnseenStreams
 from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
 from extproc.protocol.messages import (
     EXT_PROC_ATTRIBUTES,
@@ -57,17 +55,7 @@ from extproc.protocol.messages import (
     on_request_headers,
 )
 
-__all__ = [
-    "NAMESPACE",
-    "RATELIMIT_HEADERS",
-    "REPORT_KEY",
-    "RESPONSE_NAMESPACE",
-    "TICK_SECONDS",
-    "LeanRuntime",
-    "LeanTranslator",
-    "is_lean",
-    "tenant_attribute",
-]
+__all__ = ["LeanRuntime", "LeanTranslator", "is_lean"]
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,14 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from extproc.admission.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE
 from extproc.admission.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
 from extproc.metrics import Metrics
 from extproc.protocol.accesslog import reading_of, timing_of
-from extproc.protocol.lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE, is_lean
+from extproc.protocol.lean import is_lean
 from tests.support.servicer import BASE_CONFIG, Harness, chat, headers_msg
 from tests.support.waiting import eventually
 

@@ -17,6 +17,7 @@ from devstack.envoy import render_envoy_config, trust_client_tenant_header
 from devstack.processes import Ports
 from devstack.stack import tenant_header_of
 from extproc.admission.headers import ratelimit_headers
+from extproc.admission.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
 from extproc.config import AdmissionConfig, parse_config
 from extproc.core.limiter import RateLimitStatus
@@ -28,7 +29,6 @@ from extproc.envoyconf.lean import (
     render_envoy_yaml,
 )
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE
-from extproc.protocol.lean import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_ENVOY = REPO / "k8s" / "gateway" / "envoy.yaml"

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.admission.names import NAMESPACE as NAMESPACE_METADATA
 from extproc.config import parse_config
 from extproc.envoyconf.lean import lua_source
-from extproc.protocol.lean import NAMESPACE as NAMESPACE_METADATA
 from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
 
