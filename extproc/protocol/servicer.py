@@ -26,9 +26,9 @@ from extproc.admission.unseen import UnseenStreams
 from extproc.admission.verdicts import Refusal
 from extproc.protocol.inline import StreamTranslator
 from extproc.protocol.lean import LeanRuntime, LeanTranslator, is_lean
-from extproc.protocol.messages import EXT_PROC_ATTRIBUTES, client_address, immediate
+from extproc.protocol.messages import immediate
 
-__all__ = ["EXT_PROC_ATTRIBUTES", "ExtProcServicer", "StreamTranslator", "client_address"]
+__all__ = ["ExtProcServicer"]
 
 log = logging.getLogger(__name__)
 

@@ -422,7 +422,7 @@ async def test_large_json_answer_without_usage_is_counted_off_the_event_loop(har
 async def test_client_address_comes_from_envoys_source_address_attribute() -> None:
     from google.protobuf.struct_pb2 import Struct
 
-    from extproc.protocol.servicer import EXT_PROC_ATTRIBUTES, client_address
+    from extproc.protocol.messages import EXT_PROC_ATTRIBUTES, client_address
 
     request = headers_msg("POST", "/v1/chat/completions")
     assert client_address(request) is None
