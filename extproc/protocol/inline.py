@@ -24,10 +24,10 @@ from extproc.protocol.messages import (
     response_body_reply,
 )
 
-__all__ = ["StreamTranslator"]
+__all__ = ["InlineTranslator"]
 
 
-class StreamTranslator:
+class InlineTranslator:
     """One ext_proc stream: translates each message to the exchange and each verdict to a reply."""
 
     def __init__(self, exchange: Exchange) -> None:

@@ -24,7 +24,7 @@ from extproc.admission.exchange import Exchange
 from extproc.admission.service import AdmissionService
 from extproc.admission.unseen import UnseenStreams
 from extproc.admission.verdicts import Refusal
-from extproc.protocol.inline import StreamTranslator
+from extproc.protocol.inline import InlineTranslator
 from extproc.protocol.lean import LeanRuntime, LeanTranslator, is_lean
 from extproc.protocol.messages import immediate
 
@@ -48,13 +48,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         request: pb.ProcessingRequest | Refusal | None = await anext(messages, None)
         if request is None:
             return
-        stream: StreamTranslator | LeanTranslator
+        stream: InlineTranslator | LeanTranslator
         if is_lean(request):
             exchange = Exchange(self.service, self.lean.unseen)
             stream = LeanTranslator(exchange, self.lean)
         else:
             exchange = Exchange(self.service)
-            stream = StreamTranslator(exchange)
+            stream = InlineTranslator(exchange)
         self.service.register(exchange)
         self.service.metrics.streams.inc()
         context.add_done_callback(stream.end)
