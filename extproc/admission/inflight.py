@@ -49,6 +49,12 @@ class Seen:
 
 NOTHING_SEEN = Seen(ResponseFacts(), responded=False)
 
+MIN_DECODE_SPAN_S = 0.05
+"""The shortest first-to-last-content span that times a decode. A shorter one timed the delivery: the answer
+reached the reader in a burst, from a proxy's buffers after a stall (measured on the real-engine tier: 20
+tokens within 1-11 ms after 6-12 s held, a "rate" of thousands of tokens per second) or a client's, and
+learning it would make every later disconnect of the pool charge its whole reservation."""
+
 
 def learn_pace(
     rates: DecodeRates,
@@ -61,7 +67,7 @@ def learn_pace(
     time from the first content to the last byte) and, where the first content's delay is known, the KV
     budget's pace: without that a lean sidecar never sees a request progress, and forecast booking falls
     back to booking whole lifetimes."""
-    if decode_s <= 0 or completion_tokens <= 1:
+    if decode_s < MIN_DECODE_SPAN_S or completion_tokens <= 1:
         return
     request = admitted.request
     tokens = completion_tokens / max(1, request.sequences * request.prompt_count) - 1

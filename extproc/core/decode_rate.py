@@ -5,7 +5,10 @@ seconds, or a lease whose end signal never came). The backend still generated to
 charging the prompt alone would let a client run long generations for free by disconnecting. The charge is
 instead `min(reserved completion, elapsed x decode rate x sequences)`, with the pool's per-sequence decode
 rate learned from its completed streamed answers (tokens after the first, over the time between the first
-and the last chunk) as an exponentially weighted mean.
+and the last chunk) as an exponentially weighted mean. A sample is taken at most `max_step` times the rate
+the pool has now (learned, else fed, else assumed): an answer delivered faster than it was decoded (part of it
+held in a proxy's buffers, then sent at once) cannot multiply the charge of the pool's next disconnects, and
+a pool that really is faster gets there within a few samples.
 
 Which rate `rate(pool)` gives, first that exists:
 1. learned: from the pool's own completed streams here (what this sidecar saw end to end);
@@ -51,6 +54,7 @@ class DecodeRates:
     default_tokens_per_second: float = 100.0
     alpha: float = 0.2
     min_tokens: int = 16  # shorter answers carry too much timing noise to be a sample
+    max_step: float = 4.0  # a sample counts at most this many times the current rate
     fed: FedRate = _no_feed  # the pool's pace from the KV feed, None without a fresh one
     _rates: dict[str, float] = field(default_factory=dict, init=False)
 
@@ -76,7 +80,7 @@ class DecodeRates:
         """A completed streamed answer: `tokens_per_sequence` tokens after the first, over `seconds`."""
         if tokens_per_sequence < self.min_tokens or seconds <= 0 or not math.isfinite(seconds):
             return
-        sample = tokens_per_sequence / seconds
+        sample = min(tokens_per_sequence / seconds, self.max_step * self.rate(pool))
         old = self._rates.get(pool)
         self._rates[pool] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 

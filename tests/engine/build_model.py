@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -104,6 +105,34 @@ def build_tokenizer(cl100k_file: Path, out: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2))
 
 
+STOP_LOGIT = -3.0
+"""The stop tokens' weight on the constant residual dimension. Measured on the built model: their logits are
+-23 to -25 at every position while the best other token's is about 1, so a step picks one with p < 1e-15, and
+a request's `logit_bias` of +100 still forces them first."""
+
+
+def never_stops_unbidden(model: Any, stop_ids: tuple[int, ...]) -> None:
+    """Make an answer run to `max_tokens` unless the request biases a stop token.
+
+    Random weights give a near-uniform next-token distribution, so each step picks one of the two stop
+    tokens with p ~ 2e-5: over a tier's thousands of steps an answer now and then ends short of
+    `max_tokens`, and a test that expects it fails (seen once: 8 of 24). One residual dimension is held
+    constant (every embedding writes 1 there, no layer writes to it), so after the final RMSNorm it is about
+    sqrt(hidden) for every position; the stop tokens' output rows read only that dimension, negatively.
+    """
+    import torch
+
+    constant = 0
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, constant] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[constant, :] = 0.0
+            layer.mlp.down_proj.weight[constant, :] = 0.0
+        for stop in stop_ids:
+            model.lm_head.weight[stop, :] = 0.0
+            model.lm_head.weight[stop, constant] = STOP_LOGIT
+
+
 def build_model(out: Path) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -126,6 +155,7 @@ def build_model(out: Path) -> None:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    never_stops_unbidden(model, (eot, end_of_text))
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(bos_token_id=CL100K_RANKS, eos_token_id=[eot, end_of_text]).save_pretrained(str(out))
 

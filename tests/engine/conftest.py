@@ -1,15 +1,21 @@
-"""The real-engine tier's fixture: one engine for the package (tests/support/engine.py has the how)."""
+"""The real-engine tier's fixture: one engine for the package (tests/support/engine.py has the how), and the
+logs of the processes a failed test ran on, attached to its report: a failure in CI leaves nothing else."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from devstack.processes import Process, free_port
 from tests.support.engine import START_TIMEOUT_S, Engine, build_model, engine_argv, engine_python, wait_engine
+from tests.support.stack import Stack
+
+LOG_TAIL_LINES = 60
+"""How much of each process's log a failed test's report carries: Envoy's access log line names the phase that
+timed out (`%RESPONSE_CODE_DETAILS%`), the sidecar's log what it was doing."""
 
 
 @pytest.fixture(scope="package")
@@ -36,3 +42,23 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield handle
     finally:
         process.stop(timeout_s=30)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    """On a failed test, the tails of its stacks' logs (Envoy, sidecar, exporter) and the engine's."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    funcargs = getattr(item, "funcargs", {})
+    for name, value in funcargs.items():
+        if isinstance(value, Stack):
+            for proc_name, proc in value.stack.processes.items():
+                report.sections.append((f"{name}: {proc_name} log (tail)", _tail(proc.log())))
+        elif isinstance(value, Engine):
+            report.sections.append(("engine log (tail)", _tail(value.log())))
+
+
+def _tail(text: str) -> str:
+    return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])

@@ -2,8 +2,9 @@
 
 Each test diffs the sidecar's counters and the engine's own (`vllm:prompt_tokens_total`,
 `vllm:generation_tokens_total`, vLLM 0.32.0 v1/metrics/loggers.py) around one call, so a token charged,
-refunded or lost anywhere moves a number. The model has random weights: it never stops on its own, so an
-answer runs to `max_tokens` unless the test forces the end-of-turn token with `logit_bias`.
+refunded or lost anywhere moves a number. The model has random weights and never stops on its own
+(build_model.never_stops_unbidden), so an answer runs to `max_tokens` unless the test forces the end-of-turn
+token with `logit_bias`.
 """
 
 from __future__ import annotations

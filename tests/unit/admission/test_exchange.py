@@ -100,6 +100,22 @@ async def test_inline_a_streamed_answer_settles_at_its_end_and_teaches_the_decod
     )  # 80 tokens after the first, 2 s
 
 
+async def test_inline_an_answer_delivered_in_a_burst_teaches_no_decode_rate() -> None:
+    """Chunks a proxy held and then sent at once (seen on the real engine: a whole answer within 10 ms) time
+    the delivery, not the decode: learning "8,000 tokens per second" from them would charge every later
+    disconnect of the pool its whole reservation."""
+    rig = await Rig().start()
+    exchange = rig.admission.exchange()
+    await rig.decide(exchange, chat(stream=True))
+    exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+    await exchange.response_body(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', False)
+    rig.clock.advance(0.01)
+    await exchange.response_body(USAGE_81 + b"data: [DONE]\n\n", True)
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="completed") == 1
+    assert not rig.admission.service.decode_rates.learned("*")
+
+
 async def test_lean_the_forward_verdict_carries_the_report_ticket_and_metadata() -> None:
     rig = await Rig(concurrency=4).start()
     exchange = rig.admission.exchange(reported=True)

@@ -56,3 +56,15 @@ def test_an_expired_lease_is_charged_at_the_fed_pace() -> None:
     """60 s of a lease whose end never came, on an engine running 20 tok/s per sequence: 1,200, not 6,000."""
     rates = DecodeRates(default_tokens_per_second=100.0, fed=lambda pool: 20.0)
     assert rates.estimate("p", 60.0, 1, 10_000) == 1200
+
+
+def test_a_sample_counts_at_most_max_step_times_the_current_rate() -> None:
+    """An answer delivered in a burst (2,000 tokens in 10 ms after the proxy held them) is no decode rate: it
+    moves the pool's rate by at most `max_step` of it, whose first rate is then the assumption's multiple."""
+    rates = DecodeRates(default_tokens_per_second=100.0, alpha=0.5, max_step=4.0)
+    rates.observe("p", 2000, 0.01)  # "200,000 tok/s"
+    assert rates.rate("p") == pytest.approx(400.0)
+    rates.observe("p", 100, 1.0)  # a real sample pulls it back
+    assert rates.rate("p") == pytest.approx(250.0)
+    rates.observe("p", 300, 0.1)  # 3,000 tok/s: at most 4 x 250
+    assert rates.rate("p") == pytest.approx(625.0)
