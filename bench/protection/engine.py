@@ -45,7 +45,7 @@ from bench.protection import trace as tr
 from devstack.processes import Ports, Process, free_port, wait_http
 from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import REPO
-from tests.engine.conftest import CACHE_TOKENS, ENGINE_VENV, MAX_MODEL_LEN, MODEL, cl100k_file, engine_argv
+from tests.support.engine import CACHE_TOKENS, ENGINE_VENV, MAX_MODEL_LEN, MODEL, cl100k_file, engine_argv
 
 SLO_TTFT_S = 2.0
 TOKEN_SCALE = 0.5

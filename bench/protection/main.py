@@ -14,7 +14,6 @@ from bench.common import RESULTS, write_json
 from bench.protection import trace as tr
 from bench.protection.run import MODES, Deployment, RunSpec, run_one, size_limits
 
-TRACE_START_S = 600.0  # skip the trace's first ten minutes (its ramp-up), same slice for every run
 WALL_REQUEST_RATE = 40.0  # requests per wall second the load generator aims at (sets the time scale)
 MAX_TIME_SCALE = 20.0
 DRAIN_ENGINE_S = 60.0  # after the last arrival, engine seconds requests may still take before being cut
@@ -49,7 +48,7 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
     dep = Deployment()
     full_trace = tr.load(directory, ("conv",))
     count = 400 if short else 1200
-    trace = tr.window(full_trace, TRACE_START_S, count)
+    trace = tr.window(full_trace, tr.TRACE_START_S, count)
     slice_rate = len(trace) / trace[-1].t
     sizing = size_limits(dep, trace)
     rates = (4.0,) if short else (1.0, 2.0, 4.0)
@@ -67,7 +66,7 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
         for mode in run_modes
         if mode != "envoy"
     ]
-    code_trace = tr.window(tr.load(directory, ("code",)), TRACE_START_S, count)
+    code_trace = tr.window(tr.load(directory, ("code",)), tr.TRACE_START_S, count)
     code_rate = len(code_trace) / code_trace[-1].t
     if not short:
         specs += [
@@ -112,7 +111,7 @@ def run(short: bool, modes: tuple[str, ...] = MODES, only_bursts: bool = False) 
         "sizing": sizing.__dict__,
         "trace": {
             "files": list(tr.TRACE_FILES.values()),
-            "start_s": TRACE_START_S,
+            "start_s": tr.TRACE_START_S,
             "requests": len(trace),
             "rate_req_s": slice_rate,
             "span_s": trace[-1].t,

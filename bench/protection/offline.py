@@ -351,10 +351,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if directory is None:
         print(f"offline: Azure traces not found (set ${tr.ENV_VAR}); skipped")
         return None
-    from bench.protection.main import TRACE_START_S
-
     dep = Deployment()
-    trace = tr.window(tr.load(directory, ("conv",)), TRACE_START_S, 1200 if args.full else 400)
+    trace = tr.window(tr.load(directory, ("conv",)), tr.TRACE_START_S, 1200 if args.full else 400)
     sizing = size_limits(dep, trace)
     rows = []
     modes = scenarios(sizing, dep.max_model_len)

@@ -19,6 +19,8 @@ from bench.common import REPO
 TRACE_FILES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
 ENV_VAR = "EXTPROC_TRACES_DIR"
 SAMPLE_DIR = REPO / "bench" / "traces"
+TRACE_START_S = 600.0
+"""Where every run's slice of a trace starts: past its first ten minutes (the ramp-up), the same for each."""
 
 
 def traces_dir() -> Path | None:

@@ -83,10 +83,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 # Import cycles between modules that exist today, each as its set of modules. The one left is a
 # function-level (deferred) import, which still makes the two modules depend on each other.
-CYCLE_EXCEPTIONS: dict[frozenset[str], str] = {
-    # main.py imports offline for `--offline`; offline.py takes TRACE_START_S from main.py.
-    frozenset({"bench.protection.main", "bench.protection.offline"}): "bench protection main <-> offline",
-}
+CYCLE_EXCEPTIONS: dict[frozenset[str], str] = {}
 
 # I/O libraries by the doc's word for them. Files are not told apart by imports (pathlib is everywhere), so a
 # row's `files` is not checked.
