@@ -34,11 +34,7 @@ run: $(STAMP)
 ## (a real vLLM behind the gateway, tests/engine).
 test: $(STAMP) system-deps engine-env lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/engine
-	# The real-engine tier shares two cores with a CPU vLLM that takes both: it has shown rare timing
-	# failures (an ext_proc timeout, a lean report racing the answer). One rerun of the tier is allowed,
-	# and printed, until those are fixed (see the issue notes); a second failure fails the build.
-	EXTPROC_ENGINE_VENV=$(abspath $(ENGINE_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider tests/engine \
-	  || { echo 'engine tier: rerunning once'; EXTPROC_ENGINE_VENV=$(abspath $(ENGINE_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider tests/engine; }
+	EXTPROC_ENGINE_VENV=$(abspath $(ENGINE_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
 ## Unit and component tests only (no Envoy processes).
 test-fast: $(STAMP) system-deps
