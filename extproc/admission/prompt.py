@@ -54,8 +54,13 @@ class Prompt:
     """One prompt (one sequence family): what the backend will put in front of the generation.
 
     `messages` counts templated chat messages; `templated` says the chat template wraps the prompt (its
-    per-request overhead applies). `opaque` marks input whose size cannot be known without the model (for
-    example prompt embeddings): it is charged the whole context window, the most the backend accepts.
+    per-request overhead applies). `special_tokens` says the server tokenizes the rendered template with the
+    tokenizer's special tokens as well, so the model's `template.bos` comes on top of the template's own
+    (vLLM 0.32.0's Responses path: ResponsesRequest.build_tok_params keeps TokenizeParams'
+    `add_special_tokens=True` default, entrypoints/openai/responses/protocol.py:460, renderers/params.py:183;
+    a chat request that sets `add_special_tokens`). `opaque` marks input whose size cannot be known without
+    the model (for example prompt embeddings): it is charged the whole context window, the most the backend
+    accepts.
     """
 
     texts: tuple[str, ...] = ()
@@ -64,6 +69,7 @@ class Prompt:
     templated: bool = False
     media: Media = NO_MEDIA
     opaque: bool = False
+    special_tokens: bool = False
     text_bytes: int = field(default=-1, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,7 +86,7 @@ def known_tokens(prompt: Prompt, policy: ModelPolicy) -> int:
     template = prompt.messages * policy.template.per_message
     if prompt.templated:
         template += policy.template.per_request
-    elif prompt.texts:
+    if prompt.special_tokens or (prompt.texts and not prompt.templated):
         template += policy.template.bos
     return (
         prompt.fixed_tokens

@@ -295,10 +295,16 @@ COUNT_CASES: dict[str, tuple[str, str, dict[str, Any], int]] = {
     # the sidecar, not by the engine (one token over, the safe side).
     "chat, conversation": ("chat", "/v1/chat/completions", {"messages": CONVERSATION}, 1),
     "completions": ("completions", "/v1/completions", {"prompt": "Once upon a time, 1999 bears"}, 0),
-    # The Responses adapter does not count a message's role as text the way chat does: one token short per
-    # message (corrected at settlement, extproc_tokens_overrun_total).
-    "responses, messages": ("responses", "/v1/responses", {"input": CONVERSATION[1:2]}, -1),
-    "responses, string": ("responses", "/v1/responses", {"input": "Say something about rivers."}, -1),
+    # vLLM tokenizes a chat request's template with the tokenizer's BOS too when asked, and a Responses
+    # request's always (responses/protocol.py:460): `template.bos` is counted on top (prompt.py).
+    "chat, add_special_tokens": (
+        "chat",
+        "/v1/chat/completions",
+        {"messages": MESSAGES[1:], "add_special_tokens": True},
+        0,
+    ),
+    "responses, messages": ("responses", "/v1/responses", {"input": CONVERSATION[1:2]}, 0),
+    "responses, string": ("responses", "/v1/responses", {"input": "Say something about rivers."}, 0),
     "messages": ("messages", "/v1/messages", {"system": "Be brief.", "messages": CONVERSATION[1:2]}, 0),
 }
 """(API, path, body, admission count minus vLLM's) for each way of sending a prompt."""

@@ -9,14 +9,13 @@ import re
 import pytest
 
 from bench.protection import trace as tr
-from bench.protection.main import TRACE_START_S
 
 FULL_RUN_REQUESTS = 1200  # bench/protection/main.py run(): 1,200 per trace in the full matrix
 
 
 @pytest.mark.parametrize("source", sorted(tr.TRACE_FILES))
 def test_the_sample_covers_the_benchmarks_window(source: str) -> None:
-    window = tr.window(tr.load(tr.SAMPLE_DIR, (source,)), TRACE_START_S, FULL_RUN_REQUESTS)
+    window = tr.window(tr.load(tr.SAMPLE_DIR, (source,)), tr.TRACE_START_S, FULL_RUN_REQUESTS)
     assert len(window) == FULL_RUN_REQUESTS
 
 

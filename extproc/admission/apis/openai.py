@@ -132,7 +132,12 @@ def chat_prompt(body: Mapping[str, Any], key: str = "messages") -> Prompt:
         collected.add_message(message, f"{key}[{i}]")
     collected.texts.extend(template_inputs(body))
     return Prompt(
-        texts=tuple(collected.texts), messages=collected.messages, templated=True, media=collected.media
+        texts=tuple(collected.texts),
+        messages=collected.messages,
+        templated=True,
+        media=collected.media,
+        # vLLM 0.32.0 chat_completion/protocol.py:337: BOS "on top of what is added by the chat template".
+        special_tokens=body.get("add_special_tokens") is True,
     )
 
 

@@ -7,7 +7,10 @@ part of one): messages with their content parts, `function_call` / `custom_tool_
 `function_call_output` / `custom_tool_call_output` (the output), `reasoning` (its text). Every string an
 item carries is counted; media parts are charged the model's media cost; `tools` are rendered as compact
 JSON. Each item is charged the template's per-message overhead (vLLM merges some items into one message,
-so this errs high), and the request its per-request overhead.
+so this errs high), and the request its per-request overhead plus the model's `template.bos`: vLLM
+tokenizes the rendered Responses prompt with the tokenizer's special tokens (responses/protocol.py:460
+keeps `add_special_tokens=True`, where chat completions default to False), so a Llama or Mistral tokenizer
+prepends a second BOS.
 
 Output bound: `max_output_tokens`, absent means the rest of the window (vLLM v0.33.0
 entrypoints/openai/responses/serving.py:429-438 `get_max_tokens`). It applies per generation turn: with
@@ -133,7 +136,11 @@ def responses_prompt(body: Mapping[str, Any]) -> Prompt:
         )
     items.collected.texts.extend(template_inputs(body, ("tools",)))
     c = items.collected
-    return Prompt(texts=tuple(c.texts), messages=c.messages, templated=True, media=c.media)
+    # The rendered template is tokenized with special tokens (vLLM 0.32.0 responses/protocol.py:460): the
+    # tokenizer's BOS comes on top of the template's.
+    return Prompt(
+        texts=tuple(c.texts), messages=c.messages, templated=True, media=c.media, special_tokens=True
+    )
 
 
 def builtin_tools(body: Mapping[str, Any]) -> list[str]:
