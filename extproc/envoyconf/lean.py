@@ -54,6 +54,7 @@ import yaml
 
 from extproc.admission.names import (
     FORWARDED_REQUEST_HEADERS,
+    LEAN_REQUEST_ATTRIBUTES,
     NAMESPACE,
     RATELIMIT_HEADERS,
     REPORT_KEY,
@@ -148,7 +149,7 @@ def _lean_filters(hcm: dict[str, Any], max_body_bytes: int) -> None:
             continue
         ext_proc = http_filter["typed_config"]
         ext_proc["processing_mode"] = dict(BODY_MODE)
-        attributes = ["source.address", "request.method", "request.path"]
+        attributes = list(LEAN_REQUEST_ATTRIBUTES)
         if tenant is not None:
             attributes.append(tenant_attribute(tenant))
         ext_proc["request_attributes"] = attributes

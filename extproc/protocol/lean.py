@@ -37,7 +37,9 @@ from google.protobuf.duration_pb2 import Duration
 
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.names import (
+    METHOD_ATTRIBUTE,
     NAMESPACE,
+    PATH_ATTRIBUTE,
     READ_SPEC_KEY,
     REPORT_KEY,
     tenant_attribute,
@@ -171,8 +173,8 @@ class LeanTranslator:
         """The request line from the attributes Envoy sends with the body (the routes already checked it)."""
         source = self.exchange.service.rules().tenant
         return RequestHead(
-            method=_attribute(request, "request.method") or "",
-            path=_attribute(request, "request.path") or "",
+            method=_attribute(request, METHOD_ATTRIBUTE) or "",
+            path=_attribute(request, PATH_ATTRIBUTE) or "",
             headers={},
             tenant=lean_tenant_claim(request, source),
             client=client_address(request),
