@@ -143,7 +143,7 @@ def on_request_headers(exchange: Exchange, request: pb.ProcessingRequest) -> pb.
     if request.HasField("protocol_config"):
         _check_body_mode(request.protocol_config.request_body_mode)
     headers = header_values(message)
-    source = exchange.service.rules().tenant
+    source = exchange.tenant_source()
     head = RequestHead(
         method=headers.get(":method", ""),
         path=headers.get(":path", ""),
