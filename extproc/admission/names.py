@@ -77,6 +77,12 @@ RATELIMIT_TOKEN_HEADERS = (
 RATELIMIT_HEADERS = (*RATELIMIT_REQUEST_HEADERS, *RATELIMIT_TOKEN_HEADERS)
 """Response headers the lean route copies from the admission's metadata (`response_headers_to_add`)."""
 
+DETAILS_PREFIX = "extproc_"
+"""How the response code details of every reply the sidecar answers itself begin (its ImmediateResponse's
+`details`, admission/refusals.py): Envoy's configs tell the sidecar's refusals from Envoy's own by it (the
+lean access log's filter, extproc/envoyconf/lean.py `ENVOY_REFUSALS`, and the local-reply mappers, which
+leave the sidecar's replies alone: envoy/envoy.yaml)."""
+
 UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"
 """Set by Envoy's router on every upstream response to a complete request, unless its
 `suppress_envoy_headers` is on (envoy source/common/router/router.cc Filter::onUpstreamHeaders, v1.40): an

@@ -53,6 +53,7 @@ from typing import Any
 import yaml
 
 from extproc.admission.names import (
+    DETAILS_PREFIX,
     FORWARDED_REQUEST_HEADERS,
     LEAN_REQUEST_ATTRIBUTES,
     NAMESPACE,
@@ -299,7 +300,7 @@ a request too slow, headers too large, a malformed request): logged to the sidec
 
 ENVOY_REFUSALS = (
     f"response.code in [{', '.join(map(str, ENVOY_REFUSAL_CODES))}]"
-    " && response.code_details != 'via_upstream' && !response.code_details.startsWith('extproc_')"
+    f" && response.code_details != 'via_upstream' && !response.code_details.startsWith('{DETAILS_PREFIX}')"
 )
 """CEL (envoy.access_loggers.extension_filters.cel) for Envoy's own refusals: not the upstream's answer, not
 the sidecar's ImmediateResponse (its details start with `extproc_`, and the sidecar counted it already)."""
