@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from extproc.admission import refusals
 from extproc.admission.answer import Answer
@@ -35,6 +36,7 @@ from extproc.admission.names import FORWARDED_REQUEST_HEADERS
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, RouteKind
 from extproc.admission.provisional import Correction
 from extproc.admission.reading import spec_for
+from extproc.admission.rules import TenantSource
 from extproc.admission.service import AdmissionService, Admitted
 from extproc.admission.unseen import UnseenStreams
 from extproc.admission.verdicts import (
@@ -50,6 +52,8 @@ from extproc.admission.verdicts import (
 
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""
+
+T = TypeVar("T")
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
@@ -109,6 +113,10 @@ class Exchange:
     def finished(self) -> bool:
         """True once nothing more can happen: refused, passed through, or settled."""
         return self.phase in (Phase.REFUSED, Phase.PASSTHROUGH, Phase.SETTLED)
+
+    def tenant_source(self) -> TenantSource:
+        """Where a translator finds this request's tenant claim (header, metadata): the rules of now."""
+        return self.service.rules().tenant
 
     # -- request --------------------------------------------------------------------------------------------
 
@@ -254,6 +262,13 @@ class Exchange:
         if self.response is not None and self.inflight is not None:
             self.response.completed = True
             self.inflight.observe(self.response.seen())
+
+    async def next_or_cut(self, following: Awaitable[T]) -> T | Refusal:
+        """`following` (the stream's next message), or, in the lean profile, the cut admission decides while
+        the unseen answer streams (`UnseenStreams.next_or_cut`)."""
+        if self.unseen is None:
+            return await following
+        return await self.unseen.next_or_cut(self.inflight, following)
 
     # -- end ------------------------------------------------------------------------------------------------
 

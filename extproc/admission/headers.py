@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from extproc.admission.names import RATELIMIT_REQUEST_HEADERS, RATELIMIT_TOKEN_HEADERS
 from extproc.admission.verdicts import Header
 from extproc.core.limiter import RateLimitStatus
 
@@ -34,13 +35,13 @@ def ratelimit_headers(status: RateLimitStatus) -> tuple[Header, ...]:
     """`x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for the tightest key of the request."""
     headers: list[Header] = []
     if status.limit_requests is not None and status.remaining_requests is not None:
-        headers.append(("x-ratelimit-limit-requests", str(status.limit_requests)))
-        headers.append(("x-ratelimit-remaining-requests", str(status.remaining_requests)))
-        headers.append(("x-ratelimit-reset-requests", format_duration(status.reset_requests_s or 0.0)))
+        reset = format_duration(status.reset_requests_s or 0.0)
+        values = (str(status.limit_requests), str(status.remaining_requests), reset)
+        headers.extend(zip(RATELIMIT_REQUEST_HEADERS, values, strict=True))
     if status.limit_tokens is not None and status.remaining_tokens is not None:
-        headers.append(("x-ratelimit-limit-tokens", str(status.limit_tokens)))
-        headers.append(("x-ratelimit-remaining-tokens", str(status.remaining_tokens)))
-        headers.append(("x-ratelimit-reset-tokens", format_duration(status.reset_tokens_s or 0.0)))
+        reset = format_duration(status.reset_tokens_s or 0.0)
+        values = (str(status.limit_tokens), str(status.remaining_tokens), reset)
+        headers.extend(zip(RATELIMIT_TOKEN_HEADERS, values, strict=True))
     return tuple(headers)
 
 

@@ -1,16 +1,50 @@
-"""Every header and dynamic-metadata name the sidecar and its Envoy configs agree on, defined once.
+"""Every header, dynamic-metadata and request-attribute name the sidecar and its Envoy configs agree on,
+defined once.
 
 The lean translator writes these names, the access log reads them back, and the Envoy renderer
-(extproc/envoyconf/lean.py) writes the routes that copy them: a name changed here changes all three.
+(extproc/envoyconf/lean.py) writes the routes that copy them: a name changed here changes all three. The Lua
+response reader (extproc/envoyconf/response.lua) cannot import them and writes them again;
+tests/unit/envoyconf/test_response_lua_names.py checks its copies.
 """
 
 from __future__ import annotations
+
+import enum
 
 NAMESPACE = "extproc"
 """Dynamic-metadata namespace the sidecar writes (ext_proc `metadata_options.receiving_namespaces`)."""
 
 RESPONSE_NAMESPACE = "extproc.response"
 """Dynamic-metadata namespace the Lua filter writes and the access log brings back."""
+
+
+class ResponseField(enum.StrEnum):
+    """The keys under `RESPONSE_NAMESPACE`: what the Lua response reader (extproc/envoyconf/response.lua)
+    saw of an answer, read back from the access log (extproc/protocol/accesslog.py `reading_of`). One or two
+    letters, as every access-log entry carries them; tests/unit/envoyconf/test_response_lua_names.py checks
+    that the Lua writes exactly these."""
+
+    EVENTS = "n"
+    """Content events counted."""
+    EVENTS_AT_USAGE = "m"
+    """`EVENTS` when the last usage object was seen."""
+    USAGE_FIRST = "u0"
+    """The first usage object (its JSON text)."""
+    USAGE_LAST = "u"
+    """The last usage object (its JSON text)."""
+    FINAL = "f"
+    """A final event was seen."""
+    ERROR = "e"
+    """An error event was seen."""
+    BODY_END = "x"
+    """The body ended (end of stream)."""
+    BODY = "b"
+    """A JSON body, whole."""
+    TAIL = "t"
+    """The end of a JSON body too large to keep whole."""
+    FIRST_CONTENT_MS = "t1"
+    """When the first content event arrived, in ms since the epoch on Envoy's clock."""
+
 
 REPORT_KEY = "id"
 """The report key in `NAMESPACE`; only requests that carry it are logged (the access log's filter)."""
@@ -26,15 +60,28 @@ FORWARDED_REQUEST_HEADERS = (PRIORITY_HEADER,)
 """Request headers the sidecar may set on an admitted request. Envoy skips the request headers in the lean
 profile, so the sidecar passes them as metadata and the route adds them (`request_headers_to_add`)."""
 
-RATELIMIT_HEADERS = (
+RATELIMIT_REQUEST_HEADERS = (
     "x-ratelimit-limit-requests",
     "x-ratelimit-remaining-requests",
     "x-ratelimit-reset-requests",
+)
+"""OpenAI's rate-limit headers for requests: the limit, what remains, when it resets (headers.py)."""
+
+RATELIMIT_TOKEN_HEADERS = (
     "x-ratelimit-limit-tokens",
     "x-ratelimit-remaining-tokens",
     "x-ratelimit-reset-tokens",
 )
+"""The same three for tokens."""
+
+RATELIMIT_HEADERS = (*RATELIMIT_REQUEST_HEADERS, *RATELIMIT_TOKEN_HEADERS)
 """Response headers the lean route copies from the admission's metadata (`response_headers_to_add`)."""
+
+DETAILS_PREFIX = "extproc_"
+"""How the response code details of every reply the sidecar answers itself begin (its ImmediateResponse's
+`details`, admission/refusals.py): Envoy's configs tell the sidecar's refusals from Envoy's own by it (the
+lean access log's filter, extproc/envoyconf/lean.py `ENVOY_REFUSALS`, and the local-reply mappers, which
+leave the sidecar's replies alone: envoy/envoy.yaml)."""
 
 UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"
 """Set by Envoy's router on every upstream response to a complete request, unless its
@@ -42,6 +89,20 @@ UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"
 error response without it was made by a filter between the sidecar and the router, and never reached the
 backend. Keep `suppress_envoy_headers` off (every shipped config does): behind such a router the backend's own
 errors would be taken for local ones and their prompt refunded."""
+
+
+CLIENT_ADDRESS_ATTRIBUTE = "source.address"
+"""The ext_proc request attribute of the client's address (both profiles: the client's own limits)."""
+
+METHOD_ATTRIBUTE = "request.method"
+"""The ext_proc request attribute of the method: the lean profile skips the header phase."""
+
+PATH_ATTRIBUTE = "request.path"
+"""The ext_proc request attribute of the path (lean profile)."""
+
+LEAN_REQUEST_ATTRIBUTES = (CLIENT_ADDRESS_ATTRIBUTE, METHOD_ATTRIBUTE, PATH_ATTRIBUTE)
+"""What the lean profile's ext_proc filter sends with the body (`request_attributes`), the tenant's header
+(`tenant_attribute`) aside."""
 
 
 def tenant_attribute(header: str) -> str:

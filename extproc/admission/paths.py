@@ -28,6 +28,7 @@ from urllib.parse import unquote
 
 from extproc.admission.apis import REGISTRY
 from extproc.admission.apis.spec import BOTH, SGLANG, VLLM, ApiSpec
+from extproc.admission.names import PRIORITY_HEADER
 from extproc.admission.parsed import Api
 
 
@@ -243,7 +244,7 @@ srt/entrypoints/http_server.py."""
 
 BACKEND_CONTROL_HEADERS: tuple[str, ...] = (
     # vLLM v0.33.0 entrypoints/generate/base/serving.py:42,254-265: overrides the body's `priority`.
-    "x-vllm-priority",
+    PRIORITY_HEADER,
     # vLLM v0.33.0 entrypoints/generate/base/serving.py:216-228: pins a data-parallel rank.
     "x-data-parallel-rank",
     # model-hosting-container-standards 0.1.16 sagemaker/__init__.py:60-110, sagemaker/lora/constants.py:13

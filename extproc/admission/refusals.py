@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from extproc.admission.errors import AdmissionError, error_body
 from extproc.admission.headers import format_duration, ratelimit_headers, retry_headers
+from extproc.admission.names import DETAILS_PREFIX
 from extproc.admission.verdicts import Header, Refusal
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Reason, Rejection
@@ -32,7 +33,7 @@ def _reason(reason: str, headers: tuple[Header, ...] = ()) -> tuple[Header, ...]
 def invalid(exc: AdmissionError) -> Refusal:
     """A request the backend would refuse too (400, 404, 413): not retryable as is."""
     reason = exc.code or f"http_{exc.status}"
-    return Refusal(exc.status, exc.body(), reason, details=f"extproc_{exc.code or exc.status}")
+    return Refusal(exc.status, exc.body(), reason, details=f"{DETAILS_PREFIX}{exc.code or exc.status}")
 
 
 BODY_TOO_LARGE = "The request body is larger than the gateway accepts."
@@ -106,7 +107,7 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
     headers = (*retry_headers(rejection.retry_after_s), *ratelimit_headers(status))
     reason = rejection.reason.value
     body = error_body(message, type=kind, code="rate_limit_exceeded")
-    return Refusal(429, body, reason, _reason(reason, headers), f"extproc_rate_limited_{reason}")
+    return Refusal(429, body, reason, _reason(reason, headers), f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 
 def kv_retry_after(budget: KvBudget, hints: RetryHints, pool: str, now: float) -> float:
@@ -131,7 +132,7 @@ def kv_budget(model: str, needed: int, headroom: int, retry_after_s: float = KV_
     )
     body = error_body(message, type="tokens", code="rate_limit_exceeded")
     headers = _reason("kv_budget", retry_headers(retry_after_s))
-    return Refusal(429, body, "kv_budget", headers, "extproc_rate_limited_kv_budget")
+    return Refusal(429, body, "kv_budget", headers, DETAILS_PREFIX + "rate_limited_kv_budget")
 
 
 def queue_refused(reason: str, class_name: str, max_wait_s: float) -> Refusal:
@@ -140,7 +141,7 @@ def queue_refused(reason: str, class_name: str, max_wait_s: float) -> Refusal:
     message = f"No capacity for class {class_name} within {max_wait_s:g}s ({why}). Please try again later."
     body = error_body(message, type="requests", code="rate_limit_exceeded")
     headers = _reason(reason, retry_headers(max(1.0, max_wait_s / 2)))
-    return Refusal(429, body, reason, headers, f"extproc_rate_limited_{reason}")
+    return Refusal(429, body, reason, headers, f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 
 def tokenizer_busy() -> Refusal:
@@ -151,7 +152,7 @@ def tokenizer_busy() -> Refusal:
         code="rate_limit_exceeded",
     )
     headers = _reason("tokenizer_busy", retry_headers(1.0))
-    return Refusal(429, body, "tokenizer_busy", headers, "extproc_rate_limited_tokenizer_busy")
+    return Refusal(429, body, "tokenizer_busy", headers, DETAILS_PREFIX + "rate_limited_tokenizer_busy")
 
 
 def store_unavailable() -> Refusal:
@@ -162,7 +163,7 @@ def store_unavailable() -> Refusal:
         code="service_unavailable",
     )
     headers = _reason("store_unavailable", retry_headers(STORE_RETRY_AFTER_S))
-    return Refusal(503, body, "store_unavailable", headers, "extproc_store_unavailable")
+    return Refusal(503, body, "store_unavailable", headers, DETAILS_PREFIX + "store_unavailable")
 
 
 def cut_under_kv_pressure() -> Refusal:
@@ -172,4 +173,4 @@ def cut_under_kv_pressure() -> Refusal:
         type="server_error",
         code="overloaded",
     )
-    return Refusal(503, body, "cut", details="extproc_cut_under_kv_pressure")
+    return Refusal(503, body, "cut", details=DETAILS_PREFIX + "cut_under_kv_pressure")

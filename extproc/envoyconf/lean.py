@@ -53,7 +53,9 @@ from typing import Any
 import yaml
 
 from extproc.admission.names import (
+    DETAILS_PREFIX,
     FORWARDED_REQUEST_HEADERS,
+    LEAN_REQUEST_ATTRIBUTES,
     NAMESPACE,
     RATELIMIT_HEADERS,
     REPORT_KEY,
@@ -148,7 +150,7 @@ def _lean_filters(hcm: dict[str, Any], max_body_bytes: int) -> None:
             continue
         ext_proc = http_filter["typed_config"]
         ext_proc["processing_mode"] = dict(BODY_MODE)
-        attributes = ["source.address", "request.method", "request.path"]
+        attributes = list(LEAN_REQUEST_ATTRIBUTES)
         if tenant is not None:
             attributes.append(tenant_attribute(tenant))
         ext_proc["request_attributes"] = attributes
@@ -298,7 +300,7 @@ a request too slow, headers too large, a malformed request): logged to the sidec
 
 ENVOY_REFUSALS = (
     f"response.code in [{', '.join(map(str, ENVOY_REFUSAL_CODES))}]"
-    " && response.code_details != 'via_upstream' && !response.code_details.startsWith('extproc_')"
+    f" && response.code_details != 'via_upstream' && !response.code_details.startsWith('{DETAILS_PREFIX}')"
 )
 """CEL (envoy.access_loggers.extension_filters.cel) for Envoy's own refusals: not the upstream's answer, not
 the sidecar's ImmediateResponse (its details start with `extproc_`, and the sidecar counted it already)."""

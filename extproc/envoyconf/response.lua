@@ -2,7 +2,7 @@
 --
 -- The sidecar admits a request on the ext_proc stream and, in its reply, writes dynamic metadata under the
 -- `extproc` namespace: `id` (the key its end report is matched by) and `read`, a reading spec built from
--- the API's response dialect (extproc/admission/reading.py): Lua patterns that mark a content event, a final
+-- the API's response dialect (extproc/admission/readspec.py): Lua patterns that mark a content event, a final
 -- event, an error event and the usage-only event, the JSON key that holds usage (`usage_key`, quoted, for a
 -- quick plain search; the usage pattern starts with it), and whether to strip the usage-only event (the
 -- sidecar injected `stream_options.include_usage`; the client did not ask for it).
@@ -23,8 +23,12 @@
 -- is not copied; a pattern runs only where its literal start (e.g. `"content"`) was found by a plain
 -- search; a chunk's bytes are rebuilt only when an event is dropped or part of one is held back.
 
+-- The metadata names, as extproc/admission/names.py defines them (NAMESPACE, RESPONSE_NAMESPACE,
+-- READ_SPEC_KEY; the keys written to OUT are its ResponseField): tests/unit/envoyconf/
+-- test_response_lua_names.py checks that the two agree.
 local IN = "extproc"
 local OUT = "extproc.response"
+local SPEC = "read"
 local HOLD_MAX = 65536 -- an incomplete SSE event is held (and, when stripping, withheld) up to this size
 local BODY_MAX = 65536 -- a JSON body is handed over whole up to this size...
 local TAIL = 8192 -- ...and past it only its end, where the usage object is written
@@ -253,10 +257,10 @@ end
 
 function envoy_on_response(handle)
   local admitted = handle:streamInfo():dynamicMetadata():get(IN)
-  if admitted == nil or admitted.read == nil then
+  local spec = admitted ~= nil and admitted[SPEC] or nil
+  if spec == nil then
     return -- not admitted by the lean profile (refused, free path): nothing to read
   end
-  local spec = admitted.read
   local kind = handle:headers():get("content-type") or ""
   if find(kind, "text/event-stream", 1, true) ~= nil then
     read_events(handle, spec)

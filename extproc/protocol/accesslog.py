@@ -38,6 +38,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import struct_pb2
 
 from extproc.admission.names import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
+from extproc.admission.names import ResponseField as Field
 from extproc.admission.reading import ReportedTiming, ResponseReading
 from extproc.admission.unseen import UnseenStreams
 
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
-    """The Lua reader's fields (see extproc/envoyconf/response.lua) as a `ResponseReading`."""
+    """The Lua reader's fields (`ResponseField`, written by extproc/envoyconf/response.lua) as a
+    `ResponseReading`."""
     if found is None:
         return ResponseReading()
     fields = found.fields
@@ -70,16 +72,16 @@ def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
         return bool(value is not None and value.bool_value)
 
     return ResponseReading(
-        events=number("n"),
-        events_at_usage=number("m"),
-        usage_first=text("u0"),
-        usage_last=text("u"),
-        final=flag("f"),
-        error=flag("e"),
-        body_end=flag("x"),
-        body=text("b"),
-        tail=text("t"),
-        first_content_ms=number_or_none("t1"),
+        events=number(Field.EVENTS),
+        events_at_usage=number(Field.EVENTS_AT_USAGE),
+        usage_first=text(Field.USAGE_FIRST),
+        usage_last=text(Field.USAGE_LAST),
+        final=flag(Field.FINAL),
+        error=flag(Field.ERROR),
+        body_end=flag(Field.BODY_END),
+        body=text(Field.BODY),
+        tail=text(Field.TAIL),
+        first_content_ms=number_or_none(Field.FIRST_CONTENT_MS),
     )
 
 

@@ -37,7 +37,9 @@ from google.protobuf.duration_pb2 import Duration
 
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.names import (
+    METHOD_ATTRIBUTE,
     NAMESPACE,
+    PATH_ATTRIBUTE,
     READ_SPEC_KEY,
     REPORT_KEY,
     tenant_attribute,
@@ -169,10 +171,10 @@ class LeanTranslator:
 
     def _head(self, request: pb.ProcessingRequest) -> RequestHead:
         """The request line from the attributes Envoy sends with the body (the routes already checked it)."""
-        source = self.exchange.service.rules().tenant
+        source = self.exchange.tenant_source()
         return RequestHead(
-            method=_attribute(request, "request.method") or "",
-            path=_attribute(request, "request.path") or "",
+            method=_attribute(request, METHOD_ATTRIBUTE) or "",
+            path=_attribute(request, PATH_ATTRIBUTE) or "",
             headers={},
             tenant=lean_tenant_claim(request, source),
             client=client_address(request),
@@ -195,7 +197,7 @@ class LeanTranslator:
         self, messages: AsyncIterator[pb.ProcessingRequest]
     ) -> pb.ProcessingRequest | Refusal | None:
         """The stream's next message, or the cut admission decides while the response streams."""
-        return await self.runtime.unseen.next_or_cut(self.exchange.inflight, anext(messages, None))
+        return await self.exchange.next_or_cut(anext(messages, None))
 
     def end(self, _context: Any = None) -> None:
         """However the stream ended: an admitted request waits for its report, anything else settles."""

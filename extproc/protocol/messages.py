@@ -14,6 +14,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from extproc.admission.exchange import Exchange, RequestHead
+from extproc.admission.names import CLIENT_ADDRESS_ATTRIBUTE
 from extproc.admission.rules import TenantSource
 from extproc.admission.verdicts import Forward, Header, Hold, Passthrough, Refusal
 
@@ -129,7 +130,7 @@ def client_address(request: pb.ProcessingRequest) -> str | None:
     attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
     if attributes is None:
         return None
-    value = attributes.fields.get("source.address")
+    value = attributes.fields.get(CLIENT_ADDRESS_ATTRIBUTE)
     if value is None or value.WhichOneof("kind") != "string_value":
         return None
     host, sep, port = value.string_value.rpartition(":")
@@ -142,7 +143,7 @@ def on_request_headers(exchange: Exchange, request: pb.ProcessingRequest) -> pb.
     if request.HasField("protocol_config"):
         _check_body_mode(request.protocol_config.request_body_mode)
     headers = header_values(message)
-    source = exchange.service.rules().tenant
+    source = exchange.tenant_source()
     head = RequestHead(
         method=headers.get(":method", ""),
         path=headers.get(":path", ""),

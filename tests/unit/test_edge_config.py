@@ -17,7 +17,7 @@ from devstack.envoy import render_envoy_config, trust_client_tenant_header
 from devstack.processes import Ports
 from devstack.stack import tenant_header_of
 from extproc.admission.headers import ratelimit_headers
-from extproc.admission.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
+from extproc.admission.names import DETAILS_PREFIX, NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
 from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
 from extproc.config import AdmissionConfig, parse_config
 from extproc.core.limiter import RateLimitStatus
@@ -186,7 +186,7 @@ def test_local_replies_leave_the_sidecar_replies_alone_and_cover_every_status(
     mappers = reference["local_reply_config"]["mappers"]
     expressions = [m["filter"]["extension_filter"]["typed_config"]["expression"] for m in mappers]
     # First: the sidecar's replies, untouched (no body or format override).
-    assert expressions[0] == "response.code_details.startsWith('extproc_')"
+    assert expressions[0] == f"response.code_details.startsWith('{DETAILS_PREFIX}')"
     assert set(mappers[0]) == {"filter"}
     # Last: a catch-all, so no Envoy reply is ever plain text.
     assert expressions[-1] == "true"

@@ -1,14 +1,16 @@
-"""The layer table of docs/architecture.md holds in the code: every module of extproc/ belongs to one row,
-imports only the layers its rule allows, uses no I/O library its row does not name, and neither extproc/
-nor bench/ has an import cycle between modules.
+"""The layer table of docs/architecture.md holds in the code: it names every module of extproc/ and nothing
+that does not exist, every import follows its "may import" column, every module does only the I/O its row
+names, and neither extproc/ nor bench/ has an import cycle between modules.
 
-The doc's table says what each package holds and which I/O it does; which layers each may import is `LAYERS`
-below, checked row by row against the doc's table, so a row added, renamed or moved there fails here until
-this table says where it sits. Dependencies point inward: the core imports nothing of the project, the
-admission core and the stores only the core, the protocol layers the admission core, and the composition
-(app, cli) everything. The local stack (devstack/), the benchmarks and the tests sit outside the product:
-they import extproc, never the reverse. Where today's code breaks a rule the import is listed in
-`KNOWN_EXCEPTIONS` with why; any other import across a rule fails.
+The rules are read from the doc's table, so the doc is the one place they are written: a row added, a module
+moved or a rule changed there is what this test checks the code against. Each row's first cell names the
+files or folders it covers (a file's own row holds over its folder's); its "holds" cell names each module
+by its path from the row's folder (`redis/` followed by a parenthesis names the modules inside it from
+`redis/`); its "may import" cell lists rows by their path, or single modules of a row. Dependencies point
+inward: the core imports nothing of the project, the admission core and the stores only the core, the
+protocol layers the admission core, and the composition (app, cli) everything. The local stack (devstack/),
+the benchmarks and the tests sit outside the product: they import extproc, never the reverse. Where code
+breaks a rule the import is listed in `KNOWN_EXCEPTIONS` with why; any other import across a rule fails.
 """
 
 from __future__ import annotations
@@ -23,66 +25,69 @@ from tests.support.imports import external_imports, find_cycle, import_graph, mo
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
-EVERYWHERE = frozenset({"logs"})  # JSON logging is allowed to every layer
+NOTHING = ("none", "\u2013")  # "none" and an en dash both say a cell lists nothing
+EVERYWHERE = re.compile(r"Every row may also import ((?:`[^`]+`(?:, | and )?)+)\.")
+"""The sentence of the doc naming what every row may import besides its own column (JSON logging)."""
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer: the doc row it sits in (its first cell, verbatim), the files or folders it covers, and what
-    it may import: other layers by name, or single modules where only one of a layer's modules is allowed."""
+    """One row of the doc's table: its first cell (verbatim, its name here), the files or folders it
+    covers, its "holds" cell, its I/O words and the paths it may import."""
 
     row: str
     paths: tuple[str, ...]
-    may_import: frozenset[str]
+    holds: str
+    io: frozenset[str]
+    may_import: tuple[str, ...]
 
 
-def _layer(row: str, paths: tuple[str, ...], *may_import: str) -> Layer:
-    return Layer(row, paths, frozenset(may_import) | EVERYWHERE)
+def _words(cell: str) -> frozenset[str]:
+    return frozenset(word.strip() for word in cell.split(",")) - set(NOTHING)
 
 
-_FEED_SIDES = "`extproc/kvfeed/exporter/`, `extproc/kvfeed/subscriber/`"
-_METRICS = "`extproc/metrics.py`, `extproc/logs.py`"
-_CLI = "`extproc/cli.py`, `extproc/__main__.py`"
+def doc_layers(text: str) -> dict[str, Layer]:
+    """The rows of the table under `## Layers`, by their first cell."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    layers: dict[str, Layer] = {}
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        assert len(cells) == 4, f"a layer row has 4 cells (no `|` inside one): {line[:80]}"
+        if cells[0] in ("package", "---"):
+            continue
+        layers[cells[0]] = Layer(
+            row=cells[0],
+            paths=tuple(re.findall(r"`(extproc/[^`]*)`", cells[0])),
+            holds=cells[1],
+            io=_words(cells[2]),
+            may_import=tuple(re.findall(r"`([^`]+)`", cells[3])),
+        )
+    return layers
 
-LAYERS: dict[str, Layer] = {
-    "core": _layer("`extproc/core/`", ("extproc/core/",)),
-    "admission": _layer("`extproc/admission/`", ("extproc/admission/",), "core", "metrics"),
-    "store": _layer("`extproc/store/`", ("extproc/store/",), "core"),
-    "protocol": _layer("`extproc/protocol/`", ("extproc/protocol/",), "admission", "config"),
-    "accesslog": _layer("`extproc/protocol/accesslog.py`", ("extproc/protocol/accesslog.py",), "admission"),
-    "relay": _layer("`extproc/protocol/relay.py`", ("extproc/protocol/relay.py",), "store"),
-    "envoyconf": _layer("`extproc/envoyconf/`", ("extproc/envoyconf/",), "admission", "config"),
-    "app": _layer(
-        "`extproc/app.py`",
-        ("extproc/app.py",),
-        *("accesslog", "admission", "config", "core", "metrics", "protocol", "subscriber"),
-        *("relay", "store"),
-    ),
-    "cli": _layer(_CLI, ("extproc/cli.py", "extproc/__main__.py"), "app", "config", "envoyconf", "plan"),
-    # The config package builds each package's own runtime types: admission's rules, the store's settings,
-    # the feed subscriber's settings.
-    "config": _layer(
-        "`extproc/config/`",
-        ("extproc/config/",),
-        *("admission", "core", "kvfeed", "extproc.store.settings", "extproc.kvfeed.subscriber.settings"),
-    ),
-    "metrics": _layer(_METRICS, ("extproc/metrics.py",), "core"),
-    "logs": _layer(_METRICS, ("extproc/logs.py",)),
-    "kvfeed": _layer("`extproc/kvfeed/`", ("extproc/kvfeed/",)),
-    "exporter": _layer(_FEED_SIDES, ("extproc/kvfeed/exporter/",), "kvfeed"),
-    "subscriber": _layer(_FEED_SIDES, ("extproc/kvfeed/subscriber/",), "core", "kvfeed"),
-    "geometry": _layer("`extproc/geometry/`", ("extproc/geometry/",)),
-    "plan": _layer("`extproc/plan/`", ("extproc/plan/",), "core", "geometry", "sim"),
-    # The simulator counts tokens as the sidecar does; nothing else of the admission core.
-    "sim": _layer("`extproc/sim/`", ("extproc/sim/",), "geometry", "extproc.admission.tokens"),
-}
 
-# Imports that break a rule today, each (importing module, imported layer or module) with why. The test
-# fails on any other; remove an entry when the import goes. None is left: add one only with its reason.
+def doc_everywhere(text: str) -> tuple[str, ...]:
+    found = EVERYWHERE.search(" ".join(text.split()))
+    assert found is not None, "docs/architecture.md says what every row may import"
+    return tuple(re.findall(r"`([^`]+)`", found.group(1)))
+
+
+@functools.cache
+def layers() -> dict[str, Layer]:
+    return doc_layers(DOC.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def everywhere() -> tuple[str, ...]:
+    return doc_everywhere(DOC.read_text(encoding="utf-8"))
+
+
+# Imports that break a rule, each (importing module, imported module) with why. The test fails on any other;
+# remove an entry when the import goes. None is left: add one only with its reason.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
-# Import cycles between modules that exist today, each as its set of modules. The one left is a
-# function-level (deferred) import, which still makes the two modules depend on each other.
+# Import cycles allowed, each as its set of modules with why. None is left: add one only with its reason.
 CYCLE_EXCEPTIONS: dict[frozenset[str], str] = {}
 
 # I/O libraries by the doc's word for them. Files are not told apart by imports (pathlib is everywhere), so a
@@ -98,38 +103,25 @@ IO_WORDS = {*IO_LIBRARIES, "files"}
 PROTOCOL_LIBRARIES = ("envoy", "google.protobuf", "grpc")
 
 
-@dataclass(frozen=True)
-class DocRow:
-    paths: tuple[str, ...]
-    io: frozenset[str]
-
-
-def doc_rows(text: str) -> dict[str, DocRow]:
-    """The rows of the table under `## Layers`: first cell -> the paths it names and the I/O words."""
-    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
-    rows: dict[str, DocRow] = {}
-    for line in section.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or len(cells) != 3 or cells[0] in ("package", "---"):
-            continue
-        paths = tuple(re.findall(r"`(extproc/[^`]*)`", cells[0]))
-        # "none" and an en dash both say the row does no I/O.
-        io = frozenset(word.strip() for word in cells[2].split(",")) - {"none", "\u2013"}
-        rows[cells[0]] = DocRow(paths, io)
-    return rows
+def covers(covered: str, path: str) -> bool:
+    return path == covered or (covered.endswith("/") and path.startswith(covered))
 
 
 def layer_of(path: str) -> str | None:
-    """The layer whose paths cover a file (relative to the repository root), or None. Where a folder's row
+    """The row whose paths cover a file (relative to the repository root), or None. Where a folder's row
     and a row of one of its files both cover it (`extproc/protocol/` and `extproc/protocol/relay.py`), the
     more specific path wins."""
     best: tuple[int, str] | None = None
-    for name, layer in LAYERS.items():
+    for name, layer in layers().items():
         for covered in layer.paths:
-            covers = path == covered or (covered.endswith("/") and path.startswith(covered))
-            if covers and (best is None or len(covered) > best[0]):
+            if covers(covered, path) and (best is None or len(covered) > best[0]):
                 best = (len(covered), name)
     return None if best is None else best[1]
+
+
+def row_named(path: str) -> str | None:
+    """The row whose first cell names `path`, or None (then `path` is a single module of some row)."""
+    return next((name for name, layer in layers().items() if path in layer.paths), None)
 
 
 @functools.cache
@@ -149,32 +141,101 @@ def generated(path: str) -> bool:
     return path.endswith(("_pb2.py", "_pb2_grpc.py"))
 
 
-def allowed(module: str, layer: str, target: str) -> bool:
-    """Whether `module` (of `layer`) may import `target`, an extproc module."""
-    target_layer = layer_of(extproc_files().get(target, "")) if target != "extproc" else None
+def allowed(module: str, target: str) -> bool:
+    """Whether extproc module `module` may import extproc module `target`."""
+    files = extproc_files()
+    layer = layer_of(files[module])
+    target_path = files.get(target, "")
+    target_layer = layer_of(target_path) if target != "extproc" else None
     if target == "extproc" or target_layer == layer:
-        return True  # the package root holds only __version__; a layer's modules import each other
-    rule = LAYERS[layer].may_import
-    if target_layer in rule or any(target == m or target.startswith(m + ".") for m in rule if "." in m):
-        return True
-    return (module, str(target_layer)) in KNOWN_EXCEPTIONS or (module, target) in KNOWN_EXCEPTIONS
+        return True  # the package root holds only __version__; a row's modules import each other
+    assert layer is not None, module
+    for entry in (*layers()[layer].may_import, *everywhere()):
+        row = row_named(entry)
+        if (row is not None and row == target_layer) or (row is None and covers(entry, target_path)):
+            return True
+    return (module, target) in KNOWN_EXCEPTIONS
 
 
-def test_the_rules_cover_the_doc_table_row_by_row() -> None:
-    rows = doc_rows(DOC.read_text(encoding="utf-8"))
-    assert len(rows) > 10  # the parser found the table
-    by_row: dict[str, set[str]] = {}
-    for layer in LAYERS.values():
-        by_row.setdefault(layer.row, set()).update(layer.paths)
-    assert set(by_row) == set(rows), "rows in the doc or in LAYERS only"
-    for row, doc in rows.items():
-        assert set(doc.paths) == by_row[row], row
-        assert doc.io <= IO_WORDS, f"{row}: unknown I/O words {sorted(doc.io - IO_WORDS)}"
+TOKEN = re.compile(r"`([^`]*)`|[()]")
+MODULE = re.compile(r"[\w/]+\.py")
+
+
+def names_in(cell: str) -> set[str]:
+    """The `.py` modules a "holds" cell names, each as its path from the row's folder: within a parenthesis
+    that follows a folder (`redis/` (`store.py`, ...)), from that folder."""
+    named: set[str] = set()
+    folders = [""]  # the folder each open parenthesis names from
+    opening: str | None = None
+    for token in TOKEN.finditer(cell):
+        text = token.group(1)
+        if text is None:
+            if token.group(0) == "(":
+                folders.append(opening if opening is not None else folders[-1])
+            elif len(folders) > 1:
+                folders.pop()
+            opening = None
+            continue
+        follows = cell[token.end() :].lstrip().startswith("(")
+        opening = folders[-1] + text if text.endswith("/") and follows else None
+        if MODULE.fullmatch(text):
+            named.add(text if text.startswith("extproc/") else folders[-1] + text)
+    return named
+
+
+def bases(layer: Layer) -> tuple[str, ...]:
+    """The folders a row's names are read from: its folders, and the folder of each of its files."""
+    return tuple(dict.fromkeys(p if p.endswith("/") else p.rsplit("/", 1)[0] + "/" for p in layer.paths))
+
+
+def named_paths(layer: Layer) -> tuple[set[str], list[str]]:
+    """The modules a row names, as paths from the repository root, and the names that resolve to none."""
+    found: set[str] = set()
+    missing: list[str] = []
+    for name in sorted(names_in(layer.holds)):
+        candidates = [name] if name.startswith("extproc/") else [base + name for base in bases(layer)]
+        existing = [c for c in candidates if (ROOT / c).is_file()]
+        found.update(existing)
+        if not existing:
+            missing.append(name)
+    return found, missing
+
+
+def test_the_table_is_read_whole() -> None:
+    rows = layers()
+    assert len(rows) > 15  # the parser found the table
+    assert everywhere() == ("extproc/logs.py",)
+    for row, layer in rows.items():
+        assert layer.paths, f"{row}: its first cell names no path"
+        for path in layer.paths:
+            assert (ROOT / path).exists(), f"{row}: {path} does not exist"
+        assert layer.io <= IO_WORDS, f"{row}: unknown I/O words {sorted(layer.io - IO_WORDS)}"
+        for entry in layer.may_import:
+            assert (ROOT / entry).exists() and layer_of(entry) is not None, f"{row}: may import {entry}?"
 
 
 def test_every_extproc_module_belongs_to_a_layer() -> None:
     missing = [path for path in extproc_files().values() if layer_of(path) is None]
     assert missing == [], f"modules no row of docs/architecture.md's layer table covers: {missing}"
+
+
+def test_every_module_a_row_names_exists() -> None:
+    missing = {row: named_paths(layer)[1] for row, layer in layers().items() if named_paths(layer)[1]}
+    assert missing == {}, "names in the holds column that are no module (read from the row's folder)"
+
+
+def test_every_module_of_a_folder_is_named_in_its_row() -> None:
+    unnamed: dict[str, list[str]] = {}
+    for row, layer in layers().items():
+        named = named_paths(layer)[0]
+        for folder in (path for path in layer.paths if path.endswith("/")):
+            for file in sorted((ROOT / folder).rglob("*.py")):
+                path = file.relative_to(ROOT).as_posix()
+                if file.name in ("__init__.py", "__main__.py") or generated(path) or layer_of(path) != row:
+                    continue
+                if path not in named:
+                    unnamed.setdefault(row, []).append(path)
+    assert unnamed == {}, "modules their folder's row does not name (by the path from its folder)"
 
 
 def test_every_import_follows_the_layer_rules() -> None:
@@ -184,21 +245,15 @@ def test_every_import_follows_the_layer_rules() -> None:
         f"{module} ({layer_of(files[module])}) imports {target}"
         for module in sorted(files)
         for target in sorted(graph[module])
-        if not allowed(module, str(layer_of(files[module])), target)
+        if not allowed(module, target)
     ]
     assert broken == []
 
 
 def test_the_known_exceptions_are_still_needed() -> None:
     """An exception whose import is gone is removed, so it cannot hide a new violation later."""
-    files = extproc_files()
     graph = import_graph(ROOT, "extproc")
-    seen = {
-        (module, str(layer_of(files.get(target, ""))))
-        for module in files
-        for target in graph[module]
-        if target in files
-    }
+    seen = {(module, target) for module, targets in graph.items() for target in targets}
     assert set(KNOWN_EXCEPTIONS) <= seen, sorted(set(KNOWN_EXCEPTIONS) - seen)
 
 
@@ -214,14 +269,13 @@ def io_of(tree: ast.AST) -> set[str]:
 
 
 def test_every_module_does_only_the_io_its_row_names() -> None:
-    rows = doc_rows(DOC.read_text(encoding="utf-8"))
     broken: list[str] = []
     for module, path in extproc_files().items():
         layer = layer_of(path)
         assert layer is not None
         if generated(path):
             continue  # protoc's output: the gRPC stubs of a message package import grpc
-        declared = rows[LAYERS[layer].row].io
+        declared = layers()[layer].io
         tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
         if extra := io_of(tree) - declared:
             broken.append(f"{module}: {sorted(extra)} not in its row's I/O {sorted(declared)}")
@@ -273,13 +327,25 @@ def test_the_known_cycles_are_still_there() -> None:
 
 def test_a_rule_breach_is_caught() -> None:
     """Guard against a vacuous pass: an import the rules forbid is reported."""
-    assert not allowed("extproc.core.limiter", "core", "extproc.admission.exchange")
-    assert not allowed("extproc.store.local", "store", "extproc.config")
-    assert not allowed("extproc.sim.server", "sim", "extproc.admission.exchange")
-    assert allowed("extproc.sim.server", "sim", "extproc.admission.tokens")
+    assert not allowed("extproc.core.limiter", "extproc.admission.exchange")
+    assert not allowed("extproc.store.local", "extproc.config")
+    assert not allowed("extproc.sim.server", "extproc.admission.exchange")
+    assert allowed("extproc.sim.server", "extproc.admission.tokens")
+    assert not allowed("extproc.protocol.lean", "extproc.config")
+    assert allowed("extproc.core.limiter", "extproc.logs")  # every row may import it
+    assert not allowed("extproc.logs", "extproc.core.clock")
     # A file's own row holds over its folder's: the relay may reach the store, the translators may not.
-    assert layer_of("extproc/protocol/relay.py") == "relay"
-    assert layer_of("extproc/protocol/lean.py") == "protocol"
-    assert allowed("extproc.protocol.relay", "relay", "extproc.store.redis.breaker")
-    assert not allowed("extproc.protocol.lean", "protocol", "extproc.store.redis.breaker")
+    assert layer_of("extproc/protocol/relay.py") == "`extproc/protocol/relay.py`"
+    assert layer_of("extproc/protocol/lean.py") == "`extproc/protocol/`"
+    assert allowed("extproc.protocol.relay", "extproc.store.redis.breaker")
+    assert not allowed("extproc.protocol.lean", "extproc.store.redis.breaker")
+    # A row by its path is that row's modules only, not the rows of its files or subfolders.
+    assert allowed("extproc.config.runtime", "extproc.kvfeed.subscriber.settings")
+    assert not allowed("extproc.config.runtime", "extproc.kvfeed.subscriber.client")
+    assert not allowed("extproc.kvfeed.exporter.app", "extproc.kvfeed.subscriber.client")
     assert io_of(ast.parse("import redis.asyncio\nfrom urllib.parse import quote\n")) == {"Redis"}
+
+
+def test_the_holds_column_is_read_with_its_folders() -> None:
+    cell = "`a.py` (job: `A`), `redis/` (shared: `store.py` (`S`) composes `x.py`), `b.py`, `extproc/c.py`"
+    assert names_in(cell) == {"a.py", "redis/store.py", "redis/x.py", "b.py", "extproc/c.py"}

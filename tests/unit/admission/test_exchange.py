@@ -186,7 +186,7 @@ async def test_lean_the_tick_cuts_through_the_open_stream_and_the_report_settles
     assert isinstance(verdict, Forward) and verdict.report is not None
     unseen = rig.admission.unseen
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    waiting = asyncio.ensure_future(unseen.next_or_cut(exchange.inflight, never))
+    waiting = asyncio.ensure_future(exchange.next_or_cut(never))  # as the lean translator waits
     await asyncio.sleep(0)  # let it register (no time passes)
     unseen.tick()
     assert not waiting.done()  # under the watermark
@@ -199,6 +199,20 @@ async def test_lean_the_tick_cuts_through_the_open_stream_and_the_report_settles
     assert unseen.report(verdict.report.key, 200, ResponseReading(events=3))
     await rig.settled()
     assert rig.metric("extproc_settlements_total", outcome="cut") == 1
+
+
+async def test_a_translator_asks_the_exchange_alone_for_the_tenant_source_and_the_next_step() -> None:
+    rig = await Rig(CUT_CONFIG).start()
+    exchange = rig.admission.exchange()
+    assert exchange.tenant_source().header == "x-tenant"
+    await rig.decide(exchange, chat(stream=True))
+    rig.kv_usage = 0.95
+    # Inline: nothing is cut while it waits (the cut comes with the next chunk), the next message comes.
+    following: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    following.set_result("next")
+    assert await exchange.next_or_cut(following) == "next"
+    exchange.close()
+    await rig.settled()
 
 
 async def test_a_slot_refusal_hints_from_the_request_held_open_here() -> None:
