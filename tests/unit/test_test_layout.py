@@ -11,30 +11,53 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def imported_modules(tree: ast.Module) -> list[str]:
-    """Every absolute module a file imports, at any depth (a function-level import counts too)."""
+def package_of(path: Path) -> str:
+    """The dotted package a file sits in (`tests/unit/kvfeed/x.py` is in `tests.unit.kvfeed`)."""
+    return ".".join(path.relative_to(TESTS.parent).parent.parts)
+
+
+def absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` names, with a relative one (`from .x`, `from ..`) resolved against the
+    importing file's package, as Python resolves it."""
+    if node.level == 0:
+        return node.module or ""
+    parts = package.split(".")
+    base = ".".join(parts[: len(parts) - (node.level - 1)])
+    return f"{base}.{node.module}" if node.module else base
+
+
+def imported_modules(tree: ast.Module, package: str = "tests") -> list[str]:
+    """Every module a file imports, at any depth (a function-level import counts too), relative imports
+    resolved against `package`; for `from m import n` both `m` and `m.n` (n may be a submodule)."""
     names: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
-            names.append(node.module)
-            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute(node, package)
+            names.append(module)
+            names.extend(f"{module}.{alias.name}" for alias in node.names)
     return names
 
 
+TEST_MODULE_NAMES = {path.stem for path in TESTS.rglob("test_*.py")}
+
+
 def forbidden(module: str) -> bool:
-    """A module of the tests tree that is a test module or a conftest."""
+    """A test module or a conftest, by any spelling: dotted under `tests`, or the bare top-level name pytest's
+    rootdir path insertion would make importable (`conftest`, `test_engine_fixtures`)."""
     parts = module.split(".")
     leaf = parts[-1]
-    return parts[0] == "tests" and (leaf.startswith("test_") or leaf == "conftest")
+    if parts[0] == "tests":
+        return leaf.startswith("test_") or leaf == "conftest"
+    return len(parts) == 1 and (leaf == "conftest" or leaf in TEST_MODULE_NAMES)
 
 
 def violations() -> list[str]:
     found: list[str] = []
     for path in sorted(TESTS.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
-        for module in sorted(set(imported_modules(tree))):
+        for module in sorted(set(imported_modules(tree, package_of(path)))):
             if forbidden(module):
                 found.append(f"{path.relative_to(TESTS.parent)} imports {module}")
     return found
@@ -58,4 +81,24 @@ def test_the_rule_sees_each_import_form() -> None:
         "tests.component.test_server",
         "tests.e2e.conftest",
         "tests.component.store.test_cluster",
+    ]
+
+
+def test_the_rule_resolves_relative_imports_and_bare_names() -> None:
+    source = (
+        "from .test_engine_fixtures import page\n"
+        "from .conftest import chat_body\n"
+        "from . import conftest\n"
+        "from ..support import stack\n"
+        "from .helpers import poll\n"
+        "import conftest\n"
+        "from test_engine_fixtures import page\n"
+    )
+    caught = [m for m in imported_modules(ast.parse(source), "tests.unit.kvfeed") if forbidden(m)]
+    assert caught == [
+        "tests.unit.kvfeed.test_engine_fixtures",
+        "tests.unit.kvfeed.conftest",
+        "tests.unit.kvfeed.conftest",
+        "conftest",
+        "test_engine_fixtures",
     ]
