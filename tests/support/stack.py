@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -91,16 +92,57 @@ def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
     return ["--model", model, *extra, *steady]
 
 
-def start_stack(config: dict[str, Any], sim_args: list[str], profile: str = "inline") -> LocalStack:
-    """A stack whose clients name their tenant in the tenant header (no authn filter sets it here);
-    tests/e2e/test_edge_e2e.py covers the strip itself."""
-    stack = LocalStack(
-        ports=Ports.free(),
+EnvoyPatch = Callable[[dict[str, Any]], None]
+
+
+def build_stack(
+    config: dict[str, Any] | None = None,
+    sim_args: Sequence[str] = (),
+    profile: str = "inline",
+    *,
+    envoy_patch: EnvoyPatch | None = trust_client_tenant_header,
+    ports: Ports | None = None,
+    envoy_template: Path | None = None,
+    with_exporter: bool = False,
+    with_simulator: bool = True,
+    exporter_args: Sequence[str] = (),
+    model: str | None = None,
+    workdir: Path | None = None,
+    sidecar_config_file: Path | None = None,
+) -> LocalStack:
+    """The one way a test builds a local stack, not yet started (a test that wires a port or a process in
+    before `start()` needs it so). By default its clients name their tenant in the tenant header (no authn
+    filter sets it here; tests/e2e/test_edge_e2e.py covers the strip itself): a suite that runs Envoy
+    without that trust passes `envoy_patch=None` or its own patch. Unset options keep LocalStack's
+    defaults."""
+    options: dict[str, Any] = {}
+    if envoy_template is not None:
+        options["envoy_template"] = envoy_template
+    if model is not None:
+        options["model"] = model
+    return LocalStack(
+        ports=ports if ports is not None else Ports.free(),
         sidecar_config=config,
+        sidecar_config_file=sidecar_config_file,
         sim_args=sim_args,
-        envoy_patch=trust_client_tenant_header,
+        workdir=workdir,
+        with_exporter=with_exporter,
+        exporter_args=exporter_args,
+        with_simulator=with_simulator,
+        envoy_patch=envoy_patch,
         profile=profile,
+        **options,
     )
+
+
+def start_stack(
+    config: dict[str, Any] | None = None,
+    sim_args: Sequence[str] = (),
+    profile: str = "inline",
+    **options: Any,
+) -> LocalStack:
+    """`build_stack(...)`, started: the caller stops it."""
+    stack = build_stack(config, sim_args, profile, **options)
     stack.start()
     return stack
 

@@ -102,3 +102,34 @@ def test_the_rule_resolves_relative_imports_and_bare_names() -> None:
         "conftest",
         "test_engine_fixtures",
     ]
+
+
+def called_name(call: ast.Call) -> str:
+    """The name a call spells: `f` for `f(...)` and for `m.f(...)`."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def constructs_local_stack(tree: ast.Module) -> bool:
+    """Whether a file calls `LocalStack(...)` (by its name or as `stack.LocalStack(...)`)."""
+    return any(isinstance(node, ast.Call) and called_name(node) == "LocalStack" for node in ast.walk(tree))
+
+
+def test_stacks_are_built_one_way() -> None:
+    """Every test's local stack comes from tests/support/stack.py's `build_stack` / `start_stack`, so the
+    tenant-header trust, the free ports and the options a stack takes are decided in one place."""
+    support = TESTS / "support"
+    direct = [
+        str(path.relative_to(TESTS.parent))
+        for path in sorted(TESTS.rglob("*.py"))
+        if support not in path.parents and constructs_local_stack(ast.parse(path.read_text()))
+    ]
+    assert direct == []
+
+
+def test_the_stack_rule_sees_both_call_forms() -> None:
+    assert constructs_local_stack(ast.parse("s = LocalStack(ports=p)\n"))
+    assert constructs_local_stack(ast.parse("import devstack.stack as d\ns = d.LocalStack()\n"))
+    assert not constructs_local_stack(ast.parse("def f(s: LocalStack) -> None: ...\n"))
