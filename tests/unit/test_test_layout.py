@@ -133,3 +133,19 @@ def test_the_stack_rule_sees_both_call_forms() -> None:
     assert constructs_local_stack(ast.parse("s = LocalStack(ports=p)\n"))
     assert constructs_local_stack(ast.parse("import devstack.stack as d\ns = d.LocalStack()\n"))
     assert not constructs_local_stack(ast.parse("def f(s: LocalStack) -> None: ...\n"))
+
+
+def defined_tests(folder: Path) -> set[str]:
+    """The test functions defined in a folder's test modules."""
+    return {
+        node.name
+        for path in folder.glob("test_*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")
+    }
+
+
+def test_the_store_suites_keep_no_copies_of_the_limiter_unit_cases() -> None:
+    """A limiter case the stores must agree on is written once (tests/support/limiter_cases.py) and run on
+    each store by parametrization; a test of the same name in both places is a copy that drifts."""
+    assert defined_tests(TESTS / "component" / "store") & defined_tests(TESTS / "unit" / "core") == set()
