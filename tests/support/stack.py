@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,51 +95,41 @@ def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
 EnvoyPatch = Callable[[dict[str, Any]], None]
 
 
+class StackOptions(TypedDict, total=False):
+    """What a test may set on a local stack beyond its config, simulator arguments and profile; an option
+    left out keeps LocalStack's default (`envoy_patch`: the tests' tenant-header trust, see `build_stack`)."""
+
+    envoy_patch: EnvoyPatch | None
+    ports: Ports
+    envoy_template: Path
+    with_exporter: bool
+    exporter_args: Sequence[str]
+    with_simulator: bool
+    model: str
+    workdir: Path
+    sidecar_config_file: Path
+
+
 def build_stack(
     config: dict[str, Any] | None = None,
     sim_args: Sequence[str] = (),
     profile: str = "inline",
-    *,
-    envoy_patch: EnvoyPatch | None = trust_client_tenant_header,
-    ports: Ports | None = None,
-    envoy_template: Path | None = None,
-    with_exporter: bool = False,
-    with_simulator: bool = True,
-    exporter_args: Sequence[str] = (),
-    model: str | None = None,
-    workdir: Path | None = None,
-    sidecar_config_file: Path | None = None,
+    **options: Unpack[StackOptions],
 ) -> LocalStack:
     """The one way a test builds a local stack, not yet started (a test that wires a port or a process in
-    before `start()` needs it so). By default its clients name their tenant in the tenant header (no authn
-    filter sets it here; tests/e2e/test_edge_e2e.py covers the strip itself): a suite that runs Envoy
-    without that trust passes `envoy_patch=None` or its own patch. Unset options keep LocalStack's
-    defaults."""
-    options: dict[str, Any] = {}
-    if envoy_template is not None:
-        options["envoy_template"] = envoy_template
-    if model is not None:
-        options["model"] = model
-    return LocalStack(
-        ports=ports if ports is not None else Ports.free(),
-        sidecar_config=config,
-        sidecar_config_file=sidecar_config_file,
-        sim_args=sim_args,
-        workdir=workdir,
-        with_exporter=with_exporter,
-        exporter_args=exporter_args,
-        with_simulator=with_simulator,
-        envoy_patch=envoy_patch,
-        profile=profile,
-        **options,
-    )
+    before `start()` needs it so), on free ports unless given some. By default its clients name their tenant
+    in the tenant header (no authn filter sets it here; tests/e2e/test_edge_e2e.py covers the strip itself):
+    a suite that runs Envoy without that trust passes `envoy_patch=None` or its own patch."""
+    settings: dict[str, Any] = {"envoy_patch": trust_client_tenant_header, **options}
+    settings.setdefault("ports", Ports.free())
+    return LocalStack(sidecar_config=config, sim_args=sim_args, profile=profile, **settings)
 
 
 def start_stack(
     config: dict[str, Any] | None = None,
     sim_args: Sequence[str] = (),
     profile: str = "inline",
-    **options: Any,
+    **options: Unpack[StackOptions],
 ) -> LocalStack:
     """`build_stack(...)`, started: the caller stops it."""
     stack = build_stack(config, sim_args, profile, **options)
