@@ -3,13 +3,14 @@
 Its behaviour cases are written once in tests/support/limiter_cases.py and run here on the in-process store
 (tests/component/store/test_parity.py runs them on one Redis and a Redis Cluster). The tests below stay
 unit-only, each for one reason:
-- `test_admitted_exactly_when_the_retry_hint_says`: admitted at the hint's instant, not a moment later,
+- `test_admitted_exactly_when_the_retry_hint_says`: admitted at the hint's instant and not 0.1 s before,
   which only a fake clock can stop at (the shared case checks either side of it with real-time slack).
-- `test_defaults_by_prefix_and_pruning_idle_keys`, the reload tests and
-  `test_idle_keys_past_the_first_are_forgotten_...`: `JointLimiter.prune`, `EAGER_KEYS` and `shown_keys`
-  are the in-process store's own memory bounds, and they wait seconds of virtual time.
-- `LimiterMachine`: hypothesis drives hundreds of interleavings with virtual time; on a real Redis it would
-  take minutes.
+- `test_a_stale_key_is_judged_as_of_the_reload_...`: 30 s of refill across a reload, virtual time only.
+- `test_defaults_by_prefix_and_pruning_idle_keys`, `test_a_reload_creates_only_the_first_keys_...`,
+  `test_an_unchanged_key_is_not_rebuilt`, `test_idle_keys_past_the_first_...` and
+  `test_the_keys_shown_are_bounded_...`: `JointLimiter.prune`, `EAGER_KEYS`, `KeyState.rebuild` and
+  `shown_keys` are the in-process store's own memory bounds, not `LimiterStore` behaviour.
+- `LimiterMachine`: hundreds of hypothesis interleavings over virtual time; minutes on a real Redis.
 """
 
 import pytest
