@@ -26,12 +26,25 @@ def absolute(node: ast.ImportFrom, package: str) -> str:
     return f"{base}.{node.module}" if node.module else base
 
 
+def called_name(call: ast.Call) -> str:
+    """The name a call spells: `f` for `f(...)` and for `m.f(...)`."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else ""
+
+
 def imported_modules(tree: ast.Module, package: str = "tests") -> list[str]:
     """Every module a file imports, at any depth (a function-level import counts too), relative imports
-    resolved against `package`; for `from m import n` both `m` and `m.n` (n may be a submodule)."""
+    resolved against `package`; for `from m import n` both `m` and `m.n` (n may be a submodule); a module
+    named by a literal to `importlib.import_module` or `__import__` too."""
     names: list[str] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and called_name(node) in ("import_module", "__import__"):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.append(first.value)
+        elif isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             module = absolute(node, package)
@@ -93,6 +106,8 @@ def test_the_rule_resolves_relative_imports_and_bare_names() -> None:
         "from .helpers import poll\n"
         "import conftest\n"
         "from test_engine_fixtures import page\n"
+        "importlib.import_module('tests.e2e.test_usage_e2e')\n"
+        "__import__('tests.unit.kvfeed.conftest')\n"
     )
     caught = [m for m in imported_modules(ast.parse(source), "tests.unit.kvfeed") if forbidden(m)]
     assert caught == [
@@ -101,15 +116,9 @@ def test_the_rule_resolves_relative_imports_and_bare_names() -> None:
         "tests.unit.kvfeed.conftest",
         "conftest",
         "test_engine_fixtures",
+        "tests.e2e.test_usage_e2e",
+        "tests.unit.kvfeed.conftest",
     ]
-
-
-def called_name(call: ast.Call) -> str:
-    """The name a call spells: `f` for `f(...)` and for `m.f(...)`."""
-    func = call.func
-    if isinstance(func, ast.Name):
-        return func.id
-    return func.attr if isinstance(func, ast.Attribute) else ""
 
 
 def constructs_local_stack(tree: ast.Module) -> bool:
