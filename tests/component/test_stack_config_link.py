@@ -17,8 +17,8 @@ import yaml
 
 from devstack.processes import Ports, Process, wait_http
 from devstack.run import foreground_stack
-from devstack.stack import LocalStack, sidecar_config_with_ports
-from tests.support.stack import metric
+from devstack.stack import sidecar_config_with_ports
+from tests.support.stack import build_stack, metric
 
 
 def configmap_version(volume: Path, name: str, config: dict[str, Any]) -> None:
@@ -62,7 +62,7 @@ def test_sidecar_started_by_the_stack_sees_a_configmap_swap(tmp_path: Path) -> N
     link.symlink_to("..data/config.yaml")
     workdir = tmp_path / "work"
     workdir.mkdir()
-    stack = LocalStack(ports=ports, sidecar_config_file=link, workdir=workdir)
+    stack = build_stack(ports=ports, sidecar_config_file=link, workdir=workdir, envoy_patch=None)
     sidecar = Process.start("sidecar", stack.sidecar_argv(), workdir)
     try:
         wait_http(f"{stack.admin_url}/readyz", proc=sidecar)

@@ -38,7 +38,7 @@ from tests.support.istio import (
     apply_envoy_filter,
     bare_gateway,
 )
-from tests.support.stack import Reply, http, metric
+from tests.support.stack import Reply, build_stack, http, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -174,9 +174,9 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     echo = Echo(ports.upstream).start()
     istio = ISTIO_FLAVOURS.get(request.param)
     template = ENVOY_TEMPLATE if istio is None else istio_gateway(tmp_path_factory.mktemp("istio"), istio)
-    stack = LocalStack(
+    stack = build_stack(
         ports=ports,
-        sidecar_config=CONFIG,
+        config=CONFIG,
         with_simulator=False,
         envoy_template=template,
         envoy_patch=shorten_request_timeouts,

@@ -18,9 +18,9 @@ from typing import Any
 import openai
 import pytest
 
-from devstack.processes import Ports, free_port
+from devstack.processes import free_port
 from devstack.stack import LocalStack
-from tests.support.stack import end_reports_to, fixed_step_sim, metric
+from tests.support.stack import build_stack, end_reports_to, fixed_step_sim, metric
 
 MODEL = "llama-3-8b"
 STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine
@@ -43,9 +43,8 @@ def dead_end_reports(port: int) -> Callable[[dict[str, Any]], None]:
 
 @pytest.fixture
 def no_reports() -> Iterator[LocalStack]:
-    stack = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=CONFIG,
+    stack = build_stack(
+        config=CONFIG,
         sim_args=fixed_step_sim(MODEL, STEP_MS),
         envoy_patch=dead_end_reports(free_port()),
         profile="lean",

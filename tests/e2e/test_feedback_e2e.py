@@ -16,11 +16,9 @@ import aiohttp
 import grpc
 import pytest
 
-from devstack.processes import Ports
-from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import PROFILES
 from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
-from tests.support.stack import Stack, fixed_step_sim, http
+from tests.support.stack import Stack, build_stack, fixed_step_sim, http
 from tests.support.waiting import wait_for
 
 MODEL = "llama-3-8b"
@@ -42,8 +40,11 @@ LIMIT = "extproc_limit_concurrency"
 
 @pytest.fixture(scope="module")
 def stack() -> Any:
-    local = LocalStack(
-        ports=Ports.free(), sidecar_config=CONFIG, sim_args=STEADY_SIM_ARGS, with_exporter=True
+    local = build_stack(
+        config=CONFIG,
+        sim_args=STEADY_SIM_ARGS,
+        with_exporter=True,
+        envoy_patch=None,
     )
     local.start()
     try:
@@ -158,12 +159,12 @@ BUDGET_CONFIG: dict[str, Any] = {
 @pytest.mark.parametrize("profile", PROFILES)
 def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
     """256 blocks x 16 = 4,096 KV tokens; 90% target = 3,686: two 1,500-token streams fit, a third not."""
-    local = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=BUDGET_CONFIG,
+    local = build_stack(
+        config=BUDGET_CONFIG,
         sim_args=SIM_ARGS,
         with_exporter=True,
         profile=profile,
+        envoy_patch=None,
     )
     local.start()
     stack = Stack(local)
@@ -269,7 +270,7 @@ def test_impossible_feed_values_are_missing_samples_not_readings() -> None:
         "feedback": {"exporters": [f"127.0.0.1:{feed.port}"]},
         "kv_budget": {"enabled": True, "target_utilization": 0.9},
     }
-    local = LocalStack(ports=Ports.free(), sidecar_config=config, sim_args=SIM_ARGS)
+    local = build_stack(config=config, sim_args=SIM_ARGS, envoy_patch=None)
     cap = 4096
     try:
         feed.samples = {
@@ -350,12 +351,12 @@ def test_engine_served_aliases_and_adapters_share_the_base_limit_and_unserved_na
     /v1/models as vLLM 0.32 lists them. The config names only the base model's 2-slot limit: a stream through
     the alias and one through the adapter take both slots, so a third request by the base name is refused;
     a name the engine does not serve is refused by the gateway without reaching the engine."""
-    local = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=SERVED_CONFIG,
+    local = build_stack(
+        config=SERVED_CONFIG,
         sim_args=SERVED_SIM_ARGS,
         with_exporter=True,
         profile=profile,
+        envoy_patch=None,
     )
     local.start()
     stack = Stack(local)

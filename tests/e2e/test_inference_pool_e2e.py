@@ -27,10 +27,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 
-from devstack.processes import Ports, free_port
-from devstack.stack import LocalStack
+from devstack.processes import free_port
 from tests.support.ledger import Ledger, wait_settled
-from tests.support.stack import Stack, fixed_step_sim, http
+from tests.support.stack import Stack, build_stack, fixed_step_sim, http
 
 pytestmark = pytest.mark.e2e
 
@@ -154,9 +153,8 @@ def picker() -> Iterator[tuple[StandInPicker, int]]:
 @pytest.fixture(scope="module")
 def pool(profile: str, picker: tuple[StandInPicker, int]) -> Iterator[Pool]:
     servicer, port = picker
-    local = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=CONFIG,
+    local = build_stack(
+        config=CONFIG,
         sim_args=fixed_step_sim(MODEL, 2),
         envoy_patch=behind_the_picker(port),
         profile=profile,

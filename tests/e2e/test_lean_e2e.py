@@ -18,10 +18,9 @@ import openai
 import pytest
 
 from devstack.processes import Ports
-from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import PROFILES
 from tests.support.ledger import Ledger, prompt_byte_bound
-from tests.support.stack import Stack, fixed_step_sim
+from tests.support.stack import Stack, build_stack, fixed_step_sim
 
 pytestmark = pytest.mark.e2e
 
@@ -57,9 +56,8 @@ def lost_reports() -> Iterator[Stack]:
         "admission": {"end_report_wait_seconds": REPORT_WAIT_S, "assumed_decode_tokens_per_second": 50},
         "models": {"*": {"context_window": 4096, "default_max_tokens": 256}},
     }
-    local = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=config,
+    local = build_stack(
+        config=config,
         sim_args=fixed_step_sim(MODEL, 5),
         envoy_patch=report_to_nowhere,
         profile="lean",
@@ -130,14 +128,10 @@ def fill_kv(stack: Stack, count: int) -> list[socket.socket]:
 
 @pytest.fixture(scope="module", params=PROFILES)
 def kv_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    from devstack.envoy import trust_client_tenant_header
-
-    local = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=CUT_CONFIG,
+    local = build_stack(
+        config=CUT_CONFIG,
         sim_args=CUT_SIM_ARGS,
         with_exporter=True,
-        envoy_patch=trust_client_tenant_header,
         profile=request.param,
     )
     local.start()

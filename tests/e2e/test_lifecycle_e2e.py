@@ -32,7 +32,7 @@ from devstack.processes import Ports, free_port
 from devstack.stack import LocalStack
 from extproc.admission import refusals
 from extproc.envoyconf.bootstrap import http_connection_managers
-from tests.support.stack import end_reports_to, fixed_step_sim, http, metric, start_stack
+from tests.support.stack import build_stack, end_reports_to, fixed_step_sim, http, metric, start_stack
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -151,9 +151,9 @@ def relayed() -> Iterator[tuple[LocalStack, Relay]]:
     ports = Ports.free()
     relay = Relay(ports.grpc)
     relay.start()
-    stack = LocalStack(
+    stack = build_stack(
         ports=ports,
-        sidecar_config=CHANNEL_CONFIG,
+        config=CHANNEL_CONFIG,
         sim_args=fixed_step_sim(MODEL, STEP_MS),
         envoy_patch=via_relay(relay),
         profile="lean",
@@ -293,9 +293,8 @@ def bound_inline_route(config: dict[str, Any]) -> None:
 
 @pytest.fixture(params=["inline", "lean"])
 def slow_stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
-    stack = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=SLOW_CONFIG,
+    stack = build_stack(
+        config=SLOW_CONFIG,
         sim_args=SLOW_SIM,
         envoy_patch=bound_inline_route if request.param == "inline" else trust_client_tenant_header,
         profile=request.param,

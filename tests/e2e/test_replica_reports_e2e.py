@@ -26,7 +26,7 @@ from devstack.processes import Ports, Process, wait_http
 from devstack.stack import LocalStack, sidecar_config_with_ports
 from extproc.envoyconf.profiles import REPO
 from tests.component.store.redis_server import RedisServer
-from tests.support.stack import Stack, fixed_step_sim, http, metric
+from tests.support.stack import Stack, build_stack, fixed_step_sim, http, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -124,9 +124,8 @@ def replicas() -> Iterator[Replicas]:
     redis.start()
     config = sidecar_config(redis.url)
     b_ports = Ports.free()
-    stack = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=config,
+    stack = build_stack(
+        config=config,
         sim_args=fixed_step_sim(MODEL, 5),
         envoy_patch=access_log_to(b_ports.grpc),
         profile="lean",

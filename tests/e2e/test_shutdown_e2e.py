@@ -8,9 +8,7 @@ import socket
 import time
 from typing import Any
 
-from devstack.processes import Ports
-from devstack.stack import LocalStack
-from tests.support.stack import fixed_step_sim
+from tests.support.stack import build_stack, fixed_step_sim
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -22,7 +20,7 @@ SIM_ARGS = fixed_step_sim(MODEL, 20)
 
 
 def test_sigterm_lets_the_open_stream_finish_then_exits_cleanly() -> None:
-    stack = LocalStack(ports=Ports.free(), sidecar_config=CONFIG, sim_args=SIM_ARGS)
+    stack = build_stack(config=CONFIG, sim_args=SIM_ARGS, envoy_patch=None)
     stack.start()
     try:
         host, port = stack.envoy_url.removeprefix("http://").split(":")

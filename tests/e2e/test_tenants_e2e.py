@@ -20,10 +20,8 @@ import aiohttp
 import pytest
 import yaml
 
-from devstack.processes import Ports
-from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE
-from tests.support.stack import Stack, fixed_step_sim
+from tests.support.stack import Stack, build_stack, fixed_step_sim
 
 MODEL = "llama-3-8b"
 SECRET = b"extproc-e2e-signing-key-0123456789"
@@ -101,7 +99,7 @@ def envoy_with_jwt(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
     template = envoy_with_jwt(tmp_path_factory.mktemp("envoy"))
-    local = LocalStack(ports=Ports.free(), sidecar_config=CONFIG, sim_args=SIM_ARGS, envoy_template=template)
+    local = build_stack(config=CONFIG, sim_args=SIM_ARGS, envoy_template=template, envoy_patch=None)
     local.start()
     try:
         yield Stack(local)

@@ -1,6 +1,6 @@
 """Gateway stacks in front of the tier's one engine, and the counters both sides keep.
 
-A stack is Envoy + the sidecar (+ the exporter when asked) with `LocalStack(with_simulator=False)` and its
+A stack is Envoy + the sidecar (+ the exporter when asked) with `build_stack(with_simulator=False)` and its
 upstream port set to the engine's, so the same engine serves both profiles and the direct baseline.
 """
 
@@ -15,7 +15,7 @@ from devstack.processes import Ports
 from devstack.stack import LocalStack
 from extproc.envoyconf.bootstrap import http_connection_managers
 from tests.support.engine import MAX_MODEL_LEN, MODEL, Engine
-from tests.support.stack import Stack
+from tests.support.stack import Stack, build_stack
 
 LLAMA3_TEMPLATE = {"per_message": 4, "per_request": 5, "bos": 1}
 """Llama-3's template costs as measured on this engine (docs/configuration.md, template costs): a message is
@@ -70,9 +70,9 @@ def start_gateway(
     engine: Engine, config: dict[str, Any], profile: str, with_exporter: bool = False
 ) -> LocalStack:
     ports = replace(Ports.free(), upstream=engine.port)
-    stack = LocalStack(
+    stack = build_stack(
         ports=ports,
-        sidecar_config=config,
+        config=config,
         with_simulator=False,
         with_exporter=with_exporter,
         # The CPU engine shares two cores with everything else: while it decodes, its /metrics page can take

@@ -25,8 +25,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from devstack.envoy import trust_client_tenant_header
-from devstack.processes import Ports
 from devstack.stack import LocalStack
 from tests.monitoring.live import (
     Prometheus,
@@ -34,7 +32,7 @@ from tests.monitoring.live import (
     substitute,
 )
 from tests.monitoring.promtool import rule_groups
-from tests.support.stack import fixed_step_sim, metric
+from tests.support.stack import build_stack, fixed_step_sim, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -76,13 +74,11 @@ VARIABLES = {
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     workdir = tmp_path_factory.mktemp("stack")
-    local = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=CONFIG,
+    local = build_stack(
+        config=CONFIG,
         sim_args=SIM_ARGS,
         with_exporter=True,
         workdir=workdir,
-        envoy_patch=trust_client_tenant_header,
     )
     local.start()
     try:

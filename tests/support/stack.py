@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,16 +92,47 @@ def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
     return ["--model", model, *extra, *steady]
 
 
-def start_stack(config: dict[str, Any], sim_args: list[str], profile: str = "inline") -> LocalStack:
-    """A stack whose clients name their tenant in the tenant header (no authn filter sets it here);
-    tests/e2e/test_edge_e2e.py covers the strip itself."""
-    stack = LocalStack(
-        ports=Ports.free(),
-        sidecar_config=config,
-        sim_args=sim_args,
-        envoy_patch=trust_client_tenant_header,
-        profile=profile,
-    )
+EnvoyPatch = Callable[[dict[str, Any]], None]
+
+
+class StackOptions(TypedDict, total=False):
+    """What a test may set on a local stack beyond its config, simulator arguments and profile; an option
+    left out keeps LocalStack's default (`envoy_patch`: the tests' tenant-header trust, see `build_stack`)."""
+
+    envoy_patch: EnvoyPatch | None
+    ports: Ports
+    envoy_template: Path
+    with_exporter: bool
+    exporter_args: Sequence[str]
+    with_simulator: bool
+    model: str
+    workdir: Path
+    sidecar_config_file: Path
+
+
+def build_stack(
+    config: dict[str, Any] | None = None,
+    sim_args: Sequence[str] = (),
+    profile: str = "inline",
+    **options: Unpack[StackOptions],
+) -> LocalStack:
+    """The one way a test builds a local stack, not yet started (a test that wires a port or a process in
+    before `start()` needs it so), on free ports unless given some. By default its clients name their tenant
+    in the tenant header (no authn filter sets it here; tests/e2e/test_edge_e2e.py covers the strip itself):
+    a suite that runs Envoy without that trust passes `envoy_patch=None` or its own patch."""
+    settings: dict[str, Any] = {"envoy_patch": trust_client_tenant_header, **options}
+    settings.setdefault("ports", Ports.free())
+    return LocalStack(sidecar_config=config, sim_args=sim_args, profile=profile, **settings)
+
+
+def start_stack(
+    config: dict[str, Any] | None = None,
+    sim_args: Sequence[str] = (),
+    profile: str = "inline",
+    **options: Unpack[StackOptions],
+) -> LocalStack:
+    """`build_stack(...)`, started: the caller stops it."""
+    stack = build_stack(config, sim_args, profile, **options)
     stack.start()
     return stack
 

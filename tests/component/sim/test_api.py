@@ -6,8 +6,7 @@ import aiohttp
 
 from extproc.admission.tokens import count_chat_prompt, count_text
 from extproc.sim.server import SimServer
-
-from .conftest import SimFactory, chat_body, json_events, read_sse
+from tests.support.sim import SimFactory, chat_body, json_events, read_sse
 
 
 async def test_models_and_health(start_sim: SimFactory, http: aiohttp.ClientSession) -> None:

@@ -10,8 +10,7 @@ import aiohttp
 
 from extproc.admission.tokens import count_chat_prompt
 from extproc.sim.scheduler import Overflow
-
-from .conftest import SimFactory, chat_body, json_events, metrics, poll
+from tests.support.sim import SimFactory, chat_body, json_events, metrics, poll
 
 KV = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"

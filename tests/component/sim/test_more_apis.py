@@ -9,8 +9,7 @@ from typing import Any
 import aiohttp
 
 from extproc.admission.tokens import count_chat_prompt, count_text
-
-from .conftest import SimFactory, metrics
+from tests.support.sim import SimFactory, metrics
 
 MODEL = "llama-3-8b"
 

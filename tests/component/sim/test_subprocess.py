@@ -11,7 +11,7 @@ import sys
 import aiohttp
 import pytest
 
-from .conftest import chat_body
+from tests.support.sim import chat_body
 
 
 async def _start(*args: str) -> tuple[asyncio.subprocess.Process, str]:

@@ -8,12 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
-from extproc.core.clock import FakeClock
-from extproc.store.local import LocalStore
 from extproc.store.redis import RedisStore
-from tests.component.store.harness import Harness
 from tests.component.store.redis_cluster import RedisClusterNodes
 from tests.component.store.redis_server import RedisServer
+from tests.support.store_harness import Harness, local_harness
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +44,13 @@ def cluster_url(redis_cluster: RedisClusterNodes) -> str:
     return redis_cluster.url
 
 
-@pytest.fixture(params=["local", "redis", "cluster"])
-async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    """The same test against the in-process store, one Redis and a Redis Cluster."""
-    if request.param == "local":
-        clock = FakeClock()
-        yield Harness(LocalStore(clock=clock), clock)
+async def harness(request: pytest.FixtureRequest, kind: str) -> AsyncIterator[Harness]:
+    """A harness over the in-process store (fake clock), one Redis or a Redis Cluster, closed after."""
+    if kind == "local":
+        yield local_harness()
         return
-    if request.param == "cluster":
-        url = request.getfixturevalue("cluster_url")
-        store = RedisStore.from_url(url, mode="cluster", timeout_s=1.0)
+    if kind == "cluster":
+        store = RedisStore.from_url(request.getfixturevalue("cluster_url"), mode="cluster", timeout_s=1.0)
     else:
         store = RedisStore.from_url(request.getfixturevalue("redis_url"), timeout_s=1.0)
     await store.start()
@@ -63,3 +58,17 @@ async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         yield Harness(store)
     finally:
         await store.close()
+
+
+@pytest.fixture(params=["local", "redis", "cluster"])
+async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """The same test against the in-process store, one Redis and a Redis Cluster."""
+    async for opened in harness(request, request.param):
+        yield opened
+
+
+@pytest.fixture(params=["redis", "cluster"])
+async def redis_h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """The Redis stores only: for cases tests/unit already runs on the in-process store."""
+    async for opened in harness(request, request.param):
+        yield opened

@@ -15,7 +15,7 @@ from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.limiter import Lease, LimitSpec, Rejection
 from extproc.metrics import Metrics
-from tests.component.store.harness import Harness
+from tests.support.store_harness import Harness
 
 TPM = 6000
 

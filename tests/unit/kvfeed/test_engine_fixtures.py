@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.kvfeed.engines import PROFILES, InfoLabels, ServerKind
 from extproc.kvfeed.parse import MetricsParseError, ModelNameMissing, parse_metrics, parse_series
+from tests.support.metric_pages import DATA, page
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "feedback.md"
 
 # Pages that are not an engine version but bad input (see test_parse.py).
@@ -83,10 +83,6 @@ CASES = [
         override="llama-3-8b",
     ),
 ]
-
-
-def page(name: str) -> str:
-    return (DATA / name).read_text()
 
 
 def engine_fixtures() -> list[str]:

@@ -16,8 +16,7 @@ from extproc.kvfeed.subscriber.aggregate import StoredSample, aggregate
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
 from extproc.kvfeed.subscriber.settings import SubscriberConfig
-
-from .test_engine_fixtures import page
+from tests.support.metric_pages import page
 
 KEY = ("10.0.0.1:8000", "m")
 

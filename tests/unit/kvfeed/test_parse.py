@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -15,12 +14,7 @@ from hypothesis import strategies as st
 
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.parse import MetricsParseError, normalize_usage, parse_metrics, parse_series
-
-DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
-
-
-def page(name: str) -> str:
-    return (DATA / name).read_text()
+from tests.support.metric_pages import page
 
 
 def test_vllm_prefers_current_kv_name_over_deprecated() -> None:

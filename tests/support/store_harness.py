@@ -1,4 +1,6 @@
-"""One test body, two stores: the in-process store on a fake clock and the Redis store on real time."""
+"""One test body, every store: the in-process store on a fake clock and the Redis store (one server or a
+Cluster) on real time. The limiter's behaviour cases (tests/support/limiter_cases.py) and the store suites
+under tests/component/store take a `Harness`."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from extproc.core.clock import FakeClock
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, Rejection
 from extproc.core.ports import LimiterStore
+from extproc.store.local import LocalStore
 
 REAL_TIME_SLACK_S = 0.5
 """How much real time a Redis-backed test may spend between two steps that a fake clock would not see."""
@@ -19,6 +22,10 @@ REAL_TIME_SLACK_S = 0.5
 
 @dataclass
 class Harness:
+    """A store and, for the in-process one, the fake clock it reads: `advance` moves that clock or, for a
+    store on real time, sleeps; `tokens` and `seconds` compare with the slack real time needs (none on a
+    fake clock)."""
+
     store: LimiterStore
     clock: FakeClock | None = None
     leases: list[Lease] = field(default_factory=list)
@@ -71,3 +78,9 @@ class Harness:
 
     def seconds(self, value: float, abs_s: float = 0.05) -> Any:
         return pytest.approx(value, abs=abs_s if self.real_time else 1e-6)
+
+
+def local_harness() -> Harness:
+    """The in-process store (a `JointLimiter`) on a fake clock."""
+    clock = FakeClock()
+    return Harness(LocalStore(clock=clock), clock)
