@@ -49,9 +49,12 @@ ENGINE_HOST_MESSAGE_TIMEOUT = "15s"
 """The ext_proc message timeout on the engine tier's Envoy. vLLM's CPU backend binds its compute threads to
 one core and reserves the other for its scheduler process (utils/ompmultiprocessing.py, vLLM 0.32.0: "at
 least reserve 1/local_world_size core for scheduler proc"), which leaves the sidecar and Envoy of this
-two-core test host no core of their own while the engine decodes. Measured on the tier (inline profile):
-a 4,000-token stream's response reached the client 6-12 s after the engine started answering, all buffered
-chunks at once, and at 5 s a request once timed out (504). What the tier checks (settlement against vLLM's
+two-core test host no core of their own while the engine decodes, and the CPU engine freezes the whole
+host for seconds while it decodes (measured straight to vLLM, no gateway: response headers after up to
+5.7 s, chunk gaps of up to 8.8 s, and an unrelated process's 50 ms sleep loop waking up to 7.3 s late;
+bench/RESULTS.md section 5). On the tier (inline profile) a 4,000-token stream's response reached the client
+6-12 s after the engine started answering, all held chunks at once, and at 5 s a request once timed out
+(504). What the tier checks (settlement against vLLM's
 counters, the path table, the feed, protection) does not depend on that timeout; it stays under the
 configs' `max_message_timeout` (30 s), and tests/e2e/test_edge_e2e.py covers the shipped 1 s."""
 
