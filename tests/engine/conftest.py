@@ -10,6 +10,8 @@ from collections.abc import Generator, Iterator
 import pytest
 
 from devstack.processes import Process, free_port
+from extproc.envoyconf.profiles import PROFILES
+from tests.engine.stacks import engine_config, start_gateway
 from tests.support.engine import START_TIMEOUT_S, Engine, build_model, engine_argv, engine_python, wait_engine
 from tests.support.stack import Stack
 
@@ -42,6 +44,16 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield handle
     finally:
         process.stop(timeout_s=30)
+
+
+@pytest.fixture(scope="module", params=PROFILES)
+def stack(request: pytest.FixtureRequest, engine: Engine) -> Iterator[Stack]:
+    """A module's gateway in front of the engine, once per profile, with the tier's config."""
+    gateway = start_gateway(engine, engine_config(), request.param)
+    try:
+        yield Stack(gateway)
+    finally:
+        gateway.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -10,14 +10,12 @@ vLLM 0.32.0 serves the route only with `VLLM_ENABLE_COHERE_API=1` and the `coher
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from extproc.envoyconf.profiles import PROFILES
-from tests.engine.stacks import Ledger, assert_settled_as_engine, engine_config, start_gateway
-from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
+from tests.engine.stacks import Ledger, assert_settled_as_engine
+from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL
 from tests.support.stack import Reply, Stack, http
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
@@ -27,15 +25,6 @@ MESSAGES = [
     {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": [{"type": "text", "text": "Summarise a long novel in a few words."}]},
 ]
-
-
-@pytest.fixture(scope="module", params=PROFILES)
-def stack(request: pytest.FixtureRequest, engine: Engine) -> Iterator[Stack]:
-    gateway = start_gateway(engine, engine_config(), request.param)
-    try:
-        yield Stack(gateway)
-    finally:
-        gateway.stop()
 
 
 def chat(stack: Stack, **fields: Any) -> Reply:

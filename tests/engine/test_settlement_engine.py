@@ -16,9 +16,8 @@ import anthropic
 import openai
 import pytest
 
-from extproc.envoyconf.profiles import PROFILES
-from tests.engine.stacks import Ledger, assert_settled_as_engine, engine_config, start_gateway
-from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
+from tests.engine.stacks import Ledger, assert_settled_as_engine
+from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL
 from tests.support.stack import Stack, http
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
@@ -29,15 +28,6 @@ MESSAGES = [
     {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": "Summarise the plot of a long novel in a few words, 9901 of them."},
 ]
-
-
-@pytest.fixture(scope="module", params=PROFILES)
-def stack(request: pytest.FixtureRequest, engine: Engine) -> Iterator[Stack]:
-    gateway = start_gateway(engine, engine_config(), request.param)
-    try:
-        yield Stack(gateway)
-    finally:
-        gateway.stop()
 
 
 @pytest.fixture
