@@ -7,3 +7,9 @@
 - `stack`: `LocalStack`, the three processes (and the KV-cache exporter) wired together.
 - `run`: `make run` in the foreground, with its banner.
 """
+
+import os
+
+# The stack's processes start through a fork (devstack/processes.py); gRPC's fork handlers must not run in
+# it: off before gRPC loads (tests/conftest.py says why).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

@@ -103,6 +103,15 @@ def _main_thread_on_linux() -> bool:
     return sys.platform == "linux" and threading.current_thread() is threading.main_thread()
 
 
+def _grpc_fork_handlers_off() -> bool:
+    """Whether a fork here runs none of gRPC's fork handlers: gRPC is not loaded, or its fork support is off
+    (`GRPC_ENABLE_FORK_SUPPORT`, which this package and the tests set before gRPC loads). A `preexec_fn`
+    makes Python fork rather than spawn, and gRPC's child handler, run while this process's gRPC threads
+    are busy, can abort the child before it execs (seen once: an Envoy dead of SIGABRT at start)."""
+    support = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "").lower()
+    return "grpc" not in sys.modules or support in ("0", "false")
+
+
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal a child gets when its parent thread dies."""
 
@@ -129,7 +138,7 @@ class Process:
             env={**os.environ, **(env or {})},
             cwd=str(REPO),
             # The signal follows the starting *thread*: only a main-thread start can use it safely.
-            preexec_fn=_die_with_parent if _main_thread_on_linux() else None,
+            preexec_fn=_die_with_parent if _main_thread_on_linux() and _grpc_fork_handlers_off() else None,
         )
         return cls(name, popen, log_path, log_file)
 

@@ -3,9 +3,16 @@ has pytest rewrite the asserts of the support modules that hold shared test case
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# gRPC's fork handlers (on by default in its core) run in a child forked while this process's gRPC threads
+# are busy, and can abort it before it execs (a CI run's Envoy died so, SIGABRT, with gRPC's "epoll_wait
+# error" in its log): the tests start their processes with a preexec_fn (devstack/processes.py), which
+# forks. Nothing here forks to keep using gRPC in a child, so the handlers go, before gRPC is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # The limiter's behaviour cases assert in a support module: rewritten like a test module's, a failing case
 # shows its values.
