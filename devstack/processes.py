@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,11 +40,45 @@ class Ports:
         return cls(*(free_port() for _ in range(7)))
 
 
+LISTEN_PORTS_FLOOR = 20000
+"""The lowest port `free_port` hands out. It picks below Linux's ephemeral range (`ip_local_port_range`,
+32768-60999 by default), which the kernel also gives to the local end of outgoing connections: a port found
+free by binding port 0 could be taken by some connection before the process meant to listen on it binds (a
+clean-clone run's Envoy: "cannot bind ... Address already in use")."""
+_handed_out: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
+    """A localhost port free now, outside the ephemeral range where there is room below it, and never the
+    same twice in one process (a stack asks for several before any of its processes binds)."""
+    high = _ephemeral_floor()
+    if high - LISTEN_PORTS_FLOOR >= 1000:
+        for _ in range(256):
+            port = random.randrange(LISTEN_PORTS_FLOOR, high)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        found: int = s.getsockname()[1]
+    _handed_out.add(found)
+    return found
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def envoy_binary() -> str:

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 
 import aiohttp
 
+from devstack.processes import free_port
+
 from .fakes import FakeInferenceServer, eventually
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_process_serves_metrics_and_stops_on_sigterm() -> None:

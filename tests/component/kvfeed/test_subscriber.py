@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from devstack.processes import free_port
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
 from extproc.kvfeed.exporter.app import Exporter, ExporterConfig
 from extproc.kvfeed.subscriber.client import FeedSubscriber
@@ -19,12 +19,6 @@ from extproc.kvfeed.targets import Target
 from .fakes import FakeInferenceServer, eventually
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

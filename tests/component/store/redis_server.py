@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from devstack.processes import free_port
+
 
 def binary(name: str) -> str:
     """The path of `redis-server` or `redis-cli`; a clear error when it is not installed."""
@@ -25,12 +27,6 @@ def binary(name: str) -> str:
             f"{name} is not installed: run `make system-deps` (apt packages redis-server and redis-tools)"
         )
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

@@ -1,6 +1,7 @@
-"""The local stack forks its children (a `preexec_fn` ties each to its parent's life) only where gRPC's fork
-handlers cannot run in them: a CI run lost an Envoy to SIGABRT at start, gRPC's child handler running in a
-child forked while the test process's gRPC threads were busy."""
+"""How the local stack starts its processes: it forks its children (a `preexec_fn` ties each to its
+parent's life) only where gRPC's fork handlers cannot run in them (a CI run lost an Envoy to SIGABRT at
+start, gRPC's child handler running in a child forked while the test process's gRPC threads were busy), and
+it listens on ports outside the ephemeral range."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ def test_a_preexec_fork_only_without_grpc_fork_handlers(
     else:
         monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", setting)
     assert processes._grpc_fork_handlers_off() is forks
+
+
+def test_free_ports_sit_below_the_ephemeral_range_and_never_repeat() -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a listening port picked there
+    can be taken before its process binds it (a clean-clone run's Envoy failed so)."""
+    floor = processes._ephemeral_floor()
+    ports = [processes.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    if floor - processes.LISTEN_PORTS_FLOOR >= 1000:
+        assert all(processes.LISTEN_PORTS_FLOOR <= p < floor for p in ports)
