@@ -45,12 +45,18 @@ from dataclasses import replace
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.openai import ContentTexts, edit_priority, entries, template_inputs
+from extproc.admission.apis.openai import (
+    ContentTexts,
+    edit_priority,
+    entries,
+    function_texts,
+    template_inputs,
+)
 from extproc.admission.apis.spec import GENERATES, VLLM, ApiSpec, path, shared
 from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import Prompt
 from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type, json_key
-from extproc.admission.usage import Observed
+from extproc.admission.usage import Observed, count_int
 from extproc.admission.verdicts import Refusal
 
 ROLES = ("user", "assistant", "system", "tool")
@@ -155,13 +161,11 @@ class CohereChatAdapter:
 
 
 def count_number(value: Any) -> int | None:
-    """A token count as vLLM writes Cohere's usage: a JSON number (a float such as `12.0` included) that
-    is a whole non-negative value, else unknown."""
-    if type(value) is int and value >= 0:
-        return value
+    """A token count as vLLM writes Cohere's usage: `count_int`'s rule, and a float such as `12.0` that
+    is a whole non-negative value too, else unknown."""
     if type(value) is float and value >= 0 and value.is_integer():
         return int(value)
-    return None
+    return count_int(value)
 
 
 def read_usage(seen: Observed, usage: Any) -> None:
@@ -188,9 +192,9 @@ def _strings(obj: Any, keys: tuple[str, ...], texts: list[str]) -> None:
 
 
 def _tool_call_texts(call: Any, texts: list[str]) -> None:
-    """A tool call's generated name and arguments."""
+    """A tool call's generated name and arguments, read as OpenAI's (the same `function` object)."""
     if isinstance(call, dict):
-        _strings(call.get("function"), ("name", "arguments"), texts)
+        function_texts(call.get("function"), texts)
 
 
 def _message_of(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -334,11 +334,11 @@ def _choice_texts(choice: Mapping[str, Any], key: str, texts: list[str]) -> None
         if isinstance(tool_calls, list):
             for call in tool_calls:
                 if isinstance(call, dict):
-                    _function_texts(call.get("function"), texts)
-        _function_texts(part.get("function_call"), texts)
+                    function_texts(call.get("function"), texts)
+        function_texts(part.get("function_call"), texts)
 
 
-def _function_texts(function: Any, texts: list[str]) -> None:
+def function_texts(function: Any, texts: list[str]) -> None:
     """The generated name and arguments of a tool or function call (both are decoded tokens)."""
     if not isinstance(function, dict):
         return
