@@ -62,7 +62,7 @@ def free_port() -> int:
     if high - LISTEN_PORTS_FLOOR >= 1000:
         for _ in range(256):
             port = random.randrange(LISTEN_PORTS_FLOOR, high)
-            if port not in _handed_out and _bindable(port):
+            if port not in _handed_out and port_free(port):
                 _handed_out.add(port)
                 return port
     with socket.socket() as s:
@@ -72,7 +72,8 @@ def free_port() -> int:
     return found
 
 
-def _bindable(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a localhost port can be bound now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

@@ -11,13 +11,13 @@ failover.
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from devstack.processes import port_free
 from tests.component.store.redis_server import RedisServer, binary
 
 NODE_TIMEOUT_MS = 1000
@@ -25,21 +25,12 @@ HASH_TAG = "limits"
 """The store's keys all carry `{limits}`: the one slot whose primary we fail over."""
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def cluster_ports(count: int) -> list[int]:
     """Ports whose bus port (port + 10000) is free too."""
     out: list[int] = []
     while len(out) < count:
         port = random.randint(20_000, 40_000)
-        if port not in out and _port_free(port) and _port_free(port + 10_000):
+        if port not in out and port_free(port) and port_free(port + 10_000):
             out.append(port)
     return out
 
