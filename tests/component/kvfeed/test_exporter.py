@@ -25,14 +25,6 @@ from .fakes import FakeInferenceServer, FakeKubeApi, eventually, pod
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-@pytest.fixture
-async def vllm() -> AsyncIterator[FakeInferenceServer]:
-    server = FakeInferenceServer.from_file("vllm_0.33.0_dp2.txt")
-    await server.start()
-    yield server
-    await server.stop()
-
-
 def config(**kw: object) -> ExporterConfig:
     base: dict[str, object] = {
         "node_name": "gpu-node-1",

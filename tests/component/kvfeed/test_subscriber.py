@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -19,14 +17,6 @@ from extproc.kvfeed.targets import Target
 from .fakes import FakeInferenceServer, eventually
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-@pytest.fixture
-async def vllm() -> AsyncIterator[FakeInferenceServer]:
-    server = FakeInferenceServer.from_file("vllm_0.33.0_dp2.txt")
-    await server.start()
-    yield server
-    await server.stop()
 
 
 def exporter_for(server: FakeInferenceServer, port: int, node: str = "gpu-1") -> Exporter:
