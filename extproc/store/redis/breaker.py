@@ -39,7 +39,14 @@ class RedisUnavailable(StoreUnavailable):
     Raised by `acquire` and `status` as the port's `StoreUnavailable`; the admission path decides what a
     request gets then (fail closed with a 503, or a local fallback). Nothing was admitted: a lease the script
     may still have granted is removed in the background, or expires after the lease TTL.
+
+    `sent` is False when no script was handed to the client (failing fast, or the bound ran out while the
+    call waited for a free connection): nothing can have run, so there is nothing to take back.
     """
+
+    def __init__(self, message: str, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class RedisUnsafe(RedisUnavailable):
@@ -64,7 +71,7 @@ class Breaker:
     def check(self) -> None:
         """Raise at once while failing fast."""
         if not self.closed:
-            raise RedisUnavailable(f"redis unavailable (failing fast): {self.last_error}")
+            raise RedisUnavailable(f"redis unavailable (failing fast): {self.last_error}", sent=False)
 
     def failed(self, exc: BaseException) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -46,6 +46,11 @@ log = logging.getLogger("extproc.store.redis")
 BACKGROUND_TIMEOUT_S = 1.0
 """Bound on renewals, cache refreshes and release retries: off the request path, so they may wait longer."""
 
+BACKGROUND_SHARE = 4
+"""Background calls (release retries, forgets, renewals, proposals) hold at most 1/BACKGROUND_SHARE of the
+connections: after a failover thousands of them may be due at once, and a request, bounded by `timeout_s`,
+must not wait behind them for a connection."""
+
 STALE_RETRIES = 3
 """Calls refused because the effective scale changed meanwhile are sent again this often (each refusal
 brings the new scale, so one retry normally suffices)."""
@@ -69,6 +74,15 @@ class Background:
 
     def __len__(self) -> int:
         return len(self.tasks)
+
+
+class Handed:
+    """Whether a call got as far as the client (it may then have run in Redis, whatever the reply)."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
 
 
 class Scripts:
@@ -114,6 +128,7 @@ class Calls:
         self.replica = secrets.randbits(30)
         """This replica's id in Redis: the high bits of its lease ids and the field of its scale proposals."""
         self._slots = asyncio.Semaphore(max_in_flight)
+        self._background_slots = asyncio.Semaphore(max(1, max_in_flight // BACKGROUND_SHARE))
         self._topology_task: asyncio.Task[Any] | None = None
         self.closed = False
         """Set by the store's close: background loops end at their next turn even if a cancellation was
@@ -146,27 +161,36 @@ class Calls:
 
         `self.judged` is set to the scales of `keys` in the call that was answered (what the script judged
         at), for the caller to rebuild its views with before anything else runs on the loop.
+
+        A call with `fail_fast` is on a request's path; one without is background work: it is sent even
+        while the breaker fails fast, and holds at most its share of the connections.
         """
         if fail_fast:
             self.breaker.check()
+        handed = Handed()
         try:
             async with asyncio.timeout(limit_s):
-                raw, sent = await self._send(script, args, keys)
+                raw, sent = await self._send(script, args, keys, handed, background=not fail_fast)
         except CLIENT_ERRORS as exc:
             self.breaker.failed(exc)
             self._refresh_topology()
-            raise RedisUnavailable(f"redis: {self.breaker.last_error}") from exc
+            raise RedisUnavailable(f"redis: {self.breaker.last_error}", sent=handed.sent) from exc
         if self.breaker.succeeded():
             self.on_reconnect()  # answering again: possibly another server, another policy
         self.judged = sent
         return raw
 
     async def _send(
-        self, script: AsyncScript, args: Callable[[], list[str]], keys: Sequence[str]
+        self,
+        script: AsyncScript,
+        args: Callable[[], list[str]],
+        keys: Sequence[str],
+        handed: Handed,
+        background: bool,
     ) -> tuple[Any, list[float]]:
         for _ in range(STALE_RETRIES + 1):
             sent = [self.scale_of(k) for k in keys]
-            raw = await self.call(script, args())
+            raw = await self.call(script, args(), background, handed)
             if not isinstance(raw, list) or not raw or raw[0] not in ("stale", "epoch", "recovering"):
                 return raw, sent
             if raw[0] == "stale":
@@ -179,8 +203,19 @@ class Calls:
                 raise RedisUnsafe(f"redis lost its state: leases being re-asserted for {raw[1]} s")
         raise RedisUnavailable("redis: the effective scale kept changing")
 
-    async def call(self, script: AsyncScript, args: list[str]) -> Any:
+    async def call(
+        self, script: AsyncScript, args: list[str], background: bool, handed: Handed | None = None
+    ) -> Any:
+        """One script call, once a connection is free (background calls first take a background slot)."""
+        if not background:
+            return await self._call(script, args, handed)
+        async with self._background_slots:
+            return await self._call(script, args, handed)
+
+    async def _call(self, script: AsyncScript, args: list[str], handed: Handed | None) -> Any:
         async with self._slots:
+            if handed is not None:
+                handed.sent = True
             try:
                 return await script(keys=[self.base], args=args)
             except AttributeError as exc:  # see RAW_CLIENT_ERRORS

@@ -132,8 +132,11 @@ class Leases:
             )
         except RedisUnsafe:
             raise  # the script refused before placing anything
+        except RedisUnavailable as exc:
+            if exc.sent:  # the script may have run before the answer was lost: take back what it placed
+                self.background.spawn(self._forget_lease(member, unique, holder))
+            raise
         except (StoreUnavailable, asyncio.CancelledError):
-            # The script may have run before the answer was lost: take back any slot it placed.
             self.background.spawn(self._forget_lease(member, unique, holder))
             raise
         code, index, now = int(raw[0]), int(raw[1]), float(raw[2])
@@ -269,7 +272,8 @@ class Leases:
         chunks = [entries[i : i + RENEW_CHUNK] for i in range(0, len(entries), RENEW_CHUNK)]
         sent_at = time.monotonic()
         calls = [
-            self.calls.call(self.calls.scripts.renew, self._renew_args(chunk, sent_at)) for chunk in chunks
+            self.calls.call(self.calls.scripts.renew, self._renew_args(chunk, sent_at), background=True)
+            for chunk in chunks
         ]
         # Concurrent calls rather than a pipeline: the same code then serves one Redis and a Cluster (whose
         # pipeline does not take scripts the same way), and a NOSCRIPT reply is handled per call.

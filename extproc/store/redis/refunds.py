@@ -4,7 +4,7 @@ under the byte bound the request was admitted on; extproc/admission/provisional.
 from __future__ import annotations
 
 from extproc.core.limiter import Lease
-from extproc.core.ports import StoreUnavailable
+from extproc.store.redis.breaker import RedisUnavailable
 from extproc.store.redis.calls import Calls
 from extproc.store.redis.keyspace import Keyspace
 
@@ -14,7 +14,8 @@ async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, ti
 
     False when the lease is settled, or found removed or expired in Redis. When Redis does not answer the
     refund may or may not have run: the lease is then taken as refunded (its release refunds that much
-    less), so a lost reply can under-refund a bucket until it refills, never refund it twice.
+    less), so a lost reply can under-refund a bucket until it refills, never refund it twice. A refund never
+    sent (failing fast) leaves the reservation as it was.
     """
     tokens = max(0, min(tokens, lease.reserved_tokens))
     if lease.settled or not lease.placements or tokens == 0:
@@ -27,8 +28,9 @@ async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, ti
         raw = await calls.run(
             calls.scripts.refund, lambda: [*head, *keyspace.keyspec(lease.keys), *tail], lease.keys, timeout_s
         )
-    except StoreUnavailable:
-        lease.reserved_tokens -= tokens
+    except RedisUnavailable as exc:
+        if exc.sent:  # it may have run: never refund twice
+            lease.reserved_tokens -= tokens
         return False
     if not int(raw[0]):
         return False

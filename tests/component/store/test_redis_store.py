@@ -189,6 +189,24 @@ async def test_redis_killed_raises_store_unavailable_fast_and_recovers(own_serve
         await store.close()
 
 
+async def test_acquires_refused_while_failing_fast_leave_nothing_behind(own_server: RedisServer) -> None:
+    """A refusal by the open breaker sent nothing, so it spawns no forget: a failover refuses thousands of
+    requests, whose forgets would all come due together when Redis answers again and hold its connections."""
+    store = await replica(own_server.url, timeout_s=0.1)
+    try:
+        own_server.kill()
+        while store.available:
+            with pytest.raises(StoreUnavailable):
+                await store.acquire(["model:m"], 0)
+        pending = len(store.background)
+        for _ in range(50):
+            with pytest.raises(StoreUnavailable):
+                await store.acquire(["model:m"], 0)
+        assert len(store.background) <= pending
+    finally:
+        await store.close()
+
+
 async def admitted_within(store: RedisStore, seconds: float) -> Lease | Rejection | None:
     """The first answer of the store within `seconds` (None: it was unavailable throughout)."""
     deadline = time.monotonic() + seconds
