@@ -82,7 +82,7 @@ async def test_shadow_class_is_not_broken_by_waiters_of_a_higher_class() -> None
     try:
         held = [await admit(h, "chat") for _ in range(3)]
         waiter = h.stream()
-        await waiter.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+        await waiter.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
         await waiter.call.write(body_msg(chat(max_tokens=10)))
         await asyncio.wait_for(waiter.call.read(), 5)
         await eventually(lambda: h.metric("extproc_queue_depth", **{"class": "critical"}) == 1)
@@ -105,7 +105,7 @@ async def test_lower_class_newcomers_cannot_take_the_pool_from_waiting_higher_cl
     try:
         held = [await admit(h, "chat") for _ in range(3)]  # 2 guaranteed + the pool's 1
         waiter = h.stream()
-        await waiter.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+        await waiter.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
         await waiter.call.write(body_msg(chat(max_tokens=10)))
         await asyncio.wait_for(waiter.call.read(), 5)
         await eventually(lambda: h.metric("extproc_queue_depth", **{"class": "critical"}) == 1)
