@@ -167,6 +167,7 @@ async def test_a_feed_that_never_delivers_holds_model_pools_at_the_stale_scale()
     }
     sidecar = Sidecar(config=parse_config(config), metrics=Metrics())
     await sidecar.start()
+    assert sidecar.store is not None  # start() builds it
     try:
         snap = sidecar.store.snapshot()
         model = next(s for s in snap if s.key == "model:m")
@@ -221,6 +222,7 @@ async def test_invented_model_names_share_one_limited_key_and_aliases_count_agai
     }
     sidecar = Sidecar(config=parse_config(config), metrics=Metrics())
     await sidecar.start()
+    assert sidecar.store is not None  # start() builds it
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
     h = Harness(sidecar, channel)
 
