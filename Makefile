@@ -43,7 +43,7 @@ test-fast: $(STAMP) system-deps
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
-	$(BIN)/mypy extproc devstack
+	$(BIN)/mypy $(LINTED)
 
 ## Regenerate the gRPC code of proto/ (CI fails when the committed code is stale).
 proto: $(STAMP)

@@ -70,11 +70,11 @@ def run_stack(
 ) -> dict[str, Any]:
     original = profiles.shipped
     if knobs is not None:
-        profiles.shipped = lambda: config_for(knobs["window"], knobs["bound"])  # type: ignore[assignment]
+        profiles.shipped = lambda: config_for(knobs["window"], knobs["bound"])
     try:
         stack = Stack(variant).start()
     finally:
-        profiles.shipped = original  # type: ignore[assignment]
+        profiles.shipped = original
     out: dict[str, Any] = {"stack": name}
     try:
         for phase in phases:

@@ -82,7 +82,7 @@ async def test_shadow_class_is_not_broken_by_waiters_of_a_higher_class() -> None
     try:
         held = [await admit(h, "chat") for _ in range(3)]
         waiter = h.stream()
-        await waiter.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+        await waiter.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
         await waiter.call.write(body_msg(chat(max_tokens=10)))
         await asyncio.wait_for(waiter.call.read(), 5)
         await eventually(lambda: h.metric("extproc_queue_depth", **{"class": "critical"}) == 1)
@@ -105,7 +105,7 @@ async def test_lower_class_newcomers_cannot_take_the_pool_from_waiting_higher_cl
     try:
         held = [await admit(h, "chat") for _ in range(3)]  # 2 guaranteed + the pool's 1
         waiter = h.stream()
-        await waiter.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+        await waiter.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
         await waiter.call.write(body_msg(chat(max_tokens=10)))
         await asyncio.wait_for(waiter.call.read(), 5)
         await eventually(lambda: h.metric("extproc_queue_depth", **{"class": "critical"}) == 1)
@@ -167,6 +167,7 @@ async def test_a_feed_that_never_delivers_holds_model_pools_at_the_stale_scale()
     }
     sidecar = Sidecar(config=parse_config(config), metrics=Metrics())
     await sidecar.start()
+    assert sidecar.store is not None  # start() builds it
     try:
         snap = sidecar.store.snapshot()
         model = next(s for s in snap if s.key == "model:m")
@@ -221,6 +222,7 @@ async def test_invented_model_names_share_one_limited_key_and_aliases_count_agai
     }
     sidecar = Sidecar(config=parse_config(config), metrics=Metrics())
     await sidecar.start()
+    assert sidecar.store is not None  # start() builds it
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
     h = Harness(sidecar, channel)
 

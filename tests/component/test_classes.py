@@ -67,7 +67,7 @@ async def test_critical_waits_and_gets_in_when_a_slot_frees(harness: Harness) ->
     held = [await admit(harness, "chat") for _ in range(3)]  # 2 guaranteed + the pool's 1
     assert all(reply.HasField("request_body") for _, reply in held)
     s = harness.stream()
-    await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+    await s.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
     await s.call.write(body_msg(chat(max_tokens=10)))
     override = await asyncio.wait_for(s.call.read(), 5)
     assert override.override_message_timeout.seconds >= 3  # Envoy's timer extended before waiting
@@ -87,7 +87,7 @@ async def test_critical_waits_and_gets_in_when_a_slot_frees(harness: Harness) ->
 async def test_waiter_that_leaves_leaves_the_queue_and_deadline_answers_429(harness: Harness) -> None:
     held = [await admit(harness, "chat") for _ in range(3)]
     leaver = harness.stream()
-    await leaver.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+    await leaver.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
     await leaver.call.write(body_msg(chat(max_tokens=10)))
     await asyncio.wait_for(leaver.call.read(), 5)  # the timeout override comes just before it queues
     await eventually(lambda: harness.metric("extproc_queue_depth", **{"class": "critical"}) == 1)
@@ -101,7 +101,7 @@ async def test_waiter_that_leaves_leaves_the_queue_and_deadline_answers_429(harn
     config["classes"][0]["queue"]["max_wait_seconds"] = 0.3
     await harness.sidecar.apply_config(parse_config(config))
     s = harness.stream()
-    await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+    await s.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
     await s.call.write(body_msg(chat(max_tokens=10)))
     await asyncio.wait_for(s.call.read(), 5)
     reply = await asyncio.wait_for(s.call.read(), 5)
@@ -120,13 +120,13 @@ async def test_full_queue_answers_429_at_once(harness: Harness) -> None:
     waiting = []
     for _ in range(2):
         s = harness.stream()
-        await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+        await s.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
         await s.call.write(body_msg(chat(max_tokens=10)))
         await asyncio.wait_for(s.call.read(), 5)
         waiting.append(s)
     await eventually(lambda: harness.metric("extproc_queue_depth", **{"class": "critical"}) == 2)
     s = harness.stream()
-    await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant-id": "chat"}))
+    await s.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant-id": "chat"}))
     await s.call.write(body_msg(chat(max_tokens=10)))
     await asyncio.wait_for(s.call.read(), 5)  # extension, then the refusal
     reply = await asyncio.wait_for(s.call.read(), 5)

@@ -54,7 +54,7 @@ async def test_non_llm_path_passes_through_with_mode_override(harness: Harness) 
 async def test_content_length_over_cap_is_413_once_the_body_arrived(harness: Harness) -> None:
     """Refused at the headers, the 413 would race the client's upload and often be reset (exchange.py)."""
     s = harness.stream()
-    reply = await s.send(headers_msg("POST", "/v1/chat/completions", **{"content-length": "5000"}))
+    reply = await s.send(headers_msg("POST", "/v1/chat/completions", headers={"content-length": "5000"}))
     assert reply.HasField("request_headers")
     reply = await s.send(body_msg(b"x" * 5000))
     assert reply.immediate_response.status.code == 413
@@ -182,7 +182,7 @@ async def test_tokens_exhausted_then_admitted_after_refill(harness: Harness) -> 
 
     async def attempt() -> pb.ProcessingResponse:
         s = harness.stream()
-        await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant": "small"}))
+        await s.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant": "small"}))
         reply = await s.send(body_msg(chat(max_tokens=250)))
         if reply.HasField("request_body"):
             await s.send(resp_headers_msg(200, "application/json"))
@@ -208,7 +208,7 @@ async def test_tokens_exhausted_then_admitted_after_refill(harness: Harness) -> 
 
 async def test_request_larger_than_bucket_is_not_retryable(harness: Harness) -> None:
     s = harness.stream()
-    await s.send(headers_msg("POST", "/v1/chat/completions", **{"x-tenant": "small"}))
+    await s.send(headers_msg("POST", "/v1/chat/completions", headers={"x-tenant": "small"}))
     reply = await s.send(body_msg(chat(max_tokens=900)))
     headers = header_map(reply.immediate_response.headers)
     assert reply.immediate_response.status.code == 429
@@ -441,7 +441,7 @@ async def test_headers_the_engines_read_over_the_body_are_removed(harness: Harne
     s = harness.stream()
     reply = await s.send(
         headers_msg(
-            "POST", "/v1/chat/completions", **{"x-vllm-priority": "-100", "x-data-parallel-rank": "0"}
+            "POST", "/v1/chat/completions", headers={"x-vllm-priority": "-100", "x-data-parallel-rank": "0"}
         )
     )
     removed = set(reply.request_headers.response.header_mutation.remove_headers)

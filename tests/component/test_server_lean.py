@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -93,7 +93,8 @@ async def report(harness: Harness, *entries: accesslog_pb2.HTTPAccessLogEntry) -
 
 def admitted_metadata(reply: pb.ProcessingResponse) -> dict[str, Any]:
     fields = reply.dynamic_metadata.fields[NAMESPACE].struct_value
-    return json.loads(json.dumps({k: v for k, v in fields.items()}, default=_value))
+    metadata: dict[str, Any] = json.loads(json.dumps({k: v for k, v in fields.items()}, default=_value))
+    return metadata
 
 
 def _value(v: Any) -> Any:
@@ -198,16 +199,21 @@ def timed(log: accesslog_pb2.HTTPAccessLogEntry, first_byte_s: float, last_byte_
     props.time_to_last_upstream_rx_byte.FromMilliseconds(round(last_byte_s * 1000))
 
 
+def approx_s(seconds: float) -> float:
+    """pytest.approx in a float field: the dataclass's == compares the field with it, as with a float."""
+    return cast(float, pytest.approx(seconds))
+
+
 def test_the_report_times_the_first_token_from_the_readers_clock_and_envoys_start() -> None:
     log = entry("k", 200, None)
     timed(log, first_byte_s=0.05, last_byte_s=3.0)
     with_t1 = reading_of_fields({"t1": 1_700_000_000_000 + 1_000.0})
     assert timing_of(log, with_t1) == ReportedTiming(first_token_after_s=1.0, decode_s=2.0)
     # Without the reader's time: headers (sent before queueing and prefill) to the last byte, decode only.
-    assert timing_of(log, ResponseReading(events=3)) == ReportedTiming(None, pytest.approx(2.95))
+    assert timing_of(log, ResponseReading(events=3)) == ReportedTiming(None, approx_s(2.95))
     # A first-content time outside the request (another clock) is not trusted.
     wrong = reading_of_fields({"t1": 1_600_000_000_000.0})
-    assert timing_of(log, wrong) == ReportedTiming(None, pytest.approx(2.95))
+    assert timing_of(log, wrong) == ReportedTiming(None, approx_s(2.95))
     assert timing_of(entry("k", 200, None), with_t1) is None  # no upstream byte: nothing to learn
 
 

@@ -11,11 +11,13 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import openai
 import pytest
+from anthropic.types import DocumentBlockParam
+from openai.types.responses import ResponseInputItemParam, ResponseInputParam
 
 from tests.support.ledger import Ledger, assert_exact, wait_settled
 from tests.support.stack import Reply, Stack, fixed_step_sim, http, profile_stack
@@ -85,9 +87,15 @@ def test_responses_buffered_settles_to_the_reported_usage(stack: Stack, oai: ope
 
 def test_responses_streamed_settles_to_the_completed_event(stack: Stack, oai: openai.OpenAI) -> None:
     before = Ledger.read(stack)
-    items = [
-        {"role": "user", "content": [{"type": "input_text", "text": "Name three rivers."}]},
+    # A replayed assistant turn without the id and status of an output message: the API takes it, but the
+    # SDK's input types only describe output_text content inside a full ResponseOutputMessageParam.
+    replayed = cast(
+        ResponseInputItemParam,
         {"role": "assistant", "content": [{"type": "output_text", "text": "Nile, Amazon, Yangtze."}]},
+    )
+    items: ResponseInputParam = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Name three rivers."}]},
+        replayed,
         {"role": "user", "content": "And three more?"},
     ]
     stream = oai.responses.create(
@@ -95,7 +103,7 @@ def test_responses_streamed_settles_to_the_completed_event(stack: Stack, oai: op
         input=items,
         max_output_tokens=30,
         stream=True,
-        extra_headers=SHORT,  # type: ignore[arg-type]
+        extra_headers=SHORT,
     )
     events = list(stream)
     final = events[-1]
@@ -168,7 +176,10 @@ def test_messages_refusal_is_a_client_error_and_never_reaches_the_backend(
     stack: Stack, claude: anthropic.Anthropic
 ) -> None:
     before = stack.upstream_requests()
-    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}
+    document: DocumentBlockParam = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "x"},
+    }
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [document]}])
     assert "document" in str(err.value)

@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.ledger import Ledger, wait_settled
 from tests.support.stack import Stack, fixed_step_sim, profile_stack
@@ -34,7 +35,7 @@ SIM_ARGS = fixed_step_sim(
     "--oom-restart-seconds",
     "3",
 )
-MESSAGES = [{"role": "user", "content": "Write as much as you can."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write as much as you can."}]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_crash_mid_stream_charges_only_what_was_streamed_and_then_503_refunds_ev
             with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as client:
                 stream = client.chat.completions.create(
                     model=MODEL,
-                    messages=MESSAGES,  # type: ignore[arg-type]
+                    messages=MESSAGES,
                     max_tokens=900,
                     stream=True,
                 )
@@ -89,7 +90,7 @@ def test_crash_mid_stream_charges_only_what_was_streamed_and_then_503_refunds_ev
         openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as client,
         pytest.raises(openai.InternalServerError) as err,
     ):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100)
     assert err.value.status_code == 503
     assert wait_settled(stack)
     delta = Ledger.read(stack) - before
@@ -102,7 +103,7 @@ def test_crash_mid_stream_charges_only_what_was_streamed_and_then_503_refunds_ev
     while time.monotonic() < deadline:
         with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as client:
             try:
-                ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)  # type: ignore[arg-type]
+                ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
                 assert ok.usage is not None and ok.usage.completion_tokens == 5
                 break
             except openai.InternalServerError:

@@ -87,6 +87,7 @@ def test_a_streamed_chat_settles_to_its_message_end_usage_not_to_the_reservation
 
 def test_a_refusal_is_in_cohere_s_envelope_and_never_reaches_the_backend(stack: Stack) -> None:
     before = stack.upstream_requests()
+    body: dict[str, Any]
     for body in ({"messages": []}, {"max_tokens": 0}, {"messages": [{"role": "robot", "content": "hi"}]}):
         reply = chat(stack, body)
         assert reply.status == 400, body

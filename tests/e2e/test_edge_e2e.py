@@ -367,7 +367,8 @@ def sidecar_replaced(stack: LocalStack, servicer: object | None) -> Iterator[Non
         wait_http(f"{stack.admin_url}/readyz", proc=sidecar)
 
 
-class StalledSidecar(external_processor_pb2_grpc.ExternalProcessorServicer):
+# The generated gRPC base class has no stubs, so mypy sees Any (as for extproc's own servicer).
+class StalledSidecar(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """Reads Envoy's messages and never answers, as a sidecar stuck in a long GC pause or a deadlock."""
 
     def Process(self, request_iterator: Iterable[object], context: grpc.ServicerContext) -> Iterator[object]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.ledger import Ledger, assert_exact, prompt_byte_bound, wait_settled
 from tests.support.stack import Stack, fixed_step_sim, profile_stack
@@ -37,7 +38,9 @@ CONFIG: dict[str, Any] = {
 }
 # 5 ms per decode step: answers of a few dozen tokens take a fraction of a second.
 SIM_ARGS = fixed_step_sim(MODEL, 5)
-MESSAGES = [{"role": "user", "content": "Summarise the plot of a long novel in a few words."}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Summarise the plot of a long novel in a few words."}
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
 
 def test_sync_non_streaming_usage_equals_settlement(stack: Stack, client: openai.OpenAI) -> None:
     before = Ledger.read(stack)
-    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40)  # type: ignore[arg-type]
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40)
     assert result.usage is not None
     delta = Ledger.read(stack) - before
     assert_exact(delta, result.usage.prompt_tokens, result.usage.completion_tokens)
@@ -65,7 +68,7 @@ def test_sync_streaming_with_client_usage(stack: Stack, client: openai.OpenAI) -
     before = Ledger.read(stack)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=30,
         stream=True,
         stream_options={"include_usage": True},
@@ -81,7 +84,7 @@ def test_sync_streaming_without_usage_hides_the_injected_chunk(stack: Stack, cli
     before = Ledger.read(stack)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=25,
         stream=True,
     )
@@ -98,10 +101,10 @@ def test_sync_streaming_without_usage_hides_the_injected_chunk(stack: Stack, cli
 def test_async_streaming_and_non_streaming(stack: Stack) -> None:
     async def run() -> tuple[Any, Any]:
         async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
-            plain = await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12)  # type: ignore[arg-type]
+            plain = await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12)
             stream = await c.chat.completions.create(
                 model=MODEL,
-                messages=MESSAGES,  # type: ignore[arg-type]
+                messages=MESSAGES,
                 max_tokens=14,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -132,7 +135,7 @@ def test_client_closing_after_k_chunks_refunds_the_rest(stack: Stack) -> None:
     with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
         stream = c.chat.completions.create(
             model=MODEL,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=3000,
             stream=True,
         )
@@ -162,7 +165,7 @@ def test_sdk_backs_off_on_429_and_succeeds_when_capacity_frees(stack: Stack) -> 
         ) as c:
             holder = await c.chat.completions.create(
                 model=MODEL,
-                messages=MESSAGES,  # type: ignore[arg-type]
+                messages=MESSAGES,
                 max_tokens=150,
                 stream=True,
             )
@@ -170,7 +173,7 @@ def test_sdk_backs_off_on_429_and_succeeds_when_capacity_frees(stack: Stack) -> 
             assert first.choices
             start = time.monotonic()
             waiter = asyncio.create_task(
-                c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)  # type: ignore[arg-type]
+                c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
             )
             async for _ in holder:  # the holder finishes after ~0.75 s, freeing the slot
                 pass
@@ -201,7 +204,7 @@ def test_request_too_large_for_the_bucket_is_not_retried(stack: Stack) -> None:
         ) as c,
         pytest.raises(openai.RateLimitError) as err,
     ):
-        c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=500)  # type: ignore[arg-type]
+        c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=500)
     assert err.value.response.headers["x-should-retry"] == "false"
     assert stack.sidecar("extproc_requests_total", decision="rejected") - before == 1  # no retries
     stack.stack.write_sidecar_config(CONFIG)

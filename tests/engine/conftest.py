@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Generator, Iterator
 
+import pluggy
 import pytest
 
 from devstack.processes import Process, free_port
@@ -57,7 +58,9 @@ def stack(request: pytest.FixtureRequest, engine: Engine) -> Iterator[Stack]:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     """On a failed test, the tails of its stacks' logs (Envoy, sidecar, exporter) and the engine's."""
     outcome = yield
     report = outcome.get_result()

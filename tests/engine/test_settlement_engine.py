@@ -15,6 +15,7 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.engine.stacks import Ledger, assert_settled_as_engine
 from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL
@@ -28,7 +29,7 @@ ABORT_STEPS = 32
 """Decode steps (one token each here) the engine may run after a client leaves, before the abort reaches it
 through Envoy and vLLM's API server: measured 12 and 18 on this two-core host (docs/simulator.md,
 calibration), where the CPU engine also freezes the host for seconds (bench/RESULTS.md section 5)."""
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": "Summarise the plot of a long novel in a few words, 9901 of them."},
 ]
@@ -42,7 +43,7 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
 
 def test_chat_settles_usage_and_admission_counted_the_prompt(stack: Stack, client: openai.OpenAI) -> None:
     before = Ledger.read(stack)
-    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24)  # type: ignore[arg-type]
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24)
     assert result.usage is not None
     delta = Ledger.read(stack) - before
     assert_settled_as_engine(delta, result.usage.prompt_tokens, 24)
@@ -54,7 +55,7 @@ def test_chat_stream_with_usage(stack: Stack, client: openai.OpenAI) -> None:
     before = Ledger.read(stack)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=20,
         stream=True,
         stream_options={"include_usage": True},
@@ -72,7 +73,7 @@ def test_chat_stream_without_usage_settles_what_the_engine_generated(
     before = Ledger.read(stack)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=18,
         stream=True,
     )
@@ -84,7 +85,7 @@ def test_chat_stream_without_usage_settles_what_the_engine_generated(
 
 def test_n_choices_settle_every_sequence(stack: Stack, client: openai.OpenAI) -> None:
     before = Ledger.read(stack)
-    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, n=3)  # type: ignore[arg-type]
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, n=3)
     assert result.usage is not None and len(result.choices) == 3
     delta = Ledger.read(stack) - before
     assert result.usage.completion_tokens == 30
@@ -99,7 +100,7 @@ def test_n_choices_streamed(stack: Stack, client: openai.OpenAI) -> None:
     before = Ledger.read(stack)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=8,
         n=2,
         stream=True,
@@ -118,7 +119,7 @@ def test_early_stop_refunds_the_unused_output(stack: Stack, client: openai.OpenA
     before = Ledger.read(stack)
     result = client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=200,
         logit_bias={str(EOT_ID): 100},
     )
@@ -134,7 +135,7 @@ def test_early_stop_streamed(stack: Stack, client: openai.OpenAI) -> None:
     before = Ledger.read(stack)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=200,
         logit_bias={str(EOT_ID): 100},
         stream=True,
@@ -227,7 +228,7 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
     with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
         stream = c.chat.completions.create(
             model=MODEL,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=4000,
             stream=True,
         )

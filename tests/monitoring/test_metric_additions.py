@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.app import Sidecar
 from extproc.config import parse_config
+from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.exporter.metrics import ExporterMetrics
-from extproc.kvfeed.parse import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.metrics import Metrics
 

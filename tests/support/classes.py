@@ -45,5 +45,5 @@ async def start(config: dict[str, Any]) -> tuple[Sidecar, grpc.aio.Channel]:
 async def admit(h: Harness, tenant: str | None) -> tuple[Stream, pb.ProcessingResponse]:
     s = h.stream()
     extra = {"x-tenant-id": tenant} if tenant else {}
-    await s.send(headers_msg("POST", "/v1/chat/completions", **extra))
+    await s.send(headers_msg("POST", "/v1/chat/completions", headers=extra))
     return s, await s.send(body_msg(chat(max_tokens=10)))

@@ -4,6 +4,7 @@ after it, so a refund lost or counted twice moves a number."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ def assert_exact(delta: Ledger, prompt: int, completion: int) -> None:
     assert delta.sim_generated == completion
 
 
-def prompt_byte_bound(messages: list[dict[str, Any]], per_message: int, per_request: int) -> int:
+def prompt_byte_bound(messages: Sequence[Mapping[str, Any]], per_message: int, per_request: int) -> int:
     """The prompt bound a chat request is admitted on: the UTF-8 bytes of its roles and contents plus the
     template's costs (docs/admission.md, "Admission on a bound")."""
     text = sum(len(m[k].encode()) for m in messages for k in ("role", "content"))

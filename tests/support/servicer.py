@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -37,8 +38,12 @@ def _http_headers(items: dict[str, str], eos: bool) -> pb.HttpHeaders:
     )
 
 
-def headers_msg(method: str, path: str, eos: bool = False, **extra: str) -> pb.ProcessingRequest:
-    items = {":method": method, ":path": path, ":authority": "gw", **extra}
+def headers_msg(
+    method: str, path: str, eos: bool = False, headers: Mapping[str, str] | None = None
+) -> pb.ProcessingRequest:
+    """Request headers as Envoy sends them: the pseudo-headers plus `headers` (a mapping, not keywords: header
+    names have hyphens, and keywords would share a namespace with `eos`)."""
+    items = {":method": method, ":path": path, ":authority": "gw", **(headers or {})}
     return pb.ProcessingRequest(request_headers=_http_headers(items, eos))
 
 
@@ -85,7 +90,7 @@ class Stream:
         await self.call.write(message)
         response = await asyncio.wait_for(self.call.read(), 10)
         assert response is not grpc.aio.EOF
-        return response  # type: ignore[no-any-return]
+        return response
 
     async def close(self) -> None:
         await self.call.done_writing()

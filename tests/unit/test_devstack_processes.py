@@ -6,6 +6,7 @@ it listens on ports outside the ephemeral range."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_a_preexec_fork_only_without_grpc_fork_handlers(
     monkeypatch: pytest.MonkeyPatch, loaded: bool, setting: str | None, forks: bool
 ) -> None:
     if not loaded:
-        monkeypatch.delitem(processes.sys.modules, "grpc", raising=False)
+        monkeypatch.delitem(sys.modules, "grpc", raising=False)
     else:
         import grpc  # noqa: F401
     if setting is None:

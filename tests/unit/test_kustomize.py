@@ -9,6 +9,7 @@ built objects against the API server's schemas.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ def test_every_kustomization_builds(directory: Path) -> None:
 
 def test_a_missing_kubectl_fails_with_the_way_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Never a skip: without kubectl nothing here is tested, so the tests say how to get it."""
-    monkeypatch.setattr(kustomize_build.shutil, "which", lambda _name: None)
+    # The module kustomize_build looks kubectl up with.
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
     kustomize_build.kubectl.cache_clear()
     try:
         with pytest.raises(pytest.fail.Exception, match=r"kubectl is not installed: install kubectl 1\.27"):

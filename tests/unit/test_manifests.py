@@ -80,7 +80,8 @@ def list_map_keys(
         first.setdefault(key, index)
 
 
-CustomResourceValidator = jsonschema.validators.extend(
+# types-jsonschema leaves validators.extend unannotated; what it returns is a validator class.
+CustomResourceValidator: type[Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
     jsonschema.Draft202012Validator, {"x-kubernetes-list-map-keys": list_map_keys}
 )
 

@@ -46,10 +46,10 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def scrape(server: TrickleServer, http: aiohttp.ClientSession, **kw: int) -> ScrapeResult:
+async def scrape(server: TrickleServer, http: aiohttp.ClientSession) -> ScrapeResult:
     await server.start()
     try:
-        return await Scraper(http, "n", timeout=30.0, **kw).scrape(Target(server.url, ServerKind.VLLM))
+        return await Scraper(http, "n", timeout=30.0).scrape(Target(server.url, ServerKind.VLLM))
     finally:
         await server.stop()
 

@@ -133,7 +133,7 @@ async def test_invocations_and_pooling_reach_the_engine_counters(
 ) -> None:
     sim = await start_sim(model=MODEL)
     before = await metrics(http, sim)
-    chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    chat: dict[str, Any] = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
     async with await post(http, sim.url + "/invocations", chat) as resp:
         assert (await resp.json())["object"] == "chat.completion"
     async with await post(http, sim.url + "/invocations", {"prompt": "Hello", "max_tokens": 2}) as resp:

@@ -121,7 +121,7 @@ class RedisClusterNodes:
 
     def _owner_seen_by(self, client: redis.Redis) -> int:
         slot = int(client.cluster("KEYSLOT", f"{{{HASH_TAG}}}"))
-        for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):
+        for start, end, primary, *_ in client.cluster("SLOTS"):
             if int(start) <= slot <= int(end):
                 return int(primary[1])
         raise RuntimeError(f"slot {slot} is not served")

@@ -19,7 +19,7 @@ from extproc.admission import provisional
 from extproc.admission.exchange import Exchange, Phase, RequestHead
 from extproc.admission.lanes import LaneFull
 from extproc.admission.prompt import Media, Prompt
-from extproc.admission.provisional import Stage
+from extproc.admission.provisional import Correction, Stage
 from extproc.admission.reading import ResponseReading
 from extproc.admission.request import Api, parse_request
 from extproc.admission.tokens import DEFAULT_ENCODING, count_text, get_encoding, utf8_len
@@ -29,7 +29,7 @@ from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
 from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import LimitSpec
+from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 from tests.support.rules import admission_rules
@@ -204,6 +204,12 @@ def test_without_max_tokens_the_rest_of_the_window_depends_on_the_count() -> Non
 # -- the correction ----------------------------------------------------------------------------------------
 
 
+def stage_now(correction: Correction) -> Stage:
+    """The stage read afresh: it moves on while the loop runs, after an assert that mypy keeps as narrowing
+    `correction.stage` to the stage it had then."""
+    return correction.stage
+
+
 async def test_admitted_on_the_bound_then_corrected_once_while_it_runs() -> None:
     r = await rig()
     raw = body()
@@ -215,7 +221,7 @@ async def test_admitted_on_the_bound_then_corrected_once_while_it_runs() -> None
     assert r.tokens_left() == 1_000_000 - bound_total
     await settle_loop()
     exact = exact_prompt(raw)
-    assert correction.stage is Stage.CORRECTED
+    assert stage_now(correction) is Stage.CORRECTED
     assert exchange.admitted is not None and exchange.admitted.plan.prompt_tokens == exact
     assert exchange.admitted.lease.reserved_tokens == exact + 100
     assert r.refunds == [bound_total - exact - 100]
@@ -269,7 +275,7 @@ async def test_a_request_that_ends_before_its_count_settles_once_on_the_exact_co
     exchange.close()  # a second end signal changes nothing
     await settle_loop()
     await r.service.drain()
-    assert correction.stage is Stage.CORRECTED
+    assert stage_now(correction) is Stage.CORRECTED
     assert r.refunds == []  # folded into the settlement: no separate refund
     exact = exact_prompt(raw)
     settled = r.metric("extproc_tokens_settled_total", model="other", kind="prompt")
@@ -289,14 +295,14 @@ async def test_a_settlement_during_the_refund_waits_for_it() -> None:
     order: list[str] = []
     refund, release = r.store.refund, r.store.release
 
-    async def slow_refund(lease: Any, tokens: int) -> bool:
+    async def slow_refund(lease: Lease, tokens: int) -> bool:
         await gate.wait()
         order.append("refund")
         return await refund(lease, tokens)
 
-    async def noted_release(lease: Any, actual: int) -> bool:
+    async def noted_release(lease: Lease, actual_tokens: int) -> bool:
         order.append("release")
-        return await release(lease, actual)
+        return await release(lease, actual_tokens)
 
     r.store.refund = slow_refund  # type: ignore[method-assign]
     r.store.release = noted_release  # type: ignore[method-assign]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -117,7 +119,7 @@ def test_capacity_share_and_shrinking_capacity() -> None:
         ({"initial_completion_ratio": 1.5}, "initial_completion_ratio"),
     ],
 )
-def test_validation(kwargs: dict[str, float], key: str) -> None:
+def test_validation(kwargs: dict[str, Any], key: str) -> None:
     with pytest.raises(ValueError, match=key):
         KvBudget(1000, **kwargs)
 

@@ -22,7 +22,10 @@ PRIORITY = ("critical", "standard", "batch")
 
 def test_shed_order_pool_first_then_lowest_class_up() -> None:
     guarantees = {"critical": 10.0, "standard": 6.0, "batch": 4.0}  # 20 reserved of 40: pool of 20
-    at = lambda s: effective_shares(40, guarantees, PRIORITY, s, whole=True)  # noqa: E731
+
+    def at(scale: float) -> dict[str, float]:
+        return effective_shares(40, guarantees, PRIORITY, scale, whole=True)
+
     assert at(1.0) == {SHARED: 20, "critical": 10, "standard": 6, "batch": 4}
     assert at(0.75) == {SHARED: 10, "critical": 10, "standard": 6, "batch": 4}  # 30 left: pool shrinks
     assert at(0.5) == {SHARED: 0, "critical": 10, "standard": 6, "batch": 4}  # pool gone

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from extproc.admission.exchange import Exchange, Phase, RequestHead
 from extproc.admission.verdicts import Forward, Refusal
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import LimitSpec
+from extproc.core.limiter import Lease, LimitSpec, Rejection
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 from tests.support.servicer import chat
@@ -80,9 +81,11 @@ async def test_a_caller_that_leaves_while_deciding_leaves_no_kv_booking() -> Non
     gate = asyncio.Event()
     acquire = store.acquire
 
-    async def slow_acquire(*args: object, **kwargs: object) -> object:
+    async def slow_acquire(
+        keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+    ) -> Lease | Rejection:
         await gate.wait()
-        return await acquire(*args, **kwargs)  # type: ignore[arg-type]
+        return await acquire(keys, tokens, holder, use_pool)
 
     store.acquire = slow_acquire  # type: ignore[method-assign]
     task = asyncio.ensure_future(decide(sidecar))

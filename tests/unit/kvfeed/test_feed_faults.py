@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -80,9 +81,9 @@ def loop_and_registry(clock: Clock) -> tuple[FeedbackLoop, CollectorRegistry]:
     ],
 )
 def test_an_impossible_reading_makes_the_sample_down(fields: dict[str, float], why: str) -> None:
-    args: dict[str, float | None] = {"kv": 0.5} | fields
+    args: dict[str, Any] = {"kv": 0.5} | fields
     kv = args.pop("kv")
-    raw = sample("a:1", kv, **args)  # type: ignore[arg-type]
+    raw = sample("a:1", kv, **args)
     assert problem(raw) is not None and problem(raw).startswith(why)  # type: ignore[union-attr]
     down = checked(raw)
     assert not down.up and down.error.startswith(f"invalid: {why}")

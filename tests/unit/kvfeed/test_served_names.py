@@ -56,7 +56,7 @@ def test_vllm_aliases_and_adapters_map_to_the_pool_of_the_page() -> None:
 
 
 def test_with_several_pools_names_go_by_identity_root_and_parent() -> None:
-    other = [
+    other: list[dict[str, object]] = [
         {"id": "qwen", "root": "/models/qwen", "parent": None},
         {"id": "qwen-alias", "root": "/models/qwen", "parent": None},
         {"id": "qwen-lora", "root": "/adapters/q", "parent": "qwen-alias"},

@@ -97,6 +97,7 @@ def test_prompt_forms_are_counted() -> None:
     assert counts(["a b c", "d"]) == [count_text("a b c"), count_text("d")]
     assert counts([1, 2, 3]) == [3]
     assert counts([[1, 2], [3, 4, 5]]) == [2, 3]
+    bad: object
     for bad in ("", [], [[]], [1, "a"], {"x": 1}, [True]):
         with pytest.raises(ApiError):
             counts(bad)
