@@ -11,6 +11,11 @@ off, in the shipped 8k window and with llama-3-8b's window raised to 32k. Phases
 
 Added latency = p50 minus plain Envoy's p50 in the same run; the ratio to the no-op's added latency is the
 1.3x target of the benchmark. The machine is shared: compare within one run, and repeat.
+
+`--pin` gives the processor (no-op or sidecar, all its threads) the last CPU to itself and puts Envoy, the
+upstream, the exporter and the load generator on the others, as a pod's CPU request separates the sidecar
+from the rest of the node: the exact count after a bound verdict then competes only with the sidecar's own
+idle loop.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import os
 import statistics
 import time
+import urllib.request
 from typing import Any
 
 from bench.common import percentile, write_json
@@ -34,6 +41,8 @@ from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 
 NEAR_TOKENS = 1700
+CPUS = sorted(os.sched_getaffinity(0))
+"""The CPUs this run may use, read before `--pin` narrows this process's own set."""
 SHIPPED = profiles.shipped
 
 STACKS: tuple[tuple[str, Variant, dict[str, Any] | None, tuple[str, ...]], ...] = (
@@ -65,8 +74,46 @@ def config_for(window: int, bound: bool) -> dict[str, Any]:
     return config
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (a thread started later inherits its creator's set)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            continue
+
+
+def pin_processor(stack: Stack) -> None:
+    """The processor alone on the last CPU; everything else of the run, this process included, on the rest."""
+    cpus = CPUS
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least two CPUs")
+    own, rest = {cpus[-1]}, set(cpus[:-1])
+    pin(os.getpid(), rest)
+    for name, process in stack.processes.items():
+        pin(process.popen.pid, own if name == "processor" else rest)
+
+
+def decisions_admitted(stack: Stack) -> tuple[float, float]:
+    """The sidecar's `extproc_decision_seconds` for admitted requests: (sum s, count), through the stack."""
+    url = f"http://127.0.0.1:{stack.ports.admin}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    total = {"sum": 0.0, "count": 0.0}
+    for part in total:
+        prefix = f'extproc_decision_seconds_{part}{{outcome="admitted"}} '
+        total[part] = sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+    return total["sum"], total["count"]
+
+
 def run_stack(
-    name: str, variant: Variant, knobs: dict[str, Any] | None, phases: tuple[str, ...], n: int
+    name: str,
+    variant: Variant,
+    knobs: dict[str, Any] | None,
+    phases: tuple[str, ...],
+    n: int,
+    pinned: bool = False,
+    pause_s: float = 0.0,
 ) -> dict[str, Any]:
     original = profiles.shipped
     if knobs is not None:
@@ -75,13 +122,23 @@ def run_stack(
         stack = Stack(variant).start()
     finally:
         profiles.shipped = original
+    if pinned:
+        pin_processor(stack)
     out: dict[str, Any] = {"stack": name}
+    sidecar = variant.processor == "sidecar"
     try:
         for phase in phases:
-            row = measured(stack, BODIES[phase], 1, n)
+            before = decisions_admitted(stack) if sidecar else (0.0, 0.0)
+            row = measured(stack, BODIES[phase], 1, n, pause_s)
             row.pop("ends")
+            if sidecar:
+                after = decisions_admitted(stack)
+                row["decision_mean_us"] = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e6
             out[phase] = row
-            print(f"bound: {name} {phase}: p50 {row['p50_ms']:.2f} ms errors {row['errors']}", flush=True)
+            line = f"bound: {name} {phase}: p50 {row['p50_ms']:.2f} ms errors {row['errors']}"
+            if sidecar:
+                line += f", decision mean {row['decision_mean_us']:.0f} µs"
+            print(line, flush=True)
     finally:
         stack.stop()
     return out
@@ -147,6 +204,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--off-first", action="store_true", help="each off stack before its on stack")
     parser.add_argument("--decisions-only", action="store_true", help="in-process time to the verdict")
+    parser.add_argument("--pin", action="store_true", help="the processor on a CPU of its own (docstring)")
+    parser.add_argument("--pause-ms", type=float, default=0.0, help="client pause between requests")
     args = parser.parse_args()
     if args.decisions_only:
         write_json("overhead-bound-decisions.json", decisions(1000))
@@ -155,10 +214,17 @@ def main() -> None:
     stacks = list(STACKS)
     if args.off_first:  # the order of the stacks within a run, to rule it out
         stacks[2:4], stacks[4:6] = stacks[3:1:-1], stacks[5:3:-1]
-    runs = [[run_stack(*stack, n=args.requests) for stack in stacks] for _ in range(args.repeat)]
+    runs = [
+        [
+            run_stack(*stack, n=args.requests, pinned=args.pin, pause_s=args.pause_ms / 1000)
+            for stack in stacks
+        ]
+        for _ in range(args.repeat)
+    ]
     figures = [added(run) for run in runs]
-    result = {"runs": runs, "figures": figures, "duration_s": time.monotonic() - t0}
-    write_json("overhead-bound.json", result)
+    result = {"runs": runs, "figures": figures, "duration_s": time.monotonic() - t0, "pinned": args.pin}
+    result["pause_ms"] = args.pause_ms
+    write_json("overhead-bound-pinned.json" if args.pin else "overhead-bound.json", result)
     for name in figures[0]:
         keys = figures[0][name]
         line = ", ".join(

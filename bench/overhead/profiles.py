@@ -221,7 +221,10 @@ async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[fl
     return time.monotonic() - started, ended
 
 
-async def closed_loop(url: str, body: bytes, clients: int, total: int) -> list[tuple[float, float] | None]:
+async def closed_loop(
+    url: str, body: bytes, clients: int, total: int, pause_s: float = 0.0
+) -> list[tuple[float, float] | None]:
+    """`total` requests from `clients` clients; each sends its next request `pause_s` after its answer."""
     endpoint = f"{url}/v1/chat/completions"
     results: list[tuple[float, float] | None] = []
     remaining = total
@@ -231,6 +234,8 @@ async def closed_loop(url: str, body: bytes, clients: int, total: int) -> list[t
         while remaining > 0:
             remaining -= 1
             results.append(await one(session, endpoint, body))
+            if pause_s:
+                await asyncio.sleep(pause_s)
 
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -240,10 +245,10 @@ async def closed_loop(url: str, body: bytes, clients: int, total: int) -> list[t
     return results
 
 
-def measured(stack: Stack, body: bytes, clients: int, total: int) -> dict[str, Any]:
+def measured(stack: Stack, body: bytes, clients: int, total: int, pause_s: float = 0.0) -> dict[str, Any]:
     before = stack.cpu()
     t0 = time.monotonic()
-    results = asyncio.run(closed_loop(stack.url, body, clients, total))
+    results = asyncio.run(closed_loop(stack.url, body, clients, total, pause_s))
     wall = time.monotonic() - t0
     after = stack.cpu()
     cpu = {k: after[k] - before.get(k, 0.0) for k in after}
