@@ -25,12 +25,12 @@ class ClassPolicy:
     important."""
 
     name: str
-    max_wait_seconds: float = 0.0  # 0: answer 429 at once instead of waiting for capacity
-    max_queued: int = 0
-    shadow: bool = False
-    cut_streams_above_kv: float | None = None
+    max_wait_seconds: float  # 0: answer 429 at once instead of waiting for capacity
+    max_queued: int
+    shadow: bool
+    cut_streams_above_kv: float | None
     # Written into the body's `priority` (vLLM/SGLang priority scheduling); None: the client's is removed.
-    backend_priority: int | None = None
+    backend_priority: int | None
 
     @property
     def queues(self) -> bool:

@@ -29,11 +29,13 @@ from extproc.config.errors import ConfigError
 from extproc.config.problems import problems
 from extproc.config.runtime import (
     DEFAULT_CLASS,
+    DEFAULT_CLASSES,
     DEFAULT_POLICY,
     AdmissionConfig,
     Config,
     LimitsConfig,
     ServerConfig,
+    class_policy,
     store_settings,
     tenant_source,
 )
@@ -182,23 +184,12 @@ def _limit(limit: schema.Limit, path: str, classes: Sequence[str]) -> LimitSpec:
 
 def _classes(classes: Sequence[schema.Class] | None) -> tuple[ClassPolicy, ...]:
     if classes is None:
-        return (ClassPolicy(DEFAULT_CLASS),)
+        return DEFAULT_CLASSES
     out: list[ClassPolicy] = []
     for i, klass in enumerate(classes):
         if any(c.name == klass.name for c in out):
             raise ConfigError(f"classes[{i}].name: duplicate class {klass.name!r}")
-        wait = klass.queue.max_wait_seconds
-        queued = klass.queue.max_queued
-        out.append(
-            ClassPolicy(
-                name=klass.name,
-                max_wait_seconds=wait,
-                max_queued=queued if queued is not None else (klass.queue.QUEUED_WHEN_WAITING if wait else 0),
-                shadow=klass.shadow,
-                cut_streams_above_kv=klass.cut_streams_above_kv,
-                backend_priority=klass.backend_priority,
-            )
-        )
+        out.append(class_policy(klass))
     return tuple(out)
 
 

@@ -54,6 +54,23 @@ DEFAULT_CLASS = "default"
 """The single class every request belongs to when no classes are configured."""
 
 
+def class_policy(klass: schema.Class) -> ClassPolicy:
+    """One `classes[]` entry as admission takes it; the defaults are the schema's."""
+    wait = klass.queue.max_wait_seconds
+    queued = klass.queue.max_queued
+    return ClassPolicy(
+        name=klass.name,
+        max_wait_seconds=wait,
+        max_queued=queued if queued is not None else (klass.queue.QUEUED_WHEN_WAITING if wait else 0),
+        shadow=klass.shadow,
+        cut_streams_above_kv=klass.cut_streams_above_kv,
+        backend_priority=klass.backend_priority,
+    )
+
+
+DEFAULT_CLASSES = (class_policy(schema.Class(name=DEFAULT_CLASS)),)
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     """`admission`, with `tenant` flattened and `per_step` as the `StepBounds` admission takes."""
@@ -124,7 +141,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     store: StoreSettings = field(default_factory=lambda: store_settings(_STORE))
-    classes: tuple[ClassPolicy, ...] = (ClassPolicy(DEFAULT_CLASS),)
+    classes: tuple[ClassPolicy, ...] = DEFAULT_CLASSES
     default_class: str = DEFAULT_CLASS
     tenant_classes: Mapping[str, str] = field(default_factory=dict)
     shadow: bool = _ROOT.shadow
