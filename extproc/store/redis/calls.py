@@ -47,9 +47,10 @@ BACKGROUND_TIMEOUT_S = 1.0
 """Bound on renewals, cache refreshes and release retries: off the request path, so they may wait longer."""
 
 BACKGROUND_SHARE = 4
-"""Background calls (release retries, forgets, renewals, proposals) hold at most 1/BACKGROUND_SHARE of the
-connections: after a failover thousands of them may be due at once, and a request, bounded by `timeout_s`,
-must not wait behind them for a connection."""
+"""Background calls (release retries, forgets, scale proposals, state checks) hold at most 1/BACKGROUND_SHARE
+of the connections: after a failover thousands of them may be due at once, and a request, bounded by
+`timeout_s`, must not wait behind them for a connection. Lease renewals are a few calls per interval and
+keep the leases counted: they take the requests' lane."""
 
 STALE_RETRIES = 3
 """Calls refused because the effective scale changed meanwhile are sent again this often (each refusal

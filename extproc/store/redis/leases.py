@@ -272,7 +272,9 @@ class Leases:
         chunks = [entries[i : i + RENEW_CHUNK] for i in range(0, len(entries), RENEW_CHUNK)]
         sent_at = time.monotonic()
         calls = [
-            self.calls.call(self.calls.scripts.renew, self._renew_args(chunk, sent_at), background=True)
+            # Not in the background lane: a few calls per interval, and what keeps the leases counted, so
+            # they never wait behind a backlog of release retries.
+            self.calls.call(self.calls.scripts.renew, self._renew_args(chunk, sent_at), background=False)
             for chunk in chunks
         ]
         # Concurrent calls rather than a pipeline: the same code then serves one Redis and a Cluster (whose
