@@ -47,10 +47,10 @@ BACKGROUND_TIMEOUT_S = 1.0
 """Bound on renewals, cache refreshes and release retries: off the request path, so they may wait longer."""
 
 BACKGROUND_SHARE = 4
-"""Background calls (release retries, forgets, scale proposals, state checks) hold at most 1/BACKGROUND_SHARE
-of the connections: after a failover thousands of them may be due at once, and a request, bounded by
-`timeout_s`, must not wait behind them for a connection. Lease renewals are a few calls per interval and
-keep the leases counted: they take the requests' lane."""
+"""Background calls (release retries, forgets, scale proposals, state checks, background cache reads, wake
+announcements) hold at most 1/BACKGROUND_SHARE of the connections (at least one): after a failover thousands
+of them may be due at once, and a request, bounded by `timeout_s`, must find connections they cannot take.
+Lease renewals are a few calls per interval and keep the leases counted: they take the requests' lane."""
 
 STALE_RETRIES = 3
 """Calls refused because the effective scale changed meanwhile are sent again this often (each refusal
@@ -164,34 +164,41 @@ class Calls:
         at), for the caller to rebuild its views with before anything else runs on the loop.
 
         A call with `fail_fast` is on a request's path; one without is background work: it is sent even
-        while the breaker fails fast, and holds at most its share of the connections.
+        while the breaker fails fast, and waits for one of the background lane's connections before its
+        bound starts (a backlog is queueing, not Redis failing).
         """
         if fail_fast:
             self.breaker.check()
+            return await self._bounded(script, args, keys, limit_s)
+        async with self._background_slots:
+            return await self._bounded(script, args, keys, limit_s)
+
+    async def _bounded(
+        self, script: AsyncScript, args: Callable[[], list[str]], keys: Sequence[str], limit_s: float
+    ) -> Any:
         handed = Handed()
         try:
             async with asyncio.timeout(limit_s):
-                raw, sent = await self._send(script, args, keys, handed, background=not fail_fast)
+                raw, sent = await self._send(script, args, keys, handed)
         except CLIENT_ERRORS as exc:
+            if not handed.sent:
+                # The bound ran out while the call waited for a connection: nothing reached Redis, so
+                # this says nothing against it (calls that hang there trip the breaker themselves).
+                raise RedisUnavailable("redis: no connection free within the bound", sent=False) from exc
             self.breaker.failed(exc)
             self._refresh_topology()
-            raise RedisUnavailable(f"redis: {self.breaker.last_error}", sent=handed.sent) from exc
+            raise RedisUnavailable(f"redis: {self.breaker.last_error}") from exc
         if self.breaker.succeeded():
             self.on_reconnect()  # answering again: possibly another server, another policy
         self.judged = sent
         return raw
 
     async def _send(
-        self,
-        script: AsyncScript,
-        args: Callable[[], list[str]],
-        keys: Sequence[str],
-        handed: Handed,
-        background: bool,
+        self, script: AsyncScript, args: Callable[[], list[str]], keys: Sequence[str], handed: Handed
     ) -> tuple[Any, list[float]]:
         for _ in range(STALE_RETRIES + 1):
             sent = [self.scale_of(k) for k in keys]
-            raw = await self.call(script, args(), background, handed)
+            raw = await self.call(script, args(), handed)
             if not isinstance(raw, list) or not raw or raw[0] not in ("stale", "epoch", "recovering"):
                 return raw, sent
             if raw[0] == "stale":
@@ -204,16 +211,8 @@ class Calls:
                 raise RedisUnsafe(f"redis lost its state: leases being re-asserted for {raw[1]} s")
         raise RedisUnavailable("redis: the effective scale kept changing")
 
-    async def call(
-        self, script: AsyncScript, args: list[str], background: bool, handed: Handed | None = None
-    ) -> Any:
-        """One script call, once a connection is free (background calls first take a background slot)."""
-        if not background:
-            return await self._call(script, args, handed)
-        async with self._background_slots:
-            return await self._call(script, args, handed)
-
-    async def _call(self, script: AsyncScript, args: list[str], handed: Handed | None) -> Any:
+    async def call(self, script: AsyncScript, args: list[str], handed: Handed | None = None) -> Any:
+        """One script call, once one of the connections is free."""
         async with self._slots:
             if handed is not None:
                 handed.sent = True

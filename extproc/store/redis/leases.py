@@ -274,7 +274,7 @@ class Leases:
         calls = [
             # Not in the background lane: a few calls per interval, and what keeps the leases counted, so
             # they never wait behind a backlog of release retries.
-            self.calls.call(self.calls.scripts.renew, self._renew_args(chunk, sent_at), background=False)
+            self.calls.call(self.calls.scripts.renew, self._renew_args(chunk, sent_at))
             for chunk in chunks
         ]
         # Concurrent calls rather than a pipeline: the same code then serves one Redis and a Cluster (whose

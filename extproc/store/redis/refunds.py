@@ -3,6 +3,8 @@ under the byte bound the request was admitted on; extproc/admission/provisional.
 
 from __future__ import annotations
 
+import asyncio
+
 from extproc.core.limiter import Lease
 from extproc.store.redis.breaker import RedisUnavailable
 from extproc.store.redis.calls import Calls
@@ -14,8 +16,9 @@ async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, ti
 
     False when the lease is settled, or found removed or expired in Redis. When Redis does not answer the
     refund may or may not have run: the lease is then taken as refunded (its release refunds that much
-    less), so a lost reply can under-refund a bucket until it refills, never refund it twice. A refund never
-    sent (failing fast) leaves the reservation as it was.
+    less), so a lost reply or a cancellation can under-refund a bucket until it refills, never refund it
+    twice. A refund never sent (failing fast, or no connection free within the bound) leaves the
+    reservation as it was, for the release to refund.
     """
     tokens = max(0, min(tokens, lease.reserved_tokens))
     if lease.settled or not lease.placements or tokens == 0:
@@ -32,6 +35,9 @@ async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, ti
         if exc.sent:  # it may have run: never refund twice
             lease.reserved_tokens -= tokens
         return False
+    except asyncio.CancelledError:
+        lease.reserved_tokens -= tokens  # it may have run, as above
+        raise
     if not int(raw[0]):
         return False
     lease.reserved_tokens -= tokens

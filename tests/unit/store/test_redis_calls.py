@@ -1,5 +1,6 @@
 """The Redis store's call layer without a server: background work cannot take the connections a request
-needs, and an unavailable call says whether it ever reached the client (only then may it have run)."""
+needs and queues for its own lane outside its bound, and an unavailable call says whether it ever reached
+the client (only then may it have run, and only then does it count against Redis)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from typing import Any
 
 import pytest
 
+from extproc.core.limiter import Lease, Placement
+from extproc.core.state import RateLimitStatus
 from extproc.store.redis.breaker import BREAKER_FAILURES, Breaker, RedisUnavailable
 from extproc.store.redis.calls import BACKGROUND_SHARE, Background, Calls
+from extproc.store.redis.keyspace import Keyspace
+from extproc.store.redis.refunds import refund
 
 MAX_IN_FLIGHT = 8
 
@@ -27,7 +32,7 @@ class FakeScript:
         client.running += 1
         client.high = max(client.high, client.running)
         try:
-            if args and args[0] == "block":
+            if client.block_all or (args and args[0] == "block"):
                 await client.release.wait()
             return ["ok"]
         finally:
@@ -39,6 +44,7 @@ class FakeClient:
         self.running = 0
         self.high = 0
         self.release = asyncio.Event()
+        self.block_all = False
 
     def register_script(self, text: str) -> FakeScript:
         return FakeScript(text, self)
@@ -97,8 +103,24 @@ async def test_a_bound_spent_waiting_for_a_connection_sent_nothing() -> None:
     with pytest.raises(RedisUnavailable) as refused:
         await calls.run(calls.scripts.acquire, lambda: ["go"], (), 0.01)
     assert refused.value.sent is False
+    assert calls.breaker.failures == 0  # queueing here is no evidence against Redis
     client.release.set()
     await asyncio.gather(*held)
+
+
+async def test_background_work_queues_for_its_lane_before_its_bound_starts() -> None:
+    client = FakeClient()
+    calls = calls_on(client)
+    held = [background(calls) for _ in range(MAX_IN_FLIGHT // BACKGROUND_SHARE)]
+    await asyncio.sleep(0)
+    # A bound of 0 expires at the call's first wait: had the wait for the lane been inside it, this failed.
+    queued = asyncio.create_task(calls.run(calls.scripts.forget, lambda: ["go"], (), 0.0, fail_fast=False))
+    await asyncio.sleep(0)
+    assert not queued.done()
+    client.release.set()
+    assert await queued == ["ok"]
+    await asyncio.gather(*held)
+    assert calls.breaker.failures == 0
 
 
 async def test_a_bound_spent_inside_the_client_may_have_run() -> None:
@@ -106,3 +128,29 @@ async def test_a_bound_spent_inside_the_client_may_have_run() -> None:
     with pytest.raises(RedisUnavailable) as refused:
         await calls.run(calls.scripts.acquire, lambda: ["block"], (), 0.01)
     assert refused.value.sent is True
+
+
+def open_lease(tokens: int) -> Lease:
+    return Lease(1, ("global",), tokens, 0.0, RateLimitStatus(), None, (Placement("global", "s", "s"),))
+
+
+async def test_a_refund_never_sent_keeps_the_reservation_for_the_release() -> None:
+    calls = calls_on(FakeClient())
+    for _ in range(BREAKER_FAILURES):
+        calls.breaker.failed(TimeoutError())
+    lease = open_lease(100)
+    assert await refund(calls, Keyspace(), lease, 40, 0.05) is False
+    assert lease.reserved_tokens == 100
+
+
+async def test_a_refund_that_may_have_run_is_taken_as_done() -> None:
+    client = FakeClient()
+    client.block_all = True
+    calls = calls_on(client)
+    lease = open_lease(100)
+    blocked = asyncio.create_task(refund(calls, Keyspace(), lease, 40, 5.0))
+    await asyncio.sleep(0)
+    blocked.cancel()  # cancelled while the script may be running in Redis: never refund twice
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    assert lease.reserved_tokens == 60
