@@ -46,7 +46,7 @@ from extproc.admission.names import (
 )
 from extproc.admission.reading import ReadSpec
 from extproc.admission.rules import TenantSource
-from extproc.admission.unseen import ReportChannel, UnseenStreams
+from extproc.admission.unseen import UnseenStreams
 from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
 from extproc.protocol.messages import (
     EXT_PROC_ATTRIBUTES,
@@ -116,10 +116,6 @@ class LeanRuntime:
     def __init__(self, unseen: UnseenStreams) -> None:
         self.unseen = unseen
         self.specs = _SpecCache()
-
-    @property
-    def channel(self) -> ReportChannel:
-        return self.unseen.channel
 
     def start(self) -> None:
         self.unseen.start()
