@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.common import drop_priority
-from extproc.admission.apis.openai import ContentTexts, entries, template_inputs
-from extproc.admission.apis.spec import BOTH, ApiSpec, path, shared
+from extproc.admission.apis.openai import ContentTexts, entries, required_messages, template_inputs
+from extproc.admission.apis.spec import BOTH, ApiSpec, path, reenveloped, refused_message, shared
 from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import Media, Prompt
 from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type
@@ -174,18 +173,7 @@ def messages_prompt(body: Mapping[str, Any]) -> Prompt:
     if system is not None:
         blocks.turn("system")
         blocks.add_content(system, "system", "system")
-    messages = body.get("messages")
-    if messages is None:
-        f.bad("Missing required parameter: 'messages'.", code="missing_field", param="messages")
-    if not isinstance(messages, list):
-        f.bad(
-            f"'messages' must be an array, got {f.json_type(messages)}.",
-            code="invalid_type",
-            param="messages",
-        )
-    if not messages:
-        f.bad("'messages' must contain at least one message.", code="invalid_value", param="messages")
-    for i, message in enumerate(messages):
+    for i, message in enumerate(required_messages(body)):
         blocks.add_message(message, f"messages[{i}]")
     tools = f.opt_list(body, "tools", "tools")
     if tools:
@@ -330,17 +318,8 @@ def anthropic_refusal(refusal: Refusal) -> Refusal:
     Status and headers are kept: Anthropic SDKs choose the exception by status and back off on 429 with
     `retry-after`, honouring `x-should-retry` (anthropic-python 2.14 `_base_client.py` `_should_retry`).
     """
-    message = "The request was refused by the gateway."
-    try:
-        decoded = json.loads(refusal.body)
-        found = decoded["error"]["message"]
-        if isinstance(found, str):
-            message = found
-    except (ValueError, KeyError, TypeError):
-        pass
-    payload = {"type": "error", "error": {"type": error_type(refusal.status), "message": message}}
-    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    return replace(refusal, body=body)
+    error = {"type": error_type(refusal.status), "message": refused_message(refusal)}
+    return reenveloped(refusal, {"type": "error", "error": error})
 
 
 # `content_block_delta` carries the text, `message_start` the prompt's usage, `message_delta` the output's,

@@ -21,7 +21,7 @@ from extproc.admission.apis.openai import (
     chat_output_bound,
     chat_prompt,
     chat_step_work,
-    edit_priority,
+    edit_bound,
     least_output,
     truncation,
 )
@@ -71,11 +71,7 @@ class ChatBatchAdapter:
         )
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        changed = False
-        if edits.max_tokens is not None and req.requested_max_tokens is None:
-            body["max_tokens"] = edits.max_tokens
-            changed = True
-        return edit_priority(body, edits) or changed
+        return edit_bound(body, req, edits)
 
 
 SPEC = ApiSpec(

@@ -39,20 +39,19 @@ api_router.py:102-117, 208-270); a refusal is rendered the same way.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from extproc.admission import fields as f
 from extproc.admission.apis.openai import (
     ContentTexts,
-    edit_priority,
+    edit_bound,
     entries,
     function_texts,
+    required_messages,
     template_inputs,
 )
-from extproc.admission.apis.spec import GENERATES, VLLM, ApiSpec, path, shared
+from extproc.admission.apis.spec import GENERATES, VLLM, ApiSpec, path, reenveloped, refused_message, shared
 from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import Prompt
 from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type, json_key
@@ -91,24 +90,14 @@ def _message(collected: ContentTexts, message: Any, param: str) -> None:
         )
     if role == "tool":
         f.required_str(message, "tool_call_id", f"{param}.tool_call_id")
-    collected.messages += 1
-    for key, value in message.items():
-        if key == "content":
-            collected.add_content(value, f"{param}.content")
-        else:
-            collected.add_value(value, f"{param}.{key}")  # the role too, as chat counts it
+    collected.add_fields(message, param)
 
 
 def cohere_prompt(body: Mapping[str, Any]) -> Prompt:
     """The prompt the chat template renders from the messages and the templated request fields."""
-    messages = f.opt_list(body, "messages", "messages")
-    if messages is None:
-        f.bad("Missing required parameter: 'messages'.", code="missing_field", param="messages")
-    if not messages:
-        # protocol.py:247-254: "messages must contain at least one message"
-        f.bad("'messages' must contain at least one message.", code="invalid_value", param="messages")
     collected = ContentTexts()
-    for i, message in enumerate(messages):
+    # protocol.py:247-254: "messages must contain at least one message"
+    for i, message in enumerate(required_messages(body)):
         _message(collected, message, f"messages[{i}]")
     collected.texts.extend(template_inputs(body, TEMPLATED_FIELDS))
     for name in TEMPLATE_KWARG_FIELDS:
@@ -149,11 +138,7 @@ class CohereChatAdapter:
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
         """An injected output bound goes in `max_tokens`; the priority is set or stripped. Usage is never
         asked for: vLLM streams it always."""
-        changed = False
-        if edits.max_tokens is not None and req.requested_max_tokens is None:
-            body["max_tokens"] = edits.max_tokens
-            changed = True
-        return edit_priority(body, edits) or changed
+        return edit_bound(body, req, edits)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,15 +245,7 @@ COHERE_CHAT_SPEC = ReadSpec(
 def cohere_refusal(refusal: Refusal) -> Refusal:
     """The same refusal in Cohere's error envelope `{"message": ...}` (vLLM's `CohereError`, its `id` left
     out as vLLM does when no request id is known: api_router.py:86-117); status and headers kept."""
-    message = "The request was refused by the gateway."
-    try:
-        found = json.loads(refusal.body)["error"]["message"]
-        if isinstance(found, str):
-            message = found
-    except (ValueError, KeyError, TypeError):
-        pass
-    body = json.dumps({"message": message}, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    return replace(refusal, body=body)
+    return reenveloped(refusal, {"message": refused_message(refusal)})
 
 
 SPEC = ApiSpec(

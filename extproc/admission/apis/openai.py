@@ -110,6 +110,11 @@ class ContentTexts:
                 code="missing_field",
                 param=f"{param}.content",
             )
+        self.add_fields(message, param)
+
+    def add_fields(self, message: dict[str, Any], param: str) -> None:
+        """One checked message: its content, and every other field's value (the role too, as chat counts
+        it)."""
         self.messages += 1
         for key, value in message.items():
             if key == "content":
@@ -118,17 +123,22 @@ class ContentTexts:
                 self.add_value(value, f"{param}.{key}")
 
 
-def chat_prompt(body: Mapping[str, Any], key: str = "messages") -> Prompt:
-    """The prompt a chat template renders from `messages` and the request-level templated fields."""
-    if key not in body or body[key] is None:
+def required_messages(body: Mapping[str, Any], key: str = "messages") -> list[Any]:
+    """A conversation's `messages`: present, an array, not empty (as every chat-shaped API requires)."""
+    messages = body.get(key)
+    if messages is None:
         f.bad(f"Missing required parameter: '{key}'.", code="missing_field", param=key)
-    messages = body[key]
     if not isinstance(messages, list):
         f.bad(f"'{key}' must be an array, got {f.json_type(messages)}.", code="invalid_type", param=key)
     if not messages:
         f.bad(f"'{key}' must contain at least one message.", code="invalid_value", param=key)
+    return messages
+
+
+def chat_prompt(body: Mapping[str, Any], key: str = "messages") -> Prompt:
+    """The prompt a chat template renders from `messages` and the request-level templated fields."""
     collected = ContentTexts()
-    for i, message in enumerate(messages):
+    for i, message in enumerate(required_messages(body, key)):
         collected.add_message(message, f"{key}[{i}]")
     collected.texts.extend(template_inputs(body))
     return Prompt(
@@ -241,8 +251,15 @@ def ask_for_usage(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) ->
 def edit_generation(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) -> bool:
     """Edits common to chat and completions: usage in the stream, an output bound, the priority."""
     changed = ask_for_usage(body, req, edits)
+    return edit_bound(body, req, edits) or changed
+
+
+def edit_bound(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits, key: str = "max_tokens") -> bool:
+    """An injected output bound goes in `key` of a request that named none; the priority is set or
+    stripped. True if the body changed."""
+    changed = False
     if edits.max_tokens is not None and req.requested_max_tokens is None:
-        body["max_tokens"] = edits.max_tokens
+        body[key] = edits.max_tokens
         changed = True
     return edit_priority(body, edits) or changed
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from extproc.admission import fields as f
-from extproc.admission.apis.openai import ContentTexts, edit_priority, entries, int_value, template_inputs
+from extproc.admission.apis.openai import ContentTexts, edit_bound, entries, int_value, template_inputs
 from extproc.admission.apis.spec import ApiSpec, path, shared
 from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.prompt import Prompt
@@ -234,11 +234,7 @@ class ResponsesAdapter:
         return calls
 
     def edit(self, req: ParsedRequest, body: dict[str, Any], edits: BodyEdits) -> bool:
-        changed = False
-        if edits.max_tokens is not None and req.requested_max_tokens is None:
-            body["max_output_tokens"] = edits.max_tokens
-            changed = True
-        return edit_priority(body, edits) or changed
+        return edit_bound(body, req, edits, "max_output_tokens")
 
 
 # ----------------------------------------------------------------------------------------------------

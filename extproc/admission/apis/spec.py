@@ -8,8 +8,9 @@ is read from the specs it found. Adding an API is adding its module.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extproc.admission.parsed import Adapter, Api
 from extproc.admission.readspec import ReadSpec
@@ -21,6 +22,8 @@ SGLANG = "SGLang"
 BOTH = "vLLM, SGLang"
 
 GENERATES = "generates"
+REFUSED = "The request was refused by the gateway."
+"""A rendered refusal's message when the OpenAI envelope it came in has none."""
 PROMPT_ONLY = "runs the model on the prompt; nothing is generated"
 
 
@@ -47,6 +50,21 @@ def shared(dialect: Dialect) -> Callable[[], Dialect]:
 def keep_openai_envelope(refusal: Refusal) -> Refusal:
     """The refusal as it is: OpenAI's error envelope, which every API's clients parse unless they say."""
     return refusal
+
+
+def refused_message(refusal: Refusal) -> str:
+    """The message of a refusal's OpenAI envelope, for an API that renders its own."""
+    try:
+        found = json.loads(refusal.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return REFUSED
+    return found if isinstance(found, str) else REFUSED
+
+
+def reenveloped(refusal: Refusal, payload: object) -> Refusal:
+    """The same refusal (status and headers kept) with `payload` as its compact ASCII JSON body."""
+    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return replace(refusal, body=body)
 
 
 @dataclass(frozen=True, slots=True)
