@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # bench/ and tests/ are not installed packages
 
 from bench.protection import trace as tr  # noqa: E402
-from bench.protection.main import STREAM_EVERY, TRACE_START_S, time_scale_for  # noqa: E402
+from bench.protection.main import STREAM_EVERY, time_scale_for  # noqa: E402
 from bench.protection.run import (  # noqa: E402
     MODEL,
     Deployment,
@@ -83,7 +83,7 @@ def three_phase_plan(dep: Deployment) -> tuple[Plan, list[Phase], list[tr.TraceR
         raise SystemExit(f"Azure traces not found: set ${tr.ENV_VAR}")
     full = tr.load(directory, ("conv",))
     total = sum(count for _, count, _ in PHASES)
-    requests = tr.window(full, TRACE_START_S, total)
+    requests = tr.window(full, tr.TRACE_START_S, total)
     arrivals: list[tuple[float, int, int, int, bool, bool]] = []
     phases: list[Phase] = []
     offset, used = 0.0, 0
