@@ -26,11 +26,11 @@ import copy
 import os
 import statistics
 import time
-import urllib.request
 from typing import Any
 
 from bench.common import percentile, write_json
 from bench.overhead import profiles
+from bench.overhead.hotpath import sidecar_timings
 from bench.overhead.profiles import Stack, Variant, chat, measured
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.verdicts import Forward
@@ -94,18 +94,6 @@ def pin_processor(stack: Stack) -> None:
         pin(process.popen.pid, own if name == "processor" else rest)
 
 
-def decisions_admitted(stack: Stack) -> tuple[float, float]:
-    """The sidecar's `extproc_decision_seconds` for admitted requests: (sum s, count), through the stack."""
-    url = f"http://127.0.0.1:{stack.ports.admin}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    total = {"sum": 0.0, "count": 0.0}
-    for part in total:
-        prefix = f'extproc_decision_seconds_{part}{{outcome="admitted"}} '
-        total[part] = sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
-    return total["sum"], total["count"]
-
-
 def run_stack(
     name: str,
     variant: Variant,
@@ -125,19 +113,18 @@ def run_stack(
     if pinned:
         pin_processor(stack)
     out: dict[str, Any] = {"stack": name}
-    sidecar = variant.processor == "sidecar"
     try:
         for phase in phases:
-            before = decisions_admitted(stack) if sidecar else (0.0, 0.0)
+            before = sidecar_timings(stack)
             row = measured(stack, BODIES[phase], 1, n, pause_s)
             row.pop("ends")
-            if sidecar:
-                after = decisions_admitted(stack)
-                row["decision_mean_us"] = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e6
-            out[phase] = row
+            after = sidecar_timings(stack)
             line = f"bound: {name} {phase}: p50 {row['p50_ms']:.2f} ms errors {row['errors']}"
-            if sidecar:
+            if after:  # the sidecar's own decision time, mean over the phase
+                count = max(1.0, after["decision_count"] - before["decision_count"])
+                row["decision_mean_us"] = (after["decision_sum"] - before["decision_sum"]) / count * 1e6
                 line += f", decision mean {row['decision_mean_us']:.0f} µs"
+            out[phase] = row
             print(line, flush=True)
     finally:
         stack.stop()
