@@ -57,10 +57,8 @@ def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> int:
     try:
         stack.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
+        # start() has stopped what it started; a process that died says where its log is in `exc`.
         print(f"local stack failed to start: {exc}", file=sys.stderr)
-        for proc in stack.processes.values():
-            print(f"--- {proc.name} ({proc.log_path})\n{proc.log()[-3000:]}", file=sys.stderr)
-        stack.stop()
         return 1
     p = stack.ports
     print(
