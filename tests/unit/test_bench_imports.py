@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pkgutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,12 @@ def test_the_scripts_are_found() -> None:
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.name)
 def test_script_imports(script: Path) -> None:
     """Loaded as a module, not run: each script runs its work only under `__main__`."""
-    spec = importlib.util.spec_from_file_location(f"scripts_{script.stem}", script)
+    name = f"scripts_{script.stem}"
+    spec = importlib.util.spec_from_file_location(name, script)
     assert spec is not None and spec.loader is not None
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import registers it: a dataclass looks its module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
