@@ -111,6 +111,26 @@ def envoy_command(config_path: Path, base_id: int) -> list[str]:
     ]
 
 
+def exporter_command(
+    ports: Ports, node_name: str, upstream_url: str, model: str, extra: Sequence[str] = ()
+) -> list[str]:
+    """The KV-cache exporter on `ports`, scraping the vLLM-shaped page of `upstream_url` for `model`."""
+    return [
+        sys.executable,
+        "-m",
+        "extproc.kvfeed.exporter",
+        "--node-name",
+        node_name,
+        "--grpc-address",
+        f"127.0.0.1:{ports.exporter}",
+        "--metrics-address",
+        f"127.0.0.1:{ports.exporter_metrics}",
+        "--target",
+        f"url={upstream_url}/metrics,kind=vllm,model={model}",
+        *extra,
+    ]
+
+
 def wait_http(url: str, timeout_s: float = 30.0, proc: Process | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None

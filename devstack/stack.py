@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from devstack.envoy import remove_ext_proc, render_envoy_config
-from devstack.processes import Ports, Process, envoy_command, wait_http
+from devstack.processes import Ports, Process, envoy_command, exporter_command, wait_http
 from extproc.config import Config, ConfigError, parse_config
 from extproc.envoyconf.profiles import DEFAULT_PROFILE, ENVOY_TEMPLATE, REPO
 
@@ -181,24 +181,8 @@ class LocalStack:
     def start_exporter(self) -> Process:
         """The KV-cache exporter scraping the simulator, as a DaemonSet pod would on a GPU node."""
         assert self.workdir is not None
-        exporter = Process.start(
-            "exporter",
-            [
-                sys.executable,
-                "-m",
-                "extproc.kvfeed.exporter",
-                "--node-name",
-                "local",
-                "--grpc-address",
-                f"127.0.0.1:{self.ports.exporter}",
-                "--metrics-address",
-                f"127.0.0.1:{self.ports.exporter_metrics}",
-                "--target",
-                f"url={self.upstream_url}/metrics,kind=vllm,model={self.model}",
-                *self.exporter_args,
-            ],
-            self.workdir,
-        )
+        command = exporter_command(self.ports, "local", self.upstream_url, self.model, self.exporter_args)
+        exporter = Process.start("exporter", command, self.workdir)
         self.processes["exporter"] = exporter
         wait_http(f"http://127.0.0.1:{self.ports.exporter_metrics}/healthz", proc=exporter)
         return exporter

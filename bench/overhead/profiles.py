@@ -49,7 +49,7 @@ import yaml
 from bench.common import percentile, validate_envoy_config, write_json
 from bench.overhead.main import STREAM_CHUNKS, StackProcesses, _wait_port, prompt_text
 from devstack.envoy import remove_ext_proc, render_envoy_config
-from devstack.processes import Ports, Process, envoy_command, wait_http
+from devstack.processes import Ports, Process, envoy_command, exporter_command, wait_http
 from devstack.stack import LOCAL_CONFIG, sidecar_config_with_ports
 from extproc.config import parse_config
 
@@ -143,7 +143,7 @@ class Stack(StackProcesses):
             raw = shipped() if path.config == "shipped" else admit_all()
             exporter = path.config == "shipped"
             if exporter:
-                self._start_exporter(py)
+                self._start_exporter()
             config = sidecar_config_with_ports(raw, ports, with_exporter=exporter)
             sidecar = parse_config(config)
             config_path = self.workdir / "sidecar.yaml"
@@ -173,25 +173,10 @@ class Stack(StackProcesses):
     def _stream_args() -> list[str]:
         return ["--chunks", str(STREAM_CHUNKS), "--chunk-gap-ms", str(CHUNK_GAP_MS)]
 
-    def _start_exporter(self, py: str) -> None:
-        p = self.ports
-        self.processes["exporter"] = Process.start(
-            "exporter",
-            [
-                py,
-                "-m",
-                "extproc.kvfeed.exporter",
-                "--node-name",
-                "bench",
-                "--grpc-address",
-                f"127.0.0.1:{p.exporter}",
-                "--metrics-address",
-                f"127.0.0.1:{p.exporter_metrics}",
-                "--target",
-                f"url=http://127.0.0.1:{p.upstream}/metrics,kind=vllm,model={MODEL}",
-            ],
-            self.workdir,
-        )
+    def _start_exporter(self) -> None:
+        upstream = f"http://127.0.0.1:{self.ports.upstream}"
+        command = exporter_command(self.ports, "bench", upstream, MODEL)
+        self.processes["exporter"] = Process.start("exporter", command, self.workdir)
 
     def _wait_fresh_feed(self) -> None:
         """Full limits before measuring: the feed is fresh and the adaptive scale back at 1.0."""

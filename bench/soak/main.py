@@ -48,7 +48,7 @@ import yaml
 
 from bench.common import write_json
 from devstack.envoy import render_envoy_config
-from devstack.processes import Ports, Process, envoy_command, free_port, wait_http
+from devstack.processes import Ports, Process, envoy_command, exporter_command, free_port, wait_http
 
 MODEL = "llama-3-8b"
 REPLICAS = 3
@@ -195,14 +195,9 @@ class Stack:
         wait_http(f"http://127.0.0.1:{self.ports.envoy_admin}/ready", proc=self.procs["envoy"])
 
     def start_exporter(self) -> None:
-        self.procs["exporter"] = Process.start(
-            "exporter",
-            [sys.executable, "-m", "extproc.kvfeed.exporter", "--node-name", "soak",
-             "--grpc-address", f"127.0.0.1:{self.ports.exporter}",
-             "--metrics-address", f"127.0.0.1:{self.ports.exporter_metrics}",
-             "--target", f"url=http://127.0.0.1:{self.ports.upstream}/metrics,kind=vllm,model={MODEL}"],
-            self.workdir,
-        )  # fmt: skip
+        upstream = f"http://127.0.0.1:{self.ports.upstream}"
+        command = exporter_command(self.ports, "soak", upstream, MODEL)
+        self.procs["exporter"] = Process.start("exporter", command, self.workdir)
         wait_http(f"http://127.0.0.1:{self.ports.exporter_metrics}/healthz", proc=self.procs["exporter"])
 
     def start_sidecar(self, i: int) -> None:
