@@ -27,13 +27,9 @@ from extproc.config.runtime import (
     Config,
     LimitsConfig,
     ServerConfig,
-    admission_rules,
 )
 from extproc.config.warnings import config_warnings, log_warnings
 from extproc.config.watch import ConfigWatcher, ReloadResult, load_config
-
-# The runtime types of the `feedback`, `adaptive` and `kv_budget` sections: the feed subscriber's own.
-from extproc.kvfeed.subscriber.settings import FeedbackConfig, KvBudgetConfig, SubscriberConfig
 
 __all__ = [
     "DEFAULT_CLASS",
@@ -46,13 +42,9 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigWatcher",
-    "FeedbackConfig",
-    "KvBudgetConfig",
     "LimitsConfig",
     "ReloadResult",
     "ServerConfig",
-    "SubscriberConfig",
-    "admission_rules",
     "config_warnings",
     "load_config",
     "log_warnings",

@@ -39,7 +39,7 @@ def test_graph_sees_the_real_imports() -> None:
     """Guard against a vacuous pass: the walker must find edges that are known to exist."""
     graph = import_graph()
     assert "extproc.kvfeed.sample" in graph["extproc.kvfeed.exporter.hub"]
-    assert "extproc.kvfeed.subscriber.settings" in graph["extproc.config"]
+    assert "extproc.kvfeed.subscriber.settings" in graph["extproc.config.build"]
 
 
 def test_feedback_and_exporter_do_not_import_each_other() -> None:
