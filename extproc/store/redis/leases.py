@@ -136,7 +136,7 @@ class Leases:
             if exc.sent:  # the script may have run before the answer was lost: take back what it placed
                 self.background.spawn(self._forget_lease(member, unique, holder))
             raise
-        except (StoreUnavailable, asyncio.CancelledError):
+        except asyncio.CancelledError:  # cancelled while the script may be running
             self.background.spawn(self._forget_lease(member, unique, holder))
             raise
         code, index, now = int(raw[0]), int(raw[1]), float(raw[2])
