@@ -14,11 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from extproc.kvfeed.sample import FeedSample, problem
-
-KvMode = Literal["max", "mean"]
+from extproc.kvfeed.subscriber.settings import KvMode
 
 
 @dataclass(frozen=True, slots=True)

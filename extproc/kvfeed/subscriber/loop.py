@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
 from extproc.kvfeed.sample import FeedSample
-from extproc.kvfeed.subscriber.aggregate import KvMode, PoolSnapshot, aggregate
+from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
 from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
 from extproc.kvfeed.subscriber.served import ServedNames
-from extproc.kvfeed.subscriber.settings import SubscriberConfig
+from extproc.kvfeed.subscriber.settings import KvMode, SubscriberConfig
 
 log = logging.getLogger(__name__)
 

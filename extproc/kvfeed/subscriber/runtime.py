@@ -97,7 +97,7 @@ class FeedbackRuntime:
             on_update=self._on_update,
             default_adaptive=config.adaptive_default,
             metrics=self.metrics,
-            kv_aggregation="mean" if config.kv_aggregation == "mean" else "max",
+            kv_aggregation=config.kv_aggregation,
             on_sample=self._on_sample,
         )
         await self.loop.start()

@@ -17,6 +17,9 @@ from typing import Literal
 from extproc.core.adaptive import AdaptiveConfig
 from extproc.kvfeed.targets import Target
 
+KvMode = Literal["max", "mean"]
+"""How the KV usage of a pool's nodes is combined: the fullest node, or their mean."""
+
 
 @dataclass(frozen=True, slots=True)
 class SubscriberConfig:
@@ -91,7 +94,7 @@ class FeedbackConfig:
     """KV-cache feedback: where samples come from and how each pool's limits react to them."""
 
     subscriber: SubscriberConfig | None = None
-    kv_aggregation: Literal["max", "mean"] = "max"
+    kv_aggregation: KvMode = "max"
     unserved_models: Literal["refuse", "admit"] = "refuse"  # names a listing engine does not serve
     adaptive_default: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     adaptive_pools: Mapping[str, AdaptiveConfig] = field(default_factory=dict)

@@ -25,16 +25,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from extproc.store.settings import RedisMode, TlsVerify
+
 Client = aioredis.Redis | RedisCluster
-Mode = Literal["standalone", "cluster"]
-Verify = Literal["full", "ca", "none"]
+Mode = RedisMode
+Verify = TlsVerify
 
 DEFAULT_MAX_CONNECTIONS = 32
 """Connections per replica (per node in a Cluster). The Python client tops out near 20k calls/s at 16-64 in
