@@ -73,7 +73,7 @@ class Sidecar:
             queue=self.queue,
             executor=self.executor,
             settle_executor=self.settle_executor,
-            served_as=lambda model: self.feedback.served_as(model, self.config),
+            served_as=self.feedback.served_as,
         )
         self.admission = built.service
         self.lean = LeanRuntime(built.unseen)

@@ -59,12 +59,12 @@ def build_admission(
     queue: AdmissionQueue | None = None,
     executor: Executor | None = None,
     settle_executor: Executor | None = None,
-    served_as: Callable[[str], str | None] | None = None,
+    served_as: Callable[[str, AdmissionRules], str | None] | None = None,
 ) -> Admission:
     """Admission over `store`, reading `rules()` per request (a reload applies to new requests only).
 
-    `served_as` names the model whose rules and pool a requested name uses (the feed's served names, as of
-    the config applied now); without it every name is itself."""
+    `served_as` names the model whose rules and pool a requested name uses (the feed's served names, read
+    with the rules the request is admitted under); without it every name is itself."""
     deps = Deps(
         rules=rules,
         store=store,

@@ -294,7 +294,7 @@ class Decision:
             parsed = await self.service.lanes.run(self.tokenizer_lane, parse, api, raw)
         else:
             parsed = parse_request(api, raw, allow_stored_context=stored, bounds=bounds)
-        served_as = self.service.deps.served_as(parsed.model)
+        served_as = self.service.deps.served_as(parsed.model, rules)
         policy = rules.model_policy(served_as) if served_as is not None else None
         if served_as is None or policy is None:
             raise AdmissionError(

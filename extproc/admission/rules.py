@@ -89,6 +89,7 @@ class AdmissionRules:
     bound_admission: bool
     shadow: bool
     end_report_wait_seconds: float
+    refuse_unserved: bool  # `feedback.unserved_models: refuse`: a name no listing engine serves gets a 404
 
     def class_of(self, tenant: str) -> ClassPolicy:
         """The class of a tenant; unknown tenants fall into the default class."""
@@ -113,6 +114,11 @@ class AdmissionRules:
         if self.reject_unknown_models:
             return None
         return self.default_model
+
+    def names_model(self, model: str) -> bool:
+        """Whether `models` or `limits.models` names `model` itself (not through `models."*"`): the feed's
+        `served_as` keeps such a name as it is."""
+        return model != DEFAULT_MODEL and (model in self.models or model in self.limited_models)
 
     def pool_of(self, model: str) -> str:
         """The pool a model name's requests count against (its `model:<pool>` key and KV budget).

@@ -58,7 +58,8 @@ class Deps:
     kv_usage: Callable[[str], float | None] = lambda _pool: None
     # The name whose policy and pool a requested model uses (an engine-listed alias or adapter: its base
     # pool); None refuses it as a model the engines do not serve (kvfeed.subscriber.runtime.served_as).
-    served_as: Callable[[str], str | None] = lambda model: model
+    # Asked with the rules the request is admitted under, so one request never mixes two configs.
+    served_as: Callable[[str, AdmissionRules], str | None] = lambda model, _rules: model
     queue: AdmissionQueue | None = None
     settle_executor: Executor | None = None
 

@@ -155,11 +155,6 @@ class Config:
     def __post_init__(self) -> None:
         object.__setattr__(self, "admission_rules", admission_rules(self))
 
-    def names_model(self, model: str) -> bool:
-        """Whether `models` or `limits.models` names `model` itself (not through `models."*"`): the feed's
-        `served_as` keeps such a name as it is."""
-        return model != DEFAULT_MODEL and (model in self.models or model in self.limits.models)
-
     @property
     def priority(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.classes)
@@ -215,4 +210,5 @@ def admission_rules(config: Config) -> AdmissionRules:
         bound_admission=adm.bound_admission,
         shadow=config.shadow,
         end_report_wait_seconds=adm.end_report_wait_seconds,
+        refuse_unserved=config.feedback.unserved_models == "refuse",
     )

@@ -38,11 +38,13 @@ SetScale = Callable[[str, float], None]
 
 
 class ServedPolicy(Protocol):
-    """What `served_as` reads of the sidecar's config per request (extproc.config's `Config` is one): this
-    package takes the behaviour it needs, never the config's classes."""
+    """What `served_as` reads of the config a request is admitted under (admission's `AdmissionRules` is
+    one): this package takes the behaviour it needs, never the config's classes."""
 
     @property
-    def feedback(self) -> FeedbackConfig: ...
+    def refuse_unserved(self) -> bool:
+        """`feedback.unserved_models: refuse`."""
+        ...
 
     def names_model(self, model: str) -> bool:
         """Whether the config names `model` itself (its `models` or `limits.models`, not `models."*"`)."""
@@ -163,21 +165,21 @@ class FeedbackRuntime:
             self._budgets[pool] = budget
         return budget
 
-    def served_as(self, model: str, config: ServedPolicy) -> str | None:
+    def served_as(self, model: str, rules: ServedPolicy) -> str | None:
         """The name whose model policy and pool a request for `model` uses; None: refuse it as unserved.
 
         The config first (a configured name keeps its static `pool`, for engines that do not list), then
         the engines' lists in the feed (an alias or adapter uses its base pool), then, when some engine
         lists and unserved names are refused, None; otherwise the name itself (the `models."*"` pool).
         """
-        if config.names_model(model):
+        if rules.names_model(model):
             return model
         if self.loop is None:
             return model
         pool = self.loop.served.pool_of(model)
         if pool is not None:
             return pool
-        if config.feedback.unserved_models == "refuse" and self.loop.served.listing:
+        if rules.refuse_unserved and self.loop.served.listing:
             return None
         return model
 

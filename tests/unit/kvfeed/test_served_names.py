@@ -125,7 +125,7 @@ def resolve(config_doc: dict[str, object], samples: list[FeedSample], names: lis
             assert runtime.loop is not None
             for s in samples:
                 runtime.loop.subscriber.ingest(s)
-            return [runtime.served_as(name, config) for name in names]
+            return [runtime.served_as(name, config.admission_rules) for name in names]
         finally:
             await runtime.stop()
 
