@@ -252,7 +252,7 @@ def test_token_in_token_out_buffered_and_streamed_with_hidden_usage(stack: Stack
     assert plain.status == 200 and plain.json()["usage"]["completion_tokens"] == 7
     streamed = post(stack, "/inference/v1/generate", {**body, "stream": True})
     assert streamed.status == 200
-    chunks = [line[len(b"data: ") :] for line in streamed.body.split(b"\n\n") if line.startswith(b"data: ")]
+    chunks = streamed.data_frames()
     assert chunks[-1] == b"[DONE]"
     decoded = [json.loads(c) for c in chunks[:-1]]
     # the sidecar asked for usage on the client's behalf and removed the usage-only chunk

@@ -45,8 +45,7 @@ def chat(stack: Stack, body: dict[str, Any], **headers: str) -> Reply:
 
 def events(reply: Reply) -> list[Any]:
     """The stream's `data:` payloads, `[DONE]` as the string."""
-    frames = [frame[len(b"data: ") :] for frame in reply.body.split(b"\n\n") if frame.startswith(b"data: ")]
-    return [frame.decode() if frame == b"[DONE]" else json.loads(frame) for frame in frames]
+    return [frame.decode() if frame == b"[DONE]" else json.loads(frame) for frame in reply.data_frames()]
 
 
 def whole(counts: dict[str, Any]) -> tuple[int, int]:

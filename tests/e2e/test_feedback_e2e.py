@@ -18,7 +18,7 @@ import pytest
 
 from extproc.envoyconf.profiles import PROFILES
 from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
-from tests.support.stack import Stack, build_stack, fixed_step_sim, http
+from tests.support.stack import Stack, build_stack, fixed_step_sim, http, start_stack
 from tests.support.waiting import wait_for
 
 MODEL = "llama-3-8b"
@@ -40,13 +40,12 @@ LIMIT = "extproc_limit_concurrency"
 
 @pytest.fixture(scope="module")
 def stack() -> Any:
-    local = build_stack(
+    local = start_stack(
         config=CONFIG,
         sim_args=STEADY_SIM_ARGS,
         with_exporter=True,
         envoy_patch=None,
     )
-    local.start()
     try:
         yield Stack(local)
     finally:
@@ -159,14 +158,13 @@ BUDGET_CONFIG: dict[str, Any] = {
 @pytest.mark.parametrize("profile", PROFILES)
 def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
     """256 blocks x 16 = 4,096 KV tokens; 90% target = 3,686: two 1,500-token streams fit, a third not."""
-    local = build_stack(
+    local = start_stack(
         config=BUDGET_CONFIG,
         sim_args=SIM_ARGS,
         with_exporter=True,
         profile=profile,
         envoy_patch=None,
     )
-    local.start()
     stack = Stack(local)
     socks: list[socket.socket] = []
     try:
@@ -351,14 +349,13 @@ def test_engine_served_aliases_and_adapters_share_the_base_limit_and_unserved_na
     /v1/models as vLLM 0.32 lists them. The config names only the base model's 2-slot limit: a stream through
     the alias and one through the adapter take both slots, so a third request by the base name is refused;
     a name the engine does not serve is refused by the gateway without reaching the engine."""
-    local = build_stack(
+    local = start_stack(
         config=SERVED_CONFIG,
         sim_args=SERVED_SIM_ARGS,
         with_exporter=True,
         profile=profile,
         envoy_patch=None,
     )
-    local.start()
     stack = Stack(local)
     socks: list[socket.socket] = []
     try:

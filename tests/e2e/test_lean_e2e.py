@@ -20,7 +20,7 @@ import pytest
 from devstack.processes import Ports
 from extproc.envoyconf.profiles import PROFILES
 from tests.support.ledger import Ledger, prompt_byte_bound
-from tests.support.stack import Stack, build_stack, fixed_step_sim
+from tests.support.stack import Stack, fixed_step_sim, start_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -56,13 +56,12 @@ def lost_reports() -> Iterator[Stack]:
         "admission": {"end_report_wait_seconds": REPORT_WAIT_S, "assumed_decode_tokens_per_second": 50},
         "models": {"*": {"context_window": 4096, "default_max_tokens": 256}},
     }
-    local = build_stack(
+    local = start_stack(
         config=config,
         sim_args=fixed_step_sim(MODEL, 5),
         envoy_patch=report_to_nowhere,
         profile="lean",
     )
-    local.start()
     try:
         yield Stack(local)
     finally:
@@ -128,13 +127,12 @@ def fill_kv(stack: Stack, count: int) -> list[socket.socket]:
 
 @pytest.fixture(scope="module", params=PROFILES)
 def kv_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    local = build_stack(
+    local = start_stack(
         config=CUT_CONFIG,
         sim_args=CUT_SIM_ARGS,
         with_exporter=True,
         profile=request.param,
     )
-    local.start()
     try:
         yield Stack(local)
     finally:

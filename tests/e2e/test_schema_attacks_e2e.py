@@ -18,7 +18,7 @@ import pytest
 
 from extproc.envoyconf.profiles import PROFILES
 from tests.support.attacks import assert_nothing_leaked, chat, post, reserved, upstream_requests
-from tests.support.stack import Reply, Stack, build_stack, fixed_step_sim, http, profile_stack
+from tests.support.stack import Reply, Stack, fixed_step_sim, http, profile_stack, start_stack
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -181,14 +181,13 @@ def test_a_tenant_cannot_train_its_forecast_down_to_overfill_the_cache(flavour: 
     """40 requests that stop after 1 of 1,000 allowed tokens teach mallory's learned completion ratio down to
     its floor (10 %); her next requests run to their whole allowance with `ignore_eos`. Booked at 10 % they
     would all be admitted and the engine would preempt; booked at what they declare, the third is refused."""
-    local = build_stack(
+    local = start_stack(
         config=BUDGET_CONFIG,
         sim_args=BUDGET_SIM_ARGS,
         with_exporter=True,
         profile=flavour,
         envoy_patch=None,
     )
-    local.start()
     stack = Stack(local)
     try:
         wait_for(

@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Any
 
-from tests.support.stack import build_stack, fixed_step_sim
+from tests.support.stack import fixed_step_sim, start_stack
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -20,8 +20,7 @@ SIM_ARGS = fixed_step_sim(MODEL, 20)
 
 
 def test_sigterm_lets_the_open_stream_finish_then_exits_cleanly() -> None:
-    stack = build_stack(config=CONFIG, sim_args=SIM_ARGS, envoy_patch=None)
-    stack.start()
+    stack = start_stack(config=CONFIG, sim_args=SIM_ARGS, envoy_patch=None)
     try:
         host, port = stack.envoy_url.removeprefix("http://").split(":")
         body = json.dumps(

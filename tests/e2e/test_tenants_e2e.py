@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE
-from tests.support.stack import Stack, build_stack, fixed_step_sim
+from tests.support.stack import Stack, fixed_step_sim, start_stack
 
 MODEL = "llama-3-8b"
 SECRET = b"extproc-e2e-signing-key-0123456789"
@@ -99,8 +99,7 @@ def envoy_with_jwt(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
     template = envoy_with_jwt(tmp_path_factory.mktemp("envoy"))
-    local = build_stack(config=CONFIG, sim_args=SIM_ARGS, envoy_template=template, envoy_patch=None)
-    local.start()
+    local = start_stack(config=CONFIG, sim_args=SIM_ARGS, envoy_template=template, envoy_patch=None)
     try:
         yield Stack(local)
     finally:

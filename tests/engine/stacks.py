@@ -1,6 +1,6 @@
 """Gateway stacks in front of the tier's one engine, and the counters both sides keep.
 
-A stack is Envoy + the sidecar (+ the exporter when asked) with `build_stack(with_simulator=False)` and its
+A stack is Envoy + the sidecar (+ the exporter when asked) with `start_stack(with_simulator=False)` and its
 upstream port set to the engine's, so the same engine serves both profiles and the direct baseline.
 """
 
@@ -15,7 +15,7 @@ from devstack.processes import Ports
 from devstack.stack import LocalStack
 from extproc.envoyconf.bootstrap import http_connection_managers
 from tests.support.engine import MAX_MODEL_LEN, MODEL, Engine
-from tests.support.stack import Stack, build_stack
+from tests.support.stack import Stack, start_stack
 
 LLAMA3_TEMPLATE = {"per_message": 4, "per_request": 5, "bos": 1}
 """Llama-3's template costs as measured on this engine (docs/configuration.md, template costs): a message is
@@ -73,7 +73,7 @@ def start_gateway(
     engine: Engine, config: dict[str, Any], profile: str, with_exporter: bool = False
 ) -> LocalStack:
     ports = replace(Ports.free(), upstream=engine.port)
-    stack = build_stack(
+    stack = start_stack(
         ports=ports,
         config=config,
         with_simulator=False,
@@ -85,7 +85,6 @@ def start_gateway(
         profile=profile,
         model=MODEL,
     )
-    stack.start()
     return stack
 
 

@@ -56,7 +56,7 @@ def test_a_streamed_cohere_chat_settles_to_message_end(stack: Stack) -> None:
     before = Ledger.read(stack)
     reply = chat(stack, max_tokens=12, stream=True)
     assert reply.status == 200, reply.body
-    frames = [f[len(b"data: ") :] for f in reply.body.split(b"\n\n") if f.startswith(b"data: ")]
+    frames = reply.data_frames()
     assert frames[-1] == b"[DONE]"
     events = [json.loads(frame) for frame in frames[:-1]]
     assert events[0]["type"] == "message-start" and events[-1]["type"] == "message-end"

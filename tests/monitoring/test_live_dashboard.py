@@ -32,7 +32,7 @@ from tests.monitoring.live import (
     substitute,
 )
 from tests.monitoring.promtool import rule_groups
-from tests.support.stack import build_stack, fixed_step_sim, metric
+from tests.support.stack import fixed_step_sim, metric, start_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -74,13 +74,12 @@ VARIABLES = {
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     workdir = tmp_path_factory.mktemp("stack")
-    local = build_stack(
+    local = start_stack(
         config=CONFIG,
         sim_args=SIM_ARGS,
         with_exporter=True,
         workdir=workdir,
     )
-    local.start()
     try:
         yield local
     finally:

@@ -30,6 +30,10 @@ class Reply:
     def json(self) -> Any:
         return json.loads(self.body)
 
+    def data_frames(self) -> list[bytes]:
+        """The payloads of an SSE body's `data:` frames, in order."""
+        return [f[len(b"data: ") :] for f in self.body.split(b"\n\n") if f.startswith(b"data: ")]
+
 
 def http(
     method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None
@@ -121,7 +125,8 @@ def build_stack(
     in the tenant header (no authn filter sets it here; tests/e2e/test_edge_e2e.py covers the strip itself):
     a suite that runs Envoy without that trust passes `envoy_patch=None` or its own patch."""
     settings: dict[str, Any] = {"envoy_patch": trust_client_tenant_header, **options}
-    settings.setdefault("ports", Ports.free())
+    if "ports" not in settings:  # not setdefault: its argument would pick seven ports for nothing
+        settings["ports"] = Ports.free()
     return LocalStack(sidecar_config=config, sim_args=sim_args, profile=profile, **settings)
 
 
