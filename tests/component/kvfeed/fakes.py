@@ -6,12 +6,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
+from tests.support.metric_pages import page
 
 Mode = Literal["ok", "garbage", "timeout", "500"]
 
@@ -65,7 +64,7 @@ class FakeInferenceServer(_HttpServer):
     def from_file(
         cls, name: str, path: str = "/metrics", models: list[str] | list[dict[str, Any]] | None = None
     ) -> FakeInferenceServer:
-        return cls((DATA / name).read_text(), path, models)
+        return cls(page(name), path, models)
 
     @property
     def url(self) -> str:

@@ -12,8 +12,9 @@ import pytest
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.scraper import Scraper
 from extproc.kvfeed.targets import Target
+from tests.support.metric_pages import DATA
 
-from .fakes import DATA, FakeInferenceServer
+from .fakes import FakeInferenceServer
 
 UNDEFINED_PAGE = (DATA / "trtllm_serve_main_2026.txt").read_text().replace("Qwen3-8B", "undefined")
 PATH = "/prometheus/metrics"

@@ -17,8 +17,9 @@ from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.exporter.app import Exporter, ExporterConfig
 from extproc.kvfeed.scraper import DEFAULT_MAX_BYTES, Scraper, ScrapeResult
 from extproc.kvfeed.targets import Target
+from tests.support.metric_pages import DATA
 
-from .fakes import DATA, TrickleServer
+from .fakes import TrickleServer
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TAIL = (DATA / "vllm_0.33.0_dp2.txt").read_bytes()  # KV 0.81, waiting 4, capacity 2 x 237,792

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
 from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
 from extproc.kvfeed.subscriber.settings import SubscriberConfig
+from tests.support.metric_pages import DATA
 
 NAN, INF = math.nan, math.inf
 
@@ -241,9 +241,6 @@ def test_page_filter_in_tiny_pieces_gives_the_same_signals() -> None:
     # Only the lines read, one other sample line, and an empty line per dropped one.
     assert kept.text().count("e2e_request_latency") == 1
     assert kept.text().count("\n") == text.count("\n") + 1
-
-
-DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.txt")))
