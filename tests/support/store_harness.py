@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -28,7 +28,6 @@ class Harness:
 
     store: LimiterStore
     clock: FakeClock | None = None
-    leases: list[Lease] = field(default_factory=list)
 
     @property
     def real_time(self) -> bool:
@@ -64,9 +63,6 @@ class Harness:
         found = [s for s in self.store.snapshot() if s.key == key]
         assert found, f"no snapshot of {key}"
         return found[0]
-
-    def has(self, key: str) -> bool:
-        return any(s.key == key for s in self.store.snapshot())
 
     def shares(self, key: str) -> dict[str, Any]:
         return {s.name: s for s in self.snap(key).shares}

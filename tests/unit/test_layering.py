@@ -220,7 +220,7 @@ def test_every_extproc_module_belongs_to_a_layer() -> None:
 
 
 def test_every_module_a_row_names_exists() -> None:
-    missing = {row: named_paths(layer)[1] for row, layer in layers().items() if named_paths(layer)[1]}
+    missing = {row: absent for row, layer in layers().items() if (absent := named_paths(layer)[1])}
     assert missing == {}, "names in the holds column that are no module (read from the row's folder)"
 
 

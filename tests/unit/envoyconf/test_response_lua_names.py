@@ -10,17 +10,15 @@ the access log would quietly bring back nothing.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from extproc.admission.names import NAMESPACE, READ_SPEC_KEY, RESPONSE_NAMESPACE, ResponseField
 from extproc.admission.readspec import ReadSpec
-
-SCRIPT = Path(__file__).resolve().parents[3] / "extproc" / "envoyconf" / "response.lua"
+from extproc.envoyconf.lean import lua_source
 
 
 def code() -> str:
     """The script without its comments (no string literal in it holds `--`)."""
-    return re.sub(r"--[^\n]*", "", SCRIPT.read_text(encoding="utf-8"))
+    return re.sub(r"--[^\n]*", "", lua_source())
 
 
 def constant(source: str, name: str) -> str:
