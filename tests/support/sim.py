@@ -1,11 +1,10 @@
 """Helpers for the simulator's component suites: the factory type the `start_sim` fixture yields, a chat body,
-SSE parsing, metric snapshots and a bounded poll. The fixtures stay in tests/component/sim/conftest.py."""
+SSE parsing and metric snapshots (their bounded poll is tests/support/waiting.py's `poll`). The fixtures
+stay in tests/component/sim/conftest.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,14 +51,3 @@ async def metrics(session: aiohttp.ClientSession, server: SimServer) -> dict[str
             )
             out[key] = sample.value
     return out
-
-
-async def poll(check: Callable[[], Awaitable[bool]], within: float = 15.0, interval: float = 0.02) -> None:
-    """Wait until `check()` is true or fail after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        if await check():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(interval)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -18,6 +18,17 @@ async def eventually(check: Any, limit_s: float = 5.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.01)
+
+
+async def poll(check: Callable[[], Awaitable[bool]], within: float = 15.0, interval: float = 0.02) -> None:
+    """Wait until `check()` is true or fail after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        if await check():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(interval)
 
 
 async def until(check: Callable[[], bool], limit_s: float) -> None:

@@ -10,7 +10,8 @@ import aiohttp
 
 from extproc.admission.tokens import count_chat_prompt
 from extproc.sim.scheduler import Overflow
-from tests.support.sim import SimFactory, chat_body, json_events, metrics, poll
+from tests.support.sim import SimFactory, chat_body, json_events, metrics
+from tests.support.waiting import poll
 
 KV = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
