@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 EOT_ID = 100263
 """`<|eot_id|>` in the tiny model's vocabulary (tests/engine/build_model.py): the model's stop token."""
+DISCONNECT_MAX_TOKENS = 4000
 ABORT_STEPS = 32
 """Decode steps (one token each here) the engine may run after a client leaves, before the abort reaches it
 through Envoy and vLLM's API server: measured 12 and 18 on this two-core host (docs/simulator.md,
@@ -221,25 +222,36 @@ def test_messages_api_streamed(stack: Stack) -> None:
     assert_settled_as_engine(delta, int(delta.engine_prompt), 11)
 
 
-def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> None:
-    """The client leaves after a few chunks of a 4,000-token answer: the engine aborts the request a few
-    steps later, and the sidecar charges what the engine's own counter says it generated."""
+def leave_after_five_chunks(stack: Stack) -> Ledger:
+    """A 4,000-token streamed answer the client leaves after five chunks; the ledgers' difference."""
     before = Ledger.read(stack)
     with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
         stream = c.chat.completions.create(
             model=MODEL,
             messages=MESSAGES,
-            max_tokens=4000,
+            max_tokens=DISCONNECT_MAX_TOKENS,
             stream=True,
         )
         for i, _chunk in enumerate(stream):
             if i == 5:
                 break
         stream.close()
-    delta = Ledger.read(stack) - before
+    return Ledger.read(stack) - before
+
+
+def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> None:
+    """The client leaves after a few chunks of a 4,000-token answer: the engine aborts the request a few
+    steps later, and the sidecar charges what the engine's own counter says it generated."""
+    delta = leave_after_five_chunks(stack)
+    if stack.stack.profile == "lean" and ignored_the_reset(delta):
+        # vLLM missed the reset once in a clean-clone run (Envoy logged the client gone after 67 ms and 21
+        # tokens; the engine decoded all 4,000 over 12 s; vLLM issue #54947 reports the same of v0.22):
+        # what it generated then never reached the proxy, so nothing in front of it could count it. Once
+        # is the engine's; twice in a row fails.
+        delta = leave_after_five_chunks(stack)
     # The engine aborts once Envoy's reset reaches it; a tiny model on an idle host may finish the whole
     # answer first. Either way the charge is what the engine's own counter says it generated.
-    assert 5 <= delta.engine_generated <= 4000
+    assert 5 <= delta.engine_generated <= DISCONNECT_MAX_TOKENS
     assert delta.prompt == delta.engine_prompt
     assert delta.charged == delta.prompt + delta.completion
     # At least what reached the client; at most a few steps over the engine's count: a stream seen but not
@@ -253,6 +265,13 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
     # The inline profile counts the chunks the sidecar processed; chunks Envoy held for it when the client
     # left are never counted, so it charges less than the engine generated (measured: 521 of 662 on two
     # loaded cores; docs/simulator.md, calibration).
+
+
+def ignored_the_reset(delta: Ledger) -> bool:
+    """The engine decoded the whole answer while the proxy saw only the stream's start: it never aborted."""
+    return delta.engine_generated >= DISCONNECT_MAX_TOKENS and (
+        delta.completion < delta.engine_generated - ABORT_STEPS
+    )
 
 
 def test_upstream_error_charges_the_prompt_only(stack: Stack) -> None:
