@@ -10,6 +10,7 @@ stack; thread, process and multiprocessing names). bench/RESULTS.md section 2d h
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -51,8 +52,11 @@ def setup_logging(level: str = "INFO") -> None:
     """Root logger to stderr as JSON lines; called by entry points (sidecar, exporter), never libraries.
 
     It also switches off, for the whole process, the record fields no line shows: `findCaller`'s stack walk
-    (`logging._srcfile`), and the thread, process and multiprocessing names.
+    (`logging._srcfile`), and the thread, process and multiprocessing names. And it makes a fatal signal in a
+    C extension (a SIGSEGV in gRPC's, as the exporter once died) write every thread's Python stack to
+    stderr before the process dies (`faulthandler`), so the log says where, not only the exit code.
     """
+    faulthandler.enable()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()

@@ -26,9 +26,13 @@ class KvFeedService(feedback_pb2_grpc.KvFeedServicer):
     async def Watch(
         self, request: feedback_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[feedback_pb2.KvSample]:
+        # Read once, here: after a client cancels, the call under `context` may be gone, and `peer()` in the
+        # `finally` below then crashed the process with SIGSEGV (grpcio 1.85;
+        # tests/component/kvfeed/test_exporter_process.py).
+        peer = context.peer()
         sub = self._hub.subscribe(request.models)
         self._metrics.subscribers.set(self._hub.subscribers)
-        log.info("subscriber connected", extra={"peer": context.peer(), "models": list(request.models)})
+        log.info("subscriber connected", extra={"peer": peer, "models": list(request.models)})
         try:
             while not sub.closed:
                 for sample in await sub.next_batch():
@@ -36,4 +40,4 @@ class KvFeedService(feedback_pb2_grpc.KvFeedServicer):
         finally:
             sub.close()
             self._metrics.subscribers.set(self._hub.subscribers)
-            log.info("subscriber left", extra={"peer": context.peer()})
+            log.info("subscriber left", extra={"peer": peer})
