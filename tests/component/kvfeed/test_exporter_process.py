@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import signal
 import sys
+from pathlib import Path
+from typing import IO
 
 import aiohttp
 import grpc
@@ -18,7 +20,7 @@ from .fakes import FakeInferenceServer, eventually
 
 
 async def start_exporter(
-    server: FakeInferenceServer, grpc_port: int, metrics_port: int
+    server: FakeInferenceServer, grpc_port: int, metrics_port: int, stderr: int | IO[bytes]
 ) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
@@ -29,27 +31,27 @@ async def start_exporter(
         f"--metrics-address=127.0.0.1:{metrics_port}",
         "--interval=0.2",
         f"--target=url={server.url},kind=sglang",
-        stderr=asyncio.subprocess.PIPE,
+        stderr=stderr,
     )
+
+
+async def targets_up(http: aiohttp.ClientSession, metrics_port: int) -> bool:
+    """The exporter answers on its metrics port and has scraped its target."""
+    try:
+        async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+            return "extproc_exporter_targets_up 1.0" in await resp.text()
+    except aiohttp.ClientError:
+        return False
 
 
 async def test_process_serves_metrics_and_stops_on_sigterm() -> None:
     server = FakeInferenceServer.from_file("sglang_0.5.10_dp2_tp2.txt")
     await server.start()
     grpc_port, metrics_port = free_port(), free_port()
-    proc = await start_exporter(server, grpc_port, metrics_port)
+    proc = await start_exporter(server, grpc_port, metrics_port, asyncio.subprocess.PIPE)
     try:
         async with aiohttp.ClientSession() as http:
-
-            async def scraped() -> bool:
-                try:
-                    async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
-                        text = await resp.text()
-                except aiohttp.ClientError:
-                    return False
-                return "extproc_exporter_targets_up 1.0" in text
-
-            await eventually(scraped, deadline_s=20.0)
+            await eventually(lambda: targets_up(http, metrics_port), deadline_s=20.0)
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.wait_for(proc.wait(), 10)
         assert rc == 0
@@ -82,7 +84,7 @@ async def watch_then_leave(port: int, after_s: float) -> None:
             await reader
 
 
-async def test_process_lives_through_subscribers_that_leave() -> None:
+async def test_process_lives_through_subscribers_that_leave(tmp_path: Path) -> None:
     """A subscriber that cancels its stream (a sidecar's watchdog, a restart) must not kill the exporter:
     reading the call's peer in the stream's `finally`, after the cancellation, crashed it with SIGSEGV in
     grpcio 1.85 (measured: dead after 1, 5 and 16 rounds of these; a clean-clone run of the engine tier
@@ -90,22 +92,18 @@ async def test_process_lives_through_subscribers_that_leave() -> None:
     server = FakeInferenceServer.from_file("sglang_0.5.10_dp2_tp2.txt")
     await server.start()
     grpc_port, metrics_port = free_port(), free_port()
-    proc = await start_exporter(server, grpc_port, metrics_port)
+    # Its log goes to a file: two lines per subscriber would fill an unread pipe and stall it.
+    log = tmp_path / "exporter.log"
+    with log.open("wb") as out:
+        proc = await start_exporter(server, grpc_port, metrics_port, out)
     try:
         async with aiohttp.ClientSession() as http:
-
-            async def up() -> bool:
-                try:
-                    async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
-                        return "extproc_exporter_targets_up 1.0" in await resp.text()
-                except aiohttp.ClientError:
-                    return False
-
-            await eventually(up, deadline_s=20.0)
+            await eventually(lambda: targets_up(http, metrics_port), deadline_s=20.0)
             for _ in range(30):
                 await asyncio.gather(*(watch_then_leave(grpc_port, s) for s in LEAVE_AFTER_S * 2))
-                assert proc.returncode is None, f"the exporter died with {proc.returncode}"
-            assert await up()
+                died = f"the exporter died with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                assert proc.returncode is None, died
+            assert await targets_up(http, metrics_port)
         assert proc.returncode is None
     finally:
         if proc.returncode is None:
