@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 REQUESTS = 14
 """Twice what the cache holds at full length (seven), so the overload preempts even when the host delays a
-few of the requests: ten, three past what fits, once ran without a preemption on a clean-clone run."""
+few of the requests: ten, three past what fits, ran without a preemption in one of four runs of the tier."""
 PROMPT_WORDS = 1000
 OUTPUT_TOKENS = 1200
 WORDS = [
