@@ -52,9 +52,15 @@ class Load:
     admitted_shared: int = 0
     admitted_local: int = 0
     unavailable: int = 0
+    unavailable_at: list[float] = field(default_factory=list)
     slowest_s: float = 0.0
     first_gap: float | None = None
     last_gap: float | None = None
+
+    def windows_unavailable(self) -> int:
+        """The 100 ms windows in which some call ran out of its bound: one stall of the host times out every
+        call in flight at once (up to the 16 clients), so the calls' count says little and the time does."""
+        return len({int(t / TIMEOUT_S) for t in self.unavailable_at})
 
     def gap(self, now: float) -> None:
         self.first_gap = now if self.first_gap is None else self.first_gap
@@ -68,6 +74,7 @@ async def client(store: LimiterStore, index: int, load: Load, stop: asyncio.Even
             result = await store.acquire(["global"], 10)
         except StoreUnavailable:
             load.unavailable += 1
+            load.unavailable_at.append(time.monotonic())
             load.gap(time.monotonic())
             load.slowest_s = max(load.slowest_s, time.monotonic() - t0)
             await asyncio.sleep(0.01)
@@ -138,10 +145,12 @@ async def test_primary_killed_under_load(cluster: RedisClusterNodes, on_unavaila
     try:
         await until(lambda: load.admitted_shared > 50, 5)
         before = load.admitted_shared
-        # A call slower than the 100 ms timeout is unavailable; on a starved machine one may be, before any
-        # fault. More than a few means the store itself misbehaves.
+        # A call slower than the 100 ms timeout is unavailable; on a starved machine some may be, before any
+        # fault, all at once when the host stalls (a clean-clone run: 10 calls). Unavailable in more than a
+        # few 100 ms windows means the store itself misbehaves.
         unavailable_before = load.unavailable
-        assert before > 50 and unavailable_before <= 5
+        stalled = load.windows_unavailable()
+        assert before > 50 and stalled <= 5, f"{unavailable_before} calls unavailable in {stalled} windows"
         killed_at = time.monotonic()
         cluster.kill(cluster.primary_of_store())
         await asyncio.to_thread(cluster.wait_ok)
