@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO
 
@@ -19,10 +20,16 @@ from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
 from .fakes import FakeInferenceServer, eventually
 
 
-async def start_exporter(
-    server: FakeInferenceServer, grpc_port: int, metrics_port: int, stderr: int | IO[bytes]
-) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
+@contextlib.asynccontextmanager
+async def exporter_process(
+    stderr: int | IO[bytes],
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, int, int]]:
+    """The exporter as a process scraping a fake SGLang page: (the process, its gRPC port, its metrics
+    port); killed at the end if it still runs."""
+    server = FakeInferenceServer.from_file("sglang_0.5.10_dp2_tp2.txt")
+    await server.start()
+    grpc_port, metrics_port = free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "extproc.kvfeed.exporter",
@@ -33,6 +40,13 @@ async def start_exporter(
         f"--target=url={server.url},kind=sglang",
         stderr=stderr,
     )
+    try:
+        yield proc, grpc_port, metrics_port
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await server.stop()
 
 
 async def targets_up(http: aiohttp.ClientSession, metrics_port: int) -> bool:
@@ -45,11 +59,7 @@ async def targets_up(http: aiohttp.ClientSession, metrics_port: int) -> bool:
 
 
 async def test_process_serves_metrics_and_stops_on_sigterm() -> None:
-    server = FakeInferenceServer.from_file("sglang_0.5.10_dp2_tp2.txt")
-    await server.start()
-    grpc_port, metrics_port = free_port(), free_port()
-    proc = await start_exporter(server, grpc_port, metrics_port, asyncio.subprocess.PIPE)
-    try:
+    async with exporter_process(asyncio.subprocess.PIPE) as (proc, _, metrics_port):
         async with aiohttp.ClientSession() as http:
             await eventually(lambda: targets_up(http, metrics_port), deadline_s=20.0)
         proc.send_signal(signal.SIGTERM)
@@ -58,11 +68,6 @@ async def test_process_serves_metrics_and_stops_on_sigterm() -> None:
         assert proc.stderr is not None
         logs = (await proc.stderr.read()).decode()
         assert '"msg": "exporter stopped"' in logs
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await server.stop()
 
 
 LEAVE_AFTER_S = (0.0, 0.001, 0.01, 0.05, 0.3)
@@ -89,24 +94,14 @@ async def test_process_lives_through_subscribers_that_leave(tmp_path: Path) -> N
     reading the call's peer in the stream's `finally`, after the cancellation, crashed it with SIGSEGV in
     grpcio 1.85 (measured: dead after 1, 5 and 16 rounds of these; a clean-clone run of the engine tier
     lost its feed so)."""
-    server = FakeInferenceServer.from_file("sglang_0.5.10_dp2_tp2.txt")
-    await server.start()
-    grpc_port, metrics_port = free_port(), free_port()
     # Its log goes to a file: two lines per subscriber would fill an unread pipe and stall it.
     log = tmp_path / "exporter.log"
     with log.open("wb") as out:
-        proc = await start_exporter(server, grpc_port, metrics_port, out)
-    try:
-        async with aiohttp.ClientSession() as http:
+        async with exporter_process(out) as (proc, grpc_port, metrics_port), aiohttp.ClientSession() as http:
             await eventually(lambda: targets_up(http, metrics_port), deadline_s=20.0)
             for _ in range(30):
                 await asyncio.gather(*(watch_then_leave(grpc_port, s) for s in LEAVE_AFTER_S * 2))
                 died = f"the exporter died with {proc.returncode}:\n{log.read_text()[-3000:]}"
                 assert proc.returncode is None, died
             assert await targets_up(http, metrics_port)
-        assert proc.returncode is None
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await server.stop()
+            assert proc.returncode is None

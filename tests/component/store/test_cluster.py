@@ -51,11 +51,15 @@ class Load:
     local_high: int = 0
     admitted_shared: int = 0
     admitted_local: int = 0
-    unavailable: int = 0
     unavailable_at: list[float] = field(default_factory=list)
+    """When each call that ran out of its bound ended."""
     slowest_s: float = 0.0
     first_gap: float | None = None
     last_gap: float | None = None
+
+    @property
+    def unavailable(self) -> int:
+        return len(self.unavailable_at)
 
     def windows_unavailable(self) -> int:
         """The 100 ms windows in which some call ran out of its bound: one stall of the host times out every
@@ -73,9 +77,9 @@ async def client(store: LimiterStore, index: int, load: Load, stop: asyncio.Even
         try:
             result = await store.acquire(["global"], 10)
         except StoreUnavailable:
-            load.unavailable += 1
-            load.unavailable_at.append(time.monotonic())
-            load.gap(time.monotonic())
+            now = time.monotonic()
+            load.unavailable_at.append(now)
+            load.gap(now)
             load.slowest_s = max(load.slowest_s, time.monotonic() - t0)
             await asyncio.sleep(0.01)
             continue
