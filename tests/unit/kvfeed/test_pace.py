@@ -41,6 +41,8 @@ def test_a_counter_reset_gives_no_reading_and_becomes_the_baseline() -> None:
     ("generated", "running", "at"),
     [
         (1100.0, 0.0, 2.0),  # the batch drained inside the window: the mean of the ends is off up to 2x
+        (1080.0, 1.0, 2.0),  # it drained but one: 80 tokens of four streams over 2.5 would read 32, not 20
+        (1080.0, 9.0, 2.0),  # it more than doubled: the ends' mean says little of who generated what
         (1000.0, 4.0, 2.0),  # nothing generated: a stalled engine says nothing of its pace
         (1100.0, 4.0, 1.0),  # the clock did not move
         (1100.0, 4.0, 0.5),  # nor went back
