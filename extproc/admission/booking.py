@@ -14,9 +14,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+from extproc.admission.prefix import prompt_chunks
 from extproc.admission.request import ParsedRequest, Reservation
 from extproc.core.clock import Clock
 from extproc.core.kv_budget import KvBudget
+from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
 
 _BUDGET_IDS = itertools.count()
 """KV-budget lease ids: a request is booked before the limiter grants (and numbers) its lease."""
@@ -25,7 +27,7 @@ _BUDGET_IDS = itertools.count()
 class KvBooking:
     """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op)."""
 
-    __slots__ = ("budget", "changed", "clock", "held", "id", "pool", "tenant")
+    __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "pool", "tenant")
 
     def __init__(
         self,
@@ -42,6 +44,15 @@ class KvBooking:
         self.clock = clock
         self.id = f"x{next(_BUDGET_IDS)}"
         self.held = False
+        self._chunks: PromptChunks | None = None
+
+    def chunks(self, request: ParsedRequest) -> PromptChunks:
+        """The request's prompt chunks for the budget's prefix sharing, hashed once per request (none when
+        the budget does not share prefixes)."""
+        if self._chunks is None:
+            sharing = self.budget is not None and self.budget.prefix_sharing
+            self._chunks = prompt_chunks(request) if sharing else NO_CHUNKS
+        return self._chunks
 
     def fits(
         self, request: ParsedRequest, plan: Reservation, now: float | None = None
@@ -57,6 +68,7 @@ class KvBooking:
             now=self.clock() if now is None else now,
             sequences=request.sequences * request.prompt_count,
             committed=plan.committed_completion_tokens,
+            chunks=self.chunks(request),
         )
 
     def hold(self, request: ParsedRequest, plan: Reservation) -> None:
@@ -71,6 +83,7 @@ class KvBooking:
             now=self.clock(),
             sequences=request.sequences * request.prompt_count,
             committed=plan.committed_completion_tokens,
+            chunks=self.chunks(request),
         )
         self.held = True
         self.changed(self.pool)

@@ -321,6 +321,7 @@ class KvBudget(Section):
     booking: Annotated[Literal["forecast", "lifetime"], one_of(Literal["forecast", "lifetime"])] = (
         _FEEDBACK.kv_budget.booking
     )
+    prefix_sharing: Flag = _FEEDBACK.kv_budget.prefix_sharing
 
 
 # -- store -------------------------------------------------------------------------------------------------

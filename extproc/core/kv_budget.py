@@ -27,6 +27,12 @@ estimate. Two ways to book it (`Booking`):
   Forecasts need the feed: with no engine sample for `fresh_for` seconds (or before the first one), or
   without a known decode pace for leases that do not stream, the budget books as `lifetime` does.
 
+Shared prompt prefixes (`prefix_index`): a lease may bring its prompt's leading chunks (`PromptChunks`).
+Chunks that requests in flight already hold are booked as the engine's prefix cache holds them, once per
+replica at most: of the holders of a chunk only the last `replicas` admitted pay for it, the others are
+credited it (their prompt is booked less the credit, `_Lease.own_prompt`). When a payer is released the next
+holder pays again, so what the leases hold now is booked exactly; the error model is in docs/feedback.md.
+
 Pure and synchronous (no asyncio, no clock): callers pass `now` from their own clock.
 """
 
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 
 from extproc.core.completion_learner import CompletionLearner
 from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
+from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
 
 
 class Booking(enum.StrEnum):
@@ -59,12 +66,19 @@ class _Lease:
     admitted_at: float | None = None
     first_progress: tuple[float, int] | None = None  # (when, streamed) at the first streamed token
     last_progress_at: float | None = None
+    chunks: PromptChunks = NO_CHUNKS
+    credited: int = 0  # leading chunks other leases pay for (`PrefixIndex`)
+
+    @property
+    def own_prompt(self) -> int:
+        """The prompt's KV this lease is booked for: all of it, less the shared chunks others pay for."""
+        return self.prompt - self.chunks.credit(self.credited, self.prompt)
 
     @property
     def footprint(self) -> int:
-        """What `lifetime` booking charges: prompt + expected completion, never less than streamed (or
-        than a caller's estimate of unseen progress)."""
-        return self.prompt + max(self.expected_completion, self.streamed, self.estimated)
+        """What `lifetime` booking charges: prompt (less its credited prefix) + expected completion, never
+        less than streamed (or than a caller's estimate of unseen progress)."""
+        return self.own_prompt + max(self.expected_completion, self.streamed, self.estimated)
 
     def generated(self, now: float, rate: float | None, delay: float) -> float | None:
         """Completion tokens so far: streamed, else estimated at `rate` tokens per second per sequence
@@ -89,7 +103,7 @@ class _Lease:
         if done >= final:
             # Past what was expected: it may run to its allowance (the server enforces that bound).
             final = done if done > self.allowance else float(self.allowance)
-        return (self.prompt + done, float(self.sequences), (final - done) / self.sequences)
+        return (self.own_prompt + done, float(self.sequences), (final - done) / self.sequences)
 
 
 class KvBudget:
@@ -110,6 +124,7 @@ class KvBudget:
         learner: CompletionLearner | None = None,
         booking: Booking = Booking.LIFETIME,
         pace: DecodePace | None = None,
+        prefix_sharing: bool = True,
     ) -> None:
         if not 0.0 < target_utilization <= 1.0:
             raise ValueError(f"kv_budget.target_utilization: must be in (0, 1], got {target_utilization}")
@@ -125,17 +140,19 @@ class KvBudget:
         self._target = target_utilization
         self._share = capacity_share
         self.booking = Booking(booking)
+        self.prefix_sharing = prefix_sharing
         self.learner = learner or CompletionLearner(
             prior=initial_completion_ratio, floor=min_completion_ratio
         )
         self.pace = pace or DecodePace()
         self._capacity: int | None = None
         self._leases: dict[str, _Lease] = {}
+        self._prefixes = PrefixIndex()
         self._demand = 0
         self._fresh_until: float | None = None
         self._unexplained = 0.0
         self._booked = 0
-        self._last_fit: tuple[float | None, int, int, int, str, int] | None = None
+        self._last_fit: tuple[float | None, int, int, int, str, int, PromptChunks] | None = None
         self._booked_with = 0
         self.set_capacity(capacity_tokens)
 
@@ -183,6 +200,16 @@ class KvBudget:
     @property
     def leases(self) -> int:
         return len(self._leases)
+
+    @property
+    def shared_prompt_tokens(self) -> int:
+        """Prompt tokens of the leases that their shared prefixes spare the booking (credited chunks)."""
+        return sum(lease.prompt - lease.own_prompt for lease in self._leases.values())
+
+    @property
+    def replicas(self) -> int:
+        """Replicas a shared chunk may be held on at most (see `set_replicas`)."""
+        return self._prefixes.replicas
 
     def forecasting(self, now: float | None) -> bool:
         """Whether decisions at `now` use the forecast (booking `forecast` and a fresh engine sample)."""
@@ -236,6 +263,19 @@ class KvBudget:
         else:
             self._capacity = int(capacity_tokens)
 
+    def set_replicas(self, replicas: int) -> None:
+        """How many replicas serve the pool (from the feed): a shared chunk is booked once per replica at
+        most. A change re-books every lease's prefix credit under the new count."""
+        replicas = max(1, int(replicas))
+        if replicas == self._prefixes.replicas:
+            return
+        self._prefixes = PrefixIndex(replicas)
+        self._last_fit = None
+        for lease_id, lease in self._leases.items():
+            self._prefixes.add(lease_id, lease.chunks.hashes)
+        for lease_id, lease in self._leases.items():
+            self._set_credit(lease, self._prefixes.credited(lease_id, lease.chunks.hashes))
+
     def observe_engine(self, used_tokens: float | None, now: float, fresh_for: float) -> None:
         """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s.
 
@@ -268,17 +308,20 @@ class KvBudget:
         now: float | None = None,
         sequences: int = 1,
         committed: int = 0,
+        chunks: PromptChunks = NO_CHUNKS,
     ) -> tuple[bool, int | None]:
         """Whether a request fits at `now`, and the headroom before it. Capacity unknown: (True, None).
 
         An empty pool always admits, so a request larger than the budget is not starved forever (the
-        server's own length validation bounds it). Without `now` the booking is `lifetime`.
+        server's own length validation bounds it). Without `now` the booking is `lifetime`. With its
+        prompt's `chunks`, the prefix it shares with the leases in flight is booked once (module docstring).
         """
         budget = self.budget_tokens
         if budget is None:
             return True, None
         candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences, committed)
-        self._booked, booked_with = self._book(now, candidate)
+        candidate.chunks = chunks
+        self._booked, booked_with = self._book_candidate(now, candidate)
         headroom = budget - self._booked
         # admit() right after this decision books the same request: it reuses the sum just computed.
         self._last_fit = (
@@ -288,6 +331,7 @@ class KvBudget:
             candidate.expected_completion,
             learner_key,
             candidate.sequences,
+            chunks,
         )
         self._booked_with = booked_with
         if not self._leases:
@@ -304,20 +348,33 @@ class KvBudget:
         now: float | None = None,
         sequences: int = 1,
         committed: int = 0,
+        chunks: PromptChunks = NO_CHUNKS,
     ) -> int:
         """Record an admitted request; `expected_completion` is its completion allowance (max_tokens), of
-        which it declares it will generate at least `committed` (see `expected_completion`).
+        which it declares it will generate at least `committed` (see `expected_completion`); `chunks`, its
+        prompt's leading chunks, are shared with the other leases as the engine's prefix cache shares them.
 
         Returns the lifetime footprint charged. A lease id already present is a caller bug: ValueError.
         """
         if lease_id in self._leases:
             raise ValueError(f"kv_budget: lease {lease_id!r} already admitted")
         lease = self._new_lease(prompt_tokens, expected_completion, learner_key, now, sequences, committed)
-        fit = (now, lease.prompt, lease.allowance, lease.expected_completion, learner_key, lease.sequences)
-        self._booked = self._booked_with if fit == self._last_fit else self._book(now, lease)[1]
+        lease.chunks = chunks
+        fit = (
+            now,
+            lease.prompt,
+            lease.allowance,
+            lease.expected_completion,
+            learner_key,
+            lease.sequences,
+            chunks,
+        )
+        booked = self._booked_with if fit == self._last_fit else None
         self._last_fit = None
         self._leases[lease_id] = lease
         self._demand += lease.footprint
+        self._credit(self._prefixes.add(lease_id, chunks.hashes), 1)
+        self._booked = booked if booked is not None else self._book(now)[0]
         return lease.footprint
 
     def progress(self, lease_id: str, streamed_tokens: int, now: float | None = None) -> bool:
@@ -384,6 +441,7 @@ class KvBudget:
             return False
         self._last_fit = None
         self._demand -= lease.footprint
+        self._credit(self._prefixes.remove(lease_id, lease.chunks.hashes), -1)
         if actual_completion is not None and lease.allowance > 0:
             self.learner.observe(lease.learner_key, actual_completion / lease.allowance)
         if lease.first_progress is not None and lease.last_progress_at is not None:
@@ -414,6 +472,32 @@ class KvBudget:
             sequences=max(1, int(sequences)),
             admitted_at=now,
         )
+
+    def _credit(self, changes: dict[str, int], sign: int) -> None:
+        """Shared chunks newly credited to (`sign` 1) or paid again by (-1) the leases named."""
+        for lease_id, chunks in changes.items():
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._set_credit(lease, lease.credited + sign * chunks)
+
+    def _set_credit(self, lease: _Lease, credited: int) -> None:
+        before = lease.footprint
+        lease.credited = max(0, credited)
+        self._demand += lease.footprint - before
+
+    def _book_candidate(self, now: float | None, candidate: _Lease) -> tuple[int, int]:
+        """`_book` with `candidate` added, its shared chunks credited to the leases that hold them for as
+        long as the sum takes (then as before: the candidate is not admitted yet)."""
+        hashes = candidate.chunks.hashes
+        if not hashes or not self._prefixes.shared_run(hashes):
+            return self._book(now, candidate)
+        alone = self._book(now)[0]
+        self._credit(self._prefixes.add("", hashes), 1)
+        try:
+            together = self._book(now, candidate)[1]
+        finally:
+            self._credit(self._prefixes.remove("", hashes), -1)
+        return alone, together
 
     def _trajectories(self, now: float) -> list[Steps]:
         rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay

@@ -82,6 +82,13 @@ class FeedbackMetrics:
             ["pool"],
             registry=registry,
         )
+        self.shared = Gauge(
+            "extproc_kv_shared_prompt_tokens",
+            "Prompt tokens of admitted requests not booked because a request in flight holds the same prefix "
+            "(booked once per replica, as the engine's prefix cache holds it).",
+            ["pool"],
+            registry=registry,
+        )
         self.headroom = Gauge(
             "extproc_kv_headroom_tokens",
             "KV budget minus booked tokens (negative: over budget).",
@@ -109,6 +116,7 @@ class FeedbackMetrics:
         self.demand.labels(pool).set(budget.demand_tokens)
         self.booked.labels(pool).set(budget.booked_tokens)
         self.unexplained.labels(pool).set(budget.unexplained_tokens)
+        self.shared.labels(pool).set(budget.shared_prompt_tokens)
         self.forecasting.labels(pool).set(1.0 if budget.forecasting(now) else 0.0)
         headroom = budget.headroom_tokens
         self.headroom.labels(pool).set(headroom if headroom is not None else float("nan"))

@@ -138,6 +138,7 @@ class FeedbackRuntime:
             return
         if snapshot.kv_capacity_tokens is not None:
             budget.set_capacity(snapshot.kv_capacity_tokens)
+        budget.set_replicas(snapshot.endpoints_known)
         adaptive = self._config.adaptive_pools.get(pool, self._config.adaptive_default)
         budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds)
         self.metrics.observe_budget(pool, budget, now)
@@ -159,6 +160,7 @@ class FeedbackRuntime:
                 target_utilization=settings.target_utilization,
                 capacity_share=settings.capacity_share,
                 booking=Booking(settings.booking),
+                prefix_sharing=settings.prefix_sharing,
             )
             if self.loop is not None:
                 budget.set_capacity(self.loop.capacity_tokens(pool))

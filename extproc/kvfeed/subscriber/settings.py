@@ -87,6 +87,9 @@ class KvBudgetConfig:
     target_utilization: float = 0.9
     capacity_share: float = 1.0
     booking: Literal["forecast", "lifetime"] = "forecast"  # extproc.core.kv_budget.Booking
+    # Book a prompt prefix shared by requests in flight once per replica, as the engine's prefix cache holds
+    # it (extproc.core.prefix_index); off: every prompt is booked whole.
+    prefix_sharing: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""A request's prompt as leading chunks the engine's prefix cache can share (`core/prefix_index.py`).
+
+The engine hashes a prompt's token blocks, each hash chained over its parent's (vLLM 0.32.0
+`v1/core/kv_cache_utils.py` `hash_block_tokens`: the parent's hash, the block's token ids, extra keys such as
+the LoRA adapter, media and `cache_salt`), and holds a leading run of blocks once for every request whose
+prompt starts with it. The sidecar has no engine tokens on the verdict's path, so it chains hashes over
+fixed-size pieces of the prompt's text instead: two prompts share exactly the chunks of their common
+leading text, which the engine renders into the same leading tokens.
+
+What may change the rendered prompt ahead of the text (the model, the API, a custom chat template, tools,
+documents, a system field, `cache_salt`, any field this module does not know) seeds the first hash, so
+two requests share chunks only when all of it is equal; only fields that cannot reach the prompt (sampling,
+streaming, output bounds) are left out of the seed. Requests with media, several prompts, or prompts not
+given as text (token ids, embeddings) bring no chunks: they are booked whole, the safe direction.
+
+Cost: one `hash` per `CHUNK_CHARS` of text (SipHash over the slice) plus the seed's compact JSON; at most
+`MAX_CHUNKS` chunks, past which the rest of a prompt is its own.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from extproc.admission.parsed import ParsedRequest
+from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
+
+CHUNK_CHARS = 256
+"""Characters of prompt text per chunk: about 64 tokens of English, so the one chunk of margin the budget
+keeps (`PromptChunks.credit`) is about half a GPU engine block of 16 tokens x 8."""
+
+MAX_CHUNKS = 4096
+"""Chunks hashed at most (1 MiB of text); a longer prompt's tail is booked as its own."""
+
+SEPARATOR = "\x1e"
+"""Between two texts of a prompt (ASCII record separator), so ("ab", "c") and ("a", "bc") differ."""
+
+UNRENDERED = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "min_tokens",
+        "n",
+        "best_of",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stream",
+        "stream_options",
+        "stop",
+        "stop_sequences",
+        "stop_token_ids",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "user",
+        "metadata",
+        "priority",
+        "request_id",
+        "service_tier",
+        "store",
+    }
+)
+"""Body fields that never reach the rendered prompt (sampling, streaming, bounds): left out of the seed, so
+requests differing only in them share their prefix. Every other field seeds it."""
+
+
+def prompt_chunks(request: ParsedRequest) -> PromptChunks:
+    """The request's leading chunks, or none where sharing cannot be told from its text."""
+    if request.prompt_count != 1:
+        return NO_CHUNKS
+    prompt = request.prompts[0]
+    if prompt.media or prompt.opaque or prompt.fixed_tokens or not prompt.texts:
+        return NO_CHUNKS
+    text = SEPARATOR.join(prompt.texts)
+    parent = hash((request.api, request.model, _seed(request.body, request.prompt_param)))
+    hashes = []
+    for start in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS), CHUNK_CHARS):
+        parent = hash((parent, text[start : start + CHUNK_CHARS]))
+        hashes.append(parent)
+    return PromptChunks(tuple(hashes), CHUNK_CHARS, len(text))
+
+
+def _seed(body: dict[str, Any], prompt_field: str) -> str:
+    """Everything in the body that may render into the prompt, but the prompt's own field."""
+    rest = {k: v for k, v in body.items() if k != prompt_field and k not in UNRENDERED}
+    if not rest:
+        return ""
+    try:
+        return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr)
+    except (TypeError, ValueError):  # a key JSON cannot sort: nothing shares this seed
+        return repr(object())

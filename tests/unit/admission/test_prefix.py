@@ -1,0 +1,63 @@
+"""A request's prompt as chained chunk hashes (admission/prefix.py): equal leading text shares chunks, and
+anything that may render ahead of it (tools, a system field, another model, `cache_salt`) shares nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extproc.admission.parsed import Api
+from extproc.admission.prefix import CHUNK_CHARS, prompt_chunks
+from tests.unit.admission.apis_helpers import parse
+
+CHAT = Api("chat")
+SYSTEM = "You are a careful assistant. " * 100  # ~2,900 characters: eleven full chunks
+
+
+def chat(user: str, **fields: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return {"model": "m", "messages": messages, **fields}
+
+
+def shared(a: dict[str, Any], b: dict[str, Any], api: Api = CHAT) -> int:
+    first, second = prompt_chunks(parse(api, a)), prompt_chunks(parse(api, b))
+    run = 0
+    for x, y in zip(first.hashes, second.hashes, strict=False):
+        if x != y:
+            break
+        run += 1
+    return run
+
+
+def test_a_shared_system_prompt_shares_its_whole_chunks() -> None:
+    run = shared(chat("first question"), chat("another question entirely"))
+    assert run == len("system" + "\x1e" + SYSTEM + "\x1e" + "user") // CHUNK_CHARS
+    chunks = prompt_chunks(parse(CHAT, chat("first question")))
+    assert chunks.text_chars > run * CHUNK_CHARS and len(chunks.hashes) == run + 1
+
+
+def test_sampling_fields_do_not_split_a_prefix() -> None:
+    assert shared(chat("q", max_tokens=10, temperature=0.1, stream=True), chat("q", max_tokens=99, n=2)) > 10
+
+
+def test_what_renders_ahead_of_the_messages_splits_it() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert shared(chat("q"), chat("q", tools=tools)) == 0
+    assert shared(chat("q"), chat("q", cache_salt="tenant-b")) == 0
+    assert shared(chat("q"), {**chat("q"), "model": "other"}) == 0
+
+
+def test_a_different_first_message_shares_nothing() -> None:
+    body = chat("q")
+    other = {**body, "messages": [{"role": "system", "content": "X" + SYSTEM}, body["messages"][1]]}
+    assert shared(body, other) == 0
+
+
+def test_media_and_batches_bring_no_chunks() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = chat("q")
+    body["messages"][1]["content"] = [{"type": "text", "text": "look"}, image]
+    assert prompt_chunks(parse(CHAT, body)).hashes == ()
+    batch = {"model": "m", "prompt": [SYSTEM + "a", SYSTEM + "b"]}
+    assert prompt_chunks(parse(Api("completions"), batch)).hashes == ()
+    single = {"model": "m", "prompt": SYSTEM + "a", "max_tokens": 5}
+    assert shared(single, {**single, "prompt": SYSTEM + "b", "max_tokens": 7}, Api("completions")) >= 11
