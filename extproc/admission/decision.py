@@ -195,7 +195,7 @@ class Decision:
         bound = provisional.bound_plan(parsed, policy, rules.per_step)
         booking = self._booking(pool)
         if bound is None or not provisional.may_admit_on_bound(
-            service, klass, booking.budget, parsed, bound, self.request.tenant, self.tokenizer_lane
+            service, klass, booking, parsed, bound, self.tokenizer_lane
         ):
             return None
         booking.hold(parsed, bound)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from extproc.admission import prompt as prompts
+from extproc.admission.booking import KvBooking
 from extproc.admission.errors import AdmissionError
 from extproc.admission.lanes import LaneFull
 from extproc.admission.policy import ModelPolicy, StepBounds
@@ -43,7 +44,6 @@ from extproc.admission.prompt import Count
 from extproc.admission.request import ParsedRequest, Reservation, plan_reservation
 from extproc.admission.rules import ClassPolicy
 from extproc.admission.service import AdmissionService, Admitted
-from extproc.core.kv_budget import KvBudget
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +88,9 @@ def _completion_terms(plan: Reservation) -> tuple[int, int | None, int]:
 def may_admit_on_bound(
     service: AdmissionService,
     klass: ClassPolicy,
-    budget: KvBudget | None,
+    booking: KvBooking,
     req: ParsedRequest,
     bound: Reservation,
-    tenant: str,
     lane: str,
 ) -> bool:
     """Whether to try the bound at all: not in shadow mode, not when the class must queue behind others
@@ -107,17 +106,7 @@ def may_admit_on_bound(
         # The count after would wait in the client's tokenizer lane, where it could delay (or, past the
         # lane's backlog, refuse) the client's next request: count this one first instead.
         return False
-    if budget is None:
-        return True
-    fits, _ = budget.would_fit(
-        bound.prompt_tokens,
-        bound.completion_tokens,
-        tenant,
-        now=service.clock(),
-        sequences=req.sequences * req.prompt_count,
-        committed=bound.committed_completion_tokens,
-    )
-    return fits
+    return booking.fits(req, bound)[0]
 
 
 class Correction:
