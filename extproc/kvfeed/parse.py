@@ -84,6 +84,7 @@ class ModelSignals:
     kv_capacity_tokens: int | None
     series: int
     generation_tokens_total: float | None = None  # counter: the decode pace is its growth between scrapes
+    kv_block_tokens: int | None = None  # tokens per KV block, where the capacity source names it
 
 
 def _unescape(value: str) -> str:
@@ -320,6 +321,26 @@ class _ModelView:
                 return int(min(total, 2.0**64))  # +inf and any absurd value: refused by `checked`
         return None
 
+    def block_tokens(self) -> int | None:
+        """Tokens per KV block from the first capacity source that names one (the largest over the
+        page's series: a larger block rounds more, so it is the one the budget must assume)."""
+        for source in self.profile.capacity:
+            if isinstance(source, InfoLabels):
+                sizes = [
+                    v
+                    for s in self.series
+                    if s.name == source.name
+                    if (v := _number(s.labels, source.size_label))
+                ]
+            elif isinstance(source, BlocksTimesSize):
+                sizes = list(self._gauge(source.size, source.size_match).values())
+            else:
+                continue
+            finite = [v for v in sizes if math.isfinite(v) and v >= 1]
+            if finite:
+                return int(min(max(finite), 2.0**32))
+        return None
+
     def _capacity_from(self, source: CapacitySource) -> float | None:
         if isinstance(source, TokensGauge):
             groups = self._gauge(source.name, source.match)
@@ -375,6 +396,7 @@ class _ModelView:
             kv_capacity_tokens=capacity,
             series=len(self.series),
             generation_tokens_total=self.counted("generated"),
+            kv_block_tokens=self.block_tokens(),
         )
 
 

@@ -30,6 +30,7 @@ SampleKey = tuple[str, str, str]  # (node, endpoint, model)
 # bytes (2 x layers x kv_heads x head_dim x bytes). A capacity above this is a bug or a lie (2^64 - 1 made
 # the budget's headroom 7.4e18, so it never refused); it stays exact in a float (< 2^53) when summed.
 MAX_KV_CAPACITY_TOKENS = 2**40
+MAX_KV_BLOCK_TOKENS = 2**20  # vLLM's blocks are 16 (GPU) to 256 tokens; a larger one is not a block size
 MAX_MODEL_NAME = 256  # the bound the sidecar puts on a request's model name (limiter keys, metric labels)
 MAX_SERVED_NAMES = 1024  # per model and endpoint: aliases and LoRA adapters, far more than a server loads
 _COUNTS = ("requests_waiting", "requests_running", "preemptions_total")
@@ -64,6 +65,7 @@ class FeedSample:
     served_names: tuple[str, ...] = ()  # from the server's /v1/models: this model, aliases, adapters
     # Tokens per second per running sequence since the endpoint's previous scrape (kvfeed.pace); None unknown.
     decode_tokens_per_second: float | None = None
+    kv_block_tokens: int | None = None  # tokens per KV block; None unknown
 
     @property
     def key(self) -> SampleKey:
@@ -95,6 +97,7 @@ class FeedSample:
             scrape_duration_seconds=duration,
             served_names=served_names,
             decode_tokens_per_second=decode_tokens_per_second,
+            kv_block_tokens=signals.kv_block_tokens,
         )
 
     @classmethod
@@ -166,6 +169,9 @@ def checked(sample: FeedSample) -> FeedSample:
     pace = sample.decode_tokens_per_second
     if pace is not None and plausible_pace(pace) is None:
         sample = replace(sample, decode_tokens_per_second=None)  # advisory: dropped alone, the rest stands
+    block = sample.kv_block_tokens
+    if block is not None and not 0 < block <= MAX_KV_BLOCK_TOKENS:
+        sample = replace(sample, kv_block_tokens=None)  # likewise
     names = plausible_names(sample.served_names)
     return sample if names == sample.served_names else replace(sample, served_names=names)
 
@@ -200,6 +206,8 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
             setattr(msg, field, value)
     if sample.kv_capacity_tokens is not None and 0 <= sample.kv_capacity_tokens < 2**64:
         msg.kv_capacity_tokens = sample.kv_capacity_tokens
+    if sample.kv_block_tokens is not None and 0 <= sample.kv_block_tokens < 2**32:
+        msg.kv_block_tokens = sample.kv_block_tokens
     seconds = math.floor(sample.sample_time)
     msg.sample_time.seconds = seconds
     msg.sample_time.nanos = min(999_999_999, int((sample.sample_time - seconds) * 1e9))
@@ -228,4 +236,5 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         scrape_duration_seconds=msg.scrape_duration_seconds,
         served_names=tuple(msg.served_names),
         decode_tokens_per_second=opt("decode_tokens_per_second"),
+        kv_block_tokens=int(msg.kv_block_tokens) if msg.HasField("kv_block_tokens") else None,
     )

@@ -42,6 +42,7 @@ class PoolSnapshot:
     stale: bool
     kv_used_tokens: float | None = None  # summed usage x capacity of fresh endpoints publishing both
     decode_tokens_per_second: float | None = None  # per sequence, over fresh endpoints publishing a pace
+    kv_block_tokens: int | None = None  # the largest block of the fresh endpoints: the most one rounds
 
 
 def pool_pace(items: Iterable[StoredSample]) -> float | None:
@@ -98,5 +99,6 @@ def aggregate(
             stale=not items,
             kv_used_tokens=sum(used) if used else None,
             decode_tokens_per_second=pool_pace(items),
+            kv_block_tokens=max((b for s in items if (b := s.sample.kv_block_tokens)), default=None),
         )
     return out

@@ -139,6 +139,7 @@ class FeedbackRuntime:
         if snapshot.kv_capacity_tokens is not None:
             budget.set_capacity(snapshot.kv_capacity_tokens)
         budget.set_replicas(snapshot.endpoints_known)
+        budget.set_block_tokens(snapshot.kv_block_tokens)
         adaptive = self._config.adaptive_pools.get(pool, self._config.adaptive_default)
         budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds)
         self.metrics.observe_budget(pool, budget, now)

@@ -134,3 +134,17 @@ def test_a_prompt_booked_on_its_bound_is_credited_in_proportion() -> None:
     assert kv.shared_prompt_tokens == 4 * 1100
     kv.correct_prompt("b", PROMPT)
     assert kv.shared_prompt_tokens == 1100 and kv.demand_tokens == 2 * (PROMPT + 300) - 1100
+
+
+def test_block_rounding_is_booked_per_sequence() -> None:
+    kv = budget()
+    kv.admit("a", 100, 300, sequences=2)
+    kv.set_block_tokens(128)  # half a block, rounded down, per sequence: 63 x 2
+    assert kv.demand_tokens == 100 + 300 + 126
+    kv.admit("b", 100, 300)
+    assert kv.demand_tokens == 2 * 400 + 3 * 63
+    kv.set_block_tokens(None)
+    assert kv.demand_tokens == 800
+    kv.release("a")
+    kv.release("b")
+    assert kv.demand_tokens == 0

@@ -140,3 +140,16 @@ async def test_close_all_ends_waiting_subscribers() -> None:
     hub.close_all()
     assert await waiter == []
     assert sub.closed and hub.subscribers == 0
+
+
+def test_block_size_travels_and_an_impossible_one_is_dropped_alone() -> None:
+    from dataclasses import replace
+
+    from extproc.kvfeed.sample import checked
+
+    s = replace(sample(t=5.0), kv_block_tokens=128)
+    assert from_proto(to_proto(s)).kv_block_tokens == 128
+    assert from_proto(to_proto(sample())).kv_block_tokens is None
+    for bad in (0, 2**21):
+        dropped = checked(replace(s, kv_block_tokens=bad))
+        assert dropped.up and dropped.kv_block_tokens is None and dropped.kv_usage == s.kv_usage

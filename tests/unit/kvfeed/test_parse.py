@@ -141,3 +141,16 @@ def test_wrong_kind_raises() -> None:
 def test_never_raises_anything_but_parse_error(text: str) -> None:
     with contextlib.suppress(MetricsParseError):
         parse_metrics(text)
+
+
+def test_vllm_block_size_reaches_the_signals() -> None:
+    """The engine rounds each sequence to whole blocks; the budget books that from `block_size`."""
+    text = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.1\n'
+        'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="128"} 1\n'
+    )
+    assert parse_metrics(text)["m"].kv_block_tokens == 128
+    unknown = text.replace('block_size="128"', 'block_size="None"')
+    assert parse_metrics(unknown)["m"].kv_block_tokens is None
+    gauge_only = 'sglang:token_usage{model_name="x",tp_rank="0"} 0.25\nsglang:max_total_num_tokens{model_name="x",tp_rank="0"} 1000\n'
+    assert parse_metrics(gauge_only)["x"].kv_block_tokens is None
