@@ -14,8 +14,9 @@ from devstack.envoy import trust_client_tenant_header
 from devstack.processes import Ports
 from devstack.stack import LocalStack
 from extproc.envoyconf.bootstrap import http_connection_managers
-from tests.support.engine import MAX_MODEL_LEN, MODEL, Engine
-from tests.support.stack import Stack, start_stack
+from tests.support import prefix_load
+from tests.support.engine import CACHE_TOKENS, MAX_MODEL_LEN, MODEL, Engine
+from tests.support.stack import Stack, http, start_stack
 
 LLAMA3_TEMPLATE = {"per_message": 4, "per_request": 5, "bos": 1}
 """Llama-3's template costs as measured on this engine (docs/configuration.md, template costs): a message is
@@ -43,6 +44,29 @@ def engine_config(**limits: Any) -> dict[str, Any]:
             **limits,
         },
     }
+
+
+def prefix_config(sharing: bool = True) -> dict[str, Any]:
+    """The shipped protection (bound admission, forecast booking, prefix sharing) with slots out of the way:
+    only the KV budget decides."""
+    config = engine_config()
+    config["admission"]["bound_admission"] = True
+    config["limits"]["models"] = {MODEL: {"max_concurrency": 128}}
+    config["kv_budget"] = {"enabled": True, "target_utilization": 0.9, "prefix_sharing": sharing}
+    return config
+
+
+def warm_up(gateway: Stack) -> None:
+    """Until the feed reports the engine, then one short stream: a pool in service has a decode pace learned
+    from finished streams (the forecast and the refusals' retry-after use it), and the engine has the system
+    prompt in its cache for both runs alike."""
+    deadline = time.monotonic() + 60
+    while gateway.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
+        assert time.monotonic() < deadline, "the KV feed never reported the engine's capacity"
+        time.sleep(0.2)
+    warm = prefix_load.chat_body(MODEL, -1, output_tokens=32)
+    assert http("POST", f"{gateway.url}/v1/chat/completions", warm).status == 200
+    wait_idle(gateway)
 
 
 ENGINE_HOST_MESSAGE_TIMEOUT = "15s"

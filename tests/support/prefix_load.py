@@ -1,0 +1,228 @@
+"""The shared-prefix overload, for the real-engine tier (tests/engine/test_prefix_engine.py) and the benchmark
+(bench/protection/prefix.py): forty streamed chats at once that share one long system prompt, each with a
+short question of its own, `ignore_eos` so every answer runs its whole `max_tokens`, clients that honour
+`retry-after`. What a run measures comes from the engine's own counters (`vllm:*`, the simulator exports the
+same names), its KV gauge and the sidecar's booking sampled every 0.2 s, and each stream's first token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import random
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.support.stack import metric
+
+REQUESTS = 40
+SYSTEM_WORDS = 1550
+OWN_WORDS = 30
+OUTPUT_TOKENS = 300
+WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "maple", "orbit", "falcon", "ember")
+"""Words cl100k encodes as one token each, with their leading space: a prompt of N words is about N tokens
+for the sidecar, the simulator and the engine tier's model (which uses cl100k)."""
+
+
+def words(seed: int, count: int) -> str:
+    rnd = random.Random(seed)
+    return " ".join(rnd.choice(WORDS) for _ in range(count))
+
+
+SYSTEM = words(7, SYSTEM_WORDS)
+
+
+def chat_body(model: str, index: int, output_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"question {index}: " + words(1000 + index, OWN_WORDS)},
+        ],
+        "max_tokens": output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+@dataclass
+class Answer:
+    status: int
+    refusals: int
+    ttft: float | None  # seconds from the first attempt to the first streamed byte of the served one
+
+
+def stream_once(url: str, body: dict[str, Any]) -> tuple[int, float | None, dict[str, str]]:
+    """POST a streamed chat: (status, seconds to the first data event, the headers)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=300)
+    started = time.monotonic()
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        headers = {k.lower(): v for k, v in resp.getheaders()}
+        first: float | None = None
+        for line in resp:
+            if first is None and line.startswith(b"data:"):
+                first = time.monotonic() - started
+        return resp.status, first, headers
+    finally:
+        conn.close()
+
+
+def call(url: str, body: dict[str, Any], deadline: float) -> Answer:
+    """One chat, retried after each 429's `retry-after-ms` until served."""
+    refusals = 0
+    started = time.monotonic()
+    while True:
+        attempt = time.monotonic()
+        status, first, headers = stream_once(url, body)
+        if status != 429 or time.monotonic() > deadline:
+            return Answer(status, refusals, None if first is None else attempt - started + first)
+        refusals += 1
+        time.sleep(min(float(headers.get("retry-after-ms", "1000")) / 1000, 10.0))
+
+
+@dataclass
+class Sampler:
+    """Every 0.2 s while a load runs: the engine's KV usage and, behind a gateway, the sidecar's booking."""
+
+    engine_url: str
+    admin_url: str | None = None
+    kv: list[float] = field(default_factory=list)
+    booked: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.kv.append(metric(f"{self.engine_url}/metrics", "vllm:kv_cache_usage_perc"))
+                if self.admin_url is not None:
+                    self.booked.append(metric(f"{self.admin_url}/metrics", "extproc_kv_booked_tokens"))
+            except OSError:
+                continue
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Run:
+    """One load's figures: the answers, and the engine's counters around it."""
+
+    answers: list[Answer]
+    seconds: float
+    generated: float
+    preemptions: float
+    hit_rate: float
+    kv: list[float]
+    booked: list[float]
+    capacity_tokens: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds
+
+    @property
+    def kv_peak(self) -> float:
+        return max(self.kv, default=0.0)
+
+    @property
+    def kv_mean(self) -> float:
+        return sum(self.kv) / len(self.kv) if self.kv else 0.0
+
+    @property
+    def statuses(self) -> list[int]:
+        return [a.status for a in self.answers]
+
+    @property
+    def refusals(self) -> int:
+        return sum(a.refusals for a in self.answers)
+
+    def ttft(self, q: float) -> float:
+        values = sorted(a.ttft for a in self.answers if a.ttft is not None)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    def figures(self) -> dict[str, Any]:
+        booked = max(self.booked, default=0.0) / self.capacity_tokens
+        return {
+            "served": self.statuses.count(200),
+            "requests": len(self.answers),
+            "seconds": round(self.seconds, 1),
+            "output_tok_s": round(self.tokens_per_second, 1),
+            "preemptions": self.preemptions,
+            "kv_mean": round(self.kv_mean, 3),
+            "kv_peak": round(self.kv_peak, 3),
+            "ttft_p50_s": round(self.ttft(0.5), 2),
+            "ttft_p99_s": round(self.ttft(0.99), 2),
+            "prefix_hit_rate": round(self.hit_rate, 3),
+            "booked_peak_of_capacity": round(booked, 3) if self.booked else None,
+            "refusals": self.refusals,
+        }
+
+    def __str__(self) -> str:
+        f = self.figures()
+        return (
+            f"{f['served']}/{f['requests']} in {f['seconds']}s, {f['output_tok_s']} output tok/s, "
+            f"{f['preemptions']:.0f} preemptions, KV mean {f['kv_mean']} peak {f['kv_peak']}, "
+            f"TTFT p50 {f['ttft_p50_s']}s p99 {f['ttft_p99_s']}s, prefix hits {f['prefix_hit_rate']:.0%}, "
+            f"booked peak {f['booked_peak_of_capacity']}, {f['refusals']} refusals"
+        )
+
+
+def counters(engine_url: str) -> dict[str, float]:
+    names = ("generation_tokens", "num_preemptions", "prefix_cache_hits", "prefix_cache_queries")
+    return {name: metric(f"{engine_url}/metrics", f"vllm:{name}_total") for name in names}
+
+
+def engine_idle(engine_url: str, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    url = f"{engine_url}/metrics"
+    while metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting"):
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.1)
+
+
+def overload(
+    model: str,
+    engine_url: str,
+    url: str,
+    capacity_tokens: int,
+    admin_url: str | None = None,
+    settle: Callable[[], None] | None = None,
+    requests: int = REQUESTS,
+) -> Run:
+    """The chats at once against `url` (the engine itself, or a gateway in front of it)."""
+    settle = settle or (lambda: engine_idle(engine_url))
+    settle()
+    before = counters(engine_url)
+    deadline = time.monotonic() + 300
+    started = time.monotonic()
+    with Sampler(engine_url, admin_url) as sampler, concurrent.futures.ThreadPoolExecutor(requests) as pool:
+        answers = list(pool.map(lambda i: call(url, chat_body(model, i), deadline), range(requests)))
+    seconds = time.monotonic() - started
+    settle()
+    delta = {k: v - before[k] for k, v in counters(engine_url).items()}
+    return Run(
+        answers=answers,
+        seconds=seconds,
+        generated=delta["generation_tokens"],
+        preemptions=delta["num_preemptions"],
+        hit_rate=delta["prefix_cache_hits"] / max(1.0, delta["prefix_cache_queries"]),
+        kv=sampler.kv,
+        booked=sampler.booked,
+        capacity_tokens=capacity_tokens,
+    )
