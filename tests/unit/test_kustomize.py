@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from extproc.admission.names import NAMESPACE as NAMESPACE_METADATA
-from extproc.config import parse_config
+from extproc.config import config_warnings, parse_config
 from extproc.envoyconf.lean import lua_source
 from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
@@ -155,3 +155,37 @@ def test_envoy_gateway_lean_wires_metadata_reports_and_store_together() -> None:
     )
     assert named(docs, "Deployment", "extproc-admission")["spec"]["replicas"] == 2
     assert config.store.fallback_share == 0.5
+
+
+def sidecar_configs(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The admission sidecar's config files a build ships (a ConfigMap's `config.yaml`)."""
+    maps = (d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
+    return [yaml.safe_load(d["data"]["config.yaml"]) for d in maps]
+
+
+def applied() -> list[Path]:
+    """What an operator applies: each README `kubectl apply -k` build that ships the sidecar's config (the
+    others are building blocks of these, or attach to a sidecar one of these ships)."""
+    paths = re.findall(r"kubectl apply -k ([\w./-]+)", (REPO / "README.md").read_text())
+    found = sorted({(REPO / path).resolve() for path in paths})
+    return [directory for directory in found if sidecar_configs(built(directory))]
+
+
+@pytest.mark.parametrize("directory", applied(), ids=where)
+def test_every_shipped_sidecar_subscribes_to_the_exporter_it_ships_with(directory: Path) -> None:
+    """The protection runs as installed: the feed subscribes to the exporter Service of the same build (its
+    headless name, namespace and gRPC port, selecting the exporter DaemonSet's pods), the KV budget is on, and
+    the config passes check-config without a warning."""
+    docs = built(directory)
+    service = named(docs, "Service", "extproc-kv-exporter")
+    daemonset = named(docs, "DaemonSet", "extproc-kv-exporter")
+    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc-feed")
+    address = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}"
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= labels.items()
+    for raw in sidecar_configs(docs):
+        assert raw["feedback"]["service"] == address
+        config = parse_config(raw)
+        assert config.feedback is not None and config.feedback.kv_budget.enabled
+        assert config_warnings(config) == []
