@@ -31,6 +31,7 @@ import aiohttp
 import yaml
 
 from bench.common import parse_prometheus, percentile, validate_envoy_config
+from bench.protection import trace as tr
 from bench.protection.trace import TraceRequest
 from devstack.processes import Ports
 from devstack.stack import LocalStack
@@ -191,7 +192,7 @@ async def _attempt(
     """Send once; on a 429 return how long to wait before retrying (None: do not retry)."""
     body: dict[str, Any] = {
         "model": MODEL,
-        "prompt": " the" * res.prompt,
+        "prompt": tr.prompt_text(res.prompt, res.idx),
         "max_tokens": max_tokens,
         "stream": res.stream,
     }

@@ -1,9 +1,11 @@
 """The Azure LLM inference traces 2023 (CC-BY 4.0; Patel et al., "Splitwise", ISCA 2024).
 
-Only arrival time, ContextTokens and GeneratedTokens are published, so prompts are synthesized: a prompt of
-N tokens is N copies of the single-token word " the". cl100k's pre-tokenizer splits before every
-"space + letters" run, so BPE never merges two of them: the sidecar and the simulator both count exactly N
-(the simulator's docs state the same property for its vocabulary).
+Only arrival time, ContextTokens and GeneratedTokens are published, so prompts are synthesized
+(`prompt_text`): a prompt of N tokens is three single-token words that name the request, then copies of the
+single-token word " the". cl100k's pre-tokenizer splits before every "space + letters" run, so BPE never
+merges two of them: the sidecar and the simulator both count exactly N. The trace carries no text, so no two
+of its prompts share a prefix: the words in front keep the engine's prefix cache (and the sidecar's prefix
+booking) from sharing what the trace does not say is shared.
 """
 
 from __future__ import annotations
@@ -21,6 +23,21 @@ ENV_VAR = "EXTPROC_TRACES_DIR"
 SAMPLE_DIR = REPO / "bench" / "traces"
 TRACE_START_S = 600.0
 """Where every run's slice of a trace starts: past its first ten minutes (the ramp-up), the same for each."""
+
+
+HEAD_WORDS = (
+    " alpha", " beta", " gamma", " delta", " river", " stone", " cloud", " maple", " orbit", " falcon",
+    " ember", " prism", " cedar", " harbor", " lantern", " meadow", " silver", " thunder", " willow",
+    " copper",
+)  # fmt: skip
+"""Single-token cl100k words (with their space); three of them name one of 8,000 requests."""
+
+
+def prompt_text(tokens: int, index: int) -> str:
+    """`tokens` tokens of text no other request of the replay starts with."""
+    n = len(HEAD_WORDS)
+    head = [HEAD_WORDS[index % n], HEAD_WORDS[index // n % n], HEAD_WORDS[index // n // n % n]]
+    return "".join(head[: max(0, tokens)]) + " the" * max(0, tokens - len(head))
 
 
 def traces_dir() -> Path | None:

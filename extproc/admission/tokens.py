@@ -85,26 +85,68 @@ def count_chat_prompt(
 
     Tool and function definitions are rendered into the prompt by the server's chat template; counting their
     compact JSON is a close, slightly high estimate: it errs toward reserving too much, never too little.
+    The count is the length of `chat_prompt_ids`, so the ids the simulator hashes for its prefix cache always
+    have exactly the counted length.
     """
-    total = TOKENS_REPLY_PRIMING
-    for message in messages:
-        total += TOKENS_PER_MESSAGE
-        role = message.get("role")
-        if isinstance(role, str):
-            total += count_text(role, encoding)
-        name = message.get("name")
-        if isinstance(name, str):
-            total += TOKENS_PER_NAME + count_text(name, encoding)
-        total += count_texts(content_texts(message.get("content")), encoding)
-        tool_calls = message.get("tool_calls")
-        if tool_calls:
-            total += count_text(_compact_json(tool_calls), encoding)
-        function_call = message.get("function_call")
-        if function_call:
-            total += count_text(_compact_json(function_call), encoding)
+    return len(chat_prompt_ids(messages, tools, encoding))
+
+
+# Placeholder ids for the chat frame's special tokens in `chat_prompt_ids` (TOKENS_PER_MESSAGE of them per
+# message, TOKENS_REPLY_PRIMING for the priming, TOKENS_PER_NAME before a name). Negative, so they never
+# equal a real token id of any encoding; the counting rule only needs how many there are, the simulator's
+# prefix cache only needs them fixed so that equal conversations render to equal ids.
+MESSAGE_START_ID = -1
+MESSAGE_SEP_ID = -2
+MESSAGE_END_ID = -3
+NAME_MARK_ID = -4
+REPLY_ROLE_ID = -5
+MESSAGE_FRAME_IDS = (MESSAGE_START_ID, MESSAGE_SEP_ID, MESSAGE_END_ID)
+REPLY_PRIMING_IDS = (MESSAGE_START_ID, REPLY_ROLE_ID, MESSAGE_SEP_ID)
+
+
+def chat_prompt_ids(
+    messages: Iterable[Mapping[str, Any]],
+    tools: Any = None,
+    encoding: str = DEFAULT_ENCODING,
+) -> list[int]:
+    """The chat prompt as token ids, in the order a chat template renders it: tools first (templates put
+    them in the system turn), then each message `<start> role [<name> name] <sep> contents tool-calls
+    <end>`, then the reply priming `<start> assistant <sep>`.
+
+    Frames and priming are the fixed placeholder ids above; roles, names, contents, tool calls and tools are
+    `encode_ordinary` of the very texts `count_chat_prompt` has always counted, each encoded on its own. Two
+    requests sharing leading messages therefore share leading ids, which is what the simulator's prefix
+    cache compares, and the length is exactly the count.
+    """
+    enc = get_encoding(encoding)
+    ids: list[int] = []
     if tools:
-        total += count_text(_compact_json(tools), encoding)
-    return total
+        ids += enc.encode_ordinary(_compact_json(tools))
+    for message in messages:
+        ids += _message_ids(message, enc)
+    ids += REPLY_PRIMING_IDS
+    return ids
+
+
+def _message_ids(message: Mapping[str, Any], enc: tiktoken.Encoding) -> list[int]:
+    """One message of `chat_prompt_ids`: its frame (3 placeholders) around its fields."""
+    ids = [MESSAGE_START_ID]
+    role = message.get("role")
+    if isinstance(role, str):
+        ids += enc.encode_ordinary(role)
+    name = message.get("name")
+    if isinstance(name, str):
+        ids.append(NAME_MARK_ID)  # TOKENS_PER_NAME
+        ids += enc.encode_ordinary(name)
+    ids.append(MESSAGE_SEP_ID)
+    for text in content_texts(message.get("content")):
+        ids += enc.encode_ordinary(text)
+    for key in ("tool_calls", "function_call"):
+        value = message.get(key)
+        if value:
+            ids += enc.encode_ordinary(_compact_json(value))
+    ids.append(MESSAGE_END_ID)
+    return ids
 
 
 def _compact_json(value: Any) -> str:

@@ -28,7 +28,7 @@ from extproc.sim import formats
 from extproc.sim.config import SimConfig
 from extproc.sim.engine import Engine, EngineDownError, Event, EventKind
 from extproc.sim.formats import Choice, Format, Reply
-from extproc.sim.kvcache import BlockPool
+from extproc.sim.kvcache import BlockPool, PrefixCachingBlockPool, cache_seed
 from extproc.sim.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from extproc.sim.protocol import (
     OUTPUT_TOKENS_HEADER,
@@ -36,9 +36,10 @@ from extproc.sim.protocol import (
     ParsedRequest,
     bad_request,
     check_context,
-    count_prompts,
     parse_request,
     plan_output,
+    read_prompts,
+    reads_prefix_cache,
 )
 from extproc.sim.scheduler import Scheduler
 from extproc.sim.shapes import (
@@ -83,7 +84,8 @@ STATE_KEY: web.AppKey[SimState] = web.AppKey("sim_state", SimState)
 def build_engine(config: SimConfig) -> Engine:
     """Scheduler, block pool and metrics wired from a config (no event loop needed until start)."""
     config.validate()
-    pool = BlockPool(config.resolved_num_gpu_blocks(), config.block_size)
+    pool_class = PrefixCachingBlockPool if config.enable_prefix_caching else BlockPool
+    pool = pool_class(config.resolved_num_gpu_blocks(), config.block_size)
     scheduler = Scheduler(config.scheduler_config(), pool, config.timing)
     metrics = EngineMetrics(config.model, config.cache_info(), config.legacy_kv_metric)
     return Engine(scheduler, metrics, config.time_scale, config.oom_restart_seconds)
@@ -215,10 +217,12 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
     engine = state.engine
     try:
         body = await _read_body(request)
-        req = parser(body, request.headers.get(OUTPUT_TOKENS_HEADER), cfg.served_name(body))
-        prompts = await asyncio.to_thread(count_prompts, req, cfg.encoding)
+        served = cfg.served_name(body)
+        req = parser(body, request.headers.get(OUTPUT_TOKENS_HEADER), served)
+        seed = cache_seed(cfg.cache_namespace(served)) if cfg.enable_prefix_caching else None
+        prompts = await asyncio.to_thread(read_prompts, req, cfg.encoding, cfg.block_size, seed)
         for p in prompts:
-            check_context(p, req.max_tokens, cfg.max_model_len)
+            check_context(p.tokens, req.max_tokens, cfg.max_model_len)
         if not engine.is_up:
             raise ApiError(
                 503, "Engine is restarting after a KV-cache out-of-memory crash", "ServiceUnavailableError"
@@ -230,7 +234,9 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
     req_no = state.request_counter
     choices: list[Choice] = []
     items = []
-    for p_idx, prompt_tokens in enumerate(prompts):
+    read_cache = reads_prefix_cache(req)
+    for p_idx, prompt in enumerate(prompts):
+        prompt_tokens = prompt.tokens
         for j in range(req.n):
             index = p_idx * req.n + j
             count, reason = plan_output(
@@ -244,7 +250,8 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
             )
             tokens = generate_tokens(count, f"{cfg.seed}:{req_no}:{index}", cfg.encoding)
             choices.append(Choice(index, prompt_tokens, tokens, reason))
-            items.append((engine.new_sequence(prompt_tokens, count), index, reason))
+            seq = engine.new_sequence(prompt_tokens, count, prompt.block_hashes, read_cache)
+            items.append((seq, index, reason))
     sink: asyncio.Queue[Event] = asyncio.Queue()
     try:
         tracked = engine.submit(items, sink)
@@ -256,7 +263,7 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
             fmt,
         )
     rid = fmt.rid_prefix + uuid.uuid4().hex
-    reply = Reply(rid, cfg.model, sum(prompts), choices, req.include_usage, cfg.encoding)
+    reply = Reply(rid, cfg.model, sum(p.tokens for p in prompts), choices, req.include_usage, cfg.encoding)
     log.debug(
         "request %s: %d prompt(s), %d prompt tokens, %d choices",
         rid,

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="number of KV blocks; overrides the value derived from geometry and GPU memory",
     )
+    c.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="share the KV blocks of identical prompt prefixes (vLLM's automatic prefix caching)",
+    )
     c.add_argument("--num-layers", type=int, default=m.num_layers, help="transformer layers")
     c.add_argument("--num-kv-heads", type=int, default=m.num_kv_heads, help="KV (GQA) heads per layer")
     c.add_argument("--head-dim", type=int, default=m.head_dim, help="attention head dimension")
@@ -201,6 +207,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         output_len_sigma=args.output_len_sigma,
         legacy_kv_metric=LegacyKvMetric(args.legacy_kv_metric),
         encoding=args.encoding,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

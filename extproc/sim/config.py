@@ -44,6 +44,8 @@ class SimConfig:
     output_len_sigma: float = 1.0
     legacy_kv_metric: LegacyKvMetric = LegacyKvMetric.OFF
     encoding: str = DEFAULT_ENCODING
+    # vLLM's automatic prefix caching, on by default (config/cache.py `enable_prefix_caching`).
+    enable_prefix_caching: bool = True
 
     def served_name(self, body: object) -> str:
         """The request's `model` when this server serves it (base name, alias, adapter), else `model`, so
@@ -52,6 +54,11 @@ class SimConfig:
         if requested in (*self.aliases, *self.lora_adapters):
             return str(requested)
         return self.model
+
+    def cache_namespace(self, served_name: str) -> str:
+        """Whose cached blocks a request may hit: an adapter's own (vLLM hashes the LoRA adapter into every
+        block), otherwise the base model's, whichever served alias the request named."""
+        return served_name if served_name in self.lora_adapters else self.model
 
     def resolved_num_gpu_blocks(self) -> int:
         if self.num_gpu_blocks is not None:
@@ -76,7 +83,7 @@ class SimConfig:
         return {
             "block_size": str(self.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "False",
+            "enable_prefix_caching": str(self.enable_prefix_caching),
             "gpu_memory_utilization": str(self.gpu.gpu_memory_utilization),
             "num_gpu_blocks": str(blocks),
             "num_cpu_blocks": "None",

@@ -144,9 +144,23 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def new_sequence(self, prompt_tokens: int, max_output_tokens: int) -> Sequence:
+    def new_sequence(
+        self,
+        prompt_tokens: int,
+        max_output_tokens: int,
+        prompt_hashes: tuple[int, ...] = (),
+        read_cache: bool = True,
+    ) -> Sequence:
+        """A sequence with a fresh id; `prompt_hashes` (shared by the sequences of one prompt) let it share
+        cached prompt blocks."""
         self._next_seq_id += 1
-        return Sequence(self._next_seq_id, prompt_tokens, max_output_tokens)
+        return Sequence(
+            self._next_seq_id,
+            prompt_tokens,
+            max_output_tokens,
+            prompt_hashes=prompt_hashes,
+            read_cache=read_cache,
+        )
 
     def submit(self, items: list[tuple[Sequence, int, str]], sink: asyncio.Queue[Event]) -> list[Tracked]:
         """Queue sequences (with their choice index and finish reason); raises EngineDownError when down."""
@@ -222,6 +236,9 @@ class Engine:
         end = self._virtual
         if result.preempted:
             m.preemptions.inc(len(result.preempted))
+        if result.prefix_queries:
+            m.prefix_cache_queries.inc(result.prefix_queries)
+            m.prefix_cache_hits.inc(result.prefix_hits)
         for seq in result.admitted:
             t = self._tracked.get(seq.seq_id)
             if t is not None and t.scheduled_at is None:
@@ -234,6 +251,7 @@ class Engine:
             if t.first_token_at is None:
                 t.first_token_at = end
                 m.prompt_tokens.inc(seq.prompt_tokens)
+                m.prompt_tokens_cached.inc(seq.num_cached_prompt)
                 m.ttft.observe(end - t.arrival)
             elif t.last_token_at is not None:
                 m.itl.observe(end - t.last_token_at)

@@ -86,6 +86,26 @@ class EngineMetrics:
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
         ).labels(*values)
+        # Prefix cache (loggers.py): queried and hit tokens of new requests, booked at their admission;
+        # cached prompt tokens booked with the prompt tokens, at the first token.
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=r,
+        ).labels(*values)
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=r,
+        ).labels(*values)
+        self.prompt_tokens_cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            labels,
+            registry=r,
+        ).labels(*values)
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
         ).labels(*values)

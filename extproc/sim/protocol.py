@@ -10,7 +10,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.admission.tokens import count_chat_prompt, count_text
+from extproc.admission.tokens import chat_prompt_ids, get_encoding
+from extproc.sim.kvcache import hash_blocks
 from extproc.sim.textgen import draw_output_length
 
 OUTPUT_TOKENS_HEADER = "x-sim-output-tokens"
@@ -119,32 +120,65 @@ def parse_request(body: Any, chat: bool, header_override: str | None, served_mod
     )
 
 
-def count_prompts(req: ParsedRequest, encoding: str) -> list[int]:
-    """Prompt tokens of each prompt (chat: one; completions: one per prompt of a batch)."""
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the engine gets it: its token count and the chained hashes of its full blocks (empty
+    with prefix caching off)."""
+
+    tokens: int
+    block_hashes: tuple[int, ...] = ()
+
+
+def prompt_token_ids(req: ParsedRequest, encoding: str) -> list[list[int]]:
+    """Token ids of each prompt (chat: one, rendered by `chat_prompt_ids`; completions: one per prompt of a
+    batch, strings encoded as `count_text` counts them, token ids as given)."""
     body = req.body
     if req.chat:
-        return [count_chat_prompt(body["messages"], body.get("tools"), encoding)]
+        return [chat_prompt_ids(body["messages"], body.get("tools"), encoding)]
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        counts = [count_text(prompt, encoding)]
+        ids = [get_encoding(encoding).encode_ordinary(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        counts = [count_text(p, encoding) for p in prompt]
+        enc = get_encoding(encoding)
+        ids = [enc.encode_ordinary(p) for p in prompt]
     elif isinstance(prompt, list) and prompt and all(_is_int(p) for p in prompt):
-        counts = [len(prompt)]
+        ids = [prompt]
     elif (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
     ):
-        counts = [len(p) for p in prompt]
+        ids = list(prompt)
     else:
         raise bad_request(
             "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
             "prompt",
         )
-    if any(c == 0 for c in counts):
+    if any(not p for p in ids):
         raise bad_request("Prompt cannot be empty", "prompt")
-    return counts
+    return ids
+
+
+def count_prompts(req: ParsedRequest, encoding: str) -> list[int]:
+    """Prompt tokens of each prompt (chat: one; completions: one per prompt of a batch)."""
+    return [len(ids) for ids in prompt_token_ids(req, encoding)]
+
+
+def read_prompts(req: ParsedRequest, encoding: str, block_size: int, seed: int | None) -> list[Prompt]:
+    """Each prompt's count and, when `seed` is given (prefix caching on), its block hashes chained from it.
+
+    Tokenizing and hashing both run here, in one worker thread, so neither holds up the event loop.
+    """
+    return [
+        Prompt(len(ids), hash_blocks(ids, block_size, seed) if seed is not None else ())
+        for ids in prompt_token_ids(req, encoding)
+    ]
+
+
+def reads_prefix_cache(req: ParsedRequest) -> bool:
+    """False when the request asks for prompt logprobs: vLLM then computes every prompt token and skips the
+    lookup (`skip_reading_prefix_cache`)."""
+    return req.body.get("prompt_logprobs") is None
 
 
 def _is_int(value: Any) -> bool:

@@ -11,7 +11,10 @@ Behaviour that matters to the sidecar, as in vLLM V1:
 - when a running sequence cannot get its next block, the newest running sequence is preempted
   (recompute): its blocks are freed, its computed progress reset to 0 (generated tokens are kept and
   recomputed), and it goes to the front of the waiting queue; nothing new is admitted in such a step;
-- waiting sequences are admitted FCFS while seats (`max_num_seqs`), budget and blocks allow.
+- waiting sequences are admitted FCFS while seats (`max_num_seqs`), budget and blocks allow;
+- with a prefix-caching pool, a waiting sequence with nothing computed (new, or resumed after preemption)
+  starts from the longest run of cached leading blocks (`get_computed_blocks`), computes only the rest, and
+  its full blocks are registered as they are allocated, so siblings and later sequences share them.
 In `oom` overflow mode the same shortage crashes the engine instead (every sequence fails).
 """
 
@@ -23,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from extproc.sim.kvcache import BlockPool
+
+_PRIVATE_BLOCK = "extproc.sim private block"
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,12 @@ class EngineDownError(RuntimeError):
 
 @dataclass(eq=False)
 class Sequence:
-    """One generated sequence (a request with n > 1 is n sequences, as vLLM V1 fans it out)."""
+    """One generated sequence (a request with n > 1 is n sequences, as vLLM V1 fans it out).
+
+    `prompt_hashes` are the chained hashes of the prompt's full blocks (`kvcache.hash_blocks`), shared by
+    the sequences of one request; without them the prompt is shared with nobody. `read_cache` is False when
+    the request asks for prompt logprobs, which skips the lookup as vLLM's `skip_reading_prefix_cache` does.
+    """
 
     seq_id: int
     prompt_tokens: int
@@ -57,6 +67,21 @@ class Sequence:
     num_computed: int = 0
     num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    prompt_hashes: tuple[int, ...] = ()
+    read_cache: bool = True
+    num_cached_prompt: int = 0  # prompt tokens hit at its first scheduling (vllm:prompt_tokens_cached)
+
+    def block_hash(self, index: int) -> int:
+        """Hash of the sequence's `index`-th full block.
+
+        Prompt blocks have the prompt's hashes. A block holding generated tokens (or a prompt block without
+        a known hash) gets one private to the sequence: vLLM hashes output blocks too, so a preempted
+        sequence hits its own surviving blocks when it resumes, but no other sequence generated the same
+        tokens, so nobody else does.
+        """
+        if index < len(self.prompt_hashes):
+            return self.prompt_hashes[index]
+        return hash((_PRIVATE_BLOCK, self.seq_id, index))
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +134,8 @@ class StepResult:
     crashed: bool = False
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    prefix_queries: int = 0  # tokens of the new sequences admitted that looked up the prefix cache
+    prefix_hits: int = 0  # of which found cached
     duration: float = 0.0
 
 
@@ -176,7 +203,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed, budget)
             scheduled = True
-            while not self.pool.ensure(seq.seq_id, seq.num_computed + num_new):
+            while not self.pool.ensure(seq.seq_id, seq.num_computed + num_new, seq.block_hash):
                 if self.config.overflow is Overflow.OOM:
                     self._crash(result)
                     return result
@@ -195,9 +222,12 @@ class Scheduler:
         if not result.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                num_new = min(seq.num_uncomputed, budget)
-                if not self.pool.ensure(seq.seq_id, seq.num_computed + num_new):
+                hits = self._cache_hits(seq)
+                hit_tokens = len(hits) * self.pool.block_size
+                num_new = min(seq.num_tokens - hit_tokens, budget)
+                if not self.pool.ensure(seq.seq_id, hit_tokens + num_new, seq.block_hash, hits):
                     break
+                self._start_from_cache(seq, hit_tokens, result)
                 self.waiting.popleft()
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
@@ -225,7 +255,31 @@ class Scheduler:
         result.duration = self.timing.duration(len(result.scheduled), result.num_prefill_tokens)
         return result
 
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks a waiting sequence starts from: looked up only when nothing is computed yet (new or
+        preempted), with prefix caching on and the request not asking for prompt logprobs."""
+        if seq.num_computed or not seq.read_cache:
+            return []
+        return self.pool.find_cached(seq.block_hash, seq.num_tokens)
+
+    def _start_from_cache(self, seq: Sequence, hit_tokens: int, result: StepResult) -> None:
+        """Admitted: the hit counts as computed. A new sequence's lookup is booked in the prefix-cache
+        counters at admission (vLLM's scheduler.py 1314-1317 and kv_cache_manager.py
+        `record_prefix_cache_stats` 253-262: a lookup that did not admit is not counted; a resumed
+        sequence's goes to the preempted stats, which are not exported) and its hit as its cached prompt
+        tokens (`prefill_stats`, set on the first scheduling only)."""
+        seq.num_computed = hit_tokens
+        if seq.num_preemptions:
+            return
+        seq.num_cached_prompt = hit_tokens
+        if self.pool.enable_prefix_caching and seq.read_cache:
+            result.prefix_queries += seq.num_tokens
+            result.prefix_hits += hit_tokens
+
     def _preempt(self, victim: Sequence, result: StepResult) -> None:
+        """vLLM's `_preempt_request` (scheduler.py 1571-1616): blocks freed (tail first), progress reset,
+        front of the queue; on its next admission the prefix lookup runs again and may find its own blocks
+        still cached."""
         self.pool.free(victim.seq_id)
         victim.num_computed = 0
         victim.num_preemptions += 1

@@ -23,6 +23,8 @@ from tests.support.waiting import wait_for
 
 MODEL = "llama-3-8b"
 BASE_SLOTS = 10
+FIRST_WORDS = (" alpha", " beta", " gamma", " delta", " river", " stone", " cloud", " maple")
+"""Single-token words: each stream that fills the cache starts with its own, so none shares a cached block."""
 CONFIG: dict[str, Any] = {
     "models": {"*": {"context_window": 2048, "default_max_tokens": 256}},
     "limits": {"models": {MODEL: {"max_concurrency": BASE_SLOTS}}},
@@ -60,12 +62,14 @@ def fill_kv(stack: Stack, count: int = 6) -> list[socket.socket]:
     """Streams sent straight to the simulator (bypassing the gateway) that fill its KV cache.
 
     Each holds 600 prompt tokens (38 blocks) growing to 648 (41 blocks): six take 228-246 of 256 blocks,
-    above the high watermark, with room left for the gateway's small requests.
+    above the high watermark, with room left for the gateway's small requests. Each prompt starts with a word
+    of its own, so the simulator's prefix cache shares none of their blocks.
     """
     host, port = stack.stack.upstream_url.removeprefix("http://").split(":")
     socks = []
-    body = json.dumps({"model": MODEL, "max_tokens": 48, "stream": True, "prompt": " hello" * 600}).encode()
-    for _ in range(count):
+    for index in range(count):
+        prompt = FIRST_WORDS[index] + " hello" * 599
+        body = json.dumps({"model": MODEL, "max_tokens": 48, "stream": True, "prompt": prompt}).encode()
         sock = socket.create_connection((host, int(port)), timeout=10)
         sock.sendall(
             f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"

@@ -31,7 +31,7 @@ async def test_metrics_track_engine_state_and_totals(
     sim = await start_sim(num_gpu_blocks=1000, time_scale=5.0)
     m = await metrics(http, sim)
     assert m[KV] == 0.0 and m[RUNNING] == 0.0 and m[WAITING] == 0.0
-    info = "vllm:cache_config_info{block_size=16,cache_dtype=auto,enable_prefix_caching=False,"
+    info = "vllm:cache_config_info{block_size=16,cache_dtype=auto,enable_prefix_caching=True,"
     info += "gpu_memory_utilization=0.9,kv_cache_max_concurrency=1.953125,kv_cache_size_tokens=16000,"
     info += "num_cpu_blocks=None,num_gpu_blocks=1000}"
     assert m[info] == 1.0
