@@ -37,7 +37,8 @@ from extproc.core.clock import FakeClock
 from extproc.core.completion_learner import CompletionLearner
 from extproc.core.kv_budget import Booking, KvBudget
 from extproc.core.limiter import JointLimiter, Lease, LimitSpec, Rejection
-from extproc.sim.kvcache import BlockPool
+from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
+from extproc.sim.kvcache import BlockPool, PrefixCachingBlockPool, hash_blocks
 from extproc.sim.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepTiming
 from extproc.sim.scheduler import Sequence as SimSequence
 
@@ -84,6 +85,7 @@ def policy_for(mode: str, sizing: Sizing, context_window: int) -> Policy | None:
             target_utilization=settings.target_utilization,
             capacity_share=settings.capacity_share,
             booking=Booking(settings.booking),
+            prefix_sharing=settings.prefix_sharing,
         )
 
     adaptive = fb.adaptive_default
@@ -128,18 +130,46 @@ class Outcome:
     kv_peak: float
     engine_busy_s: float
     prefill_s: float
+    prefix_hit_rate: float = math.nan  # the engine's prefix-cache hits over queries (tokens)
+    booked_mean: float = math.nan  # the budget's booked tokens over the cache, mean over engine busy time
 
     def line(self) -> str:
+        prefix = "" if math.isnan(self.prefix_hit_rate) else f" prefix hits {self.prefix_hit_rate:.0%}"
+        booked = "" if math.isnan(self.booked_mean) else f" booked mean {self.booked_mean:.2f}"
         return (
             f"admitted {self.admitted}/{self.requests} preemptions {self.preemptions} goodput "
             f"{self.goodput_tok_s:.0f} (SLO {self.slo_goodput_tok_s:.0f}) TTFT p50 {self.ttft_p50_s:.2f} "
             f"p99 {self.ttft_p99_s:.2f} KV mean {self.kv_mean_overload:.2f} peak {self.kv_peak:.2f} "
-            f"busy {self.engine_busy_s:.1f} s (prefill {self.prefill_s:.1f} s) refusals {self.reasons}"
+            f"busy {self.engine_busy_s:.1f} s (prefill {self.prefill_s:.1f} s){prefix}{booked} "
+            f"refusals {self.reasons}"
         )
 
 
+@dataclass(frozen=True)
+class Prefixes:
+    """Each request's prompt as a trace's prefix-block ids (Mooncake's `hash_ids`), `id_tokens` tokens each:
+    equal ids are equal text, so the engine's prefix cache (the simulator's `PrefixCachingBlockPool`)
+    shares them, and the budget sees them as its chunks (`PromptChunks`, one chunk per id)."""
+
+    ids: list[tuple[int, ...]]
+    id_tokens: int
+
+    def token_ids(self, index: int, prompt: int) -> list[int]:
+        """`prompt` token ids: id h's k-th token is h x id_tokens + k, so equal ids give equal tokens."""
+        size = self.id_tokens
+        return [h * size + k for h in self.ids[index] for k in range(size)][:prompt]
+
+    def chunks(self, index: int, prompt: int) -> PromptChunks:
+        hashes, parent = [], 0
+        for h in self.ids[index]:
+            parent = hash((parent, h))
+            hashes.append(parent)
+        return PromptChunks(tuple(hashes), self.id_tokens, max(prompt, 1))
+
+
 class Replay:
-    """One trace slice at one rate through one policy (None: straight to the engine)."""
+    """One trace slice at one rate through one policy (None: straight to the engine). With `prefixes` the
+    engine caches prompt prefixes as vLLM does, and a budget that shares prefixes is told each prompt's."""
 
     def __init__(
         self,
@@ -150,16 +180,22 @@ class Replay:
         stream_every: int = 4,
         retries: int = 0,
         drain_s: float = 60.0,
+        prefixes: Prefixes | None = None,
     ) -> None:
         self.dep = dep
         self.policy = policy
         self.retries = retries
         self.drain_s = drain_s
+        self.prefixes = prefixes
         self.clock = FakeClock(0.0)
         timing = StepTiming(
             dep.step_base_ms / 1000, dep.decode_per_seq_ms / 1000, dep.prefill_per_token_ms / 1000
         )
-        self.sched = Scheduler(SchedulerConfig(), BlockPool(dep.num_gpu_blocks, dep.block_size), timing)
+        pool_type = BlockPool if prefixes is None else PrefixCachingBlockPool
+        self.sched = Scheduler(SchedulerConfig(), pool_type(dep.num_gpu_blocks, dep.block_size), timing)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.booked_area = 0.0
         oracle = policy is not None and policy.oracle
         self.shapes: list[tuple[int, int, int, bool]] = []
         self.events: list[tuple[float, int, int, int]] = []  # (time, order, request, attempt)
@@ -181,6 +217,7 @@ class Replay:
                 self.limiter.set_scale(KEY, self.controller.state.scale)
             if policy.budget is not None:
                 self.budget = policy.budget(dep.kv_tokens)
+                self.budget.set_block_tokens(dep.block_size)
         self.next_sample = 0.0
         self.flights: dict[int, _Flight] = {}
         self.reasons: dict[str, int] = {}
@@ -211,6 +248,8 @@ class Replay:
             if not sched.has_work:
                 continue
             result = sched.step()
+            self.prefix_queries += result.prefix_queries
+            self.prefix_hits += result.prefix_hits
             self._account(now, result.duration, result.num_prefill_tokens)
             now += result.duration
             self.clock.now = now
@@ -239,7 +278,7 @@ class Replay:
         prompt, want, max_tokens, stream = self.shapes[index]
         self.attempts += 1
         ident = f"{index}.{attempt}"
-        decision = self._admit(ident, prompt, max_tokens, now)
+        decision = self._admit(ident, prompt, max_tokens, now, self._chunks(index, prompt))
         if isinstance(decision, str):
             self.reasons[decision] = self.reasons.get(decision, 0) + 1
             if attempt < self.retries:
@@ -249,11 +288,22 @@ class Replay:
                 self.final_rejections += 1
             return
         seq = SimSequence(index, prompt, want)
+        if self.prefixes is not None:
+            ids = self.prefixes.token_ids(index, prompt)
+            seq.prompt_hashes = hash_blocks(ids, self.dep.block_size, 0)
         self.sched.add(seq)
         self.flights[index] = _Flight(ident, self.arrivals[index], stream, seq, decision)
         self.admitted += 1
 
-    def _admit(self, ident: str, prompt: int, max_tokens: int, now: float) -> Lease | str | None:
+    def _chunks(self, index: int, prompt: int) -> PromptChunks:
+        budget = self.budget
+        if self.prefixes is None or budget is None or not budget.prefix_sharing:
+            return NO_CHUNKS
+        return self.prefixes.chunks(index, prompt)
+
+    def _admit(
+        self, ident: str, prompt: int, max_tokens: int, now: float, chunks: PromptChunks = NO_CHUNKS
+    ) -> Lease | str | None:
         """The lease (None without a sidecar), or the refusal reason; the budget is asked first."""
         policy = self.policy
         if policy is None:
@@ -262,10 +312,10 @@ class Replay:
             return "prompt_cap"
         budget = self.budget
         if budget is not None:
-            fits, _ = budget.would_fit(prompt, max_tokens, now=now)
+            fits, _ = budget.would_fit(prompt, max_tokens, now=now, chunks=chunks)
             if not fits:
                 return "kv_budget"
-            budget.admit(ident, prompt, max_tokens, now=now)
+            budget.admit(ident, prompt, max_tokens, now=now, chunks=chunks)
         result = self.limiter.acquire([KEY], prompt + max_tokens)
         if isinstance(result, Rejection):
             if budget is not None:
@@ -300,6 +350,8 @@ class Replay:
             self.kv_area += usage * duration
             self.kv_time += duration
         self.kv_peak = max(self.kv_peak, usage)
+        if self.budget is not None:
+            self.booked_area += self.budget.booked_tokens / self.dep.kv_tokens * duration
         self.busy += duration
         self.prefill += prefill_tokens * self.dep.prefill_per_token_ms / 1000
 
@@ -320,6 +372,8 @@ class Replay:
             kv_peak=self.kv_peak,
             engine_busy_s=self.busy,
             prefill_s=self.prefill,
+            prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else math.nan,
+            booked_mean=self.booked_area / self.busy if self.budget is not None and self.busy else math.nan,
         )
 
 
