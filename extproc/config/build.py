@@ -40,7 +40,7 @@ from extproc.config.runtime import (
     tenant_source,
 )
 from extproc.config.walk import nulls_absent
-from extproc.core.adaptive import AdaptiveConfig, AdaptiveConfigError
+from extproc.core.adaptive import AdaptiveConfig, AdaptiveConfigError, watermarks_above
 from extproc.core.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import (
     FeedbackConfig,
@@ -241,7 +241,12 @@ def _paths(paths: schema.Paths) -> PathTable:
 def _feedback(file: schema.ConfigFile) -> FeedbackConfig:
     fb = file.feedback
     subscriber = _subscriber(fb) if fb.has_source else None
-    default = _adaptive(AdaptiveConfig(), file.adaptive, "adaptive")
+    base = AdaptiveConfig()
+    marks = {file.adaptive.low_watermark, file.adaptive.high_watermark}
+    if file.kv_budget.enabled and marks == {None}:  # defaults that make room for the budget
+        low, high = watermarks_above(file.kv_budget.target_utilization)
+        base = replace(base, low_watermark=low, high_watermark=high)
+    default = _adaptive(base, file.adaptive, "adaptive")
     pools = {
         name: _adaptive(default, tuning, f"adaptive.pools.{name}")
         for name, tuning in file.adaptive.pools.items()

@@ -36,6 +36,15 @@ class AdaptiveConfigError(ValueError):
         self.reason = reason
 
 
+def watermarks_above(target_utilization: float) -> tuple[float, float]:
+    """The default (low, high) watermarks beside a KV budget filling the cache to `target_utilization`:
+    0.92 / 0.98, raised with a higher target, so the scale acts only on KV the budget cannot see (other
+    traffic, an engine queue) instead of cutting limits on KV the budget still admits into (docs/feedback.md:
+    below the target, a real vLLM showed the scale falling to 0.64 while the budget held the cache at 0.9)."""
+    low = min(0.99, max(0.92, target_utilization))
+    return low, min(1.0, max(0.98, low + 0.01))
+
+
 @dataclass(frozen=True, slots=True)
 class AdaptiveConfig:
     """Tuning of one pool's controller; validated on construction so bad config fails at startup."""

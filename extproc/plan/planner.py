@@ -9,15 +9,16 @@ Capacity comes from `extproc.geometry.capacity` (the simulator's own arithmetic)
 - `tokens_per_minute`: what the engine can process per minute at that concurrency, from the step-timing
   model (`extproc.plan.timing`), rounded down to a thousand; the traffic's offered rate is shown beside it;
 - `kv_budget`: enabled at `target_utilization` (needs the KV feed, so the snippet adds a direct target);
-- `adaptive`: `high_watermark` at the budget's target (KV above it means estimates ran low), and
-  `low_watermark` 0.15 below, the default spread.
+- `adaptive`: the watermarks above the budget's target (`watermarks_above`: 0.92 / 0.98 at a target of
+  0.9), as the sidecar defaults them beside a budget, so the scale acts only on KV the budget cannot see
+  and `check-config` accepts the snippet without a warning.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from extproc.core.adaptive import AdaptiveConfig
+from extproc.core.adaptive import AdaptiveConfig, watermarks_above
 from extproc.geometry.capacity import Capacity, footprint_tokens
 from extproc.geometry.presets import GpuSpec
 from extproc.plan.timing import requests_per_second, timing_for
@@ -26,7 +27,6 @@ from extproc.sim.scheduler import StepTiming
 
 DEFAULT_PROMPT_TOKENS = 1024
 DEFAULT_OUTPUT_TOKENS = 256
-WATERMARK_SPREAD = 0.15
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def suggest(request: PlanRequest) -> Suggestions:
     tokens = traffic.mean_prompt + traffic.mean_output
     engine_tpm = 60.0 * rps * tokens
     offered = 60.0 * traffic.rate_rps * tokens if traffic.rate_rps is not None else None
-    high = round(min(0.95, max(0.5, u)), 2)
+    low, high = watermarks_above(u)
     return Suggestions(
         footprint_tokens=footprint,
         budget_tokens=budget,
@@ -171,7 +171,7 @@ def suggest(request: PlanRequest) -> Suggestions:
         tokens_per_minute=_floor_to(engine_tpm, 1000),
         target_utilization=u,
         high_watermark=high,
-        low_watermark=round(high - WATERMARK_SPREAD, 2),
+        low_watermark=low,
     )
 
 
@@ -305,8 +305,8 @@ def arithmetic_lines(request: PlanRequest, s: Suggestions) -> list[str]:
     lines.append(
         _line(
             "adaptive watermarks",
-            f"high {s.high_watermark:g} (KV budget target), low {s.high_watermark:g} - "
-            f"{WATERMARK_SPREAD:g} = {s.low_watermark:g}",
+            f"low {s.low_watermark:g}, high {s.high_watermark:g}: above the KV budget's target "
+            f"{s.target_utilization:g}, so the scale acts only on KV the budget cannot see",
         )
     )
     return lines

@@ -271,6 +271,8 @@ def test_impossible_feed_values_are_missing_samples_not_readings() -> None:
         **CONFIG,
         "feedback": {"exporters": [f"127.0.0.1:{feed.port}"]},
         "kv_budget": {"enabled": True, "target_utilization": 0.9},
+        # The watermarks this suite's scale steps are written for (beside a budget: 0.92 / 0.98 by default).
+        "adaptive": {**CONFIG["adaptive"], "low_watermark": 0.7, "high_watermark": 0.85},
     }
     local = build_stack(config=config, sim_args=SIM_ARGS, envoy_patch=None)
     cap = 4096

@@ -590,12 +590,43 @@ BUDGET: dict[str, Any] = {
     "feedback": {"exporters": ["127.0.0.1:50061"]},
     "kv_budget": {"enabled": True, "target_utilization": 0.9},
 }
+UNDER_BUDGET: dict[str, Any] = {**BUDGET, "adaptive": {"low_watermark": 0.7, "high_watermark": 0.85}}
+"""The budget with the watermarks an adaptive-only config defaults to, set by hand: they work against it."""
+
+
+@pytest.mark.parametrize(
+    ("extra", "marks"),
+    [
+        ({}, (0.92, 0.98)),
+        ({"kv_budget": {"enabled": True, "target_utilization": 0.95}}, (0.95, 0.98)),
+        ({"kv_budget": {"enabled": True, "target_utilization": 1.0}}, (0.99, 1.0)),
+        ({"kv_budget": {"enabled": False}}, (0.70, 0.85)),
+        ({"adaptive": {"low_watermark": 0.5}}, (0.5, 0.85)),
+    ],
+)
+def test_the_default_watermarks_make_room_for_the_budget(
+    extra: dict[str, Any], marks: tuple[float, float]
+) -> None:
+    """Beside a KV budget the watermarks default above its target, so no shipped or planned config needs
+    them set to pass check-config without a warning; a config that sets either keeps the classic pair."""
+    from extproc.config import config_warnings
+
+    config = parse_config(merged(BUDGET, extra))
+    assert config.feedback is not None
+    adaptive = config.feedback.adaptive_default
+    assert (adaptive.low_watermark, adaptive.high_watermark) == marks
+    if extra.get("adaptive") is None and config.feedback.kv_budget.target_utilization < 0.99:
+        assert config_warnings(config) == []  # (a target of 1.0 leaves no room above it: still warned)
 
 
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({}, ["adaptive.low_watermark (0.7) and adaptive.high_watermark (0.85) sit below"]),
+        ({}, []),
+        (
+            {"adaptive": {"low_watermark": 0.7, "high_watermark": 0.85}},
+            ["adaptive.low_watermark (0.7) and adaptive.high_watermark (0.85) sit below"],
+        ),
         ({"adaptive": {"low_watermark": 0.8, "high_watermark": 0.95}}, ["adaptive.low_watermark (0.8) sits"]),
         ({"adaptive": {"low_watermark": 0.92, "high_watermark": 0.98}}, []),
         (
@@ -625,7 +656,7 @@ def test_check_config_prints_warnings_and_still_passes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(BUDGET))
+    path.write_text(yaml.safe_dump(UNDER_BUDGET))
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr()
     assert out.out == "config ok\n"
@@ -642,7 +673,7 @@ async def test_a_reload_logs_the_warnings_of_the_new_config(
         pass
 
     watcher = ConfigWatcher(path, on_change, interval_s=3600)
-    path.write_text(yaml.safe_dump(BUDGET))
+    path.write_text(yaml.safe_dump(UNDER_BUDGET))
     with caplog.at_level("WARNING", logger="extproc.config"):
         assert await watcher.check() is True
     messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
