@@ -26,9 +26,10 @@ system-deps:
 engine-env:
 	bash scripts/engine-env.sh $(ENGINE_VENV)
 
-## Start the local stack: simulator + sidecar + Envoy on 127.0.0.1 (Ctrl-C stops it).
+## Start the local stack: simulator + sidecar + Envoy on 127.0.0.1 (Ctrl-C stops it). In front of a server of
+## your own instead of the simulator: make run UPSTREAM=http://HOST:PORT
 run: $(STAMP)
-	$(BIN)/python -m devstack
+	$(BIN)/python -m devstack $(if $(UPSTREAM),--upstream $(UPSTREAM))
 
 ## Lint, type-check and run every test: unit, component, end-to-end (real Envoy) and the real-engine tier
 ## (a real vLLM behind the gateway, tests/engine).

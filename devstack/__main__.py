@@ -1,5 +1,5 @@
-"""`python -m devstack [--config PATH] [--profile lean|inline]`: the local stack in the foreground
-(`make run`)."""
+"""`python -m devstack [--config PATH] [--profile lean|inline] [--upstream URL]`: the local stack in the
+foreground (`make run`, `make run UPSTREAM=URL`)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,15 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_PROFILE,
         help=f"how Envoy and the sidecar split the work (default: {DEFAULT_PROFILE}; docs/architecture.md)",
     )
+    parser.add_argument(
+        "--upstream",
+        metavar="URL",
+        default=None,
+        help="an OpenAI-compatible server of your own (http://HOST:PORT, vLLM or SGLang) instead of the "
+        "simulator: its model and window from /v1/models, its KV cache from /metrics (make run UPSTREAM=URL)",
+    )
     args = parser.parse_args(argv)
-    return run_stack(args.config, args.profile)
+    return run_stack(args.config, args.profile, args.upstream)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ edits tests and benchmarks make to it (a client-chosen tenant, Envoy without the
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,12 @@ def render_envoy_config(
     tenant_header: str | None = None,
     profile: str = "inline",
     sidecar: Config | None = None,
+    upstream: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """The Envoy config with the stack's ports in place of the documented ones, stripping `tenant_header`
     (the sidecar's `admission.tenant.header`) from client requests instead of the template's default. The
-    lean profile is rendered from the (inline) template with the sidecar's path table and body cap."""
+    lean profile is rendered from the (inline) template with the sidecar's path table and body cap.
+    `upstream` (host, port) replaces the local upstream (a name is resolved by DNS, as a Service would be)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)}")
     config: dict[str, Any] = yaml.safe_load(template.read_text())
@@ -43,7 +46,25 @@ def render_envoy_config(
         for group in cluster["load_assignment"]["endpoints"]:
             for endpoint in group["lb_endpoints"]:
                 endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
+    if upstream is not None:
+        point_upstream_at(config, *upstream)
     return config
+
+
+def point_upstream_at(config: dict[str, Any], host: str, port: int) -> None:
+    """The `llm_upstream` cluster to `host:port`: a static address for an IP literal, else STRICT_DNS."""
+    try:
+        ipaddress.ip_address(host)
+        literal = True
+    except ValueError:
+        literal = False
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] != "llm_upstream":
+            continue
+        cluster["type"] = "STATIC" if literal else "STRICT_DNS"
+        for group in cluster["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                endpoint["endpoint"]["address"]["socket_address"].update(address=host, port_value=port)
 
 
 def trust_client_tenant_header(config: dict[str, Any]) -> None:

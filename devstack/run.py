@@ -8,7 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from devstack.stack import LOCAL_CONFIG, LocalStack
+from devstack.upstream import Upstream, UpstreamError
 from extproc.envoyconf.profiles import DEFAULT_PROFILE, PROFILES, REPO
 
 BANNER = """
@@ -18,42 +21,59 @@ docs/architecture.md compares them):
   Envoy admin                 http://127.0.0.1:{envoy_admin}
   sidecar gRPC (ext_proc)     127.0.0.1:{grpc}
   sidecar metrics             http://127.0.0.1:{admin}/metrics
-  simulator (vLLM-like)       http://127.0.0.1:{upstream}   (KV usage: /metrics)
+  {upstream_name:27} {upstream}   (KV usage: /metrics)
   KV-cache exporter           127.0.0.1:{exporter} (feed), http://127.0.0.1:{exporter_metrics}/metrics
   logs and rendered configs   {workdir}
 
 Try:
   curl -s http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{{"model":"llama-3-8b","max_tokens":64,"messages":[{{"role":"user","content":"Hello"}}]}}'
+    -d '{{"model":"{model}","max_tokens":64,"messages":[{{"role":"user","content":"Hello"}}]}}'
 
-See a 429 from the concurrency limit (8 slots for llama-3-8b in config/local.yaml; for the first seconds the
-KV feed is not fresh yet and the limits sit at 60%):
+See a 429 from the concurrency limit (8 slots for {model}; for the first seconds the KV feed is not fresh yet
+and the limits sit at 60%):
   for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}}\\n' \\
     http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{{"model":"llama-3-8b","max_tokens":2000,"messages":[{{"role":"user","content":"Hi"}}]}}' & done; wait
+    -d '{{"model":"{model}","max_tokens":2000,"messages":[{{"role":"user","content":"Hi"}}]}}' & done; wait
 
-Watch the adaptive scale follow the simulator's KV usage:
-  curl -s http://127.0.0.1:{admin}/metrics | grep -E '^extproc_(kv_usage|adaptive_scale|limit_conc)'
+Watch the adaptive scale and the KV budget follow the engine's KV usage:
+  curl -s http://127.0.0.1:{admin}/metrics | grep -E '^extproc_(kv_usage|kv_booked|adaptive_scale|limit_conc)'
 
 Edit {config} to change limits; the sidecar reloads it without a restart.
 Ctrl-C stops everything.
 """
 
 
-def foreground_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> LocalStack:
+def foreground_stack(
+    config: Path | None, profile: str = DEFAULT_PROFILE, upstream: Upstream | None = None
+) -> LocalStack:
     """The `make run` stack. The config path is made absolute (the processes run from the repository root)
-    but not resolved, so a symlinked config (a ConfigMap layout) is watched through its link."""
+    but not resolved, so a symlinked config (a ConfigMap layout) is watched through its link. In front of
+    an `upstream` without a config of one's own, config/local.yaml fitted to its model is written to the
+    stack's directory (and reloaded from there when edited)."""
+    workdir = REPO / "run"
+    if upstream is not None and config is None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = workdir / "upstream.yaml"
+        fitted = upstream.sidecar_config(yaml.safe_load(LOCAL_CONFIG.read_text()))
+        config.write_text(yaml.safe_dump(fitted, sort_keys=False))
     return LocalStack(
         sidecar_config_file=(config or LOCAL_CONFIG).absolute(),
-        workdir=REPO / "run",
+        workdir=workdir,
         with_exporter=True,
         profile=profile,
+        upstream=upstream,
+        model=upstream.model if upstream is not None else "llama-3-8b",
     )
 
 
-def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> int:
+def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE, upstream_url: str | None = None) -> int:
     """Foreground `make run`: start the stack with the documented ports and wait for Ctrl-C."""
-    stack = foreground_stack(config, profile)
+    try:
+        upstream = Upstream.discover(upstream_url) if upstream_url else None
+    except UpstreamError as exc:
+        print(f"local stack: {exc}", file=sys.stderr)
+        return 1
+    stack = foreground_stack(config, profile, upstream)
     try:
         stack.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
@@ -67,7 +87,9 @@ def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE) -> int:
             envoy_admin=p.envoy_admin,
             grpc=p.grpc,
             admin=p.admin,
-            upstream=p.upstream,
+            upstream=stack.upstream_url,
+            upstream_name="simulator (vLLM-like)" if upstream is None else f"your server ({upstream.model})",
+            model=stack.model,
             exporter=p.exporter,
             exporter_metrics=p.exporter_metrics,
             workdir=stack.workdir,

@@ -19,6 +19,7 @@ import yaml
 
 from devstack.envoy import remove_ext_proc, render_envoy_config
 from devstack.processes import Ports, Process, envoy_command, exporter_command, wait_http
+from devstack.upstream import Upstream
 from extproc.config import Config, ConfigError, parse_config
 from extproc.envoyconf.profiles import DEFAULT_PROFILE, ENVOY_TEMPLATE, REPO
 
@@ -63,6 +64,8 @@ class LocalStack:
     exporter_args: Sequence[str] = ()
     # False: the caller serves the upstream port itself (an echo server in the edge tests).
     with_simulator: bool = True
+    # A server of one's own instead of the simulator (`make run UPSTREAM=...`, devstack/upstream.py).
+    upstream: Upstream | None = None
     # Applied to the rendered Envoy config before Envoy starts (tests shorten timeouts with it).
     envoy_patch: Callable[[dict[str, Any]], None] | None = None
     model: str = "llama-3-8b"
@@ -76,6 +79,8 @@ class LocalStack:
 
     @property
     def upstream_url(self) -> str:
+        if self.upstream is not None:
+            return self.upstream.url
         return f"http://127.0.0.1:{self.ports.upstream}"
 
     @property
@@ -124,7 +129,7 @@ class LocalStack:
         assert self.workdir is not None
         python = sys.executable
         sim: Process | None = None
-        if self.with_simulator:
+        if self.with_simulator and self.upstream is None:
             sim = Process.start(
                 "simulator",
                 [
@@ -157,6 +162,7 @@ class LocalStack:
             tenant_header_of(sidecar_config),
             profile,
             self._parsed(sidecar_config) if profile == "lean" else None,
+            None if self.upstream is None else (self.upstream.host, self.upstream.port),
         )
         if not self.with_sidecar:
             remove_ext_proc(envoy_config)
