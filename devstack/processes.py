@@ -112,9 +112,15 @@ def envoy_command(config_path: Path, base_id: int) -> list[str]:
 
 
 def exporter_command(
-    ports: Ports, node_name: str, upstream_url: str, model: str, extra: Sequence[str] = ()
+    ports: Ports,
+    node_name: str,
+    upstream_url: str,
+    model: str,
+    extra: Sequence[str] = (),
+    kind: str = "vllm",
 ) -> list[str]:
-    """The KV-cache exporter on `ports`, scraping the vLLM-shaped page of `upstream_url` for `model`."""
+    """The KV-cache exporter on `ports`, scraping the `kind` page of `upstream_url` for `model` (`auto`: the
+    exporter tells the engine from its page)."""
     return [
         sys.executable,
         "-m",
@@ -126,7 +132,7 @@ def exporter_command(
         "--metrics-address",
         f"127.0.0.1:{ports.exporter_metrics}",
         "--target",
-        f"url={upstream_url}/metrics,kind=vllm,model={model}",
+        f"url={upstream_url}/metrics,kind={kind},model={model}",
         *extra,
     ]
 

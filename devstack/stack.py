@@ -187,7 +187,10 @@ class LocalStack:
     def start_exporter(self) -> Process:
         """The KV-cache exporter scraping the simulator, as a DaemonSet pod would on a GPU node."""
         assert self.workdir is not None
-        command = exporter_command(self.ports, "local", self.upstream_url, self.model, self.exporter_args)
+        kind = "vllm" if self.upstream is None else "auto"  # a server of one's own: vLLM or SGLang
+        command = exporter_command(
+            self.ports, "local", self.upstream_url, self.model, self.exporter_args, kind
+        )
         exporter = Process.start("exporter", command, self.workdir)
         self.processes["exporter"] = exporter
         wait_http(f"http://127.0.0.1:{self.ports.exporter_metrics}/healthz", proc=exporter)
