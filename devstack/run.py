@@ -4,6 +4,7 @@ banner, and Ctrl-C to stop it."""
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,33 @@ def foreground_stack(
     )
 
 
+ROLES = {
+    "envoy": "Envoy listener",
+    "envoy_admin": "Envoy admin",
+    "grpc": "sidecar gRPC",
+    "admin": "sidecar admin HTTP",
+    "upstream": "simulator",
+    "exporter": "exporter feed",
+    "exporter_metrics": "exporter metrics",
+}
+
+
+def taken_ports(stack: LocalStack) -> list[str]:
+    """The documented ports the stack would listen on that something else holds, each with its role (a
+    second `make run`, a vLLM on 8000): named before anything starts, not in a process's log after."""
+    taken = []
+    for name, role in ROLES.items():
+        if name == "upstream" and stack.upstream is not None:
+            continue
+        port = getattr(stack.ports, name)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(f"127.0.0.1:{port} ({role})")
+    return taken
+
+
 def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE, upstream_url: str | None = None) -> int:
     """Foreground `make run`: start the stack with the documented ports and wait for Ctrl-C."""
     try:
@@ -74,6 +102,13 @@ def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE, upstream_url:
         print(f"local stack: {exc}", file=sys.stderr)
         return 1
     stack = foreground_stack(config, profile, upstream)
+    taken = taken_ports(stack)
+    if taken:
+        print(
+            f"local stack: in use: {', '.join(taken)}; stop what holds them (another make run?)",
+            file=sys.stderr,
+        )
+        return 1
     try:
         stack.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
@@ -99,7 +134,14 @@ def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE, upstream_url:
         ),
         flush=True,
     )
+    return supervise(stack)
+
+
+def supervise(stack: LocalStack, poll_s: float = 0.5) -> int:
+    """Wait for Ctrl-C (or SIGTERM), then stop the stack: 0. A process of the stack that dies first stops it
+    too, names the process and its log, and makes `make run` fail (1)."""
     stopping = False
+    crashed = False
 
     def on_signal(_sig: int, _frame: object) -> None:
         nonlocal stopping
@@ -114,9 +156,10 @@ def run_stack(config: Path | None, profile: str = DEFAULT_PROFILE, upstream_url:
                     print(
                         f"{proc.name} exited ({proc.popen.returncode}); see {proc.log_path}", file=sys.stderr
                     )
-                    stopping = True
-            time.sleep(0.5)
+                    stopping = crashed = True
+            if not stopping:
+                time.sleep(poll_s)
     finally:
         print("stopping the local stack", flush=True)
         stack.stop()
-    return 0
+    return 1 if crashed else 0

@@ -245,5 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"extproc.sim: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:  # the port taken (a local stack's simulator already on 8000), or not ours to bind
+        print(
+            f"extproc.sim: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -94,3 +95,20 @@ def test_invalid_configuration_exits_with_an_error() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "exceeds KV capacity" in proc.stderr
+
+
+def test_a_taken_port_is_one_line_not_a_traceback() -> None:
+    """Beside a running local stack (its simulator on 8000), a second simulator says so in one line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "extproc.sim", "--port", str(port), "--log-level", "WARNING"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 1, proc.stderr
+    assert f"extproc.sim: cannot listen on 127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
