@@ -152,5 +152,8 @@ def test_vllm_block_size_reaches_the_signals() -> None:
     assert parse_metrics(text)["m"].kv_block_tokens == 128
     unknown = text.replace('block_size="128"', 'block_size="None"')
     assert parse_metrics(unknown)["m"].kv_block_tokens is None
-    gauge_only = 'sglang:token_usage{model_name="x",tp_rank="0"} 0.25\nsglang:max_total_num_tokens{model_name="x",tp_rank="0"} 1000\n'
+    gauge_only = (
+        'sglang:token_usage{model_name="x",tp_rank="0"} 0.25\n'
+        'sglang:max_total_num_tokens{model_name="x",tp_rank="0"} 1000\n'
+    )
     assert parse_metrics(gauge_only)["x"].kv_block_tokens is None
