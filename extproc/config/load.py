@@ -141,21 +141,23 @@ class _Counter:
             )
 
 
-def safe_yaml(text: str, bounds: YamlBounds = YamlBounds()) -> Any:
-    """`yaml.safe_load`, after checking on the event stream that building the result stays within bounds."""
+def safe_yaml(text: str, bounds: YamlBounds = YamlBounds(), source: str | None = None) -> Any:
+    """`yaml.safe_load`, after checking on the event stream that building the result stays within bounds. A
+    syntax error names `source` (the file) where PyYAML would say `"<unicode string>"`."""
     counter = _Counter(bounds)
     try:
         for event in yaml.parse(text, Loader=_LOADER):
             counter.feed(event)
         return yaml.load(text, Loader=_LOADER)  # a safe loader: CSafeLoader or SafeLoader
     except yaml.YAMLError as exc:
-        raise ConfigError(f"<file>: invalid YAML: {exc}") from None
+        where = str(exc) if source is None else str(exc).replace('"<unicode string>"', f'"{source}"')
+        raise ConfigError(f"<file>: invalid YAML: {where}") from None
 
 
 def load_file(path: str | os.PathLike[str]) -> Config:
     """Read, bound, parse and validate a config file; every failure is a `ConfigError` naming its kind."""
     try:
-        data = safe_yaml(read_bounded(path))
+        data = safe_yaml(read_bounded(path), source=os.fspath(path))
         if data is None:
             # An emptied ConfigMap would otherwise run with no limits; `{}` says "all defaults" on purpose.
             raise ConfigError(f"<file>: {path} holds no YAML document (write {{}} for all defaults)")

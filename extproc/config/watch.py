@@ -132,7 +132,7 @@ class ConfigWatcher:
         self.on_result(result)
         log.error(
             "config reload not applied, keeping the running config",
-            extra={"result": result.value, "error": error},
+            extra={"result": result.value, "error": error, "path": str(self.path)},
             exc_info=exc,
         )
 

@@ -106,8 +106,9 @@ def test_errors_name_the_key(data: Any, key: str) -> None:
 def test_invalid_yaml_and_missing_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("limits: [unclosed\n")
-    with pytest.raises(ConfigError, match="invalid YAML"):
+    with pytest.raises(ConfigError, match="invalid YAML") as err:
         load_config(bad)
+    assert f'in "{bad}", line 2' in str(err.value) and "<unicode string>" not in str(err.value)
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
 
@@ -678,6 +679,22 @@ async def test_a_reload_logs_the_warnings_of_the_new_config(
         assert await watcher.check() is True
     messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(messages) == 1 and "kv_budget.target_utilization (0.9)" in messages[0], messages
+
+
+async def test_a_refused_reload_names_its_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("log_level: info\n")
+
+    async def on_change(_config: Config) -> None:
+        pass
+
+    watcher = ConfigWatcher(path, on_change, interval_s=3600)
+    path.write_text("limits: [unclosed\n")
+    with caplog.at_level("ERROR", logger="extproc.config"):
+        assert await watcher.check() is False
+    refused = [r for r in caplog.records if r.getMessage().startswith("config reload not applied")]
+    assert len(refused) == 1 and getattr(refused[0], "path", None) == str(path)
+    assert str(path) in getattr(refused[0], "error", "")
 
 
 # -- bounds on what a file may make the loader build ------------------------------------------------------
