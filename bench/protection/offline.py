@@ -270,7 +270,8 @@ class Replay:
             state = self.controller.observe(usage, waiting, newest_sample_at=now, now=now)
             self.limiter.set_scale(KEY, state.scale)
         if self.budget is not None:
-            self.budget.observe_engine(usage * self.dep.kv_tokens, now, fresh_for=policy.fresh_for_s)
+            waiting = float(len(self.sched.waiting))
+            self.budget.observe_engine(usage * self.dep.kv_tokens, now, policy.fresh_for_s, waiting)
 
     # -- requests ------------------------------------------------------------------------------------------
 

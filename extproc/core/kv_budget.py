@@ -46,6 +46,9 @@ from extproc.core.completion_learner import CompletionLearner
 from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
 
+SETTLE_AFTER_S = 2.0
+"""The least time after admission for a lease to count as held in the engine's gauge (`settle_after`)."""
+
 
 class Booking(enum.StrEnum):
     """How a lease is charged against the budget (see the module docstring)."""
@@ -187,7 +190,9 @@ class KvBudget:
 
     @property
     def unexplained_tokens(self) -> int:
-        """KV in use at the last engine sample that the leases did not account for (added to forecasts)."""
+        """The engine's correction at the last sample, added to forecasts: KV in use that the leases did not
+        account for, or, negative, what settled leases were booked for beyond the KV in use
+        (`observe_engine`)."""
         return round(self._unexplained)
 
     @property
@@ -297,19 +302,48 @@ class KvBudget:
             lease.slack = slack * lease.sequences
             self._demand += lease.footprint - before
 
-    def observe_engine(self, used_tokens: float | None, now: float, fresh_for: float) -> None:
-        """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s.
+    def observe_engine(
+        self, used_tokens: float | None, now: float, fresh_for: float, waiting: float | None = None
+    ) -> None:
+        """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s, and
+        the requests waiting in the engine's queue (None when not published).
 
-        The part of `used_tokens` (this sidecar's share of it) that the leases' current KV does not explain
-        is kept and added to every forecast until the next sample.
+        The engine's gauge wins where the two disagree, in both directions, until the next sample:
+
+        * KV in use (this sidecar's share of it) beyond what every lease's current KV explains (other
+          traffic, progress under-estimated) is added to every forecast;
+        * KV the settled leases provably do not hold is taken off: when nothing waits in the engine, every
+          lease admitted more than `settle_after` ago is running there and holds its blocks, so those
+          leases hold at most the KV in use, and what they are booked for beyond it (a prefix shared that
+          the chunks missed, an answer the engine finished while its client still reads, rounding booked
+          high) is over-booked. Leases admitted since may not be in the gauge yet (they count as holding
+          nothing); a request waiting (queued, or preempted and waiting to resume) holds nothing now but
+          needs its KV back, so with anything waiting nothing is taken off.
         """
         self._fresh_until = now + max(0.0, fresh_for)
         self._unexplained = 0.0
         if used_tokens is not None and math.isfinite(used_tokens):
-            explained = sum(base for base, _, _ in self._trajectories(now))
-            self._unexplained = max(0.0, used_tokens * self._share - explained)
+            used = used_tokens * self._share
+            explained = settled = 0.0
+            settled_before = now - self.settle_after()
+            rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+            for lease in self._leases.values():
+                base = lease.trajectory(now, rate, delay)[0]
+                explained += base
+                if lease.admitted_at is not None and lease.admitted_at <= settled_before:
+                    settled += base
+            if used > explained:
+                self._unexplained = used - explained
+            elif waiting == 0 and settled > used:
+                self._unexplained = used - settled
         self._booked = self._book(now)[0]
         self._last_fit = None
+
+    def settle_after(self) -> float:
+        """Seconds after admission past which a lease is taken to be in the engine's KV gauge when nothing
+        waits there: twice the pool's learned first-token delay, at least 2 s (the request's transfer, the
+        engine's tokenizing and a scrape's age)."""
+        return max(SETTLE_AFTER_S, 2.0 * self.pace.first_token_delay)
 
     def expected_completion(self, allowance: int, learner_key: str = "", committed: int = 0) -> int:
         """Completion tokens a request of `learner_key` with this allowance is expected to produce: the

@@ -43,6 +43,7 @@ class PoolSnapshot:
     kv_used_tokens: float | None = None  # summed usage x capacity of fresh endpoints publishing both
     decode_tokens_per_second: float | None = None  # per sequence, over fresh endpoints publishing a pace
     kv_block_tokens: int | None = None  # the largest block of the fresh endpoints: the most one rounds
+    waiting_known: bool = False  # every fresh endpoint published its queue (requests_waiting is then exact)
 
 
 def pool_pace(items: Iterable[StoredSample]) -> float | None:
@@ -100,5 +101,6 @@ def aggregate(
             kv_used_tokens=sum(used) if used else None,
             decode_tokens_per_second=pool_pace(items),
             kv_block_tokens=max((b for s in items if (b := s.sample.kv_block_tokens)), default=None),
+            waiting_known=bool(items) and all(s.sample.requests_waiting is not None for s in items),
         )
     return out

@@ -72,7 +72,8 @@ class FeedbackMetrics:
         )
         self.unexplained = Gauge(
             "extproc_kv_unexplained_tokens",
-            "KV in use at the last engine sample that this sidecar's leases did not account for.",
+            "The engine correction at the last sample: KV in use this sidecar's leases did not account for, "
+            "or (negative) what its settled leases were booked for beyond the KV in use.",
             ["pool"],
             registry=registry,
         )

@@ -141,7 +141,8 @@ class FeedbackRuntime:
         budget.set_replicas(snapshot.endpoints_known)
         budget.set_block_tokens(snapshot.kv_block_tokens)
         adaptive = self._config.adaptive_pools.get(pool, self._config.adaptive_default)
-        budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds)
+        waiting = snapshot.requests_waiting if snapshot.waiting_known else None
+        budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds, waiting)
         self.metrics.observe_budget(pool, budget, now)
 
     def budget(self, pool: str) -> KvBudget | None:

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from extproc.core.kv_budget import KvBudget
+from extproc.core.kv_budget import Booking, KvBudget
 from extproc.core.prefix_index import PrefixIndex, PromptChunks
 
 SYSTEM = tuple(range(100, 112))  # twelve chunks of a shared system prompt
@@ -148,3 +148,49 @@ def test_block_rounding_is_booked_per_sequence() -> None:
     kv.release("a")
     kv.release("b")
     assert kv.demand_tokens == 0
+
+
+def engine_sampled(kv: KvBudget, used: float, now: float, waiting: float | None) -> int:
+    kv.observe_engine(used, now=now, fresh_for=100.0, waiting=waiting)
+    return kv.booked_tokens
+
+
+def forecasting() -> KvBudget:
+    """A forecasting budget without a learned pace: each lease holds its whole footprint, 1,300 + 300."""
+    kv = KvBudget(100_000, target_utilization=1.0, booking=Booking.FORECAST)
+    kv.observe_engine(0.0, now=0.0, fresh_for=100.0)
+    return kv
+
+
+def test_the_engine_takes_back_what_running_leases_do_not_hold() -> None:
+    """Two leases admitted long ago, booked 2 x 1,600, while the engine holds 1,500 with nothing waiting:
+    they hold at most 1,500, so 1,700 comes off every forecast until the next sample."""
+    kv = forecasting()
+    kv.admit("a", 1300, 300, now=0.0)
+    kv.admit("b", 1300, 300, now=0.0)
+    assert engine_sampled(kv, 3200.0, 10.0, 0) == 3200
+    assert engine_sampled(kv, 1500.0, 10.0, 0) == 1500
+    assert kv.unexplained_tokens == -1700
+
+
+@pytest.mark.parametrize("waiting", [1, None])
+def test_nothing_is_taken_back_while_anything_waits_or_the_queue_is_unknown(waiting: float | None) -> None:
+    kv = forecasting()
+    kv.admit("a", 1300, 300, now=0.0)
+    assert engine_sampled(kv, 100.0, 10.0, waiting) == 1600  # preempted, or queued: it needs its KV back
+
+
+def test_young_leases_count_as_holding_nothing() -> None:
+    """Admitted within `settle_after` (2 s here), a lease may not be in the gauge yet: the engine's low
+    reading is no evidence against it, and it takes nothing off the old lease beside it either."""
+    kv = forecasting()
+    kv.admit("old", 1300, 300, now=0.0)
+    kv.admit("young", 1300, 300, now=9.5)
+    assert engine_sampled(kv, 1600.0, 10.0, 0) == 3200  # the old one holds all it is booked for
+    assert engine_sampled(kv, 1000.0, 10.0, 0) == 2600  # it holds at most 1,000 of its 1,600
+
+
+def test_kv_beyond_every_lease_is_still_added() -> None:
+    kv = forecasting()
+    kv.admit("a", 1300, 300, now=0.0)
+    assert engine_sampled(kv, 2000.0, 10.0, 0) == 2000
