@@ -497,6 +497,10 @@ class KvBudget:
         self._last_fit = None
         self._demand -= lease.footprint
         self._credit(self._prefixes.remove(lease_id, lease.chunks.hashes), -1)
+        if self._unexplained < 0:
+            # What the engine took off may have been this lease's over-booking, now gone with it: taken off
+            # once, not twice, until the next sample says again.
+            self._unexplained = min(0.0, self._unexplained + lease.footprint)
         if actual_completion is not None and lease.allowance > 0:
             self.learner.observe(lease.learner_key, actual_completion / lease.allowance)
         if lease.first_progress is not None and lease.last_progress_at is not None:

@@ -194,3 +194,15 @@ def test_kv_beyond_every_lease_is_still_added() -> None:
     kv = forecasting()
     kv.admit("a", 1300, 300, now=0.0)
     assert engine_sampled(kv, 2000.0, 10.0, 0) == 2000
+
+
+def test_a_release_does_not_take_back_the_same_kv_twice() -> None:
+    """The engine took 1,000 off for a lease it had finished (its client still reading); when that lease is
+    released, its booking goes, and so does the correction it explained."""
+    kv = forecasting()
+    kv.admit("slow reader", 1300, 300, now=0.0)
+    kv.admit("b", 1300, 300, now=0.0)
+    assert engine_sampled(kv, 2200.0, 10.0, 0) == 2200
+    kv.release("slow reader", 300)
+    kv.would_fit(10, 10, now=10.0)
+    assert kv.booked_tokens == 1600 and kv.unexplained_tokens == 0
