@@ -30,11 +30,13 @@ Try:
   curl -s http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model":"{model}","max_tokens":64,"messages":[{{"role":"user","content":"Hello"}}]}}'
 
-See a 429 from the concurrency limit (8 slots for {model}; for the first seconds the KV feed is not fresh yet
-and the limits sit at 60%):
-  for i in $(seq 20); do curl -s -o /dev/null -w '%{{http_code}}\\n' \\
+See the KV budget refuse what the cache cannot hold (429, with the reason and a forecast retry-after):
+  for i in $(seq 20); do curl -s -o /dev/null \\
+    -w '%{{http_code}} %header{{x-extproc-reject-reason}} retry-after %header{{retry-after}}\\n' \\
     http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model":"{model}","max_tokens":2000,"messages":[{{"role":"user","content":"Hi"}}]}}' & done; wait
+(The limits start at 60 % of the configured ones, the feed's safe scale, and recover within seconds once
+the exporter's first samples arrive: `x-ratelimit-limit-*` shows the scaled limits.)
 
 Watch the adaptive scale and the KV budget follow the engine's KV usage:
   curl -s http://127.0.0.1:{admin}/metrics | grep -E '^extproc_(kv_usage|kv_booked|adaptive_scale|limit_conc)'
@@ -42,6 +44,12 @@ Watch the adaptive scale and the KV budget follow the engine's KV usage:
 Edit {config} to change limits; the sidecar reloads it without a restart.
 Ctrl-C stops everything.
 """
+
+
+LOCAL_SIM_ARGS = ("--num-gpu-blocks", "1024")
+"""`make run`'s simulator: Llama-3-8B's timing with a 16,384-token cache (1,024 blocks of 16), so a few long
+answers fill it and the KV budget, the adaptive scale and `retry-after` visibly act (on the simulator's
+default 440,816-token cache the README's load moved KV usage to 4 %)."""
 
 
 def foreground_stack(
@@ -52,6 +60,7 @@ def foreground_stack(
     an `upstream` without a config of one's own, config/local.yaml fitted to its model is written to the
     stack's directory (and reloaded from there when edited)."""
     workdir = REPO / "run"
+    sim_args: tuple[str, ...] = () if upstream is not None else LOCAL_SIM_ARGS
     if upstream is not None and config is None:
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "upstream.yaml"
@@ -64,6 +73,7 @@ def foreground_stack(
         profile=profile,
         upstream=upstream,
         model=upstream.model if upstream is not None else "llama-3-8b",
+        sim_args=sim_args,
     )
 
 

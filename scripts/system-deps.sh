@@ -30,6 +30,7 @@ declare -A package=(
   [prometheus]=prometheus
   [promtool]=prometheus
   [openssl]=openssl
+  [curl]=curl
 )
 missing=()
 for bin in "${!package[@]}"; do
