@@ -314,11 +314,16 @@ class KvBudget:
           traffic, progress under-estimated) is added to every forecast;
         * KV the settled leases provably do not hold is taken off: when nothing waits in the engine, every
           lease admitted more than `settle_after` ago is running there and holds its blocks, so those
-          leases hold at most the KV in use, and what they are booked for beyond it (a prefix shared that
-          the chunks missed, an answer the engine finished while its client still reads, rounding booked
-          high) is over-booked. Leases admitted since may not be in the gauge yet (they count as holding
-          nothing); a request waiting (queued, or preempted and waiting to resume) holds nothing now but
-          needs its KV back, so with anything waiting nothing is taken off.
+          leases hold at most the KV in use. Their prompts (less shared prefixes) and the tokens seen
+          streamed are a floor of what they hold while they run, and of what they will hold until they
+          end; booked beyond the KV in use, that floor is over-booked for the rest of their lives (a
+          prefix shared that the chunks missed, prompts the engine's tokenizer makes shorter, an answer
+          the engine finished while its client still reads). Estimated progress and block rounding are
+          left out: taking an over-estimate of either off would lower the forecast of each lease's final
+          size, which does not depend on them. Leases admitted since may not
+          be in the gauge yet (they count as holding nothing); a request waiting (queued, or preempted
+          and waiting to resume) holds nothing now but needs its KV back, so with anything waiting nothing
+          is taken off.
         """
         self._fresh_until = now + max(0.0, fresh_for)
         self._unexplained = 0.0
@@ -328,10 +333,9 @@ class KvBudget:
             settled_before = now - self.settle_after()
             rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
             for lease in self._leases.values():
-                base = lease.trajectory(now, rate, delay)[0]
-                explained += base
+                explained += lease.trajectory(now, rate, delay)[0]
                 if lease.admitted_at is not None and lease.admitted_at <= settled_before:
-                    settled += base
+                    settled += lease.own_prompt + lease.streamed
             if used > explained:
                 self._unexplained = used - explained
             elif waiting == 0 and settled > used:

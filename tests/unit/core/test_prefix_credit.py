@@ -163,14 +163,24 @@ def forecasting() -> KvBudget:
 
 
 def test_the_engine_takes_back_what_running_leases_do_not_hold() -> None:
-    """Two leases admitted long ago, booked 2 x 1,600, while the engine holds 1,500 with nothing waiting:
-    they hold at most 1,500, so 1,700 comes off every forecast until the next sample."""
+    """Two leases admitted long ago, their prompts booked 2 x 1,300, while the engine holds 1,500 with
+    nothing waiting: they hold at most 1,500, so the 1,100 their prompts are booked for beyond it comes off
+    every forecast until the next sample (their answers' forecast stays whole)."""
     kv = forecasting()
     kv.admit("a", 1300, 300, now=0.0)
     kv.admit("b", 1300, 300, now=0.0)
     assert engine_sampled(kv, 3200.0, 10.0, 0) == 3200
-    assert engine_sampled(kv, 1500.0, 10.0, 0) == 1500
-    assert kv.unexplained_tokens == -1700
+    assert engine_sampled(kv, 1500.0, 10.0, 0) == 3200 - 1100
+    assert kv.unexplained_tokens == -1100
+
+
+def test_estimated_progress_is_never_taken_off() -> None:
+    """With a learned pace the lease is estimated 300 tokens in; the engine shows only its prompt. The
+    estimate may be high, but the final size does not depend on it: nothing comes off."""
+    kv = forecasting()
+    kv.pace.observe_stream(100.0, 1.0)
+    kv.admit("a", 1300, 300, now=0.0)
+    assert engine_sampled(kv, 1300.0, 10.0, 0) == 1600 and kv.unexplained_tokens == 0
 
 
 @pytest.mark.parametrize("waiting", [1, None])
@@ -186,8 +196,8 @@ def test_young_leases_count_as_holding_nothing() -> None:
     kv = forecasting()
     kv.admit("old", 1300, 300, now=0.0)
     kv.admit("young", 1300, 300, now=9.5)
-    assert engine_sampled(kv, 1600.0, 10.0, 0) == 3200  # the old one holds all it is booked for
-    assert engine_sampled(kv, 1000.0, 10.0, 0) == 2600  # it holds at most 1,000 of its 1,600
+    assert engine_sampled(kv, 1600.0, 10.0, 0) == 3200  # the old one may hold all it is booked for
+    assert engine_sampled(kv, 1000.0, 10.0, 0) == 2900  # its prompt: at most 1,000 of its 1,300
 
 
 def test_kv_beyond_every_lease_is_still_added() -> None:
@@ -197,12 +207,12 @@ def test_kv_beyond_every_lease_is_still_added() -> None:
 
 
 def test_a_release_does_not_take_back_the_same_kv_twice() -> None:
-    """The engine took 1,000 off for a lease it had finished (its client still reading); when that lease is
-    released, its booking goes, and so does the correction it explained."""
+    """The engine took 1,300 off for a lease it had finished (its client still reading); when that lease
+    is released, its booking goes, and so does the correction it explained."""
     kv = forecasting()
     kv.admit("slow reader", 1300, 300, now=0.0)
     kv.admit("b", 1300, 300, now=0.0)
-    assert engine_sampled(kv, 2200.0, 10.0, 0) == 2200
+    assert engine_sampled(kv, 1300.0, 10.0, 0) == 3200 - 1300
     kv.release("slow reader", 300)
     kv.would_fit(10, 10, now=10.0)
     assert kv.booked_tokens == 1600 and kv.unexplained_tokens == 0
