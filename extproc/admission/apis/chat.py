@@ -41,7 +41,7 @@ class ChatAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = stream_options(body)
+        stream, include_usage = stream_options(body, only_when_streamed=True)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         requested, param = chat_output_bound(body)
         least, ignore_eos = least_output(body)

@@ -37,7 +37,7 @@ class CompletionsAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = stream_options(body)
+        stream, include_usage = stream_options(body, only_when_streamed=True)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         best_of = f.opt_int(body, "best_of", low=1, high=f.MAX_N) or 1
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)

@@ -229,9 +229,18 @@ def completion_step_work(body: Mapping[str, Any]) -> StepWork:
     )
 
 
-def stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(stream, include_usage) of a generation request."""
+def stream_options(body: Mapping[str, Any], *, only_when_streamed: bool = False) -> tuple[bool, bool]:
+    """(stream, include_usage) of a generation request. `only_when_streamed`: stream options without
+    `stream: true` are refused, as vLLM 0.32.0 refuses them for chat and completions (chat_completion/
+    protocol.py:822-831, completion/protocol.py:579-588: a truthy `stream_options` and a falsy `stream`),
+    instead of admitting, metering and refunding what the engine will refuse."""
     stream = bool(f.opt_bool(body, "stream", "stream"))
+    if only_when_streamed and body.get("stream_options") and not stream:
+        f.bad(
+            "Stream options (`stream_options`) can only be defined when `stream=True`.",
+            code="invalid_value",
+            param="stream_options",
+        )
     options = f.opt_object(body, "stream_options", "stream_options")
     include_usage = (
         bool(f.opt_bool(options, "include_usage", "stream_options.include_usage")) if options else False

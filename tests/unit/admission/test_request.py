@@ -200,7 +200,28 @@ INVALID: list[tuple[str, Api, Any, str, str | None]] = [
         "invalid_type",
         "stream_options.include_usage",
     ),
+    # vLLM refuses stream options on a request that does not stream; so does the sidecar, before metering.
+    (
+        "stream-options-unstreamed",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        "invalid_value",
+        "stream_options",
+    ),
+    (
+        "stream-options-stream-false",
+        COMP,
+        comp(stream=False, stream_options={"include_usage": True}),
+        "invalid_value",
+        "stream_options",
+    ),
 ]
+
+
+@pytest.mark.parametrize("api", [CHAT, COMP])
+def test_empty_stream_options_without_a_stream_pass_as_vllm_lets_them(api: Api) -> None:
+    body = chat(stream_options={}) if api == CHAT else comp(stream_options={})
+    assert parse_request(api, raw(body)).stream is False
 
 
 @pytest.mark.parametrize(
@@ -648,7 +669,7 @@ def test_include_usage_round_trip_keeps_other_fields() -> None:
         (CHAT, chat(stream=True, stream_options={"include_usage": True}), False),
         (CHAT, chat(), False),
         (CHAT, chat(stream=False), False),
-        (COMP, comp(stream=False, stream_options={"include_usage": False}), False),
+        (COMP, comp(stream=False, stream_options={}), False),
         (EMB, emb(stream=True), False),
     ],
 )
