@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.common import write_json
 from bench.protection.engine import SIM_TIMING, start_engine, start_simulator
-from tests.engine.stacks import prefix_config, start_gateway, wait_idle, warm_up
+from tests.engine.stacks import overload_through, prefix_config, start_gateway, warm_up
 from tests.support import prefix_load
 from tests.support.engine import CACHE_TOKENS, MODEL, Engine
 from tests.support.stack import Stack
@@ -40,15 +40,7 @@ def run_mode(mode: str, engine: Engine) -> dict[str, Any]:
     stack = Stack(start_gateway(engine, config, "lean", with_exporter=True))
     try:
         warm_up(stack)
-        run = prefix_load.overload(
-            MODEL,
-            engine.url,
-            stack.url,
-            CACHE_TOKENS,
-            admin_url=stack.stack.admin_url,
-            settle=lambda: wait_idle(stack),
-        )
-        return {"mode": mode, **run.figures()}
+        return {"mode": mode, **overload_through(engine, stack).figures()}
     finally:
         stack.stack.stop()
 

@@ -69,6 +69,18 @@ def warm_up(gateway: Stack) -> None:
     wait_idle(gateway)
 
 
+def overload_through(engine: Engine, gateway: Stack) -> prefix_load.Run:
+    """The shared-prefix overload through `gateway`, its booking sampled beside the engine's KV."""
+    return prefix_load.overload(
+        MODEL,
+        engine.url,
+        gateway.url,
+        CACHE_TOKENS,
+        admin_url=gateway.stack.admin_url,
+        settle=lambda: wait_idle(gateway),
+    )
+
+
 ENGINE_HOST_MESSAGE_TIMEOUT = "15s"
 """The ext_proc message timeout on the engine tier's Envoy. vLLM's CPU backend binds its compute threads to
 one core and reserves the other for its scheduler process (utils/ompmultiprocessing.py, vLLM 0.32.0: "at

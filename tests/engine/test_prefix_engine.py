@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.engine.stacks import prefix_config, start_gateway, wait_idle, warm_up
+from tests.engine.stacks import overload_through, prefix_config, start_gateway, warm_up
 from tests.support import prefix_load
 from tests.support.engine import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.support.stack import Stack
@@ -47,14 +47,7 @@ def gateway(engine: Engine) -> Iterator[Stack]:
 def test_shared_prefix_overload(engine: Engine, gateway: Stack) -> None:
     warm_up(gateway)
     direct = prefix_load.overload(MODEL, engine.url, engine.url, CACHE_TOKENS)
-    through = prefix_load.overload(
-        MODEL,
-        engine.url,
-        gateway.url,
-        CACHE_TOKENS,
-        admin_url=gateway.stack.admin_url,
-        settle=lambda: wait_idle(gateway),
-    )
+    through = overload_through(engine, gateway)
     report = f"straight: {direct}; through the gateway: {through}"
     print(report)
     served = [200] * prefix_load.REQUESTS
