@@ -53,7 +53,8 @@ def test_the_quickstart_runs_as_written_in_front_of_the_engine(engine: Engine) -
             ["bash", "-c", command], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        wait_until(lambda: http("GET", "http://127.0.0.1:9901/ready").status == 200, "Envoy", 120, proc)
+        # The banner prints once every process is ready (upstream, sidecar, then Envoy).
+        wait_until(lambda: b"Local stack is up" in log.read_bytes(), "the banner", 120, proc)
         body = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Hello"}]}
         reply = http("POST", f"{ENVOY}/v1/chat/completions", body)
         assert reply.status == 200, reply.body[:500]
