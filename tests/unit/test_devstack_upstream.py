@@ -68,7 +68,8 @@ def test_the_local_config_is_fitted_to_the_served_model() -> None:
     fitted = upstream.sidecar_config(yaml.safe_load(LOCAL_CONFIG.read_text()))
     config = parse_config(fitted)
     assert "llama-3-8b" not in config.models and config.models["qwen-7b"].context_window == 32768
-    assert config.limits.models["qwen-7b"].max_concurrency == 8
+    local = parse_config(yaml.safe_load(LOCAL_CONFIG.read_text())).limits.models["llama-3-8b"]
+    assert config.limits.models["qwen-7b"] == local  # the simulated model's limits, moved
     assert config.feedback is not None and config.feedback.kv_budget.enabled
     assert config_warnings(config) == []
 
