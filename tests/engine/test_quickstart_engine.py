@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -68,6 +69,16 @@ def test_the_quickstart_runs_as_written_in_front_of_the_engine(engine: Engine) -
         fitted = (REPO / "run" / "upstream.yaml").read_text()
         assert MODEL in fitted and "kv_budget" in fitted
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=60)
-    assert code == 0, log.read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal sends it to make and the stack alike
+        proc.wait(timeout=60)  # make reports the interrupt in its own exit status, whatever the stack did
+    assert "stopping the local stack" in log.read_text(), log.read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    for port in (10000, 9464, 50051, 50061):  # every process of the stack goes, and its port with it
+        while answers(port):
+            assert time.monotonic() < deadline, f"127.0.0.1:{port} still answers after Ctrl-C"
+            time.sleep(0.2)
+
+
+def answers(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
