@@ -21,8 +21,11 @@ estimate. Two ways to book it (`Booking`):
   the highest total the trajectories reach from now on, with its own added, stays within the budget.
   Tokens generated so far are the streamed count where the response streams, else an estimate from the
   time since admission and the pool's decode pace learned from streams (`DecodePace`). The engine's own
-  KV gauge corrects the sum: at each feed sample, KV in use that the leases do not explain (other
-  traffic, block rounding, progress under-estimated) is added to every forecast until the next sample.
+  KV gauge corrects the sum in both directions (`observe_engine`): at each feed sample, KV in use that
+  the leases do not explain (other traffic, progress under-estimated) is added to every forecast until the
+  next sample, and, while nothing waits in the engine, what running leases are provably booked for beyond
+  the KV in use is taken off. Each running sequence is booked half a KV block on top of its tokens for the
+  engine's whole-block rounding (`set_block_tokens`).
   A lease that outlives its expected completion is re-forecast up to its whole allowance.
   Forecasts need the feed: with no engine sample for `fresh_for` seconds (or before the first one), or
   without a known decode pace for leases that do not stream, the budget books as `lifetime` does.
@@ -71,9 +74,8 @@ class _Lease:
     last_progress_at: float | None = None
     chunks: PromptChunks = NO_CHUNKS
     credited: int = 0  # leading chunks other leases pay for (`PrefixIndex`)
-    slack: int = (
-        0  # the engine's whole-block rounding of its sequences' last blocks (`KvBudget.set_block_tokens`)
-    )
+    # The engine's whole-block rounding of its sequences' last blocks (`KvBudget.set_block_tokens`).
+    slack: int = 0
 
     @property
     def own_prompt(self) -> int:
@@ -320,10 +322,9 @@ class KvBudget:
           prefix shared that the chunks missed, prompts the engine's tokenizer makes shorter, an answer
           the engine finished while its client still reads). Estimated progress and block rounding are
           left out: taking an over-estimate of either off would lower the forecast of each lease's final
-          size, which does not depend on them. Leases admitted since may not
-          be in the gauge yet (they count as holding nothing); a request waiting (queued, or preempted
-          and waiting to resume) holds nothing now but needs its KV back, so with anything waiting nothing
-          is taken off.
+          size, which does not depend on them. Leases admitted since may not be in the gauge yet (they
+          count as holding nothing); a request waiting (queued, or preempted and waiting to resume) holds
+          nothing now but needs its KV back, so with anything waiting nothing is taken off.
         """
         self._fresh_until = now + max(0.0, fresh_for)
         self._unexplained = 0.0
