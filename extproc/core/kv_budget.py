@@ -157,6 +157,7 @@ class KvBudget:
         self._leases: dict[str, _Lease] = {}
         self._prefixes = PrefixIndex()
         self._block_slack = 0
+        self._fed_rate: float | None = None
         self._demand = 0
         self._fresh_until: float | None = None
         self._unexplained = 0.0
@@ -242,7 +243,7 @@ class KvBudget:
         request was compared with.
         """
         budget = self.budget_tokens
-        rate = self.pace.tokens_per_second
+        rate = self.decode_rate()
         if budget is None or now is None or rate is None or rate <= 0 or not self._leases:
             return []
         delay = self.pace.first_token_delay
@@ -332,7 +333,7 @@ class KvBudget:
             used = used_tokens * self._share
             explained = settled = 0.0
             settled_before = now - self.settle_after()
-            rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+            rate, delay = self.decode_rate(), self.pace.first_token_delay
             for lease in self._leases.values():
                 explained += lease.trajectory(now, rate, delay)[0]
                 if lease.admitted_at is not None and lease.admitted_at <= settled_before:
@@ -343,6 +344,24 @@ class KvBudget:
                 self._unexplained = used - settled
         self._booked = self._book(now)[0]
         self._last_fit = None
+
+    def observe_fed_pace(self, tokens_per_second: float | None) -> None:
+        """The engine's own decode pace per sequence at the last sample (from its counters, `kvfeed.pace`),
+        None when unknown: it bounds the learned pace from above (`decode_rate`)."""
+        ok = tokens_per_second is not None and math.isfinite(tokens_per_second) and tokens_per_second > 0
+        self._fed_rate = tokens_per_second if ok else None
+
+    def decode_rate(self) -> float | None:
+        """The pace the forecast takes unseen answers to progress at: the one learned from finished streams,
+        or the engine's current one where that is slower. A pace learned from a stream decoded at low load
+        runs fast under a full batch; taken as it is, it has admitted answers look further along, and so
+        ending sooner, than they are (a burst of forty let in on a pace learned from one warm-up stream
+        took the cache to 0.98). A slower pace only makes the forecast keep KV longer. None while none is
+        learned: such leases book their whole footprint, as before."""
+        learned = self.pace.tokens_per_second
+        if learned is None or self._fed_rate is None:
+            return learned
+        return min(learned, self._fed_rate)
 
     def settle_after(self) -> float:
         """Seconds after admission past which a lease is taken to be in the engine's KV gauge when nothing
@@ -565,7 +584,7 @@ class KvBudget:
         return alone, together
 
     def _trajectories(self, now: float) -> list[Steps]:
-        rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+        rate, delay = self.decode_rate(), self.pace.first_token_delay
         return [lease.trajectory(now, rate, delay) for lease in self._leases.values()]
 
     def _book(self, now: float | None, extra: _Lease | None = None) -> tuple[int, int]:
@@ -574,7 +593,7 @@ class KvBudget:
         if not self.forecasting(now):
             return self._demand, self._demand + (extra.footprint if extra is not None else 0)
         assert now is not None
-        rate, delay = self.pace.tokens_per_second, self.pace.first_token_delay
+        rate, delay = self.decode_rate(), self.pace.first_token_delay
         added = extra.trajectory(now, rate, delay) if extra is not None else None
         alone, together = forecast_peaks(self._trajectories(now), added)
         return math.ceil(alone + self._unexplained), math.ceil(together + self._unexplained)

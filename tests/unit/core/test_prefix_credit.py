@@ -216,3 +216,23 @@ def test_a_release_does_not_take_back_the_same_kv_twice() -> None:
     kv.release("slow reader", 300)
     kv.would_fit(10, 10, now=10.0)
     assert kv.booked_tokens == 1600 and kv.unexplained_tokens == 0
+
+
+def test_the_engines_slower_pace_bounds_the_learned_one() -> None:
+    """A pace learned from a stream decoded at low load (100 tokens/s) runs fast under a full batch (the
+    engine's counters say 20). At the learned pace the running answer is taken for 500 tokens along and a
+    second one fits beside it (peak 1,700 of 1,800); at the engine's pace it is 100 along, ends later, and
+    the two together would peak at 2,100: refused."""
+    kv = KvBudget(2000, target_utilization=0.9, booking=Booking.FORECAST)
+    kv.observe_engine(0.0, now=0.0, fresh_for=100.0)
+    kv.pace.observe_stream(100.0, 1.0)
+    kv.admit("a", 100, 1000, now=0.0)
+    assert kv.would_fit(100, 1000, now=5.0) == (True, 1800 - 1100)
+    kv.observe_fed_pace(20.0)
+    assert kv.decode_rate() == 20.0
+    assert kv.would_fit(100, 1000, now=5.0)[0] is False
+    kv.observe_fed_pace(float("nan"))  # an impossible reading is no reading
+    assert kv.decode_rate() == 100.0
+    unlearned = KvBudget(2000, booking=Booking.FORECAST)
+    unlearned.observe_fed_pace(20.0)
+    assert unlearned.decode_rate() is None  # nothing learned: such leases book whole footprints, as before
