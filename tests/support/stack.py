@@ -36,16 +36,21 @@ class Reply:
 
 
 def http(
-    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None
+    method: str,
+    url: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout_s: float = 60.0,
 ) -> Reply:
-    """A plain HTTP call that returns error statuses instead of raising."""
+    """A plain HTTP call that returns error statuses instead of raising (`timeout_s`: per socket read)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     request = urllib.request.Request(url, data=data, method=method)
     request.add_header("content-type", "application/json")
     for key, value in (headers or {}).items():
         request.add_header(key, value)
     try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return Reply(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())
     except urllib.error.HTTPError as err:
         return Reply(err.code, {k.lower(): v for k, v in err.headers.items()}, err.read())
