@@ -69,7 +69,7 @@ def warm_up(gateway: Stack) -> None:
     wait_idle(gateway)
 
 
-def overload_through(engine: Engine, gateway: Stack) -> prefix_load.Run:
+def overload_through(engine: Engine, gateway: Stack, requests: int = prefix_load.REQUESTS) -> prefix_load.Run:
     """The shared-prefix overload through `gateway`, its booking sampled beside the engine's KV."""
     return prefix_load.overload(
         MODEL,
@@ -78,6 +78,7 @@ def overload_through(engine: Engine, gateway: Stack) -> prefix_load.Run:
         CACHE_TOKENS,
         admin_url=gateway.stack.admin_url,
         settle=lambda: wait_idle(gateway),
+        requests=requests,
     )
 
 
