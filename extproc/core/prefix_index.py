@@ -102,7 +102,7 @@ class PrefixIndex:
             if holders is None:
                 continue
             try:
-                at = len(holders) - 1 - holders[::-1].index(lease)
+                at = holders.index(lease)  # a lease holds a chunk once
             except ValueError:
                 continue
             paid = at >= len(holders) - self.replicas
