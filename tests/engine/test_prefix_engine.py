@@ -31,8 +31,8 @@ the others grew and preempted nothing. Forty-eight (156 blocks) overflow it in e
 KV_PEAK_FLOOR = 0.5
 """How full the gateway lets the engine's cache get at the peak: 0.59-0.98 measured (the gauge is sampled
 every second or so, and one CI run's sample peaked at 0.59 with throughput at 95 % of the engine alone),
-0.27-0.35 with every prompt booked whole; the budget's target (0.9) and the half block per sequence it books for the engine's
-whole-block rounding keep it below the engine's own peak (1.0, with preemptions)."""
+0.27-0.35 with every prompt booked whole; the budget's target (0.9) and the half block per sequence it
+books for the engine's whole-block rounding keep it below the engine's own peak (1.0, with preemptions)."""
 THROUGHPUT_FLOOR = 0.65
 """The gateway's output tokens per second against the engine alone in the same run: 0.76 to 1.05 measured
 (bench/RESULTS.md section 6), 0.57-0.59 with every prompt booked whole. The burst is forty requests at once,
