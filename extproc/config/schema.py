@@ -322,6 +322,7 @@ class KvBudget(Section):
         _FEEDBACK.kv_budget.booking
     )
     prefix_sharing: Flag = _FEEDBACK.kv_budget.prefix_sharing
+    min_completion_ratio: Ratio = _FEEDBACK.kv_budget.min_completion_ratio
 
 
 # -- store -------------------------------------------------------------------------------------------------

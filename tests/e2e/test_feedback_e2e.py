@@ -237,6 +237,51 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
         local.stop()
 
 
+def _hold_stream(stack: Stack, body: bytes) -> socket.socket:
+    """A streamed request held open through the gateway once admitted (its 200 read)."""
+    host, port = stack.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    assert b"200 OK" in sock.recv(65536)
+    return sock
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_forty_early_stops_do_not_train_the_next_booking_below_its_floor(profile: str) -> None:
+    """Forty answers that stop after 1 of 1,500 allowed tokens teach the tenant's expected completion down,
+    never below the floor: the next 1,500-token request is booked its prompt plus a tenth of its allowance
+    (`KvBudget(min_completion_ratio=0.1)`), not nothing. Before the forty it is booked its whole allowance."""
+    local = start_stack(
+        config=BUDGET_CONFIG, sim_args=SIM_ARGS, with_exporter=True, profile=profile, envoy_patch=None
+    )
+    stack = Stack(local)
+    body = {"model": MODEL, "max_tokens": 1500, "messages": [{"role": "user", "content": "go"}]}
+    streamed = json.dumps({**body, "stream": True}).encode()
+    demand = "extproc_kv_demand_tokens"
+    try:
+        wait_for(lambda: stack.sidecar("extproc_kv_capacity_tokens", pool=MODEL) == 4096, 10, "capacity")
+        sock = _hold_stream(stack, streamed)
+        untrained = stack.sidecar(demand, pool=MODEL)
+        sock.close()
+        wait_for(lambda: stack.sidecar(demand, pool=MODEL) == 0, 10, "first request settled")
+        for _ in range(40):
+            reply = http("POST", f"{stack.url}/v1/chat/completions", body, {"x-sim-output-tokens": "1"})
+            assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 1
+        wait_for(lambda: stack.sidecar(demand, pool=MODEL) == 0, 10, "early stops settled")
+        sock = _hold_stream(stack, streamed)
+        trained = stack.sidecar(demand, pool=MODEL)
+        sock.close()
+        prompt = untrained - 1500
+        assert 0 < prompt < 50, untrained
+        assert trained == prompt + 150, (untrained, trained)
+    finally:
+        local.stop()
+
+
 class FakeFeed:
     """A KvFeed server in this process streaming, every 0.1 s, whatever `samples` holds now: a stand-in for
     an exporter (or anything speaking the protocol) that sends readings no server can have."""

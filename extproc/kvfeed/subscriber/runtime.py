@@ -164,6 +164,7 @@ class FeedbackRuntime:
                 capacity_share=settings.capacity_share,
                 booking=Booking(settings.booking),
                 prefix_sharing=settings.prefix_sharing,
+                min_completion_ratio=settings.min_completion_ratio,
             )
             if self.loop is not None:
                 budget.set_capacity(self.loop.capacity_tokens(pool))

@@ -90,6 +90,9 @@ class KvBudgetConfig:
     # Book a prompt prefix shared by requests in flight once per replica, as the engine's prefix cache holds
     # it (extproc.core.prefix_index); off: every prompt is booked whole.
     prefix_sharing: bool = True
+    # The least share of its completion allowance a request is booked for whatever its tenant's history
+    # (extproc.core.completion_learner): forty answers that stop after one token cannot book the next at 0.
+    min_completion_ratio: float = 0.1
 
 
 @dataclass(frozen=True)

@@ -103,3 +103,28 @@ def test_runtime_feeds_engine_readings_and_keeps_capacity_when_stale() -> None:
             await runtime.stop()
 
     asyncio.run(scenario())
+
+
+def test_min_completion_ratio_reaches_each_pools_budget_and_is_validated() -> None:
+    async def scenario() -> None:
+        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, Clock())
+        config = parse_config(
+            {"feedback": FEED, "kv_budget": {"enabled": True, "min_completion_ratio": 0.25}}
+        ).feedback
+        await runtime.apply(config, ["m"])
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample(0.0))
+            budget = runtime.budget("m")
+            assert budget is not None
+            for _ in range(40):  # a tenant whose answers stop after one token of 4,000
+                budget.admit("x", 10, 4000, "tenant")
+                budget.release("x", 1)
+            assert budget.expected_completion(4000, "tenant") == 1000
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+    with pytest.raises(ConfigError) as err:
+        parse_config({"feedback": FEED, "kv_budget": {"enabled": True, "min_completion_ratio": 0}})
+    assert str(err.value).startswith("kv_budget.min_completion_ratio"), str(err.value)
