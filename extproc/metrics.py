@@ -201,11 +201,12 @@ class Metrics:
         self.end_report_channel.set(1)
         self.end_report_channel_losses = Counter(
             "extproc_end_report_channel_losses",
-            "Lean profile: times the end-report channel was found lost, by how (stream_closed, misses).",
+            "Lean profile: times the end-report channel was found lost, by how (stream_closed, misses, "
+            "never_connected: requests ended without reports and no access-log stream ever connected).",
             ["cause"],
             registry=r,
         )
-        for cause in ("stream_closed", "misses"):
+        for cause in ("stream_closed", "misses", "never_connected"):
             self.end_report_channel_losses.labels(cause)
         self.active = Gauge("extproc_active_requests", "Admitted requests not yet settled.", registry=r)
         self.streams = Gauge("extproc_streams_active", "Open ext_proc gRPC streams.", registry=r)

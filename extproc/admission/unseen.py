@@ -61,6 +61,10 @@ class ReportChannel:
         self.service = service
         self.state = ChannelState.UP
         self.streams = 0
+        self.ever_connected = False
+        """Whether any access-log stream or report has come since start: Envoy opens the stream on its first
+        log entry, so its absence says nothing until requests end without reports; then it tells a channel
+        that never came up (a misconfigured access log) from one that broke."""
         self._misses = 0
         self._on_lost = on_lost
 
@@ -70,6 +74,7 @@ class ReportChannel:
 
     def stream_opened(self) -> None:
         self.streams += 1
+        self.ever_connected = True
         self._restore("access-log stream opened")
 
     def stream_closed(self, closing: bool = False) -> None:
@@ -82,13 +87,14 @@ class ReportChannel:
     def reported(self) -> None:
         """An access-log entry arrived (whichever lease it names): the channel works."""
         self._misses = 0
+        self.ever_connected = True
         self._restore("end report received")
 
     def missed(self) -> None:
         """A request's report did not come within the bounded wait."""
         self._misses += 1
         if self._misses >= MISSES_FOR_LOSS:
-            self._lose("misses")
+            self._lose("misses" if self.ever_connected else "never_connected")
 
     def _lose(self, cause: str) -> None:
         if self.lost:
@@ -99,7 +105,12 @@ class ReportChannel:
         self.service.child(metrics.end_report_channel_losses, cause).inc()
         log.warning(
             "end-report channel down: leases are released when their request ends and charged by the "
-            "decode-rate estimate (is Envoy's access log reaching the sidecar's gRPC port?)",
+            "decode-rate estimate (is Envoy's access log reaching the sidecar's gRPC port?)"
+            if cause != "never_connected"
+            else "end-report channel never came up: no access-log stream has connected since the sidecar "
+            "started and requests end without reports; leases are released when their request ends and "
+            "charged by the decode-rate estimate (check the access logger's cluster in Envoy's config: it "
+            "must reach the sidecar's gRPC port)",
             extra={"cause": cause, "misses": self._misses, "access_log_streams": self.streams},
         )
         self._on_lost()

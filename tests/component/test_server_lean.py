@@ -3,6 +3,7 @@ dynamic metadata in the reply, then an access-log entry (or none) that settles t
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -295,3 +296,37 @@ async def test_requests_ending_without_reports_lose_the_channel_after_three(harn
     assert harness.metric("extproc_end_report_channel_up") == 0
     assert harness.metric("extproc_end_report_channel_losses_total", cause="misses") == 1
     log_stream.cancel()
+
+
+async def test_a_channel_that_never_connected_is_lost_as_such_after_three_misses(harness: Harness) -> None:
+    for done in range(1, 4):
+        assert harness.metric("extproc_end_report_channel_up") == 1
+        s = harness.stream()
+        await s.send(lean_body(chat(max_tokens=40)))
+        await s.close()
+        await eventually(lambda n=done: harness.metric("extproc_settlements_total", outcome="expired") == n)
+    assert harness.metric("extproc_end_report_channel_up") == 0
+    assert harness.metric("extproc_end_report_channel_losses_total", cause="never_connected") == 1
+    assert harness.metric("extproc_end_report_channel_losses_total", cause="misses") == 0
+
+
+async def test_an_expired_lease_is_charged_the_prompts_exact_count_not_its_byte_bound(
+    harness: Harness,
+) -> None:
+    """No access log ever connects: the lease expires, and its prompt is charged as counted (what a reported
+    answer without usage is charged: the count the admission on the byte bound corrects to), not the
+    bound."""
+    body = lean_body(chat(max_tokens=40, content="hello there " * 200))
+    prompt = functools.partial(harness.metric, "extproc_tokens_settled_total", kind="prompt")
+    s = harness.stream()
+    key = admitted_metadata(await s.send(body))[REPORT_KEY]
+    await report(harness, entry(key, 200, {"n": 40.0}))
+    await harness.settled()
+    counted = prompt()
+    await s.close()
+    s = harness.stream()
+    await s.send(body)
+    await s.close()
+    await eventually(lambda: harness.metric("extproc_settlements_total", outcome="expired") == 1)
+    await harness.settled()
+    assert 400 <= counted <= 450 and prompt() - counted == counted, (counted, prompt())
