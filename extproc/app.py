@@ -25,8 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
+from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.admission.compose import build_admission
-from extproc.admission.queueing import AdmissionQueue
 from extproc.config import DEFAULT_MODEL, Config, ConfigWatcher, ReloadResult, load_config, log_warnings
 from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.policy import ModelPolicy
-from extproc.admission.request import Api, count_prompt_tokens, parse_request
-from extproc.admission.tokens import count_text
+from extproc.admission.intake.request import Api, count_prompt_tokens, parse_request
+from extproc.admission.vocabulary.policy import ModelPolicy
+from extproc.admission.vocabulary.tokens import count_text
 from extproc.core.limiter import JointLimiter, LimitSpec
 from extproc.sim.textgen import vocabulary
 from extproc.store.local import LocalStore
@@ -189,7 +189,7 @@ def test_lua_reader_stream(benchmark: Any, chunks: int) -> None:
     what Envoy's side of the calls adds is measured by `python -m bench.overhead.lua`."""
     import lupa.luajit21 as lupa  # type: ignore[import-untyped]
 
-    from extproc.admission.reading import OPENAI_SPEC
+    from extproc.admission.tracking.reading import OPENAI_SPEC
     from extproc.envoyconf.lean import lua_source
 
     lua = lupa.LuaRuntime(encoding=None)

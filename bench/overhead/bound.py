@@ -33,7 +33,7 @@ from bench.overhead import profiles
 from bench.overhead.hotpath import sidecar_timings
 from bench.overhead.profiles import Stack, Variant, chat, measured
 from extproc.admission.exchange import Exchange, RequestHead
-from extproc.admission.verdicts import Forward
+from extproc.admission.replies.verdicts import Forward
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock

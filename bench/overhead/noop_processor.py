@@ -23,8 +23,8 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.admission.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY
-from extproc.admission.reading import OPENAI_SPEC
+from extproc.admission.tracking.reading import OPENAI_SPEC
+from extproc.admission.vocabulary.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY
 
 _HEADERS = pb.HeadersResponse()
 _BODY = pb.BodyResponse()

@@ -3,7 +3,8 @@ the sidecar has them, the KV feed's signals, the wait queue and worker threads) 
 
 The sidecar (extproc/app.py) and the unit tests build it the same way, so a test's exchange is the
 sidecar's exchange without gRPC: `build_admission(...).exchange()`. The rules are admission's own type
-(extproc/admission/rules.py), which the config package builds once per load; nothing here reads a config.
+(extproc/admission/intake/rules.py), which the config package builds once per load; nothing here reads a
+config.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.admission.exchange import Exchange
-from extproc.admission.queueing import AdmissionQueue
-from extproc.admission.rules import AdmissionRules
+from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.service import AdmissionService, Deps
-from extproc.admission.unseen import UnseenStreams
+from extproc.admission.tracking.unseen import UnseenStreams
 from extproc.core.clock import Clock
 from extproc.core.kv_budget import KvBudget
 from extproc.core.ports import LimiterStore

@@ -27,19 +27,13 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from extproc.admission import refusals
-from extproc.admission.answer import Answer
-from extproc.admission.decision import Decision, Granted, RequestFacts, Shadowed, refuse
-from extproc.admission.headers import ratelimit_headers
-from extproc.admission.inflight import InFlight
-from extproc.admission.names import FORWARDED_REQUEST_HEADERS
-from extproc.admission.paths import BACKEND_CONTROL_HEADERS, RouteKind
-from extproc.admission.provisional import Correction
-from extproc.admission.reading import spec_for
-from extproc.admission.rules import TenantSource
-from extproc.admission.service import AdmissionService, Admitted
-from extproc.admission.unseen import UnseenStreams
-from extproc.admission.verdicts import (
+from extproc.admission.deciding.decision import Decision, Granted, RequestFacts, Shadowed, refuse
+from extproc.admission.deciding.provisional import Correction
+from extproc.admission.intake.paths import BACKEND_CONTROL_HEADERS, RouteKind
+from extproc.admission.intake.rules import TenantSource
+from extproc.admission.replies import refusals
+from extproc.admission.replies.headers import ratelimit_headers
+from extproc.admission.replies.verdicts import (
     FORWARD,
     PASSTHROUGH,
     BodyVerdict,
@@ -49,6 +43,12 @@ from extproc.admission.verdicts import (
     ReportTicket,
     RequestVerdict,
 )
+from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.tracking.answer import Answer
+from extproc.admission.tracking.inflight import InFlight
+from extproc.admission.tracking.reading import spec_for
+from extproc.admission.tracking.unseen import UnseenStreams
+from extproc.admission.vocabulary.names import FORWARDED_REQUEST_HEADERS
 
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""

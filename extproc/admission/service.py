@@ -21,15 +21,15 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.admission.booking import KvBooking
-from extproc.admission.hints import SlotHints
-from extproc.admission.lanes import Lanes
-from extproc.admission.policy import ModelPolicy
-from extproc.admission.prompt import Count
-from extproc.admission.queueing import AdmissionQueue
-from extproc.admission.request import ParsedRequest, Reservation, count_prompt_tokens
-from extproc.admission.rules import AdmissionRules, ClassPolicy
-from extproc.admission.settlement import Charge
+from extproc.admission.capacity.booking import KvBooking
+from extproc.admission.capacity.hints import SlotHints
+from extproc.admission.capacity.lanes import Lanes
+from extproc.admission.capacity.queueing import AdmissionQueue
+from extproc.admission.capacity.settlement import Charge
+from extproc.admission.intake.request import ParsedRequest, Reservation, count_prompt_tokens
+from extproc.admission.intake.rules import AdmissionRules, ClassPolicy
+from extproc.admission.vocabulary.policy import ModelPolicy
+from extproc.admission.vocabulary.prompt import Count
 from extproc.core.clock import Clock, monotonic
 from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
@@ -39,7 +39,7 @@ from extproc.core.slot_eta import OpenLease
 from extproc.metrics import Metrics
 
 if TYPE_CHECKING:
-    from extproc.admission.inflight import InFlight
+    from extproc.admission.tracking.inflight import InFlight
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ falls back to a default is worse than a refused reload.
 - `build`: `parse_config`, which validates against the schema and builds the runtime types.
 - `problems`, `walk`: pydantic's errors as key-path sentences; the schema's keys, and how `null` is read.
 - `runtime`: `Config` and the types the packages take, and `admission_rules`, the one conversion to
-  admission's own policy (extproc/admission/rules.py) that each `Config` holds.
+  admission's own policy (extproc/admission/intake/rules.py) that each `Config` holds.
 - `load`: reading a file within bounds (bytes, nesting, nodes after alias expansion), and loading it in a
   child process, off the event loop.
 - `watch`: `load_config` and `ConfigWatcher`, over `load`.
@@ -17,7 +17,7 @@ falls back to a default is worse than a refused reload.
 
 from __future__ import annotations
 
-from extproc.admission.rules import DEFAULT_MODEL  # the `models`/`limits.models` entry for every name
+from extproc.admission.intake.rules import DEFAULT_MODEL  # the `models`/`limits.models` entry for every name
 from extproc.config.build import parse_config
 from extproc.config.errors import MAX_PROBLEM_CHARS, MAX_PROBLEMS_SHOWN, MAX_SUGGESTIONS, ConfigError
 from extproc.config.runtime import (

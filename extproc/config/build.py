@@ -20,10 +20,16 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 
-from extproc.admission.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
-from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, StepBounds, TemplateCosts
-from extproc.admission.rules import DEFAULT_MODEL, ClassPolicy
-from extproc.admission.tokens import get_encoding
+from extproc.admission.intake.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
+from extproc.admission.intake.rules import DEFAULT_MODEL, ClassPolicy
+from extproc.admission.vocabulary.policy import (
+    MediaCosts,
+    MissingMaxTokens,
+    ModelPolicy,
+    StepBounds,
+    TemplateCosts,
+)
+from extproc.admission.vocabulary.tokens import get_encoding
 from extproc.config import schema
 from extproc.config.errors import ConfigError
 from extproc.config.problems import problems

@@ -14,9 +14,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from extproc.admission.paths import DEFAULT_TABLE, PathTable
-from extproc.admission.policy import ModelPolicy, StepBounds
-from extproc.admission.rules import DEFAULT_MODEL, AdmissionRules, ClassPolicy, TenantSource, Tokenizing
+from extproc.admission.intake.paths import DEFAULT_TABLE, PathTable
+from extproc.admission.intake.rules import (
+    DEFAULT_MODEL,
+    AdmissionRules,
+    ClassPolicy,
+    TenantSource,
+    Tokenizing,
+)
+from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
 from extproc.config import schema
 from extproc.core.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import FeedbackConfig
@@ -178,7 +184,7 @@ class Config:
 
 
 def admission_rules(config: Config) -> AdmissionRules:
-    """The one conversion from the runtime config to admission's policy (extproc/admission/rules.py).
+    """The one conversion from the runtime config to admission's policy (extproc/admission/intake/rules.py).
 
     It shares the config's tables instead of copying them (`models`, `tenant_classes`, the keys of
     `limits.models`, the allow-list), so its cost does not grow with the number of tenants.

@@ -31,8 +31,8 @@ from typing import Annotated, Any, ClassVar, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, field_validator
 
-from extproc.admission.policy import MissingMaxTokens
-from extproc.admission.tokens import get_encoding
+from extproc.admission.vocabulary.policy import MissingMaxTokens
+from extproc.admission.vocabulary.tokens import get_encoding
 from extproc.config.fields import (
     AnyKey,
     Flag,
@@ -112,7 +112,8 @@ class Tenant(Section):
 
 
 class PerStep(Section):
-    """`StepBounds` overrides; `None` keeps its default (vLLM's own limits, extproc/admission/policy.py)."""
+    """`StepBounds` overrides; `None` keeps its default (vLLM's own limits,
+    extproc/admission/vocabulary/policy.py)."""
 
     stop: NonNegInt | None = None
     bad_words: NonNegInt | None = None

@@ -13,7 +13,7 @@ What changes, and why:
   response body SKIP/NONE. The request's method, path, client address and tenant header come as
   `request_attributes` with the body (Envoy 1.40 evaluates each entry as a CEL expression, so
   `request.headers['x-tenant-id']` gives one header). `metadata_options.receiving_namespaces` lets the
-  sidecar write the `extproc` namespace (extproc/admission/names.py).
+  sidecar write the `extproc` namespace (extproc/admission/vocabulary/names.py).
 * Routes: one per metered path and method (`path` is exact after Envoy's own path normalization; the query
   string is not part of it), split in two: with a `content-length` of at least one byte, the body-only
   mode; without one (HTTP/2 or chunked bodies, or no body at all) a per-route override that also sends the
@@ -33,7 +33,7 @@ What changes, and why:
   the request headers continue at once, and the router would open the upstream request before admission.
   The buffer filter holds them until the whole (admitted, possibly rewritten) body is there, and sets the
   final `content-length`.
-* header_mutation also removes the engine control headers (extproc/admission/paths.py
+* header_mutation also removes the engine control headers (extproc/admission/intake/paths.py
   BACKEND_CONTROL_HEADERS): the sidecar cannot remove headers it does not see.
 * The virtual host adds `x-ratelimit-*` to responses and `x-vllm-priority` to upstream requests from the
   metadata the sidecar wrote at admission (`%DYNAMIC_METADATA(extproc:NAME)%`; absent metadata adds nothing).
@@ -52,7 +52,14 @@ from typing import Any
 
 import yaml
 
-from extproc.admission.names import (
+from extproc.admission.intake.paths import (
+    BACKEND_CONTROL_HEADERS,
+    DEFAULT_TABLE,
+    PathRule,
+    PathTable,
+    RouteKind,
+)
+from extproc.admission.vocabulary.names import (
     DETAILS_PREFIX,
     FORWARDED_REQUEST_HEADERS,
     LEAN_REQUEST_ATTRIBUTES,
@@ -61,7 +68,6 @@ from extproc.admission.names import (
     REPORT_KEY,
     tenant_attribute,
 )
-from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, PathRule, PathTable, RouteKind
 from extproc.config import Config
 from extproc.envoyconf.bootstrap import HEADER_MUTATION, http_connection_managers
 

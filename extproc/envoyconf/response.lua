@@ -2,7 +2,7 @@
 --
 -- The sidecar admits a request on the ext_proc stream and, in its reply, writes dynamic metadata under the
 -- `extproc` namespace: `id` (the key its end report is matched by) and `read`, a reading spec built from
--- the API's response dialect (extproc/admission/readspec.py): Lua patterns that mark a content event, a final
+-- the API's response dialect (extproc/admission/vocabulary/readspec.py): Lua patterns that mark a content event, a final
 -- event, an error event and the usage-only event, the JSON key that holds usage (`usage_key`, quoted, for a
 -- quick plain search; the usage pattern starts with it), and whether to strip the usage-only event (the
 -- sidecar injected `stream_options.include_usage`; the client did not ask for it).
@@ -23,7 +23,7 @@
 -- is not copied; a pattern runs only where its literal start (e.g. `"content"`) was found by a plain
 -- search; a chunk's bytes are rebuilt only when an event is dropped or part of one is held back.
 
--- The metadata names, as extproc/admission/names.py defines them (NAMESPACE, RESPONSE_NAMESPACE,
+-- The metadata names, as extproc/admission/vocabulary/names.py defines them (NAMESPACE, RESPONSE_NAMESPACE,
 -- READ_SPEC_KEY; the keys written to OUT are its ResponseField): tests/unit/envoyconf/
 -- test_response_lua_names.py checks that the two agree.
 local IN = "extproc"

@@ -11,8 +11,8 @@ Everything runs in one process on virtual time, so a rehearsal is deterministic 
   capacity; `lifetime` books prompt + expected completion for a request's whole life) and
   `AdaptiveController` (KV usage and queue depth sampled once per `feedback_interval_s`, scaling the
   model's limits), all on a `FakeClock` that follows the virtual clock;
-- a request is admitted the way the sidecar does it (extproc/admission/decision.py): context check, KV
-  budget, then one slot and `prompt + allowance` tokens on `global` and `model:<name>`; a refused request
+- a request is admitted the way the sidecar does it (extproc/admission/deciding/decision.py): context check,
+  KV budget, then one slot and `prompt + allowance` tokens on `global` and `model:<name>`; a refused request
   is counted, not retried.
 
 Not modelled: Envoy, the network, HTTP and streaming, tokenizer time, queueing of classes

@@ -3,8 +3,8 @@
 Envoy streams access-log entries (`envoy.access_loggers.http_grpc`, HttpGrpcAccessLogConfig) to this
 `AccessLogService` on the sidecar's gRPC port, in batches flushed every `buffer_flush_interval`. An access-log
 filter logs only requests the sidecar admitted in this profile (their dynamic metadata carries the report
-key, extproc/admission/names.py), so each entry names one waiting lease. What the entry carries (fields of
-envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
+key, extproc/admission/vocabulary/names.py), so each entry names one waiting lease. What the entry carries
+(fields of envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
 
 * `common_properties.metadata.filter_metadata`: `extproc` (the report key the sidecar set) and
   `extproc.response` (what the Lua response reader saw, extproc/envoyconf/response.lua);
@@ -15,11 +15,11 @@ envoy.data.accesslog.v3.HTTPAccessLogEntry, data-plane-api @ 84e84367):
   time of a streamed answer, from which the pool's decode pace is learned for the KV budget's forecast and
   for the charge of unseen answers (`time_to_first_upstream_rx_byte` stands in without `t1`);
 * `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
-  logged for diagnosis; settlement needs only what was seen (extproc/admission/settlement.py).
+  logged for diagnosis; settlement needs only what was seen (extproc/admission/capacity/settlement.py).
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded
-rule (extproc/admission/unseen.py). An entry without a report key is a refusal Envoy answered itself (the
-logger also logs those, extproc/envoyconf/lean.py): it is counted in `extproc_requests_total` like the
+rule (extproc/admission/tracking/unseen.py). An entry without a report key is a refusal Envoy answered itself
+(the logger also logs those, extproc/envoyconf/lean.py): it is counted in `extproc_requests_total` like the
 sidecar's own. The streams opening and closing, and every entry, tell admission's `ReportChannel` whether
 the channel works. An entry whose key another replica issued is relayed to it through the shared store
 (extproc/protocol/relay.py); one whose key is unknown (settled already, or issued before a restart) is counted
@@ -37,10 +37,10 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import struct_pb2
 
-from extproc.admission.names import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
-from extproc.admission.names import ResponseField as Field
-from extproc.admission.reading import ReportedTiming, ResponseReading
-from extproc.admission.unseen import UnseenStreams
+from extproc.admission.tracking.reading import ReportedTiming, ResponseReading
+from extproc.admission.tracking.unseen import UnseenStreams
+from extproc.admission.vocabulary.names import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
+from extproc.admission.vocabulary.names import ResponseField as Field
 
 if TYPE_CHECKING:
     from extproc.protocol.relay import ReportRelay

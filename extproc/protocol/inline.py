@@ -14,8 +14,8 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.admission.exchange import Exchange
-from extproc.admission.names import UPSTREAM_SERVICE_TIME
-from extproc.admission.verdicts import Refusal
+from extproc.admission.replies.verdicts import Refusal
+from extproc.admission.vocabulary.names import UPSTREAM_SERVICE_TIME
 from extproc.protocol.messages import (
     common_response,
     header_values,

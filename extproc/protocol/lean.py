@@ -8,17 +8,19 @@ also sends the request headers, so a request with no body at all still reaches t
 
 The response never reaches the sidecar. An admitted request's `Forward` verdict carries what the proxy
 needs, and this translator writes it as dynamic metadata (namespace `extproc`, names in
-extproc/admission/names.py) without deciding anything: the key its end report will name, a reading spec for
-Envoy's Lua filter (how this API marks content, usage and the end, see extproc/admission/reading.py), and
-name-value pairs the route turns into headers (`x-ratelimit-*` on the response, the backend priority on the
-upstream request). When the HTTP request ends, Envoy's gRPC access log brings the Lua filter's findings back
-(extproc/protocol/accesslog.py), and admission settles the request from them.
+extproc/admission/vocabulary/names.py) without deciding anything: the key its end report will name, a reading
+spec for Envoy's Lua filter (how this API marks content, usage and the end, see
+extproc/admission/tracking/reading.py), and name-value pairs the route turns into headers (`x-ratelimit-*` on
+the response, the backend priority on the upstream request). When the HTTP request ends, Envoy's gRPC access
+log brings the Lua filter's findings back (extproc/protocol/accesslog.py), and admission settles the request
+from them.
 
 The ext_proc stream itself stays open until the HTTP request ends (Envoy 1.40 keeps it open even with
 every response phase off), which serves twice: its end starts the bounded wait for the end report, after
 which the lease settles as `expired` (`admission.end_report_wait_seconds`), and while it is open the sidecar
-can still answer on it: a cut under KV pressure, decided by admission's tick (extproc/admission/unseen.py),
-goes out as an ImmediateResponse, which makes Envoy reset the HTTP stream, client and backend alike.
+can still answer on it: a cut under KV pressure, decided by admission's tick
+(extproc/admission/tracking/unseen.py), goes out as an ImmediateResponse, which makes Envoy reset the HTTP
+stream, client and backend alike.
 
 The profile is chosen by the Envoy config, not by the sidecar: a stream whose processing mode sends no
 response body (`protocol_config.response_body_mode` other than STREAMED) is translated here.
@@ -36,7 +38,11 @@ from google.protobuf import struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from extproc.admission.exchange import Exchange, RequestHead
-from extproc.admission.names import (
+from extproc.admission.intake.rules import TenantSource
+from extproc.admission.replies.verdicts import Forward, Hold, Passthrough, Refusal
+from extproc.admission.tracking.reading import ReadSpec
+from extproc.admission.tracking.unseen import UnseenStreams
+from extproc.admission.vocabulary.names import (
     METHOD_ATTRIBUTE,
     NAMESPACE,
     PATH_ATTRIBUTE,
@@ -44,10 +50,6 @@ from extproc.admission.names import (
     REPORT_KEY,
     tenant_attribute,
 )
-from extproc.admission.reading import ReadSpec
-from extproc.admission.rules import TenantSource
-from extproc.admission.unseen import UnseenStreams
-from extproc.admission.verdicts import Forward, Hold, Passthrough, Refusal
 from extproc.protocol.messages import (
     EXT_PROC_ATTRIBUTES,
     client_address,
@@ -111,7 +113,8 @@ class _SpecCache:
 
 class LeanRuntime:
     """What the lean profile's streams share: the reading specs as protobuf values, and admission's
-    bookkeeping of the requests whose answers the sidecar does not see (extproc/admission/unseen.py)."""
+    bookkeeping of the requests whose answers the sidecar does not see
+    (extproc/admission/tracking/unseen.py)."""
 
     def __init__(self, unseen: UnseenStreams) -> None:
         self.unseen = unseen

@@ -14,9 +14,9 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from extproc.admission.exchange import Exchange, RequestHead
-from extproc.admission.names import CLIENT_ADDRESS_ATTRIBUTE
-from extproc.admission.rules import TenantSource
-from extproc.admission.verdicts import Forward, Header, Hold, Passthrough, Refusal
+from extproc.admission.intake.rules import TenantSource
+from extproc.admission.replies.verdicts import Forward, Header, Hold, Passthrough, Refusal
+from extproc.admission.vocabulary.names import CLIENT_ADDRESS_ATTRIBUTE
 
 log = logging.getLogger(__name__)
 

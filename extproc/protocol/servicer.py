@@ -21,9 +21,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.admission.exchange import Exchange
+from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
-from extproc.admission.unseen import UnseenStreams
-from extproc.admission.verdicts import Refusal
+from extproc.admission.tracking.unseen import UnseenStreams
 from extproc.protocol.inline import InlineTranslator
 from extproc.protocol.lean import LeanRuntime, LeanTranslator, is_lean
 from extproc.protocol.messages import immediate

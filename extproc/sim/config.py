@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from extproc.admission.tokens import DEFAULT_ENCODING
+from extproc.admission.vocabulary.tokens import DEFAULT_ENCODING
 from extproc.geometry.deployment import (
     DEFAULT_BLOCK_SIZE,
     GpuDeployment,

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.admission.tokens import get_encoding
+from extproc.admission.vocabulary.tokens import get_encoding
 from extproc.sim.protocol import ApiError
 
 

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.admission.tokens import chat_prompt_ids, get_encoding
+from extproc.admission.vocabulary.tokens import chat_prompt_ids, get_encoding
 from extproc.sim.kvcache import hash_blocks
 from extproc.sim.textgen import draw_output_length
 

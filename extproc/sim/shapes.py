@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from extproc.admission.tokens import count_chat_prompt, count_text
+from extproc.admission.vocabulary.tokens import count_chat_prompt, count_text
 from extproc.sim.protocol import (
     ParsedRequest,
     bad_request,

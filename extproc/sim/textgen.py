@@ -13,7 +13,7 @@ import functools
 import math
 import random
 
-from extproc.admission.tokens import DEFAULT_ENCODING, get_encoding
+from extproc.admission.vocabulary.tokens import DEFAULT_ENCODING, get_encoding
 
 # Common English words; entries that are not one token in the encoding are dropped at load time.
 _CANDIDATE_WORDS = """

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.paths import DEFAULT_TABLE, RouteKind
-from extproc.admission.queueing import AdmissionQueue
-from extproc.admission.request import Api
+from extproc.admission.capacity.queueing import AdmissionQueue
+from extproc.admission.intake.paths import DEFAULT_TABLE, RouteKind
+from extproc.admission.intake.request import Api
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import monotonic

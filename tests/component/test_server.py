@@ -10,7 +10,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.admission import refusals
+from extproc.admission.replies import refusals
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock

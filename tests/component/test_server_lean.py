@@ -16,8 +16,8 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.admission.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE
-from extproc.admission.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
+from extproc.admission.tracking.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
+from extproc.admission.vocabulary.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock

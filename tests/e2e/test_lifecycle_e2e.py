@@ -30,7 +30,7 @@ import pytest
 from devstack.envoy import trust_client_tenant_header
 from devstack.processes import Ports, free_port
 from devstack.stack import LocalStack
-from extproc.admission import refusals
+from extproc.admission.replies import refusals
 from extproc.envoyconf.bootstrap import http_connection_managers
 from tests.support.stack import build_stack, end_reports_to, fixed_step_sim, http, metric, start_stack
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from extproc.admission.tokens import DEFAULT_ENCODING, count_text
+from extproc.admission.vocabulary.tokens import DEFAULT_ENCODING, count_text
 from tests.engine.stacks import Ledger, assert_settled_as_engine
 from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL
 from tests.support.stack import Stack, http
@@ -234,8 +234,9 @@ class Left:
     def floor(self, profile: str) -> int:
         """What reached the client, counted as the profile counts a stream that reports no usage: the lean
         profile's Lua reader one token per event with text, the inline profile's tracker the text's tokens
-        (extproc/admission/usage.py). vLLM streams a token that ends inside a UTF-8 character as an event
-        with empty text (chat_completion/serving.py, vLLM 0.32.0), so either can be below the events read."""
+        (extproc/admission/vocabulary/usage.py). vLLM streams a token that ends inside a UTF-8 character as an
+        event with empty text (chat_completion/serving.py, vLLM 0.32.0), so either can be below the events
+        read."""
         if profile == "lean":
             return sum(1 for t in self.texts if t)
         return sum(count_text(t, DEFAULT_ENCODING) for t in self.texts if t)
@@ -300,9 +301,9 @@ def ignored_the_reset(delta: Ledger) -> bool:
 def test_upstream_error_charges_the_prompt_only(stack: Stack) -> None:
     """vLLM refuses `top_p` outside (0, 1] with a 400 after admission (SamplingParams._verify_args,
     sampling_params.py, vLLM 0.32.0); the gateway does not check it. The engine ran nothing; the sidecar
-    keeps the prompt (its rule for any upstream error, extproc/admission/settlement.py: it cannot tell a
-    refusal from a failure mid-prefill) and refunds the whole output reservation. (`logprobs` past vLLM's
-    `max_logprobs` is refused by the gateway itself: admission.per_step.logprobs.)"""
+    keeps the prompt (its rule for any upstream error, extproc/admission/capacity/settlement.py: it cannot
+    tell a refusal from a failure mid-prefill) and refunds the whole output reservation. (`logprobs` past
+    vLLM's `max_logprobs` is refused by the gateway itself: admission.per_step.logprobs.)"""
     before = Ledger.read(stack)
     body: dict[str, Any] = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "top_p": 5}
     reply = http("POST", f"{stack.url}/v1/completions", body)

@@ -2,8 +2,8 @@
 
 * The path table: every route vLLM 0.32.0 registers (its `/openapi.json` and the route list its launcher
   logs, which also names routes the schema leaves out) must be metered, free or refused by an explicit row
-  of extproc/admission/paths.py. A route nobody classified fails here, so an engine upgrade that adds one
-  is seen.
+  of extproc/admission/intake/paths.py. A route nobody classified fails here, so an engine upgrade that adds
+  one is seen.
 * The feed: the parser reads capacity, usage, waiting, running and preemptions off the live page, and the
   exporter publishes them to a sidecar.
 """
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from extproc.admission.paths import DEFAULT_TABLE, KNOWN_REFUSED, RouteKind, normalize_path
+from extproc.admission.intake.paths import DEFAULT_TABLE, KNOWN_REFUSED, RouteKind, normalize_path
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.parse import parse_metrics
 from tests.engine.stacks import engine_config, start_gateway

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission.rules import AdmissionRules
+from extproc.admission.intake.rules import AdmissionRules
 from extproc.config import parse_config
 
 

@@ -16,9 +16,15 @@ import yaml
 from devstack.envoy import render_envoy_config, trust_client_tenant_header
 from devstack.processes import Ports
 from devstack.stack import tenant_header_of
-from extproc.admission.headers import ratelimit_headers
-from extproc.admission.names import DETAILS_PREFIX, NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, tenant_attribute
-from extproc.admission.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
+from extproc.admission.intake.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
+from extproc.admission.replies.headers import ratelimit_headers
+from extproc.admission.vocabulary.names import (
+    DETAILS_PREFIX,
+    NAMESPACE,
+    RATELIMIT_HEADERS,
+    REPORT_KEY,
+    tenant_attribute,
+)
 from extproc.config import AdmissionConfig, parse_config
 from extproc.core.limiter import RateLimitStatus
 from extproc.envoyconf.lean import (

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.admission.names import NAMESPACE as NAMESPACE_METADATA
+from extproc.admission.vocabulary.names import NAMESPACE as NAMESPACE_METADATA
 from extproc.config import config_warnings, parse_config
 from extproc.envoyconf.lean import lua_source
 from tests.unit import kustomize_build

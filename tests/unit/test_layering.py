@@ -330,7 +330,7 @@ def test_a_rule_breach_is_caught() -> None:
     assert not allowed("extproc.core.limiter", "extproc.admission.exchange")
     assert not allowed("extproc.store.local", "extproc.config")
     assert not allowed("extproc.sim.server", "extproc.admission.exchange")
-    assert allowed("extproc.sim.server", "extproc.admission.tokens")
+    assert allowed("extproc.sim.server", "extproc.admission.vocabulary.tokens")
     assert not allowed("extproc.protocol.lean", "extproc.config")
     assert allowed("extproc.core.limiter", "extproc.logs")  # every row may import it
     assert not allowed("extproc.logs", "extproc.core.clock")

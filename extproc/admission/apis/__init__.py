@@ -5,8 +5,8 @@ An API's spec holds everything the gateway knows about it: its adapter (how a bo
 `ParsedRequest` and how it may be edited, and the API's name), its response dialect (inline profile) and
 Lua read spec (lean profile), the error envelope its clients parse, whether its streams report usage only
 when asked, and the paths it is served on. Every per-API lookup (`spec_of`, `dialect_for`,
-`render_refusal`, the metered rows of `extproc/admission/paths.py`) reads the registry; nothing else keeps a
-table by API.
+`render_refusal`, the metered rows of `extproc/admission/intake/paths.py`) reads the registry; nothing else
+keeps a table by API.
 
 Adding an API is adding its module here, ending with `SPEC = ApiSpec(...)`: the registry imports every
 module of this package in name order and lists the `SPEC` of each that has one (the others, `common.py`,
@@ -21,9 +21,9 @@ from collections import Counter
 from collections.abc import Iterable
 
 from extproc.admission.apis.spec import ApiSpec
-from extproc.admission.parsed import Adapter, Api
-from extproc.admission.usage import Dialect
-from extproc.admission.verdicts import Refusal
+from extproc.admission.replies.verdicts import Refusal
+from extproc.admission.vocabulary.parsed import Adapter, Api
+from extproc.admission.vocabulary.usage import Dialect
 
 
 def discover(package: str, folders: Iterable[str]) -> tuple[ApiSpec, ...]:

@@ -21,15 +21,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import drop_priority
 from extproc.admission.apis.openai import ContentTexts, entries, required_messages, template_inputs
 from extproc.admission.apis.spec import BOTH, ApiSpec, path, reenveloped, refused_message, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
-from extproc.admission.prompt import Media, Prompt
-from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type
-from extproc.admission.usage import Observed, count_int
-from extproc.admission.verdicts import Refusal
+from extproc.admission.replies.verdicts import Refusal
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.vocabulary.prompt import Media, Prompt
+from extproc.admission.vocabulary.readspec import COMMON_ERRORS, ReadSpec, event_type
+from extproc.admission.vocabulary.usage import Observed, count_int
 
 ROLES = ("user", "assistant", "system")
 """Message roles vLLM accepts (vLLM v0.33.0 entrypoints/anthropic/protocol.py:123)."""

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.openai import (
     OPENAI_DIALECT,
     OPENAI_SPEC,
@@ -21,8 +20,9 @@ from extproc.admission.apis.openai import (
     truncation,
 )
 from extproc.admission.apis.spec import GENERATES, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import Prompt
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import Prompt
 
 
 def _with_input_ids(prompt: Prompt, body: Mapping[str, Any]) -> Prompt:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.openai import (
     OPENAI_DIALECT,
     OPENAI_SPEC,
@@ -26,7 +25,8 @@ from extproc.admission.apis.openai import (
     truncation,
 )
 from extproc.admission.apis.spec import VLLM, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
 
 
 class ChatBatchAdapter:

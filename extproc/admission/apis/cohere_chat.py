@@ -42,7 +42,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.openai import (
     ContentTexts,
     edit_bound,
@@ -52,11 +51,12 @@ from extproc.admission.apis.openai import (
     template_inputs,
 )
 from extproc.admission.apis.spec import GENERATES, VLLM, ApiSpec, path, reenveloped, refused_message, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
-from extproc.admission.prompt import Prompt
-from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type, json_key
-from extproc.admission.usage import Observed, count_int
-from extproc.admission.verdicts import Refusal
+from extproc.admission.replies.verdicts import Refusal
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.vocabulary.prompt import Prompt
+from extproc.admission.vocabulary.readspec import COMMON_ERRORS, ReadSpec, event_type, json_key
+from extproc.admission.vocabulary.usage import Observed, count_int
 
 ROLES = ("user", "assistant", "system", "tool")
 """The roles of Cohere's `ChatMessageV2` union; `developer` becomes `system` first (protocol.py:214-245)."""

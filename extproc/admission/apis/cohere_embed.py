@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import optional_model
 from extproc.admission.apis.openai import OPENAI_SPEC, ContentTexts, edit_priority
 from extproc.admission.apis.pooling import IMAGE, pooled
 from extproc.admission.apis.spec import PROMPT_ONLY, VLLM, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import Prompt
-from extproc.admission.usage import Observed, count_int
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import Prompt
+from extproc.admission.vocabulary.usage import Observed, count_int
 
 
 def _cohere_input(value: Any, param: str) -> Prompt:

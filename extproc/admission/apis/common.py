@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from extproc.admission import fields as f
-from extproc.admission.parsed import BodyEdits
-from extproc.admission.prompt import Prompt
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import BodyEdits
+from extproc.admission.vocabulary.prompt import Prompt
 
 UNNAMED_MODEL = "*"
 """The model a request is metered under when its API lets it name none (SGLang's native API has no `model`

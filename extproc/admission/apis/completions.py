@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.openai import (
     OPENAI_DIALECT,
     OPENAI_SPEC,
@@ -18,8 +17,9 @@ from extproc.admission.apis.openai import (
     truncation,
 )
 from extproc.admission.apis.spec import BOTH, GENERATES, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import Prompt
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import Prompt
 
 
 def _prompt_embeds(body: Mapping[str, Any]) -> tuple[Prompt, ...]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import drop_priority, optional_model
 from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC
 from extproc.admission.apis.pooling import pooled
 from extproc.admission.apis.spec import SGLANG, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import Prompt
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import Prompt
 
 
 class DetokenizeAdapter:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import padded
 from extproc.admission.apis.openai import (
     OPENAI_DIALECT,
@@ -15,8 +14,9 @@ from extproc.admission.apis.openai import (
     truncation,
 )
 from extproc.admission.apis.spec import PROMPT_ONLY, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import Prompt
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import Prompt
 
 
 class EmbeddingsAdapter:

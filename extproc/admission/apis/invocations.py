@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.chat import ChatAdapter
 from extproc.admission.apis.completions import CompletionsAdapter
 from extproc.admission.apis.embeddings import EmbeddingsAdapter
@@ -21,7 +20,8 @@ from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC
 from extproc.admission.apis.pooling import PoolingAdapter
 from extproc.admission.apis.score import SCORE_SHAPES, ScoreAdapter
 from extproc.admission.apis.spec import ApiSpec, path, shared
-from extproc.admission.parsed import Adapter, Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Adapter, Api, BodyEdits, ParsedRequest
 
 ORDER: tuple[tuple[tuple[str, ...], Adapter], ...] = (
     (("messages",), ChatAdapter()),

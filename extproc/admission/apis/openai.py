@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
-from extproc.admission.parsed import BodyEdits, ParsedRequest, StepWork
-from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.readspec import ReadSpec, json_key, json_text
-from extproc.admission.tokens import content_texts
-from extproc.admission.usage import Observed, count_int
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import BodyEdits, ParsedRequest, StepWork
+from extproc.admission.vocabulary.prompt import NO_MEDIA, Media, Prompt
+from extproc.admission.vocabulary.readspec import ReadSpec, json_key, json_text
+from extproc.admission.vocabulary.tokens import content_texts
+from extproc.admission.vocabulary.usage import Observed, count_int
 
 MEDIA_PARTS: dict[str, Media] = {
     "image_url": Media(images=1),

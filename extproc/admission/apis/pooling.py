@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import optional_model, padded
 from extproc.admission.apis.openai import (
     OPENAI_DIALECT,
@@ -25,8 +24,9 @@ from extproc.admission.apis.openai import (
 from extproc.admission.apis.sglang import NATIVE_INPUTS
 from extproc.admission.apis.sglang_encode import SGLangEncodeAdapter
 from extproc.admission.apis.spec import BOTH, PROMPT_ONLY, SGLANG, VLLM, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import Media, Prompt
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import Media, Prompt
 
 IMAGE = Media(images=1)
 

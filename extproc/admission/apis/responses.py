@@ -31,13 +31,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.openai import ContentTexts, edit_bound, entries, int_value, template_inputs
 from extproc.admission.apis.spec import ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
-from extproc.admission.prompt import Prompt
-from extproc.admission.readspec import COMMON_ERRORS, ReadSpec, event_type, json_key
-from extproc.admission.usage import Observed, count_int
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.vocabulary.prompt import Prompt
+from extproc.admission.vocabulary.readspec import COMMON_ERRORS, ReadSpec, event_type, json_key
+from extproc.admission.vocabulary.usage import Observed, count_int
 
 CLIENT_TOOL_TYPES = frozenset({"function", "custom", "namespace"})
 """Tool types the client executes; any other type (web_search_preview, code_interpreter, container, mcp,

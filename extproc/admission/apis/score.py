@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import optional_model
 from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC, ContentTexts, edit_priority
 from extproc.admission.apis.pooling import pooled
 from extproc.admission.apis.spec import BOTH, VLLM, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import Prompt
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import Prompt
 
 SCORE_SHAPES = (
     ("query", "documents"),  # rerank (vLLM, SGLang)

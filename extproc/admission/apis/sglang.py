@@ -23,14 +23,14 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import UNNAMED_MODEL
 from extproc.admission.apis.openai import edit_priority, entries, int_value
 from extproc.admission.apis.spec import GENERATES, SGLANG, ApiSpec, path
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest, StepWork
-from extproc.admission.prompt import NO_MEDIA, Media, Prompt
-from extproc.admission.readspec import ReadSpec, json_text
-from extproc.admission.usage import Observed, count_int
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.vocabulary.prompt import NO_MEDIA, Media, Prompt
+from extproc.admission.vocabulary.readspec import ReadSpec, json_text
+from extproc.admission.vocabulary.usage import Observed, count_int
 
 NATIVE_INPUTS = ("text", "input_ids", "input_embeds")
 MEDIA_FIELDS = {

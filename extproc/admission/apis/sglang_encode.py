@@ -10,7 +10,7 @@ from extproc.admission.apis.common import UNNAMED_MODEL
 from extproc.admission.apis.openai import edit_priority
 from extproc.admission.apis.sglang import SGLANG_SPEC, SGLangDialect, native_prompts
 from extproc.admission.apis.spec import PROMPT_ONLY, SGLANG, ApiSpec, path
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
 
 
 class SGLangEncodeAdapter:

@@ -12,10 +12,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from extproc.admission.parsed import Adapter, Api
-from extproc.admission.readspec import ReadSpec
-from extproc.admission.usage import Dialect
-from extproc.admission.verdicts import Refusal
+from extproc.admission.replies.verdicts import Refusal
+from extproc.admission.vocabulary.parsed import Adapter, Api
+from extproc.admission.vocabulary.readspec import ReadSpec
+from extproc.admission.vocabulary.usage import Dialect
 
 VLLM = "vLLM"
 SGLANG = "SGLang"
@@ -29,7 +29,7 @@ PROMPT_ONLY = "runs the model on the prompt; nothing is generated"
 
 @dataclass(frozen=True, slots=True)
 class ApiPath:
-    """One path an API is served on: a metered row of the path table (`extproc/admission/paths.py`),
+    """One path an API is served on: a metered row of the path table (`extproc/admission/intake/paths.py`),
     with the reason it is metered and the engines that serve it (both documented in docs/admission.md)."""
 
     path: str

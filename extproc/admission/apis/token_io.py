@@ -15,7 +15,6 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.admission import fields as f
 from extproc.admission.apis.common import optional_model
 from extproc.admission.apis.openai import (
     MEDIA_PARTS,
@@ -27,10 +26,11 @@ from extproc.admission.apis.openai import (
     stream_options,
 )
 from extproc.admission.apis.spec import VLLM, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.prompt import NO_MEDIA, Prompt
-from extproc.admission.readspec import ReadSpec, json_key, json_text
-from extproc.admission.usage import Observed
+from extproc.admission.vocabulary import fields as f
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.prompt import NO_MEDIA, Prompt
+from extproc.admission.vocabulary.readspec import ReadSpec, json_key, json_text
+from extproc.admission.vocabulary.usage import Observed
 
 CONTENT_PART_TYPES = ("image_url", "audio_url", "video_url")
 """Raw media the server resolves (serving.py:276-285); other part types are ignored there."""

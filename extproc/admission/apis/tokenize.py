@@ -11,8 +11,8 @@ from extproc.admission.apis.common import drop_priority, optional_model
 from extproc.admission.apis.openai import OPENAI_SPEC, chat_prompt, text_prompts
 from extproc.admission.apis.pooling import pooled
 from extproc.admission.apis.spec import SGLANG, ApiSpec, path, shared
-from extproc.admission.parsed import Api, BodyEdits, ParsedRequest
-from extproc.admission.usage import Observed, count_int
+from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
+from extproc.admission.vocabulary.usage import Observed, count_int
 
 
 class TokenizeAdapter:

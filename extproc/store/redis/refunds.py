@@ -1,5 +1,5 @@
 """Part of an open lease's reservation given back early (bound admission: the exact prompt count came in
-under the byte bound the request was admitted on; extproc/admission/provisional.py)."""
+under the byte bound the request was admitted on; extproc/admission/deciding/provisional.py)."""
 
 from __future__ import annotations
 

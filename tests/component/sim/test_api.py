@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from extproc.admission.tokens import count_chat_prompt, count_text
+from extproc.admission.vocabulary.tokens import count_chat_prompt, count_text
 from extproc.sim.server import SimServer
 from tests.support.sim import SimFactory, chat_body, json_events, read_sse
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.admission.tokens import count_chat_prompt
+from extproc.admission.vocabulary.tokens import count_chat_prompt
 from extproc.sim.scheduler import Overflow
 from tests.support.sim import SimFactory, chat_body, json_events, metrics
 from tests.support.waiting import poll

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.admission.tokens import count_chat_prompt, count_text
+from extproc.admission.vocabulary.tokens import count_chat_prompt, count_text
 from tests.support.sim import SimFactory, metrics
 
 MODEL = "llama-3-8b"

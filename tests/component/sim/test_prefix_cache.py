@@ -7,7 +7,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.admission.tokens import chat_prompt_ids
+from extproc.admission.vocabulary.tokens import chat_prompt_ids
 from extproc.sim.server import SimServer
 from tests.support.sim import SimFactory, metrics
 

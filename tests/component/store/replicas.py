@@ -25,7 +25,7 @@ import asyncio
 import time
 from typing import Any
 
-from extproc.admission.queueing import AdmissionQueue
+from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.redis import RedisStore

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from extproc.admission.deciding.provisional import Stage
 from extproc.admission.exchange import Exchange, RequestHead
-from extproc.admission.provisional import Stage
-from extproc.admission.verdicts import Forward
+from extproc.admission.replies.verdicts import Forward
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.limiter import Lease, LimitSpec, Rejection

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from extproc.admission import queueing
-from extproc.admission.queueing import AdmissionQueue
+from extproc.admission.capacity import queueing
+from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.core.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.redis import RedisStore

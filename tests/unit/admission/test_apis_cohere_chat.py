@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from extproc.admission import refusals
 from extproc.admission.apis import render_refusal, spec_of
 from extproc.admission.apis.cohere_chat import count_number
-from extproc.admission.paths import DEFAULT_TABLE
-from extproc.admission.policy import MediaCosts, ModelPolicy, TemplateCosts
-from extproc.admission.request import Api, BodyEdits, Reservation, StepWork
+from extproc.admission.intake.paths import DEFAULT_TABLE
+from extproc.admission.intake.request import Api, BodyEdits, Reservation, StepWork
+from extproc.admission.replies import refusals
+from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
 from extproc.core.limiter import RateLimitStatus, Reason, Rejection
 from tests.unit.admission.apis_helpers import compact, counts, edited, parse, plan, refused, sse, tk, track
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.errors import AdmissionError
-from extproc.admission.policy import MediaCosts, ModelPolicy, TemplateCosts
-from extproc.admission.request import Api, BodyEdits, Reservation
+from extproc.admission.intake.request import Api, BodyEdits, Reservation
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, track
 from tests.unit.admission.apis_helpers import tk as tokens
 

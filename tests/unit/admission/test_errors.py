@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from extproc.admission.errors import AdmissionError, error_body
+from extproc.admission.vocabulary.errors import AdmissionError, error_body
 
 
 def test_error_body_has_all_four_keys_with_nulls() -> None:

@@ -11,9 +11,9 @@ import pytest
 
 from extproc.admission.compose import Admission, build_admission
 from extproc.admission.exchange import Exchange, Phase, RequestHead
-from extproc.admission.inflight import InFlight
-from extproc.admission.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
-from extproc.admission.verdicts import Forward, Hold, Refusal
+from extproc.admission.replies.verdicts import Forward, Hold, Refusal
+from extproc.admission.tracking.inflight import InFlight
+from extproc.admission.tracking.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
 from extproc.core.clock import FakeClock
 from extproc.core.limiter import LimitSpec
 from extproc.metrics import Metrics

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from extproc.admission.lanes import LaneFull, Lanes
+from extproc.admission.capacity.lanes import LaneFull, Lanes
 
 
 class Gate:

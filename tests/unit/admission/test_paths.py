@@ -12,7 +12,7 @@ import pytest
 
 from extproc.admission import apis
 from extproc.admission.apis import REGISTRY, dialect_for, spec_of
-from extproc.admission.paths import (
+from extproc.admission.intake.paths import (
     BACKEND_CONTROL_HEADERS,
     DEFAULT_RULES,
     DEFAULT_TABLE,
@@ -129,7 +129,7 @@ WRITE_SPEC = """
 from extproc.admission.apis.chat import ChatAdapter
 from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC
 from extproc.admission.apis.spec import GENERATES, ApiSpec, path, shared
-from extproc.admission.parsed import Api
+from extproc.admission.vocabulary.parsed import Api
 
 
 class Adapter(ChatAdapter):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.admission.parsed import Api
-from extproc.admission.prefix import CHUNK_CHARS, prompt_chunks
+from extproc.admission.vocabulary.parsed import Api
+from extproc.admission.vocabulary.prefix import CHUNK_CHARS, prompt_chunks
 from tests.unit.admission.apis_helpers import parse
 
 CHAT = Api("chat")

@@ -8,8 +8,8 @@ chat template writes its own BOS (counted in `per_request`).
 
 from __future__ import annotations
 
-from extproc.admission.policy import ModelPolicy, TemplateCosts
-from extproc.admission.prompt import Prompt, known_tokens
+from extproc.admission.vocabulary.policy import ModelPolicy, TemplateCosts
+from extproc.admission.vocabulary.prompt import Prompt, known_tokens
 
 LLAMA3 = ModelPolicy(context_window=8192, template=TemplateCosts(per_message=4, per_request=5, bos=1))
 

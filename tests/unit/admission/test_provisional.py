@@ -1,5 +1,5 @@
-"""Bound admission (extproc/admission/provisional.py): the bound is a bound, it decides only where it may, and
-the correction to the exact count happens exactly once, however and whenever the request ends.
+"""Bound admission (extproc/admission/deciding/provisional.py): the bound is a bound, it decides only where it
+may, and the correction to the exact count happens exactly once, however and whenever the request ends.
 
 Time is a `FakeClock`; nothing sleeps. Background work (the count, the refund) runs when the test yields to
 the loop (`settle_loop`), so each test chooses what happens before the count lands.
@@ -14,17 +14,17 @@ from typing import Any
 
 import pytest
 
-from extproc.admission import prompt as prompts
-from extproc.admission import provisional
+from extproc.admission.capacity.lanes import LaneFull
+from extproc.admission.deciding import provisional
+from extproc.admission.deciding.provisional import Correction, Stage
 from extproc.admission.exchange import Exchange, Phase, RequestHead
-from extproc.admission.lanes import LaneFull
-from extproc.admission.prompt import Media, Prompt
-from extproc.admission.provisional import Correction, Stage
-from extproc.admission.reading import ResponseReading
-from extproc.admission.request import Api, parse_request
-from extproc.admission.tokens import DEFAULT_ENCODING, count_text, get_encoding, utf8_len
-from extproc.admission.unseen import UnseenStreams
-from extproc.admission.verdicts import Forward, Refusal
+from extproc.admission.intake.request import Api, parse_request
+from extproc.admission.replies.verdicts import Forward, Refusal
+from extproc.admission.tracking.reading import ResponseReading
+from extproc.admission.tracking.unseen import UnseenStreams
+from extproc.admission.vocabulary import prompt as prompts
+from extproc.admission.vocabulary.prompt import Media, Prompt
+from extproc.admission.vocabulary.tokens import DEFAULT_ENCODING, count_text, get_encoding, utf8_len
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock

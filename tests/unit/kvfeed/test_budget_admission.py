@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 from extproc.admission.exchange import Exchange, Phase, RequestHead
-from extproc.admission.verdicts import Forward, Refusal
+from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.kv_budget import KvBudget

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.tokens import (
+from extproc.admission.vocabulary.tokens import (
     TOKENS_PER_MESSAGE,
     TOKENS_PER_NAME,
     TOKENS_REPLY_PRIMING,

@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.admission.tokens import DEFAULT_ENCODING, count_text, get_encoding
+from extproc.admission.vocabulary.tokens import DEFAULT_ENCODING, count_text, get_encoding
 from extproc.sim.textgen import draw_output_length, generate_tokens, vocabulary
 
 

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from extproc.admission.tokens import count_text
+from extproc.admission.vocabulary.tokens import count_text
 
 TAIL_BYTES = 256 * 1024
 """Bytes kept from the end of a non-streamed body larger than the buffer cap: its usage object lives there."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from extproc.admission.usage import Usage
+from extproc.admission.vocabulary.usage import Usage
 
 
 class Ending(enum.StrEnum):

@@ -35,15 +35,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from extproc.admission import prompt as prompts
-from extproc.admission.booking import KvBooking
-from extproc.admission.errors import AdmissionError
-from extproc.admission.lanes import LaneFull
-from extproc.admission.policy import ModelPolicy, StepBounds
-from extproc.admission.prompt import Count
-from extproc.admission.request import ParsedRequest, Reservation, plan_reservation
-from extproc.admission.rules import ClassPolicy
+from extproc.admission.capacity.booking import KvBooking
+from extproc.admission.capacity.lanes import LaneFull
+from extproc.admission.intake.request import ParsedRequest, Reservation, plan_reservation
+from extproc.admission.intake.rules import ClassPolicy
 from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.vocabulary import prompt as prompts
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
+from extproc.admission.vocabulary.prompt import Count
 
 log = logging.getLogger(__name__)
 

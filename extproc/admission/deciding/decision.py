@@ -20,15 +20,12 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from extproc.admission import provisional, refusals
 from extproc.admission.apis import render_refusal
-from extproc.admission.booking import KvBooking
-from extproc.admission.errors import AdmissionError
-from extproc.admission.lanes import LaneFull
-from extproc.admission.names import PRIORITY_HEADER
-from extproc.admission.policy import ModelPolicy
-from extproc.admission.queueing import WAITABLE, QueueFull
-from extproc.admission.request import (
+from extproc.admission.capacity.booking import KvBooking
+from extproc.admission.capacity.lanes import LaneFull
+from extproc.admission.capacity.queueing import WAITABLE, QueueFull
+from extproc.admission.deciding import provisional
+from extproc.admission.intake.request import (
     USAGE_OPTION_APIS,
     Api,
     BodyEdits,
@@ -39,9 +36,13 @@ from extproc.admission.request import (
     plan_reservation,
     prompt_token_lower_bound,
 )
-from extproc.admission.rules import AdmissionRules, ClassPolicy
+from extproc.admission.intake.rules import AdmissionRules, ClassPolicy
+from extproc.admission.replies import refusals
+from extproc.admission.replies.verdicts import FORWARD, Forward, Hold, Refusal
 from extproc.admission.service import AdmissionService, Admitted
-from extproc.admission.verdicts import FORWARD, Forward, Hold, Refusal
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.names import PRIORITY_HEADER
+from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
 

@@ -8,10 +8,10 @@ about other tenants or how limits are keyed.
 
 from __future__ import annotations
 
-from extproc.admission.errors import AdmissionError, error_body
-from extproc.admission.headers import format_duration, ratelimit_headers, retry_headers
-from extproc.admission.names import DETAILS_PREFIX
-from extproc.admission.verdicts import Header, Refusal
+from extproc.admission.replies.headers import format_duration, ratelimit_headers, retry_headers
+from extproc.admission.replies.verdicts import Header, Refusal
+from extproc.admission.vocabulary.errors import AdmissionError, error_body
+from extproc.admission.vocabulary.names import DETAILS_PREFIX
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Reason, Rejection
 from extproc.core.slot_eta import MIN_REMAINING_S, RetryHints

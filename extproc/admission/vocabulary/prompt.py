@@ -22,8 +22,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from extproc.admission.policy import ModelPolicy
-from extproc.admission.tokens import count_text, max_token_bytes, utf8_len
+from extproc.admission.vocabulary.policy import ModelPolicy
+from extproc.admission.vocabulary.tokens import count_text, max_token_bytes, utf8_len
 
 SLICE_CHARS = 16 * 1024
 """Texts longer than this are counted slice by slice, so counting can stop once the limit is passed."""

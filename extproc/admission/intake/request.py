@@ -3,9 +3,9 @@
 The work is split by cost so admission can decide as early and as cheaply as possible:
 
 1. `parse_request` decodes JSON and validates the fields that drive admission, through the API's adapter
-   (its `ApiSpec` in `extproc/admission/apis/`; the types it fills are in `extproc/admission/parsed.py`).
-   It never tokenizes, so it is safe to run on the event loop. A malformed request is refused here with
-   the 400 the backend would have returned.
+   (its `ApiSpec` in `extproc/admission/apis/`; the types it fills are in
+   `extproc/admission/vocabulary/parsed.py`). It never tokenizes, so it is safe to run on the event loop. A
+   malformed request is refused here with the 400 the backend would have returned.
 2. `prompt_token_lower_bound` is arithmetic on byte counts gathered while parsing: a request whose bound
    already exceeds the context window is refused without tokenizing it.
 3. `count_prompt_tokens` tokenizes (CPU heavy; tiktoken releases the GIL), stopping once a prompt is
@@ -23,13 +23,13 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from extproc.admission import prompt as prompts
 from extproc.admission.apis import USAGE_OPTION_APIS, adapter_for
-from extproc.admission.errors import AdmissionError
-from extproc.admission.fields import load_object
-from extproc.admission.parsed import NO_STEP_WORK, Adapter, Api, BodyEdits, ParsedRequest, StepWork
-from extproc.admission.policy import MissingMaxTokens, ModelPolicy, StepBounds
-from extproc.admission.prompt import Count
+from extproc.admission.vocabulary import prompt as prompts
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.fields import load_object
+from extproc.admission.vocabulary.parsed import NO_STEP_WORK, Adapter, Api, BodyEdits, ParsedRequest, StepWork
+from extproc.admission.vocabulary.policy import MissingMaxTokens, ModelPolicy, StepBounds
+from extproc.admission.vocabulary.prompt import Count
 
 __all__ = [
     "ALLOW_STORED_CONTEXT",

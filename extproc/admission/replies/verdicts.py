@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.admission.readspec import ReadSpec
+from extproc.admission.vocabulary.readspec import ReadSpec
 
 Header = tuple[str, str]
 

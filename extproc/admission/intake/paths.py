@@ -28,8 +28,8 @@ from urllib.parse import unquote
 
 from extproc.admission.apis import REGISTRY
 from extproc.admission.apis.spec import BOTH, SGLANG, VLLM, ApiSpec
-from extproc.admission.names import PRIORITY_HEADER
-from extproc.admission.parsed import Api
+from extproc.admission.vocabulary.names import PRIORITY_HEADER
+from extproc.admission.vocabulary.parsed import Api
 
 
 class RouteKind(enum.StrEnum):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from extproc.admission.parsed import ParsedRequest
+from extproc.admission.vocabulary.parsed import ParsedRequest
 from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
 
 CHUNK_CHARS = 256

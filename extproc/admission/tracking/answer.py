@@ -1,15 +1,16 @@
 """What the inline profile sees of the upstream's answer, message by message, as the in-flight request's
-`Seen` (extproc/admission/inflight.py): the status, the usage the tracker follows, and when content came."""
+`Seen` (extproc/admission/tracking/inflight.py): the status, the usage the tracker follows, and when content
+came."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from extproc.admission.apis import dialect_for
-from extproc.admission.inflight import Seen
+from extproc.admission.capacity.settlement import ResponseFacts
 from extproc.admission.service import Admitted
-from extproc.admission.settlement import ResponseFacts
-from extproc.admission.usage import ResponseUsageTracker
+from extproc.admission.tracking.inflight import Seen
+from extproc.admission.vocabulary.usage import ResponseUsageTracker
 
 PICKER_REFUSALS = frozenset({429, 503})
 """The statuses an inference pool's endpoint picker refuses with (ImmediateResponse 429: shed; 503: no ready

@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
-from extproc.admission.inflight import InFlight, Seen
-from extproc.admission.reading import ReportedTiming, ResponseReading, facts_of
+from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
-from extproc.admission.verdicts import Refusal
+from extproc.admission.tracking.inflight import InFlight, Seen
+from extproc.admission.tracking.reading import ReportedTiming, ResponseReading, facts_of
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from typing import Any
 
 from extproc.admission.apis import dialect_for, spec_of
 from extproc.admission.apis.openai import OPENAI_SPEC
-from extproc.admission.parsed import Api
-from extproc.admission.readspec import ReadSpec
-from extproc.admission.settlement import ResponseFacts
-from extproc.admission.usage import Observed, ResponseUsageTracker, Usage
+from extproc.admission.capacity.settlement import ResponseFacts
+from extproc.admission.vocabulary.parsed import Api
+from extproc.admission.vocabulary.readspec import ReadSpec
+from extproc.admission.vocabulary.usage import Observed, ResponseUsageTracker, Usage
 
 __all__ = [
     "OPENAI_SPEC",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from extproc.admission.names import RATELIMIT_REQUEST_HEADERS, RATELIMIT_TOKEN_HEADERS
-from extproc.admission.verdicts import Header
+from extproc.admission.replies.verdicts import Header
+from extproc.admission.vocabulary.names import RATELIMIT_REQUEST_HEADERS, RATELIMIT_TOKEN_HEADERS
 from extproc.core.limiter import RateLimitStatus
 
 

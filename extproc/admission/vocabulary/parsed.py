@@ -2,8 +2,8 @@
 (`ParsedRequest`), and the edits its body may take (`BodyEdits`).
 
 These types are shared by every adapter (`extproc/admission/apis/`) and by the admission functions in
-`extproc/admission/request.py`; they import nothing that knows an API, so the adapters and the registry of
-APIs can depend on them without depending on each other.
+`extproc/admission/intake/request.py`; they import nothing that knows an API, so the adapters and the registry
+of APIs can depend on them without depending on each other.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NewType, Protocol
 
-from extproc.admission.prompt import Prompt
+from extproc.admission.vocabulary.prompt import Prompt
 
 Api = NewType("Api", str)
 """An API's name ("chat", "messages", "cohere_chat", ...), declared once by its adapter in its module under

@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from extproc.admission.errors import AdmissionError
+from extproc.admission.vocabulary.errors import AdmissionError
 
 # Far above any real model's context, far below anything that could overflow arithmetic downstream.
 MAX_TOKENS_LIMIT = 10_000_000

@@ -2,10 +2,10 @@
 
 Each profile hands over what it saw as a `Seen` through one call, `observe`: the inline profile after every
 response message, the lean profile once, from the proxy's end report. `settle()` charges the lease from the
-last observation (extproc/admission/settlement.py), exactly once, however many paths reach it; a request
-admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in. Where the
-answer was not seen to its end, the charge includes the pool's decode-rate estimate of what the engine
-generated; a completed stream teaches that rate (`learn_pace`, the one place it is learned).
+last observation (extproc/admission/capacity/settlement.py), exactly once, however many paths reach it; a
+request admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in.
+Where the answer was not seen to its end, the charge includes the pool's decode-rate estimate of what the
+engine generated; a completed stream teaches that rate (`learn_pace`, the one place it is learned).
 
 One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
 """
@@ -16,10 +16,11 @@ import functools
 import logging
 from dataclasses import dataclass, replace
 
-from extproc.admission import provisional, refusals
+from extproc.admission.capacity.settlement import ResponseFacts, settle_charge
+from extproc.admission.deciding import provisional
+from extproc.admission.replies import refusals
+from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService, Admitted
-from extproc.admission.settlement import ResponseFacts, settle_charge
-from extproc.admission.verdicts import Refusal
 from extproc.core.decode_rate import DecodeRates
 from extproc.core.slot_eta import OpenLease
 

@@ -1,7 +1,7 @@
 """How the proxy's Lua filter reads an API's streamed answers in the lean profile: a `ReadSpec` of Lua
-patterns, built from what the API's `Dialect` reads (extproc/admission/usage.py), and the patterns every API
-shares. Each API's spec sits in its module under `extproc/admission/apis/`; extproc/envoyconf/response.lua
-applies it and extproc/admission/reading.py reads back what it saw.
+patterns, built from what the API's `Dialect` reads (extproc/admission/vocabulary/usage.py), and the patterns
+every API shares. Each API's spec sits in its module under `extproc/admission/apis/`;
+extproc/envoyconf/response.lua applies it and extproc/admission/tracking/reading.py reads back what it saw.
 """
 
 from __future__ import annotations

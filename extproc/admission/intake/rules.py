@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from extproc.admission.paths import PathTable
-from extproc.admission.policy import ModelPolicy, StepBounds
+from extproc.admission.intake.paths import PathTable
+from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
 
 DEFAULT_MODEL = "*"
 """Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
@@ -51,7 +51,7 @@ class TenantSource:
 @dataclass(frozen=True, slots=True)
 class Tokenizing:
     """How prompts are counted (`admission.tokenizer_*`, `inline_count_bytes`): on the loop when small,
-    else on the tokenizer threads through each client's lane (extproc/admission/lanes.py)."""
+    else on the tokenizer threads through each client's lane (extproc/admission/capacity/lanes.py)."""
 
     threads: int
     per_client: int
