@@ -46,9 +46,9 @@ class PromptChunks:
 
         Less one chunk: the engine shares whole blocks only and recomputes a prompt's last token, so where
         a shared run ends inside an engine block, that block is the request's own. As a share of `prompt`:
-        a prompt booked on its byte bound before its exact count (`admission/provisional.py`) is credited
-        in proportion, so what stays booked is never below the exact count's unshared part. Never the whole
-        prompt.
+        a prompt booked on its byte bound before its exact count (`admission/deciding/provisional.py`) is
+        credited in proportion, so what stays booked is never below the exact count's unshared part. Never the
+        whole prompt.
         """
         if chunks <= 1 or prompt <= 1:
             return 0

@@ -50,7 +50,8 @@ REPORT_KEY = "id"
 """The report key in `NAMESPACE`; only requests that carry it are logged (the access log's filter)."""
 
 READ_SPEC_KEY = "read"
-"""The reading spec in `NAMESPACE`: how the Lua filter reads this API's answer (admission/readspec.py)."""
+"""The reading spec in `NAMESPACE`: how the Lua filter reads this API's answer
+(admission/vocabulary/readspec.py)."""
 
 PRIORITY_HEADER = "x-vllm-priority"
 """The request header vLLM reads a request's scheduling priority from, on every API (the Messages API has no
@@ -79,8 +80,8 @@ RATELIMIT_HEADERS = (*RATELIMIT_REQUEST_HEADERS, *RATELIMIT_TOKEN_HEADERS)
 
 DETAILS_PREFIX = "extproc_"
 """How the response code details of every reply the sidecar answers itself begin (its ImmediateResponse's
-`details`, admission/refusals.py): Envoy's configs tell the sidecar's refusals from Envoy's own by it (the
-lean access log's filter, extproc/envoyconf/lean.py `ENVOY_REFUSALS`, and the local-reply mappers, which
+`details`, admission/replies/refusals.py): Envoy's configs tell the sidecar's refusals from Envoy's own by it
+(the lean access log's filter, extproc/envoyconf/lean.py `ENVOY_REFUSALS`, and the local-reply mappers, which
 leave the sidecar's replies alone: envoy/envoy.yaml)."""
 
 UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"

@@ -1,5 +1,6 @@
-"""A request's prompt as chained chunk hashes (admission/prefix.py): equal leading text shares chunks, and
-anything that may render ahead of it (tools, a system field, another model, `cache_salt`) shares nothing."""
+"""A request's prompt as chained chunk hashes (admission/vocabulary/prefix.py): equal leading text shares
+chunks, and anything that may render ahead of it (tools, a system field, another model, `cache_salt`) shares
+nothing."""
 
 from __future__ import annotations
 
