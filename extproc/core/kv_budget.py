@@ -36,6 +36,11 @@ replica at most: of the holders of a chunk only the last `replicas` admitted pay
 credited it (their prompt is booked less the credit, `_Lease.own_prompt`). When a payer is released the next
 holder pays again, so what the leases hold now is booked exactly; the error model is in docs/feedback.md.
 
+Fair shares (`kv_fairness`, with a `FairShare`): each admission counts as its tenant's attained KV service,
+and a refused request claims the KV it needs from later requests of its class (and of less important
+ones) that its tenant, having received less, should not lose the space to; its retry then fits. Without a
+`now` (no clock) or a `FairShare` the budget admits whatever fits, as before.
+
 Pure and synchronous (no asyncio, no clock): callers pass `now` from their own clock.
 """
 
@@ -46,6 +51,7 @@ import math
 from dataclasses import dataclass
 
 from extproc.core.completion_learner import CompletionLearner
+from extproc.core.kv_fairness import ClaimId, FairShare
 from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
 
@@ -133,6 +139,7 @@ class KvBudget:
         booking: Booking = Booking.LIFETIME,
         pace: DecodePace | None = None,
         prefix_sharing: bool = True,
+        fairness: FairShare | None = None,
     ) -> None:
         if not 0.0 < target_utilization <= 1.0:
             raise ValueError(f"kv_budget.target_utilization: must be in (0, 1], got {target_utilization}")
@@ -153,6 +160,7 @@ class KvBudget:
             prior=initial_completion_ratio, floor=min_completion_ratio
         )
         self.pace = pace or DecodePace()
+        self.fairness = fairness
         self._capacity: int | None = None
         self._leases: dict[str, _Lease] = {}
         self._prefixes = PrefixIndex()
@@ -388,12 +396,17 @@ class KvBudget:
         sequences: int = 1,
         committed: int = 0,
         chunks: PromptChunks = NO_CHUNKS,
+        rank: int = 0,
+        claim: bool = True,
     ) -> tuple[bool, int | None]:
         """Whether a request fits at `now`, and the headroom before it. Capacity unknown: (True, None).
 
         An empty pool always admits, so a request larger than the budget is not starved forever (the
         server's own length validation bounds it). Without `now` the booking is `lifetime`. With its
         prompt's `chunks`, the prefix it shares with the leases in flight is booked once (module docstring).
+        With fair shares, it must also leave the KV another refused request claims (`rank`: its class's
+        order, 0 the most important), and a refusal may make it the claimant (not with `claim` False: a
+        check on a bound, which the exact count decides again).
         """
         budget = self.budget_tokens
         if budget is None:
@@ -415,7 +428,14 @@ class KvBudget:
         self._booked_with = booked_with
         if not self._leases:
             return True, headroom
-        return booked_with <= budget, headroom
+        fair, claimant = self.fairness, self._claim_id(candidate, rank)
+        if fair is None or now is None:
+            return booked_with <= budget, headroom
+        if booked_with + fair.withheld(claimant, now) <= budget:
+            return True, headroom
+        if claim and candidate.footprint <= budget:
+            fair.refused(claimant, candidate.footprint, now)
+        return False, headroom
 
     def admit(
         self,
@@ -428,6 +448,7 @@ class KvBudget:
         sequences: int = 1,
         committed: int = 0,
         chunks: PromptChunks = NO_CHUNKS,
+        rank: int = 0,
     ) -> int:
         """Record an admitted request; `expected_completion` is its completion allowance (max_tokens), of
         which it declares it will generate at least `committed` (see `expected_completion`); `chunks`, its
@@ -454,6 +475,8 @@ class KvBudget:
         self._demand += lease.footprint
         self._credit(self._prefixes.add(lease_id, chunks.hashes), 1)
         self._booked = booked if booked is not None else self._book(now)[0]
+        if self.fairness is not None and now is not None:
+            self.fairness.admitted(self._claim_id(lease, rank), lease.footprint, now)
         return lease.footprint
 
     def progress(self, lease_id: str, streamed_tokens: int, now: float | None = None) -> bool:
@@ -556,6 +579,14 @@ class KvBudget:
             admitted_at=now,
             slack=self._block_slack * max(1, int(sequences)),
         )
+
+    @staticmethod
+    def _claim_id(lease: _Lease, rank: int) -> ClaimId:
+        """How the request of `lease` is known on its retries (`kv_fairness`): a client retries one body."""
+        chunks = lease.chunks
+        if chunks.hashes:
+            return ClaimId(rank, lease.learner_key, lease.sequences, (chunks.hashes[-1], chunks.text_chars))
+        return ClaimId(rank, lease.learner_key, lease.sequences, (lease.prompt, lease.allowance))
 
     def _credit(self, changes: dict[str, int], sign: int) -> None:
         """Shared chunks newly credited to (`sign` 1) or paid again by (-1) the leases named."""

@@ -27,7 +27,7 @@ _BUDGET_IDS = itertools.count()
 class KvBooking:
     """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op)."""
 
-    __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "pool", "tenant")
+    __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "pool", "rank", "tenant")
 
     def __init__(
         self,
@@ -36,10 +36,12 @@ class KvBooking:
         tenant: str,
         changed: Callable[[str], None],
         clock: Clock,
+        rank: int = 0,
     ) -> None:
         self.budget = budget
         self.pool = pool
         self.tenant = tenant
+        self.rank = rank  # the request's class's order (0: the most important), for fair shares
         self.changed = changed
         self.clock = clock
         self.id = f"x{next(_BUDGET_IDS)}"
@@ -55,10 +57,11 @@ class KvBooking:
         return self._chunks
 
     def fits(
-        self, request: ParsedRequest, plan: Reservation, now: float | None = None
+        self, request: ParsedRequest, plan: Reservation, now: float | None = None, *, claim: bool = True
     ) -> tuple[bool, int | None]:
         """Whether the request fits the pool's KV budget at `now` (default: the clock's now), and the
-        headroom before it."""
+        headroom before it; refused, it may claim its KV from later requests (fair shares), unless `claim`
+        is False (a check on the prompt's bound, decided again on the exact count)."""
         if self.budget is None:
             return True, None
         return self.budget.would_fit(
@@ -69,6 +72,8 @@ class KvBooking:
             sequences=request.sequences * request.prompt_count,
             committed=plan.committed_completion_tokens,
             chunks=self.chunks(request),
+            rank=self.rank,
+            claim=claim,
         )
 
     def hold(self, request: ParsedRequest, plan: Reservation) -> None:
@@ -84,6 +89,7 @@ class KvBooking:
             sequences=request.sequences * request.prompt_count,
             committed=plan.committed_completion_tokens,
             chunks=self.chunks(request),
+            rank=self.rank,
         )
         self.held = True
         self.changed(self.pool)

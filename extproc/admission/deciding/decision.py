@@ -215,8 +215,9 @@ class Decision:
         return replace(granted, correction=provisional.Correction(service, self.tokenizer_lane))
 
     def _booking(self, pool: str) -> KvBooking:
-        deps = self.service.deps
-        return KvBooking(deps.kv_budget(pool), pool, self.request.tenant, deps.budget_changed, deps.clock)
+        deps, request = self.service.deps, self.request
+        rank = self.service.rules().rank_of(request.klass)
+        return KvBooking(deps.kv_budget(pool), pool, request.tenant, deps.budget_changed, deps.clock, rank)
 
     def _keys(self, pool: str) -> list[str]:
         return ["global", f"model:{pool}", f"tenant:{self.request.tenant}"]

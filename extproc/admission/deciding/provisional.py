@@ -106,7 +106,7 @@ def may_admit_on_bound(
         # The count after would wait in the client's tokenizer lane, where it could delay (or, past the
         # lane's backlog, refuse) the client's next request: count this one first instead.
         return False
-    return booking.fits(req, bound)[0]
+    return booking.fits(req, bound, claim=False)[0]
 
 
 class Correction:

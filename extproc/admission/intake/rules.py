@@ -102,6 +102,13 @@ class AdmissionRules:
                 return klass
         return self.classes[-1]
 
+    def rank_of(self, klass: ClassPolicy) -> int:
+        """A class's place in the config's order (0: the most important); an unknown one is the last."""
+        for index, known in enumerate(self.classes):
+            if known.name == klass.name:
+                return index
+        return len(self.classes) - 1
+
     def tenant_label(self, tenant: str) -> str:
         """Tenant as a metric label: only allow-listed tenants get their own series."""
         return tenant if tenant in self.tenant_metrics else "other"

@@ -11,6 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from extproc.core.adaptive import ControllerState
 from extproc.core.kv_budget import KvBudget
 
+TENANT_SERIES = 20
+"""Tenants shown by name in `extproc_kv_attained_service_share`, per pool: those who received most lately;
+the rest are summed as `other`, so the label set stays bounded however many tenants send."""
+
 
 class FeedbackMetrics:
     """The gauges and counters of the KV feedback path, labelled by pool (served model name)."""
@@ -96,6 +100,49 @@ class FeedbackMetrics:
             ["pool"],
             registry=registry,
         )
+        self._fairness_series(registry)
+
+    def _fairness_series(self, registry: CollectorRegistry) -> None:
+        self.fairness = Gauge(
+            "extproc_kv_fairness_index",
+            "Jain's index over the tenants' weighted KV service received lately (decayed admitted "
+            "footprints): 1 when all received the same, 1/n when one of n received everything.",
+            ["pool"],
+            registry=registry,
+        )
+        self.attained = Gauge(
+            "extproc_kv_attained_service_share",
+            "Each tenant's share of the pool's weighted KV service received lately (the "
+            f'{TENANT_SERIES} largest by name, the rest as tenant="other").',
+            ["pool", "tenant"],
+            registry=registry,
+        )
+        self.claimed = Gauge(
+            "extproc_kv_claimed_tokens",
+            "KV tokens a refused request claims from later requests of its class until it comes back "
+            "(0: no claim).",
+            ["pool"],
+            registry=registry,
+        )
+        self._tenants_shown: dict[str, set[str]] = {}
+
+    def observe_fairness(self, pool: str, budget: KvBudget, now: float) -> None:
+        """The pool's fair-share series as of `now` (nothing without fair shares)."""
+        fair = budget.fairness
+        if fair is None:
+            return
+        self.fairness.labels(pool).set(fair.fairness_index(now))
+        self.claimed.labels(pool).set(fair.claimed_tokens(now))
+        shares = sorted(fair.shares(now).items(), key=lambda item: -item[1])
+        shown = dict(shares[:TENANT_SERIES])
+        rest = sum(share for _, share in shares[TENANT_SERIES:])
+        if rest > 0:
+            shown["other"] = shown.get("other", 0.0) + rest
+        for gone in self._tenants_shown.get(pool, set()) - set(shown):
+            self.attained.remove(pool, gone)
+        for tenant, share in shown.items():
+            self.attained.labels(pool, tenant).set(share)
+        self._tenants_shown[pool] = set(shown)
 
     def observe_state(
         self,
@@ -121,6 +168,8 @@ class FeedbackMetrics:
         self.forecasting.labels(pool).set(1.0 if budget.forecasting(now) else 0.0)
         headroom = budget.headroom_tokens
         self.headroom.labels(pool).set(headroom if headroom is not None else float("nan"))
+        if now is not None:
+            self.observe_fairness(pool, budget, now)
 
 
 def register_feedback_metrics(registry: CollectorRegistry) -> FeedbackMetrics:

@@ -27,10 +27,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import ControllerState
 from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_fairness import FairShare
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics, register_feedback_metrics
-from extproc.kvfeed.subscriber.settings import FeedbackConfig
+from extproc.kvfeed.subscriber.settings import FeedbackConfig, KvBudgetConfig
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class FeedbackRuntime:
                 booking=Booking(settings.booking),
                 prefix_sharing=settings.prefix_sharing,
                 min_completion_ratio=settings.min_completion_ratio,
+                fairness=fair_share(settings),
             )
             if self.loop is not None:
                 budget.set_capacity(self.loop.capacity_tokens(pool))
@@ -207,3 +209,14 @@ class FeedbackRuntime:
         budget = self._budgets.get(pool)
         if budget is not None:
             self.metrics.observe_budget(pool, budget, self._clock())
+
+
+def fair_share(settings: KvBudgetConfig) -> FairShare | None:
+    """A pool budget's fair shares between tenants, as `kv_budget` sets them; None when turned off."""
+    if not settings.fair_shares:
+        return None
+    return FairShare(
+        half_life_s=settings.service_half_life_seconds,
+        claim_ttl_s=settings.claim_seconds,
+        weights=dict(settings.tenant_weights),
+    )

@@ -76,7 +76,8 @@ def test_runtime_feeds_engine_readings_and_keeps_capacity_when_stale() -> None:
             {
                 "feedback": FEED,
                 "adaptive": {"stale_after_seconds": 5},
-                "kv_budget": {"enabled": True, "target_utilization": 0.5},
+                # The booking's arithmetic alone: no claim left by the refusal below (fair shares).
+                "kv_budget": {"enabled": True, "target_utilization": 0.5, "fair_shares": False},
             }
         ).feedback
         await runtime.apply(config, ["m"])
