@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from extproc.core.completion_learner import CompletionLearner
 from extproc.core.kv_fairness import ClaimId, FairShare
 from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
+from extproc.core.kv_schedule import RetrySchedule
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
 
 SETTLE_AFTER_S = 2.0
@@ -161,6 +162,8 @@ class KvBudget:
         )
         self.pace = pace or DecodePace()
         self.fairness = fairness
+        self.schedule = RetrySchedule()
+        self._refused: tuple[ClaimId, int, float] | None = None  # the last refusal's (id, footprint, run)
         self._capacity: int | None = None
         self._leases: dict[str, _Lease] = {}
         self._prefixes = PrefixIndex()
@@ -240,31 +243,28 @@ class KvBudget:
             and now <= self._fresh_until
         )
 
-    def fit_etas(self, now: float | None) -> list[float]:
-        """After a refusal by `would_fit`: when enough booked KV frees for that request, in seconds from
-        `now`, and when each later lease is expected to end (successive refused clients can aim at
-        successive releases). Empty when the pool's decode pace is unknown, so no forecast exists.
+    def retry_after(self, now: float | None) -> float | None:
+        """After a refusal by `would_fit` at `now`: in how many seconds that request is expected to fit, and
+        a promise of that place so the next refused request is sent later (`kv_schedule`). None when the
+        pool's decode pace is unknown (no forecast exists) or nothing is admitted.
 
-        Leases end in the order of their forecast ends (`trajectory`: expected completion less tokens done,
-        in steps of one token per sequence) at the learned pace, plus the first-token delay still ahead of
-        a lease with no progress yet; each end frees its lifetime footprint from the booking the refused
-        request was compared with.
+        Leases end at their forecast ends (`trajectory`: expected completion less tokens done, in steps
+        of one token per sequence) at the pace, plus the first-token delay still ahead of a lease with no
+        progress yet; each end frees its lifetime footprint from the booking the refused request was
+        compared with. The refused request is expected to run its own expected completion at that pace.
         """
         budget = self.budget_tokens
         rate = self.decode_rate()
-        if budget is None or now is None or rate is None or rate <= 0 or not self._leases:
-            return []
+        refused = self._refused
+        if budget is None or now is None or rate is None or rate <= 0 or not self._leases or refused is None:
+            return None
+        owner, footprint, completion = refused
         delay = self.pace.first_token_delay
-        ends = sorted(
+        releases = [
             (self._seconds_left(lease, now, rate, delay), lease.footprint) for lease in self._leases.values()
-        )
-        excess = self._booked_with - budget
-        freed = 0
-        for index, (_, footprint) in enumerate(ends):
-            freed += footprint
-            if freed >= excess:
-                return [s for s, _ in ends[index:]]
-        return [ends[-1][0]]
+        ]
+        duration = delay + completion / rate
+        return self.schedule.eta(owner, now, self._booked_with, budget, releases, duration, footprint)
 
     @staticmethod
     def _seconds_left(lease: _Lease, now: float, rate: float, delay: float) -> float:
@@ -428,13 +428,17 @@ class KvBudget:
         self._booked_with = booked_with
         if not self._leases:
             return True, headroom
-        fair, claimant = self.fairness, self._claim_id(candidate, rank)
-        if fair is None or now is None:
-            return booked_with <= budget, headroom
-        if booked_with + fair.withheld(claimant, now) <= budget:
+        claimant = self._claim_id(candidate, rank)
+        fair = self.fairness if now is not None else None
+        if (
+            booked_with + (fair.withheld(claimant, now) if fair is not None and now is not None else 0)
+            <= budget
+        ):
             return True, headroom
-        if claim and candidate.footprint <= budget:
+        if fair is not None and now is not None and claim and candidate.footprint <= budget:
             fair.refused(claimant, candidate.footprint, now)
+        # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
+        self._refused = (claimant, candidate.footprint, candidate.expected_completion / candidate.sequences)
         return False, headroom
 
     def admit(
@@ -475,8 +479,10 @@ class KvBudget:
         self._demand += lease.footprint
         self._credit(self._prefixes.add(lease_id, chunks.hashes), 1)
         self._booked = booked if booked is not None else self._book(now)[0]
+        claimant = self._claim_id(lease, rank)
+        self.schedule.kept(claimant)
         if self.fairness is not None and now is not None:
-            self.fairness.admitted(self._claim_id(lease, rank), lease.footprint, now)
+            self.fairness.admitted(claimant, lease.footprint, now)
         return lease.footprint
 
     def progress(self, lease_id: str, streamed_tokens: int, now: float | None = None) -> bool:

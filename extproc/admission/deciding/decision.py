@@ -157,8 +157,7 @@ class Decision:
         fits, headroom = booking.fits(parsed, plan, now)
         if not fits:
             assert booking.budget is not None
-            hints = service.slot_hints.hints  # one spread of retry times for slot and KV refusals
-            wait = refusals.kv_retry_after(booking.budget, hints, pool, now)
+            wait = refusals.kv_retry_after(booking.budget, now)
             yield self._deny(refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait), shadow)
             return
         facts, new_body, strip_usage = self._forwarding(parsed, plan, rules)

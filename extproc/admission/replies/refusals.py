@@ -14,7 +14,7 @@ from extproc.admission.vocabulary.errors import AdmissionError, error_body
 from extproc.admission.vocabulary.names import DETAILS_PREFIX
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Reason, Rejection
-from extproc.core.slot_eta import MIN_REMAINING_S, RetryHints
+from extproc.core.slot_eta import MAX_HINT_S
 
 KV_RETRY_AFTER_S = 1.0
 """Retry hint for a KV-budget refusal while the pool's decode pace is unknown (no forecast of when the
@@ -110,17 +110,17 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
     return Refusal(429, body, reason, _reason(reason, headers), f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 
-def kv_retry_after(budget: KvBudget, hints: RetryHints, pool: str, now: float) -> float:
-    """A KV-budget refusal's `retry-after`: when enough booked KV is forecast to free for the request just
-    refused (`KvBudget.fit_etas`), the n-th refused client of a pool aiming at the n-th release so a flood
-    does not come back all at once (`RetryHints`); at least the fixed second. A fixed second alone would
-    spend an SDK's two default retries within two seconds while the admitted answers run for ten."""
-    etas = [max(MIN_REMAINING_S, eta) for eta in budget.fit_etas(now)]
-    hint = hints.hint(f"kv:{pool}", etas, now)
+def kv_retry_after(budget: KvBudget, now: float) -> float:
+    """A KV-budget refusal's `retry-after`: when the request just refused is expected to fit, after the
+    releases the forecast sees and the places promised to the clients refused before it
+    (`KvBudget.retry_after`, extproc/core/kv_schedule.py), so a burst comes back in waves the cache holds;
+    at least the fixed second, at most what SDKs honour. A fixed second alone would spend an SDK's two
+    default retries within two seconds while the admitted answers run for ten."""
+    eta = budget.retry_after(now)
     # Never sooner than the fixed second: a forecast that says "now" for a request it just refused is wrong
     # (a pace learned at a smaller batch, leases taken for finished), and clients following it would spend
     # their retries in a few hundred milliseconds (measured on vLLM: hints of 50 ms).
-    return KV_RETRY_AFTER_S if hint is None else max(KV_RETRY_AFTER_S, hint)
+    return KV_RETRY_AFTER_S if eta is None else min(MAX_HINT_S, max(KV_RETRY_AFTER_S, eta))
 
 
 def kv_budget(model: str, needed: int, headroom: int, retry_after_s: float = KV_RETRY_AFTER_S) -> Refusal:

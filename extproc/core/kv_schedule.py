@@ -1,0 +1,132 @@
+"""When will a refused request's KV fit? A `retry-after` per client that a whole burst can follow.
+
+Forty requests arrive at once at a cache that holds eight of them. Hints that point every refused client at
+the next release bring thirty-two back together when the first eight end: eight fit, twenty-four are
+refused again and, with an SDK's two retries, most give up (measured on vLLM: 21 of 40 answered). So each
+refused request is given a moment of its own, and that moment is remembered as a promise: the KV it will
+take from then, for as long as it is expected to run. The next refused request is fitted after the leases
+that end and around the promises already made, the way a backfilling scheduler plans its queue: client 9
+is sent to the first release, client 17 to when the ninth's answer ends, and so on.
+
+`RetrySchedule.eta` takes the booking the refused request was compared with (it included the request), the
+leases' expected releases (seconds from now, tokens), the request's expected duration and footprint, and
+returns the earliest time from now at which the booking, less what has been released, plus the promises
+running then, leaves room for it for its whole expected run. A promise is kept under the request's identity
+(`ClaimId`, as fair shares know it). Clients that send the same body share an identity, so a refusal adds a
+promise, and replaces one of the identity's only when that one's time has come (its client is back); an
+admission removes the identity's earliest promise (its lease is counted now), and a promise lapses at its
+expected end. Pure: callers pass `now`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Promise:
+    """KV tokens a refused request was told it may take from `start` until `end` (absolute seconds)."""
+
+    start: float
+    end: float
+    tokens: int
+
+
+@dataclass
+class RetrySchedule:
+    max_promises: int = 256
+    _promises: dict[Hashable, list[Promise]] = field(default_factory=dict, init=False)
+    _count: int = field(default=0, init=False)
+
+    @property
+    def promises(self) -> int:
+        return self._count
+
+    def eta(
+        self,
+        owner: Hashable,
+        now: float,
+        level: float,
+        budget: float,
+        releases: Sequence[tuple[float, int]],
+        duration: float,
+        tokens: int,
+    ) -> float:
+        """Seconds from `now` after which the refused request `owner` (`tokens` of KV for `duration` s) is
+        expected to fit, and the promise made for it. `level` is the booking it was refused at, itself
+        included; `releases` (seconds from now, tokens) are the leases' expected ends. One sort and one
+        sweep: O(n log n) in the leases and promises."""
+        self._forget(now)
+        self._drop(owner, due_by=now)  # this client's own promise, if it is back at or after its time
+        times, levels = self._steps(now, level, releases)
+        chosen = self._first_fit(times, levels, budget, max(0.0, duration))
+        if self._count < self.max_promises:
+            promise = Promise(now + chosen, now + chosen + max(0.0, duration), tokens)
+            self._promises.setdefault(owner, []).append(promise)
+            self._count += 1
+        return chosen
+
+    def kept(self, owner: Hashable) -> None:
+        """A request of `owner` was admitted: its lease now counts, the identity's earliest promise goes."""
+        self._drop(owner, due_by=None)
+
+    def _drop(self, owner: Hashable, due_by: float | None) -> None:
+        """Remove `owner`'s earliest promise (only if it starts by `due_by`, when given)."""
+        listed = self._promises.get(owner)
+        if not listed:
+            return
+        earliest = min(range(len(listed)), key=lambda i: listed[i].start)
+        if due_by is not None and listed[earliest].start > due_by:
+            return
+        del listed[earliest]
+        self._count -= 1
+        if not listed:
+            del self._promises[owner]
+
+    def _steps(
+        self, now: float, level: float, releases: Sequence[tuple[float, int]]
+    ) -> tuple[list[float], list[float]]:
+        """The booking ahead as a step function: `levels[k]` holds from `times[k]` to `times[k + 1]`."""
+        changes: dict[float, float] = {0.0: 0.0}
+        for at, released in releases:
+            at = max(0.0, at)
+            changes[at] = changes.get(at, 0.0) - released
+        for promise in (p for listed in self._promises.values() for p in listed):
+            start, end = max(0.0, promise.start - now), promise.end - now
+            changes[start] = changes.get(start, 0.0) + promise.tokens
+            changes[end] = changes.get(end, 0.0) - promise.tokens
+        times = sorted(changes)
+        levels, current = [], level
+        for t in times:
+            current += changes[t]
+            levels.append(current)
+        return times, levels
+
+    @staticmethod
+    def _first_fit(times: list[float], levels: list[float], budget: float, duration: float) -> float:
+        """The first step time from which the level stays within `budget` for `duration` (a sliding-window
+        maximum over the steps), else the last step."""
+        window: deque[int] = deque()  # step indices whose levels decrease, the window's maximum first
+        end = 0
+        for start in range(len(times)):
+            while end < len(times) and (end == start or times[end] < times[start] + duration):
+                while window and levels[window[-1]] <= levels[end]:
+                    window.pop()
+                window.append(end)
+                end += 1
+            while window[0] < start:
+                window.popleft()
+            if levels[window[0]] <= budget:
+                return times[start]
+        return times[-1]
+
+    def _forget(self, now: float) -> None:
+        for owner in list(self._promises):
+            kept = [p for p in self._promises[owner] if p.end > now]
+            self._count -= len(self._promises[owner]) - len(kept)
+            if kept:
+                self._promises[owner] = kept
+            else:
+                del self._promises[owner]
