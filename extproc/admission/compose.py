@@ -36,6 +36,8 @@ class KvSignals(Protocol):
 
     def decode_rate(self, pool: str) -> float | None: ...
 
+    def feeds_pool(self, pool: str) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -79,6 +81,7 @@ def build_admission(
         deps.kv_budget = signals.budget
         deps.budget_changed = signals.budget_changed
         deps.kv_usage = signals.kv_usage
+        deps.feeds_pool = signals.feeds_pool
     if served_as is not None:
         deps.served_as = served_as
     service = AdmissionService(deps)

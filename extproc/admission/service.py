@@ -56,6 +56,7 @@ class Deps:
     kv_budget: Callable[[str], KvBudget | None] = lambda _pool: None
     budget_changed: Callable[[str], None] = lambda _pool: None
     kv_usage: Callable[[str], float | None] = lambda _pool: None
+    feeds_pool: Callable[[str], bool] = lambda _pool: False  # whether the KV feed reports this pool
     # The name whose policy and pool a requested model uses (an engine-listed alias or adapter: its base
     # pool); None refuses it as a model the engines do not serve (kvfeed.subscriber.runtime.served_as).
     # Asked with the rules the request is admitted under, so one request never mixes two configs.

@@ -282,6 +282,30 @@ def test_forty_early_stops_do_not_train_the_next_booking_below_its_floor(profile
         local.stop()
 
 
+def test_a_config_that_names_no_model_still_books_the_engines_pool() -> None:
+    """`models."*"` alone: every requested name shares the `*` limits, yet the feed reports the engine's
+    model by name, and its KV budget books the request (it once looked for a budget of pool `*`, found none,
+    and admitted everything)."""
+    config = {"models": {"*": {"context_window": 2048}}, "kv_budget": {"enabled": True}}
+    local = start_stack(
+        config=config, sim_args=SIM_ARGS, with_exporter=True, profile="lean", envoy_patch=None
+    )
+    stack = Stack(local)
+    body = {
+        "model": MODEL,
+        "max_tokens": 1500,
+        "stream": True,
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    try:
+        wait_for(lambda: stack.sidecar("extproc_kv_capacity_tokens", pool=MODEL) == 4096, 10, "capacity")
+        sock = _hold_stream(stack, json.dumps(body).encode())
+        assert 1500 < stack.sidecar("extproc_kv_demand_tokens", pool=MODEL) < 1600
+        sock.close()
+    finally:
+        local.stop()
+
+
 class FakeFeed:
     """A KvFeed server in this process streaming, every 0.1 s, whatever `samples` holds now: a stand-in for
     an exporter (or anything speaking the protocol) that sends readings no server can have."""

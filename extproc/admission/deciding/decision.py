@@ -36,7 +36,7 @@ from extproc.admission.intake.request import (
     plan_reservation,
     prompt_token_lower_bound,
 )
-from extproc.admission.intake.rules import AdmissionRules, ClassPolicy
+from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules, ClassPolicy
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import FORWARD, Forward, Hold, Refusal
 from extproc.admission.service import AdmissionService, Admitted
@@ -104,6 +104,7 @@ class Decision:
         self.service = service
         self.request = request
         self.model_label = "unknown"
+        self.limit_pool = DEFAULT_MODEL  # the pool whose `model:<pool>` limits apply (`resolve`)
 
     @property
     def tokenizer_lane(self) -> str:
@@ -165,7 +166,7 @@ class Decision:
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         booking.hold(parsed, plan)
         try:
-            async for step in self.acquire(self._keys(pool), plan.total, shadow):
+            async for step in self.acquire(self._keys(), plan.total, shadow):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -201,7 +202,7 @@ class Decision:
         booking.hold(parsed, bound)
         result: Lease | Rejection | None = None
         try:
-            result = await service.acquire(self._keys(pool), bound.total, klass.name)
+            result = await service.acquire(self._keys(), bound.total, klass.name)
         except StoreUnavailable:
             return self.refuse(refusals.store_unavailable())
         finally:
@@ -218,8 +219,8 @@ class Decision:
         rank = self.service.rules().rank_of(request.klass)
         return KvBooking(deps.kv_budget(pool), pool, request.tenant, deps.budget_changed, deps.clock, rank)
 
-    def _keys(self, pool: str) -> list[str]:
-        return ["global", f"model:{pool}", f"tenant:{self.request.tenant}"]
+    def _keys(self) -> list[str]:
+        return ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
 
     def _forwarding(
         self, parsed: ParsedRequest, plan: Reservation, rules: AdmissionRules
@@ -301,9 +302,18 @@ class Decision:
             raise AdmissionError(
                 404, f"The model `{parsed.model}` does not exist.", code="model_not_found", param="model"
             )
-        pool = rules.pool_of(served_as)
-        self.model_label = rules.model_label(pool)
-        return parsed, policy, pool
+        self.limit_pool = rules.pool_of(served_as)
+        self.model_label = rules.model_label(self.limit_pool)
+        return parsed, policy, self._engine_pool(served_as)
+
+    def _engine_pool(self, served_as: str) -> str:
+        """The pool whose engines serve the request: its KV budget, KV usage and decode pace. The limits'
+        pool, except for a name the config does not know, which shares the `models."*"` limits (a client
+        must not mint limits by inventing names) but whose engines the feed reports by that name: their
+        budget applies to it (else a config that names no model would run without any KV budget)."""
+        if self.limit_pool == DEFAULT_MODEL and self.service.deps.feeds_pool(served_as):
+            return served_as
+        return self.limit_pool
 
     def check(self, parsed: ParsedRequest, policy: ModelPolicy, rules: AdmissionRules) -> None:
         """Refuse what needs no count: a request-supplied chat template, a prompt whose cheap lower bound

@@ -191,6 +191,10 @@ class FeedbackRuntime:
             return None
         return model
 
+    def feeds_pool(self, pool: str) -> bool:
+        """Whether the feed reports `pool` (an engine serves it): the pools a budget can exist for."""
+        return self.loop is not None and self.loop.state(pool) is not None
+
     def kv_usage(self, pool: str) -> float | None:
         """The pool's current aggregated KV usage; None without a fresh sample."""
         if self.loop is None:
