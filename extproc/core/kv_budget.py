@@ -259,12 +259,21 @@ class KvBudget:
         if budget is None or now is None or rate is None or rate <= 0 or not self._leases or refused is None:
             return None
         owner, footprint, completion = refused
+        fair = self.fairness
+        first = fair is not None and fair.holds(owner, now)
+        served = fair.attained(owner.tenant, now) if fair is not None else 0.0
         delay = self.pace.first_token_delay
         releases = [
             (self._seconds_left(lease, now, rate, delay), lease.footprint) for lease in self._leases.values()
         ]
         duration = delay + completion / rate
-        return self.schedule.eta(owner, now, self._booked_with, budget, releases, duration, footprint)
+        priority = (float(owner.rank), served)
+        eta = self.schedule.eta(
+            owner, now, self._booked_with, budget, releases, duration, footprint, first, priority
+        )
+        if fair is not None and first:
+            fair.keep_until(owner, now + eta)  # the claim waits for its owner's return
+        return eta
 
     @staticmethod
     def _seconds_left(lease: _Lease, now: float, rate: float, delay: float) -> float:

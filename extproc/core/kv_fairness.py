@@ -13,8 +13,9 @@ flood of small requests fits first and the large one is refused again (measured:
   tenant has attained less than the claimant's. While the claim holds, every other request fits only
   beside it (the budget withholds the claim's tokens from everyone but the claimant), so later, smaller
   requests cannot take the space as it frees; the claimant, coming back (its `retry-after` points at when
-  its KV frees), fits and is admitted, and the claim goes. A claimant that does not come back within
-  `claim_ttl_s` of its last refusal loses the claim, so a client that gave up holds nothing for long.
+  its KV frees, planned before any other refused request's), fits and is admitted, and the claim goes. A
+  claimant that does not come back within `claim_ttl_s` of its last refusal, or of the time it was told
+  to come back, loses the claim, so a client that gave up holds nothing for long.
 
 A request is recognised on its retries by its identity (`ClaimId`: tenant, sequences and the body's shape,
 which the caller derives from the prompt), so a claim is one request's, not its tenant's: its own tenant's
@@ -57,7 +58,8 @@ class Claim:
     owner: ClaimId
     tokens: int
     refused_at: float
-    since: float
+    until: float  # when it lapses: `claim_ttl_s` after its owner's last refusal, or after the retry time
+    # its owner was given (`keep_until`), whichever is later
 
 
 @dataclass
@@ -135,11 +137,24 @@ class FairShare:
         claim = self._live_claim(now)
         if claim is not None and claim.owner == candidate:
             claim.refused_at = now
+            claim.until = max(claim.until, now + self.claim_ttl_s)
             claim.tokens = max(0, int(tokens))
             return
         if claim is not None and not self._before(candidate, claim.owner, now):
             return
-        self._claim = Claim(candidate, max(0, int(tokens)), now, now)
+        self._claim = Claim(candidate, max(0, int(tokens)), now, now + self.claim_ttl_s)
+
+    def holds(self, candidate: ClaimId, now: float) -> bool:
+        """Whether `candidate` holds the claim at `now`."""
+        claim = self._live_claim(now)
+        return claim is not None and claim.owner == candidate
+
+    def keep_until(self, candidate: ClaimId, retry_at: float) -> None:
+        """`candidate`, holding the claim, was told to come back at `retry_at`: the claim waits for it,
+        `claim_ttl_s` past that time."""
+        claim = self._claim
+        if claim is not None and claim.owner == candidate:
+            claim.until = max(claim.until, retry_at + self.claim_ttl_s)
 
     def admitted(self, candidate: ClaimId, tokens: float, now: float) -> None:
         """`candidate` was admitted with a footprint of `tokens`: its tenant is served, its claim goes."""
@@ -149,7 +164,7 @@ class FairShare:
 
     def _live_claim(self, now: float) -> Claim | None:
         claim = self._claim
-        if claim is not None and now - claim.refused_at > self.claim_ttl_s:
+        if claim is not None and now > claim.until:
             self._claim = claim = None
         return claim
 

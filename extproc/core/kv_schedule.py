@@ -32,6 +32,7 @@ class Promise:
     start: float
     end: float
     tokens: int
+    priority: tuple[float, float] = (0.0, 0.0)  # (class rank, tenant's attained service): lower first
 
 
 @dataclass
@@ -53,17 +54,22 @@ class RetrySchedule:
         releases: Sequence[tuple[float, int]],
         duration: float,
         tokens: int,
+        first: bool = False,
+        priority: tuple[float, float] = (0.0, 0.0),
     ) -> float:
         """Seconds from `now` after which the refused request `owner` (`tokens` of KV for `duration` s) is
         expected to fit, and the promise made for it. `level` is the booking it was refused at, itself
-        included; `releases` (seconds from now, tokens) are the leases' expected ends. One sort and one
-        sweep: O(n log n) in the leases and promises."""
+        included; `releases` (seconds from now, tokens) are the leases' expected ends. It is planned around
+        the promises of its `priority` or before (its class's rank, its tenant's attained service: lower
+        goes first), in front of the others, or of all with `first` (it holds the fair-share claim): those
+        passed find its KV taken when they come back and are planned again. One sort and one sweep:
+        O(n log n) in the leases and promises."""
         self._forget(now)
         self._drop(owner, due_by=now)  # this client's own promise, if it is back at or after its time
-        times, levels = self._steps(now, level, releases)
+        times, levels = self._steps(now, level, releases, None if first else priority)
         chosen = self._first_fit(times, levels, budget, max(0.0, duration))
         if self._count < self.max_promises:
-            promise = Promise(now + chosen, now + chosen + max(0.0, duration), tokens)
+            promise = Promise(now + chosen, now + chosen + max(0.0, duration), tokens, priority)
             self._promises.setdefault(owner, []).append(promise)
             self._count += 1
         return chosen
@@ -86,14 +92,25 @@ class RetrySchedule:
             del self._promises[owner]
 
     def _steps(
-        self, now: float, level: float, releases: Sequence[tuple[float, int]]
+        self,
+        now: float,
+        level: float,
+        releases: Sequence[tuple[float, int]],
+        ahead_of: tuple[float, float] | None,
     ) -> tuple[list[float], list[float]]:
-        """The booking ahead as a step function: `levels[k]` holds from `times[k]` to `times[k + 1]`."""
+        """The booking ahead as a step function: `levels[k]` holds from `times[k]` to `times[k + 1]`, with
+        the promises of priority `ahead_of` or before (none for None)."""
         changes: dict[float, float] = {0.0: 0.0}
         for at, released in releases:
             at = max(0.0, at)
             changes[at] = changes.get(at, 0.0) - released
-        for promise in (p for listed in self._promises.values() for p in listed):
+        promises = [
+            p
+            for listed in self._promises.values()
+            for p in listed
+            if ahead_of is not None and p.priority <= ahead_of
+        ]
+        for promise in promises:
             start, end = max(0.0, promise.start - now), promise.end - now
             changes[start] = changes.get(start, 0.0) + promise.tokens
             changes[end] = changes.get(end, 0.0) - promise.tokens

@@ -58,3 +58,16 @@ def test_memory_is_bounded() -> None:
     schedule = RetrySchedule(max_promises=4)
     burst_etas(schedule, 10)
     assert schedule.promises == 4
+
+
+def test_a_tenant_that_received_less_is_planned_before_promises_of_one_that_received_more() -> None:
+    schedule = RetrySchedule()
+    releases = [(10.0, 100)] * 8
+    for index in range(16):  # the flooding tenant (much service received) is promised two waves
+        schedule.eta(("flood", index), 0.0, 900, 800, releases, 10.0, 100, priority=(0.0, 5000.0))
+    # A request of a tenant that received little is fitted ahead of those promises, at the first release.
+    assert schedule.eta("starved", 0.0, 900, 800, releases, 10.0, 100, priority=(0.0, 100.0)) == 10.0
+    # One of a more important class too, whatever its tenant received.
+    assert schedule.eta("critical", 0.0, 900, 800, releases, 10.0, 100, priority=(-1.0, 9e9)) == 10.0
+    # Among equals, promises keep their order: one more of the flood waits for the third wave.
+    assert schedule.eta(("flood", 99), 0.0, 900, 800, releases, 10.0, 100, priority=(0.0, 5000.0)) == 30.0
