@@ -37,8 +37,8 @@ credited it (their prompt is booked less the credit, `_Lease.own_prompt`). When 
 holder pays again, so what the leases hold now is booked exactly; the error model is in docs/feedback.md.
 
 Fair shares (`kv_fairness`, with a `FairShare`): each admission counts as its tenant's attained KV service,
-and a refused request claims the KV it needs from later requests of its class (and of less important
-ones) that its tenant, having received less, should not lose the space to; its retry then fits. Without a
+and a refused request claims the KV it needs from later requests of other tenants in its class (and of
+less important ones), its tenant having received less; its retry then fits. Without a
 `now` (no clock) or a `FairShare` the budget admits whatever fits, as before.
 
 Pure and synchronous (no asyncio, no clock): callers pass `now` from their own clock.

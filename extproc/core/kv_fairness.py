@@ -10,17 +10,19 @@ flood of small requests fits first and the large one is refused again (measured:
   summed with exponential decay (`half_life_s`), divided by the tenant's weight (default 1): who has
   received the least lately is next by fairness.
 * **One claim per pool.** A refused request claims the KV it needs when no claim is held, or when its
-  tenant has attained less than the claimant's. While the claim holds, every other request fits only
-  beside it (the budget withholds the claim's tokens from everyone but the claimant), so later, smaller
-  requests cannot take the space as it frees; the claimant, coming back (its `retry-after` points at when
+  tenant has attained less than the claimant's. While the claim holds, other tenants' requests fit
+  only beside it (the budget withholds the claim's tokens from them), so later, smaller requests cannot
+  take the space as it frees; the claimant, coming back (its `retry-after` points at when
   its KV frees, planned before any other refused request's), fits and is admitted, and the claim goes. A
   claimant that does not come back within `claim_ttl_s` of its last refusal, or of the time it was told
   to come back, loses the claim, so a client that gave up holds nothing for long.
 
 A request is recognised on its retries by its identity (`ClaimId`: tenant, sequences and the body's shape,
-which the caller derives from the prompt), so a claim is one request's, not its tenant's: its own tenant's
-small requests do not use it up either. A request larger than the whole budget claims nothing: it fits
-only an empty pool, and a claim for it would drain the pool for one request.
+which the caller derives from the prompt). A claim holds against the other tenants only: inside one tenant
+admission stays first come, first served (measured on a one-tenant overload of a real vLLM, a claim held
+against the claimant's own tenant left its space idle between retries and cost answered requests). A request
+larger than the whole budget claims nothing: it fits only an empty pool, and a claim for it would drain the
+pool for one request.
 
 Classes keep their order: a claim holds only against requests of its own class or a less important one
 (`ClaimId.rank`), and a refused request of a more important class takes the claim over whatever the
@@ -124,10 +126,10 @@ class FairShare:
         return 0 if claim is None else claim.tokens
 
     def withheld(self, candidate: ClaimId, now: float) -> int:
-        """KV tokens a decision on `candidate` must leave free: the claim's, unless `candidate` holds it or
-        the claim lapsed."""
+        """KV tokens a decision on `candidate` must leave free: the claim's, unless the claim is its own
+        tenant's, holds only against less important classes than its, or lapsed."""
         claim = self._live_claim(now)
-        if claim is None or claim.owner == candidate or candidate.rank < claim.owner.rank:
+        if claim is None or candidate.tenant == claim.owner.tenant or candidate.rank < claim.owner.rank:
             return 0
         return claim.tokens
 

@@ -219,16 +219,11 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
         assert headers["x-extproc-reject-reason"] == "kv_budget"
         assert error["error"]["code"] == "rate_limit_exceeded"
         assert stack.sidecar("extproc_requests_total", decision="rejected", reason="kv_budget") == 1
-        # The refused request claims its KV (fair shares, docs/tenants.md): a small request that would fit
-        # the headroom alone waits until the claimant is in.
+        # The refused request claims its KV from other tenants (fair shares, docs/tenants.md); inside its own
+        # tenant admission stays first come: a small request still fits in the remaining headroom.
         claimed = "extproc_kv_claimed_tokens"  # published at the next feed sample
         wait_for(lambda: stack.sidecar(claimed, pool=MODEL) >= 1500, 5, "the claim shown")
         small = {"model": MODEL, "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
-        assert http("POST", f"{stack.url}/v1/chat/completions", small).status == 429
-        socks.pop(0).close()  # a stream ends: the claimant's retry fits, then the small one beside it
-        wait_for(lambda: stack.sidecar("extproc_kv_demand_tokens", pool=MODEL) < 2000, 10, "one stream gone")
-        socks.append(_hold_stream(stack, body))
-        wait_for(lambda: stack.sidecar(claimed, pool=MODEL) == 0, 5, "the claim gone")
         assert http("POST", f"{stack.url}/v1/chat/completions", small).status == 200
     finally:
         for sock in socks:

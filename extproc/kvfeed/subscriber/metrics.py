@@ -119,7 +119,7 @@ class FeedbackMetrics:
         )
         self.claimed = Gauge(
             "extproc_kv_claimed_tokens",
-            "KV tokens a refused request claims from later requests of its class until it comes back "
+            "KV tokens a refused request claims from later requests of other tenants until it comes back "
             "(0: no claim).",
             ["pool"],
             registry=registry,

@@ -95,7 +95,7 @@ class KvBudgetConfig:
     min_completion_ratio: float = 0.1
     # Fair shares of the cache between tenants (extproc.core.kv_fairness): attained service halves every
     # `service_half_life_seconds`, divided by the tenant's weight (default 1); a refused request claims its
-    # KV from later requests of its class until it comes back, at most `claim_seconds` after its refusal.
+    # KV from later requests of other tenants until it comes back, at most `claim_seconds` after its refusal.
     fair_shares: bool = True
     claim_seconds: float = 10.0
     service_half_life_seconds: float = 30.0

@@ -38,11 +38,11 @@ def test_the_fairness_index_is_one_for_equal_service_and_falls_with_skew() -> No
     assert fair.shares(0.0) == pytest.approx({"a": 0.1, "b": 0.9})
 
 
-def test_a_refused_request_claims_its_kv_from_everyone_else_until_it_is_admitted() -> None:
+def test_a_refused_request_claims_its_kv_from_other_tenants_until_it_is_admitted() -> None:
     fair = FairShare()
     fair.refused(LARGE, 3500, now=0.0)
     assert fair.withheld(SMALL, 1.0) == 3500
-    assert fair.withheld(ClaimId(1, "long", 1, (3, 480)), 1.0) == 3500  # its own tenant's too
+    assert fair.withheld(ClaimId(1, "long", 1, (3, 480)), 1.0) == 0  # its own tenant's: first come
     assert fair.withheld(LARGE, 1.0) == 0
     fair.admitted(LARGE, 3500, now=2.0)
     assert fair.claim is None and fair.withheld(SMALL, 2.0) == 0
