@@ -58,7 +58,10 @@ def call(url: str, seed: int, deadline: float) -> tuple[int, list[float]]:
     body = {"model": MODEL, "prompt": prompt(seed), "max_tokens": OUTPUT_TOKENS, "stream": True}
     hints: list[float] = []
     while True:
-        reply = http("POST", f"{url}/v1/completions", body)
+        # A preempted stream sends nothing until the engine schedules it again: on a slow host straight to
+        # the engine that gap passed the default 60 s read timeout (twice in one session, the test failing
+        # on the timeout, not on its assertion).
+        reply = http("POST", f"{url}/v1/completions", body, timeout_s=300)
         if reply.status != 429 or time.monotonic() > deadline:
             return reply.status, hints
         hints.append(float(reply.headers.get("retry-after-ms", "1000")) / 1000)
