@@ -49,6 +49,13 @@ def _no_feed(pool: str) -> float | None:
     return None
 
 
+def usable_rate(tokens_per_second: float | None) -> float | None:
+    """A fed pace as a rate, None where it is none (unknown, 0, NaN, inf): what a feed sends when an engine
+    generated nothing between two scrapes, or a reading no engine can have."""
+    ok = tokens_per_second is not None and math.isfinite(tokens_per_second) and tokens_per_second > 0.0
+    return tokens_per_second if ok else None
+
+
 @dataclass
 class DecodeRates:
     default_tokens_per_second: float = 100.0
@@ -71,8 +78,8 @@ class DecodeRates:
         learned = self._rates.get(pool)
         if learned is not None:
             return learned, RateSource.LEARNED
-        fed = self.fed(pool)
-        if fed is not None and math.isfinite(fed) and fed > 0.0:
+        fed = usable_rate(self.fed(pool))
+        if fed is not None:
             return fed, RateSource.FED
         return self.default_tokens_per_second, RateSource.ASSUMED
 

@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass
 
 from extproc.core.completion_learner import CompletionLearner
+from extproc.core.decode_rate import usable_rate
 from extproc.core.kv_fairness import ClaimId, FairShare
 from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
 from extproc.core.kv_schedule import RetrySchedule
@@ -365,8 +366,7 @@ class KvBudget:
     def observe_fed_pace(self, tokens_per_second: float | None) -> None:
         """The engine's own decode pace per sequence at the last sample (from its counters, `kvfeed.pace`),
         None when unknown: it bounds the learned pace from above (`decode_rate`)."""
-        ok = tokens_per_second is not None and math.isfinite(tokens_per_second) and tokens_per_second > 0
-        self._fed_rate = tokens_per_second if ok else None
+        self._fed_rate = usable_rate(tokens_per_second)
 
     def decode_rate(self) -> float | None:
         """The pace the forecast takes unseen answers to progress at: the one learned from finished streams,
@@ -438,17 +438,21 @@ class KvBudget:
         if not self._leases:
             return True, headroom
         claimant = self._claim_id(candidate, rank)
-        fair = self.fairness if now is not None else None
-        if (
-            booked_with + (fair.withheld(claimant, now) if fair is not None and now is not None else 0)
-            <= budget
-        ):
-            return True, headroom
-        if fair is not None and now is not None and claim and candidate.footprint <= budget:
-            fair.refused(claimant, candidate.footprint, now)
-        # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
-        self._refused = (claimant, candidate.footprint, candidate.expected_completion / candidate.sequences)
-        return False, headroom
+        fair = self.fairness
+        if fair is None or now is None:
+            fits = booked_with <= budget
+        else:
+            fits = booked_with + fair.withheld(claimant, now) <= budget
+            if not fits and claim and candidate.footprint <= budget:
+                fair.refused(claimant, candidate.footprint, now)
+        if not fits:
+            # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
+            self._refused = (
+                claimant,
+                candidate.footprint,
+                candidate.expected_completion / candidate.sequences,
+            )
+        return fits, headroom
 
     def admit(
         self,
