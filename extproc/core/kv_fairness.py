@@ -59,7 +59,6 @@ class Claim:
 
     owner: ClaimId
     tokens: int
-    refused_at: float
     until: float  # when it lapses: `claim_ttl_s` after its owner's last refusal, or after the retry time
     # its owner was given (`keep_until`), whichever is later
 
@@ -138,13 +137,12 @@ class FairShare:
         or if it comes first (`_before`); the claimant's own refusal renews its claim."""
         claim = self._live_claim(now)
         if claim is not None and claim.owner == candidate:
-            claim.refused_at = now
             claim.until = max(claim.until, now + self.claim_ttl_s)
             claim.tokens = max(0, int(tokens))
             return
         if claim is not None and not self._before(candidate, claim.owner, now):
             return
-        self._claim = Claim(candidate, max(0, int(tokens)), now, now + self.claim_ttl_s)
+        self._claim = Claim(candidate, max(0, int(tokens)), now + self.claim_ttl_s)
 
     def holds(self, candidate: ClaimId, now: float) -> bool:
         """Whether `candidate` holds the claim at `now`."""

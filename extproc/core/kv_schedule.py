@@ -39,11 +39,10 @@ class Promise:
 class RetrySchedule:
     max_promises: int = 256
     _promises: dict[Hashable, list[Promise]] = field(default_factory=dict, init=False)
-    _count: int = field(default=0, init=False)
 
     @property
     def promises(self) -> int:
-        return self._count
+        return sum(len(listed) for listed in self._promises.values())
 
     def eta(
         self,
@@ -68,10 +67,9 @@ class RetrySchedule:
         self._drop(owner, due_by=now)  # this client's own promise, if it is back at or after its time
         times, levels = self._steps(now, level, releases, None if first else priority)
         chosen = self._first_fit(times, levels, budget, max(0.0, duration))
-        if self._count < self.max_promises:
+        if self.promises < self.max_promises:
             promise = Promise(now + chosen, now + chosen + max(0.0, duration), tokens, priority)
             self._promises.setdefault(owner, []).append(promise)
-            self._count += 1
         return chosen
 
     def kept(self, owner: Hashable) -> None:
@@ -87,7 +85,6 @@ class RetrySchedule:
         if due_by is not None and listed[earliest].start > due_by:
             return
         del listed[earliest]
-        self._count -= 1
         if not listed:
             del self._promises[owner]
 
@@ -142,7 +139,6 @@ class RetrySchedule:
     def _forget(self, now: float) -> None:
         for owner in list(self._promises):
             kept = [p for p in self._promises[owner] if p.end > now]
-            self._count -= len(self._promises[owner]) - len(kept)
             if kept:
                 self._promises[owner] = kept
             else:
