@@ -127,7 +127,8 @@ class FeedbackMetrics:
         self._tenants_shown: dict[str, set[str]] = {}
 
     def observe_fairness(self, pool: str, budget: KvBudget, now: float) -> None:
-        """The pool's fair-share series as of `now` (nothing without fair shares)."""
+        """The pool's fair-share series as of `now` (nothing without fair shares). Once per feed sample, not
+        per booking change as `observe_budget`: it walks every tenant served lately."""
         fair = budget.fairness
         if fair is None:
             return
@@ -168,8 +169,6 @@ class FeedbackMetrics:
         self.forecasting.labels(pool).set(1.0 if budget.forecasting(now) else 0.0)
         headroom = budget.headroom_tokens
         self.headroom.labels(pool).set(headroom if headroom is not None else float("nan"))
-        if now is not None:
-            self.observe_fairness(pool, budget, now)
 
 
 def register_feedback_metrics(registry: CollectorRegistry) -> FeedbackMetrics:

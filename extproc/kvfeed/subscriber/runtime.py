@@ -146,6 +146,7 @@ class FeedbackRuntime:
         waiting = snapshot.requests_waiting if snapshot.waiting_known else None
         budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds, waiting)
         self.metrics.observe_budget(pool, budget, now)
+        self.metrics.observe_fairness(pool, budget, now)
 
     def budget(self, pool: str) -> KvBudget | None:
         """The pool's KV-token budget; None when budgets are off or the feed does not know the pool.
