@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import aiohttp
 
 from bench.common import percentile, write_json
 from tests.support.stack import fixed_step_sim, metric, start_stack
+from tests.support.waiting import wait_for
 
 MODEL = "llama-3-8b"
 OUTPUT = 300
@@ -140,11 +142,8 @@ def figures(tally: Tally, seconds: float) -> dict[str, Any]:
 def run(mode: str, seconds: float) -> dict[str, Any]:
     stack = start_stack(config(mode != "unfair"), SIM_ARGS, "lean", with_exporter=True)
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # the budget needs the capacity from the feed
-            if metric(f"{stack.admin_url}/metrics", "extproc_kv_capacity_tokens", pool=MODEL) > 0:
-                break
-            time.sleep(0.2)
+        capacity = functools.partial(metric, f"{stack.admin_url}/metrics", "extproc_kv_capacity_tokens")
+        wait_for(lambda: capacity(pool=MODEL) > 0, 20, "the pool's KV capacity from the feed")
         tenants = {"long": TENANTS["long"]} if mode == "alone" else TENANTS
         tally = asyncio.run(drive(stack.envoy_url, tenants, seconds))
         return {"mode": mode, **figures(tally, seconds)}

@@ -152,6 +152,19 @@ def test_scale_follows_kv_usage_stale_feed_and_recovery(stack: Stack) -> None:
     assert stack.sidecar("extproc_feed_reconnects_total") >= 1
 
 
+def _hold_stream(stack: Stack, body: bytes) -> socket.socket:
+    """A streamed request held open through the gateway once admitted (its 200 read)."""
+    host, port = stack.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    assert b"200 OK" in sock.recv(65536)
+    return sock
+
+
 BUDGET_CONFIG: dict[str, Any] = {
     "models": {"*": {"context_window": 2048, "default_max_tokens": 256}},
     "limits": {"models": {MODEL: {"max_concurrency": BASE_SLOTS}}},
@@ -175,7 +188,6 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
         wait_for(
             lambda: stack.sidecar("extproc_kv_capacity_tokens", pool=MODEL) == 4096, 10, "capacity known"
         )
-        host, port = stack.url.removeprefix("http://").split(":")
         body = json.dumps(
             {
                 "model": MODEL,
@@ -184,15 +196,7 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
                 "messages": [{"role": "user", "content": "go"}],
             }
         ).encode()
-        for _ in range(2):
-            sock = socket.create_connection((host, int(port)), timeout=10)
-            sock.sendall(
-                f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            assert b"200 OK" in sock.recv(65536)
-            socks.append(sock)
+        socks.extend(_hold_stream(stack, body) for _ in range(2))
         demand = stack.sidecar("extproc_kv_demand_tokens", pool=MODEL)
         assert 3000 <= demand <= 3100
         # Booked by forecast: both streams grow to their whole allowance (no tenant history yet), so the
@@ -230,19 +234,6 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
             sock.close()
         wait_for(lambda: stack.sidecar("extproc_kv_demand_tokens", pool=MODEL) == 0, 5, "demand released")
         local.stop()
-
-
-def _hold_stream(stack: Stack, body: bytes) -> socket.socket:
-    """A streamed request held open through the gateway once admitted (its 200 read)."""
-    host, port = stack.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(
-        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    assert b"200 OK" in sock.recv(65536)
-    return sock
 
 
 @pytest.mark.parametrize("profile", PROFILES)
