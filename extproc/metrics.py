@@ -185,11 +185,12 @@ class Metrics:
             "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
             "relayed: handed to the replica holding its lease; unknown: its lease was settled already, or "
             "was issued before a restart; envoy_refusal: a refusal Envoy answered itself, counted in "
-            "extproc_requests_total).",
+            "extproc_requests_total; ext_proc_failed: a request whose ext_proc exchange failed, its message "
+            "timer fired, so Envoy never forwarded it: its lease, if admitted, is refunded in full).",
             ["result"],
             registry=r,
         )
-        for result in ("matched", "relayed", "unknown", "envoy_refusal"):
+        for result in ("matched", "relayed", "unknown", "envoy_refusal", "ext_proc_failed"):
             self.end_reports.labels(result)
         self.end_report_channel = Gauge(
             "extproc_end_report_channel_up",

@@ -79,6 +79,7 @@ class RequestHead:
     tenant: str | None = None
     end_of_stream: bool = False
     client: str | None = None  # the client's address, when the proxy sends it
+    request_id: str | None = None  # the proxy's x-request-id (lean), to find a request it never forwarded
 
 
 class Exchange:
@@ -92,6 +93,7 @@ class Exchange:
         self.model_label = "unknown"
         self.inflight: InFlight | None = None
         self.response: Answer | None = None
+        self.request_id: str | None = None
         self._closed = False
 
     @property
@@ -131,6 +133,7 @@ class Exchange:
             self._phase = Phase.PASSTHROUGH
             self.service.count("passthrough", "free_path", "none", "none", None)
             return PASSTHROUGH
+        self.request_id = head.request_id
         claimed = head.tenant or ""
         tenant = claimed if _TENANT_RE.fullmatch(claimed) else rules.tenant.default
         self.request = RequestFacts(rule.api, tenant, rules.class_of(tenant), head.client)
@@ -186,8 +189,11 @@ class Exchange:
             return FORWARD
         self._phase = Phase.ADMITTED
         inflight = self.inflight = InFlight(self.service, step.admitted, step.correction)
+        inflight.request_id = self.request_id
         if self._closed:
-            # The request ended while it waited (a cancel the wait swallowed): settle now, not at GC.
+            # The request ended while it waited (a cancel the wait swallowed): the proxy never had the
+            # verdict, so nothing went upstream. Settle now, not at GC, refunded in full.
+            inflight.never_forwarded()
             inflight.settle()
             return FORWARD
         if self.unseen is None:
@@ -271,6 +277,14 @@ class Exchange:
         return await self.unseen.next_or_cut(self.inflight, following)
 
     # -- end ------------------------------------------------------------------------------------------------
+
+    def reply_undelivered(self) -> None:
+        """The transport never took the last reply: the proxy reset the stream first (its message timeout
+        fired, or the client left). Where that reply admitted the request, the proxy never had the verdict
+        and, failing closed, sent nothing upstream: it settles as not forwarded, refunded in full (the lean
+        profile keeps that for an end report that might still say otherwise)."""
+        if self._phase is Phase.ADMITTED and self.inflight is not None:
+            self.inflight.never_forwarded()
 
     def close(self) -> None:
         """Settle now with what is known, if a lease is held. Safe to call repeatedly."""

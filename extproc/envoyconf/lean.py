@@ -39,8 +39,11 @@ What changes, and why:
   metadata the sidecar wrote at admission (`%DYNAMIC_METADATA(extproc:NAME)%`; absent metadata adds nothing).
 * A Lua filter reads admitted responses (extproc/envoyconf/response.lua) and a gRPC access logger
   (`envoy.access_loggers.http_grpc`) sends one entry per admitted request to the sidecar's gRPC port, filtered
-  on the report key, and one per refusal Envoy answered itself (`ENVOY_REFUSALS`), so that the sidecar counts
-  those too; nothing else is logged there.
+  on the report key, one per refusal Envoy answered itself (`ENVOY_REFUSALS`), so that the sidecar counts
+  those too, and one per request whose ext_proc exchange failed (`EXT_PROC_FAILURES`: Envoy's message timer
+  fired before the admitting reply landed, so the key was never applied), so that the sidecar refunds what it
+  admitted and Envoy never forwarded; nothing else is logged there. The ext_proc filter sends the request's
+  `x-request-id` (`request.id`) for that match.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from extproc.admission.intake.paths import (
 )
 from extproc.admission.vocabulary.names import (
     DETAILS_PREFIX,
+    EXT_PROC_FAILED_DETAILS,
     FORWARDED_REQUEST_HEADERS,
     LEAN_REQUEST_ATTRIBUTES,
     NAMESPACE,
@@ -312,6 +316,21 @@ ENVOY_REFUSALS = (
 the sidecar's ImmediateResponse (its details start with `extproc_`, and the sidecar counted it already)."""
 
 
+EXT_PROC_FAILURES = f"response.code_details.startsWith('{EXT_PROC_FAILED_DETAILS}')"
+"""CEL for requests whose ext_proc exchange failed (the message timer fired): Envoy answered them itself and
+never forwarded them; the sidecar refunds what it may have admitted for them
+(extproc/protocol/accesslog.py)."""
+
+
+def _cel(expression: str) -> dict[str, Any]:
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {"@type": CEL_FILTER, "expression": expression},
+        }
+    }
+
+
 def _end_report_logger() -> dict[str, Any]:
     """One access-log entry per admitted request, and one per refusal Envoy answered itself, to the sidecar
     (extproc/protocol/accesslog.py)."""
@@ -325,18 +344,9 @@ def _end_report_logger() -> dict[str, Any]:
             "match_if_key_not_found": False,
         }
     }
-    refused = {
-        "extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                "@type": CEL_FILTER,
-                "expression": ENVOY_REFUSALS,
-            },
-        }
-    }
     return {
         "name": "envoy.access_loggers.http_grpc",
-        "filter": {"or_filter": {"filters": [admitted, refused]}},
+        "filter": {"or_filter": {"filters": [admitted, _cel(ENVOY_REFUSALS), _cel(EXT_PROC_FAILURES)]}},
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {

@@ -14,6 +14,9 @@ key, extproc/admission/vocabulary/names.py), so each entry names one waiting lea
   reader's `t1` (the first content event, on Envoy's same wall clock): the first-token delay and the decode
   time of a streamed answer, from which the pool's decode pace is learned for the KV budget's forecast and
   for the charge of unseen answers (`time_to_first_upstream_rx_byte` stands in without `t1`);
+* `request.request_id`: the request's `x-request-id`, read only from an entry without a report key whose
+  ext_proc exchange failed (`EXT_PROC_FAILED_DETAILS`): the sidecar admitted it, perhaps, but Envoy never had
+  the verdict, so its lease is refunded (extproc/admission/tracking/unseen.py);
 * `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
   logged for diagnosis; settlement needs only what was seen (extproc/admission/capacity/settlement.py).
 
@@ -39,7 +42,12 @@ from google.protobuf import struct_pb2
 
 from extproc.admission.tracking.reading import ReportedTiming, ResponseReading
 from extproc.admission.tracking.unseen import UnseenStreams
-from extproc.admission.vocabulary.names import NAMESPACE, REPORT_KEY, RESPONSE_NAMESPACE
+from extproc.admission.vocabulary.names import (
+    EXT_PROC_FAILED_DETAILS,
+    NAMESPACE,
+    REPORT_KEY,
+    RESPONSE_NAMESPACE,
+)
 from extproc.admission.vocabulary.names import ResponseField as Field
 
 if TYPE_CHECKING:
@@ -166,6 +174,23 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
             extra={"status": code, "reason": reason, "details": entry.response.response_code_details[:100]},
         )
 
+    def ext_proc_failed(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        """An entry without a report key whose ext_proc exchange failed: Envoy's message timer fired before
+        the sidecar's reply landed, so the key was never applied and, failing closed, Envoy answered the
+        client itself (504) and sent nothing upstream. A lease admitted for it is found by the request's id
+        when its wait ends (extproc/admission/tracking/unseen.py) and refunded in full. Not counted as a
+        refusal: the sidecar counted its own decision."""
+        service = self.service
+        service.child(service.metrics.end_reports, "ext_proc_failed").inc()
+        request_id = entry.request.request_id
+        if request_id:
+            self.unseen.unforwarded(request_id)
+        response = entry.response
+        log.info(
+            "ext_proc exchange failed: not forwarded",
+            extra={"status": response.response_code.value, "details": response.response_code_details[:100]},
+        )
+
     def close(self) -> None:
         """Shutdown: end Envoy's streams (it keeps them open for good), so the server can stop early."""
         self._closing = True
@@ -178,7 +203,10 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         admitted = metadata.get(NAMESPACE)
         key = admitted.fields.get(REPORT_KEY) if admitted is not None else None
         if key is None:
-            self.count_refusal(entry)
+            if entry.response.response_code_details.startswith(EXT_PROC_FAILED_DETAILS):
+                self.ext_proc_failed(entry)
+            else:
+                self.count_refusal(entry)
             return
         code = entry.response.response_code.value
         reading = reading_of(metadata.get(RESPONSE_NAMESPACE))

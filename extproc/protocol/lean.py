@@ -48,6 +48,7 @@ from extproc.admission.vocabulary.names import (
     PATH_ATTRIBUTE,
     READ_SPEC_KEY,
     REPORT_KEY,
+    REQUEST_ID_ATTRIBUTE,
     tenant_attribute,
 )
 from extproc.protocol.messages import (
@@ -177,6 +178,7 @@ class LeanTranslator:
             headers={},
             tenant=lean_tenant_claim(request, source),
             client=client_address(request),
+            request_id=_attribute(request, REQUEST_ID_ATTRIBUTE),
         )
 
     def _admitted(self, forward: Forward) -> pb.ProcessingResponse:

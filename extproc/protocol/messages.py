@@ -16,7 +16,7 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.intake.rules import TenantSource
 from extproc.admission.replies.verdicts import Forward, Header, Hold, Passthrough, Refusal
-from extproc.admission.vocabulary.names import CLIENT_ADDRESS_ATTRIBUTE
+from extproc.admission.vocabulary.names import CLIENT_ADDRESS_ATTRIBUTE, REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ def on_request_headers(exchange: Exchange, request: pb.ProcessingRequest) -> pb.
         tenant=tenant_claim(request, headers, source),
         end_of_stream=message.end_of_stream,
         client=client_address(request),
+        request_id=headers.get(REQUEST_ID_HEADER),
     )
     return request_headers_reply(exchange.request_headers(head))
 

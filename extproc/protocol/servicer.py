@@ -8,7 +8,10 @@ Envoy opens one `Process` stream per HTTP request. The servicer makes the reques
 However the stream ends (end of response, client disconnect, upstream reset, Envoy's message timeout,
 sidecar shutdown) the exchange is closed from the generator's `finally`, with a gRPC done-callback as a
 backstop, and its lease settles exactly once. Envoy ends every RPC the same way, so how the RPC ended says
-nothing about the response: the exchange decides completeness from the messages it saw.
+nothing about the response: the exchange decides completeness from the messages it saw. A reply to the
+request body that the transport never took (the stream was reset first: Envoy's message timeout, or the
+client gone) is reported to the exchange (`reply_undelivered`): an admission the proxy never received sent
+nothing upstream.
 """
 
 from __future__ import annotations
@@ -64,7 +67,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield immediate(request)
                     break
                 async for response in stream.handle(request):
-                    yield response
+                    delivered = False
+                    try:
+                        yield response
+                        delivered = True
+                    finally:
+                        if not delivered and request.WhichOneof("request") == "request_body":
+                            # Reset before the transport took the verdict: the proxy never had it.
+                            exchange.reply_undelivered()
                 if exchange.finished:
                     break
                 request = await stream.next(messages)

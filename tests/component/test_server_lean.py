@@ -35,7 +35,10 @@ CONFIG: dict[str, Any] = {
 
 
 def lean_body(
-    body: bytes, path: str = "/v1/chat/completions", tenant: str | None = None
+    body: bytes,
+    path: str = "/v1/chat/completions",
+    tenant: str | None = None,
+    request_id: str | None = None,
 ) -> pb.ProcessingRequest:
     """The one message of a lean stream: the body, the attributes and the processing mode Envoy announces."""
     request = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
@@ -47,6 +50,8 @@ def lean_body(
     attributes["source.address"].string_value = "10.0.0.7:5555"
     if tenant is not None:
         attributes["request.headers['x-tenant']"].string_value = tenant
+    if request_id is not None:
+        attributes["request.id"].string_value = request_id
     return request
 
 
@@ -90,6 +95,23 @@ async def report(harness: Harness, *entries: accesslog_pb2.HTTPAccessLogEntry) -
     await call.write(message)
     await call.done_writing()
     await call
+
+
+class OpenReports:
+    """An access-log stream kept open, as Envoy keeps its own: the report channel stays up throughout."""
+
+    def __init__(self, harness: Harness) -> None:
+        assert isinstance(harness, LeanHarness)
+        self.call = als_pb2_grpc.AccessLogServiceStub(harness.channel).StreamAccessLogs()
+
+    async def send(self, *entries: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        message = als_pb2.StreamAccessLogsMessage()
+        message.http_logs.log_entry.extend(entries)
+        await self.call.write(message)
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await self.call
 
 
 def admitted_metadata(reply: pb.ProcessingResponse) -> dict[str, Any]:
@@ -173,6 +195,60 @@ async def test_without_a_report_the_lease_expires_after_the_stream_ends(harness:
     await s.close()  # the HTTP request ended on Envoy; its report never comes
     await eventually(lambda: harness.metric("extproc_settlements_total", outcome="expired") == 1)
     await harness.settled()
+
+
+def ext_proc_failed(request_id: str) -> accesslog_pb2.HTTPAccessLogEntry:
+    """Envoy's entry for a request whose ext_proc message timed out: no report key (the admitting reply never
+    landed), its own 504, and the request's id."""
+    log = accesslog_pb2.HTTPAccessLogEntry()
+    log.response.response_code.value = 504
+    log.response.response_code_details = "ext_proc_error_per-message_timeout_exceeded"
+    log.request.request_id = request_id
+    return log
+
+
+async def test_a_request_envoy_never_forwarded_is_refunded_and_owes_no_report(harness: Harness) -> None:
+    """Envoy's message timer fired before the admission landed: it answered 504 itself, the report key was
+    never applied, and its entry names only the request's id. Three such requests in a row are no sign of a
+    lost report channel, and none is charged."""
+    reports = OpenReports(harness)
+    for n in range(3):
+        s = harness.stream()
+        reply = await s.send(lean_body(chat(max_tokens=40), request_id=f"req-{n}"))
+        assert REPORT_KEY in admitted_metadata(reply)
+        await reports.send(ext_proc_failed(f"req-{n}"))
+        await s.close()
+        await eventually(
+            functools.partial(
+                lambda want: harness.metric("extproc_settlements_total", outcome="not_forwarded") == want,
+                n + 1,
+            )
+        )
+    await harness.settled()
+    assert harness.metric("extproc_end_report_channel_up") == 1
+    await reports.close()
+    assert harness.metric("extproc_settlements_total", outcome="expired") == 0
+    assert harness.metric("extproc_end_reports_total", result="ext_proc_failed") == 3
+    reserved = harness.metric("extproc_tokens_reserved_total")
+    assert reserved > 0 and harness.metric("extproc_tokens_refunded_total") == reserved
+    assert harness.metric("extproc_requests_total", decision="rejected") == 0
+
+
+async def test_an_id_envoy_failed_does_not_refund_a_request_whose_report_comes(harness: Harness) -> None:
+    """A client may send its own x-request-id: a request that did go upstream is settled by its own report,
+    whatever another request with the same id did."""
+    reports = OpenReports(harness)
+    s = harness.stream()
+    key = admitted_metadata(await s.send(lean_body(chat(max_tokens=40), request_id="shared")))[REPORT_KEY]
+    await reports.send(ext_proc_failed("shared"))
+    await s.close()
+    usage = {"u": json.dumps({"prompt_tokens": 9, "completion_tokens": 30}), "f": True, "x": True}
+    await reports.send(entry(key, 200, usage))
+    await eventually(lambda: harness.metric("extproc_end_reports_total", result="matched") == 1)
+    await harness.settled()
+    await reports.close()
+    assert harness.metric("extproc_settlements_total", outcome="completed") == 1
+    assert harness.metric("extproc_settlements_total", outcome="not_forwarded") == 0
 
 
 async def test_a_request_without_a_body_is_refused_on_the_headers_route(harness: Harness) -> None:

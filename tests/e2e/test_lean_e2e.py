@@ -17,10 +17,12 @@ from typing import Any
 import openai
 import pytest
 
+from devstack.envoy import trust_client_tenant_header
 from devstack.processes import Ports
+from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.envoyconf.profiles import PROFILES
 from tests.support.ledger import Ledger, prompt_byte_bound
-from tests.support.stack import Stack, fixed_step_sim, start_stack
+from tests.support.stack import Stack, fixed_step_sim, http, start_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -181,3 +183,67 @@ def test_a_batch_stream_is_cut_when_the_pool_passes_its_watermark(kv_stack: Stac
     # Charged the prompt and what was streamed before the reset (plus what was in flight), no more.
     assert received <= delta.completion <= received + 40
     assert delta.refunded == delta.reserved - (delta.prompt + delta.completion)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Admitted, never forwarded
+
+TIMEOUT_CONFIG: dict[str, Any] = {
+    "admission": {"end_report_wait_seconds": REPORT_WAIT_S},
+    "models": {"*": {"context_window": 4096, "default_max_tokens": 64}},
+}
+
+
+def tiny_message_timeout(config: dict[str, Any]) -> None:
+    """The tests' tenant trust, and an ext_proc message timer of 1 ms: Envoy gives up on most admissions
+    before they land, as the shipped 1 s does on a host too busy to answer in time."""
+    trust_client_tenant_header(config)
+    for hcm in http_connection_managers(config):
+        for http_filter in hcm["http_filters"]:
+            typed = http_filter.get("typed_config", {})
+            if "message_timeout" in typed:
+                typed["message_timeout"] = "0.001s"
+
+
+@pytest.fixture(scope="module")
+def timeouts() -> Iterator[Stack]:
+    local = start_stack(
+        config=TIMEOUT_CONFIG,
+        sim_args=fixed_step_sim(MODEL, 5),
+        envoy_patch=tiny_message_timeout,
+        profile="lean",
+    )
+    try:
+        yield Stack(local)
+    finally:
+        local.stop()
+
+
+def test_admissions_envoy_timed_out_are_refunded_and_raise_no_channel_alarm(timeouts: Stack) -> None:
+    """Envoy answered 504 itself when its message timer fired before the admission landed, so nothing went
+    upstream: whatever the sidecar admitted for those is refunded in full, and is no sign of a lost report
+    channel (three expiries in a row would say so)."""
+    stack = timeouts
+    before = Ledger.read(stack)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20}
+    statuses = [http("POST", f"{stack.url}/v1/chat/completions", body).status for _ in range(20)]
+    assert statuses.count(504) >= 1, statuses
+    deadline = time.monotonic() + REPORT_WAIT_S + 10
+    while stack.sidecar("extproc_active_requests") != 0:
+        assert time.monotonic() < deadline, "a lease never settled"
+        time.sleep(0.05)
+    outcomes = {
+        o: stack.sidecar("extproc_settlements_total", outcome=o)
+        for o in ("completed", "not_forwarded", "expired", "aborted", "upstream_error")
+    }
+    # Envoy logs each of its 504s to the sidecar with the request's id (2 of 6 had been admitted, seen here).
+    assert stack.sidecar("extproc_end_reports_total", result="ext_proc_failed") == statuses.count(504)
+    assert outcomes["completed"] == statuses.count(200), outcomes
+    assert outcomes["expired"] == outcomes["aborted"] == outcomes["upstream_error"] == 0, outcomes
+    assert stack.sidecar("extproc_end_report_channel_up") == 1
+    assert stack.sidecar("extproc_end_report_channel_losses_total") == 0
+    delta = Ledger.read(stack) - before
+    # Only what the engine answered is charged: nothing for the admissions Envoy never forwarded.
+    assert delta.refunded == delta.reserved - (delta.prompt + delta.completion)
+    if outcomes["completed"] == 0:
+        assert delta.prompt == delta.completion == 0

@@ -242,6 +242,7 @@ def test_lean_ext_proc_sees_the_request_body_only_with_the_attributes_admission_
         "source.address",
         "request.method",
         "request.path",
+        "request.id",
         tenant_attribute(AdmissionConfig().tenant.header or "x-tenant-id"),
     ]
     assert ext_proc["metadata_options"]["receiving_namespaces"] == {"untyped": [NAMESPACE]}
@@ -325,13 +326,16 @@ def test_lean_response_headers_come_from_the_admission_metadata(lean: dict[str, 
         assert added[name] == f"%DYNAMIC_METADATA({NAMESPACE}:{name})%"
 
 
-def test_lean_reports_admitted_requests_and_envoys_own_refusals_to_the_sidecar(
+def test_lean_reports_admitted_requests_envoys_own_refusals_and_failed_ext_proc_to_the_sidecar(
     lean: dict[str, Any],
 ) -> None:
     logger = next(a for a in lean["access_log"] if a["name"] == "envoy.access_loggers.http_grpc")
-    admitted, refused = logger["filter"]["or_filter"]["filters"]
+    admitted, refused, failed = logger["filter"]["or_filter"]["filters"]
     expression = refused["extension_filter"]["typed_config"]["expression"]
     assert expression == ENVOY_REFUSALS and "via_upstream" in expression and "extproc_" in expression
+    # The details Envoy 1.40 gives a message timeout: ext_proc_error_per-message_timeout_exceeded.
+    failures = failed["extension_filter"]["typed_config"]["expression"]
+    assert failures == "response.code_details.startsWith('ext_proc_error')"
     matcher = admitted["metadata_filter"]
     assert matcher["matcher"] == {
         "filter": NAMESPACE,

@@ -12,7 +12,9 @@ in docs/architecture.md) hold whichever path delivered them:
 |                                                     |                | the decode-rate estimate if more  |
 | upstream answered >= 400, or sent an error event    | upstream_error | prompt + what was generated       |
 | answered by a later proxy filter, never sent to the | not_forwarded  | nothing                           |
-| backend (an inference pool's endpoint picker)       |                |                                   |
+| backend (an inference pool's endpoint picker), or   |                |                                   |
+| its admission never reached the proxy (the proxy's  |                |                                   |
+| message timer fired first: it answered 504 itself)  |                |                                   |
 | ended before response headers (client gone, ...)    | aborted        | prompt + estimate of generation   |
 | reset by the sidecar under KV pressure              | cut            | prompt + completion streamed      |
 | no end signal within the lease's bound (lean)       | expired        | prompt + estimate of generation   |
@@ -47,7 +49,8 @@ class ResponseFacts:
     than the engine generated): the caller derives it from elapsed time and the pool's observed decode
     rate, capped by the reservation, and sets it only where it applies. `forwarded` is False when the
     request never reached the backend: a filter after the sidecar answered it locally (an endpoint picker's
-    429 or 503), so the engine neither read the prompt nor generated anything.
+    429 or 503), or the proxy never had the admission (extproc/admission/tracking/inflight.py
+    `NEVER_FORWARDED`), so the engine neither read the prompt nor generated anything.
     """
 
     upstream_status: int | None = None

@@ -50,6 +50,12 @@ class Seen:
 
 NOTHING_SEEN = Seen(ResponseFacts(), responded=False)
 
+NEVER_FORWARDED = Seen(ResponseFacts(forwarded=False), responded=False)
+"""What is known of a request the proxy never sent upstream: its admitting reply never reached the proxy (the
+transport never took it, or Envoy says its ext_proc message timed out). The filter fails closed
+(`failure_mode_allow: false` in every shipped config), so the engine never saw it: settled as
+`not_forwarded`, refunded in full, unless a report of what did happen comes first."""
+
 MIN_DECODE_SPAN_S = 0.05
 """The shortest first-to-last-content span that times a decode. A shorter one timed the delivery: the answer
 reached the reader in a burst, from a proxy's buffers after a stall (measured on the real-engine tier: 20
@@ -94,10 +100,22 @@ class InFlight:
         self.was_cut = False
         self.ended_at: float | None = None  # lean: when the request ended on the proxy
         self.report_key: str | None = None  # lean: the key the proxy's end report names
+        self.request_id: str | None = None  # lean: the proxy's x-request-id, only to find an unforwarded one
 
     @property
     def awaiting_report(self) -> bool:
         return self.report_key is not None and not self.settled
+
+    @property
+    def known_unforwarded(self) -> bool:
+        """Whether what was last seen says the request never went upstream."""
+        return not self.seen.facts.forwarded
+
+    def never_forwarded(self) -> None:
+        """The request never went upstream (`NEVER_FORWARDED`): settled as such unless something else is
+        seen first; in the lean profile an end report naming it overrides this, as it says what happened."""
+        if not self.settled and self.seen is NOTHING_SEEN:
+            self.seen = NEVER_FORWARDED
 
     def observe(self, seen: Seen) -> None:
         """Take what was seen of the answer; a stream seen to its end teaches the pool's pace."""
@@ -167,7 +185,7 @@ class InFlight:
         facts = seen.facts
         if self.was_cut and seen is not NOTHING_SEEN:
             return replace(facts, cut=True)
-        if facts.completed:
+        if facts.completed or not facts.forwarded:
             return facts
         if not seen.responded:
             return replace(facts, estimated_completion=self.estimate())

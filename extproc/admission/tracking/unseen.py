@@ -5,6 +5,13 @@ one's end, admission follows them here.
 * A request whose ext_proc stream ended waits for its report at most `admission.end_report_wait_seconds`
   (`ended`), then settles as `expired` with the decode-rate estimate; at once where the report channel is
   known lost (`ReportChannel`).
+* A request the proxy never forwarded gets no report: Envoy answered 504 when its ext_proc message timer
+  fired before the admitting reply landed, so the report key was never applied. Its reply was seen not to
+  reach the transport (`InFlight.never_forwarded`), or Envoy's access log says that its ext_proc exchange
+  failed (`unforwarded`, by the request's `x-request-id`): at the end of its wait it settles as
+  `not_forwarded`, refunded in full, and the report channel does not count it as a miss. The id is not a
+  key: a client may send its own, so it only ever refunds a request that ended, whose report never came, and
+  that shares its id with a request Envoy itself failed.
 * A tick (`TICK_SECONDS`) grows each running request's KV-budget footprint at the pool's decode rate, and
   cuts the requests of a class whose KV watermark is passed (`next_or_cut`: the one rule is
   `InFlight.cut`), since there is no per-chunk check in this profile.
@@ -37,6 +44,10 @@ TICK_SECONDS = 0.2
 
 WARN_EVERY_SECONDS = 60.0
 """At most one warning per minute about leases expiring for want of their end report."""
+
+UNFORWARDED_IDS_KEPT = 10_000
+"""The most request ids Envoy recently said it never forwarded that are kept (`UnseenStreams.unforwarded`):
+each is kept one end-report wait, so this bounds a flood of message timeouts, not normal traffic."""
 
 MISSES_FOR_LOSS = 3
 """Ended requests in a row whose end report never came before the channel counts as lost. One miss can be a
@@ -133,6 +144,7 @@ class UnseenStreams:
         self._cuts: dict[InFlight, asyncio.Future[Refusal]] = {}
         self._task: asyncio.Task[None] | None = None
         self._warned_at: float | None = None
+        self._unforwarded: dict[str, float] = {}  # request id -> when Envoy said so (insertion order)
         self.channel = ReportChannel(service, self._expire_ended)
 
     def start(self) -> None:
@@ -179,6 +191,31 @@ class UnseenStreams:
         inflight.settle()
         return True
 
+    def unforwarded(self, request_id: str) -> None:
+        """Envoy's access log says the request with this `x-request-id` failed its ext_proc exchange (the
+        message timed out) and so never went upstream; a waiting request with that id, once its wait ends
+        without a report, is refunded in full (see the module docstring). Kept one wait, at most
+        `UNFORWARDED_IDS_KEPT` of them."""
+        now = self.service.clock()
+        kept = self._unforwarded
+        horizon = now - self.service.rules().end_report_wait_seconds - 1.0
+        while kept and (len(kept) >= UNFORWARDED_IDS_KEPT or next(iter(kept.values())) < horizon):
+            del kept[next(iter(kept))]
+        kept.pop(request_id, None)
+        kept[request_id] = now
+
+    def _give_up(self, inflight: InFlight) -> bool:
+        """Settle a request whose report will not come: as not forwarded where that is known (refunded in
+        full, no report was owed), else as expired. True when a report was owed: a miss."""
+        request_id = inflight.request_id
+        if request_id is not None and self._unforwarded.pop(request_id, None) is not None:
+            inflight.never_forwarded()
+        if inflight.known_unforwarded:
+            inflight.settle()
+            return False
+        inflight.expire()
+        return True
+
     # -- the bounded wait -----------------------------------------------------------------------------------
 
     def ended(self, inflight: InFlight) -> None:
@@ -186,7 +223,7 @@ class UnseenStreams:
         most `admission.end_report_wait_seconds`, then settle it as expired (at once: channel lost)."""
         inflight.mark_ended()
         if self.channel.lost:
-            inflight.expire()
+            self._give_up(inflight)
             return
         wait = self.service.rules().end_report_wait_seconds
         asyncio.get_running_loop().call_later(wait, self._expire, inflight, wait)
@@ -195,14 +232,16 @@ class UnseenStreams:
         """The channel was just found lost: the requests that ended and still wait will get no report."""
         for inflight in self.service.awaiting_reports():
             if inflight.ended_at is not None:
-                inflight.expire()
+                self._give_up(inflight)
 
     def _expire(self, inflight: InFlight, wait: float) -> None:
         """The bound passed: settle as expired, and say so (at most once a minute: a down access-log path
-        expires every lease, and the metric counts them all)."""
+        expires every lease, and the metric counts them all); a request known never forwarded owed no
+        report, and settles as such."""
         if not inflight.awaiting_report:
             return
-        inflight.expire()
+        if not self._give_up(inflight):
+            return
         self.channel.missed()
         now = asyncio.get_running_loop().time()
         if self._warned_at is None or now - self._warned_at >= WARN_EVERY_SECONDS:

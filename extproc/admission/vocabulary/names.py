@@ -84,6 +84,13 @@ DETAILS_PREFIX = "extproc_"
 (the lean access log's filter, extproc/envoyconf/lean.py `ENVOY_REFUSALS`, and the local-reply mappers, which
 leave the sidecar's replies alone: envoy/envoy.yaml)."""
 
+EXT_PROC_FAILED_DETAILS = "ext_proc_error"
+"""How the response code details of a request whose ext_proc exchange failed begin (Envoy 1.40's ext_proc
+filter; a message timeout reads `ext_proc_error_per-message_timeout_exceeded`, seen in the stdout access log
+of envoy/envoy-lean.yaml). With the filter failing closed, Envoy answered such a request itself and sent
+nothing upstream: the lean access log sends these to the sidecar (extproc/envoyconf/lean.py
+`EXT_PROC_FAILURES`), which refunds the lease it may have admitted (extproc/protocol/accesslog.py)."""
+
 UPSTREAM_SERVICE_TIME = "x-envoy-upstream-service-time"
 """Set by Envoy's router on every upstream response to a complete request, unless its
 `suppress_envoy_headers` is on (envoy source/common/router/router.cc Filter::onUpstreamHeaders, v1.40): an
@@ -101,7 +108,15 @@ METHOD_ATTRIBUTE = "request.method"
 PATH_ATTRIBUTE = "request.path"
 """The ext_proc request attribute of the path (lean profile)."""
 
-LEAN_REQUEST_ATTRIBUTES = (CLIENT_ADDRESS_ATTRIBUTE, METHOD_ATTRIBUTE, PATH_ATTRIBUTE)
+REQUEST_ID_ATTRIBUTE = "request.id"
+"""The ext_proc request attribute of the request's `x-request-id` (lean profile). It never names a lease's
+end report (`AdmissionService.expect_report`: a client may send its own): it only finds the request Envoy
+says it never forwarded, its ext_proc message having timed out (extproc/protocol/accesslog.py)."""
+
+REQUEST_ID_HEADER = "x-request-id"
+"""The same id as a request header, where the lean profile's headers route sends the headers."""
+
+LEAN_REQUEST_ATTRIBUTES = (CLIENT_ADDRESS_ATTRIBUTE, METHOD_ATTRIBUTE, PATH_ATTRIBUTE, REQUEST_ID_ATTRIBUTE)
 """What the lean profile's ext_proc filter sends with the body (`request_attributes`), the tenant's header
 (`tenant_attribute`) aside."""
 

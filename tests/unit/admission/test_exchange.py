@@ -51,6 +51,15 @@ class Rig:
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
 
+    def total(self, name: str) -> float:
+        """`name` summed over every label set."""
+        return sum(
+            sample.value
+            for family in self.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == name
+        )
+
     @property
     def active(self) -> int:
         return self.store.limiter.snapshot(["global"])[0].active
@@ -155,6 +164,62 @@ async def test_lean_a_lost_report_channel_expires_an_ended_request_at_once() -> 
     assert rig.active == 0
     assert rig.metric("extproc_settlements_total", outcome="expired") == 1
     assert rig.admission.service.awaiting_reports() == []
+
+
+async def test_inline_an_admission_the_transport_never_took_is_refunded_in_full() -> None:
+    """The stream was reset before the admitting reply left (Envoy's message timer, or the client gone): the
+    proxy never had the verdict and, failing closed, sent nothing upstream."""
+    rig = await Rig().start()
+    exchange = rig.admission.exchange()
+    await rig.decide(exchange, chat())
+    exchange.reply_undelivered()
+    exchange.stream_ended()
+    await rig.settled()
+    assert rig.active == 0
+    assert rig.metric("extproc_settlements_total", outcome="not_forwarded") == 1
+    reserved = rig.total("extproc_tokens_reserved_total")
+    assert reserved > 0 and rig.total("extproc_tokens_refunded_total") == reserved
+
+
+async def test_inline_a_reply_lost_once_the_answer_began_keeps_the_abort_charge() -> None:
+    rig = await Rig().start()
+    exchange = rig.admission.exchange()
+    await rig.decide(exchange, chat())
+    exchange.response_headers(200, "application/json", end_of_stream=False)
+    exchange.reply_undelivered()  # a later reply: the request was forwarded
+    exchange.stream_ended()
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
+
+
+async def test_lean_an_end_report_outranks_a_reply_thought_undelivered() -> None:
+    """Where the proxy did take the verdict after all, its end report says what happened and is charged."""
+    rig = await Rig().start()
+    exchange = rig.admission.exchange(reported=True)
+    verdict = await rig.decide(exchange, chat())
+    assert isinstance(verdict, Forward) and verdict.report is not None
+    exchange.reply_undelivered()
+    exchange.stream_ended()
+    usage = json.dumps({"prompt_tokens": 9, "completion_tokens": 81})
+    reading = ResponseReading(body=json.dumps({"usage": json.loads(usage)}), body_end=True)
+    assert rig.admission.unseen.report(verdict.report.key, 200, reading)
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="completed") == 1
+
+
+async def test_lean_an_undelivered_admission_settles_as_not_forwarded_without_a_miss() -> None:
+    rig = await Rig().start()
+    exchange = rig.admission.exchange(reported=True)
+    await rig.decide(exchange, chat(), RequestHead("POST", "/v1/chat/completions", {}, request_id="r1"))
+    channel = rig.admission.unseen.channel
+    channel.stream_opened()
+    channel.stream_closed()  # lost: an ended request gives up at once, no timer
+    rig.admission.unseen.unforwarded("r1")
+    exchange.stream_ended()
+    await rig.settled()
+    assert rig.active == 0
+    assert rig.metric("extproc_settlements_total", outcome="not_forwarded") == 1
+    assert rig.metric("extproc_settlements_total", outcome="expired") == 0
 
 
 CUT_CONFIG: dict[str, Any] = {
