@@ -235,8 +235,17 @@ class Metrics:
             "extproc_settlements",
             "Leases settled, by how the response ended (completed, aborted, upstream_error, cut, expired: "
             "the lean profile's end report did not come within admission.end_report_wait_seconds; "
-            "not_forwarded: a filter after the sidecar, such as an endpoint picker, answered it).",
+            "not_forwarded: a filter after the sidecar, such as an endpoint picker, answered it; "
+            "engine_busy: the engine refused it, its queue full: nothing charged).",
             ["outcome"],
+            registry=r,
+        )
+        self.engine_refusals = Counter(
+            "extproc_engine_refusals",
+            "Admitted requests the engine itself refused for want of room, by model and reason (queue_full: "
+            "a 503 from the engine, vLLM's --max-num-queued-reqs or --max-num-queued-tokens): refunded in "
+            "full, and the pool's adaptive scale drops. Apart from engine failures (upstream_error).",
+            ["model", "reason"],
             registry=r,
         )
         self.decision_seconds = Histogram(

@@ -220,8 +220,16 @@ class Exchange:
         admitted = inflight.admitted
         self.response = response = Answer.open(admitted, status, content_type, end_of_stream, from_router)
         self._phase = Phase.RESPONDING
-        inflight.observe(response.seen())
-        return Forward(set_headers=ratelimit_headers(admitted.lease.status))
+        seen = response.seen()
+        inflight.observe(seen)
+        headers = ratelimit_headers(admitted.lease.status)
+        if seen.facts.engine_busy:
+            # The engine refused it, its queue full: nothing more will come of it but the error body, so the
+            # lease settles now (refunded in full) and the client is told when to come back.
+            inflight.settle()
+            retry = refusals.engine_busy_headers(self.service.engine_retry_after(admitted))
+            headers = (*headers, *retry)
+        return Forward(set_headers=headers)
 
     async def response_body(self, chunk: bytes, end_of_stream: bool) -> Forward | Refusal:
         """Follow usage (removing the usage event the client did not ask for); maybe cut under pressure."""

@@ -166,6 +166,12 @@ def store_unavailable() -> Refusal:
     return Refusal(503, body, "store_unavailable", headers, DETAILS_PREFIX + "store_unavailable")
 
 
+def engine_busy_headers(retry_after_s: float) -> tuple[Header, ...]:
+    """Added to an engine's own refusal (a 503, its queue full) as it passes the inline profile: the
+    engine's OpenAI-shaped body stays, the headers make it the retryable refusal the sidecar's own are."""
+    return _reason("engine_busy", retry_headers(retry_after_s))
+
+
 def cut_under_kv_pressure() -> Refusal:
     """Reset an in-flight stream: the backend frees the sequence's KV blocks; lower classes go first."""
     body = error_body(

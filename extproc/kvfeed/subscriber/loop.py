@@ -131,17 +131,31 @@ class FeedbackLoop:
                 state = ctl.observe(None, 0.0 if snap is None else snap.requests_waiting, None, now)
             else:
                 state = ctl.observe(snap.kv_usage, snap.requests_waiting, snap.newest_at, now)
-            if self._metrics is not None:
-                self._metrics.observe_state(
-                    pool, state, self.capacity_tokens(pool), self.decode_tokens_per_second(pool)
-                )
-            if not _same(before, state) and self._on_update is not None:
-                try:
-                    self._on_update(pool, state)
-                except Exception:
-                    log.exception("feedback on_update failed", extra={"pool": pool})
+            self._publish(pool, before, state)
+
+    def engine_refused(self, pool: str) -> None:
+        """An engine of `pool` refused an admitted request (its queue full): its scale drops at once
+        (`AdaptiveController.refused`). Only a pool the loop knows (configured, or in the feed): a client's
+        made-up model name grows no controller."""
+        ctl = self._controllers.get(pool)
+        if ctl is None:
+            return
+        before = ctl.state
+        self._publish(pool, before, ctl.refused(self._clock()))
 
     # -- internals ---------------------------------------------------------------------------------------
+
+    def _publish(self, pool: str, before: ControllerState, state: ControllerState) -> None:
+        """A pool's new state to its metrics, and to `on_update` when it changed."""
+        if self._metrics is not None:
+            self._metrics.observe_state(
+                pool, state, self.capacity_tokens(pool), self.decode_tokens_per_second(pool)
+            )
+        if not _same(before, state) and self._on_update is not None:
+            try:
+                self._on_update(pool, state)
+            except Exception:
+                log.exception("feedback on_update failed", extra={"pool": pool})
 
     def _stale_after(self, pool: str) -> float:
         return self._configs.get(pool, self._default).stale_after_seconds

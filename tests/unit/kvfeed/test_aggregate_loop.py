@@ -165,3 +165,22 @@ def test_on_update_exceptions_do_not_escape() -> None:
     loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, boom)
     loop.subscriber.ingest(s("a:1", 0.1))
     assert "m" in loop.states()
+
+
+def test_an_engine_refusal_drops_a_known_pools_scale_and_tells_on_update() -> None:
+    clock = Clock()
+    updates: list[tuple[str, ControllerState]] = []
+    loop = make_loop(clock, updates)
+    loop.subscriber.ingest(s("a:1", 0.3, t=1.0))
+    clock.now += 10.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=2.0))
+    assert loop.states()["m"].scale == pytest.approx(1.0)
+    loop.engine_refused("m")
+    assert loop.states()["m"].scale == pytest.approx(0.6)
+    assert updates[-1] == ("m", loop.states()["m"])
+    clock.now += 2.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=3.0))  # recovers at recovery_per_second (0.05/s)
+    assert loop.states()["m"].scale == pytest.approx(0.7)
+    n = len(updates)
+    loop.engine_refused("a-name-no-engine-serves")  # grows no controller
+    assert loop.state("a-name-no-engine-serves") is None and len(updates) == n
