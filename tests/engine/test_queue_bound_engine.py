@@ -5,7 +5,8 @@ vllm/v1/engine/async_llm.py, vLLM 0.32.0: `QueueOverflowError`, vllm/exceptions.
 A burst the gateway admits whole (its limits are far above the engine's bound) through the inline profile:
 every request the engine refused is settled `engine_busy` and refunded in full (the sidecar's ledger moves by
 what the answered requests used, and the engine's prompt counter agrees that it read none of the refused),
-and each refused client got a retryable 503 with the sidecar's `retry-after`.
+and each refused client got a retryable 503 with the sidecar's `retry-after`. The feed's vLLM profile reads
+the engine's own count of them, `vllm:admission_rejections_total`, off the live page.
 
 This module runs an engine of its own (the tier's shared one has no queue bound: other modules send it up to
 48 requests at once); started only when this module runs, it holds its 2 GiB for the module alone.
@@ -19,6 +20,8 @@ from collections.abc import Iterator
 import pytest
 
 from extproc.admission.replies.refusals import REASON_HEADER
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.parse import parse_metrics
 from tests.engine.stacks import Ledger, engine_config, start_gateway
 from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine, running_engine
 from tests.support.stack import Reply, Stack, http
@@ -75,6 +78,9 @@ def test_a_full_vllm_queue_is_refunded_and_retryable(gateway: Stack) -> None:
     assert gateway.sidecar("extproc_settlements_total", outcome="upstream_error") == 0
     assert gateway.sidecar("extproc_engine_refusals_total", model=MODEL, reason="queue_full") == len(refused)
     assert gateway.upstream("vllm:admission_rejections_total", reason="max_num_queued_reqs") == len(refused)
+    # The feed reads the same count off the live page (its vLLM profile, extproc/kvfeed/engines.py).
+    page = http("GET", f"{gateway.stack.upstream_url}/metrics").body.decode()
+    assert parse_metrics(page, ServerKind.VLLM)[MODEL].admission_rejections_total == len(refused)
     # Each refused client got vLLM's OpenAI error and the sidecar's retry hint: the SDKs retry it.
     for reply in refused:
         error = reply.json()["error"]

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
-from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.sample import FeedSample, SampleKey
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
 from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
@@ -72,6 +72,7 @@ class FeedbackLoop:
         self._kv_mode = kv_aggregation
         self._controllers: dict[str, AdaptiveController] = {}
         self._snapshots: dict[str, PoolSnapshot] = {}
+        self._rejections: dict[SampleKey, float] = {}  # each endpoint's admission-rejection counter
         self._tick_task: asyncio.Task[None] | None = None
         self.served = ServedNames(subscriber.forget_after)
         self.subscriber = FeedSubscriber(
@@ -171,6 +172,7 @@ class FeedbackLoop:
     def _on_sample(self, sample: FeedSample) -> None:
         self.served.observe(sample, self._clock())
         self.evaluate({sample.model})
+        self._count_rejections(sample)
         snap = self._snapshots.get(sample.model)
         if self._on_fresh is None or snap is None or snap.stale or not sample.up:
             return
@@ -179,11 +181,34 @@ class FeedbackLoop:
         except Exception:
             log.exception("feedback on_sample failed", extra={"pool": sample.model})
 
+    def _count_rejections(self, sample: FeedSample) -> None:
+        """The growth of an endpoint's admission-rejection counter since its previous sample: its engine
+        refused requests for want of queue room (any gateway's, this one's included), so the pool's scale
+        drops as when this sidecar sees such a refusal itself. A first sample, or a counter that went back
+        (a restarted server), only sets the base."""
+        total = sample.admission_rejections_total
+        if not sample.up or total is None:
+            return
+        before = self._rejections.get(sample.key)
+        self._rejections[sample.key] = total
+        if before is None or total <= before:
+            return
+        if self._metrics is not None:
+            self._metrics.engine_rejections.labels(sample.model).inc(total - before)
+        self.engine_refused(sample.model)
+
+    def _forget_endpoints(self) -> None:
+        """Rejection counters of endpoints the subscriber forgot: memory follows the fleet."""
+        known = {stored.sample.key for stored in self.subscriber.samples()}
+        for key in [k for k in self._rejections if k not in known]:
+            del self._rejections[key]
+
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self._tick_interval)
             try:
                 self.subscriber.prune(self._clock())
+                self._forget_endpoints()
                 self.served.prune(self._clock())
                 self.evaluate()
             except Exception:
