@@ -282,12 +282,14 @@ class Metrics:
         )
 
     def touch_model(self, model: str) -> None:
-        """Export a model label's token counters at 0 before its first request, so a query or an alert on
-        `increase()` sees the first refund or overrun instead of a series that starts at 1."""
+        """Export a model label's token and engine-refusal counters at 0 before its first request, so a
+        query or an alert on `increase()` sees the first refund, overrun or refusal instead of a series
+        that starts at 1."""
         for counter in (self.tokens_reserved, self.tokens_refunded, self.tokens_overrun):
             counter.labels(model)
         for kind in ("prompt", "completion"):
             self.tokens_settled.labels(model, kind)
+        self.engine_refusals.labels(model, "queue_full")
 
     def set_scale_floors(self, floors: Mapping[str, float]) -> None:
         """Export exactly these pools' floors (a pool dropped from the config loses its series)."""

@@ -166,6 +166,8 @@ class FeedbackLoop:
         if ctl is None:
             ctl = AdaptiveController(self._configs.get(pool, self._default), now=now)
             self._controllers[pool] = ctl
+            if self._metrics is not None:  # at 0 from the start: rate() sees the first refusals
+                self._metrics.engine_rejections.labels(pool)
             log.info("pool added", extra={"pool": pool})
         return ctl
 
