@@ -233,7 +233,7 @@ class AdmissionService:
 
     def _engine_refused(self, admitted: Admitted) -> None:
         """The engine refused this request (its queue full): counted apart from engine failures, and the
-        pool's scale told at once, as a queue past the high watermark would (docs/feedback.md)."""
+        pool's scale told at once, as an engine queue at `waiting_high` would (docs/feedback.md)."""
         self.child(self.metrics.engine_refusals, admitted.model_label, ENGINE_REFUSAL_REASON).inc()
         log.info("engine refused an admitted request", extra={"model": admitted.model_label})
         try:
