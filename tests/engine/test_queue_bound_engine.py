@@ -9,7 +9,8 @@ and each refused client got a retryable 503 with the sidecar's `retry-after`. Th
 the engine's own count of them, `vllm:admission_rejections_total`, off the live page.
 
 This module runs an engine of its own (the tier's shared one has no queue bound: other modules send it up to
-48 requests at once); started only when this module runs, it holds its 2 GiB for the module alone.
+48 requests at once), stopped when the module ends. In a whole-tier run the shared engine, started by an
+earlier module, stays up beside it, idle: two engines' memory (about 2 GiB each) for this module's minute.
 """
 
 from __future__ import annotations
