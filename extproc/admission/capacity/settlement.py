@@ -8,8 +8,10 @@ in docs/architecture.md) hold whichever path delivered them:
 | --------------------------------------------------- | -------------- | --------------------------------- |
 | response completed (end of body, trailers, [DONE])  | completed      | reported usage, else prompt +     |
 |                                                     |                | counted completion                |
-| client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed, or  |
-|                                                     |                | the decode-rate estimate if more  |
+| client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed, in  |
+|                                                     |                | whole steps of all n sequences,   |
+|                                                     |                | or the decode-rate estimate if    |
+|                                                     |                | more                              |
 | the engine refused it: 503, its queue is full       | engine_busy    | nothing                           |
 | upstream answered >= 400, or sent an error event    | upstream_error | prompt + what was generated       |
 | answered by a later proxy filter, never sent to the | not_forwarded  | nothing                           |
@@ -17,7 +19,8 @@ in docs/architecture.md) hold whichever path delivered them:
 | its admission never reached the proxy (the proxy's  |                |                                   |
 | message timer fired first: it answered 504 itself)  |                |                                   |
 | ended before response headers (client gone, ...)    | aborted        | prompt + estimate of generation   |
-| reset by the sidecar under KV pressure              | cut            | prompt + completion streamed      |
+| reset by the sidecar under KV pressure              | cut            | prompt + completion streamed, in  |
+|                                                     |                | whole steps of all n sequences    |
 | no end signal within the lease's bound (lean)       | expired        | prompt + estimate of generation   |
 
 An engine's 503 is backpressure, not a failure: vLLM answers it before the request enters its scheduler
@@ -133,7 +136,7 @@ def settle_charge(admitted_prompt: int, facts: ResponseFacts) -> Charge:
         if usage.reported and usage.prompt_tokens is not None:
             prompt = usage.prompt_tokens
         completion = usage.completion_tokens
-    if ending in (Ending.ABORTED, Ending.EXPIRED):
+    if ending in (Ending.ABORTED, Ending.EXPIRED, Ending.CUT):
         # The engine's work, not the client's reading: what passed is a floor, the estimate can be more.
         completion = max(completion, facts.estimated_completion)
     return Charge(ending=ending, prompt=max(0, prompt), completion=max(0, completion))
