@@ -173,6 +173,7 @@ class KvBudget:
         self._demand = 0
         self._fresh_until: float | None = None
         self._unexplained = 0.0
+        self._finished: frozenset[str] = frozenset()  # leases the engine finished, at the last sample
         self._booked = 0
         self._last_fit: tuple[float | None, int, int, int, str, int, PromptChunks] | None = None
         self._booked_with = 0
@@ -194,8 +195,15 @@ class KvBudget:
 
     @property
     def demand_tokens(self) -> int:
-        """Sum of the leases' lifetime footprints (prompt + expected completion, or more once streamed)."""
-        return self._demand
+        """Sum of the leases' lifetime footprints (prompt + expected completion, or more once streamed),
+        less those the engine has finished (`observe_engine`)."""
+        finished = sum(self._leases[i].footprint for i in self._finished if i in self._leases)
+        return self._demand - finished
+
+    @property
+    def engine_finished(self) -> int:
+        """Leases the engine has finished while their clients still read, at the last sample."""
+        return sum(1 for i in self._finished if i in self._leases)
 
     @property
     def booked_tokens(self) -> int:
@@ -324,10 +332,15 @@ class KvBudget:
             self._demand += lease.footprint - before
 
     def observe_engine(
-        self, used_tokens: float | None, now: float, fresh_for: float, waiting: float | None = None
+        self,
+        used_tokens: float | None,
+        now: float,
+        fresh_for: float,
+        waiting: float | None = None,
+        running: float | None = None,
     ) -> None:
-        """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s, and
-        the requests waiting in the engine's queue (None when not published).
+        """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s, the
+        requests waiting in the engine's queue and those running (None when not published).
 
         The engine's gauge wins where the two disagree, in both directions, until the next sample:
 
@@ -344,15 +357,21 @@ class KvBudget:
           size, which does not depend on them. Leases admitted since may not be in the gauge yet (they
           count as holding nothing); a request waiting (queued, or preempted and waiting to resume) holds
           nothing now but needs its KV back, so with anything waiting nothing is taken off.
+        * Leases the engine has finished are booked nothing until the next sample (`_engine_finished`): an
+          answer the engine generated whole while its client still reads it (a slow reader in the lean
+          profile, whose lease ends with the proxy's report) holds no KV there.
         """
         self._fresh_until = now + max(0.0, fresh_for)
         self._unexplained = 0.0
+        self._finished = self._engine_finished(now, waiting, running)
         if used_tokens is not None and math.isfinite(used_tokens):
             used = used_tokens * self._share
             explained = settled = 0.0
             settled_before = now - self.settle_after()
             rate, delay = self.decode_rate(), self.pace.first_token_delay
-            for lease in self._leases.values():
+            for lease_id, lease in self._leases.items():
+                if lease_id in self._finished:
+                    continue
                 explained += lease.trajectory(now, rate, delay)[0]
                 if lease.admitted_at is not None and lease.admitted_at <= settled_before:
                     settled += lease.own_prompt + lease.streamed
@@ -362,6 +381,40 @@ class KvBudget:
                 self._unexplained = used - settled
         self._booked = self._book(now)[0]
         self._last_fit = None
+
+    def _engine_finished(self, now: float, waiting: float | None, running: float | None) -> frozenset[str]:
+        """The leases the engine has finished, by count: with nothing waiting, every lease admitted more
+        than `settle_after` ago runs there (its sequences are among `running`, this sidecar's share of
+        them) unless the engine has finished it. Where the settled leases' sequences outnumber the engine's
+        running ones, that many are done; taken from those whose progress nobody sees (a streamed answer
+        ends its lease with its upstream end), furthest into their expected answer first, never more
+        sequences than the excess. A wrong guess books too little only until the next sample: the KV in use
+        that the remaining leases do not explain is added back to every forecast."""
+        if waiting != 0 or running is None or not math.isfinite(running) or not self.forecasting(now):
+            return frozenset()
+        settled_before = now - self.settle_after()
+        settled = {
+            lease_id: lease
+            for lease_id, lease in self._leases.items()
+            if lease.admitted_at is not None and lease.admitted_at <= settled_before
+        }
+        excess = sum(lease.sequences for lease in settled.values()) - max(0.0, running) * self._share
+        rate, delay = self.decode_rate(), self.pace.first_token_delay
+
+        def progress(item: tuple[str, _Lease]) -> tuple[float, float]:
+            lease = item[1]
+            done = lease.generated(now, rate, delay)
+            fraction = (done or 0.0) / max(1, lease.expected_completion)
+            return (-fraction, lease.admitted_at or 0.0)
+
+        finished: list[str] = []
+        unseen = [item for item in settled.items() if item[1].first_progress is None]
+        for lease_id, lease in sorted(unseen, key=progress):
+            if lease.sequences > excess:
+                break
+            excess -= lease.sequences
+            finished.append(lease_id)
+        return frozenset(finished)
 
     def observe_fed_pace(self, tokens_per_second: float | None) -> None:
         """The engine's own decode pace per sequence at the last sample (from its counters, `kvfeed.pace`),
@@ -635,7 +688,12 @@ class KvBudget:
 
     def _trajectories(self, now: float) -> list[Steps]:
         rate, delay = self.decode_rate(), self.pace.first_token_delay
-        return [lease.trajectory(now, rate, delay) for lease in self._leases.values()]
+        finished = self._finished
+        return [
+            lease.trajectory(now, rate, delay)
+            for lease_id, lease in self._leases.items()
+            if lease_id not in finished
+        ]
 
     def _book(self, now: float | None, extra: _Lease | None = None) -> tuple[int, int]:
         """Tokens booked at `now`, without and with `extra`: the forecast peak while forecasting (plus the

@@ -44,6 +44,7 @@ class PoolSnapshot:
     decode_tokens_per_second: float | None = None  # per sequence, over fresh endpoints publishing a pace
     kv_block_tokens: int | None = None  # the largest block of the fresh endpoints: the most one rounds
     waiting_known: bool = False  # every fresh endpoint published its queue (requests_waiting is then exact)
+    running_known: bool = False  # every fresh endpoint published its running count (then exact)
 
 
 def pool_pace(items: Iterable[StoredSample]) -> float | None:
@@ -102,5 +103,6 @@ def aggregate(
             decode_tokens_per_second=pool_pace(items),
             kv_block_tokens=max((b for s in items if (b := s.sample.kv_block_tokens)), default=None),
             waiting_known=bool(items) and all(s.sample.requests_waiting is not None for s in items),
+            running_known=bool(items) and all(s.sample.requests_running is not None for s in items),
         )
     return out

@@ -103,6 +103,14 @@ class FeedbackMetrics:
             ["pool"],
             registry=registry,
         )
+        self.finished = Gauge(
+            "extproc_kv_engine_finished_requests",
+            "Admitted requests the engine has finished while their clients still read the answer (lean "
+            "profile: the engine runs fewer sequences than the settled leases, nothing waits): booked "
+            "nothing until the next feed sample, their slots held until Envoy's end report.",
+            ["pool"],
+            registry=registry,
+        )
         self.headroom = Gauge(
             "extproc_kv_headroom_tokens",
             "KV budget minus booked tokens (negative: over budget).",
@@ -175,6 +183,7 @@ class FeedbackMetrics:
         self.booked.labels(pool).set(budget.booked_tokens)
         self.unexplained.labels(pool).set(budget.unexplained_tokens)
         self.shared.labels(pool).set(budget.shared_prompt_tokens)
+        self.finished.labels(pool).set(budget.engine_finished)
         self.forecasting.labels(pool).set(1.0 if budget.forecasting(now) else 0.0)
         headroom = budget.headroom_tokens
         self.headroom.labels(pool).set(headroom if headroom is not None else float("nan"))

@@ -144,7 +144,8 @@ class FeedbackRuntime:
         budget.observe_fed_pace(snapshot.decode_tokens_per_second)
         adaptive = self._config.adaptive_pools.get(pool, self._config.adaptive_default)
         waiting = snapshot.requests_waiting if snapshot.waiting_known else None
-        budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds, waiting)
+        running = snapshot.requests_running if snapshot.running_known else None
+        budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds, waiting, running)
         self.metrics.observe_budget(pool, budget, now)
         self.metrics.observe_fairness(pool, budget, now)
 

@@ -385,3 +385,66 @@ def test_an_estimate_of_unseen_progress_grows_the_footprint_but_not_the_forecast
     assert b.estimate_progress("a", 1_200)  # past what it was expected to generate
     assert b.demand_tokens == 2_200
     assert not b.estimate_progress("gone", 1)
+
+
+# -- leases the engine has finished --------------------------------------------------------------------------
+
+
+def slow_readers() -> KvBudget:
+    """Two answers nobody sees (lean), 100 prompt + 2,000 allowed each, admitted at 0 and 1; the pool's pace
+    known (100 tokens per second), so "b" is less far into its answer than "a" at any time."""
+    b = forecasting_budget(100_000)
+    b.pace.observe_stream(100, 1.0)
+    b.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    b.admit("a", 100, 2_000, now=0.0)
+    b.admit("b", 100, 2_000, now=1.0)
+    return b
+
+
+def test_a_lease_the_engine_finished_is_booked_nothing_while_its_client_reads() -> None:
+    """The engine runs one sequence of the two leases settled in it and nothing waits: one is done, the one
+    furthest into its answer; it books nothing (its demand too) until the next sample."""
+    b = slow_readers()
+    b.observe_engine(2_100, now=30.0, fresh_for=5.0, waiting=0, running=1)
+    assert b.engine_finished == 1
+    assert b.demand_tokens == 2_100  # "b" alone
+    assert b.booked_tokens == 2_100
+    b.observe_engine(4_200, now=31.0, fresh_for=5.0, waiting=0, running=2)  # both run after all
+    assert b.engine_finished == 0
+    assert b.booked_tokens == 4_200
+
+
+@pytest.mark.parametrize(
+    ("waiting", "running"),
+    [(1, 1), (None, 1), (0, None), (0, 2), (0, 5)],
+    ids=["something-waits", "queue-unknown", "running-unknown", "both-run", "others-run-too"],
+)
+def test_no_lease_counts_as_finished_unless_the_engine_says_so(
+    waiting: float | None, running: float | None
+) -> None:
+    b = slow_readers()
+    b.observe_engine(4_200, now=30.0, fresh_for=5.0, waiting=waiting, running=running)
+    assert b.engine_finished == 0
+    assert b.booked_tokens == 4_200
+
+
+def test_a_streamed_or_fresh_lease_never_counts_as_finished() -> None:
+    """A streamed answer's lease ends with its upstream end (what the engine does is seen), and a lease
+    admitted less than `settle_after` ago may not be in the engine's count yet."""
+    b = slow_readers()
+    b.progress("a", 50, now=2.0)
+    b.admit("c", 100, 2_000, now=29.5)
+    b.observe_engine(4_200, now=30.0, fresh_for=5.0, waiting=0, running=0)
+    assert b.engine_finished == 1  # "b" only
+    assert b.demand_tokens == 2 * 2_100
+
+
+def test_n_sequences_count_as_n_of_the_engines_running_requests() -> None:
+    b = forecasting_budget(100_000)
+    b.pace.observe_stream(100, 1.0)
+    b.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    b.admit("n8", 100, 8 * 200, now=0.0, sequences=8)
+    b.observe_engine(1_000, now=30.0, fresh_for=5.0, waiting=0, running=7)  # one of its eight ended
+    assert b.engine_finished == 0  # never more sequences than the engine says are done
+    b.observe_engine(0, now=31.0, fresh_for=5.0, waiting=0, running=0)
+    assert b.engine_finished == 1
