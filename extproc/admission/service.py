@@ -176,6 +176,10 @@ class AdmissionService:
         """A slot refusal's `retry-after` from the leases open here on its key (`hints.py`)."""
         return self.slot_hints.apply(rejection, self.clock(), self._open_leases)
 
+    def earliest_capacity(self, rejection: Rejection, ahead: int) -> float | None:
+        """Seconds until a request refused so could have its capacity, behind `ahead` others (`hints.py`)."""
+        return self.slot_hints.earliest(rejection, self.clock(), self._open_leases, ahead)
+
     def _open_leases(self, key: str) -> list[OpenLease]:
         """The requests whose streams are open here and that hold a lease on `key`."""
         return [

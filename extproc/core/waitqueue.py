@@ -1,8 +1,10 @@
 """Order of admission for requests that wait for capacity instead of getting an instant 429.
 
-Highest class first; within a class, tenants take turns (round robin), and each tenant's own requests keep
-their arrival order. A tenant that floods its class therefore cannot push another tenant of the same class
-to the back: every tenant with a waiter gets one admission per turn. Each class has its own bound on queued
+Highest class first; within a class, tenants take turns (round robin), and each tenant's own requests go
+nearest client deadline first (`Waiter.due`), those without one after those with one, arrival order among
+equals. A tenant that floods its class therefore cannot push another tenant of the same class to the back:
+every tenant with a waiter gets one admission per turn, and a deadline reorders only its own tenant's line,
+so a client cannot claim an early deadline to overtake anyone else. Each class has its own bound on queued
 requests, so a flood of one class cannot crowd the others out of the queue either.
 
 Pure bookkeeping: the asynchronous part (waking waiters when capacity frees) lives with the server.
@@ -11,6 +13,7 @@ Pure bookkeeping: the asynchronous part (waking waiters when capacity frees) liv
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,9 +25,15 @@ class Waiter:
     holder: str
     tenant: str
     enqueued_at: float
-    deadline: float
+    deadline: float  # when it stops waiting: the smallest of the global, class and request bounds
     payload: Any = None
     seq: int = 0
+    due: float | None = None  # the client's own deadline, when it gave one: orders its tenant's line
+
+    @property
+    def order(self) -> tuple[float, int]:
+        """Its place in its tenant's line: nearest deadline first, none last, arrival among equals."""
+        return (math.inf if self.due is None else self.due, self.seq)
 
 
 @dataclass
@@ -61,7 +70,11 @@ class WaitQueue:
             return False
         waiter.seq = next(self._seq)
         queue = self._classes.setdefault(waiter.holder, _ClassQueue())
-        queue.tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        line = queue.tenants.setdefault(waiter.tenant, deque())
+        place = len(line)
+        while place and line[place - 1].order > waiter.order:
+            place -= 1  # from the back: a request without a deadline, the common case, costs nothing
+        line.insert(place, waiter)
         queue.size += 1
         return True
 
@@ -83,6 +96,15 @@ class WaitQueue:
         if not queue.size:
             del self._classes[waiter.holder]
         return True
+
+    def ahead_in_line(self, holder: str, tenant: str, due: float | None) -> int:
+        """How many of this tenant's waiters in this class a newcomer due at `due` would queue behind."""
+        queue = self._classes.get(holder)
+        line = queue.tenants.get(tenant) if queue is not None else None
+        if not line:
+            return 0
+        order = (math.inf if due is None else due, math.inf)
+        return sum(1 for waiter in line if waiter.order < order)
 
     def ahead_of(self, holder: str) -> bool:
         """Whether anyone of this class or a higher one is waiting (a newcomer must not overtake them)."""

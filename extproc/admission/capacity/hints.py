@@ -31,14 +31,35 @@ class SlotHints:
         """`rejection` with the hint in place of the store's estimate (unchanged where there is none)."""
         if rejection.reason is not Reason.CONCURRENCY:
             return rejection
-        cached = self._etas.get(rejection.key)
-        if cached is None or now - cached[0] > ETA_CACHE_S:
-            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
-            cached = self._etas[rejection.key] = (now, remaining_times(open_leases(rejection.key)))
-            if len(self._etas) > 1024:
-                self._etas = {rejection.key: cached}
-        etas = [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]
+        etas = self._remaining(rejection.key, now, open_leases)
         hint = self.hints.hint(rejection.key, etas, now)
         if hint is None:
             return rejection
         return replace(rejection, retry_after_s=hint, status=replace(rejection.status, reset_requests_s=hint))
+
+    def earliest(
+        self, rejection: Rejection, now: float, open_leases: Callable[[str], list[OpenLease]], ahead: int
+    ) -> float | None:
+        """The soonest a request refused so could get its capacity, behind `ahead` requests that need the
+        same: the (ahead + 1)-th slot the open leases free, or the tokens' refill for a token refusal; None
+        where this replica cannot tell (its leases are not the ones open on the key).
+
+        No hint is handed out (the successive-slot bookkeeping of `RetryHints` is for clients sent away):
+        this is what a deadline is compared with before its request waits.
+        """
+        if rejection.reason is Reason.TOKENS:
+            return rejection.retry_after_s
+        if rejection.reason is not Reason.CONCURRENCY:
+            return None
+        etas = self._remaining(rejection.key, now, open_leases)
+        return etas[min(ahead, len(etas) - 1)] if etas else None
+
+    def _remaining(self, key: str, now: float, open_leases: Callable[[str], list[OpenLease]]) -> list[float]:
+        """The open leases' remaining times on `key`, soonest first, from one pass per key and 50 ms."""
+        cached = self._etas.get(key)
+        if cached is None or now - cached[0] > ETA_CACHE_S:
+            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
+            cached = self._etas[key] = (now, remaining_times(open_leases(key)))
+            if len(self._etas) > 1024:
+                self._etas = {key: cached}
+        return [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]

@@ -1,7 +1,8 @@
 """A bounded wait for capacity instead of an instant 429, for classes configured to queue.
 
-A request that does not fit waits, up to its class's deadline, in the `WaitQueue` (highest class first,
-tenants taking turns within a class, FIFO per tenant). Whenever capacity may have freed — a lease settled,
+A request that does not fit waits, up to the smallest of its bounds (the global one, its class's, its own
+deadline), in the `WaitQueue` (highest class first, tenants taking turns within a class, per tenant nearest
+deadline first, then arrival order). Whenever capacity may have freed — a lease settled,
 limits or scales changed — and every 100 ms while anyone waits (token buckets refill with time), the queue
 is pumped: each class's waiting heads try to acquire, in order, and those that fit are admitted. With a
 shared store, a release on another replica also pumps the queue at once: while anyone waits here the store is
@@ -9,8 +10,12 @@ told (`announce_waiting`), releases everywhere then publish a wake-up, and the s
 tick stays as the fallback when wake-ups are lost.
 
 A newcomer never overtakes waiters of its own or a higher class: while they wait, it queues behind them.
-A waiter whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the
-very moment it left is given straight back, so nothing leaks.
+A request with a deadline of its own (extproc/admission/intake/deadline.py) waits no longer than it and
+goes ahead of its own tenant's requests with later or no deadlines (`Waiter.due`). The pump keeps the last
+refusal each class's heads met (`blocked`), so a newcomer that lines up behind them without trying can still
+be told at once that its deadline is out of reach. A waiter whose client leaves (Envoy cancels the stream)
+leaves the queue at once; a lease granted at the very moment it left is given straight back, so nothing
+leaks.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class AdmissionQueue:
         self._pumping = False
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()
+        self._blocked: dict[str, Rejection] = {}
 
     def configure(self, priority: Sequence[str], max_queued: dict[str, int]) -> None:
         self.queue.configure(priority, max_queued)
@@ -57,21 +63,37 @@ class AdmissionQueue:
         """True when waiters of this class or a higher one exist: a newcomer must line up behind them."""
         return self.queue.ahead_of(holder)
 
+    def blocked(self, holder: str) -> Rejection | None:
+        """The refusal the last pump met for a waiter of this class (None when none is waiting)."""
+        return self._blocked.get(holder) if self.queue.depth(holder) else None
+
+    def ahead_in_line(self, holder: str, tenant: str, due: float | None) -> int:
+        """How many of this tenant's waiters in this class go before a newcomer due at `due`."""
+        return self.queue.ahead_in_line(holder, tenant, due)
+
     async def wait(
-        self, keys: Sequence[str], tokens: int, holder: str, tenant: str, max_wait_s: float
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str,
+        tenant: str,
+        max_wait_s: float,
+        due: float | None = None,
     ) -> Lease | Rejection | None:
-        """Wait for a lease. None when the deadline passed; QueueFull when there is no room to wait."""
+        """Wait for a lease. None when the wait's end passed (`max_wait_s`, already the smallest of the
+        bounds that apply); QueueFull when there is no room to wait. `due`: the request's own deadline on
+        this queue's clock, which orders its tenant's line."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
-        waiter = Waiter(holder=holder, tenant=tenant, enqueued_at=now, deadline=now + max_wait_s)
+        waiter = Waiter(holder=holder, tenant=tenant, enqueued_at=now, deadline=now + max_wait_s, due=due)
         waiter.payload = (tuple(keys), tokens, future)
         if not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
             raise QueueFull
         self._depth(holder)
         self.kick()
-        outcome = "timeout"
+        outcome = "deadline" if due is not None and due <= waiter.deadline else "timeout"
         try:
             lease = await asyncio.wait_for(asyncio.shield(future), max_wait_s)
             outcome = "admitted"
@@ -79,6 +101,8 @@ class AdmissionQueue:
         except _Unwaitable as exc:
             outcome = "refused"
             return exc.rejection
+        except _Expired:
+            return None  # the pump found its end passed on the injected clock
         except TimeoutError:
             if future.done() and not future.cancelled():
                 outcome = "admitted"
@@ -117,6 +141,7 @@ class AdmissionQueue:
         self._pumping = True
         admitted = False
         try:
+            self._expire()
             for waiter in list(self.queue.candidates()):
                 keys, tokens, future = waiter.payload
                 if future.done():
@@ -130,7 +155,9 @@ class AdmissionQueue:
                     self._depth(waiter.holder)
                     future.set_result(result)
                     admitted = True
-                elif result.reason not in WAITABLE and not future.done():
+                elif result.reason in WAITABLE:
+                    self._blocked[waiter.holder] = result
+                elif not future.done():
                     future.set_exception(_Unwaitable(result))
         except Exception:
             log.exception("admission queue pump failed")
@@ -139,6 +166,14 @@ class AdmissionQueue:
         if admitted:
             self.kick()
         self._rearm()
+
+    def _expire(self) -> None:
+        """End the waits whose end has passed on the queue's clock. The event loop's timer ends them too
+        (`wait`); this pass makes the end follow the injected clock, so a test moves it without sleeping."""
+        for waiter in self.queue.expired(self.clock()):
+            future = waiter.payload[2]
+            if not future.done():
+                future.set_exception(_Expired())
 
     def _rearm(self) -> None:
         if self._timer is not None:
@@ -167,3 +202,7 @@ class _Unwaitable(Exception):
     def __init__(self, rejection: Rejection) -> None:
         super().__init__(rejection.reason.value)
         self.rejection = rejection
+
+
+class _Expired(Exception):
+    """Raised into a waiter whose wait ended by the queue's clock before the event loop's timer fired."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from extproc.admission.apis import render_refusal
 from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.lanes import LaneFull
-from extproc.admission.capacity.queueing import WAITABLE, QueueFull
+from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, QueueFull
 from extproc.admission.deciding import provisional
 from extproc.admission.intake.request import (
     USAGE_OPTION_APIS,
@@ -60,6 +60,10 @@ class RequestFacts:
     tenant: str
     klass: ClassPolicy
     client: str | None = None
+    # The client's deadline for its first token on the service's clock, and as it asked (milliseconds
+    # from arrival, extproc/admission/intake/deadline.py); None without one.
+    deadline: float | None = None
+    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,20 +373,65 @@ class Decision:
                 result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
                 assert queue is not None
+                unmet = self._deadline_unmet(queue, result)
+                if unmet is not None:
+                    yield unmet  # its deadline is out of reach: refused now, not when it passes
+                    return
+                max_wait, by_deadline = self._max_wait()
                 # The proxy's per-message timer must not fire while the request waits for capacity.
-                yield Hold(math.ceil(klass.max_wait_seconds) + 1)
+                yield Hold(math.ceil(max_wait) + 1)
                 try:
                     result = await queue.wait(
-                        keys, tokens, klass.name, self.request.tenant, klass.max_wait_seconds
+                        keys, tokens, klass.name, self.request.tenant, max_wait, due=self.request.deadline
                     )
                 except QueueFull:
                     yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
                     return
                 if result is None:
-                    yield refusals.queue_refused("queue_timeout", klass.name, klass.max_wait_seconds)
+                    yield (
+                        self._deadline_passed()
+                        if by_deadline
+                        else refusals.queue_refused("queue_timeout", klass.name, max_wait)
+                    )
                     return
         except StoreUnavailable:
             yield refusals.store_unavailable()
             return
         assert result is not None
         yield result
+
+    def _max_wait(self) -> tuple[float, bool]:
+        """How long this request may wait in its class's queue (`AdmissionRules.queue_wait`: the smallest
+        of the global, class and request bounds), and whether its own deadline is the bound that ends it."""
+        request, rules = self.request, self.service.rules()
+        left = None if request.deadline is None else request.deadline - self.service.clock()
+        others = rules.queue_wait(request.klass, None)
+        wait = rules.queue_wait(request.klass, left)
+        return wait, left is not None and left <= others
+
+    def _deadline_unmet(self, queue: AdmissionQueue, result: Lease | Rejection | None) -> Refusal | None:
+        """A refusal when this request's deadline is out of reach before it waits: already passed, or
+        earlier than the soonest its capacity is expected to free (the open leases' ends behind the requests
+        of its own tenant that go first, or the tokens' refill: `AdmissionService.earliest_capacity`).
+        Where nothing tells (no refusal met here yet, leases held by other replicas), it waits, and its
+        deadline ends the wait."""
+        request, service = self.request, self.service
+        if request.deadline is None:
+            return None
+        left = request.deadline - service.clock()
+        klass = request.klass.name
+        blocked = result if isinstance(result, Rejection) else queue.blocked(klass)
+        if blocked is not None and blocked.key.startswith("tenant:") and blocked.key != self._keys()[2]:
+            blocked = None  # another tenant's own limit: it says nothing of this request's wait
+        eta = None
+        if blocked is not None:
+            eta = service.earliest_capacity(
+                blocked, queue.ahead_in_line(klass, request.tenant, request.deadline)
+            )
+        if left > 0 and (eta is None or eta <= left):
+            return None
+        return refusals.deadline_unmet(klass, request.deadline_ms or 0, eta)
+
+    def _deadline_passed(self) -> Refusal:
+        """The request's own deadline ended its wait."""
+        return refusals.deadline_unmet(self.request.klass.name, self.request.deadline_ms or 0, None)

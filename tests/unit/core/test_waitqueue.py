@@ -88,3 +88,43 @@ def test_drain_respects_class_order_and_per_tenant_fifo(items: list[tuple[str, s
         for tenant in "abc":
             mine = [x for x in out if x.holder == holder and x.tenant == tenant]
             assert mine == [x for x in waiters if x.holder == holder and x.tenant == tenant]
+
+
+def due(tenant: str, at: float | None, holder: str = "standard") -> Waiter:
+    return Waiter(holder=holder, tenant=tenant, enqueued_at=0.0, deadline=10.0, due=at)
+
+
+def test_nearest_deadline_first_within_a_tenant_none_last_fifo_among_equals() -> None:
+    q = WaitQueue(PRIORITY, {"standard": 10})
+    plain1, late, plain2, early, early_too = (
+        due("t", None),
+        due("t", 9.0),
+        due("t", None),
+        due("t", 2.0),
+        due("t", 2.0),
+    )
+    for x in (plain1, late, plain2, early, early_too):
+        assert q.push(x)
+    assert drain(q) == [early, early_too, late, plain1, plain2]
+
+
+def test_a_deadline_never_moves_a_request_ahead_of_another_tenants_turn() -> None:
+    q = WaitQueue(PRIORITY, {"standard": 10, "critical": 10})
+    patient = due("a", None)
+    urgent = [due("b", 0.5), due("b", 0.1)]
+    higher = due("c", None, holder="critical")
+    for x in (patient, *urgent, higher):
+        q.push(x)
+    # The higher class first; then tenant a's turn (it queued first), then b's, nearest deadline first.
+    assert drain(q) == [higher, patient, urgent[1], urgent[0]]
+
+
+def test_ahead_in_line_counts_only_the_tenants_own_waiters_that_go_first() -> None:
+    q = WaitQueue(PRIORITY, {"standard": 10})
+    for x in (due("t", None), due("t", 3.0), due("t", 1.0), due("other", 0.1)):
+        q.push(x)
+    assert q.ahead_in_line("standard", "t", 2.0) == 1
+    assert q.ahead_in_line("standard", "t", 3.0) == 2  # after an equal deadline queued before it
+    assert q.ahead_in_line("standard", "t", None) == 3
+    assert q.ahead_in_line("standard", "nobody", 0.0) == 0
+    assert q.ahead_in_line("batch", "t", None) == 0
