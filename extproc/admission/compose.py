@@ -85,6 +85,8 @@ def build_admission(
     if served_as is not None:
         deps.served_as = served_as
     service = AdmissionService(deps)
+    if queue is not None:
+        queue.earliest = service.earliest_capacity  # a waiter's deadline is weighed as a newcomer's is
     if signals is not None:
         service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned
     return Admission(service, UnseenStreams(service))

@@ -106,6 +106,13 @@ class WaitQueue:
         order = (math.inf if due is None else due, math.inf)
         return sum(1 for waiter in line if waiter.order < order)
 
+    def lines(self, holder: str) -> Iterator[tuple[str, Sequence[Waiter]]]:
+        """Each tenant's line in a class, in its order (a copy: the caller may remove waiters)."""
+        queue = self._classes.get(holder)
+        if queue is not None:
+            for tenant, line in list(queue.tenants.items()):
+                yield tenant, tuple(line)
+
     def ahead_of(self, holder: str) -> bool:
         """Whether anyone of this class or a higher one is waiting (a newcomer must not overtake them)."""
         rank = self._rank(holder)

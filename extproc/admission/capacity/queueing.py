@@ -13,9 +13,10 @@ A newcomer never overtakes waiters of its own or a higher class: while they wait
 A request with a deadline of its own (extproc/admission/intake/deadline.py) waits no longer than it and
 goes ahead of its own tenant's requests with later or no deadlines (`Waiter.due`). The pump keeps the last
 refusal each class's heads met (`blocked`), so a newcomer that lines up behind them without trying can still
-be told at once that its deadline is out of reach. A waiter whose client leaves (Envoy cancels the stream)
-leaves the queue at once; a lease granted at the very moment it left is given straight back, so nothing
-leaks.
+be told at once that its deadline is out of reach, and compares each waiter's deadline with that refusal
+again (`_refuse_unreachable`): a deadline that went out of reach while waiting is refused then. A waiter
+whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the very moment
+it left is given straight back, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from extproc.core.clock import Clock
@@ -43,6 +44,23 @@ class QueueFull(Exception):
     """The class's queue is at its bound (or the class does not queue)."""
 
 
+class DeadlineUnmet(Exception):
+    """A waiter's own deadline is out of reach: its capacity is not expected before it (`eta` seconds)."""
+
+    def __init__(self, eta: float) -> None:
+        super().__init__(f"capacity expected in {eta:.3f} s")
+        self.eta = eta
+
+
+Estimate = Callable[[Rejection, int], float | None]
+"""Seconds until a request refused so could have its capacity behind `int` others that need the same
+(`AdmissionService.earliest_capacity`); None where nothing tells."""
+
+
+def _no_estimate(_rejection: Rejection, _ahead: int) -> float | None:
+    return None
+
+
 class AdmissionQueue:
     def __init__(self, store: LimiterStore, clock: Clock, metrics: Metrics) -> None:
         self.store = store
@@ -54,6 +72,8 @@ class AdmissionQueue:
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()
         self._blocked: dict[str, Rejection] = {}
+        # Wired by the admission service (compose.py): how soon a refused waiter's capacity is expected.
+        self.earliest: Estimate = _no_estimate
 
     def configure(self, priority: Sequence[str], max_queued: dict[str, int]) -> None:
         self.queue.configure(priority, max_queued)
@@ -79,10 +99,14 @@ class AdmissionQueue:
         tenant: str,
         max_wait_s: float,
         due: float | None = None,
+        refused: Rejection | None = None,
     ) -> Lease | Rejection | None:
         """Wait for a lease. None when the wait's end passed (`max_wait_s`, already the smallest of the
-        bounds that apply); QueueFull when there is no room to wait. `due`: the request's own deadline on
-        this queue's clock, which orders its tenant's line."""
+        bounds that apply); QueueFull when there is no room to wait; DeadlineUnmet when a pump finds `due`,
+        the request's own deadline on this queue's clock (which also orders its tenant's line), out of
+        reach. `refused`: what the request met trying at once, the class's `blocked` until a pump runs."""
+        if refused is not None:
+            self._blocked[holder] = refused
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
@@ -103,6 +127,9 @@ class AdmissionQueue:
             return exc.rejection
         except _Expired:
             return None  # the pump found its end passed on the injected clock
+        except DeadlineUnmet:
+            outcome = "deadline"
+            raise
         except TimeoutError:
             if future.done() and not future.cancelled():
                 outcome = "admitted"
@@ -140,6 +167,7 @@ class AdmissionQueue:
     async def _pump(self) -> None:
         self._pumping = True
         admitted = False
+        checked: set[str] = set()  # classes whose deadlines this pass compared with what their heads met
         try:
             self._expire()
             for waiter in list(self.queue.candidates()):
@@ -157,6 +185,9 @@ class AdmissionQueue:
                     admitted = True
                 elif result.reason in WAITABLE:
                     self._blocked[waiter.holder] = result
+                    if waiter.holder not in checked:
+                        checked.add(waiter.holder)
+                        self._refuse_unreachable(waiter.holder, result)
                 elif not future.done():
                     future.set_exception(_Unwaitable(result))
         except Exception:
@@ -174,6 +205,22 @@ class AdmissionQueue:
             future = waiter.payload[2]
             if not future.done():
                 future.set_exception(_Expired())
+
+    def _refuse_unreachable(self, holder: str, rejection: Rejection) -> None:
+        """End the waits of this class whose own deadline is now out of reach: the capacity `rejection`
+        refused is not expected before it, behind the waiters ahead in their tenant's line. Lines hold the
+        requests with deadlines first, so each line stops at its first without one."""
+        now = self.clock()
+        for _tenant, line in self.queue.lines(holder):
+            for ahead, waiter in enumerate(line):
+                if waiter.due is None:
+                    break
+                keys, _tokens, future = waiter.payload
+                if future.done() or rejection.key not in keys:
+                    continue
+                eta = self.earliest(rejection, ahead)
+                if eta is not None and now + eta > waiter.due:
+                    future.set_exception(DeadlineUnmet(eta))
 
     def _rearm(self) -> None:
         if self._timer is not None:

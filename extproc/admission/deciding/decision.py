@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from extproc.admission.apis import render_refusal
 from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.lanes import LaneFull
-from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, QueueFull
+from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
 from extproc.admission.deciding import provisional
 from extproc.admission.intake.request import (
     USAGE_OPTION_APIS,
@@ -380,12 +380,17 @@ class Decision:
                 max_wait, by_deadline = self._max_wait()
                 # The proxy's per-message timer must not fire while the request waits for capacity.
                 yield Hold(math.ceil(max_wait) + 1)
+                refused = result if isinstance(result, Rejection) else None
+                request = self.request
                 try:
                     result = await queue.wait(
-                        keys, tokens, klass.name, self.request.tenant, max_wait, due=self.request.deadline
+                        keys, tokens, klass.name, request.tenant, max_wait, request.deadline, refused
                     )
                 except QueueFull:
                     yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
+                    return
+                except DeadlineUnmet as exc:
+                    yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta)
                     return
                 if result is None:
                     yield (

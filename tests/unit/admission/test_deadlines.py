@@ -50,8 +50,8 @@ class Rig:
             lambda: rules, self.store, self.clock, self.metrics, queue=self.queue
         )
 
-    async def start(self) -> Rig:
-        await self.store.apply_limits({"global": LimitSpec(max_concurrency=1)})
+    async def start(self, slots: int = 1) -> Rig:
+        await self.store.apply_limits({"global": LimitSpec(max_concurrency=slots)})
         return self
 
     def metric(self, name: str, **labels: str) -> float:
@@ -171,6 +171,28 @@ async def test_a_deadline_reached_while_waiting_ends_the_wait_with_its_reason() 
     assert rig.metric("extproc_queue_depth", **{"class": "standard"}) == 0
     assert rig.active == 1
     await rig.settle(holder)
+    assert rig.active == 0
+
+
+async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_passes() -> None:
+    rig = await Rig().start(slots=2)
+    short, long = await rig.hold_the_slot(max_tokens=100), await rig.hold_the_slot(max_tokens=300)  # 1 s, 3 s
+    later = rig.waiting(rig.exchange(), {OWN: "2500"})  # the first slot to free (1 s) is in time
+    await turns()
+    first = rig.exchange()
+    sooner = rig.waiting(first, {OWN: "2000"})  # in time too, and it goes first: nearer deadline
+    await turns()
+    rig.queue.kick()
+    await turns()
+    # Behind `sooner`, `later` needs the second slot to free, in 3 s: past its 2.5 s, known now.
+    assert later.done() and refusal_of(await later).reason == "deadline_unmet"
+    assert not sooner.done()
+    assert rig.metric("extproc_queue_wait_seconds_count", outcome="deadline", **{"class": "standard"}) == 1
+    await rig.settle(short)
+    await turns()
+    assert isinstance((await sooner)[-1], Forward)
+    for exchange in (long, first):
+        await rig.settle(exchange)
     assert rig.active == 0
 
 
