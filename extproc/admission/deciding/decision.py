@@ -373,7 +373,7 @@ class Decision:
                 result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
                 assert queue is not None
-                unmet = self._deadline_unmet(queue, result)
+                unmet = self._deadline_unmet(queue, keys, result)
                 if unmet is not None:
                     yield unmet  # its deadline is out of reach: refused now, not when it passes
                     return
@@ -414,7 +414,9 @@ class Decision:
         wait = rules.queue_wait(request.klass, left)
         return wait, left is not None and left <= others
 
-    def _deadline_unmet(self, queue: AdmissionQueue, result: Lease | Rejection | None) -> Refusal | None:
+    def _deadline_unmet(
+        self, queue: AdmissionQueue, keys: list[str], result: Lease | Rejection | None
+    ) -> Refusal | None:
         """A refusal when this request's deadline is out of reach before it waits: already passed, or
         earlier than the soonest its capacity is expected to free (the open leases' ends behind the requests
         of its own tenant that go first, or the tokens' refill: `AdmissionService.earliest_capacity`).
@@ -426,8 +428,8 @@ class Decision:
         left = request.deadline - service.clock()
         klass = request.klass.name
         blocked = result if isinstance(result, Rejection) else queue.blocked(klass)
-        if blocked is not None and blocked.key.startswith("tenant:") and blocked.key != self._keys()[2]:
-            blocked = None  # another tenant's own limit: it says nothing of this request's wait
+        if blocked is not None and blocked.key not in keys:
+            blocked = None  # another tenant's or pool's own limit: it says nothing of this request's wait
         eta = None
         if blocked is not None:
             eta = service.earliest_capacity(

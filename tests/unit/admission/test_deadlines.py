@@ -50,8 +50,10 @@ class Rig:
             lambda: rules, self.store, self.clock, self.metrics, queue=self.queue
         )
 
-    async def start(self, slots: int = 1) -> Rig:
-        await self.store.apply_limits({"global": LimitSpec(max_concurrency=slots)})
+    async def start(self, slots: int = 1, **tenant_slots: int) -> Rig:
+        limits = {"global": LimitSpec(max_concurrency=slots)}
+        limits |= {f"tenant:{name}": LimitSpec(max_concurrency=n) for name, n in tenant_slots.items()}
+        await self.store.apply_limits(limits)
         return self
 
     def metric(self, name: str, **labels: str) -> float:
@@ -66,24 +68,26 @@ class Rig:
         self.admission.service.register(exchange)
         return exchange
 
-    async def hold_the_slot(self, max_tokens: int = 100) -> Exchange:
+    async def hold_the_slot(self, max_tokens: int = 100, tenant: str | None = None) -> Exchange:
         """A request holding the one slot, expected to run max_tokens at the assumed 100 tokens/s."""
         holder = self.exchange()
-        verdicts = await self.send(holder, {}, max_tokens)
+        verdicts = await self.send(holder, {}, max_tokens, tenant)
         assert isinstance(verdicts[-1], Forward)
         return holder
 
     async def send(
-        self, exchange: Exchange, headers: dict[str, str], max_tokens: int = 10
+        self, exchange: Exchange, headers: dict[str, str], max_tokens: int = 10, tenant: str | None = None
     ) -> list[BodyVerdict]:
-        head = RequestHead("POST", "/v1/chat/completions", headers)
+        head = RequestHead("POST", "/v1/chat/completions", headers, tenant=tenant)
         first = exchange.request_headers(head)
         if isinstance(first, Refusal):
             return [first]
         return [v async for v in exchange.request_body(chat(max_tokens))]
 
-    def waiting(self, exchange: Exchange, headers: dict[str, str]) -> asyncio.Task[list[BodyVerdict]]:
-        return asyncio.ensure_future(self.send(exchange, headers))
+    def waiting(
+        self, exchange: Exchange, headers: dict[str, str], tenant: str | None = None
+    ) -> asyncio.Task[list[BodyVerdict]]:
+        return asyncio.ensure_future(self.send(exchange, headers, tenant=tenant))
 
     async def settle(self, exchange: Exchange) -> None:
         exchange.close()
@@ -193,6 +197,26 @@ async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_pa
     assert isinstance((await sooner)[-1], Forward)
     for exchange in (long, first):
         await rig.settle(exchange)
+    assert rig.active == 0
+
+
+async def test_another_tenants_own_limit_says_nothing_of_a_deadline() -> None:
+    rig = await Rig().start(slots=2, busy=1)
+    busy = await rig.hold_the_slot(max_tokens=300, tenant="busy")  # its own one slot, for about 3 s
+    behind, calm = rig.exchange(), rig.exchange()
+    busy_waits = rig.waiting(behind, {}, tenant="busy")  # refused by tenant:busy, it waits
+    await turns()
+    quick = rig.waiting(calm, {OWN: "500"}, tenant="calm")  # behind it in the class, but not in its way
+    await turns()
+    rig.queue.kick()
+    await turns()
+    assert isinstance((await quick)[-1], Forward), "busy's own limit must not refuse calm's deadline"
+    assert not busy_waits.done()
+    for exchange in (busy, calm):
+        await rig.settle(exchange)
+    await turns()
+    assert isinstance((await busy_waits)[-1], Forward)
+    await rig.settle(behind)
     assert rig.active == 0
 
 
