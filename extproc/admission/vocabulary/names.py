@@ -147,7 +147,10 @@ DEADLINE_HEADERS = (DEADLINE_HEADER, LLMD_DEADLINE_HEADER)
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 """The inference objective of a request as an inference pool's endpoint picker reads it, current name
 first, then the Gateway API Inference Extension's, which llm-d keeps as a deprecated alias (llm-d/llm-d-router
-pkg/epp/metadata/consts.go `ObjectiveKey`, `OldObjectiveKey`, `GetLowerCaseHeaderValue` @ ebab687)."""
+pkg/epp/metadata/consts.go `ObjectiveKey`, `OldObjectiveKey`, `GetLowerCaseHeaderValue` @ ebab687; the
+Inference Extension's own picker read only the `x-gateway-` name from the request headers before the picker
+moved to llm-d: kubernetes-sigs/gateway-api-inference-extension pkg/epp/metadata/consts.go and
+pkg/epp/handlers/request.go @ 1748e829)."""
 
 FAIRNESS_ID_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 """The flow-control fairness id, in the same order (`FlowFairnessIDKey`, `OldFlowFairnessIDKey`)."""
