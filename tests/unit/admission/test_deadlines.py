@@ -12,14 +12,9 @@ import json
 from typing import Any
 
 from extproc.admission.capacity.queueing import AdmissionQueue
-from extproc.admission.compose import build_admission
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import BodyVerdict, Forward, Hold, Refusal
-from extproc.core.clock import FakeClock
-from extproc.core.limiter import LimitSpec
-from extproc.metrics import Metrics
-from extproc.store.local import LocalStore
-from tests.support.rules import admission_rules
+from tests.support.admission import AdmissionRig
 
 OWN = "x-extproc-ttft-deadline-ms"
 LLMD = "x-llm-d-slo-ttft-ms"
@@ -36,32 +31,16 @@ CONFIG: dict[str, Any] = {
 }
 
 
-class Rig:
-    """Admission with a wait queue over an in-process store of one slot, all on one fake clock."""
+class Rig(AdmissionRig):
+    """Admission with a wait queue over an in-process store of one slot (unless told), on a fake clock."""
 
-    def __init__(self, config: dict[str, Any] = CONFIG) -> None:
-        self.clock = FakeClock()
-        self.metrics = Metrics()
-        self.store = LocalStore(clock=self.clock)
-        rules = admission_rules(config)
-        self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
-        self.queue.configure([c.name for c in rules.classes], {c.name: c.max_queued for c in rules.classes})
-        self.admission = build_admission(
-            lambda: rules, self.store, self.clock, self.metrics, queue=self.queue
-        )
-
-    async def start(self, slots: int = 1, **tenant_slots: int) -> Rig:
-        limits = {"global": LimitSpec(max_concurrency=slots)}
-        limits |= {f"tenant:{name}": LimitSpec(max_concurrency=n) for name, n in tenant_slots.items()}
-        await self.store.apply_limits(limits)
-        return self
-
-    def metric(self, name: str, **labels: str) -> float:
-        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+    def __init__(self, config: dict[str, Any] = CONFIG, slots: int = 1) -> None:
+        super().__init__(config, slots, queues=True)
 
     @property
-    def active(self) -> int:
-        return self.store.limiter.snapshot(["global"])[0].active
+    def waits(self) -> AdmissionQueue:
+        assert self.queue is not None
+        return self.queue
 
     def exchange(self) -> Exchange:
         exchange = self.admission.exchange()
@@ -167,7 +146,7 @@ async def test_a_deadline_reached_while_waiting_ends_the_wait_with_its_reason() 
     task = rig.waiting(rig.exchange(), {OWN: "2000"})
     await turns()
     rig.clock.advance(2.0)
-    rig.queue.kick()
+    rig.waits.kick()
     await turns()
     refusal = refusal_of(await task)
     assert refusal.reason == "deadline_unmet"
@@ -179,14 +158,14 @@ async def test_a_deadline_reached_while_waiting_ends_the_wait_with_its_reason() 
 
 
 async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_passes() -> None:
-    rig = await Rig().start(slots=2)
+    rig = await Rig(slots=2).start()
     short, long = await rig.hold_the_slot(max_tokens=100), await rig.hold_the_slot(max_tokens=300)  # 1 s, 3 s
     later = rig.waiting(rig.exchange(), {OWN: "2500"})  # the first slot to free (1 s) is in time
     await turns()
     first = rig.exchange()
     sooner = rig.waiting(first, {OWN: "2000"})  # in time too, and it goes first: nearer deadline
     await turns()
-    rig.queue.kick()
+    rig.waits.kick()
     await turns()
     # Behind `sooner`, `later` needs the second slot to free, in 3 s: past its 2.5 s, known now.
     assert later.done() and refusal_of(await later).reason == "deadline_unmet"
@@ -201,14 +180,14 @@ async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_pa
 
 
 async def test_another_tenants_own_limit_says_nothing_of_a_deadline() -> None:
-    rig = await Rig().start(slots=2, busy=1)
+    rig = await Rig(slots=2).start(busy=1)
     busy = await rig.hold_the_slot(max_tokens=300, tenant="busy")  # its own one slot, for about 3 s
     behind, calm = rig.exchange(), rig.exchange()
     busy_waits = rig.waiting(behind, {}, tenant="busy")  # refused by tenant:busy, it waits
     await turns()
     quick = rig.waiting(calm, {OWN: "500"}, tenant="calm")  # behind it in the class, but not in its way
     await turns()
-    rig.queue.kick()
+    rig.waits.kick()
     await turns()
     assert isinstance((await quick)[-1], Forward), "busy's own limit must not refuse calm's deadline"
     assert not busy_waits.done()
@@ -226,7 +205,7 @@ async def test_the_global_bound_caps_every_class_wait_and_times_out_as_the_queue
     task = rig.waiting(rig.exchange(), {OWN: "8000"})
     await turns()
     rig.clock.advance(3.0)
-    rig.queue.kick()
+    rig.waits.kick()
     await turns()
     verdicts = await task
     assert isinstance(verdicts[0], Hold) and verdicts[0].seconds == 4
