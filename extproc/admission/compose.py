@@ -86,7 +86,7 @@ def build_admission(
         deps.served_as = served_as
     service = AdmissionService(deps)
     if queue is not None:
-        queue.earliest = service.earliest_capacity  # a waiter's deadline is weighed as a newcomer's is
+        queue.starts = service.capacity_starts  # waiters' deadlines, weighed against the open leases here
     if signals is not None:
         service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned
     return Admission(service, UnseenStreams(service))

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -176,9 +176,10 @@ class AdmissionService:
         """A slot refusal's `retry-after` from the leases open here on its key (`hints.py`)."""
         return self.slot_hints.apply(rejection, self.clock(), self._open_leases)
 
-    def earliest_capacity(self, rejection: Rejection, ahead: int) -> float | None:
-        """Seconds until a request refused so could have its capacity, behind `ahead` others (`hints.py`)."""
-        return self.slot_hints.earliest(rejection, self.clock(), self._open_leases, ahead)
+    def capacity_starts(self, rejection: Rejection, runs: Sequence[float]) -> list[float] | None:
+        """Seconds until each of a line of requests refused so is expected to have its capacity, each
+        holding it for its run (`hints.py` `SlotHints.starts`)."""
+        return self.slot_hints.starts(rejection, self.clock(), self._open_leases, runs)
 
     def _open_leases(self, key: str) -> list[OpenLease]:
         """The requests whose streams are open here and that hold a lease on `key`."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ class Waiter:
     payload: Any = None
     seq: int = 0
     due: float | None = None  # the client's own deadline, when it gave one: orders its tenant's line
+    run_s: float = 0.0  # how long it is expected to hold its capacity once admitted (deadline estimates)
 
     @property
     def order(self) -> tuple[float, int]:
@@ -40,6 +41,21 @@ class Waiter:
 class _ClassQueue:
     tenants: OrderedDict[str, deque[Waiter]] = field(default_factory=OrderedDict)
     size: int = 0
+
+
+def _place(line: MutableSequence[Waiter], waiter: Waiter) -> None:
+    """Put `waiter` in a tenant's line by its order, from the back: a request without a deadline, the
+    common case, costs nothing."""
+    place = len(line)
+    while place and line[place - 1].order > waiter.order:
+        place -= 1
+    line.insert(place, waiter)
+
+
+def _in_turn(lines: Iterable[Sequence[Waiter]]) -> Iterator[Waiter]:
+    """Tenants' lines merged as tenants take turns: each line's first, then each line's second, ..."""
+    for turn in itertools.zip_longest(*lines):
+        yield from (waiter for waiter in turn if waiter is not None)
 
 
 class WaitQueue:
@@ -70,11 +86,7 @@ class WaitQueue:
             return False
         waiter.seq = next(self._seq)
         queue = self._classes.setdefault(waiter.holder, _ClassQueue())
-        line = queue.tenants.setdefault(waiter.tenant, deque())
-        place = len(line)
-        while place and line[place - 1].order > waiter.order:
-            place -= 1  # from the back: a request without a deadline, the common case, costs nothing
-        line.insert(place, waiter)
+        _place(queue.tenants.setdefault(waiter.tenant, deque()), waiter)
         queue.size += 1
         return True
 
@@ -97,21 +109,23 @@ class WaitQueue:
             del self._classes[waiter.holder]
         return True
 
-    def ahead_in_line(self, holder: str, tenant: str, due: float | None) -> int:
-        """How many of this tenant's waiters in this class a newcomer due at `due` would queue behind."""
-        queue = self._classes.get(holder)
-        line = queue.tenants.get(tenant) if queue is not None else None
-        if not line:
-            return 0
-        order = (math.inf if due is None else due, math.inf)
-        return sum(1 for waiter in line if waiter.order < order)
-
-    def lines(self, holder: str) -> Iterator[tuple[str, Sequence[Waiter]]]:
-        """Each tenant's line in a class, in its order (a copy: the caller may remove waiters)."""
-        queue = self._classes.get(holder)
-        if queue is not None:
-            for tenant, line in list(queue.tenants.items()):
-                yield tenant, tuple(line)
+    def service_order(self, holder: str, extra: Waiter | None = None) -> list[Waiter]:
+        """The waiters of class `holder` and of the classes above it, in the order they are expected to be
+        admitted: higher classes first; within a class, tenants in turn (one waiter each per turn, from
+        the tenant whose turn is next), each tenant's line in its order. `extra`, a newcomer not queued, is
+        placed where it would queue (a tenant new to the class takes the last turn)."""
+        rank = self._rank(holder)
+        out: list[Waiter] = []
+        for name in sorted(self._classes, key=self._rank):
+            if self._rank(name) > rank:
+                break
+            lines = {tenant: list(line) for tenant, line in self._classes[name].tenants.items()}
+            if extra is not None and name == holder:
+                _place(lines.setdefault(extra.tenant, []), extra)
+            out.extend(_in_turn(lines.values()))
+        if extra is not None and holder not in self._classes:
+            out.append(extra)
+        return out
 
     def ahead_of(self, holder: str) -> bool:
         """Whether anyone of this class or a higher one is waiting (a newcomer must not overtake them)."""

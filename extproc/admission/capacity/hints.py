@@ -8,7 +8,8 @@ store's estimate stays when this replica holds none on the key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from extproc.core.limiter import Reason, Rejection
@@ -37,22 +38,34 @@ class SlotHints:
             return rejection
         return replace(rejection, retry_after_s=hint, status=replace(rejection.status, reset_requests_s=hint))
 
-    def earliest(
-        self, rejection: Rejection, now: float, open_leases: Callable[[str], list[OpenLease]], ahead: int
-    ) -> float | None:
-        """The soonest a request refused so could get its capacity, behind `ahead` requests that need the
-        same: the (ahead + 1)-th slot the open leases free, or the tokens' refill for a token refusal; None
+    def starts(
+        self,
+        rejection: Rejection,
+        now: float,
+        open_leases: Callable[[str], list[OpenLease]],
+        runs: Sequence[float],
+    ) -> list[float] | None:
+        """When each of a line of requests refused so is expected to get its capacity, in the order they
+        will be admitted, each holding it for its run (seconds): the slots the open leases free, each taken
+        again by the next in line, a slot at a time; for a token refusal, the tokens' refill for all. None
         where this replica cannot tell (its leases are not the ones open on the key).
 
         No hint is handed out (the successive-slot bookkeeping of `RetryHints` is for clients sent away):
-        this is what a deadline is compared with before its request waits.
+        this is what deadlines are compared with.
         """
         if rejection.reason is Reason.TOKENS:
-            return rejection.retry_after_s
+            refill = rejection.retry_after_s
+            return None if refill is None else [refill] * len(runs)
         if rejection.reason is not Reason.CONCURRENCY:
             return None
-        etas = self._remaining(rejection.key, now, open_leases)
-        return etas[min(ahead, len(etas) - 1)] if etas else None
+        free = self._remaining(rejection.key, now, open_leases)  # sorted: already a heap
+        if not free:
+            return None
+        out = []
+        for run in runs:
+            out.append(free[0])
+            heapq.heapreplace(free, free[0] + run)
+        return out
 
     def _remaining(self, key: str, now: float, open_leases: Callable[[str], list[OpenLease]]) -> list[float]:
         """The open leases' remaining times on `key`, soonest first, from one pass per key and 50 ms."""

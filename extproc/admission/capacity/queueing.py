@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,12 +53,12 @@ class DeadlineUnmet(Exception):
         self.eta = eta
 
 
-Estimate = Callable[[Rejection, int], float | None]
-"""Seconds until a request refused so could have its capacity behind `int` others that need the same
-(`AdmissionService.earliest_capacity`); None where nothing tells."""
+Schedule = Callable[[Rejection, Sequence[float]], list[float] | None]
+"""When each of a line of requests refused so is expected to have its capacity, each holding it for its
+run in seconds (`AdmissionService.capacity_starts`); None where nothing tells."""
 
 
-def _no_estimate(_rejection: Rejection, _ahead: int) -> float | None:
+def _no_schedule(_rejection: Rejection, _runs: Sequence[float]) -> list[float] | None:
     return None
 
 
@@ -72,8 +73,8 @@ class AdmissionQueue:
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()
         self._blocked: dict[str, Rejection] = {}
-        # Wired by the admission service (compose.py): how soon a refused waiter's capacity is expected.
-        self.earliest: Estimate = _no_estimate
+        # Wired by the admission service (compose.py): when refused waiters' capacity is expected.
+        self.starts: Schedule = _no_schedule
 
     def configure(self, priority: Sequence[str], max_queued: dict[str, int]) -> None:
         self.queue.configure(priority, max_queued)
@@ -87,9 +88,37 @@ class AdmissionQueue:
         """The refusal the last pump met for a waiter of this class (None when none is waiting)."""
         return self._blocked.get(holder) if self.queue.depth(holder) else None
 
-    def ahead_in_line(self, holder: str, tenant: str, due: float | None) -> int:
-        """How many of this tenant's waiters in this class go before a newcomer due at `due`."""
-        return self.queue.ahead_in_line(holder, tenant, due)
+    def deadline_refusal(
+        self, holder: str, tenant: str, keys: Sequence[str], due: float, run_s: float, refused: Rejection
+    ) -> float | None:
+        """Whether a newcomer due at `due` (this queue's clock) that will hold its capacity `run_s` seconds
+        may wait, its capacity refused as `refused`: None when it may, else the seconds until its capacity
+        is expected (its retry-after). It may when its capacity is expected before its deadline and its
+        place, ahead of requests with later deadlines, makes none of them that were expected in time miss
+        theirs: a newcomer never pushes a request already waiting in time out of it. None where nothing
+        tells (`Schedule`)."""
+        now = self.clock()
+        newcomer = Waiter(holder, tenant, now, due, (tuple(keys), 0, None), sys.maxsize, due, run_s)
+        after = self._schedule(holder, refused, newcomer)
+        if after is None:
+            return None
+        mine = after.pop(newcomer)
+        if now + mine > due:
+            return mine
+        before = self._schedule(holder, refused) or {}
+        for waiter, start in after.items():
+            if waiter.due is not None and now + before[waiter] <= waiter.due < now + start:
+                return mine
+        return None
+
+    def _schedule(
+        self, holder: str, refused: Rejection, extra: Waiter | None = None
+    ) -> dict[Waiter, float] | None:
+        """When each waiter of this class and those above that needs the refused key is expected to have
+        it, in the order they are expected to be admitted (`WaitQueue.service_order`)."""
+        line = [w for w in self.queue.service_order(holder, extra) if refused.key in w.payload[0]]
+        starts = self.starts(refused, [w.run_s for w in line])
+        return None if starts is None else dict(zip(line, starts, strict=True))
 
     async def wait(
         self,
@@ -100,17 +129,19 @@ class AdmissionQueue:
         max_wait_s: float,
         due: float | None = None,
         refused: Rejection | None = None,
+        run_s: float = 0.0,
     ) -> Lease | Rejection | None:
         """Wait for a lease. None when the wait's end passed (`max_wait_s`, already the smallest of the
         bounds that apply); QueueFull when there is no room to wait; DeadlineUnmet when a pump finds `due`,
         the request's own deadline on this queue's clock (which also orders its tenant's line), out of
-        reach. `refused`: what the request met trying at once, the class's `blocked` until a pump runs."""
+        reach. `refused`: what the request met trying at once, the class's `blocked` until a pump runs;
+        `run_s`: how long it will hold its capacity, for the deadlines of the waiters behind it."""
         if refused is not None:
             self._blocked[holder] = refused
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
-        waiter = Waiter(holder=holder, tenant=tenant, enqueued_at=now, deadline=now + max_wait_s, due=due)
+        waiter = Waiter(holder, tenant, enqueued_at=now, deadline=now + max_wait_s, due=due, run_s=run_s)
         waiter.payload = (tuple(keys), tokens, future)
         if not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
@@ -208,19 +239,14 @@ class AdmissionQueue:
 
     def _refuse_unreachable(self, holder: str, rejection: Rejection) -> None:
         """End the waits of this class whose own deadline is now out of reach: the capacity `rejection`
-        refused is not expected before it, behind the waiters ahead in their tenant's line. Lines hold the
-        requests with deadlines first, so each line stops at its first without one."""
+        refused is not expected before it, after the waiters expected to be admitted first."""
+        schedule = self._schedule(holder, rejection)
         now = self.clock()
-        for _tenant, line in self.queue.lines(holder):
-            for ahead, waiter in enumerate(line):
-                if waiter.due is None:
-                    break
-                keys, _tokens, future = waiter.payload
-                if future.done() or rejection.key not in keys:
-                    continue
-                eta = self.earliest(rejection, ahead)
-                if eta is not None and now + eta > waiter.due:
-                    future.set_exception(DeadlineUnmet(eta))
+        for waiter, start in (schedule or {}).items():
+            late = waiter.due is not None and now + start > waiter.due
+            future = waiter.payload[2]
+            if late and waiter.holder == holder and not future.done():
+                future.set_exception(DeadlineUnmet(start))
 
     def _rearm(self) -> None:
         if self._timer is not None:

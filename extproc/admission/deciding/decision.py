@@ -167,10 +167,11 @@ class Decision:
             return
         facts, new_body, strip_usage = self._forwarding(parsed, plan, rules)
         result: Lease | Rejection | Refusal | None = None
+        run_s = self._run_seconds(parsed, plan, booking, pool)
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         booking.hold(parsed, plan)
         try:
-            async for step in self.acquire(self._keys(), plan.total, shadow):
+            async for step in self.acquire(self._keys(), plan.total, shadow, run_s):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -356,11 +357,18 @@ class Decision:
                 param=key,
             )
 
+    def _run_seconds(self, parsed: ParsedRequest, plan: Reservation, booking: KvBooking, pool: str) -> float:
+        """How long this request is expected to hold its slot: its expected completion per sequence at the
+        pool's decode rate, as an open lease's remaining time is reckoned (`InFlight.open_lease`)."""
+        allowance = plan.completion_tokens / max(1, parsed.sequences * parsed.prompt_count)
+        return booking.expected_completion(allowance) / self.service.decode_rates.rate(pool)
+
     async def acquire(
-        self, keys: list[str], tokens: int, shadow: bool
+        self, keys: list[str], tokens: int, shadow: bool, run_s: float = 0.0
     ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
         """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
-        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down)."""
+        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down).
+        `run_s`: how long it will hold the lease, weighed by the deadlines of the requests behind it."""
         klass, service = self.request.klass, self.service
         queue = service.deps.queue
         waits = queue is not None and klass.queues and not shadow
@@ -373,7 +381,7 @@ class Decision:
                 result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
                 assert queue is not None
-                unmet = self._deadline_unmet(queue, keys, result)
+                unmet = self._deadline_unmet(queue, keys, run_s, result)
                 if unmet is not None:
                     yield unmet  # its deadline is out of reach: refused now, not when it passes
                     return
@@ -384,7 +392,7 @@ class Decision:
                 request = self.request
                 try:
                     result = await queue.wait(
-                        keys, tokens, klass.name, request.tenant, max_wait, request.deadline, refused
+                        keys, tokens, klass.name, request.tenant, max_wait, request.deadline, refused, run_s
                     )
                 except QueueFull:
                     yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
@@ -415,29 +423,24 @@ class Decision:
         return wait, left is not None and left <= others
 
     def _deadline_unmet(
-        self, queue: AdmissionQueue, keys: list[str], result: Lease | Rejection | None
+        self, queue: AdmissionQueue, keys: list[str], run_s: float, result: Lease | Rejection | None
     ) -> Refusal | None:
         """A refusal when this request's deadline is out of reach before it waits: already passed, or
-        earlier than the soonest its capacity is expected to free (the open leases' ends behind the requests
-        of its own tenant that go first, or the tokens' refill: `AdmissionService.earliest_capacity`).
-        Where nothing tells (no refusal met here yet, leases held by other replicas), it waits, and its
-        deadline ends the wait."""
-        request, service = self.request, self.service
+        earlier than its capacity is expected, or met only by pushing a request already waiting in time
+        out of its own (`AdmissionQueue.deadline_refusal`, on the refusal it met trying, else its class's
+        last). Where nothing tells (no refusal of a key it needs, leases held by other replicas), it
+        waits, and its deadline ends the wait."""
+        request = self.request
         if request.deadline is None:
             return None
-        left = request.deadline - service.clock()
-        klass = request.klass.name
+        klass, ms = request.klass.name, request.deadline_ms or 0
+        if request.deadline <= self.service.clock():
+            return refusals.deadline_unmet(klass, ms, None)
         blocked = result if isinstance(result, Rejection) else queue.blocked(klass)
-        if blocked is not None and blocked.key not in keys:
-            blocked = None  # another tenant's or pool's own limit: it says nothing of this request's wait
-        eta = None
-        if blocked is not None:
-            eta = service.earliest_capacity(
-                blocked, queue.ahead_in_line(klass, request.tenant, request.deadline)
-            )
-        if left > 0 and (eta is None or eta <= left):
-            return None
-        return refusals.deadline_unmet(klass, request.deadline_ms or 0, eta)
+        if blocked is None or blocked.key not in keys:
+            return None  # another tenant's or pool's own limit says nothing of this request's wait
+        eta = queue.deadline_refusal(klass, request.tenant, keys, request.deadline, run_s, blocked)
+        return None if eta is None else refusals.deadline_unmet(klass, ms, eta)
 
     def _deadline_passed(self) -> Refusal:
         """The request's own deadline ended its wait."""

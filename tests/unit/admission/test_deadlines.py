@@ -26,7 +26,7 @@ CONFIG: dict[str, Any] = {
         {"name": "batch"},
     ],
     "default_class": "standard",
-    "tenants": {"nightly": {"class": "batch"}},
+    "tenants": {"nightly": {"class": "batch"}, "vip": {"class": "interactive"}},
     "models": {"*": {"context_window": 1000, "default_max_tokens": 100}},
 }
 
@@ -64,9 +64,9 @@ class Rig(AdmissionRig):
         return [v async for v in exchange.request_body(chat(max_tokens))]
 
     def waiting(
-        self, exchange: Exchange, headers: dict[str, str], tenant: str | None = None
+        self, exchange: Exchange, headers: dict[str, str], tenant: str | None = None, max_tokens: int = 10
     ) -> asyncio.Task[list[BodyVerdict]]:
-        return asyncio.ensure_future(self.send(exchange, headers, tenant=tenant))
+        return asyncio.ensure_future(self.send(exchange, headers, max_tokens, tenant))
 
     async def settle(self, exchange: Exchange) -> None:
         exchange.close()
@@ -157,24 +157,46 @@ async def test_a_deadline_reached_while_waiting_ends_the_wait_with_its_reason() 
     assert rig.active == 0
 
 
+async def test_a_newcomer_never_pushes_a_waiter_in_time_out_of_its_deadline() -> None:
+    rig = await Rig(slots=2).start()
+    short, long = await rig.hold_the_slot(max_tokens=100), await rig.hold_the_slot(max_tokens=300)  # 1 s, 3 s
+    waiting = rig.exchange()
+    later = rig.waiting(waiting, {OWN: "2500"})  # the first slot to free (1 s) is in time
+    await turns()
+    # In time itself (1 s), but going first (a nearer deadline) for 3 s would make `later` wait 3 s: refused.
+    refusal = refusal_of(await rig.send(rig.exchange(), {OWN: "2000"}, max_tokens=300))
+    assert refusal.reason == "deadline_unmet"
+    # A short one fits in before it: admitted at 1 s, `later` at 1.1 s.
+    quick_exchange = rig.exchange()
+    quick = rig.waiting(quick_exchange, {OWN: "2000"})
+    await turns()
+    assert not quick.done() and not later.done()
+    for exchange in (short, quick_exchange, long, waiting):
+        await rig.settle(exchange)
+        await turns()
+    assert isinstance((await quick)[-1], Forward) and isinstance((await later)[-1], Forward)
+    assert rig.active == 0
+
+
 async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_passes() -> None:
     rig = await Rig(slots=2).start()
     short, long = await rig.hold_the_slot(max_tokens=100), await rig.hold_the_slot(max_tokens=300)  # 1 s, 3 s
     later = rig.waiting(rig.exchange(), {OWN: "2500"})  # the first slot to free (1 s) is in time
     await turns()
-    first = rig.exchange()
-    sooner = rig.waiting(first, {OWN: "2000"})  # in time too, and it goes first: nearer deadline
+    # A higher class goes first whatever the deadlines below it, to hold the first slot to free for 3 s.
+    vip_exchange = rig.exchange()
+    vip = rig.waiting(vip_exchange, {}, tenant="vip", max_tokens=300)
     await turns()
     rig.waits.kick()
     await turns()
-    # Behind `sooner`, `later` needs the second slot to free, in 3 s: past its 2.5 s, known now.
+    # Behind it, `later` needs the second slot to free, in 3 s: past its 2.5 s, known now.
     assert later.done() and refusal_of(await later).reason == "deadline_unmet"
-    assert not sooner.done()
+    assert not vip.done()
     assert rig.metric("extproc_queue_wait_seconds_count", outcome="deadline", **{"class": "standard"}) == 1
     await rig.settle(short)
     await turns()
-    assert isinstance((await sooner)[-1], Forward)
-    for exchange in (long, first):
+    assert isinstance((await vip)[-1], Forward)
+    for exchange in (long, vip_exchange):
         await rig.settle(exchange)
     assert rig.active == 0
 
@@ -196,6 +218,28 @@ async def test_another_tenants_own_limit_says_nothing_of_a_deadline() -> None:
     await turns()
     assert isinstance((await busy_waits)[-1], Forward)
     await rig.settle(behind)
+    assert rig.active == 0
+
+
+async def test_a_newcomer_is_weighed_behind_the_runs_of_those_expected_to_go_first() -> None:
+    rig = await Rig().start()
+    holder = await rig.hold_the_slot(max_tokens=100)  # frees in 1 s
+    first = rig.exchange()
+    ahead = rig.waiting(first, {OWN: "1500"}, max_tokens=200)  # goes first, then holds it for 2 s
+    await turns()
+    # A deadline of 2.5 s would be met by the first slot to free (1 s), not behind `ahead` (3 s): refused.
+    refusal = refusal_of(await rig.send(rig.exchange(), {OWN: "2500"}))
+    assert refusal.reason == "deadline_unmet"
+    assert int(dict(refusal.all_headers)["retry-after"]) == 3
+    # With 3.5 s it waits (behind `ahead`, whose deadline is nearer).
+    patient = rig.exchange()
+    waits = rig.waiting(patient, {OWN: "3500"})
+    await turns()
+    assert not waits.done()
+    for exchange in (holder, first, patient):
+        await rig.settle(exchange)
+        await turns()
+    assert isinstance((await ahead)[-1], Forward) and isinstance((await waits)[-1], Forward)
     assert rig.active == 0
 
 

@@ -119,12 +119,22 @@ def test_a_deadline_never_moves_a_request_ahead_of_another_tenants_turn() -> Non
     assert drain(q) == [higher, patient, urgent[1], urgent[0]]
 
 
-def test_ahead_in_line_counts_only_the_tenants_own_waiters_that_go_first() -> None:
-    q = WaitQueue(PRIORITY, {"standard": 10})
-    for x in (due("t", None), due("t", 3.0), due("t", 1.0), due("other", 0.1)):
+def test_service_order_is_class_then_tenants_in_turn_then_each_line() -> None:
+    q = WaitQueue(PRIORITY, {"critical": 10, "standard": 10, "batch": 10})
+    plain, late, early = due("t", None), due("t", 3.0), due("t", 1.0)
+    others = [due("other", 0.1), due("other", None), due("other", None)]
+    higher, lower = due("c", None, holder="critical"), due("b", 0.0, holder="batch")
+    for x in (plain, late, early, *others, higher, lower):
         q.push(x)
-    assert q.ahead_in_line("standard", "t", 2.0) == 1
-    assert q.ahead_in_line("standard", "t", 3.0) == 2  # after an equal deadline queued before it
-    assert q.ahead_in_line("standard", "t", None) == 3
-    assert q.ahead_in_line("standard", "nobody", 0.0) == 0
-    assert q.ahead_in_line("batch", "t", None) == 0
+    assert q.service_order("standard") == [higher, early, others[0], late, others[1], plain, others[2]]
+    assert q.service_order("critical") == [higher]
+    # A newcomer, not queued, in its place: in its tenant's line by deadline, or a new tenant's last turn.
+    newcomer = due("t", 2.0)
+    newcomer.seq = 10**9
+    assert q.service_order("standard", newcomer)[:5] == [higher, early, others[0], newcomer, others[1]]
+    stranger = due("new", None)
+    stranger.seq = 10**9
+    assert q.service_order("standard", stranger)[:4] == [higher, early, others[0], stranger]
+    assert q.service_order("batch")[-1] is lower
+    assert len(q) == 8  # nothing was queued by asking
+    assert WaitQueue(PRIORITY, {}).service_order("standard", newcomer) == [newcomer]
