@@ -44,11 +44,13 @@ class SlotHints:
         now: float,
         open_leases: Callable[[str], list[OpenLease]],
         runs: Sequence[float],
+        held: Sequence[float] = (),
     ) -> list[float] | None:
         """When each of a line of requests refused so is expected to get its capacity, in the order they
-        will be admitted, each holding it for its run (seconds): the slots the open leases free, each taken
-        again by the next in line, a slot at a time; for a token refusal, the tokens' refill for all. None
-        where this replica cannot tell (its leases are not the ones open on the key).
+        will be admitted, each holding it for its run (seconds): the slots the open leases free (and those
+        `held` for the given seconds by leases not open yet: granted, their requests not resumed), each
+        taken again by the next in line, a slot at a time; for a token refusal, the tokens' refill for all.
+        None where this replica cannot tell (its leases are not the ones open on the key).
 
         No hint is handed out (the successive-slot bookkeeping of `RetryHints` is for clients sent away):
         this is what deadlines are compared with.
@@ -58,7 +60,7 @@ class SlotHints:
             return None if refill is None else [refill] * len(runs)
         if rejection.reason is not Reason.CONCURRENCY:
             return None
-        free = self._remaining(rejection.key, now, open_leases)  # sorted: already a heap
+        free = sorted([*self._remaining(rejection.key, now, open_leases), *held])  # sorted: a heap
         if not free:
             return None
         out = []

@@ -53,12 +53,13 @@ class DeadlineUnmet(Exception):
         self.eta = eta
 
 
-Schedule = Callable[[Rejection, Sequence[float]], list[float] | None]
+Schedule = Callable[[Rejection, Sequence[float], Sequence[float]], list[float] | None]
 """When each of a line of requests refused so is expected to have its capacity, each holding it for its
-run in seconds (`AdmissionService.capacity_starts`); None where nothing tells."""
+run in seconds, beside slots held that many seconds by leases granted here and not open yet
+(`AdmissionService.capacity_starts`); None where nothing tells."""
 
 
-def _no_schedule(_rejection: Rejection, _runs: Sequence[float]) -> list[float] | None:
+def _no_schedule(_rejection: Rejection, _runs: Sequence[float], _held: Sequence[float]) -> list[float] | None:
     return None
 
 
@@ -73,6 +74,9 @@ class AdmissionQueue:
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()
         self._blocked: dict[str, Rejection] = {}
+        # Waiters the pump granted a lease whose requests have not resumed: their leases hold slots that
+        # no open request shows yet, which the deadlines' layout counts (`_schedule`).
+        self._granted: set[Waiter] = set()
         # Wired by the admission service (compose.py): when refused waiters' capacity is expected.
         self.starts: Schedule = _no_schedule
 
@@ -117,7 +121,8 @@ class AdmissionQueue:
         """When each waiter of this class and those above that needs the refused key is expected to have
         it, in the order they are expected to be admitted (`WaitQueue.service_order`)."""
         line = [w for w in self.queue.service_order(holder, extra) if refused.key in w.payload[0]]
-        starts = self.starts(refused, [w.run_s for w in line])
+        held = [w.run_s for w in self._granted if refused.key in w.payload[0]]
+        starts = self.starts(refused, [w.run_s for w in line], held)
         return None if starts is None else dict(zip(line, starts, strict=True))
 
     async def wait(
@@ -176,6 +181,7 @@ class AdmissionQueue:
             raise
         finally:
             self.queue.remove(waiter)
+            self._granted.discard(waiter)
             self._depth(holder)
             self.metrics.queue_wait_seconds.labels(holder, outcome).observe(self.clock() - now)
 
@@ -213,6 +219,7 @@ class AdmissionQueue:
                     self.queue.remove(waiter)
                     self._depth(waiter.holder)
                     future.set_result(result)
+                    self._granted.add(waiter)
                     admitted = True
                 elif result.reason in WAITABLE:
                     self._blocked[waiter.holder] = result

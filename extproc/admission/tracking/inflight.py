@@ -267,4 +267,5 @@ class InFlight:
             expected_tokens=admitted.booking.expected_completion(allowance),
             streamed_tokens=streamed,
             rate=rate,
+            ended=self.ended_at is not None,
         )

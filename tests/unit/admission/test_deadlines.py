@@ -11,9 +11,12 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import BodyVerdict, Forward, Hold, Refusal
+from extproc.core.limiter import Reason, Rejection
 from tests.support.admission import AdmissionRig
 
 OWN = "x-extproc-ttft-deadline-ms"
@@ -199,6 +202,24 @@ async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_pa
     for exchange in (long, vip_exchange):
         await rig.settle(exchange)
     assert rig.active == 0
+
+
+async def test_a_lean_request_that_ended_at_the_proxy_frees_its_slot_in_the_layout_at_once() -> None:
+    rig = await Rig().start()
+    service = rig.admission.service
+    holder = rig.admission.exchange(reported=True)  # lean: its end comes in a report
+    service.register(holder)
+    verdicts = await rig.send(holder, {}, max_tokens=100)
+    assert isinstance(verdicts[-1], Forward)
+    status = await rig.store.status(["global"])
+    slot = Rejection(reason=Reason.CONCURRENCY, key="global", retry_after_s=1.0, status=status)
+    assert service.capacity_starts(slot, [0.0], []) == pytest.approx([1.0])  # 100 tokens to go
+    # The HTTP request ended (its ext_proc stream closed, no longer open here), the report on its way.
+    holder.stream_ended()
+    service.unregister(holder)
+    rig.clock.advance(0.06)  # past the 50 ms the open leases are read for
+    assert service.capacity_starts(slot, [0.0], []) == pytest.approx([0.05])
+    await service.drain()
 
 
 async def test_another_tenants_own_limit_says_nothing_of_a_deadline() -> None:
