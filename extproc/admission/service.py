@@ -182,7 +182,7 @@ class AdmissionService:
         """Seconds until each of a line of requests refused so is expected to have its capacity, each
         holding it for its run, beside slots `held` that long by leases not open yet (`hints.py`
         `SlotHints.starts`)."""
-        return self.slot_hints.starts(rejection, self.clock(), self._open_leases, runs, held)
+        return self.slot_hints.starts(rejection, self._open_leases, runs, held)
 
     def _open_leases(self, key: str) -> list[OpenLease]:
         """The requests that hold a lease on `key` here: those whose streams are open, and (lean) those

@@ -41,7 +41,6 @@ class SlotHints:
     def starts(
         self,
         rejection: Rejection,
-        now: float,
         open_leases: Callable[[str], list[OpenLease]],
         runs: Sequence[float],
         held: Sequence[float] = (),
@@ -60,7 +59,9 @@ class SlotHints:
             return None if refill is None else [refill] * len(runs)
         if rejection.reason is not Reason.CONCURRENCY:
             return None
-        free = sorted([*self._remaining(rejection.key, now, open_leases), *held])  # sorted: a heap
+        # Read afresh, not through the 50 ms cache of the retry hints: a lease the queue granted moves from
+        # `held` to the open leases between two reads, and a stale read would miss its slot altogether.
+        free = sorted([*remaining_times(open_leases(rejection.key)), *held])  # sorted: a heap
         if not free:
             return None
         out = []
