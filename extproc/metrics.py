@@ -236,8 +236,17 @@ class Metrics:
             "extproc_settlements",
             "Leases settled, by how the response ended (completed, aborted, upstream_error, cut, expired: "
             "the lean profile's end report did not come within admission.end_report_wait_seconds; "
-            "not_forwarded: a filter after the sidecar, such as an endpoint picker, answered it).",
+            "not_forwarded: a filter after the sidecar, such as an endpoint picker, answered it; "
+            "engine_busy: the engine refused it, its queue full: nothing charged).",
             ["outcome"],
+            registry=r,
+        )
+        self.engine_refusals = Counter(
+            "extproc_engine_refusals",
+            "Admitted requests the engine itself refused for want of room, by model and reason (queue_full: "
+            "a 503 from the engine, vLLM's --max-num-queued-reqs or --max-num-queued-tokens): refunded in "
+            "full, and the pool's adaptive scale drops. Apart from engine failures (upstream_error).",
+            ["model", "reason"],
             registry=r,
         )
         self.decision_seconds = Histogram(
@@ -274,12 +283,14 @@ class Metrics:
         )
 
     def touch_model(self, model: str) -> None:
-        """Export a model label's token counters at 0 before its first request, so a query or an alert on
-        `increase()` sees the first refund or overrun instead of a series that starts at 1."""
+        """Export a model label's token and engine-refusal counters at 0 before its first request, so a
+        query or an alert on `increase()` sees the first refund, overrun or refusal instead of a series
+        that starts at 1."""
         for counter in (self.tokens_reserved, self.tokens_refunded, self.tokens_overrun):
             counter.labels(model)
         for kind in ("prompt", "completion"):
             self.tokens_settled.labels(model, kind)
+        self.engine_refusals.labels(model, "queue_full")
 
     def set_scale_floors(self, floors: Mapping[str, float]) -> None:
         """Export exactly these pools' floors (a pool dropped from the config loses its series)."""

@@ -38,6 +38,8 @@ class KvSignals(Protocol):
 
     def feeds_pool(self, pool: str) -> bool: ...
 
+    def engine_refused(self, pool: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -82,6 +84,7 @@ def build_admission(
         deps.budget_changed = signals.budget_changed
         deps.kv_usage = signals.kv_usage
         deps.feeds_pool = signals.feeds_pool
+        deps.engine_refused = signals.engine_refused
     if served_as is not None:
         deps.served_as = served_as
     service = AdmissionService(deps)

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from extproc.admission.apis import render_refusal
 from extproc.admission.deciding.decision import Decision, Granted, RequestFacts, Shadowed, refuse
 from extproc.admission.deciding.provisional import Correction
 from extproc.admission.intake.deadline import deadline_ms
@@ -39,6 +40,7 @@ from extproc.admission.replies.verdicts import (
     PASSTHROUGH,
     BodyVerdict,
     Forward,
+    Header,
     Hold,
     Refusal,
     ReportTicket,
@@ -244,19 +246,38 @@ class Exchange:
 
     def response_headers(
         self, status: int | None, content_type: str, end_of_stream: bool, from_router: bool = True
-    ) -> Forward:
+    ) -> Forward | Refusal:
         """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers.
         `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so a picker
         refusal status (`answer.PICKER_REFUSALS`) came from a filter after the sidecar and the request was not
-        forwarded."""
+        forwarded. An engine's own refusal (a 503, its queue full) is made a retryable one
+        (`_engine_busy`)."""
         inflight = self.inflight
         if inflight is None or self.phase is not Phase.ADMITTED:
             return FORWARD
         admitted = inflight.admitted
         self.response = response = Answer.open(admitted, status, content_type, end_of_stream, from_router)
         self._phase = Phase.RESPONDING
-        inflight.observe(response.seen())
-        return Forward(set_headers=ratelimit_headers(admitted.lease.status))
+        seen = response.seen()
+        inflight.observe(seen)
+        headers = ratelimit_headers(admitted.lease.status)
+        if seen.facts.engine_busy:
+            return self._engine_busy(inflight, headers, content_type)
+        return Forward(set_headers=headers)
+
+    def _engine_busy(
+        self, inflight: InFlight, headers: tuple[Header, ...], content_type: str
+    ) -> Forward | Refusal:
+        """The engine refused the request, its queue full: nothing more will come of it but the error body,
+        so the lease settles now (refunded in full) and the client is told when to come back. The engine's
+        body passes where it is JSON (vLLM's OpenAI error); any other body is answered in its place with the
+        sidecar's own error, in the envelope this API's clients parse."""
+        inflight.settle()
+        admitted = inflight.admitted
+        retry_after_s = self.service.engine_retry_after(admitted)
+        if "json" in content_type.lower():
+            return Forward(set_headers=(*headers, *refusals.engine_busy_headers(retry_after_s)))
+        return render_refusal(admitted.request.api, refusals.engine_busy(retry_after_s, headers))
 
     async def response_body(self, chunk: bytes, end_of_stream: bool) -> Forward | Refusal:
         """Follow usage (removing the usage event the client did not ask for); maybe cut under pressure."""

@@ -25,7 +25,7 @@ from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.hints import SlotHints
 from extproc.admission.capacity.lanes import Lanes
 from extproc.admission.capacity.queueing import AdmissionQueue
-from extproc.admission.capacity.settlement import Charge
+from extproc.admission.capacity.settlement import Charge, Ending
 from extproc.admission.intake.request import ParsedRequest, Reservation, count_prompt_tokens
 from extproc.admission.intake.rules import AdmissionRules, ClassPolicy
 from extproc.admission.vocabulary.policy import ModelPolicy
@@ -35,13 +35,21 @@ from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
-from extproc.core.slot_eta import OpenLease
+from extproc.core.slot_eta import MAX_HINT_S, OpenLease
 from extproc.metrics import Metrics
 
 if TYPE_CHECKING:
     from extproc.admission.tracking.inflight import InFlight
 
 log = logging.getLogger(__name__)
+
+ENGINE_REFUSAL_REASON = "queue_full"
+"""The `reason` of `extproc_engine_refusals_total`: the only refusal recognized, an engine's 503
+(`settlement.ENGINE_BUSY_STATUSES`); vLLM's own counter, which the feed reads, tells requests from tokens."""
+
+ENGINE_RETRY_AFTER_S = 1.0
+"""The least `retry-after` sent with an engine's refusal, and the one sent while nothing is open here to
+forecast from: as for the sidecar's own refusals, a client told "now" spends its retries at once."""
 
 
 @dataclass
@@ -57,6 +65,8 @@ class Deps:
     budget_changed: Callable[[str], None] = lambda _pool: None
     kv_usage: Callable[[str], float | None] = lambda _pool: None
     feeds_pool: Callable[[str], bool] = lambda _pool: False  # whether the KV feed reports this pool
+    # The engine refused an admitted request of this pool (its queue full): the pool's scale drops at once.
+    engine_refused: Callable[[str], None] = lambda _pool: None
     # The name whose policy and pool a requested model uses (an engine-listed alias or adapter: its base
     # pool); None refuses it as a model the engines do not serve (kvfeed.subscriber.runtime.served_as).
     # Asked with the rules the request is admitted under, so one request never mixes two configs.
@@ -219,12 +229,33 @@ class AdmissionService:
 
     def settle(self, admitted: Admitted, charge: Charge) -> asyncio.Future[bool]:
         """Release the lease to what was used, update the KV budget, count it; exactly once per lease."""
+        if charge.ending is Ending.ENGINE_BUSY:
+            self._engine_refused(admitted)
         completed = charge.ending == "completed"
         admitted.booking.release(charge.completion if completed else None)
         future = asyncio.ensure_future(self.deps.store.release(admitted.lease, charge.total))
         future.add_done_callback(lambda done: self._account(done, admitted, charge))
         self.track(future)
         return future
+
+    def _engine_refused(self, admitted: Admitted) -> None:
+        """The engine refused this request (its queue full): counted apart from engine failures, and the
+        pool's scale told at once, as an engine queue at `waiting_high` would (docs/feedback.md)."""
+        self.child(self.metrics.engine_refusals, admitted.model_label, ENGINE_REFUSAL_REASON).inc()
+        log.info("engine refused an admitted request", extra={"model": admitted.model_label})
+        try:
+            self.deps.engine_refused(admitted.pool)
+        except Exception:
+            log.exception("engine refusal hook failed", extra={"model": admitted.model_label})
+
+    def engine_retry_after(self, admitted: Admitted) -> float:
+        """The `retry-after` of the engine's refusal of `admitted` (settled already, so not counted among
+        the open leases): when a slot of its pool is expected to free, from the leases open here, as for
+        the sidecar's own slot refusals (`hints.py`); at least `ENGINE_RETRY_AFTER_S`, at most what SDKs
+        honour."""
+        key = next((k for k in admitted.lease.keys if k.startswith("model:")), None)
+        eta = None if key is None else self.slot_hints.hint(key, self.clock(), self._open_leases)
+        return ENGINE_RETRY_AFTER_S if eta is None else min(MAX_HINT_S, max(ENGINE_RETRY_AFTER_S, eta))
 
     def _account(self, done: asyncio.Future[bool], admitted: Admitted, charge: Charge) -> None:
         model = admitted.model_label

@@ -16,6 +16,11 @@ Hysteresis: a lower target applies at once (KV overflow costs preemptions, recom
 every running request), a higher target is approached at most `recovery_per_second` per second, so one
 noisy low reading cannot open the limits and a burst of N sidecars cannot all jump to full limits together.
 
+Engine refusals: an engine that refuses an admitted request for want of room (vLLM's 503, its queue full)
+has shown what the gauges may not yet: the pool is past its capacity. `refused(now)` drops the scale to
+`min_scale` at once, as a queue at `waiting_high` would, and it recovers from there at `recovery_per_second`
+like any other drop.
+
 Staleness: with no sample newer than `stale_after_seconds` the controller cannot see the GPU, so it falls to
 `stale_scale` (default `min_scale`, never full limits) and recovers gradually once samples return.
 """
@@ -211,6 +216,21 @@ class AdaptiveController:
         elif newest_sample_at is None:
             self._newest_sample_at = None
         return self.tick(now)
+
+    def refused(self, now: float) -> ControllerState:
+        """The engine refused a request for want of room: the scale falls to `min_scale` now (the target too,
+        for this instant), then recovers as usual from the next `tick`."""
+        prev = self._state
+        floor = self.config.min_scale
+        self._state = ControllerState(
+            kv_usage=prev.kv_usage,
+            waiting=prev.waiting,
+            target_scale=min(prev.target_scale, floor),
+            scale=min(prev.scale, floor),
+            stale=prev.stale,
+            updated_at=max(now, prev.updated_at),
+        )
+        return self._state
 
     def tick(self, now: float) -> ControllerState:
         """Re-evaluate with the last inputs: detects staleness and advances gradual recovery."""

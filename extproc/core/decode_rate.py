@@ -56,6 +56,18 @@ def usable_rate(tokens_per_second: float | None) -> float | None:
     return tokens_per_second if ok else None
 
 
+def lockstep_floor(seen: int, sequences: int, cap: int) -> int:
+    """The least an engine generated for `sequences` sampled together (`n`, `best_of`, several prompts) of
+    which `seen` tokens passed, at most `cap`: every sequence advanced as far as the ones seen furthest, so
+    the count rounds up to a whole number of steps for all. vLLM 0.32 fans `n` out into child requests added
+    to the engine together (vllm/v1/engine/async_llm.py, `add_request`: "Fan out child requests") and decodes
+    them in the same batches; a stream left after the first step's events for some of them had generated the
+    first token of every one. Where some sequences ended early the rounding adds fewer than `sequences`."""
+    if seen <= 0 or sequences <= 1:
+        return max(0, min(seen, cap))
+    return min(cap, -(-seen // sequences) * sequences)
+
+
 @dataclass
 class DecodeRates:
     default_tokens_per_second: float = 100.0

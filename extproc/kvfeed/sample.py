@@ -33,7 +33,7 @@ MAX_KV_CAPACITY_TOKENS = 2**40
 MAX_KV_BLOCK_TOKENS = 2**20  # vLLM's blocks are 16 (GPU) to 256 tokens; a larger one is not a block size
 MAX_MODEL_NAME = 256  # the bound the sidecar puts on a request's model name (limiter keys, metric labels)
 MAX_SERVED_NAMES = 1024  # per model and endpoint: aliases and LoRA adapters, far more than a server loads
-_COUNTS = ("requests_waiting", "requests_running", "preemptions_total")
+_COUNTS = ("requests_waiting", "requests_running", "preemptions_total", "admission_rejections_total")
 
 _KIND_TO_PB: dict[ServerKind, int] = {
     ServerKind.VLLM: feedback_pb2.SERVER_KIND_VLLM,
@@ -66,6 +66,8 @@ class FeedSample:
     # Tokens per second per running sequence since the endpoint's previous scrape (kvfeed.pace); None unknown.
     decode_tokens_per_second: float | None = None
     kv_block_tokens: int | None = None  # tokens per KV block; None unknown
+    # Counter of requests the server refused for want of queue room (vLLM's queue bounds); None unknown.
+    admission_rejections_total: float | None = None
 
     @property
     def key(self) -> SampleKey:
@@ -98,6 +100,7 @@ class FeedSample:
             served_names=served_names,
             decode_tokens_per_second=decode_tokens_per_second,
             kv_block_tokens=signals.kv_block_tokens,
+            admission_rejections_total=signals.admission_rejections_total,
         )
 
     @classmethod
@@ -237,4 +240,5 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         served_names=tuple(msg.served_names),
         decode_tokens_per_second=opt("decode_tokens_per_second"),
         kv_block_tokens=int(msg.kv_block_tokens) if msg.HasField("kv_block_tokens") else None,
+        admission_rejections_total=opt("admission_rejections_total"),
     )

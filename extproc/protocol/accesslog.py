@@ -17,6 +17,9 @@ key, extproc/admission/vocabulary/names.py), so each entry names one waiting lea
 * `request.request_id`: the request's `x-request-id`, read only from an entry without a report key whose
   ext_proc exchange failed (`EXT_PROC_FAILED_DETAILS`): the sidecar admitted it, perhaps, but Envoy never had
   the verdict, so its lease is refunded (extproc/admission/tracking/unseen.py);
+* `response.response_code_details`: `via_upstream` when the engine sent the status, else why Envoy made
+  it (a reset before the response, no healthy upstream...): an engine's 503 is its queue full and refunded
+  in full (`engine_busy`), Envoy's own 503 is not;
 * `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
   logged for diagnosis; settlement needs only what was seen (extproc/admission/capacity/settlement.py).
 
@@ -118,6 +121,13 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
     return ReportedTiming(first_token_after_s=None, decode_s=last_s - first_byte_s)
 
 
+VIA_UPSTREAM = "via_upstream"
+"""Envoy's response code details of a status the upstream sent (StreamInfo::ResponseCodeDetails::ViaUpstream).
+Any other value is a reply Envoy made itself: after the request went upstream, a reset before the response
+(`upstream_reset_before_response_started{...}`, response flag UR/UC/UF) or a timeout (UT); before it, no
+healthy upstream (UH) or the circuit breaker's overflow (UO), which also send no byte upstream. Only a 503
+via the upstream is an engine's refusal (settlement.py, `engine_busy`)."""
+
 ENVOY_REFUSAL_REASONS = {
     400: "invalid_request",
     404: "unknown_path",
@@ -212,8 +222,11 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         reading = reading_of(metadata.get(RESPONSE_NAMESPACE))
         # No byte sent upstream: a filter after the sidecar (an endpoint picker) answered the request locally.
         forwarded = entry.common_properties.HasField("time_to_first_upstream_tx_byte")
+        engine_answered = entry.response.response_code_details == VIA_UPSTREAM
         timing = timing_of(entry, reading)
-        if not self.unseen.report(key.string_value, code or None, reading, timing, forwarded):
+        if not self.unseen.report(
+            key.string_value, code or None, reading, timing, forwarded, engine_answered
+        ):
             relayed = self.relay is not None and self.relay.forward(key.string_value, entry)
             self.service.child(self.service.metrics.end_reports, "relayed" if relayed else "unknown").inc()
             return

@@ -19,6 +19,7 @@ from extproc.admission.vocabulary.names import UPSTREAM_SERVICE_TIME
 from extproc.protocol.messages import (
     common_response,
     header_values,
+    immediate,
     on_request_headers,
     request_body_reply,
     response_body_reply,
@@ -51,9 +52,12 @@ class InlineTranslator:
                 request.response_headers.end_of_stream,
                 from_router=UPSTREAM_SERVICE_TIME in headers,
             )
-            yield pb.ProcessingResponse(
-                response_headers=pb.HeadersResponse(response=common_response(verdict))
-            )
+            if isinstance(verdict, Refusal):  # the engine's refusal, answered in its place
+                yield immediate(verdict)
+            else:
+                yield pb.ProcessingResponse(
+                    response_headers=pb.HeadersResponse(response=common_response(verdict))
+                )
         elif kind == "response_body":
             body = request.response_body
             yield response_body_reply(await exchange.response_body(body.body, body.end_of_stream))

@@ -38,6 +38,7 @@ from extproc.sim.protocol import (
     check_context,
     parse_request,
     plan_output,
+    queue_overflow,
     read_prompts,
     reads_prefix_cache,
 )
@@ -88,7 +89,13 @@ def build_engine(config: SimConfig) -> Engine:
     pool = pool_class(config.resolved_num_gpu_blocks(), config.block_size)
     scheduler = Scheduler(config.scheduler_config(), pool, config.timing)
     metrics = EngineMetrics(config.model, config.cache_info(), config.legacy_kv_metric)
-    return Engine(scheduler, metrics, config.time_scale, config.oom_restart_seconds)
+    return Engine(
+        scheduler,
+        metrics,
+        config.time_scale,
+        config.oom_restart_seconds,
+        max_num_queued_reqs=config.max_num_queued_reqs,
+    )
 
 
 def build_app(config: SimConfig, engine: Engine | None = None) -> web.Application:
@@ -227,6 +234,8 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
             raise ApiError(
                 503, "Engine is restarting after a KV-cache out-of-memory crash", "ServiceUnavailableError"
             )
+        if not engine.admits(len(prompts) * req.n):
+            raise queue_overflow()
     except ApiError as err:
         return _error_response(err, fmt)
 

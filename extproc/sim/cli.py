@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step"
     )
     b.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=d.max_num_queued_reqs,
+        help="vLLM's bound on unfinished requests (waiting + running): past it a request gets vLLM's 503 "
+        "(default: unbounded)",
+    )
+    b.add_argument(
         "--overflow",
         choices=[o.value for o in Overflow],
         default=d.overflow.value,
@@ -194,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_queued_reqs=args.max_num_queued_reqs,
         timing=StepTiming(
             base_s=args.step_base_ms / 1e3,
             per_seq_s=args.decode_per_seq_ms / 1e3,

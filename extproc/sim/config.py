@@ -46,6 +46,9 @@ class SimConfig:
     encoding: str = DEFAULT_ENCODING
     # vLLM's automatic prefix caching, on by default (config/cache.py `enable_prefix_caching`).
     enable_prefix_caching: bool = True
+    # vLLM's --max-num-queued-reqs (config/scheduler.py): past this many unfinished sequences a new request
+    # is answered 503 before the scheduler sees it. None: unbounded, vLLM's default.
+    max_num_queued_reqs: int | None = None
 
     def served_name(self, body: object) -> str:
         """The request's `model` when this server serves it (base name, alias, adapter), else `model`, so
@@ -105,5 +108,7 @@ class SimConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
+            raise ValueError("max_num_queued_reqs must be >= 0")  # vLLM: Field(ge=0)
         if self.time_scale <= 0:
             raise ValueError("time_scale must be positive")

@@ -71,6 +71,7 @@ class Engine:
         time_scale: float = 1.0,
         oom_restart_s: float = 30.0,
         wall_clock: Callable[[], float] = time.monotonic,
+        max_num_queued_reqs: int | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
@@ -78,6 +79,7 @@ class Engine:
         self.metrics = metrics
         self.time_scale = time_scale
         self.oom_restart_s = oom_restart_s
+        self.max_num_queued_reqs = max_num_queued_reqs
         self._wall = wall_clock
         self._virtual = 0.0
         self._anchor_wall = wall_clock()
@@ -161,6 +163,17 @@ class Engine:
             prompt_hashes=prompt_hashes,
             read_cache=read_cache,
         )
+
+    def admits(self, sequences: int) -> bool:
+        """vLLM's `AsyncLLM.check_admission` (vllm 0.32.0 vllm/v1/engine/async_llm.py): with
+        `--max-num-queued-reqs` set, a request whose `sequences` (n > 1 counts n) would take the unfinished
+        ones past it is refused before the scheduler sees it, and `vllm:admission_rejections_total` counts
+        it; the caller answers vLLM's 503 (`QueueOverflowError`)."""
+        bound = self.max_num_queued_reqs
+        if bound is None or len(self._tracked) + sequences <= bound:
+            return True
+        self.metrics.admission_rejections["max_num_queued_reqs"].inc()
+        return False
 
     def submit(self, items: list[tuple[Sequence, int, str]], sink: asyncio.Queue[Event]) -> list[Tracked]:
         """Queue sequences (with their choice index and finish reason); raises EngineDownError when down."""

@@ -17,6 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "LegacyKvMetric"]
 
 FINISH_REASONS = ("stop", "length", "abort")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # vllm/v1/metrics/loggers.py
 
 # Bucket edges as in vLLM's loggers.py, so histogram_quantile behaves the same on both.
 TTFT_BUCKETS = (
@@ -151,6 +152,16 @@ class EngineMetrics:
             list(info_labels),
             registry=r,
         ).labels(**info_labels).set(1)
+        # Frontend admission (loggers.py): labelled by model and reason only, no engine index.
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.admission_rejections = {
+            reason: rejections.labels(model_name, reason) for reason in ADMISSION_REASONS
+        }
         self.oom_events = Counter(
             "sim_oom_events",
             "Engine crashes because a running sequence found no free KV block (overflow=oom).",

@@ -41,6 +41,18 @@ class ApiError(Exception):
         }
 
 
+def queue_overflow() -> ApiError:
+    """vLLM's answer past `--max-num-queued-reqs`: `QueueOverflowError` (vllm 0.32.0 vllm/exceptions.py, a
+    `GracefulHTTPError` whose type is the status's phrase in create_error_response,
+    vllm/entrypoints/serve/exception_handling/error_response.py)."""
+    return ApiError(
+        503,
+        "The engine is currently busy and cannot accept new requests. "
+        "Please try again later or on a different instance.",
+        "Service Unavailable",
+    )
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
 

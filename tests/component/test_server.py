@@ -318,13 +318,74 @@ async def test_upstream_error_refunds_the_completion_reservation(harness: Harnes
     s = harness.stream()
     await s.send(headers_msg("POST", "/v1/chat/completions"))
     await s.send(body_msg(chat(max_tokens=100)))
-    await s.send(resp_headers_msg(503, "application/json"))
+    await s.send(resp_headers_msg(500, "application/json"))
     await s.send(resp_body_msg(b'{"error":{"message":"down"}}', eos=True))
     await s.close()
     await harness.settled()
     await eventually(lambda: harness.metric("extproc_active_requests") == 0)
     assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
     assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == 0
+
+
+async def test_an_engine_503_is_refunded_and_made_a_retryable_refusal(harness: Harness) -> None:
+    """vLLM's queue is full: the engine read nothing, so the whole reservation comes back at the response
+    headers, and the client's 503 gets the sidecar's retry-after and reason, its body passing as it is.
+    The hint is the slot forecast of the sidecar's own refusals: the one open stream's allowance of 500
+    tokens at the assumed 100 tokens/s frees the engine's place in 5 s (+ up to 15 % jitter), on the
+    injected clock."""
+    running = harness.stream()
+    await running.send(headers_msg("POST", "/v1/chat/completions"))
+    await running.send(body_msg(chat(max_tokens=500, stream=True)))
+    await running.send(resp_headers_msg(200, "text/event-stream"))
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    reply = await s.send(resp_headers_msg(503, "application/json"))
+    added = header_map(reply.response_headers.response.header_mutation)
+    assert 5000 <= int(added["retry-after-ms"]) <= 5750
+    assert int(added["retry-after"]) == math.ceil(int(added["retry-after-ms"]) / 1000)
+    assert added[refusals.REASON_HEADER] == "engine_busy"
+    assert "x-ratelimit-limit-requests" in added
+    await eventually(lambda: harness.metric("extproc_settlements_total", outcome="engine_busy") == 1)
+    await harness.sidecar.admission.drain()
+    for kind in ("prompt", "completion"):  # nothing charged: only the running stream is open
+        assert harness.metric("extproc_tokens_settled_total", model="other", kind=kind) == 0
+    assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 0
+    assert harness.metric("extproc_engine_refusals_total", model="other", reason="queue_full") == 1
+    assert harness.metric("extproc_active_requests") == 1  # only the running stream
+    await s.close()  # settled: the stream ends, and the engine's OpenAI error body passes as it is
+    running.cancel()
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="engine_busy") == 1
+    reserved = harness.metric("extproc_tokens_reserved_total", model="other")
+    refunded = harness.metric("extproc_tokens_refunded_total", model="other")
+    settled = sum(
+        harness.metric("extproc_tokens_settled_total", model="other", kind=k)
+        for k in ("prompt", "completion")
+    )
+    assert reserved - refunded + harness.metric("extproc_tokens_overrun_total", model="other") == settled
+
+
+async def test_an_engine_503_that_is_not_json_is_answered_in_its_place(harness: Harness) -> None:
+    """A body the client's SDK cannot parse is replaced: the sidecar answers the 503 itself, with its own
+    OpenAI error and the same retry hint; the lease was refunded in full all the same. With nothing open
+    to forecast from, the hint is the floor of one second."""
+    s = harness.stream()
+    await s.send(headers_msg("POST", "/v1/chat/completions"))
+    await s.send(body_msg(chat(max_tokens=100)))
+    reply = await s.send(resp_headers_msg(503, "text/plain"))
+    refused = reply.immediate_response
+    assert refused.status.code == 503
+    error = json.loads(refused.body)["error"]
+    assert error["code"] == "service_unavailable" and "try again in 1s" in error["message"]
+    headers = header_map(refused.headers)
+    assert (headers["retry-after"], headers["retry-after-ms"]) == ("1", "1000")
+    assert headers[refusals.REASON_HEADER] == "engine_busy" and "x-ratelimit-limit-requests" in headers
+    await s.close()
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="engine_busy") == 1
+    reserved = harness.metric("extproc_tokens_reserved_total", model="other")
+    assert reserved > 0 and harness.metric("extproc_tokens_refunded_total", model="other") == reserved
 
 
 async def test_an_error_a_later_filter_answered_refunds_everything(harness: Harness) -> None:

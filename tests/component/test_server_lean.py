@@ -18,6 +18,7 @@ from google.protobuf import struct_pb2
 
 from extproc.admission.tracking.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
 from extproc.admission.vocabulary.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE
+from extproc.admission.vocabulary.names import ResponseField as Field
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
@@ -55,7 +56,9 @@ def lean_body(
     return request
 
 
-def entry(key: str, status: int, reading: dict[str, Any] | None) -> accesslog_pb2.HTTPAccessLogEntry:
+def entry(
+    key: str, status: int, reading: dict[str, Any] | None, details: str = "via_upstream"
+) -> accesslog_pb2.HTTPAccessLogEntry:
     log = accesslog_pb2.HTTPAccessLogEntry()
     metadata = log.common_properties.metadata.filter_metadata
     metadata[NAMESPACE].fields[REPORT_KEY].string_value = key
@@ -63,6 +66,7 @@ def entry(key: str, status: int, reading: dict[str, Any] | None) -> accesslog_pb
         metadata[RESPONSE_NAMESPACE].CopyFrom(struct_pb2.Struct())
         metadata[RESPONSE_NAMESPACE].update(reading)
     log.response.response_code.value = status
+    log.response.response_code_details = details  # "via_upstream": the status came from the engine
     # Envoy sets it once the request's first byte went upstream: every request here reached the backend.
     log.common_properties.time_to_first_upstream_tx_byte.FromMilliseconds(1)
     return log
@@ -180,12 +184,37 @@ async def test_a_disconnect_charges_the_content_events_that_passed(harness: Harn
 async def test_an_unknown_or_repeated_report_settles_nothing(harness: Harness) -> None:
     s = harness.stream()
     key = admitted_metadata(await s.send(lean_body(chat())))[REPORT_KEY]
-    await report(harness, entry("not-a-key", 200, None), entry(key, 503, None), entry(key, 200, None))
+    await report(harness, entry("not-a-key", 200, None), entry(key, 500, None), entry(key, 200, None))
     await harness.settled()
     assert harness.metric("extproc_end_reports_total", result="matched") == 1
     assert harness.metric("extproc_end_reports_total", result="unknown") == 2
     assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
     await s.close()
+
+
+async def test_an_engine_503_is_refunded_in_full_and_envoys_own_is_not(harness: Harness) -> None:
+    """The access log's response code details tell who made a 503: `via_upstream`, the engine (its queue
+    full: nothing charged, counted apart); anything else, Envoy after the request went upstream (a reset
+    before the response), which keeps the backend-error rule."""
+    busy = '{"error":{"message":"The engine is currently busy","type":"Service Unavailable","code":503}}'
+    s = harness.stream()
+    key = admitted_metadata(await s.send(lean_body(chat(max_tokens=40))))[REPORT_KEY]
+    await report(harness, entry(key, 503, {Field.BODY: busy, Field.BODY_END: True}))
+    await s.close()
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="engine_busy") == 1
+    assert harness.metric("extproc_engine_refusals_total", model="other", reason="queue_full") == 1
+    reserved = harness.metric("extproc_tokens_reserved_total")
+    assert reserved > 0 and harness.metric("extproc_tokens_refunded_total") == reserved
+
+    s = harness.stream()
+    key = admitted_metadata(await s.send(lean_body(chat(max_tokens=40))))[REPORT_KEY]
+    reset = "upstream_reset_before_response_started{remote_reset}"
+    await report(harness, entry(key, 503, None, details=reset))
+    await s.close()
+    await harness.settled()
+    assert harness.metric("extproc_settlements_total", outcome="upstream_error") == 1
+    assert harness.metric("extproc_engine_refusals_total", model="other", reason="queue_full") == 1
 
 
 async def test_without_a_report_the_lease_expires_after_the_stream_ends(harness: Harness) -> None:

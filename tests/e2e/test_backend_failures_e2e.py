@@ -1,4 +1,4 @@
-"""Settlement when the backend fails: a crash mid-stream, and 5xx before the first byte.
+"""Settlement when the backend fails: a crash mid-stream, and the restarting engine's 503 before any byte.
 
 The simulator runs in `oom` mode with a tiny KV cache: two long streams outgrow it, the engine crashes
 (both streams end with an error event), and for a moment every new request gets 503.
@@ -84,7 +84,8 @@ def test_crash_mid_stream_charges_only_what_was_streamed_and_then_503_refunds_ev
     assert 0 < sum(received) < 1800
     assert delta.refunded == delta.reserved - (delta.prompt + delta.completion)
 
-    # The engine is down for a moment: 5xx before the first byte, completion refunded in full.
+    # The engine is down for a moment: its 503 refuses the request before the engine reads it, so the whole
+    # reservation is refunded (`engine_busy`, docs/architecture.md), prompt included.
     before = Ledger.read(stack)
     with (
         openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as client,
@@ -94,9 +95,10 @@ def test_crash_mid_stream_charges_only_what_was_streamed_and_then_503_refunds_ev
     assert err.value.status_code == 503
     assert wait_settled(stack)
     delta = Ledger.read(stack) - before
-    assert delta.completion == 0
-    assert delta.refunded == delta.reserved - delta.prompt
+    assert delta.completion == 0 and delta.prompt == 0
+    assert delta.refunded == delta.reserved
     assert delta.refunded >= 100
+    assert stack.sidecar("extproc_settlements_total", outcome="engine_busy") == 1
     assert stack.sidecar("extproc_active_requests") == 0
     # And the engine comes back.
     deadline = time.monotonic() + 10

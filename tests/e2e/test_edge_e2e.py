@@ -279,9 +279,27 @@ def test_backend_metrics_are_not_served_but_health_is(edge: Edge) -> None:
 
 
 def test_upstream_answers_pass_unchanged(edge: Edge) -> None:
-    reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT, {"x-echo-status": "503"})
-    assert (reply.status, reply.body) == (503, b"upstream says no")
+    reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT, {"x-echo-status": "500"})
+    assert (reply.status, reply.body) == (500, b"upstream says no")
     assert reply.headers["content-type"] == "text/plain"
+
+
+def test_an_engine_503_that_is_not_json_is_made_an_openai_error_inline(edge: Edge) -> None:
+    """An engine refusing for want of room with a body SDKs cannot parse: the inline profile answers it
+    itself, with its OpenAI error and a retry hint; the lean profile never sees the response, so it passes
+    as the engine sent it. Either way the request was refunded in full (`engine_busy`)."""
+    before = edge.sidecar("extproc_settlements_total", outcome="engine_busy")
+    reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT, {"x-echo-status": "503"})
+    if edge.flavour in ("envoy.yaml", "istio"):
+        assert assert_openai_error(reply, 503)["code"] == "service_unavailable"
+        assert int(reply.headers["retry-after"]) >= 1
+    else:
+        assert (reply.status, reply.body) == (503, b"upstream says no")
+        assert reply.headers["content-type"] == "text/plain"
+    deadline = time.monotonic() + 5
+    while edge.sidecar("extproc_settlements_total", outcome="engine_busy") == before:
+        assert time.monotonic() < deadline, "the engine's 503 was never settled engine_busy"
+        time.sleep(0.05)
 
 
 def test_sidecar_replies_pass_unchanged(edge: Edge) -> None:

@@ -3,7 +3,8 @@
 The stack (simulator, KV exporter, sidecar, real Envoy) runs a config that exercises every panel: limits
 with a class guarantee, a queueing class and one that does not queue, KV feedback and the KV budget. The
 traffic produces admissions, settlements with refunds, and refusals for concurrency, queue_full,
-queue_timeout, kv_budget and invalid JSON. Prometheus (Debian's 2.42) scrapes the sidecar, the exporter
+queue_timeout, kv_budget and invalid JSON, then one refusal by the engine itself (its queue, bounded like
+vLLM's --max-num-queued-reqs, filled straight). Prometheus (Debian's 2.42) scrapes the sidecar, the exporter
 and the simulator every second and evaluates the PrometheusRule. Then each dashboard target, with its
 variables filled in as Grafana would, must return a series with at least one value over the run, and every
 alert rule must evaluate without error.
@@ -24,6 +25,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.stack import LocalStack
 from tests.monitoring.live import (
@@ -61,7 +63,19 @@ CONFIG: dict[str, Any] = {
     "kv_budget": {"enabled": True, "target_utilization": 0.9},
 }
 # 128 blocks of 16 tokens = 2,048 KV tokens (budget 1,843). A decode step takes 20 ms: 200 tokens = 4 s.
-SIM_ARGS = fixed_step_sim(MODEL, 20, "--num-gpu-blocks", "128", "--max-model-len", "2048")
+# The engine's queue holds 5 requests, one more than the gateway ever forwards at once (its 4 slots): only
+# the refusal phase, which fills it straight, meets the bound.
+ENGINE_QUEUE = 5
+SIM_ARGS = fixed_step_sim(
+    MODEL,
+    20,
+    "--num-gpu-blocks",
+    "128",
+    "--max-model-len",
+    "2048",
+    "--max-num-queued-reqs",
+    str(ENGINE_QUEUE),
+)
 ROUNDS = 2
 VARIABLES = {
     "datasource": "prometheus",
@@ -165,6 +179,50 @@ async def one_round(
     return {"held": list(await asyncio.gather(*holders)), "busy": list(busy), "invalid": [invalid]}
 
 
+def running(page: str) -> float:
+    """The simulator's running sequences, off its metrics page."""
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "vllm:num_requests_running":
+                return float(sample.value)
+    return 0.0
+
+
+async def hold_engine_slot(session: aiohttp.ClientSession, upstream_url: str) -> None:
+    """A long stream straight to the simulator, bypassing the gateway, held until cancelled."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 1000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    headers = {"x-sim-output-tokens": "1000"}
+    async with session.post(f"{upstream_url}/v1/chat/completions", json=body, headers=headers) as resp:
+        await resp.content.read(1)
+        await asyncio.sleep(60)
+
+
+async def engine_refusal(url: str, upstream_url: str) -> tuple[int, str]:
+    """The engine's queue filled straight, then one request through the gateway: the engine refuses it
+    (503, settled engine_busy), and its own counter grows in the feed."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        fillers = [asyncio.create_task(hold_engine_slot(session, upstream_url)) for _ in range(ENGINE_QUEUE)]
+        try:
+            for _ in range(200):  # up to 10 s for the simulator to hold them all
+                async with session.get(f"{upstream_url}/metrics") as resp:
+                    page = await resp.text()
+                if running(page) >= ENGINE_QUEUE:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the simulator never held the fillers")
+            return await call(session, url, "anon", 16)
+        finally:
+            for filler in fillers:
+                filler.cancel()
+            await asyncio.gather(*fillers, return_exceptions=True)
+
+
 async def drive(url: str, admin_url: str, rounds: int) -> list[dict[str, list[tuple[int, str]]]]:
     """Rounds a few scrapes apart: a series born with its first event shows in rate() from its second."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -199,6 +257,10 @@ def test_every_dashboard_query_returns_data(stack: LocalStack, prometheus: Prome
         ]
         assert outcome["invalid"] == [(400, "")]
 
+    assert asyncio.run(engine_refusal(stack.envoy_url, stack.upstream_url)) == (503, "engine_busy")
+    wait_for(
+        lambda: metric(admin, "extproc_feed_engine_rejections_total", pool=MODEL) == 1, 10, "fed refusal"
+    )
     wait_for(lambda: metric(admin, "extproc_active_requests") == 0, 10, "every lease settled")
     time.sleep(3)  # a few scrapes after the last settlement
     end = time.time()

@@ -102,6 +102,8 @@ async def test_token_counters_of_every_model_label_start_at_zero() -> None:
         for kind in ("prompt", "completion"):
             labels = {"model": model, "kind": kind}
             assert registry.get_sample_value("extproc_tokens_settled_total", labels) == 0.0
+        refusals = {"model": model, "reason": "queue_full"}
+        assert registry.get_sample_value("extproc_engine_refusals_total", refusals) == 0.0
     assert registry.get_sample_value("extproc_tokens_reserved_total", {"model": "*"}) is None
     sidecar.executor.shutdown(wait=False)
 

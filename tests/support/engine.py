@@ -21,6 +21,7 @@ Engine flags, from vLLM 0.32.0's own sources (.venv-vllm/lib/python3.11/site-pac
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -29,12 +30,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from devstack.processes import Process
+from devstack.processes import Process, free_port
 from extproc.envoyconf.profiles import REPO
 
 ENGINE_VENV = Path(os.environ.get("EXTPROC_ENGINE_VENV", REPO / ".venv-vllm"))
@@ -109,7 +111,8 @@ def build_model(python: Path, out: Path) -> Path:
     return out
 
 
-def engine_argv(python: Path, model_dir: Path, port: int) -> list[str]:
+def engine_argv(python: Path, model_dir: Path, port: int, *extra: str) -> list[str]:
+    """The tier's `vllm serve` command line; `extra` adds flags (a queue bound) for an engine of its own."""
     return [
         str(python),
         "-m",
@@ -129,7 +132,34 @@ def engine_argv(python: Path, model_dir: Path, port: int) -> list[str]:
         "--num-gpu-blocks-override",
         str(BLOCKS),
         "--enforce-eager",
+        *extra,
     ]
+
+
+ENGINE_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    # Serve /cohere/v2/chat (vLLM 0.32.0 entrypoints/cohere/api_router.py:273-309).
+    "VLLM_ENABLE_COHERE_API": "1",
+}
+
+
+@contextlib.contextmanager
+def running_engine(workdir: Path, *extra: str) -> Iterator[Engine]:
+    """A vLLM serving the tiny model built under `workdir`, stopped on exit; `extra` adds serve flags."""
+    python = engine_python()
+    model_dir = build_model(python, workdir / "model")
+    port = free_port()
+    started = time.monotonic()
+    process = Process.start("vllm", engine_argv(python, model_dir, port, *extra), workdir, ENGINE_ENV)
+    handle = Engine(process, port, model_dir)
+    try:
+        wait_engine(handle, START_TIMEOUT_S)
+        print(f"engine tier: vLLM ready in {time.monotonic() - started:.1f}s", file=sys.stderr)
+        yield handle
+    finally:
+        process.stop(timeout_s=30)
 
 
 def wait_engine(engine: Engine, timeout_s: float) -> None:

@@ -32,11 +32,23 @@ class SlotHints:
         """`rejection` with the hint in place of the store's estimate (unchanged where there is none)."""
         if rejection.reason is not Reason.CONCURRENCY:
             return rejection
-        etas = self._remaining(rejection.key, now, open_leases)
-        hint = self.hints.hint(rejection.key, etas, now)
+        hint = self.hint(rejection.key, now, open_leases)
         if hint is None:
             return rejection
         return replace(rejection, retry_after_s=hint, status=replace(rejection.status, reset_requests_s=hint))
+
+    def hint(self, key: str, now: float, open_leases: Callable[[str], list[OpenLease]]) -> float | None:
+        """When a slot on `key` is expected to free for the next client refused there, from the leases open
+        here; None when this replica holds none. Also the `retry-after` of an engine's own refusal: its
+        queue frees when the requests it runs end."""
+        cached = self._etas.get(key)
+        if cached is None or now - cached[0] > ETA_CACHE_S:
+            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
+            cached = self._etas[key] = (now, remaining_times(open_leases(key)))
+            if len(self._etas) > 1024:
+                self._etas = {key: cached}
+        etas = [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]
+        return self.hints.hint(key, etas, now)
 
     def starts(
         self,
@@ -69,13 +81,3 @@ class SlotHints:
             out.append(free[0])
             heapq.heapreplace(free, free[0] + run)
         return out
-
-    def _remaining(self, key: str, now: float, open_leases: Callable[[str], list[OpenLease]]) -> list[float]:
-        """The open leases' remaining times on `key`, soonest first, from one pass per key and 50 ms."""
-        cached = self._etas.get(key)
-        if cached is None or now - cached[0] > ETA_CACHE_S:
-            # One pass over the open requests per key and 50 ms, however many refusals a flood brings.
-            cached = self._etas[key] = (now, remaining_times(open_leases(key)))
-            if len(self._etas) > 1024:
-                self._etas = {key: cached}
-        return [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]

@@ -8,16 +8,28 @@ in docs/architecture.md) hold whichever path delivered them:
 | --------------------------------------------------- | -------------- | --------------------------------- |
 | response completed (end of body, trailers, [DONE])  | completed      | reported usage, else prompt +     |
 |                                                     |                | counted completion                |
-| client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed, or  |
-|                                                     |                | the decode-rate estimate if more  |
+| client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed, in  |
+|                                                     |                | whole steps of all n sequences,   |
+|                                                     |                | or the decode-rate estimate if    |
+|                                                     |                | more                              |
+| the engine refused it: 503, its queue is full       | engine_busy    | nothing                           |
 | upstream answered >= 400, or sent an error event    | upstream_error | prompt + what was generated       |
 | answered by a later proxy filter, never sent to the | not_forwarded  | nothing                           |
 | backend (an inference pool's endpoint picker), or   |                |                                   |
 | its admission never reached the proxy (the proxy's  |                |                                   |
 | message timer fired first: it answered 504 itself)  |                |                                   |
 | ended before response headers (client gone, ...)    | aborted        | prompt + estimate of generation   |
-| reset by the sidecar under KV pressure              | cut            | prompt + completion streamed      |
+| reset by the sidecar under KV pressure              | cut            | prompt + completion streamed, in  |
+|                                                     |                | whole steps of all n sequences    |
 | no end signal within the lease's bound (lean)       | expired        | prompt + estimate of generation   |
+
+An engine's 503 is backpressure, not a failure: vLLM answers it before the request enters its scheduler
+(`AsyncLLM.check_admission`, vllm 0.32.0 vllm/v1/engine/async_llm.py: `QueueOverflowError` past
+`--max-num-queued-reqs`, `MaxQueuedTokensError` past `--max-num-queued-tokens`, both 503 by
+vllm/exceptions.py), and Dynamo's frontend sheds load with a 503 when every worker is busy, so the engine read
+nothing and the whole reservation goes back. Only a 503 the engine itself sent counts: Envoy's own 503s
+(no healthy upstream, overflow, a connection failure, a reset before the response) are told apart by the
+profile that reads the response (`engine_answered`).
 """
 
 from __future__ import annotations
@@ -27,12 +39,18 @@ from dataclasses import dataclass
 
 from extproc.admission.vocabulary.usage import Usage
 
+ENGINE_BUSY_STATUSES = frozenset({503})
+"""The statuses an engine refuses with when its queue is full (see the module docstring). Not 529: Dynamo's
+load-shedding docs (docs/fault_tolerance/request_rejection.md) answer 503, and no 529 could be found in its
+source to confirm, so a 529 keeps the backend-error rule."""
+
 
 class Ending(enum.StrEnum):
     """How a request's response ended; the `outcome` label of `extproc_settlements_total`."""
 
     COMPLETED = "completed"
     ABORTED = "aborted"
+    ENGINE_BUSY = "engine_busy"
     UPSTREAM_ERROR = "upstream_error"
     NOT_FORWARDED = "not_forwarded"
     CUT = "cut"
@@ -50,7 +68,10 @@ class ResponseFacts:
     rate, capped by the reservation, and sets it only where it applies. `forwarded` is False when the
     request never reached the backend: a filter after the sidecar answered it locally (an endpoint picker's
     429 or 503), or the proxy never had the admission (extproc/admission/tracking/inflight.py
-    `NEVER_FORWARDED`), so the engine neither read the prompt nor generated anything.
+    `NEVER_FORWARDED`), so the engine neither read the prompt nor generated anything. `engine_answered` is
+    False when the proxy made the status itself after the request went upstream (the lean profile's access log
+    says so: Envoy's response code details other than `via_upstream`, a reset before the response), so a
+    503 then is no engine's refusal.
     """
 
     upstream_status: int | None = None
@@ -61,6 +82,17 @@ class ResponseFacts:
     error_seen: bool = False
     estimated_completion: int = 0
     forwarded: bool = True
+    engine_answered: bool = True
+
+    @property
+    def engine_busy(self) -> bool:
+        """The engine itself refused the request for want of room (see the module docstring)."""
+        return (
+            self.forwarded
+            and self.engine_answered
+            and not self.cut
+            and self.upstream_status in ENGINE_BUSY_STATUSES
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +113,8 @@ def ending_of(facts: ResponseFacts) -> Ending:
         return Ending.CUT
     if not facts.forwarded:
         return Ending.NOT_FORWARDED
+    if facts.engine_busy:
+        return Ending.ENGINE_BUSY
     if (facts.upstream_status is not None and facts.upstream_status >= 400) or facts.error_seen:
         return Ending.UPSTREAM_ERROR
     if facts.completed:
@@ -93,7 +127,7 @@ def ending_of(facts: ResponseFacts) -> Ending:
 def settle_charge(admitted_prompt: int, facts: ResponseFacts) -> Charge:
     """Tokens to charge for a request admitted with `admitted_prompt` prompt tokens, under the rules above."""
     ending = ending_of(facts)
-    if ending is Ending.NOT_FORWARDED:
+    if ending in (Ending.NOT_FORWARDED, Ending.ENGINE_BUSY):
         return Charge(ending=ending, prompt=0, completion=0)
     prompt = admitted_prompt
     completion = 0
@@ -102,7 +136,7 @@ def settle_charge(admitted_prompt: int, facts: ResponseFacts) -> Charge:
         if usage.reported and usage.prompt_tokens is not None:
             prompt = usage.prompt_tokens
         completion = usage.completion_tokens
-    if ending in (Ending.ABORTED, Ending.EXPIRED):
+    if ending in (Ending.ABORTED, Ending.EXPIRED, Ending.CUT):
         # The engine's work, not the client's reading: what passed is a floor, the estimate can be more.
         completion = max(completion, facts.estimated_completion)
     return Charge(ending=ending, prompt=max(0, prompt), completion=max(0, completion))

@@ -184,6 +184,24 @@ def store_unavailable() -> Refusal:
     return Refusal(503, body, "store_unavailable", headers, DETAILS_PREFIX + "store_unavailable")
 
 
+def engine_busy_headers(retry_after_s: float) -> tuple[Header, ...]:
+    """Added to an engine's own refusal (a 503, its queue full) as it passes the inline profile: the
+    engine's OpenAI-shaped body stays, the headers make it the retryable refusal the sidecar's own are."""
+    return _reason("engine_busy", retry_headers(retry_after_s))
+
+
+def engine_busy(retry_after_s: float, ratelimit: tuple[Header, ...] = ()) -> Refusal:
+    """An engine's 503 whose body its clients could not parse (not JSON), answered in its place: the same
+    status and hint, in the error envelope the sidecar's own refusals use."""
+    message = (
+        "The model's engines are at capacity and cannot accept new requests. "
+        f"Please try again in {format_duration(retry_after_s)}."
+    )
+    body = error_body(message, type="server_error", code="service_unavailable")
+    headers = _reason("engine_busy", (*retry_headers(retry_after_s), *ratelimit))
+    return Refusal(503, body, "engine_busy", headers, DETAILS_PREFIX + "engine_busy")
+
+
 def cut_under_kv_pressure() -> Refusal:
     """Reset an in-flight stream: the backend frees the sequence's KV blocks; lower classes go first."""
     body = error_body(

@@ -21,7 +21,7 @@ from extproc.admission.deciding import provisional
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService, Admitted
-from extproc.core.decode_rate import DecodeRates
+from extproc.core.decode_rate import DecodeRates, lockstep_floor
 from extproc.core.slot_eta import OpenLease
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class InFlight:
         seen = self.seen
         facts = seen.facts
         if self.was_cut and seen is not NOTHING_SEEN:
-            return replace(facts, cut=True)
+            return replace(facts, cut=True, estimated_completion=self._lockstep())
         if facts.completed or not facts.forwarded:
             return facts
         if not seen.responded:
@@ -192,8 +192,19 @@ class InFlight:
         decoding = seen.decode_s
         if decoding is None and seen.content_since is not None:
             decoding = self._until() - seen.content_since
-        streamed = self.estimate_streamed(decoding)
-        return replace(facts, estimated_completion=streamed or 0) if streamed is not None else facts
+        streamed = self.estimate_streamed(decoding) or 0
+        return replace(facts, estimated_completion=max(streamed, self._lockstep()))
+
+    def _lockstep(self) -> int:
+        """The tokens that passed, as a whole number of steps of all the request's sequences
+        (`decode_rate.lockstep_floor`): an answer left or cut mid-way generated each sequence as far."""
+        usage = self.seen.facts.usage
+        request = self.admitted.request
+        return lockstep_floor(
+            usage.completion_tokens if usage is not None else 0,
+            request.sequences * request.prompt_count,
+            self.admitted.plan.completion_tokens,
+        )
 
     def _charge(self, facts: ResponseFacts) -> None:
         # Booked on the first attempt, whatever the store answers: a shared store answers False for a lease

@@ -167,17 +167,19 @@ class UnseenStreams:
         reading: ResponseReading,
         timing: ReportedTiming | None = None,
         forwarded: bool = True,
+        engine_answered: bool = True,
     ) -> bool:
         """Settle the request `key` names from the proxy's end report: the response code (None: no response
         started), what its reader saw, when the answer's tokens came, and whether any byte of the request was
-        sent upstream. False when no request here waits for that key."""
+        sent upstream, and whether the status came from the engine (not made by the proxy after the request
+        went upstream). False when no request here waits for that key."""
         inflight = self.service.take_report(key)
         if inflight is None:
             return False
         admitted = inflight.admitted
         facts = facts_of(status, reading, admitted.request.api, admitted.policy.encoding)
-        if not forwarded:
-            facts = replace(facts, forwarded=False)
+        if not forwarded or not engine_answered:
+            facts = replace(facts, forwarded=forwarded, engine_answered=engine_answered)
         timed = reading.streamed and timing is not None
         inflight.observe(
             Seen(

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
-from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.sample import FeedSample, SampleKey
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
 from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
@@ -72,6 +72,7 @@ class FeedbackLoop:
         self._kv_mode = kv_aggregation
         self._controllers: dict[str, AdaptiveController] = {}
         self._snapshots: dict[str, PoolSnapshot] = {}
+        self._rejections: dict[SampleKey, float] = {}  # each endpoint's admission-rejection counter
         self._tick_task: asyncio.Task[None] | None = None
         self.served = ServedNames(subscriber.forget_after)
         self.subscriber = FeedSubscriber(
@@ -131,17 +132,31 @@ class FeedbackLoop:
                 state = ctl.observe(None, 0.0 if snap is None else snap.requests_waiting, None, now)
             else:
                 state = ctl.observe(snap.kv_usage, snap.requests_waiting, snap.newest_at, now)
-            if self._metrics is not None:
-                self._metrics.observe_state(
-                    pool, state, self.capacity_tokens(pool), self.decode_tokens_per_second(pool)
-                )
-            if not _same(before, state) and self._on_update is not None:
-                try:
-                    self._on_update(pool, state)
-                except Exception:
-                    log.exception("feedback on_update failed", extra={"pool": pool})
+            self._publish(pool, before, state)
+
+    def engine_refused(self, pool: str) -> None:
+        """An engine of `pool` refused an admitted request (its queue full): its scale drops at once
+        (`AdaptiveController.refused`). Only a pool the loop knows (configured, or in the feed): a client's
+        made-up model name grows no controller."""
+        ctl = self._controllers.get(pool)
+        if ctl is None:
+            return
+        before = ctl.state
+        self._publish(pool, before, ctl.refused(self._clock()))
 
     # -- internals ---------------------------------------------------------------------------------------
+
+    def _publish(self, pool: str, before: ControllerState, state: ControllerState) -> None:
+        """A pool's new state to its metrics, and to `on_update` when it changed."""
+        if self._metrics is not None:
+            self._metrics.observe_state(
+                pool, state, self.capacity_tokens(pool), self.decode_tokens_per_second(pool)
+            )
+        if not _same(before, state) and self._on_update is not None:
+            try:
+                self._on_update(pool, state)
+            except Exception:
+                log.exception("feedback on_update failed", extra={"pool": pool})
 
     def _stale_after(self, pool: str) -> float:
         return self._configs.get(pool, self._default).stale_after_seconds
@@ -151,12 +166,15 @@ class FeedbackLoop:
         if ctl is None:
             ctl = AdaptiveController(self._configs.get(pool, self._default), now=now)
             self._controllers[pool] = ctl
+            if self._metrics is not None:  # at 0 from the start: rate() sees the first refusals
+                self._metrics.engine_rejections.labels(pool)
             log.info("pool added", extra={"pool": pool})
         return ctl
 
     def _on_sample(self, sample: FeedSample) -> None:
         self.served.observe(sample, self._clock())
         self.evaluate({sample.model})
+        self._count_rejections(sample)
         snap = self._snapshots.get(sample.model)
         if self._on_fresh is None or snap is None or snap.stale or not sample.up:
             return
@@ -165,11 +183,34 @@ class FeedbackLoop:
         except Exception:
             log.exception("feedback on_sample failed", extra={"pool": sample.model})
 
+    def _count_rejections(self, sample: FeedSample) -> None:
+        """The growth of an endpoint's admission-rejection counter since its previous sample: its engine
+        refused requests for want of queue room (any gateway's, this one's included), so the pool's scale
+        drops as when this sidecar sees such a refusal itself. A first sample, or a counter that went back
+        (a restarted server), only sets the base."""
+        total = sample.admission_rejections_total
+        if not sample.up or total is None:
+            return
+        before = self._rejections.get(sample.key)
+        self._rejections[sample.key] = total
+        if before is None or total <= before:
+            return
+        if self._metrics is not None:
+            self._metrics.engine_rejections.labels(sample.model).inc(total - before)
+        self.engine_refused(sample.model)
+
+    def _forget_endpoints(self) -> None:
+        """Rejection counters of endpoints the subscriber forgot: memory follows the fleet."""
+        known = {stored.sample.key for stored in self.subscriber.samples()}
+        for key in [k for k in self._rejections if k not in known]:
+            del self._rejections[key]
+
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self._tick_interval)
             try:
                 self.subscriber.prune(self._clock())
+                self._forget_endpoints()
                 self.served.prune(self._clock())
                 self.evaluate()
             except Exception:

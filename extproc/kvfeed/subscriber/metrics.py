@@ -46,6 +46,15 @@ class FeedbackMetrics:
             "extproc_feed_stale", "1 when the pool has no fresh sample.", ["pool"], registry=registry
         )
         self.samples = Counter("extproc_feed_samples", "Feed samples received.", registry=registry)
+        self.engine_rejections = Counter(
+            "extproc_feed_engine_rejections",
+            "Requests the pool's engines refused for want of queue room, from the growth of their counters "
+            "in the feed (vLLM's vllm:admission_rejections_total): any gateway's requests, this one's "
+            "included (those are also in extproc_engine_refusals_total). Each growth drops the pool's "
+            "adaptive scale.",
+            ["pool"],
+            registry=registry,
+        )
         self.invalid_samples = Counter(
             "extproc_feed_invalid_samples",
             "Feed samples refused for a reading no server can have (NaN, inf, negative, a capacity of 0 or "

@@ -210,6 +210,12 @@ class FeedbackRuntime:
         fresh one: the fallback of `DecodeRates` while the pool has no pace learned from its streams."""
         return self.loop.decode_tokens_per_second(pool) if self.loop is not None else None
 
+    def engine_refused(self, pool: str) -> None:
+        """An engine of `pool` refused an admitted request, its queue full: the pool's scale drops at once
+        (`FeedbackLoop.engine_refused`); nothing without the feed, which owns the scales."""
+        if self.loop is not None:
+            self.loop.engine_refused(pool)
+
     def budget_changed(self, pool: str) -> None:
         budget = self._budgets.get(pool)
         if budget is not None:

@@ -202,3 +202,33 @@ async def test_legacy_kv_metric_modes(start_sim: SimFactory, http: aiohttp.Clien
     assert KV in also and "vllm:gpu_cache_usage_perc" in also
     instead = await metrics(http, await start_sim(legacy_kv_metric=LegacyKvMetric.INSTEAD))
     assert KV not in instead and "vllm:gpu_cache_usage_perc" in instead
+
+
+async def test_a_full_queue_is_refused_with_vllms_503_and_counted(
+    start_sim: SimFactory, http: aiohttp.ClientSession
+) -> None:
+    """`--max-num-queued-reqs 2`: the third unfinished sequence is refused before the scheduler, with vLLM
+    0.32's QueueOverflowError body, and `vllm:admission_rejections_total` counts it; n > 1 counts n."""
+    sim = await start_sim(max_num_queued_reqs=2, time_scale=1.0)
+    url = sim.url + "/v1/chat/completions"
+    long = chat_body(max_tokens=4000, sim_output_tokens=4000, stream=True)
+    async with http.post(url, json=long) as first, http.post(url, json=long) as second:
+        assert (first.status, second.status) == (200, 200)
+        status, body = await post_json(http, url, chat_body(max_tokens=5))
+        assert status == 503
+        assert body == {
+            "error": {
+                "message": "The engine is currently busy and cannot accept new requests. "
+                "Please try again later or on a different instance.",
+                "type": "Service Unavailable",
+                "param": None,
+                "code": 503,
+            }
+        }
+        m = await metrics(http, sim)
+        assert m["vllm:admission_rejections_total{reason=max_num_queued_reqs}"] == 1
+        assert m[WAITING] + m[RUNNING] == 2
+    # The streams gone (aborted), the queue has room again; two sequences of one request count two.
+    await poll(lambda: _gauges_idle(http, sim))
+    assert (await post_json(http, url, chat_body(max_tokens=5, n=3)))[0] == 503
+    assert (await post_json(http, url, chat_body(max_tokens=5, n=2)))[0] == 200

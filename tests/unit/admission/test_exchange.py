@@ -41,6 +41,14 @@ class Rig(AdmissionRig):
             if sample.name == name
         )
 
+    def total_prompt(self) -> float:
+        return sum(
+            sample.value
+            for family in self.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == "extproc_tokens_settled_total" and sample.labels.get("kind") == "prompt"
+        )
+
     async def decide(self, exchange: Exchange, body: bytes, head: RequestHead = HEAD) -> Forward | Refusal:
         exchange.request_headers(head)
         verdicts = [v async for v in exchange.request_body(body)]
@@ -197,6 +205,31 @@ async def test_lean_an_undelivered_admission_settles_as_not_forwarded_without_a_
     assert rig.active == 0
     assert rig.metric("extproc_settlements_total", outcome="not_forwarded") == 1
     assert rig.metric("extproc_settlements_total", outcome="expired") == 0
+
+
+def sampled(n: int, max_tokens: int) -> bytes:
+    body = json.loads(chat(max_tokens, stream=True))
+    body["n"] = n
+    return json.dumps(body).encode()
+
+
+def event(index: int) -> bytes:
+    return b'data: {"choices":[{"index":%d,"delta":{"content":"a"}}]}\n\n' % index
+
+
+async def test_inline_a_stream_of_n_sequences_left_early_is_charged_whole_steps_of_all() -> None:
+    """Eight sequences decoded together; the client left after the first step of each and two of the second:
+    the engine had generated two tokens of every one (16), not the 10 that passed."""
+    rig = await Rig().start()
+    exchange = rig.admission.exchange()
+    await rig.decide(exchange, sampled(8, 24))
+    exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+    for index in [*range(8), 0, 1]:
+        await exchange.response_body(event(index), False)
+    exchange.stream_ended()
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
+    assert rig.total("extproc_tokens_settled_total") - rig.total_prompt() == 16
 
 
 CUT_CONFIG: dict[str, Any] = {

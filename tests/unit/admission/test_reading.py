@@ -99,3 +99,37 @@ def test_a_request_never_forwarded_is_charged_nothing_whatever_its_reply() -> No
     # A cut is the sidecar's own doing and keeps its rule.
     cut = settle_charge(40, ResponseFacts(cut=True, forwarded=False))
     assert (cut.ending, cut.prompt) == (Ending.CUT, 40)
+
+
+VLLM_QUEUE_FULL = (
+    '{"error":{"message":"The engine is currently busy and cannot accept new requests. Please try again '
+    'later or on a different instance.","type":"Service Unavailable","param":null,"code":503}}'
+)
+"""vLLM 0.32.0's answer past --max-num-queued-reqs: `QueueOverflowError` (vllm/exceptions.py) rendered by
+create_error_response (vllm/entrypoints/serve/exception_handling/error_response.py)."""
+
+
+def test_an_engine_503_is_its_queue_full_and_refunded_in_full() -> None:
+    """The engine refused before its scheduler saw the request: nothing charged, counted apart."""
+    reading = ResponseReading(body=VLLM_QUEUE_FULL, body_end=True)
+    facts = facts_of(503, reading, Api("chat"), ENC)
+    assert facts.engine_busy
+    charge = settle_charge(40, facts)
+    assert (charge.ending, charge.prompt, charge.completion) == (Ending.ENGINE_BUSY, 0, 0)
+    # No body seen (a local reply's reader never ran, or an inline answer settled at its headers): the same.
+    assert settle_charge(40, ResponseFacts(upstream_status=503)).ending is Ending.ENGINE_BUSY
+
+
+def test_a_503_the_proxy_made_or_another_error_keeps_the_backend_error_rule() -> None:
+    """Envoy's own 503 after the request went upstream (a reset before the response): the engine may have
+    read the prompt. Other statuses, and 529 (not verified from Dynamo's source), are engine errors."""
+    made = settle_charge(40, ResponseFacts(upstream_status=503, engine_answered=False))
+    assert (made.ending, made.prompt) == (Ending.UPSTREAM_ERROR, 40)
+    for status in (500, 502, 504, 529, 429):
+        charge = settle_charge(40, ResponseFacts(upstream_status=status))
+        assert (charge.ending, charge.prompt) == (Ending.UPSTREAM_ERROR, 40), status
+    # Never forwarded wins (an endpoint picker's 503), and a cut keeps its rule.
+    assert (
+        settle_charge(40, ResponseFacts(upstream_status=503, forwarded=False)).ending is Ending.NOT_FORWARDED
+    )
+    assert settle_charge(40, ResponseFacts(upstream_status=503, cut=True)).ending is Ending.CUT

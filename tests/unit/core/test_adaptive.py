@@ -181,3 +181,20 @@ def test_scale_always_within_bounds(
             s = ctl.tick(now)
         assert min_scale - 1e-12 <= s.scale <= 1.0
         assert s.scale <= max(s.target_scale, s.scale)
+
+
+def test_an_engine_refusal_drops_the_scale_at_once_and_it_recovers_as_usual() -> None:
+    """A queue-full refusal is a signal like a queue at `waiting_high`: `min_scale` now, then the usual
+    `recovery_per_second` back towards what the gauges ask for."""
+    ctl = fresh_controller(now=10.0)
+    assert ctl.state.scale == 1.0
+    refused = ctl.refused(10.0)
+    assert refused.scale == pytest.approx(0.6) and refused.target_scale == pytest.approx(0.6)
+    assert not refused.stale and refused.kv_usage == 0.0
+    assert ctl.observe(0.0, 0, newest_sample_at=12.0, now=12.0).scale == pytest.approx(0.7)
+    assert ctl.observe(0.0, 0, newest_sample_at=20.0, now=20.0).scale == pytest.approx(1.0)
+
+
+def test_an_engine_refusal_never_raises_a_lower_scale() -> None:
+    ctl = AdaptiveController(AdaptiveConfig(stale_scale=0.3), now=0.0)
+    assert ctl.refused(1.0).scale == pytest.approx(0.3)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from extproc.core.decode_rate import DecodeRates, RateSource
+from extproc.core.decode_rate import DecodeRates, RateSource, lockstep_floor
 
 
 def test_default_until_observed_then_ewma() -> None:
@@ -68,3 +68,20 @@ def test_a_sample_counts_at_most_max_step_times_the_current_rate() -> None:
     assert rates.rate("p") == pytest.approx(250.0)
     rates.observe("p", 300, 0.1)  # 3,000 tok/s: at most 4 x 250
     assert rates.rate("p") == pytest.approx(625.0)
+
+
+@pytest.mark.parametrize(
+    ("seen", "sequences", "cap", "floor"),
+    [
+        (10, 8, 192, 16),  # the first step of all eight and two of the second: two steps of each
+        (122, 122, 2928, 122),  # the first token of every one
+        (123, 122, 2928, 244),
+        (5, 1, 100, 5),  # one sequence: what passed
+        (0, 8, 192, 0),
+        (190, 8, 192, 192),  # never past the reservation
+    ],
+)
+def test_the_lockstep_floor_counts_whole_steps_of_all_sequences(
+    seen: int, sequences: int, cap: int, floor: int
+) -> None:
+    assert lockstep_floor(seen, sequences, cap) == floor

@@ -26,8 +26,22 @@ def s(
     up: bool = True,
     cap: int | None = 1000,
     t: float = 1.0,
+    rejections: float | None = None,
 ) -> FeedSample:
-    return FeedSample("node", endpoint, model, ServerKind.VLLM, kv, waiting, 1.0, 0.0, cap, t, up)
+    return FeedSample(
+        "node",
+        endpoint,
+        model,
+        ServerKind.VLLM,
+        kv,
+        waiting,
+        1.0,
+        0.0,
+        cap,
+        t,
+        up,
+        admission_rejections_total=rejections,
+    )
 
 
 class Clock:
@@ -165,3 +179,44 @@ def test_on_update_exceptions_do_not_escape() -> None:
     loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, boom)
     loop.subscriber.ingest(s("a:1", 0.1))
     assert "m" in loop.states()
+
+
+def test_an_engine_refusal_drops_a_known_pools_scale_and_tells_on_update() -> None:
+    clock = Clock()
+    updates: list[tuple[str, ControllerState]] = []
+    loop = make_loop(clock, updates)
+    loop.subscriber.ingest(s("a:1", 0.3, t=1.0))
+    clock.now += 10.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=2.0))
+    assert loop.states()["m"].scale == pytest.approx(1.0)
+    loop.engine_refused("m")
+    assert loop.states()["m"].scale == pytest.approx(0.6)
+    assert updates[-1] == ("m", loop.states()["m"])
+    clock.now += 2.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=3.0))  # recovers at recovery_per_second (0.05/s)
+    assert loop.states()["m"].scale == pytest.approx(0.7)
+    n = len(updates)
+    loop.engine_refused("a-name-no-engine-serves")  # grows no controller
+    assert loop.state("a-name-no-engine-serves") is None and len(updates) == n
+
+
+def test_an_engines_rejection_counter_growing_in_the_feed_drops_the_scale() -> None:
+    """Refusals of any gateway's requests, seen in the feed: the first sample only sets the base, growth
+    drops the scale and is counted, a counter that went back (a restarted server) sets a new base."""
+    clock = Clock()
+    updates: list[tuple[str, ControllerState]] = []
+    loop = make_loop(clock, updates)
+    grown = loop._metrics.engine_rejections if loop._metrics is not None else None
+    assert grown is not None
+    loop.subscriber.ingest(s("a:1", 0.3, t=1.0, rejections=40.0))
+    clock.now += 10.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=2.0, rejections=40.0))
+    assert loop.states()["m"].scale == pytest.approx(1.0)
+    clock.now += 1.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=3.0, rejections=43.0))
+    assert loop.states()["m"].scale == pytest.approx(0.6)
+    assert grown.labels("m")._value.get() == 3.0
+    clock.now += 8.0
+    loop.subscriber.ingest(s("a:1", 0.3, t=4.0, rejections=0.0))  # restarted: no drop
+    assert loop.states()["m"].scale == pytest.approx(1.0)
+    assert grown.labels("m")._value.get() == 3.0

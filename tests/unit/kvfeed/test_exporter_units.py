@@ -153,3 +153,15 @@ def test_block_size_travels_and_an_impossible_one_is_dropped_alone() -> None:
     for bad in (0, 2**21):
         dropped = checked(replace(s, kv_block_tokens=bad))
         assert dropped.up and dropped.kv_block_tokens is None and dropped.kv_usage == s.kv_usage
+
+
+def test_admission_rejections_travel_and_an_impossible_count_is_refused_as_any_count() -> None:
+    from dataclasses import replace
+
+    from extproc.kvfeed.sample import checked
+
+    s = replace(sample(t=5.0), admission_rejections_total=7.0)
+    assert from_proto(to_proto(s)).admission_rejections_total == 7.0
+    assert from_proto(to_proto(sample())).admission_rejections_total is None
+    bad = checked(replace(s, admission_rejections_total=-1.0))
+    assert not bad.up and bad.error.startswith("invalid: admission_rejections_total")

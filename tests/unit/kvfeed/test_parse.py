@@ -157,3 +157,17 @@ def test_vllm_block_size_reaches_the_signals() -> None:
         'sglang:max_total_num_tokens{model_name="x",tp_rank="0"} 1000\n'
     )
     assert parse_metrics(gauge_only)["x"].kv_block_tokens is None
+
+
+def test_vllm_admission_rejections_are_summed_over_reasons() -> None:
+    """vLLM 0.32.0's counter (vllm/v1/metrics/loggers.py): labels model_name and reason only, one series per
+    queue bound; the feed publishes their sum, and nothing where the page has none (before 0.32)."""
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_reqs"} 3.0\n'
+        'vllm:admission_rejections_created{model_name="m",reason="max_num_queued_reqs"} 1.7e9\n'
+        'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_tokens"} 2.0\n'
+    )
+    assert parse_metrics(text)["m"].admission_rejections_total == 5.0
+    older = 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+    assert parse_metrics(older)["m"].admission_rejections_total is None

@@ -1,0 +1,92 @@
+"""The engine's own refusal on a real vLLM: started with `--max-num-queued-reqs 2`, it answers a request
+past two unfinished ones with HTTP 503 before its scheduler reads it (`AsyncLLM.check_admission`,
+vllm/v1/engine/async_llm.py, vLLM 0.32.0: `QueueOverflowError`, vllm/exceptions.py).
+
+A burst the gateway admits whole (its limits are far above the engine's bound) through the inline profile:
+every request the engine refused is settled `engine_busy` and refunded in full (the sidecar's ledger moves by
+what the answered requests used, and the engine's prompt counter agrees that it read none of the refused),
+and each refused client got a retryable 503 with the sidecar's `retry-after`. The feed's vLLM profile reads
+the engine's own count of them, `vllm:admission_rejections_total`, off the live page.
+
+This module runs an engine of its own (the tier's shared one has no queue bound: other modules send it up to
+48 requests at once), stopped when the module ends. In a whole-tier run the shared engine, started by an
+earlier module, stays up beside it, idle: two engines' memory (about 2 GiB each) for this module's minute.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+
+import pytest
+
+from extproc.admission.replies.refusals import REASON_HEADER
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.parse import parse_metrics
+from tests.engine.stacks import Ledger, engine_config, start_gateway
+from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine, running_engine
+from tests.support.stack import Reply, Stack, http
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
+
+QUEUE = 2
+BURST = 6
+OUTPUT_TOKENS = 256
+"""Long enough that the first requests are still decoding when the last of the burst arrives."""
+
+
+@pytest.fixture(scope="module")
+def bounded_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with running_engine(tmp_path_factory.mktemp("bounded"), "--max-num-queued-reqs", str(QUEUE)) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def gateway(bounded_engine: Engine) -> Iterator[Stack]:
+    stack = start_gateway(bounded_engine, engine_config(), "inline")
+    try:
+        yield Stack(stack)
+    finally:
+        stack.stop()
+
+
+def complete(gateway: Stack, index: int) -> Reply:
+    body = {
+        "model": MODEL,
+        "prompt": f"request {index}: count the stars",
+        "max_tokens": OUTPUT_TOKENS,
+        "ignore_eos": True,
+    }
+    return http("POST", f"{gateway.url}/v1/completions", body, timeout_s=300)
+
+
+def test_a_full_vllm_queue_is_refunded_and_retryable(gateway: Stack) -> None:
+    before = Ledger.read(gateway)
+    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+        replies = list(pool.map(lambda i: complete(gateway, i), range(BURST)))
+    answered = [r for r in replies if r.status == 200]
+    refused = [r for r in replies if r.status == 503]
+    assert len(answered) + len(refused) == BURST, [(r.status, r.body[:200]) for r in replies]
+    assert len(answered) >= QUEUE and refused, [r.status for r in replies]
+    delta = Ledger.read(gateway) - before
+    # Refunded in full: the ledger moved by what the answered requests used; the engine read their prompts
+    # and none of the refused ones.
+    used = [r.json()["usage"] for r in answered]
+    prompts = sum(u["prompt_tokens"] for u in used)
+    assert delta.charged == delta.prompt + delta.completion == sum(u["total_tokens"] for u in used)
+    assert delta.engine_prompt == delta.prompt == prompts
+    assert gateway.sidecar("extproc_settlements_total", outcome="engine_busy") == len(refused)
+    assert gateway.sidecar("extproc_settlements_total", outcome="upstream_error") == 0
+    assert gateway.sidecar("extproc_engine_refusals_total", model=MODEL, reason="queue_full") == len(refused)
+    assert gateway.upstream("vllm:admission_rejections_total", reason="max_num_queued_reqs") == len(refused)
+    # The feed reads the same count off the live page (its vLLM profile, extproc/kvfeed/engines.py).
+    page = http("GET", f"{gateway.stack.upstream_url}/metrics").body.decode()
+    assert parse_metrics(page, ServerKind.VLLM)[MODEL].admission_rejections_total == len(refused)
+    # Each refused client got vLLM's OpenAI error and the sidecar's retry hint: the SDKs retry it.
+    for reply in refused:
+        error = reply.json()["error"]
+        assert error["type"] == "Service Unavailable" and error["code"] == 503, error
+        assert int(reply.headers["retry-after"]) >= 1
+        assert int(reply.headers["retry-after-ms"]) >= 1000
+        assert reply.headers[REASON_HEADER] == "engine_busy"
+        assert "x-ratelimit-limit-requests" in reply.headers
