@@ -167,7 +167,8 @@ class Decision:
             return
         facts, new_body, strip_usage = self._forwarding(parsed, plan, rules)
         result: Lease | Rejection | Refusal | None = None
-        run_s = self._run_seconds(parsed, plan, booking, pool)
+        # Only a request that may wait holds a place in the deadlines' layout of its queue.
+        run_s = self._run_seconds(parsed, plan, booking, pool) if klass.queues else 0.0
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         booking.hold(parsed, plan)
         try:
