@@ -88,6 +88,8 @@ def build_admission(
     if served_as is not None:
         deps.served_as = served_as
     service = AdmissionService(deps)
+    if queue is not None:
+        queue.starts = service.capacity_starts  # waiters' deadlines, weighed against the open leases here
     if signals is not None:
         service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned
     return Admission(service, UnseenStreams(service))

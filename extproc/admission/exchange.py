@@ -30,6 +30,7 @@ from typing import TypeVar
 from extproc.admission.apis import render_refusal
 from extproc.admission.deciding.decision import Decision, Granted, RequestFacts, Shadowed, refuse
 from extproc.admission.deciding.provisional import Correction
+from extproc.admission.intake.deadline import deadline_ms
 from extproc.admission.intake.paths import BACKEND_CONTROL_HEADERS, RouteKind
 from extproc.admission.intake.rules import TenantSource
 from extproc.admission.replies import refusals
@@ -50,7 +51,12 @@ from extproc.admission.tracking.answer import Answer
 from extproc.admission.tracking.inflight import InFlight
 from extproc.admission.tracking.reading import spec_for
 from extproc.admission.tracking.unseen import UnseenStreams
-from extproc.admission.vocabulary.names import FORWARDED_REQUEST_HEADERS
+from extproc.admission.vocabulary.errors import AdmissionError
+from extproc.admission.vocabulary.names import (
+    FAIRNESS_ID_HEADERS,
+    FORWARDED_REQUEST_HEADERS,
+    OBJECTIVE_HEADERS,
+)
 
 OFF_LOOP_FINISH_BYTES = 64 * 1024
 """A buffered response body larger than this is settled in a worker thread, not on the event loop."""
@@ -82,6 +88,16 @@ class RequestHead:
     end_of_stream: bool = False
     client: str | None = None  # the client's address, when the proxy sends it
     request_id: str | None = None  # the proxy's x-request-id (lean), to find a request it never forwarded
+
+
+def _first(headers: Mapping[str, str], names: tuple[str, ...], trusted: bool) -> str:
+    """The first of `names` the request carries, where the operator trusts them; else empty."""
+    if trusted:
+        for name in names:
+            value = headers.get(name)
+            if value:
+                return value
+    return ""
 
 
 class Exchange:
@@ -136,12 +152,25 @@ class Exchange:
             self.service.count("passthrough", "free_path", "none", "none", None)
             return PASSTHROUGH
         self.request_id = head.request_id
-        claimed = head.tenant or ""
+        claimed = head.tenant or _first(
+            head.headers, FAIRNESS_ID_HEADERS, rules.pool_headers.trust_fairness_id
+        )
         tenant = claimed if _TENANT_RE.fullmatch(claimed) else rules.tenant.default
-        self.request = RequestFacts(rule.api, tenant, rules.class_of(tenant), head.client)
+        objective = _first(head.headers, OBJECTIVE_HEADERS, rules.pool_headers.trust_objective)
+        klass = rules.class_for(tenant, objective or None)
+        self.request = request = RequestFacts(rule.api, tenant, klass, head.client)
+        try:
+            deadline = deadline_ms(head.headers)
+        except AdmissionError as exc:
+            self._phase = Phase.REFUSED
+            return refuse(self.service, rule.api, refusals.invalid(exc), "unknown", klass.name, tenant)
+        if deadline is not None:
+            arrived = self.service.clock()
+            self.request = request = replace(
+                request, deadline=arrived + deadline / 1000, deadline_ms=deadline
+            )
         if head.end_of_stream:
             self._phase = Phase.REFUSED
-            request = self.request
             return refuse(
                 self.service, request.api, refusals.empty_body(), "unknown", request.klass.name, tenant
             )

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -186,13 +186,20 @@ class AdmissionService:
         """A slot refusal's `retry-after` from the leases open here on its key (`hints.py`)."""
         return self.slot_hints.apply(rejection, self.clock(), self._open_leases)
 
+    def capacity_starts(
+        self, rejection: Rejection, runs: Sequence[float], held: Sequence[float]
+    ) -> list[float] | None:
+        """Seconds until each of a line of requests refused so is expected to have its capacity, each
+        holding it for its run, beside slots `held` that long by leases not open yet (`hints.py`
+        `SlotHints.starts`)."""
+        return self.slot_hints.starts(rejection, self._open_leases, runs, held)
+
     def _open_leases(self, key: str) -> list[OpenLease]:
-        """The requests whose streams are open here and that hold a lease on `key`."""
-        return [
-            lease
-            for stream in self._open
-            if (inflight := stream.inflight) is not None and (lease := inflight.open_lease(key)) is not None
-        ]
+        """The requests that hold a lease on `key` here: those whose streams are open, and (lean) those
+        whose end report has not arrived, the request ended or not: each holds its slot until it settles."""
+        inflights = {id(f): f for stream in self._open if (f := stream.inflight) is not None}
+        inflights |= {id(f): f for f in self._reports.values()}
+        return [lease for f in inflights.values() if (lease := f.open_lease(key)) is not None]
 
     # -- leases --------------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ValidationError
 
 from extproc.admission.intake.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
-from extproc.admission.intake.rules import DEFAULT_MODEL, ClassPolicy
+from extproc.admission.intake.rules import DEFAULT_MODEL, ClassPolicy, PoolHeaders
 from extproc.admission.vocabulary.policy import (
     MediaCosts,
     MissingMaxTokens,
@@ -106,6 +106,7 @@ def build(file: schema.ConfigFile) -> Config:
     default_class = file.default_class or (names[-1] if DEFAULT_CLASS not in names else DEFAULT_CLASS)
     if default_class not in names:
         raise ConfigError(f"default_class: {default_class!r} is not a class (classes: {', '.join(names)})")
+    _check_objectives(admission.inference_pool, names)
     return Config(
         server=ServerConfig(**file.server.model_dump()),
         admission=admission,
@@ -130,10 +131,26 @@ def _overrides(section: BaseModel) -> dict[str, Any]:
 
 def _admission(adm: schema.Admission) -> AdmissionConfig:
     tenant = tenant_source(adm.tenant)
-    fields = {k: v for k, v in adm.model_dump().items() if k not in ("tenant", "per_step")}
+    nested = ("tenant", "per_step", "inference_pool")
+    fields = {k: v for k, v in adm.model_dump().items() if k not in nested}
+    pool = adm.inference_pool
+    headers = PoolHeaders(pool.trust_fairness_id, pool.trust_objective, dict(pool.objectives))
     return AdmissionConfig(
-        **fields, tenant=tenant, per_step=replace(StepBounds(), **_overrides(adm.per_step))
+        **fields,
+        tenant=tenant,
+        per_step=replace(StepBounds(), **_overrides(adm.per_step)),
+        inference_pool=headers,
     )
+
+
+def _check_objectives(headers: PoolHeaders, names: Sequence[str]) -> None:
+    """Every objective must map to a class (a typo would silently leave its requests in their tenant's)."""
+    for objective, klass in headers.objectives.items():
+        if klass not in names:
+            raise ConfigError(
+                f"admission.inference_pool.objectives.{objective}: {klass!r} is not a class "
+                f"(classes: {', '.join(names)})"
+            )
 
 
 def _models(models: Mapping[str, schema.Model]) -> dict[str, ModelPolicy]:

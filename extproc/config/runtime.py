@@ -19,6 +19,7 @@ from extproc.admission.intake.rules import (
     DEFAULT_MODEL,
     AdmissionRules,
     ClassPolicy,
+    PoolHeaders,
     TenantSource,
     Tokenizing,
 )
@@ -98,6 +99,8 @@ class AdmissionConfig:
     end_report_wait_seconds: float = _ADMISSION.end_report_wait_seconds
     per_step: StepBounds = field(default_factory=StepBounds)
     max_request_seconds: float = _ADMISSION.max_request_seconds
+    max_queue_wait_seconds: float | None = _ADMISSION.max_queue_wait_seconds
+    inference_pool: PoolHeaders = field(default_factory=PoolHeaders)
 
 
 @dataclass(frozen=True)
@@ -217,4 +220,6 @@ def admission_rules(config: Config) -> AdmissionRules:
         shadow=config.shadow,
         end_report_wait_seconds=adm.end_report_wait_seconds,
         refuse_unserved=config.feedback.unserved_models == "refuse",
+        max_queue_wait_seconds=adm.max_queue_wait_seconds,
+        pool_headers=adm.inference_pool,
     )

@@ -123,6 +123,15 @@ class PerStep(Section):
     prompt_logprobs_tokens: NonNegInt | None = None
 
 
+class InferencePool(Section):
+    """Headers of the inference-pool stack (Gateway API Inference Extension, llm-d's endpoint picker) read
+    as the tenant and the class, each only where the operator trusts it (docs/tenants.md)."""
+
+    trust_fairness_id: Flag = False
+    trust_objective: Flag = False
+    objectives: dict[AnyKey, Text] = {}
+
+
 class Admission(Section):
     max_body_bytes: PosInt = 1 << 20
     tokenizer_threads: PosInt = 2
@@ -152,6 +161,10 @@ class Admission(Section):
     per_step: PerStep = PerStep()
     # The lifetime bound of a metered request, rendered into each metered Envoy route (max_stream_duration).
     max_request_seconds: Annotated[float, PlainValidator(number(1.0))] = 1800.0
+    # The longest any request waits in a class's queue, over every class's own bound; None: no global bound.
+    max_queue_wait_seconds: Annotated[float, PlainValidator(number(0.001, 3600.0))] | None = None
+    # The fairness id and objective headers of an inference pool's stack as tenant and class, if trusted.
+    inference_pool: InferencePool = InferencePool()
 
 
 # -- models ------------------------------------------------------------------------------------------------

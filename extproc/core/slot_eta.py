@@ -45,8 +45,11 @@ class OpenLease:
     expected_tokens: float
     streamed_tokens: float
     rate: float
+    ended: bool = False  # the request ended at the proxy; its slot frees when the sidecar hears of it
 
     def remaining_s(self) -> float:
+        if self.ended:
+            return MIN_REMAINING_S
         left = self.expected_tokens - self.streamed_tokens
         if left <= 0:
             left = OVERRUN_TOKENS

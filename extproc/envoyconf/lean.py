@@ -10,8 +10,9 @@ rendered config passes `envoy --mode validate` on 1.40 (tests/e2e/test_shipped_c
 What changes, and why:
 
 * ext_proc (`ExternalProcessor`): request body BUFFERED only; request headers, response headers and
-  response body SKIP/NONE. The request's method, path, client address and tenant header come as
-  `request_attributes` with the body (Envoy 1.40 evaluates each entry as a CEL expression, so
+  response body SKIP/NONE. The request's method, path, client address, tenant header and the headers
+  admission reads (names.py `ATTRIBUTE_HEADERS`: deadlines, an inference pool's objective and fairness id)
+  come as `request_attributes` with the body (Envoy 1.40 evaluates each entry as a CEL expression, so
   `request.headers['x-tenant-id']` gives one header). `metadata_options.receiving_namespaces` lets the
   sidecar write the `extproc` namespace (extproc/admission/vocabulary/names.py).
 * Routes: one per metered path and method (`path` is exact after Envoy's own path normalization; the query
@@ -63,6 +64,7 @@ from extproc.admission.intake.paths import (
     RouteKind,
 )
 from extproc.admission.vocabulary.names import (
+    ATTRIBUTE_HEADERS,
     DETAILS_PREFIX,
     EXT_PROC_FAILED_DETAILS,
     FORWARDED_REQUEST_HEADERS,
@@ -70,6 +72,7 @@ from extproc.admission.vocabulary.names import (
     NAMESPACE,
     RATELIMIT_HEADERS,
     REPORT_KEY,
+    header_attribute,
     tenant_attribute,
 )
 from extproc.config import Config
@@ -163,6 +166,7 @@ def _lean_filters(hcm: dict[str, Any], max_body_bytes: int) -> None:
         attributes = list(LEAN_REQUEST_ATTRIBUTES)
         if tenant is not None:
             attributes.append(tenant_attribute(tenant))
+        attributes.extend(header_attribute(name) for name in ATTRIBUTE_HEADERS)
         ext_proc["request_attributes"] = attributes
         # Kept: the namespaces an earlier filter forwards (a tenant from metadata, docs/tenants.md).
         options = ext_proc.setdefault("metadata_options", {})

@@ -1,8 +1,10 @@
 """The ext_proc translator of the lean profile: the request body in, the admission decision out.
 
 In the lean profile Envoy sends the sidecar one message per request: the BUFFERED request body, with the
-request's method, path, client address and tenant as attributes (`request_attributes`), its route having
-already done path routing and the body cap (envoy/envoy-lean.yaml, rendered by extproc/envoyconf/lean.py).
+request's method, path, client address, tenant and the headers admission reads (a client's deadline, an
+inference pool's objective and fairness id: `ATTRIBUTE_HEADERS`) as attributes (`request_attributes`), its
+route having already done path routing and the body cap (envoy/envoy-lean.yaml, rendered by
+extproc/envoyconf/lean.py).
 Requests without a `content-length` (an HTTP/2 body of unknown length, a chunked upload) take a route that
 also sends the request headers, so a request with no body at all still reaches the sidecar and is refused.
 
@@ -43,12 +45,14 @@ from extproc.admission.replies.verdicts import Forward, Hold, Passthrough, Refus
 from extproc.admission.tracking.reading import ReadSpec
 from extproc.admission.tracking.unseen import UnseenStreams
 from extproc.admission.vocabulary.names import (
+    ATTRIBUTE_HEADERS,
     METHOD_ATTRIBUTE,
     NAMESPACE,
     PATH_ATTRIBUTE,
     READ_SPEC_KEY,
     REPORT_KEY,
     REQUEST_ID_ATTRIBUTE,
+    header_attribute,
     tenant_attribute,
 )
 from extproc.protocol.messages import (
@@ -172,10 +176,15 @@ class LeanTranslator:
     def _head(self, request: pb.ProcessingRequest) -> RequestHead:
         """The request line from the attributes Envoy sends with the body (the routes already checked it)."""
         source = self.exchange.tenant_source()
+        headers = {
+            name: value
+            for name in ATTRIBUTE_HEADERS
+            if (value := _attribute(request, header_attribute(name))) is not None
+        }
         return RequestHead(
             method=_attribute(request, METHOD_ATTRIBUTE) or "",
             path=_attribute(request, PATH_ATTRIBUTE) or "",
-            headers={},
+            headers=headers,
             tenant=lean_tenant_claim(request, source),
             client=client_address(request),
             request_id=_attribute(request, REQUEST_ID_ATTRIBUTE),

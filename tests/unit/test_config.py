@@ -224,6 +224,16 @@ def test_worked_examples_in_the_docs_are_valid() -> None:
             {"admission": {"envoy_max_message_timeout_seconds": 0.5}},
             "admission.envoy_max_message_timeout_seconds",
         ),
+        ({"admission": {"max_queue_wait_seconds": 0}}, "admission.max_queue_wait_seconds"),
+        ({"admission": {"max_queue_wait_seconds": "soon"}}, "admission.max_queue_wait_seconds"),
+        (
+            {"admission": {"inference_pool": {"trust_objective": "yes please"}}},
+            "admission.inference_pool.trust_objective",
+        ),
+        (
+            {"admission": {"inference_pool": {"objectives": {"chat-latency": "critical"}}}},
+            "admission.inference_pool.objectives.chat-latency",
+        ),
     ],
 )
 def test_class_errors_name_the_key(data: Any, key: str) -> None:

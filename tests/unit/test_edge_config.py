@@ -19,10 +19,12 @@ from devstack.stack import tenant_header_of
 from extproc.admission.intake.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
 from extproc.admission.replies.headers import ratelimit_headers
 from extproc.admission.vocabulary.names import (
+    ATTRIBUTE_HEADERS,
     DETAILS_PREFIX,
     NAMESPACE,
     RATELIMIT_HEADERS,
     REPORT_KEY,
+    header_attribute,
     tenant_attribute,
 )
 from extproc.config import AdmissionConfig, parse_config
@@ -244,6 +246,7 @@ def test_lean_ext_proc_sees_the_request_body_only_with_the_attributes_admission_
         "request.path",
         "request.id",
         tenant_attribute(AdmissionConfig().tenant.header or "x-tenant-id"),
+        *(header_attribute(name) for name in ATTRIBUTE_HEADERS),
     ]
     assert ext_proc["metadata_options"]["receiving_namespaces"] == {"untyped": [NAMESPACE]}
     names = [f["name"] for f in lean["http_filters"]]

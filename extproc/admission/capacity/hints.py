@@ -8,7 +8,8 @@ store's estimate stays when this replica holds none on the key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from extproc.core.limiter import Reason, Rejection
@@ -48,3 +49,35 @@ class SlotHints:
                 self._etas = {key: cached}
         etas = [max(MIN_REMAINING_S, eta - (now - cached[0])) for eta in cached[1]]
         return self.hints.hint(key, etas, now)
+
+    def starts(
+        self,
+        rejection: Rejection,
+        open_leases: Callable[[str], list[OpenLease]],
+        runs: Sequence[float],
+        held: Sequence[float] = (),
+    ) -> list[float] | None:
+        """When each of a line of requests refused so is expected to get its capacity, in the order they
+        will be admitted, each holding it for its run (seconds): the slots the open leases free (and those
+        `held` for the given seconds by leases not open yet: granted, their requests not resumed), each
+        taken again by the next in line, a slot at a time; for a token refusal, the tokens' refill for all.
+        None where this replica cannot tell (its leases are not the ones open on the key).
+
+        No hint is handed out (the successive-slot bookkeeping of `RetryHints` is for clients sent away):
+        this is what deadlines are compared with.
+        """
+        if rejection.reason is Reason.TOKENS:
+            refill = rejection.retry_after_s
+            return None if refill is None else [refill] * len(runs)
+        if rejection.reason is not Reason.CONCURRENCY:
+            return None
+        # Read afresh, not through the 50 ms cache of the retry hints: a lease the queue granted moves from
+        # `held` to the open leases between two reads, and a stale read would miss its slot altogether.
+        free = sorted([*remaining_times(open_leases(rejection.key)), *held])  # sorted: a heap
+        if not free:
+            return None
+        out = []
+        for run in runs:
+            out.append(free[0])
+            heapq.heapreplace(free, free[0] + run)
+        return out

@@ -1,7 +1,8 @@
 """A bounded wait for capacity instead of an instant 429, for classes configured to queue.
 
-A request that does not fit waits, up to its class's deadline, in the `WaitQueue` (highest class first,
-tenants taking turns within a class, FIFO per tenant). Whenever capacity may have freed — a lease settled,
+A request that does not fit waits, up to the smallest of its bounds (the global one, its class's, its own
+deadline), in the `WaitQueue` (highest class first, tenants taking turns within a class, per tenant nearest
+deadline first, then arrival order). Whenever capacity may have freed — a lease settled,
 limits or scales changed — and every 100 ms while anyone waits (token buckets refill with time), the queue
 is pumped: each class's waiting heads try to acquire, in order, and those that fit are admitted. With a
 shared store, a release on another replica also pumps the queue at once: while anyone waits here the store is
@@ -9,8 +10,13 @@ told (`announce_waiting`), releases everywhere then publish a wake-up, and the s
 tick stays as the fallback when wake-ups are lost.
 
 A newcomer never overtakes waiters of its own or a higher class: while they wait, it queues behind them.
-A waiter whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the
-very moment it left is given straight back, so nothing leaks.
+A request with a deadline of its own (extproc/admission/intake/deadline.py) waits no longer than it and
+goes ahead of its own tenant's requests with later or no deadlines (`Waiter.due`). The pump keeps the last
+refusal each class's heads met (`blocked`), so a newcomer that lines up behind them without trying can still
+be told at once that its deadline is out of reach, and compares each waiter's deadline with that refusal
+again (`_refuse_unreachable`): a deadline that went out of reach while waiting is refused then. A waiter
+whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the very moment
+it left is given straight back, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from extproc.core.clock import Clock
@@ -38,6 +45,24 @@ class QueueFull(Exception):
     """The class's queue is at its bound (or the class does not queue)."""
 
 
+class DeadlineUnmet(Exception):
+    """A waiter's own deadline is out of reach: its capacity is not expected before it (`eta` seconds)."""
+
+    def __init__(self, eta: float) -> None:
+        super().__init__(f"capacity expected in {eta:.3f} s")
+        self.eta = eta
+
+
+Schedule = Callable[[Rejection, Sequence[float], Sequence[float]], list[float] | None]
+"""When each of a line of requests refused so is expected to have its capacity, each holding it for its
+run in seconds, beside slots held that many seconds by leases granted here and not open yet
+(`AdmissionService.capacity_starts`); None where nothing tells."""
+
+
+def _no_schedule(_rejection: Rejection, _runs: Sequence[float], _held: Sequence[float]) -> list[float] | None:
+    return None
+
+
 class AdmissionQueue:
     def __init__(self, store: LimiterStore, clock: Clock, metrics: Metrics) -> None:
         self.store = store
@@ -48,6 +73,12 @@ class AdmissionQueue:
         self._pumping = False
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()
+        self._blocked: dict[str, Rejection] = {}
+        # Waiters the pump granted a lease whose requests have not resumed: their leases hold slots that
+        # no open request shows yet, which the deadlines' layout counts (`_schedule`).
+        self._granted: set[Waiter] = set()
+        # Wired by the admission service (compose.py): when refused waiters' capacity is expected.
+        self.starts: Schedule = _no_schedule
 
     def configure(self, priority: Sequence[str], max_queued: dict[str, int]) -> None:
         self.queue.configure(priority, max_queued)
@@ -57,21 +88,72 @@ class AdmissionQueue:
         """True when waiters of this class or a higher one exist: a newcomer must line up behind them."""
         return self.queue.ahead_of(holder)
 
+    def blocked(self, holder: str) -> Rejection | None:
+        """The refusal the last pump met for a waiter of this class (None when none is waiting)."""
+        return self._blocked.get(holder) if self.queue.depth(holder) else None
+
+    def deadline_refusal(
+        self, holder: str, tenant: str, keys: Sequence[str], due: float, run_s: float, refused: Rejection
+    ) -> float | None:
+        """Whether a newcomer due at `due` (this queue's clock) that will hold its capacity `run_s` seconds
+        may wait, its capacity refused as `refused`: None when it may, else the seconds until its capacity
+        is expected (its retry-after). It may when its capacity is expected before its deadline and its
+        place, ahead of requests with later deadlines, makes none of them that were expected in time miss
+        theirs: a newcomer never pushes a request already waiting in time out of it. None where nothing
+        tells (`Schedule`)."""
+        now = self.clock()
+        newcomer = Waiter(holder, tenant, now, due, (tuple(keys), 0, None), sys.maxsize, due, run_s)
+        after = self._schedule(holder, refused, newcomer)
+        if after is None:
+            return None
+        mine = after.pop(newcomer)
+        if now + mine > due:
+            return mine
+        before = self._schedule(holder, refused) or {}
+        for waiter, start in after.items():
+            if waiter.due is not None and now + before[waiter] <= waiter.due < now + start:
+                return mine
+        return None
+
+    def _schedule(
+        self, holder: str, refused: Rejection, extra: Waiter | None = None
+    ) -> dict[Waiter, float] | None:
+        """When each waiter of this class and those above that needs the refused key is expected to have
+        it, in the order they are expected to be admitted (`WaitQueue.service_order`)."""
+        line = [w for w in self.queue.service_order(holder, extra) if refused.key in w.payload[0]]
+        held = [w.run_s for w in self._granted if refused.key in w.payload[0]]
+        starts = self.starts(refused, [w.run_s for w in line], held)
+        return None if starts is None else dict(zip(line, starts, strict=True))
+
     async def wait(
-        self, keys: Sequence[str], tokens: int, holder: str, tenant: str, max_wait_s: float
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str,
+        tenant: str,
+        max_wait_s: float,
+        due: float | None = None,
+        refused: Rejection | None = None,
+        run_s: float = 0.0,
     ) -> Lease | Rejection | None:
-        """Wait for a lease. None when the deadline passed; QueueFull when there is no room to wait."""
+        """Wait for a lease. None when the wait's end passed (`max_wait_s`, already the smallest of the
+        bounds that apply); QueueFull when there is no room to wait; DeadlineUnmet when a pump finds `due`,
+        the request's own deadline on this queue's clock (which also orders its tenant's line), out of
+        reach. `refused`: what the request met trying at once, the class's `blocked` until a pump runs;
+        `run_s`: how long it will hold its capacity, for the deadlines of the waiters behind it."""
+        if refused is not None:
+            self._blocked[holder] = refused
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
-        waiter = Waiter(holder=holder, tenant=tenant, enqueued_at=now, deadline=now + max_wait_s)
+        waiter = Waiter(holder, tenant, enqueued_at=now, deadline=now + max_wait_s, due=due, run_s=run_s)
         waiter.payload = (tuple(keys), tokens, future)
         if not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
             raise QueueFull
         self._depth(holder)
         self.kick()
-        outcome = "timeout"
+        outcome = "deadline" if due is not None and due <= waiter.deadline else "timeout"
         try:
             lease = await asyncio.wait_for(asyncio.shield(future), max_wait_s)
             outcome = "admitted"
@@ -79,6 +161,11 @@ class AdmissionQueue:
         except _Unwaitable as exc:
             outcome = "refused"
             return exc.rejection
+        except _Expired:
+            return None  # the pump found its end passed on the injected clock
+        except DeadlineUnmet:
+            outcome = "deadline"
+            raise
         except TimeoutError:
             if future.done() and not future.cancelled():
                 outcome = "admitted"
@@ -94,6 +181,7 @@ class AdmissionQueue:
             raise
         finally:
             self.queue.remove(waiter)
+            self._granted.discard(waiter)
             self._depth(holder)
             self.metrics.queue_wait_seconds.labels(holder, outcome).observe(self.clock() - now)
 
@@ -116,7 +204,9 @@ class AdmissionQueue:
     async def _pump(self) -> None:
         self._pumping = True
         admitted = False
+        checked: set[str] = set()  # classes whose deadlines this pass compared with what their heads met
         try:
+            self._expire()
             for waiter in list(self.queue.candidates()):
                 keys, tokens, future = waiter.payload
                 if future.done():
@@ -129,8 +219,14 @@ class AdmissionQueue:
                     self.queue.remove(waiter)
                     self._depth(waiter.holder)
                     future.set_result(result)
+                    self._granted.add(waiter)
                     admitted = True
-                elif result.reason not in WAITABLE and not future.done():
+                elif result.reason in WAITABLE:
+                    self._blocked[waiter.holder] = result
+                    if waiter.holder not in checked:
+                        checked.add(waiter.holder)
+                        self._refuse_unreachable(waiter.holder, result)
+                elif not future.done():
                     future.set_exception(_Unwaitable(result))
         except Exception:
             log.exception("admission queue pump failed")
@@ -139,6 +235,25 @@ class AdmissionQueue:
         if admitted:
             self.kick()
         self._rearm()
+
+    def _expire(self) -> None:
+        """End the waits whose end has passed on the queue's clock. The event loop's timer ends them too
+        (`wait`); this pass makes the end follow the injected clock, so a test moves it without sleeping."""
+        for waiter in self.queue.expired(self.clock()):
+            future = waiter.payload[2]
+            if not future.done():
+                future.set_exception(_Expired())
+
+    def _refuse_unreachable(self, holder: str, rejection: Rejection) -> None:
+        """End the waits of this class whose own deadline is now out of reach: the capacity `rejection`
+        refused is not expected before it, after the waiters expected to be admitted first."""
+        schedule = self._schedule(holder, rejection)
+        now = self.clock()
+        for waiter, start in (schedule or {}).items():
+            late = waiter.due is not None and now + start > waiter.due
+            future = waiter.payload[2]
+            if late and waiter.holder == holder and not future.done():
+                future.set_exception(DeadlineUnmet(start))
 
     def _rearm(self) -> None:
         if self._timer is not None:
@@ -167,3 +282,7 @@ class _Unwaitable(Exception):
     def __init__(self, rejection: Rejection) -> None:
         super().__init__(rejection.reason.value)
         self.rejection = rejection
+
+
+class _Expired(Exception):
+    """Raised into a waiter whose wait ended by the queue's clock before the event loop's timer fired."""

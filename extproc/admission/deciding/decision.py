@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from extproc.admission.apis import render_refusal
 from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.lanes import LaneFull
-from extproc.admission.capacity.queueing import WAITABLE, QueueFull
+from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
 from extproc.admission.deciding import provisional
 from extproc.admission.intake.request import (
     USAGE_OPTION_APIS,
@@ -60,6 +60,10 @@ class RequestFacts:
     tenant: str
     klass: ClassPolicy
     client: str | None = None
+    # The client's deadline for its first token on the service's clock, and as it asked (milliseconds
+    # from arrival, extproc/admission/intake/deadline.py); None without one.
+    deadline: float | None = None
+    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +167,12 @@ class Decision:
             return
         facts, new_body, strip_usage = self._forwarding(parsed, plan, rules)
         result: Lease | Rejection | Refusal | None = None
+        # Only a request that may wait holds a place in the deadlines' layout of its queue.
+        run_s = self._run_seconds(parsed, plan, booking, pool) if klass.queues else 0.0
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         booking.hold(parsed, plan)
         try:
-            async for step in self.acquire(self._keys(), plan.total, shadow):
+            async for step in self.acquire(self._keys(), plan.total, shadow, run_s):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -352,11 +358,18 @@ class Decision:
                 param=key,
             )
 
+    def _run_seconds(self, parsed: ParsedRequest, plan: Reservation, booking: KvBooking, pool: str) -> float:
+        """How long this request is expected to hold its slot: its expected completion per sequence at the
+        pool's decode rate, as an open lease's remaining time is reckoned (`InFlight.open_lease`)."""
+        allowance = plan.completion_tokens / max(1, parsed.sequences * parsed.prompt_count)
+        return booking.expected_completion(allowance) / self.service.decode_rates.rate(pool)
+
     async def acquire(
-        self, keys: list[str], tokens: int, shadow: bool
+        self, keys: list[str], tokens: int, shadow: bool, run_s: float = 0.0
     ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
         """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
-        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down)."""
+        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down).
+        `run_s`: how long it will hold the lease, weighed by the deadlines of the requests behind it."""
         klass, service = self.request.klass, self.service
         queue = service.deps.queue
         waits = queue is not None and klass.queues and not shadow
@@ -369,20 +382,67 @@ class Decision:
                 result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
                 assert queue is not None
+                unmet = self._deadline_unmet(queue, keys, run_s, result)
+                if unmet is not None:
+                    yield unmet  # its deadline is out of reach: refused now, not when it passes
+                    return
+                max_wait, by_deadline = self._max_wait()
                 # The proxy's per-message timer must not fire while the request waits for capacity.
-                yield Hold(math.ceil(klass.max_wait_seconds) + 1)
+                yield Hold(math.ceil(max_wait) + 1)
+                refused = result if isinstance(result, Rejection) else None
+                request = self.request
                 try:
                     result = await queue.wait(
-                        keys, tokens, klass.name, self.request.tenant, klass.max_wait_seconds
+                        keys, tokens, klass.name, request.tenant, max_wait, request.deadline, refused, run_s
                     )
                 except QueueFull:
                     yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
                     return
+                except DeadlineUnmet as exc:
+                    yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta)
+                    return
                 if result is None:
-                    yield refusals.queue_refused("queue_timeout", klass.name, klass.max_wait_seconds)
+                    yield (
+                        self._deadline_passed()
+                        if by_deadline
+                        else refusals.queue_refused("queue_timeout", klass.name, max_wait)
+                    )
                     return
         except StoreUnavailable:
             yield refusals.store_unavailable()
             return
         assert result is not None
         yield result
+
+    def _max_wait(self) -> tuple[float, bool]:
+        """How long this request may wait in its class's queue (`AdmissionRules.queue_wait`: the smallest
+        of the global, class and request bounds), and whether its own deadline is the bound that ends it."""
+        request, rules = self.request, self.service.rules()
+        left = None if request.deadline is None else request.deadline - self.service.clock()
+        others = rules.queue_wait(request.klass, None)
+        wait = rules.queue_wait(request.klass, left)
+        return wait, left is not None and left <= others
+
+    def _deadline_unmet(
+        self, queue: AdmissionQueue, keys: list[str], run_s: float, result: Lease | Rejection | None
+    ) -> Refusal | None:
+        """A refusal when this request's deadline is out of reach before it waits: already passed, or
+        earlier than its capacity is expected, or met only by pushing a request already waiting in time
+        out of its own (`AdmissionQueue.deadline_refusal`, on the refusal it met trying, else its class's
+        last). Where nothing tells (no refusal of a key it needs, leases held by other replicas), it
+        waits, and its deadline ends the wait."""
+        request = self.request
+        if request.deadline is None:
+            return None
+        klass, ms = request.klass.name, request.deadline_ms or 0
+        if request.deadline <= self.service.clock():
+            return refusals.deadline_unmet(klass, ms, None)
+        blocked = result if isinstance(result, Rejection) else queue.blocked(klass)
+        if blocked is None or blocked.key not in keys:
+            return None  # another tenant's or pool's own limit says nothing of this request's wait
+        eta = queue.deadline_refusal(klass, request.tenant, keys, request.deadline, run_s, blocked)
+        return None if eta is None else refusals.deadline_unmet(klass, ms, eta)
+
+    def _deadline_passed(self) -> Refusal:
+        """The request's own deadline ended its wait."""
+        return refusals.deadline_unmet(self.request.klass.name, self.request.deadline_ms or 0, None)

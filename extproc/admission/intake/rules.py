@@ -10,7 +10,7 @@ request: every lookup is a dict or set membership on what the load built.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.admission.intake.paths import PathTable
 from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
@@ -46,6 +46,19 @@ class TenantSource:
     metadata_namespace: str | None
     metadata_key: str
     default: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolHeaders:
+    """What admission takes from the inference-pool stack's request headers (`admission.inference_pool`):
+    the fairness id as the tenant and the objective as the class, each only where the operator trusts the
+    header (an earlier filter sets it, or the edge strips it from clients), as the tenant header is trusted.
+    `objectives` maps an objective's name to a class; an objective it does not name is the class of the same
+    name, if there is one."""
+
+    trust_fairness_id: bool = False
+    trust_objective: bool = False
+    objectives: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +103,25 @@ class AdmissionRules:
     shadow: bool
     end_report_wait_seconds: float
     refuse_unserved: bool  # `feedback.unserved_models: refuse`: a name no listing engine serves gets a 404
+    # `admission.max_queue_wait_seconds`: the longest any request waits in a queue, whatever its class says.
+    max_queue_wait_seconds: float | None = None
+    pool_headers: PoolHeaders = PoolHeaders()
+
+    def queue_wait(self, klass: ClassPolicy, deadline_s: float | None) -> float:
+        """How long a request of `klass` may wait for capacity: the smallest of the global bound, its
+        class's and the time left to its own deadline (None: it has none)."""
+        bounds = [klass.max_wait_seconds, self.max_queue_wait_seconds, deadline_s]
+        return max(0.0, min(b for b in bounds if b is not None))
+
+    def class_for(self, tenant: str, objective: str | None) -> ClassPolicy:
+        """A request's class: its trusted objective's where that names a class, else its tenant's."""
+        pool = self.pool_headers
+        if objective is not None and pool.trust_objective:
+            name = pool.objectives.get(objective, objective)
+            for klass in self.classes:
+                if klass.name == name:
+                    return klass
+        return self.class_of(tenant)
 
     def class_of(self, tenant: str) -> ClassPolicy:
         """The class of a tenant; unknown tenants fall into the default class."""

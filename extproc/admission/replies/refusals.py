@@ -144,6 +144,24 @@ def queue_refused(reason: str, class_name: str, max_wait_s: float) -> Refusal:
     return Refusal(429, body, reason, headers, f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 
+DEADLINE_UNMET = "deadline_unmet"
+"""The reason of every refusal a client's own deadline caused (metric label, `x-extproc-reject-reason`)."""
+
+
+def deadline_unmet(class_name: str, deadline_ms: int, retry_after_s: float | None) -> Refusal:
+    """A request whose deadline for its first token the queue cannot meet: refused at once when the
+    capacity it waits for is not expected to free in time, or when its deadline passes while it waits.
+    Retryable: the same request without (or with a later) deadline may wait, or fit later."""
+    wait = min(MAX_HINT_S, max(1.0, retry_after_s or 1.0))
+    message = (
+        f"No capacity for class {class_name} within this request's deadline of {deadline_ms} ms for its "
+        f"first token: the deadline could not be met. Please try again in {format_duration(wait)}."
+    )
+    body = error_body(message, type="requests", code="rate_limit_exceeded")
+    headers = _reason(DEADLINE_UNMET, retry_headers(wait))
+    return Refusal(429, body, DEADLINE_UNMET, headers, f"{DETAILS_PREFIX}rate_limited_{DEADLINE_UNMET}")
+
+
 def tokenizer_busy() -> Refusal:
     """The client already has its share of large prompts being counted and waiting: come back shortly."""
     body = error_body(

@@ -264,12 +264,19 @@ class InFlight:
         if self.settled or key not in admitted.lease.keys:
             return None
         usage = self.seen.facts.usage
-        streamed = usage.completion_tokens if usage is not None else 0
         request = admitted.request
         sequences = max(1, request.sequences * request.prompt_count)
         allowance = admitted.plan.completion_tokens / sequences
+        rate = self.service.decode_rates.rate(admitted.pool)
+        if usage is not None:
+            streamed = usage.completion_tokens / sequences
+        else:
+            # Nothing seen (the lean profile until the end report, a JSON answer): the engine has been
+            # generating since admission at the pool's rate, as the KV forecast reckons unseen progress.
+            streamed = (self.service.clock() - admitted.admitted_at) * rate
         return OpenLease(
             expected_tokens=admitted.booking.expected_completion(allowance),
-            streamed_tokens=streamed / sequences,
-            rate=self.service.decode_rates.rate(admitted.pool),
+            streamed_tokens=streamed,
+            rate=rate,
+            ended=self.ended_at is not None,
         )

@@ -121,7 +121,40 @@ LEAN_REQUEST_ATTRIBUTES = (CLIENT_ADDRESS_ATTRIBUTE, METHOD_ATTRIBUTE, PATH_ATTR
 (`tenant_attribute`) aside."""
 
 
-def tenant_attribute(header: str) -> str:
+def header_attribute(header: str) -> str:
     """The CEL attribute that gives the sidecar one request header without the header phase
     (`request.headers` is a map; Envoy 1.40 evaluates each `request_attributes` entry as an expression)."""
     return f"request.headers['{header}']"
+
+
+def tenant_attribute(header: str) -> str:
+    """The attribute of the trusted tenant header (`admission.tenant.header`)."""
+    return header_attribute(header)
+
+
+DEADLINE_HEADER = "x-extproc-ttft-deadline-ms"
+"""A client's deadline for its first token, in milliseconds from when the sidecar sees the request
+(extproc/admission/intake/deadline.py). This gateway's own name: a bad value is refused with a 400."""
+
+LLMD_DEADLINE_HEADER = "x-llm-d-slo-ttft-ms"
+"""llm-d's time-to-first-token objective in milliseconds from the request's arrival (llm-d/llm-d-router
+pkg/epp/metadata/consts.go `TTFTSLOHeaderKey`, read by flowcontrol/ordering/slodeadline/slo_deadline.go
+`calculateSLODeadline` @ ebab687): read the same way, a bad value ignored as llm-d ignores it."""
+
+DEADLINE_HEADERS = (DEADLINE_HEADER, LLMD_DEADLINE_HEADER)
+"""The request headers a deadline is read from; the tightest valid one holds."""
+
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+"""The inference objective of a request as an inference pool's endpoint picker reads it, current name
+first, then the Gateway API Inference Extension's, which llm-d keeps as a deprecated alias (llm-d/llm-d-router
+pkg/epp/metadata/consts.go `ObjectiveKey`, `OldObjectiveKey`, `GetLowerCaseHeaderValue` @ ebab687; the
+Inference Extension's own picker read only the `x-gateway-` name from the request headers before the picker
+moved to llm-d: kubernetes-sigs/gateway-api-inference-extension pkg/epp/metadata/consts.go and
+pkg/epp/handlers/request.go @ 1748e829)."""
+
+FAIRNESS_ID_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+"""The flow-control fairness id, in the same order (`FlowFairnessIDKey`, `OldFlowFairnessIDKey`)."""
+
+ATTRIBUTE_HEADERS = (*DEADLINE_HEADERS, *OBJECTIVE_HEADERS, *FAIRNESS_ID_HEADERS)
+"""Request headers the lean profile's ext_proc filter sends as attributes (`header_attribute`) beside the
+tenant's, so that admission reads them without the header phase."""

@@ -9,16 +9,11 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.compose import Admission, build_admission
 from extproc.admission.exchange import Exchange, Phase, RequestHead
 from extproc.admission.replies.verdicts import Forward, Hold, Refusal
 from extproc.admission.tracking.inflight import InFlight
 from extproc.admission.tracking.reading import OPENAI_SPEC, ReportedTiming, ResponseReading
-from extproc.core.clock import FakeClock
-from extproc.core.limiter import LimitSpec
-from extproc.metrics import Metrics
-from extproc.store.local import LocalStore
-from tests.support.rules import admission_rules
+from tests.support.admission import AdmissionRig
 
 CONFIG: dict[str, Any] = {
     "admission": {"tenant": {"header": "x-tenant"}},
@@ -31,25 +26,11 @@ HEAD = RequestHead("POST", "/v1/chat/completions", {})
 USAGE_81 = b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":81,"total_tokens":92}}\n\n'
 
 
-class Rig:
+class Rig(AdmissionRig):
     """Admission over an in-process store, a fake clock and a KV usage the test sets."""
 
     def __init__(self, config: dict[str, Any] = CONFIG, concurrency: int | None = None) -> None:
-        self.clock = FakeClock()
-        self.metrics = Metrics()
-        self.store = LocalStore(clock=self.clock)
-        self.concurrency = concurrency
-        rules = admission_rules(config)
-        self.admission: Admission = build_admission(lambda: rules, self.store, self.clock, self.metrics)
-        self.kv_usage: float | None = None
-        self.admission.service.deps.kv_usage = lambda _pool: self.kv_usage
-
-    async def start(self) -> Rig:
-        await self.store.apply_limits({"global": LimitSpec(max_concurrency=self.concurrency)})
-        return self
-
-    def metric(self, name: str, **labels: str) -> float:
-        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+        super().__init__(config, concurrency)
 
     def total(self, name: str) -> float:
         """`name` summed over every label set."""
@@ -67,10 +48,6 @@ class Rig:
             for sample in family.samples
             if sample.name == "extproc_tokens_settled_total" and sample.labels.get("kind") == "prompt"
         )
-
-    @property
-    def active(self) -> int:
-        return self.store.limiter.snapshot(["global"])[0].active
 
     async def decide(self, exchange: Exchange, body: bytes, head: RequestHead = HEAD) -> Forward | Refusal:
         exchange.request_headers(head)

@@ -17,6 +17,8 @@ def test_progress_shortens_the_remaining_time_and_an_overrun_is_never_zero() -> 
     assert OpenLease(400, 300, 100).remaining_s() == pytest.approx(1.0)
     assert OpenLease(400, 500, 100).remaining_s() == pytest.approx(16 / 100)
     assert OpenLease(1, 0, 1e9).remaining_s() == MIN_REMAINING_S
+    # Ended at the proxy, its end report on the way: the slot frees as soon as the sidecar hears of it.
+    assert OpenLease(400, 0, 100, ended=True).remaining_s() == MIN_REMAINING_S
 
 
 def test_successive_refusals_aim_at_successive_slots_then_the_history_expires() -> None:

@@ -88,3 +88,53 @@ def test_drain_respects_class_order_and_per_tenant_fifo(items: list[tuple[str, s
         for tenant in "abc":
             mine = [x for x in out if x.holder == holder and x.tenant == tenant]
             assert mine == [x for x in waiters if x.holder == holder and x.tenant == tenant]
+
+
+def due(tenant: str, at: float | None, holder: str = "standard") -> Waiter:
+    return Waiter(holder=holder, tenant=tenant, enqueued_at=0.0, deadline=10.0, due=at)
+
+
+def test_nearest_deadline_first_within_a_tenant_none_last_fifo_among_equals() -> None:
+    q = WaitQueue(PRIORITY, {"standard": 10})
+    plain1, late, plain2, early, early_too = (
+        due("t", None),
+        due("t", 9.0),
+        due("t", None),
+        due("t", 2.0),
+        due("t", 2.0),
+    )
+    for x in (plain1, late, plain2, early, early_too):
+        assert q.push(x)
+    assert drain(q) == [early, early_too, late, plain1, plain2]
+
+
+def test_a_deadline_never_moves_a_request_ahead_of_another_tenants_turn() -> None:
+    q = WaitQueue(PRIORITY, {"standard": 10, "critical": 10})
+    patient = due("a", None)
+    urgent = [due("b", 0.5), due("b", 0.1)]
+    higher = due("c", None, holder="critical")
+    for x in (patient, *urgent, higher):
+        q.push(x)
+    # The higher class first; then tenant a's turn (it queued first), then b's, nearest deadline first.
+    assert drain(q) == [higher, patient, urgent[1], urgent[0]]
+
+
+def test_service_order_is_class_then_tenants_in_turn_then_each_line() -> None:
+    q = WaitQueue(PRIORITY, {"critical": 10, "standard": 10, "batch": 10})
+    plain, late, early = due("t", None), due("t", 3.0), due("t", 1.0)
+    others = [due("other", 0.1), due("other", None), due("other", None)]
+    higher, lower = due("c", None, holder="critical"), due("b", 0.0, holder="batch")
+    for x in (plain, late, early, *others, higher, lower):
+        q.push(x)
+    assert q.service_order("standard") == [higher, early, others[0], late, others[1], plain, others[2]]
+    assert q.service_order("critical") == [higher]
+    # A newcomer, not queued, in its place: in its tenant's line by deadline, or a new tenant's last turn.
+    newcomer = due("t", 2.0)
+    newcomer.seq = 10**9
+    assert q.service_order("standard", newcomer)[:5] == [higher, early, others[0], newcomer, others[1]]
+    stranger = due("new", None)
+    stranger.seq = 10**9
+    assert q.service_order("standard", stranger)[:4] == [higher, early, others[0], stranger]
+    assert q.service_order("batch")[-1] is lower
+    assert len(q) == 8  # nothing was queued by asking
+    assert WaitQueue(PRIORITY, {}).service_order("standard", newcomer) == [newcomer]
