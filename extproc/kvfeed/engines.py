@@ -4,7 +4,7 @@ A profile names the exact metrics behind each signal, what each label means, how
 is derived, where the page lives and where the served model name comes from. The parser
 (`extproc.kvfeed.parse`) is engine-agnostic and driven by these profiles, so adding an engine is adding one
 profile here plus a fixture of its page in `tests/data/metrics/` (rendered from the engine's own metric
-definitions) and a row in docs/feedback.md.
+definitions), its name in the wire enum (`wire`, proto/feedback.proto) and a row in docs/feedback.md.
 
 Label roles:
 * model labels carry the served model name (the pool);
@@ -128,6 +128,9 @@ class EngineProfile:
     prefixes: tuple[str, ...]  # metric name prefixes that identify the engine's page
     readings: tuple[Reading, ...]
     capacity: tuple[CapacitySource, ...]  # alternatives, first one with a value wins
+    # The feed's wire name of this engine (`ServerKind` in proto/feedback.proto, e.g. SERVER_KIND_VLLM):
+    # sample.py sends and reads it from here, and a kind the wire cannot name fails where it is sent.
+    wire: str
     model_labels: tuple[str, ...] = ()
     placeholder_models: frozenset[str] = frozenset()  # label values that are not a served name
     model_api_path: str | None = None  # OpenAI `/v1/models` on the page's host:port, when labels lack it
@@ -173,6 +176,7 @@ class EngineProfile:
 
 _VLLM = EngineProfile(
     kind=ServerKind.VLLM,
+    wire="SERVER_KIND_VLLM",
     title="vLLM",
     prefixes=("vllm:",),
     readings=(
@@ -233,6 +237,7 @@ _VLLM = EngineProfile(
 
 _SGLANG = EngineProfile(
     kind=ServerKind.SGLANG,
+    wire="SERVER_KIND_SGLANG",
     title="SGLang",
     prefixes=("sglang:",),
     readings=(
@@ -280,6 +285,7 @@ _SGLANG = EngineProfile(
 
 _TGI = EngineProfile(
     kind=ServerKind.TGI,
+    wire="SERVER_KIND_TGI",
     title="TGI",
     prefixes=("tgi_",),
     readings=(
@@ -305,6 +311,7 @@ _TGI = EngineProfile(
 
 _TRTLLM = EngineProfile(
     kind=ServerKind.TRTLLM,
+    wire="SERVER_KIND_TRTLLM",
     title="trtllm-serve",
     prefixes=("trtllm_",),
     readings=(
@@ -332,6 +339,7 @@ _REQUESTS = "nv_trt_llm_request_metrics"
 
 _TRITON = EngineProfile(
     kind=ServerKind.TRITON,
+    wire="SERVER_KIND_TRITON",
     title="Triton + TensorRT-LLM backend",
     prefixes=("nv_trt_llm_",),
     readings=(

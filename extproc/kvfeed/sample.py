@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.engines import PROFILES, ServerKind
 from extproc.kvfeed.pace import plausible_pace
 from extproc.kvfeed.parse import ModelSignals
 from extproc.kvfeed.proto import feedback_pb2
@@ -36,13 +36,16 @@ MAX_SERVED_NAMES = 1024  # per model and endpoint: aliases and LoRA adapters, fa
 _COUNTS = ("requests_waiting", "requests_running", "preemptions_total", "admission_rejections_total")
 
 _KIND_TO_PB: dict[ServerKind, int] = {
-    ServerKind.VLLM: feedback_pb2.SERVER_KIND_VLLM,
-    ServerKind.SGLANG: feedback_pb2.SERVER_KIND_SGLANG,
-    ServerKind.TGI: feedback_pb2.SERVER_KIND_TGI,
-    ServerKind.TRTLLM: feedback_pb2.SERVER_KIND_TRTLLM,
-    ServerKind.TRITON: feedback_pb2.SERVER_KIND_TRITON,
+    kind: feedback_pb2.ServerKind.Value(profile.wire) for kind, profile in PROFILES.items()
 }
+"""Each engine's wire number, from its profile's `wire` name (an unknown name fails at import)."""
 _PB_TO_KIND: dict[int, ServerKind] = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def _wire_kind(kind: ServerKind | None) -> int:
+    """The wire number of `kind` (0: no kind known); a kind with no profile raises rather than go out as
+    SERVER_KIND_UNSPECIFIED, which every receiver would read as "not said"."""
+    return 0 if kind is None else _KIND_TO_PB[kind]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +200,7 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
         node=sample.node,
         endpoint=sample.endpoint,
         model=sample.model,
-        server_kind=_KIND_TO_PB.get(sample.server_kind, 0) if sample.server_kind else 0,  # type: ignore[arg-type]
+        server_kind=_wire_kind(sample.server_kind),  # type: ignore[arg-type]
         up=sample.up,
         error=sample.error,
         scrape_duration_seconds=sample.scrape_duration_seconds,

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import pytest
 
-from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.engines import PROFILES, ServerKind
 from extproc.kvfeed.exporter.cli import build_parser, config_from_args
 from extproc.kvfeed.exporter.discovery import KubeDiscovery, KubeDiscoveryConfig
 from extproc.kvfeed.exporter.hub import SampleHub
+from extproc.kvfeed.proto import feedback_pb2
 from extproc.kvfeed.ratelimit import RateLimitedLog
 from extproc.kvfeed.sample import FeedSample, from_proto, to_proto
 from extproc.kvfeed.targets import Target, load_targets_file, parse_target_spec
@@ -52,6 +55,21 @@ def test_proto_round_trip_keeps_unknowns_unknown() -> None:
     back = from_proto(to_proto(down))
     assert back == down
     assert back.kv_usage is None and back.kv_capacity_tokens is None
+
+
+@pytest.mark.parametrize("kind", list(ServerKind))
+def test_every_engine_kind_crosses_the_wire_under_its_profiles_name(kind: ServerKind) -> None:
+    """The wire carries what the engine's profile says: a new kind is its profile, and the proto's enum."""
+    message = to_proto(replace(sample(), server_kind=kind))
+    assert feedback_pb2.ServerKind.Name(message.server_kind) == PROFILES[kind].wire
+    assert from_proto(message).server_kind is kind
+
+
+def test_a_kind_without_a_profile_fails_where_it_is_sent() -> None:
+    """Not sent as SERVER_KIND_UNSPECIFIED, which every receiver reads as "not said"."""
+    unknown = replace(sample(), server_kind=cast(ServerKind, "made-up"))
+    with pytest.raises(KeyError):
+        to_proto(unknown)
 
 
 def test_target_specs_and_file(tmp_path: Path) -> None:
