@@ -236,6 +236,50 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
         local.stop()
 
 
+QUEUED_BUDGET_CONFIG: dict[str, Any] = {
+    **BUDGET_CONFIG,
+    "classes": [{"name": "standard", "queue": {"max_wait_seconds": 20}}],
+    "default_class": "standard",
+}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_class_that_queues_waits_for_kv_and_is_admitted_when_it_frees(profile: str) -> None:
+    """The third 1,500-token stream does not fit the 3,686-token target: its class may queue, so it waits
+    (no 429, no retry-after for the client to guess) and is admitted once one of the two held streams ends."""
+    local = start_stack(
+        config=QUEUED_BUDGET_CONFIG, sim_args=SIM_ARGS, with_exporter=True, profile=profile, envoy_patch=None
+    )
+    stack = Stack(local)
+    socks: list[socket.socket] = []
+    try:
+        wait_for(
+            lambda: stack.sidecar("extproc_kv_capacity_tokens", pool=MODEL) == 4096, 10, "capacity known"
+        )
+        body = {
+            "model": MODEL,
+            "max_tokens": 1500,
+            "stream": True,
+            "messages": [{"role": "user", "content": "go"}],
+        }
+        socks.extend(_hold_stream(stack, json.dumps(body).encode()) for _ in range(2))
+        with futures.ThreadPoolExecutor(1) as pool:
+            third = pool.submit(http, "POST", f"{stack.url}/v1/chat/completions", {**body, "max_tokens": 20})
+            wait_for(
+                lambda: stack.sidecar("extproc_queue_depth", **{"class": "standard"}) == 1, 10, "waiting"
+            )
+            assert not third.done()
+            socks.pop().close()  # one held stream ends: its KV frees
+            reply = third.result(timeout=20)
+        assert reply.status == 200, reply
+        assert stack.sidecar("extproc_requests_total", decision="rejected", reason="kv_budget") == 0
+    finally:
+        for sock in socks:
+            sock.close()
+        wait_for(lambda: stack.sidecar("extproc_kv_demand_tokens", pool=MODEL) == 0, 10, "demand released")
+        local.stop()
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 def test_forty_early_stops_do_not_train_the_next_booking_below_its_floor(profile: str) -> None:
     """Forty answers that stop after 1 of 1,500 allowed tokens teach the tenant's expected completion down,

@@ -139,3 +139,36 @@ class KvBooking:
         if self.budget is None:
             return allowance
         return self.budget.expected_completion(int(allowance), self.tenant)
+
+
+class KvGate:
+    """A request's KV booking around its tries for a lease: taken for the try at once where it fits
+    (`take`), given back if the store refuses (`close`), and taken the moment it fits while the request
+    waits in its class's queue (`open`, asked by the queue before each try: `queueing.Gate`). So a request
+    the KV budget refused waits for KV as one refused a slot waits for a slot, and a waiting request never
+    holds KV that the requests ahead of it need. Each try that does not fit refreshes the request's fair-share claim (`fits`), so later,
+    smaller requests of other tenants do not take the KV it waits for. `request` is the request without its
+    body (a waiter must not hold megabytes of JSON): its prompt chunks were hashed at the first check."""
+
+    __slots__ = ("booking", "fitted", "plan", "request")
+
+    def __init__(self, booking: KvBooking, request: ParsedRequest, plan: Reservation, fitted: bool) -> None:
+        self.booking = booking
+        self.request = request
+        self.plan = plan
+        self.fitted = fitted  # the admission's own check found it fits: the first try needs no second one
+
+    def take(self) -> bool:
+        """Book it for the try the admission makes at once, where its check found it fits (else False)."""
+        if self.fitted:
+            self.booking.hold(self.request, self.plan)
+        return self.fitted
+
+    def open(self) -> bool:
+        if not self.booking.fits(self.request, self.plan)[0]:
+            return False
+        self.booking.hold(self.request, self.plan)
+        return True
+
+    def close(self) -> None:
+        self.booking.give_back()

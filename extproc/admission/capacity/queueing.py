@@ -26,7 +26,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from extproc.core.clock import Clock
 from extproc.core.limiter import Lease, Reason, Rejection
@@ -39,6 +39,20 @@ log = logging.getLogger(__name__)
 PUMP_INTERVAL_S = 0.1
 WAITABLE = (Reason.CONCURRENCY, Reason.TOKENS)
 """Refusals that time can cure; a request larger than the bucket's base capacity never waits."""
+
+
+class Gate(Protocol):
+    """What a waiter needs besides the store's slots and tokens (its KV, `booking.KvGate`): the pump asks
+    before it acquires, so a request the KV budget refused waits in its class's queue like one a slot
+    refused, instead of being sent away when a short wait would do."""
+
+    def open(self) -> bool:
+        """Take what the waiter needs if it is there now (True); else take nothing."""
+        ...
+
+    def close(self) -> None:
+        """Give back what `open` took: the store refused the waiter after all."""
+        ...
 
 
 class QueueFull(Exception):
@@ -135,19 +149,21 @@ class AdmissionQueue:
         due: float | None = None,
         refused: Rejection | None = None,
         run_s: float = 0.0,
+        gate: Gate | None = None,
     ) -> Lease | Rejection | None:
         """Wait for a lease. None when the wait's end passed (`max_wait_s`, already the smallest of the
         bounds that apply); QueueFull when there is no room to wait; DeadlineUnmet when a pump finds `due`,
         the request's own deadline on this queue's clock (which also orders its tenant's line), out of
         reach. `refused`: what the request met trying at once, the class's `blocked` until a pump runs;
-        `run_s`: how long it will hold its capacity, for the deadlines of the waiters behind it."""
+        `run_s`: how long it will hold its capacity, for the deadlines of the waiters behind it; `gate`:
+        what else it needs, opened before each try (a lease granted finds it open)."""
         if refused is not None:
             self._blocked[holder] = refused
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
         waiter = Waiter(holder, tenant, enqueued_at=now, deadline=now + max_wait_s, due=due, run_s=run_s)
-        waiter.payload = (tuple(keys), tokens, future)
+        waiter.payload = (tuple(keys), tokens, future, gate)
         if not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
             raise QueueFull
@@ -167,7 +183,7 @@ class AdmissionQueue:
             outcome = "deadline"
             raise
         except TimeoutError:
-            if future.done() and not future.cancelled():
+            if future.done() and not future.cancelled() and future.exception() is None:
                 outcome = "admitted"
                 return future.result()  # admitted in the same instant the deadline passed
             future.cancel()  # an acquire still in flight for this waiter gives its lease back
@@ -208,10 +224,12 @@ class AdmissionQueue:
         try:
             self._expire()
             for waiter in list(self.queue.candidates()):
-                keys, tokens, future = waiter.payload
-                if future.done():
-                    continue
+                keys, tokens, future, gate = waiter.payload
+                if future.done() or (gate is not None and not gate.open()):
+                    continue  # a gate still shut (its KV does not fit): the next pump asks again
                 result = await self.store.acquire(keys, tokens, waiter.holder)
+                if gate is not None and not isinstance(result, Lease):
+                    gate.close()
                 if isinstance(result, Lease):
                     if future.done():  # its client left while we acquired
                         self._give_back(result)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from extproc.admission.apis import render_refusal
-from extproc.admission.capacity.booking import KvBooking
+from extproc.admission.capacity.booking import KvBooking, KvGate
 from extproc.admission.capacity.lanes import LaneFull
 from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
 from extproc.admission.deciding import provisional
@@ -160,19 +160,18 @@ class Decision:
         booking = self._booking(pool)
         now = service.clock()
         fits, headroom = booking.fits(parsed, plan, now)
-        if not fits:
-            assert booking.budget is not None
-            wait = refusals.kv_retry_after(booking.budget, now)
-            yield self._deny(refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait), shadow)
+        if not fits and not self._may_queue(shadow):
+            yield self._deny(self._kv_refusal(parsed, plan, booking, headroom), shadow)
             return
         facts, new_body, strip_usage = self._forwarding(parsed, plan, rules)
         result: Lease | Rejection | Refusal | None = None
         # Only a request that may wait holds a place in the deadlines' layout of its queue.
         run_s = self._run_seconds(parsed, plan, booking, pool) if klass.queues else 0.0
-        # Book the KV before the limiter's await, so that concurrent decisions see each other's.
-        booking.hold(parsed, plan)
+        # The KV is booked before each of the limiter's awaits, so that concurrent decisions see each
+        # other's, and never while the request waits in a queue: there it is booked the moment it fits.
+        gate = KvGate(booking, facts, plan, fits)
         try:
-            async for step in self.acquire(self._keys(), plan.total, shadow, run_s):
+            async for step in self.acquire(self._keys(), plan.total, shadow, run_s, gate):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -181,6 +180,9 @@ class Decision:
             if not isinstance(result, Lease):
                 booking.give_back()  # refused, or the caller went away while it waited
         if isinstance(result, Refusal):
+            if not fits and result.reason == "queue_timeout":
+                # Waited its whole bound for KV: the budget's forecast says when to try again.
+                result = self._kv_refusal(parsed, plan, booking, booking.fits(facts, plan)[1])
             yield self.refuse(result)
             return
         if isinstance(result, Rejection):
@@ -364,22 +366,38 @@ class Decision:
         allowance = plan.completion_tokens / max(1, parsed.sequences * parsed.prompt_count)
         return booking.expected_completion(allowance) / self.service.decode_rates.rate(pool)
 
+    def _may_queue(self, shadow: bool) -> bool:
+        """Whether this request may wait in its class's queue (not in shadow mode: it would delay it)."""
+        return self.service.deps.queue is not None and self.request.klass.queues and not shadow
+
+    def _kv_refusal(
+        self, parsed: ParsedRequest, plan: Reservation, booking: KvBooking, headroom: int | None
+    ) -> Refusal:
+        budget = booking.budget
+        assert budget is not None
+        wait = refusals.kv_retry_after(budget, self.service.clock())
+        return refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait)
+
     async def acquire(
-        self, keys: list[str], tokens: int, shadow: bool, run_s: float = 0.0
+        self, keys: list[str], tokens: int, shadow: bool, run_s: float = 0.0, gate: KvGate | None = None
     ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
         """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
         result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down).
-        `run_s`: how long it will hold the lease, weighed by the deadlines of the requests behind it."""
+        `run_s`: how long it will hold the lease, weighed by the deadlines of the requests behind it;
+        `gate`: its KV, booked for the try now where it fits (else it queues at once, which only a class
+        that queues is let do), given back while it waits, and booked again the moment it fits."""
         klass, service = self.request.klass, self.service
         queue = service.deps.queue
-        waits = queue is not None and klass.queues and not shadow
+        waits = self._may_queue(shadow)
         behind = queue is not None and queue.must_queue(klass.name)
         result: Lease | Rejection | None = None
         try:
-            if not (behind and waits):
+            if not (behind and waits) and (gate is None or gate.take()):
                 # Waiters of a higher class are ahead: a class that does not queue may still use its own
                 # guarantee, but not the pool they are waiting for.
                 result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
+                if gate is not None and not isinstance(result, Lease):
+                    gate.close()
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
                 assert queue is not None
                 unmet = self._deadline_unmet(queue, keys, run_s, result)
@@ -393,7 +411,15 @@ class Decision:
                 request = self.request
                 try:
                     result = await queue.wait(
-                        keys, tokens, klass.name, request.tenant, max_wait, request.deadline, refused, run_s
+                        keys,
+                        tokens,
+                        klass.name,
+                        request.tenant,
+                        max_wait,
+                        request.deadline,
+                        refused,
+                        run_s,
+                        gate,
                     )
                 except QueueFull:
                     yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from extproc.admission.exchange import Exchange, Phase, RequestHead
-from extproc.admission.replies.verdicts import Forward, Refusal
+from extproc.admission.replies.verdicts import Forward, Hold, Refusal
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.kv_budget import KvBudget
@@ -101,3 +102,98 @@ async def test_a_caller_that_leaves_while_deciding_leaves_no_kv_booking() -> Non
     assert task.cancelled()
     assert budget.leases == 0
     assert store.limiter.snapshot(["global"])[0].active == 0
+
+
+QUEUED = {"classes": [{"name": "standard", "queue": {"max_wait_seconds": 20}}], "default_class": "standard"}
+
+
+async def queued_sidecar(budget: KvBudget, config: dict[str, Any] = QUEUED) -> tuple[Sidecar, LocalStore]:
+    """A sidecar whose one class may wait in its queue, with `budget` as every pool's KV budget."""
+    store = LocalStore()
+    sidecar = Sidecar(config=parse_config(config), store=store, metrics=Metrics())
+    await sidecar.apply_config(sidecar.config)
+    sidecar.admission.deps.kv_budget = lambda _pool: budget
+    return sidecar, store
+
+
+async def test_a_class_that_queues_waits_for_kv_instead_of_being_sent_away() -> None:
+    """The KV budget refuses the second request now; its class may queue, so it waits there (Hold) and is
+    admitted, booked, the moment the first one's KV is released: no refusal, no retry-after to guess."""
+    footprint = await one_footprint()
+    budget = KvBudget(capacity_tokens=footprint * 3 // 2, target_utilization=1.0)
+    sidecar, _ = await queued_sidecar(budget)
+    first, verdict = await decide(sidecar)
+    assert isinstance(verdict, Forward)
+    second = Exchange(sidecar.admission)
+    second.request_headers(HEAD)
+    steps = second.request_body(chat(max_tokens=100))
+    hold = await anext(steps)
+    assert isinstance(hold, Hold)  # waiting: Envoy's message timer is extended
+    assert budget.leases == 1  # nothing booked for the waiter yet
+    waiting = asyncio.ensure_future(anext(steps))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    first.close()
+    await sidecar.admission.drain()
+    admitted = await asyncio.wait_for(waiting, 5)
+    assert isinstance(admitted, Forward)
+    assert budget.leases == 1 and second.phase is Phase.ADMITTED
+    second.close()
+    await sidecar.admission.drain()
+    assert budget.leases == 0
+
+
+async def test_a_kv_wait_that_runs_out_gets_the_kv_refusal_and_books_nothing() -> None:
+    footprint = await one_footprint()
+    budget = KvBudget(capacity_tokens=footprint * 3 // 2, target_utilization=1.0)
+    config = {**QUEUED, "classes": [{"name": "standard", "queue": {"max_wait_seconds": 0.2}}]}
+    sidecar, store = await queued_sidecar(budget, config)
+    first, verdict = await decide_queued(sidecar)
+    assert isinstance(verdict, Forward)
+    _, verdict = await decide_queued(sidecar)
+    assert isinstance(verdict, Refusal) and verdict.reason == "kv_budget"
+    assert budget.leases == 1
+    first.close()
+    await sidecar.admission.drain()
+    assert budget.leases == 0 and store.limiter.snapshot(["global"])[0].active == 0
+
+
+async def decide_queued(sidecar: Sidecar) -> tuple[Exchange, Forward | Refusal]:
+    """`decide` for a class that may queue: its `Hold` first, then the verdict."""
+    exchange = Exchange(sidecar.admission)
+    exchange.request_headers(HEAD)
+    verdicts = [v async for v in exchange.request_body(chat(max_tokens=100))]
+    final = verdicts[-1]
+    assert isinstance(final, Forward | Refusal)
+    return exchange, final
+
+
+async def test_a_request_queued_behind_a_kv_waiter_holds_no_kv_while_it_waits() -> None:
+    """A small request that fits lines up behind a waiter of its class: booked while it waits, it would take
+    the KV the waiter ahead needs, and neither would move until one timed out."""
+    footprint = await one_footprint()
+    budget = KvBudget(capacity_tokens=footprint * 5 // 2, target_utilization=1.0)
+    sidecar, _ = await queued_sidecar(budget)
+    first, verdict = await decide(sidecar)
+    assert isinstance(verdict, Forward)
+    second, verdict = await decide(sidecar)
+    assert isinstance(verdict, Forward)  # two fit, a third does not
+    waiters = []
+    for _ in range(2):
+        exchange = Exchange(sidecar.admission)
+        exchange.request_headers(HEAD)
+        steps = exchange.request_body(chat(max_tokens=100))
+        assert isinstance(await anext(steps), Hold)
+        waiters.append((exchange, asyncio.ensure_future(anext(steps))))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert budget.leases == 2  # the two admitted; the waiters book nothing
+    first.close()
+    second.close()
+    await sidecar.admission.drain()
+    for exchange, step in waiters:
+        assert isinstance(await asyncio.wait_for(step, 5), Forward)
+        exchange.close()
+    await sidecar.admission.drain()
+    assert budget.leases == 0
