@@ -161,6 +161,41 @@ def test_envoys_own_413_names_the_bound_it_refused_at(reference: dict[str, Any])
     assert lean["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"] == raised
 
 
+MESSAGE_TIMEOUT_S = 5.0
+"""The shipped ext_proc message_timeout, sized in envoy/envoy.yaml's header: the sidecar's worst legitimate
+message is a body at the 12 MiB bound parsed and counted off the loop (`COUNT_12_MIB_S` on one idle core of
+a two-core host), doubled on a core shared with another busy process, after up to
+`admission.tokenizer_max_wait_seconds` for its lane; the timeout is twice that."""
+COUNT_12_MIB_S = 1.0
+
+
+def test_every_shipped_ext_proc_message_timeout_is_sized_for_a_busy_core(reference: dict[str, Any]) -> None:
+    ext_proc = http_filter(reference, "envoy.filters.http.ext_proc")
+    worst = AdmissionConfig().tokenizer_max_wait_seconds + 2 * COUNT_12_MIB_S
+    assert seconds(ext_proc["message_timeout"]) == MESSAGE_TIMEOUT_S >= 2 * worst
+    assert seconds(ext_proc["max_message_timeout"]) > MESSAGE_TIMEOUT_S
+    shipped = [K8S_ENVOY, *LEAN_FILES, REPO / "k8s" / "inference-pool" / "istio" / "envoyfilter.yaml"]
+    shipped += [ISTIO]
+    for path in shipped:
+        timeouts = [v for k, v in walk_items(yaml.safe_load(path.read_text())) if k == "message_timeout"]
+        assert timeouts == [ext_proc["message_timeout"]], path
+    for profile in ("inline", "lean"):
+        policy = yaml.safe_load(
+            (REPO / "k8s" / "envoy-gateway" / profile / "envoyextensionpolicy.yaml").read_text()
+        )
+        assert [p["messageTimeout"] for p in policy["spec"]["extProc"]] == [ext_proc["message_timeout"]]
+
+
+def walk_items(node: Any) -> list[tuple[str, Any]]:
+    """Every (key, value) pair of a parsed YAML document, nested ones included."""
+    if isinstance(node, dict):
+        pairs = list(node.items())
+        return pairs + [pair for value in node.values() for pair in walk_items(value)]
+    if isinstance(node, list):
+        return [pair for item in node for pair in walk_items(item)]
+    return []
+
+
 def test_filter_mode_skips_the_response_and_the_virtual_host_turns_it_on(reference: dict[str, Any]) -> None:
     """A reply to a request no route saw (an HTTP/1 codec error) must not wait for the sidecar."""
     mode = http_filter(reference, "envoy.filters.http.ext_proc")["processing_mode"]
