@@ -218,7 +218,7 @@ def _classes(classes: Sequence[schema.Class] | None) -> tuple[ClassPolicy, ...]:
 
 def _check_queue_waits(classes: Sequence[ClassPolicy], envoy_max: float) -> None:
     """A queued request holds Envoy's ext_proc timer, which the sidecar extends to ceil(wait) + 1 s; past
-    Envoy's max_message_timeout Envoy ignores the extension and answers 504 after its 1 s message_timeout."""
+    Envoy's max_message_timeout Envoy ignores the extension and answers 504 at its message_timeout (5 s)."""
     for i, klass in enumerate(classes):
         extended = math.ceil(klass.max_wait_seconds) + 1
         if klass.queues and extended > envoy_max:

@@ -26,7 +26,7 @@ What changes, and why:
   at `DRAIN_BODY_BYTES` (12 MiB, or `admission.max_body_bytes` if larger), the inline config's bound: a body
   over the sidecar's cap is read whole and refused by the sidecar, so the client, done writing, reads the
   413 (a 413 sent while the body still arrives is often reset, envoy/envoy.yaml explains why). Past the
-  bound Envoy answers 413 itself, in the same words.
+  bound Envoy answers 413 itself, in the same opening words, naming the bound (`over N bytes`).
 * Lifetime bound: every metered route's `max_stream_duration` (RouteAction field 36, MaxStreamDuration:
   "the maximum duration allowed for streams on the route", reset past it) is `admission.max_request_seconds`,
   so a slow or stalled reader cannot hold a slot and its KV without end (free routes keep the listener's).
@@ -135,7 +135,20 @@ def render_lean(
         for vhost in hcm["route_config"]["virtual_hosts"]:
             _lean_virtual_host(vhost, table, upstream, metered, max_body_bytes)
         hcm.setdefault("access_log", []).append(_end_report_logger())
+        _name_body_bound(hcm, max_body_bytes)
     return config
+
+
+def _name_body_bound(hcm: dict[str, Any], bound: int) -> None:
+    """Envoy's own 413 names the bound it refused the body at (`over N bytes`, the inline config's 12 MiB):
+    where the sidecar's cap raised the bound, the rendered mapper says the raised one."""
+    if bound == DRAIN_BODY_BYTES:
+        return
+    for mapper in hcm.get("local_reply_config", {}).get("mappers", []):
+        error = mapper.get("body_format_override", {}).get("json_format", {}).get("error", {})
+        message = error.get("message")
+        if isinstance(message, str) and f"over {DRAIN_BODY_BYTES} bytes" in message:
+            error["message"] = message.replace(f"over {DRAIN_BODY_BYTES} bytes", f"over {bound} bytes")
 
 
 def tenant_header_removed(hcm: dict[str, Any]) -> str | None:

@@ -59,7 +59,9 @@ async def test_content_length_over_cap_is_413_once_the_body_arrived(harness: Har
     reply = await s.send(body_msg(b"x" * 5000))
     assert reply.immediate_response.status.code == 413
     error = json.loads(reply.immediate_response.body)["error"]
-    assert (error["code"], error["message"]) == ("request_too_large", refusals.BODY_TOO_LARGE)
+    # The message names the body's size and the cap it is over (admission.max_body_bytes: 4096 here).
+    assert (error["code"], error["message"]) == ("request_too_large", refusals.too_large_message(5000, 4096))
+    assert error["message"].startswith(refusals.BODY_TOO_LARGE) and "4096 bytes" in error["message"]
     s.cancel()
 
 

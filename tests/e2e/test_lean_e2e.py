@@ -196,7 +196,7 @@ TIMEOUT_CONFIG: dict[str, Any] = {
 
 def tiny_message_timeout(config: dict[str, Any]) -> None:
     """The tests' tenant trust, and an ext_proc message timer of 1 ms: Envoy gives up on most admissions
-    before they land, as the shipped 1 s does on a host too busy to answer in time."""
+    before they land, as the 1 s the shipped configs had did on a host too busy to answer in time."""
     trust_client_tenant_header(config)
     for hcm in http_connection_managers(config):
         for http_filter in hcm["http_filters"]:

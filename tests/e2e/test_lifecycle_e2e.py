@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -31,7 +32,9 @@ from devstack.envoy import trust_client_tenant_header
 from devstack.processes import Ports, free_port
 from devstack.stack import LocalStack
 from extproc.admission.replies import refusals
+from extproc.config import AdmissionConfig
 from extproc.envoyconf.bootstrap import http_connection_managers
+from extproc.envoyconf.lean import DRAIN_BODY_BYTES
 from tests.support.stack import build_stack, end_reports_to, fixed_step_sim, http, metric, start_stack
 
 MODEL = "llama-3-8b"
@@ -396,7 +399,12 @@ async def _post_8_mib(url: str) -> str:
 def test_an_over_cap_body_gets_its_413_every_time_with_the_async_sdk(lone_stack: LocalStack) -> None:
     """Answered while the body still arrived, the 413 was reset 1 try in 6: now it is read first."""
     outcomes = [asyncio.run(_post_8_mib(lone_stack.envoy_url)) for _ in range(8)]
-    assert outcomes == [f"413 {refusals.BODY_TOO_LARGE}"] * 8, outcomes
+    # The sidecar's 413 names the body's size (8 MiB of content plus the JSON around it) and its cap.
+    cap = AdmissionConfig().max_body_bytes
+    opening = re.escape(refusals.BODY_TOO_LARGE)
+    words = re.compile(rf"413 {opening}: (\d+) bytes, over its limit of {cap} bytes\.")
+    sizes = [int(m[1]) if (m := words.fullmatch(outcome)) else None for outcome in outcomes]
+    assert all(size is not None and size > 8 << 20 for size in sizes), outcomes
 
 
 @pytest.mark.parametrize(
@@ -410,7 +418,7 @@ def test_envoys_own_refusals_are_counted_and_worded_like_the_sidecars(lone_stack
     sidecar_words = json.loads(refusals.unknown_path("GET", "/v1/not-a-path").body)["error"]["message"]
     assert reply.json()["error"]["message"] == sidecar_words
     wait_for(lambda: rejected(reason="unknown_path") == 1, 5)
-    # Past the 12 MiB Envoy reads for the sidecar, Envoy answers itself, in the same words. The body is sent
+    # Past the 12 MiB Envoy reads for the sidecar, Envoy answers itself, naming that bound. The body is sent
     # from a thread while the reply is read, so the reply is read whatever Envoy then does to the upload.
     size = 14 << 20
     sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=10)
@@ -426,7 +434,7 @@ def test_envoys_own_refusals_are_counted_and_worded_like_the_sidecars(lone_stack
         sock.close()
         sender.join(10)
     assert head.startswith(b"HTTP/1.1 413"), head
-    assert json.loads(body)["error"]["message"] == refusals.BODY_TOO_LARGE
+    assert json.loads(body)["error"]["message"] == refusals.envoy_too_large_message(DRAIN_BODY_BYTES)
     wait_for(lambda: rejected(reason="request_too_large") == 1, 5)
     assert sidecar_metric(stack, "extproc_end_reports_total", result="envoy_refusal") == 2
 

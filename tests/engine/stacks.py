@@ -93,7 +93,7 @@ bench/RESULTS.md section 5). On the tier (inline profile) a 4,000-token stream's
 6-12 s after the engine started answering, all held chunks at once, and at 5 s a request once timed out
 (504). What the tier checks (settlement against vLLM's
 counters, the path table, the feed, protection) does not depend on that timeout; it stays under the
-configs' `max_message_timeout` (30 s), and tests/e2e/test_edge_e2e.py covers the shipped 1 s."""
+configs' `max_message_timeout` (30 s), and tests/e2e/test_edge_e2e.py covers the shipped 5 s."""
 
 
 def engine_host_envoy(config: dict[str, Any]) -> None:

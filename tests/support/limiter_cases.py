@@ -192,6 +192,24 @@ async def scale_shrinks_effective_limits_and_recovers(h: Harness) -> None:
 
 
 @limiter_case
+async def a_bucket_filled_while_blind_keeps_its_tokens_when_the_scale_recovers(h: Harness) -> None:
+    """Why `x-ratelimit-remaining-tokens` reads 60 % of the limit right after a start (docs/configuration.md,
+    `limits`): a model key first used before its pool's first KV sample is built at the stale scale
+    (`min_scale`, 0.6), its bucket full at 60 %; the scale then recovers and the limits with it, but a bucket
+    only refills at its rate, so the tokens reach the full limit after (1 - 0.6) x 60 s = 24 s."""
+    await h.apply({"m": LimitSpec(max_concurrency=10, tokens_per_minute=1000)})
+    await h.store.set_scale("m", 0.6)
+    status = await h.store.status(["m"])
+    assert (status.limit_requests, status.limit_tokens) == (6, 600)
+    assert status.remaining_tokens == h.tokens(600, 1000)
+    await h.store.set_scale("m", 1.0)
+    status = await h.store.status(["m"])
+    assert (status.limit_requests, status.remaining_requests, status.limit_tokens) == (10, 10, 1000)
+    assert status.remaining_tokens == h.tokens(600, 1000)
+    assert status.reset_tokens_s == h.seconds(24.0, abs_s=1.0)
+
+
+@limiter_case
 async def removed_key_keeps_its_leases_and_becomes_unlimited(h: Harness) -> None:
     await h.apply({"m": LimitSpec(max_concurrency=1)})
     lease = await h.lease(["m"], 0)

@@ -663,6 +663,79 @@ def test_watermarks_below_the_budget_target_are_warned(extra: dict[str, Any], na
         assert "both act and stack" in warning
 
 
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        # limits under a served name, or under the pool an alias counts against: used.
+        ({"models": {"llama": {}}, "limits": {"models": {"llama": {"max_concurrency": 4}}}}, []),
+        (
+            {
+                "models": {"llama-lora": {"pool": "llama"}},
+                "limits": {"models": {"llama": {"max_concurrency": 4}}},
+            },
+            [],
+        ),
+        # no models declared: limits.models is where the names are declared (docs/configuration.md).
+        ({"limits": {"models": {"llama": {"max_concurrency": 4}}}}, []),
+        ({"models": {"*": {"pool": "shared"}}, "limits": {"models": {"shared": {"max_concurrency": 4}}}}, []),
+        (
+            {
+                "models": {"meta-llama/Llama-3.1-8B-Instruct": {}},
+                "limits": {"models": {"llama-3.1-8b": {"max_concurrency": 4}}},
+            },
+            [
+                "limits.models.llama-3.1-8b: models declares meta-llama/Llama-3.1-8B-Instruct but not "
+                "'llama-3.1-8b'"
+            ],
+        ),
+        (
+            {"models": {"llama-3-8b": {}}, "limits": {"models": {"llama3-8b": {"max_concurrency": 4}}}},
+            [
+                "limits.models.llama3-8b: models declares llama-3-8b but not 'llama3-8b', and no model "
+                "counts against it as its pool (did you mean 'llama-3-8b'?)"
+            ],
+        ),
+        (
+            {"models": {"alias": {"pool": "base"}}, "limits": {"models": {"alias": {"max_concurrency": 4}}}},
+            [
+                "limits.models.alias: models.alias.pool is 'base', so requests for 'alias' count against "
+                "limits.models.base"
+            ],
+        ),
+        (
+            {
+                "admission": {"reject_unknown_models": True},
+                "limits": {"models": {"llama": {"max_concurrency": 4}}},
+            },
+            ["limits.models.llama: 'llama' is not declared in models and admission.reject_unknown_models"],
+        ),
+    ],
+)
+def test_limits_under_a_name_no_request_counts_against_are_warned(
+    raw: dict[str, Any], named: list[str]
+) -> None:
+    from extproc.config import config_warnings
+
+    warnings = [w for w in config_warnings(parse_config(raw)) if w.startswith("limits.")]
+    assert len(warnings) == len(named), warnings
+    for warning, start in zip(warnings, named, strict=True):
+        assert warning.startswith(start), warning
+
+
+def test_check_config_names_limits_that_match_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "models:\n  meta-llama/Llama-3.1-8B-Instruct: {}\nlimits:\n  models:\n    llama-3.1-8b:\n"
+        "      max_concurrency: 8\n"
+    )
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "config ok\n"
+    assert out.err.startswith("warning: limits.models.llama-3.1-8b: models declares"), out.err
+
+
 def test_check_config_prints_warnings_and_still_passes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,7 @@ loses a protection. The Envoy side of each setting is exercised in tests/e2e/tes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from devstack.processes import Ports
 from devstack.stack import tenant_header_of
 from extproc.admission.intake.paths import BACKEND_CONTROL_HEADERS, DEFAULT_TABLE, RouteKind
 from extproc.admission.replies.headers import ratelimit_headers
+from extproc.admission.replies.refusals import envoy_too_large_message
 from extproc.admission.vocabulary.names import (
     ATTRIBUTE_HEADERS,
     DETAILS_PREFIX,
@@ -35,6 +37,7 @@ from extproc.envoyconf.lean import (
     ENVOY_REFUSALS,
     lua_source,
     render_envoy_yaml,
+    render_lean,
 )
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE
 
@@ -96,12 +99,24 @@ def test_k8s_gateway_envoy_has_the_reference_hardening_and_filters(reference: di
     assert k8s["route_config"]["virtual_hosts"] == reference["route_config"]["virtual_hosts"]
 
 
+def message_413(hcm: dict[str, Any]) -> str:
+    """The words of Envoy's own 413 (its local-reply mapper)."""
+    for mapper in hcm["local_reply_config"]["mappers"]:
+        if mapper["filter"]["extension_filter"]["typed_config"]["expression"] == "response.code == 413":
+            message: str = mapper["body_format_override"]["json_format"]["error"]["message"]
+            return message
+    raise AssertionError("no 413 mapper")
+
+
 def test_istio_envoyfilter_has_the_reference_hardening_and_filters(reference: dict[str, Any]) -> None:
     merged = istio_value("NETWORK_FILTER", "envoy.filters.network.http_connection_manager")["typed_config"]
+    # Behind Istio Envoy's 413 comes at the listener's buffer limit (2 MiB), and says so (test below).
+    istio_413 = envoy_too_large_message(istio_value("LISTENER")["per_connection_buffer_limit_bytes"])
+    as_reference = yaml.safe_load(json.dumps(merged).replace(istio_413, message_413(reference)))
     for key in HARDENING:
         if key == "stream_idle_timeout":
             continue  # Istio's own default (or the operator's ProxyConfig) stays
-        assert merged[key] == reference[key], key
+        assert as_reference[key] == reference[key], key
     filters = [p["patch"]["value"] for p in istio_patches() if p["applyTo"] == "HTTP_FILTER"]
     for f in filters:
         assert f["typed_config"] == http_filter(reference, f["name"]), f["name"]
@@ -130,6 +145,57 @@ def test_every_envoy_bound_fits_the_sidecar_config(reference: dict[str, Any]) ->
     # ... and the sidecar can receive the largest body Envoy buffers for it.
     assert vhost["request_body_buffer_limit"] == DRAIN_BODY_BYTES
     assert DRAIN_BODY_BYTES < AdmissionConfig().max_body_bytes * 16 <= 16 << 20
+
+
+def test_envoys_own_413_names_the_bound_it_refused_at(reference: dict[str, Any]) -> None:
+    """The 413 Envoy sends itself names the most it reads of a body: the virtual host's buffer limit, or
+    behind Istio (no route of ours) the listener's; a lean rendering whose sidecar cap raises the bound says
+    the raised one. The sidecar's 413 names the body's size and admission.max_body_bytes (refusals.py)."""
+    vhost = reference["route_config"]["virtual_hosts"][0]
+    assert message_413(reference) == envoy_too_large_message(vhost["request_body_buffer_limit"])
+    assert message_413(hcm_of(yaml.safe_load(K8S_ENVOY.read_text()))) == message_413(reference)
+    merged = istio_value("NETWORK_FILTER", "envoy.filters.network.http_connection_manager")["typed_config"]
+    listener = istio_value("LISTENER")["per_connection_buffer_limit_bytes"]
+    assert message_413(merged) == envoy_too_large_message(listener)
+    raised = DRAIN_BODY_BYTES + (4 << 20)
+    lean = hcm_of(render_lean(yaml.safe_load(ENVOY_TEMPLATE.read_text()), max_body_bytes=raised))
+    assert message_413(lean) == envoy_too_large_message(raised)
+    assert lean["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"] == raised
+
+
+MESSAGE_TIMEOUT_S = 5.0
+"""The shipped ext_proc message_timeout, sized in envoy/envoy.yaml's header: the sidecar's worst legitimate
+message is a body at the 12 MiB bound parsed and counted off the loop (`COUNT_12_MIB_S` on one idle core of
+a two-core host), doubled on a core shared with another busy process, after up to
+`admission.tokenizer_max_wait_seconds` for its lane; the timeout is twice that."""
+COUNT_12_MIB_S = 1.0
+
+
+def test_every_shipped_ext_proc_message_timeout_is_sized_for_a_busy_core(reference: dict[str, Any]) -> None:
+    ext_proc = http_filter(reference, "envoy.filters.http.ext_proc")
+    worst = AdmissionConfig().tokenizer_max_wait_seconds + 2 * COUNT_12_MIB_S
+    assert seconds(ext_proc["message_timeout"]) == MESSAGE_TIMEOUT_S >= 2 * worst
+    assert seconds(ext_proc["max_message_timeout"]) > MESSAGE_TIMEOUT_S
+    shipped = [K8S_ENVOY, *LEAN_FILES, REPO / "k8s" / "inference-pool" / "istio" / "envoyfilter.yaml"]
+    shipped += [ISTIO]
+    for path in shipped:
+        timeouts = [v for k, v in walk_items(yaml.safe_load(path.read_text())) if k == "message_timeout"]
+        assert timeouts == [ext_proc["message_timeout"]], path
+    for profile in ("inline", "lean"):
+        policy = yaml.safe_load(
+            (REPO / "k8s" / "envoy-gateway" / profile / "envoyextensionpolicy.yaml").read_text()
+        )
+        assert [p["messageTimeout"] for p in policy["spec"]["extProc"]] == [ext_proc["message_timeout"]]
+
+
+def walk_items(node: Any) -> list[tuple[str, Any]]:
+    """Every (key, value) pair of a parsed YAML document, nested ones included."""
+    if isinstance(node, dict):
+        pairs = list(node.items())
+        return pairs + [pair for value in node.values() for pair in walk_items(value)]
+    if isinstance(node, list):
+        return [pair for item in node for pair in walk_items(item)]
+    return []
 
 
 def test_filter_mode_skips_the_response_and_the_virtual_host_turns_it_on(reference: dict[str, Any]) -> None:

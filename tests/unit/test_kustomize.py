@@ -8,8 +8,10 @@ built objects against the API server's schemas.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +191,40 @@ def test_every_shipped_sidecar_subscribes_to_the_exporter_it_ships_with(director
         config = parse_config(raw)
         assert config.feedback is not None and config.feedback.kv_budget.enabled
         assert config_warnings(config) == []
+
+
+def readme_image_overlay() -> dict[str, Any]:
+    """The README's own kustomization for a pushed image (the YAML block with `images:`)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    (overlay,) = [yaml.safe_load(block) for block in blocks if "\nimages:" in block]
+    return dict(overlay)
+
+
+@pytest.mark.parametrize("install", ["k8s", "k8s/inline", "k8s/envoy-gateway"])
+def test_the_readmes_image_override_reaches_every_extproc_container(install: str, tmp_path: Path) -> None:
+    """kustomize's `images:` matches the image name and sets name and tag in every container using it
+    (https://kubectl.docs.kubernetes.io/references/kustomize/kustomization/images/): the sidecar and the
+    exporter take the pushed image, nothing else changes."""
+    overlay = readme_image_overlay()
+    (image,) = overlay["images"]
+    assert overlay["resources"] == ["../extproc/k8s"]  # the README's example: the default install
+    overlay["resources"] = [os.path.relpath(REPO / install, tmp_path)]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    result = subprocess.run(
+        [kustomize_build.kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    pushed = f"{image['newName']}:{image['newTag']}"
+
+    def images(objects: Any) -> list[str]:
+        return [
+            container["image"]
+            for doc in objects
+            if doc["kind"] in ("Deployment", "DaemonSet")
+            for container in doc["spec"]["template"]["spec"]["containers"]
+        ]
+
+    shipped = images(built(REPO / install))
+    assert shipped.count("extproc:0.1.0") >= 2  # the sidecar and the exporter
+    assert images(docs) == [pushed if name == "extproc:0.1.0" else name for name in shipped]

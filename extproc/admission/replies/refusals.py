@@ -36,16 +36,27 @@ def invalid(exc: AdmissionError) -> Refusal:
     return Refusal(exc.status, exc.body(), reason, details=f"{DETAILS_PREFIX}{exc.code or exc.status}")
 
 
-BODY_TOO_LARGE = "The request body is larger than the gateway accepts."
-"""Every 413 in one wording, the sidecar's and Envoy's (its local-reply mapper in envoy/envoy.yaml)."""
+BODY_TOO_LARGE = "The request body is larger than the gateway accepts"
+"""How every 413 begins, the sidecar's (`too_large`) and Envoy's (its local-reply mapper in envoy/envoy.yaml,
+`envoy_too_large`); each goes on to name the bound that refused the body."""
+
+
+def too_large_message(size: int, cap: int) -> str:
+    """The sidecar's 413: the body's size and the limit it is over (`admission.max_body_bytes`)."""
+    return f"{BODY_TOO_LARGE}: {size} bytes, over its limit of {cap} bytes."
+
+
+def envoy_too_large_message(bound: int) -> str:
+    """Envoy's own 413, past the most it buffers for the sidecar (12 MiB in the shipped configs): Envoy never
+    counted the body, so it names the bound the body is over."""
+    return f"{BODY_TOO_LARGE}: over {bound} bytes, the most the gateway reads."
 
 
 def too_large(size: int, cap: int) -> Refusal:
-    del size, cap  # not echoed: the words are the same wherever the body is refused, Envoy included
     return invalid(
         AdmissionError(
             413,
-            BODY_TOO_LARGE,
+            too_large_message(size, cap),
             code="request_too_large",
             param=None,
         )

@@ -193,7 +193,7 @@ async def test_primary_killed_under_load(cluster: RedisClusterNodes, on_unavaila
         f"dropped releases {sum(s.dropped_releases for s in shared)}"
     )
     assert load.admitted_shared > resumed + 50, "the store did not come back after the failover"
-    assert load.slowest_s < 1.0, "a call hung past Envoy's 1 s message timeout"
+    assert load.slowest_s < 1.0, "a call hung past 1 s, a fifth of Envoy's message timeout"
     assert load.shared_high <= LIMIT
     if on_unavailable == "local":
         assert load.unavailable == 0 and load.admitted_local > 0

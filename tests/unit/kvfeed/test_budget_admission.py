@@ -197,3 +197,25 @@ async def test_a_request_queued_behind_a_kv_waiter_holds_no_kv_while_it_waits() 
         exchange.close()
     await sidecar.admission.drain()
     assert budget.leases == 0
+
+
+async def test_a_model_named_without_limits_is_bounded_by_the_kv_budget_alone() -> None:
+    """docs/configuration.md, `limits`: a model entry may be only its name; with no slot or TPM limit on any
+    key it applies to, what bounds it is the KV budget (booked KV up to target_utilization of the capacity
+    the feed reports), refusing with `kv_budget` and a retry hint, not the limiter."""
+    footprint = await one_footprint()
+    store = LocalStore()
+    config = parse_config({"models": {"m": {}}})
+    assert config.limits.models == {} and config.limits.global_ == LimitSpec()
+    await store.apply_limits(config.limit_specs()[0])
+    sidecar = Sidecar(config=config, store=store, metrics=Metrics())
+    budget = KvBudget(capacity_tokens=footprint * 5 // 2, target_utilization=1.0)
+    sidecar.admission.deps.kv_budget = lambda _pool: budget
+    budget.admit("other", 0, 0)  # the pool is not empty, so nothing is admitted for being first
+    results = [await decide(sidecar) for _ in range(4)]
+    await sidecar.admission.drain()
+    verdicts = [verdict for _, verdict in results]
+    assert [isinstance(v, Forward) for v in verdicts] == [True, True, False, False]
+    refused = [v for v in verdicts if isinstance(v, Refusal)]
+    assert [r.reason for r in refused] == ["kv_budget"] * 2
+    assert all(r.status == 429 and "retry-after" in dict(r.headers) for r in refused)
