@@ -146,9 +146,10 @@ class KvGate:
     (`take`), given back if the store refuses (`close`), and taken the moment it fits while the request
     waits in its class's queue (`open`, asked by the queue before each try: `queueing.Gate`). So a request
     the KV budget refused waits for KV as one refused a slot waits for a slot, and a waiting request never
-    holds KV that the requests ahead of it need. Each try that does not fit refreshes the request's fair-share claim (`fits`), so later,
-    smaller requests of other tenants do not take the KV it waits for. `request` is the request without its
-    body (a waiter must not hold megabytes of JSON): its prompt chunks were hashed at the first check."""
+    holds KV that the requests ahead of it need. Each try that does not fit refreshes the request's
+    fair-share claim (`fits`), so later, smaller requests of other tenants do not take the KV it waits for.
+    `request` is the request without its body (a waiter must not hold megabytes of JSON): its prompt chunks
+    were hashed at the first check."""
 
     __slots__ = ("booking", "fitted", "plan", "request")
 
