@@ -264,6 +264,8 @@ class AdmissionService:
         child(metrics.settlements, charge.ending.value).inc()
         child(metrics.tokens_settled, model, "prompt").inc(charge.prompt)
         child(metrics.tokens_settled, model, "completion").inc(charge.completion)
+        if charge.cached:
+            child(metrics.tokens_cached_prompt, model).inc(charge.cached)
         delta = admitted.lease.reserved_tokens - charge.total
         if delta > 0:
             child(metrics.tokens_refunded, model).inc(delta)

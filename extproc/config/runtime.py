@@ -98,6 +98,7 @@ class AdmissionConfig:
     end_report_wait_seconds: float = _ADMISSION.end_report_wait_seconds
     per_step: StepBounds = field(default_factory=StepBounds)
     max_request_seconds: float = _ADMISSION.max_request_seconds
+    cached_prompt_token_weight: float = _ADMISSION.cached_prompt_token_weight
 
 
 @dataclass(frozen=True)
@@ -216,5 +217,6 @@ def admission_rules(config: Config) -> AdmissionRules:
         bound_admission=adm.bound_admission,
         shadow=config.shadow,
         end_report_wait_seconds=adm.end_report_wait_seconds,
+        cached_prompt_token_weight=adm.cached_prompt_token_weight,
         refuse_unserved=config.feedback.unserved_models == "refuse",
     )

@@ -152,6 +152,10 @@ class Admission(Section):
     per_step: PerStep = PerStep()
     # The lifetime bound of a metered request, rendered into each metered Envoy route (max_stream_duration).
     max_request_seconds: Annotated[float, PlainValidator(number(1.0))] = 1800.0
+    # What a prompt token the engine served from its prefix cache costs in the token buckets at settlement,
+    # as a share of an uncached one (the engine reports the hit only after it answered: admission reserves
+    # the whole prompt, the settlement refunds the discount). 1.0: full price.
+    cached_prompt_token_weight: Annotated[float, PlainValidator(number(0.0, 1.0))] = 1.0
 
 
 # -- models ------------------------------------------------------------------------------------------------

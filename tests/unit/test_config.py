@@ -337,6 +337,9 @@ def test_model_costs_pools_and_output_bound_policy() -> None:
             {"admission": {"assumed_decode_tokens_per_second": 0}},
             "admission.assumed_decode_tokens_per_second",
         ),
+        ({"admission": {"cached_prompt_token_weight": 1.5}}, "admission.cached_prompt_token_weight"),
+        ({"admission": {"cached_prompt_token_weight": -0.1}}, "admission.cached_prompt_token_weight"),
+        ({"admission": {"cached_prompt_token_weight": "half"}}, "admission.cached_prompt_token_weight"),
     ],
 )
 def test_new_keys_name_the_key_when_wrong(data: Any, key: str) -> None:
@@ -767,3 +770,11 @@ def test_null_reads_as_absent_and_a_null_entry_as_an_empty_one() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"admission": {"max_body_byte": None}})
     assert err.value.problems == ("admission.max_body_byte: unknown key (did you mean 'max_body_bytes'?)",)
+
+
+def test_the_cached_prompt_token_weight_reaches_the_settlement_rules() -> None:
+    """Default full price; 0 (free) and 1 are both allowed."""
+    assert parse_config({}).admission_rules.cached_prompt_token_weight == 1.0
+    for weight in (0, 0.25, 1):
+        rules = parse_config({"admission": {"cached_prompt_token_weight": weight}}).admission_rules
+        assert rules.cached_prompt_token_weight == weight

@@ -90,6 +90,7 @@ class AdmissionRules:
     shadow: bool
     end_report_wait_seconds: float
     refuse_unserved: bool  # `feedback.unserved_models: refuse`: a name no listing engine serves gets a 404
+    cached_prompt_token_weight: float = 1.0  # a prefix-cache hit's share of a prompt token's charge
 
     def class_of(self, tenant: str) -> ClassPolicy:
         """The class of a tenant; unknown tenants fall into the default class."""
