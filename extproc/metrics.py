@@ -239,7 +239,8 @@ class Metrics:
         self.tokens_cached_prompt = Counter(
             "extproc_tokens_cached_prompt",
             "Prompt tokens the engine reported served from its prefix cache (usage.prompt_tokens_details."
-            "cached_tokens; vLLM needs --enable-prompt-tokens-details), counted whole whatever they cost.",
+            "cached_tokens and each API's like field; vLLM needs --enable-prompt-tokens-details for chat and "
+            "completions), counted whole whatever they cost.",
             ["model"],
             registry=r,
         )

@@ -17,8 +17,9 @@ Settlement facts the server relies on:
   tokenizer the count is an estimate in the sidecar's encoding.
 * `prompt_tokens` is None unless reported: the server keeps its own count from admission.
 * `cached_prompt_tokens` is the part of the prompt the engine's prefix cache served, when the backend
-  reports it (OpenAI's `usage.prompt_tokens_details.cached_tokens`; vLLM writes it only when started with
-  `--enable-prompt-tokens-details`), else None: nothing is guessed, so an unreported hit is charged in full.
+  reports it (chat and completions: `usage.prompt_tokens_details.cached_tokens`, which vLLM writes only when
+  started with `--enable-prompt-tokens-details`; Responses and Anthropic have their own fields, read by
+  their dialects), else None: nothing is guessed, so an unreported hit is charged in full.
 * A stream cut mid-way (client disconnect, backend failure) gets no usage event; `usage` is valid at any
   time and then reports what was counted so far.
 * `error_seen` is True after an SSE error event (`event: error`, `data: {"error": ...}`,
