@@ -6,7 +6,13 @@ import json
 from dataclasses import replace
 
 from extproc.admission.apis import REGISTRY
-from extproc.admission.capacity.settlement import Ending, ResponseFacts, ending_of, settle_charge
+from extproc.admission.capacity.settlement import (
+    Ending,
+    ResponseFacts,
+    cached_discount,
+    ending_of,
+    settle_charge,
+)
 from extproc.admission.intake.request import Api
 from extproc.admission.tracking.reading import ReadSpec, ResponseReading, facts_of, spec_for
 
@@ -171,3 +177,14 @@ def test_a_cached_count_beyond_the_prompt_is_clamped_and_a_refusal_charges_nothi
     assert (charge.prompt, charge.cached) == (0, 10)
     busy = settle_charge(10, facts_of(503, reading, Api("chat"), ENC), 0.0)
     assert (busy.prompt, busy.completion, busy.cached) == (0, 0, 0)
+
+
+def test_the_discount_is_never_more_than_the_weight_allows() -> None:
+    """Rounded down, and safe from float error: 10 hits at 0.9 take exactly 1 token off, not 0."""
+    assert cached_discount(10, 0.9) == 1 and cached_discount(10, 1.0) == 0 and cached_discount(0, 0.0) == 0
+    for cached in range(0, 300, 7):
+        for weight in (0.0, 0.1, 0.25, 1 / 3, 0.5, 0.9, 0.99):
+            discount = cached_discount(cached, weight)
+            assert 0 <= discount <= cached
+            assert cached - discount >= cached * weight - 1e-6  # the charge covers the weighted hits
+            assert cached - discount < cached * weight + 1  # and by less than one token more
