@@ -24,6 +24,7 @@ from extproc.admission.intake.rules import (
 )
 from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
 from extproc.config import schema
+from extproc.core import split
 from extproc.core.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import FeedbackConfig
 from extproc.store.settings import StoreSettings
@@ -171,7 +172,12 @@ class Config:
         return self.admission_rules.model_labels()
 
     def limit_specs(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
-        """Keys with explicit limits, and per-prefix defaults for keys first seen at run time."""
+        """Keys with explicit limits, and per-prefix defaults for keys first seen at run time, with the
+        derived keys of split input/output limits (extproc/core/split.py)."""
+        return split.expand(*self.configured_limits())
+
+    def configured_limits(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
+        """Keys with explicit limits, and per-prefix defaults, as the file names them."""
         specs: dict[str, LimitSpec] = {"global": self.limits.global_}
         for name, spec in self.limits.models.items():
             if name != DEFAULT_MODEL:
@@ -218,5 +224,6 @@ def admission_rules(config: Config) -> AdmissionRules:
         shadow=config.shadow,
         end_report_wait_seconds=adm.end_report_wait_seconds,
         cached_prompt_token_weight=adm.cached_prompt_token_weight,
+        split_keys=split.SplitIndex.of(*config.configured_limits()),
         refuse_unserved=config.feedback.unserved_models == "refuse",
     )

@@ -225,6 +225,9 @@ class Limit(Section):
     guaranteed: dict[AnyKey, Guarantee] = {}
     max_concurrency: NonNegInt | None = None
     tokens_per_minute: PosInt | None = None
+    # Prompt tokens and reserved completion tokens per minute, each a bucket of its own (core/split.py).
+    input_tokens_per_minute: PosInt | None = None
+    output_tokens_per_minute: PosInt | None = None
 
 
 class Limits(Section):

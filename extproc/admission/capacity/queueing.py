@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from extproc.core.clock import Clock
-from extproc.core.limiter import Lease, Reason, Rejection
+from extproc.core.limiter import TOKEN_REASONS, Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.core.waitqueue import Waiter, WaitQueue
 from extproc.metrics import Metrics
@@ -30,7 +30,7 @@ from extproc.metrics import Metrics
 log = logging.getLogger(__name__)
 
 PUMP_INTERVAL_S = 0.1
-WAITABLE = (Reason.CONCURRENCY, Reason.TOKENS)
+WAITABLE = (Reason.CONCURRENCY, *TOKEN_REASONS)
 """Refusals that time can cure; a request larger than the bucket's base capacity never waits."""
 
 
@@ -58,14 +58,21 @@ class AdmissionQueue:
         return self.queue.ahead_of(holder)
 
     async def wait(
-        self, keys: Sequence[str], tokens: int, holder: str, tenant: str, max_wait_s: float
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str,
+        tenant: str,
+        max_wait_s: float,
+        output_tokens: int = 0,
     ) -> Lease | Rejection | None:
-        """Wait for a lease. None when the deadline passed; QueueFull when there is no room to wait."""
+        """Wait for a lease (`output_tokens` of `tokens` reserved completion). None when the deadline passed;
+        QueueFull when there is no room to wait."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
         waiter = Waiter(holder=holder, tenant=tenant, enqueued_at=now, deadline=now + max_wait_s)
-        waiter.payload = (tuple(keys), tokens, future)
+        waiter.payload = (tuple(keys), tokens, output_tokens, future)
         if not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
             raise QueueFull
@@ -118,10 +125,10 @@ class AdmissionQueue:
         admitted = False
         try:
             for waiter in list(self.queue.candidates()):
-                keys, tokens, future = waiter.payload
+                keys, tokens, output_tokens, future = waiter.payload
                 if future.done():
                     continue
-                result = await self.store.acquire(keys, tokens, waiter.holder)
+                result = await self.store.acquire(keys, tokens, waiter.holder, output_tokens=output_tokens)
                 if isinstance(result, Lease):
                     if future.done():  # its client left while we acquired
                         self._give_back(result)

@@ -166,7 +166,7 @@ class Decision:
         # Book the KV before the limiter's await, so that concurrent decisions see each other's.
         booking.hold(parsed, plan)
         try:
-            async for step in self.acquire(self._keys(), plan.total, shadow):
+            async for step in self.acquire(self._keys(), plan.total, shadow, plan.completion_tokens):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -202,7 +202,9 @@ class Decision:
         booking.hold(parsed, bound)
         result: Lease | Rejection | None = None
         try:
-            result = await service.acquire(self._keys(), bound.total, klass.name)
+            result = await service.acquire(
+                self._keys(), bound.total, klass.name, output_tokens=bound.completion_tokens
+            )
         except StoreUnavailable:
             return self.refuse(refusals.store_unavailable())
         finally:
@@ -220,7 +222,9 @@ class Decision:
         return KvBooking(deps.kv_budget(pool), pool, request.tenant, deps.budget_changed, deps.clock, rank)
 
     def _keys(self) -> list[str]:
-        return ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
+        """The limiter keys of this request, and the derived keys of those with split input/output limits."""
+        keys = ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
+        return self.service.rules().split_keys.keys_for(keys)
 
     def _forwarding(
         self, parsed: ParsedRequest, plan: Reservation, rules: AdmissionRules
@@ -353,10 +357,11 @@ class Decision:
             )
 
     async def acquire(
-        self, keys: list[str], tokens: int, shadow: bool
+        self, keys: list[str], tokens: int, shadow: bool, output_tokens: int = 0
     ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
         """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
-        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down)."""
+        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down).
+        `output_tokens` of `tokens` are the reserved completion (split limits: extproc/core/split.py)."""
         klass, service = self.request.klass, self.service
         queue = service.deps.queue
         waits = queue is not None and klass.queues and not shadow
@@ -366,14 +371,16 @@ class Decision:
             if not (behind and waits):
                 # Waiters of a higher class are ahead: a class that does not queue may still use its own
                 # guarantee, but not the pool they are waiting for.
-                result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
+                result = await service.acquire(
+                    keys, tokens, klass.name, use_pool=not behind, output_tokens=output_tokens
+                )
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
                 assert queue is not None
                 # The proxy's per-message timer must not fire while the request waits for capacity.
                 yield Hold(math.ceil(klass.max_wait_seconds) + 1)
                 try:
                     result = await queue.wait(
-                        keys, tokens, klass.name, self.request.tenant, klass.max_wait_seconds
+                        keys, tokens, klass.name, self.request.tenant, klass.max_wait_seconds, output_tokens
                     )
                 except QueueFull:
                     yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
