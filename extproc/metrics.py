@@ -230,7 +230,19 @@ class Metrics:
             registry=r,
         )
         self.tokens_settled = Counter(
-            "extproc_tokens_settled", "Tokens actually charged at settlement.", ["model", "kind"], registry=r
+            "extproc_tokens_settled",
+            "Tokens actually charged at settlement, by kind (prompt: as charged, cached tokens at "
+            "admission.cached_prompt_token_weight; completion).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.tokens_cached_prompt = Counter(
+            "extproc_tokens_cached_prompt",
+            "Prompt tokens the engine reported served from its prefix cache (usage.prompt_tokens_details."
+            "cached_tokens and each API's like field; vLLM needs --enable-prompt-tokens-details for chat and "
+            "completions), counted whole whatever they cost.",
+            ["model"],
+            registry=r,
         )
         self.settlements = Counter(
             "extproc_settlements",
@@ -286,7 +298,12 @@ class Metrics:
         """Export a model label's token and engine-refusal counters at 0 before its first request, so a
         query or an alert on `increase()` sees the first refund, overrun or refusal instead of a series
         that starts at 1."""
-        for counter in (self.tokens_reserved, self.tokens_refunded, self.tokens_overrun):
+        for counter in (
+            self.tokens_reserved,
+            self.tokens_refunded,
+            self.tokens_overrun,
+            self.tokens_cached_prompt,
+        ):
             counter.labels(model)
         for kind in ("prompt", "completion"):
             self.tokens_settled.labels(model, kind)

@@ -204,10 +204,13 @@ class AdmissionService:
     # -- leases --------------------------------------------------------------------------------------------
 
     async def acquire(
-        self, keys: list[str], tokens: int, holder: str, use_pool: bool = True
+        self, keys: list[str], tokens: int, holder: str, use_pool: bool = True, output_tokens: int = 0
     ) -> Lease | Rejection:
-        """Acquire so that a lease granted while the caller is being cancelled is given back, not leaked."""
-        future = asyncio.ensure_future(self.deps.store.acquire(keys, tokens, holder, use_pool=use_pool))
+        """Acquire so that a lease granted while the caller is being cancelled is given back, not leaked;
+        `output_tokens` of `tokens` are the reserved completion (what an `output:` key's bucket holds)."""
+        future = asyncio.ensure_future(
+            self.deps.store.acquire(keys, tokens, holder, use_pool=use_pool, output_tokens=output_tokens)
+        )
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -233,7 +236,9 @@ class AdmissionService:
             self._engine_refused(admitted)
         completed = charge.ending == "completed"
         admitted.booking.release(charge.completion if completed else None)
-        future = asyncio.ensure_future(self.deps.store.release(admitted.lease, charge.total))
+        future = asyncio.ensure_future(
+            self.deps.store.release(admitted.lease, charge.total, charge.completion)
+        )
         future.add_done_callback(lambda done: self._account(done, admitted, charge))
         self.track(future)
         return future
@@ -271,6 +276,8 @@ class AdmissionService:
         child(metrics.settlements, charge.ending.value).inc()
         child(metrics.tokens_settled, model, "prompt").inc(charge.prompt)
         child(metrics.tokens_settled, model, "completion").inc(charge.completion)
+        if charge.cached:
+            child(metrics.tokens_cached_prompt, model).inc(charge.cached)
         delta = admitted.lease.reserved_tokens - charge.total
         if delta > 0:
             child(metrics.tokens_refunded, model).inc(delta)

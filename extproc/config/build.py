@@ -200,6 +200,8 @@ def _limit(limit: schema.Limit, path: str, classes: Sequence[str]) -> LimitSpec:
             max_concurrency=limit.max_concurrency,
             tokens_per_minute=limit.tokens_per_minute,
             guaranteed=guaranteed,
+            input_tokens_per_minute=limit.input_tokens_per_minute,
+            output_tokens_per_minute=limit.output_tokens_per_minute,
         )
     except ValueError as exc:
         raise ConfigError(f"{path}.guaranteed: {exc}") from None

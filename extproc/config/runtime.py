@@ -25,6 +25,7 @@ from extproc.admission.intake.rules import (
 )
 from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
 from extproc.config import schema
+from extproc.core import split
 from extproc.core.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import FeedbackConfig
 from extproc.store.settings import StoreSettings
@@ -101,6 +102,7 @@ class AdmissionConfig:
     max_request_seconds: float = _ADMISSION.max_request_seconds
     max_queue_wait_seconds: float | None = _ADMISSION.max_queue_wait_seconds
     inference_pool: PoolHeaders = field(default_factory=PoolHeaders)
+    cached_prompt_token_weight: float = _ADMISSION.cached_prompt_token_weight
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,12 @@ class Config:
         return self.admission_rules.model_labels()
 
     def limit_specs(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
-        """Keys with explicit limits, and per-prefix defaults for keys first seen at run time."""
+        """Keys with explicit limits, and per-prefix defaults for keys first seen at run time, with the
+        derived keys of split input/output limits (extproc/core/split.py)."""
+        return split.expand(*self.configured_limits())
+
+    def configured_limits(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
+        """Keys with explicit limits, and per-prefix defaults, as the file names them."""
         specs: dict[str, LimitSpec] = {"global": self.limits.global_}
         for name, spec in self.limits.models.items():
             if name != DEFAULT_MODEL:
@@ -219,6 +226,8 @@ def admission_rules(config: Config) -> AdmissionRules:
         bound_admission=adm.bound_admission,
         shadow=config.shadow,
         end_report_wait_seconds=adm.end_report_wait_seconds,
+        cached_prompt_token_weight=adm.cached_prompt_token_weight,
+        split_keys=split.SplitIndex.of(*config.configured_limits()),
         refuse_unserved=config.feedback.unserved_models == "refuse",
         max_queue_wait_seconds=adm.max_queue_wait_seconds,
         pool_headers=adm.inference_pool,

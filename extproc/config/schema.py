@@ -165,6 +165,10 @@ class Admission(Section):
     max_queue_wait_seconds: Annotated[float, PlainValidator(number(0.001, 3600.0))] | None = None
     # The fairness id and objective headers of an inference pool's stack as tenant and class, if trusted.
     inference_pool: InferencePool = InferencePool()
+    # What a prompt token the engine served from its prefix cache costs in the token buckets at settlement,
+    # as a share of an uncached one (the engine reports the hit only after it answered: admission reserves
+    # the whole prompt, the settlement refunds the discount). 1.0: full price.
+    cached_prompt_token_weight: Annotated[float, PlainValidator(number(0.0, 1.0))] = 1.0
 
 
 # -- models ------------------------------------------------------------------------------------------------
@@ -234,6 +238,9 @@ class Limit(Section):
     guaranteed: dict[AnyKey, Guarantee] = {}
     max_concurrency: NonNegInt | None = None
     tokens_per_minute: PosInt | None = None
+    # Prompt tokens and reserved completion tokens per minute, each a bucket of its own (core/split.py).
+    input_tokens_per_minute: PosInt | None = None
+    output_tokens_per_minute: PosInt | None = None
 
 
 class Limits(Section):

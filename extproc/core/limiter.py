@@ -2,8 +2,11 @@
 
 A request names several keys (global, its model, its tenant). It is admitted only if every key has a free
 slot and every key's bucket holds the reservation; otherwise nothing is taken and the rejection says which
-key refused and when to come back. Slots are checked before tokens because a slot is the scarcer, longer-held
-resource on an inference server: a request that fails the token check gives its slots straight back.
+key refused and when to come back. A key's bucket holds its part of the reservation: the whole of it, or,
+for the derived keys of split input/output limits (`split.py`), the prompt or the reserved completion; a
+refusal on one of those names its bucket (`token_reason`). Slots are checked before tokens because a slot
+is the scarcer, longer-held resource on an inference server: a request that fails the token check gives its
+slots straight back.
 
 A key's capacity may be split into shares (see `shares.py`): guarantees held by priority classes that nobody
 else can take, and a burstable pool any class borrows from once its own guarantee is in use. A request of
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.core.clock import Clock
+from extproc.core.split import INPUT_PREFIX, OUTPUT_PREFIX, key_tokens
 from extproc.core.state import (
     DEFAULT_HOLD_S,
     SHRUNK_RETRY_S,
@@ -54,6 +58,7 @@ __all__ = [
     "HOLD_EWMA_ALPHA",
     "SHRUNK_RETRY_S",
     "SNAPSHOT_BUSIEST_KEYS",
+    "TOKEN_REASONS",
     "JointLimiter",
     "KeySnapshot",
     "Lease",
@@ -63,6 +68,7 @@ __all__ = [
     "Reason",
     "Rejection",
     "ShareSnapshot",
+    "token_reason",
 ]
 
 HOLD_EWMA_ALPHA = 0.2
@@ -78,7 +84,22 @@ SNAPSHOT_BUSIEST_KEYS = 100
 class Reason(StrEnum):
     CONCURRENCY = "concurrency"
     TOKENS = "tokens"
+    INPUT_TOKENS = "input_tokens"
+    OUTPUT_TOKENS = "output_tokens"
     TOO_LARGE = "request_exceeds_token_limit"
+
+
+def token_reason(key: str) -> Reason:
+    """The refusal of a key whose bucket cannot hold its part yet: which bucket, by the key (`split.py`)."""
+    if key.startswith(INPUT_PREFIX):
+        return Reason.INPUT_TOKENS
+    if key.startswith(OUTPUT_PREFIX):
+        return Reason.OUTPUT_TOKENS
+    return Reason.TOKENS
+
+
+TOKEN_REASONS = (Reason.TOKENS, Reason.INPUT_TOKENS, Reason.OUTPUT_TOKENS)
+"""Refusals a bucket's refill ends: waiting helps."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +127,11 @@ class Placement:
 
 @dataclass
 class Lease:
-    """Capacity held by one admitted request until it is settled."""
+    """Capacity held by one admitted request until it is settled.
+
+    `reserved_tokens` is the whole reservation, `reserved_output` the completion part of it: each key's
+    bucket holds `key_tokens(key, reserved_tokens, reserved_output)` (`split.py`).
+    """
 
     lease_id: int
     keys: tuple[str, ...]
@@ -117,6 +142,14 @@ class Lease:
     placements: tuple[Placement, ...] = ()
     settled: bool = False
     actual_tokens: int | None = None
+    reserved_output: int = 0
+    actual_output: int = 0
+
+    def reserved_on(self, key: str) -> int:
+        return key_tokens(key, self.reserved_tokens, self.reserved_output)
+
+    def actual_on(self, key: str) -> int:
+        return key_tokens(key, self.actual_tokens or 0, self.actual_output)
 
 
 @dataclass
@@ -195,14 +228,20 @@ class JointLimiter:
     # -- admission -----------------------------------------------------------------------------------------
 
     def acquire(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
-        """Admit a request of class `holder` holding one slot and `tokens` on each key, or refuse it.
+        """Admit a request of class `holder` holding one slot and `tokens` on each key, or refuse it;
+        `output_tokens` of `tokens` are completion (an `output:` key holds those, an `input:` key the rest).
 
         `use_pool=False` restricts it to its class's own guarantee (when higher classes wait for the pool).
         """
-        if tokens < 0:
-            raise ValueError("tokens must be >= 0")
+        if tokens < 0 or not 0 <= output_tokens <= tokens:
+            raise ValueError("tokens must be >= 0, output_tokens between 0 and tokens")
         now = self.clock()
         unique = tuple(dict.fromkeys(keys))
         states = [self._state(k) for k in unique]
@@ -218,14 +257,15 @@ class JointLimiter:
         placed: list[str | None] = []
         worst: tuple[float, str] | None = None
         for key, state in zip(unique, states, strict=True):
-            share, wait = state.place_tokens(holder, tokens, now, use_pool)
+            share, wait = state.place_tokens(holder, key_tokens(key, tokens, output_tokens), now, use_pool)
             if math.isinf(wait):
                 return Rejection(Reason.TOO_LARGE, key, None, tightest_status(unique, states, holder, now))
             if wait > 0 and (worst is None or wait > worst[0]):
                 worst = (wait, key)
             placed.append(share)
         if worst is not None:
-            return Rejection(Reason.TOKENS, worst[1], worst[0], tightest_status(unique, states, holder, now))
+            status = tightest_status(unique, states, holder, now)
+            return Rejection(token_reason(worst[1]), worst[1], worst[0], status)
 
         placements = []
         for key, state, slot, share in zip(unique, states, slots, placed, strict=True):
@@ -233,7 +273,7 @@ class JointLimiter:
             if share is not None:
                 bucket = state.shares[share].bucket
                 assert bucket is not None
-                bucket.take(tokens, now)
+                bucket.take(key_tokens(key, tokens, output_tokens), now)
             placements.append(Placement(key, slot, share))
         return Lease(
             lease_id=next(self._ids),
@@ -243,14 +283,17 @@ class JointLimiter:
             status=tightest_status(unique, states, holder, now),
             holder=holder,
             placements=tuple(placements),
+            reserved_output=output_tokens,
         )
 
-    def release(self, lease: Lease, actual_tokens: int) -> bool:
-        """Settle a lease to the tokens really used. Returns False if it was already settled."""
+    def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
+        """Settle a lease to the tokens really used, `actual_output` of them completion. Returns False if it
+        was already settled."""
         if lease.settled:
             return False
         lease.settled = True
         lease.actual_tokens = max(0, actual_tokens)
+        lease.actual_output = max(0, actual_output)
         now = self.clock()
         held = max(0.0, now - lease.acquired_at)
         for placement in lease.placements:
@@ -261,7 +304,7 @@ class JointLimiter:
             if placement.tokens is not None:
                 share = state.shares.get(placement.tokens)
                 if share is not None and share.bucket is not None:
-                    share.bucket.settle(lease.reserved_tokens, lease.actual_tokens, now)
+                    share.bucket.settle(lease.reserved_on(placement.key), lease.actual_on(placement.key), now)
             state.hold_ewma_s = (
                 held
                 if state.hold_ewma_s is None
@@ -272,18 +315,20 @@ class JointLimiter:
         return True
 
     def refund(self, lease: Lease, tokens: int) -> bool:
-        """Lower an open lease's reservation by `tokens` (at most what it holds), returning them to the
-        buckets it took from, as its settlement would (never above capacity). False once it is settled."""
-        if lease.settled:
+        """Lower an open lease's reservation by `tokens` prompt tokens (at most what it holds for the prompt),
+        returning them to the buckets it took from, as its settlement would (never above capacity): the
+        total and input buckets, not the output ones. False once it is settled, or when it holds no prompt
+        tokens to give back (as the Redis store answers)."""
+        tokens = max(0, min(tokens, lease.reserved_tokens - lease.reserved_output))
+        if lease.settled or tokens == 0:
             return False
-        tokens = max(0, min(tokens, lease.reserved_tokens))
         now = self.clock()
         for placement in lease.placements:
             if placement.tokens is None:
                 continue
             share = self._state(placement.key).shares.get(placement.tokens)
             if share is not None and share.bucket is not None:
-                share.bucket.settle(tokens, 0, now)
+                share.bucket.settle(key_tokens(placement.key, tokens, 0), 0, now)
         lease.reserved_tokens -= tokens
         return True
 

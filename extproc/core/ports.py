@@ -40,21 +40,30 @@ class StoreHealth:
 
 class LimiterStore(Protocol):
     async def acquire(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
-        """Take one slot on every key and `tokens` from every bucket, all or nothing, as class `holder`.
+        """Take one slot on every key and `tokens` from every bucket, all or nothing, as class `holder`;
+        of them `output_tokens` are completion, which is all an `output:` key's bucket holds (and an
+        `input:` key's the rest: extproc/core/split.py `key_tokens`).
 
         With `use_pool=False` only the class's own guarantee may be used, not the burstable pool.
         """
         ...
 
-    async def release(self, lease: Lease, actual_tokens: int) -> bool:
-        """Settle a lease to the tokens really used; False when it was settled before."""
+    async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
+        """Settle a lease to the tokens really used, `actual_output` of them completion; False when it was
+        settled before."""
         ...
 
     async def refund(self, lease: Lease, tokens: int) -> bool:
-        """Lower an open lease's reservation by `tokens` and return them to its buckets now (a reservation
-        made on a bound, corrected once the exact count is known); False when the lease is settled or gone.
+        """Lower an open lease's reservation by `tokens` prompt tokens and return them to its buckets now
+        (total and input ones: a reservation made on a bound, corrected once the exact count is known);
+        False when the lease is settled or gone.
         The lease's `reserved_tokens` drops by what was refunded, so its settlement stays exact."""
         ...
 

@@ -27,18 +27,24 @@ class LimitSpec:
     """Base limits of one key; None means unlimited in that dimension.
 
     `guaranteed` holds per-class guarantees inside these limits, as (class, LimitSpec) pairs; the rest is
-    the burstable pool. Guarantees must fit inside the totals they divide.
+    the burstable pool. Guarantees must fit inside the totals they divide. `input_tokens_per_minute` and
+    `output_tokens_per_minute` are enforced by derived keys of their own (`split.py`), not by this key's
+    state, which ignores them.
     """
 
     max_concurrency: int | None = None
     tokens_per_minute: int | None = None
     guaranteed: tuple[tuple[str, LimitSpec], ...] = ()
+    input_tokens_per_minute: int | None = None
+    output_tokens_per_minute: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 0:
             raise ValueError("max_concurrency must be >= 0")
-        if self.tokens_per_minute is not None and self.tokens_per_minute <= 0:
-            raise ValueError("tokens_per_minute must be > 0")
+        for name in ("tokens_per_minute", "input_tokens_per_minute", "output_tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0")
         conc = sum(g.max_concurrency or 0 for _, g in self.guaranteed)
         tpm = sum(g.tokens_per_minute or 0 for _, g in self.guaranteed)
         if conc and (self.max_concurrency is None or conc > self.max_concurrency):

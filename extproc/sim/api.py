@@ -42,7 +42,7 @@ from extproc.sim.protocol import (
     read_prompts,
     reads_prefix_cache,
 )
-from extproc.sim.scheduler import Scheduler
+from extproc.sim.scheduler import Scheduler, Sequence
 from extproc.sim.shapes import (
     parse_cohere_chat,
     parse_generate_tokens,
@@ -244,6 +244,7 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
     choices: list[Choice] = []
     items = []
     read_cache = reads_prefix_cache(req)
+    firsts: list[Sequence] = []  # each prompt's first sequence: its prefix-cache hit is the prompt's
     for p_idx, prompt in enumerate(prompts):
         prompt_tokens = prompt.tokens
         for j in range(req.n):
@@ -261,6 +262,8 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
             choices.append(Choice(index, prompt_tokens, tokens, reason))
             seq = engine.new_sequence(prompt_tokens, count, prompt.block_hashes, read_cache)
             items.append((seq, index, reason))
+            if j == 0:
+                firsts.append(seq)
     sink: asyncio.Queue[Event] = asyncio.Queue()
     try:
         tracked = engine.submit(items, sink)
@@ -273,6 +276,8 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
         )
     rid = fmt.rid_prefix + uuid.uuid4().hex
     reply = Reply(rid, cfg.model, sum(p.tokens for p in prompts), choices, req.include_usage, cfg.encoding)
+    if cfg.enable_prompt_tokens_details:
+        reply.cached_prompt = lambda: sum(seq.num_cached_prompt for seq in firsts)
     log.debug(
         "request %s: %d prompt(s), %d prompt tokens, %d choices",
         rid,

@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
         "instead: only vllm:gpu_cache_usage_perc (vLLM <= 0.8)",
     )
     o.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        default=d.enable_prompt_tokens_details,
+        help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits), as vLLM's flag",
+    )
+    o.add_argument(
         "--encoding", default=d.encoding, help="tiktoken encoding for prompt and output token counts"
     )
     return p
@@ -216,6 +222,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         legacy_kv_metric=LegacyKvMetric(args.legacy_kv_metric),
         encoding=args.encoding,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

@@ -49,6 +49,9 @@ class SimConfig:
     # vLLM's --max-num-queued-reqs (config/scheduler.py): past this many unfinished sequences a new request
     # is answered 503 before the scheduler sees it. None: unbounded, vLLM's default.
     max_num_queued_reqs: int | None = None
+    # vLLM's --enable-prompt-tokens-details (entrypoints/launchers/cli_args.py): usage carries
+    # `prompt_tokens_details.cached_tokens`, the prompt tokens its prefix cache hit. Off by default, as vLLM.
+    enable_prompt_tokens_details: bool = False
 
     def served_name(self, body: object) -> str:
         """The request's `model` when this server serves it (base name, alias, adapter), else `model`, so

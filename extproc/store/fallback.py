@@ -67,10 +67,15 @@ class FallbackStore:
         self.degraded = False
 
     async def acquire(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
         try:
-            result = await self.primary.acquire(keys, tokens, holder, use_pool)
+            result = await self.primary.acquire(keys, tokens, holder, use_pool, output_tokens)
         except StoreUnavailable as exc:
             if not self.degraded:
                 log.error(
@@ -78,7 +83,7 @@ class FallbackStore:
                 )
             self.degraded = True
             self.fallback_acquires += 1
-            result = await self.fallback.acquire(keys, tokens, holder, use_pool)
+            result = await self.fallback.acquire(keys, tokens, holder, use_pool, output_tokens)
             if isinstance(result, Lease):
                 self._local[id(result)] = result
             return result
@@ -94,13 +99,13 @@ class FallbackStore:
                 return shadow
         return result
 
-    async def release(self, lease: Lease, actual_tokens: int) -> bool:
+    async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
         if self._local.pop(id(lease), None) is not None:
-            return await self.fallback.release(lease, actual_tokens)
+            return await self.fallback.release(lease, actual_tokens, actual_output)
         shadow = self._shadows.pop(id(lease), None)
         if shadow is not None:
             await self.fallback.release(shadow, 0)
-        return await self.primary.release(lease, actual_tokens)
+        return await self.primary.release(lease, actual_tokens, actual_output)
 
     async def refund(self, lease: Lease, tokens: int) -> bool:
         if id(lease) in self._local:

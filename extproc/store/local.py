@@ -20,12 +20,17 @@ class LocalStore:
         self.limiter = JointLimiter(clock=clock)
 
     async def acquire(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
-        return self.limiter.acquire(keys, tokens, holder, use_pool)
+        return self.limiter.acquire(keys, tokens, holder, use_pool, output_tokens)
 
-    async def release(self, lease: Lease, actual_tokens: int) -> bool:
-        return self.limiter.release(lease, actual_tokens)
+    async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
+        return self.limiter.release(lease, actual_tokens, actual_output)
 
     async def refund(self, lease: Lease, tokens: int) -> bool:
         return self.limiter.refund(lease, tokens)

@@ -128,10 +128,15 @@ async def test_waiter_timing_out_while_its_acquire_is_in_flight_leaks_nothing() 
         """A store whose acquire takes a network round trip, as a shared store does."""
 
         async def acquire(
-            self, keys: Any, tokens: int, holder: str | None = None, use_pool: bool = True
+            self,
+            keys: Any,
+            tokens: int,
+            holder: str | None = None,
+            use_pool: bool = True,
+            output_tokens: int = 0,
         ) -> Any:
             await asyncio.sleep(0.3)
-            return self.limiter.acquire(keys, tokens, holder, use_pool)
+            return self.limiter.acquire(keys, tokens, holder, use_pool, output_tokens)
 
     store = SlowStore()
     await store.apply_limits({"global": LimitSpec(max_concurrency=1)}, {}, ("c",))

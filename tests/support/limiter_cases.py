@@ -14,6 +14,7 @@ import pytest
 
 from extproc.core.limiter import Lease, LimitSpec, Reason, Rejection
 from extproc.core.shares import SHARED
+from extproc.core.split import expand
 from tests.support.store_harness import Harness
 
 Case = Callable[[Harness], Awaitable[None]]
@@ -158,6 +159,65 @@ async def overrun_charged_as_debt(h: Harness) -> None:
     assert h.snap("m").tokens_available == h.tokens(-100, 600)
     rej = await h.acquire(["m"], 50)
     assert isinstance(rej, Rejection) and rej.retry_after_s == h.seconds(15.0, abs_s=0.6)
+
+
+# -- split input/output limits (extproc/core/split.py) ---------------------------------------------------
+
+SPLIT = LimitSpec(tokens_per_minute=6000, input_tokens_per_minute=600, output_tokens_per_minute=300)
+SPLIT_KEYS = ["model:m", "input:model:m", "output:model:m"]
+
+
+@limiter_case
+async def split_limits_refuse_by_their_own_bucket_and_wait(h: Harness) -> None:
+    """The prompt goes to the input bucket, the reserved completion to the output one; a refusal names the
+    bucket that cannot hold its part, with that bucket's refill wait."""
+    await h.apply(*expand({"model:m": SPLIT}, {}))
+    await h.lease(SPLIT_KEYS, 500, output_tokens=200)  # input 600 - 300, output 300 - 200
+    assert h.snap("input:model:m").tokens_available == h.tokens(300, 600)
+    assert h.snap("output:model:m").tokens_available == h.tokens(100, 300)
+    assert h.snap("model:m").tokens_available == h.tokens(5500, 6000)
+    rej = await h.acquire(SPLIT_KEYS, 500, output_tokens=100)  # a 400-token prompt: 100 missing at 10/s
+    assert isinstance(rej, Rejection) and (rej.reason, rej.key) == (Reason.INPUT_TOKENS, "input:model:m")
+    assert rej.retry_after_s == h.seconds(10.0)
+    rej = await h.acquire(SPLIT_KEYS, 300, output_tokens=250)  # 150 output missing at 5/s
+    assert isinstance(rej, Rejection) and (rej.reason, rej.key) == (Reason.OUTPUT_TOKENS, "output:model:m")
+    assert rej.retry_after_s == h.seconds(30.0)
+    assert h.snap("model:m").active == 1  # the refusals took nothing
+    assert rej.status.limit_tokens == 300  # the headers report the tightest bucket: the output one
+
+
+@limiter_case
+async def split_limits_settle_each_bucket_to_its_part(h: Harness) -> None:
+    await h.apply(*expand({"model:m": SPLIT}, {}))
+    lease = await h.lease(SPLIT_KEYS, 500, output_tokens=200)
+    assert await h.store.refund(lease, 50) is True  # a bound corrected: prompt tokens back, not output
+    assert (lease.reserved_tokens, lease.reserved_output) == (450, 200)
+    # A refund returns no state: read the buckets (a store's snapshot is as of its last reply).
+    assert (await h.store.status(["input:model:m"])).remaining_tokens == h.tokens(350, 600)
+    assert (await h.store.status(["output:model:m"])).remaining_tokens == h.tokens(100, 300)
+    assert await h.store.release(lease, 290, 40) is True  # a 250-token prompt, 40 generated
+    assert h.snap("input:model:m").tokens_available == h.tokens(350, 600)
+    assert h.snap("output:model:m").tokens_available == h.tokens(260, 300)
+    assert h.snap("model:m").tokens_available == h.tokens(5710, 6000)
+
+
+@limiter_case
+async def a_prompt_larger_than_the_input_limit_never_fits(h: Harness) -> None:
+    await h.apply(*expand({"model:m": SPLIT}, {}))
+    rej = await h.acquire(SPLIT_KEYS, 700, output_tokens=50)
+    assert isinstance(rej, Rejection) and (rej.reason, rej.key) == (Reason.TOO_LARGE, "input:model:m")
+    assert rej.retry_after_s is None
+
+
+@limiter_case
+async def a_split_default_applies_to_unconfigured_keys_only(h: Harness) -> None:
+    specs, defaults = expand(
+        {"tenant:plain": LimitSpec(max_concurrency=5)}, {"tenant:": LimitSpec(output_tokens_per_minute=60)}
+    )
+    await h.apply(specs, defaults)
+    rej = await h.acquire(["tenant:a", "input:tenant:a", "output:tenant:a"], 100, output_tokens=80)
+    assert isinstance(rej, Rejection) and (rej.reason, rej.key) == (Reason.TOO_LARGE, "output:tenant:a")
+    await h.lease(["tenant:plain", "input:tenant:plain", "output:tenant:plain"], 100, output_tokens=80)
 
 
 @limiter_case

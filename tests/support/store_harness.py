@@ -48,14 +48,24 @@ class Harness:
         await self.store.apply_limits(specs, defaults, priority)
 
     async def acquire(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
-        return await self.store.acquire(keys, tokens, holder, use_pool)
+        return await self.store.acquire(keys, tokens, holder, use_pool, output_tokens)
 
     async def lease(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease:
-        result = await self.acquire(keys, tokens, holder, use_pool)
+        result = await self.acquire(keys, tokens, holder, use_pool, output_tokens)
         assert isinstance(result, Lease), result
         return result
 

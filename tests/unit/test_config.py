@@ -347,6 +347,9 @@ def test_model_costs_pools_and_output_bound_policy() -> None:
             {"admission": {"assumed_decode_tokens_per_second": 0}},
             "admission.assumed_decode_tokens_per_second",
         ),
+        ({"admission": {"cached_prompt_token_weight": 1.5}}, "admission.cached_prompt_token_weight"),
+        ({"admission": {"cached_prompt_token_weight": -0.1}}, "admission.cached_prompt_token_weight"),
+        ({"admission": {"cached_prompt_token_weight": "half"}}, "admission.cached_prompt_token_weight"),
     ],
 )
 def test_new_keys_name_the_key_when_wrong(data: Any, key: str) -> None:
@@ -850,3 +853,42 @@ def test_null_reads_as_absent_and_a_null_entry_as_an_empty_one() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"admission": {"max_body_byte": None}})
     assert err.value.problems == ("admission.max_body_byte: unknown key (did you mean 'max_body_bytes'?)",)
+
+
+def test_the_cached_prompt_token_weight_reaches_the_settlement_rules() -> None:
+    """Default full price; 0 (free) and 1 are both allowed."""
+    assert parse_config({}).admission_rules.cached_prompt_token_weight == 1.0
+    for weight in (0, 0.25, 1):
+        rules = parse_config({"admission": {"cached_prompt_token_weight": weight}}).admission_rules
+        assert rules.cached_prompt_token_weight == weight
+
+
+def test_split_limits_reach_the_stores_and_the_request_keys() -> None:
+    """`input_tokens_per_minute` / `output_tokens_per_minute` become the derived keys of
+    extproc/core/split.py:
+    in the stores' tables, and in the keys a request of that model or tenant names."""
+    config = parse_config(
+        {
+            "limits": {
+                "models": {"llama": {"tokens_per_minute": 9000, "input_tokens_per_minute": 6000}},
+                "tenant_default": {"output_tokens_per_minute": 1200},
+                "tenants": {"acme": {"max_concurrency": 3}},
+            }
+        }
+    )
+    specs, defaults = config.limit_specs()
+    assert specs["model:llama"].tokens_per_minute == 9000
+    assert specs["input:model:llama"] == LimitSpec(tokens_per_minute=6000)
+    assert specs["output:model:llama"] == LimitSpec()
+    assert specs["input:tenant:acme"] == specs["output:tenant:acme"] == LimitSpec()  # acme names none
+    assert defaults["output:tenant:"] == LimitSpec(tokens_per_minute=1200)
+    keys = config.admission_rules.split_keys.keys_for(["global", "model:llama", "tenant:acme", "tenant:b"])
+    assert keys[4:] == ["input:model:llama", "output:model:llama", "input:tenant:b", "output:tenant:b"]
+
+
+@pytest.mark.parametrize("key", ["input_tokens_per_minute", "output_tokens_per_minute"])
+def test_a_split_limit_names_itself_when_wrong(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"limits\.models\.m\.{key}"):
+        parse_config({"limits": {"models": {"m": {key: 0}}}})
+    with pytest.raises(ConfigError, match=rf"limits\.global\.guaranteed\.default\.{key}"):
+        parse_config({"limits": {"global": {"guaranteed": {"default": {key: 10}}}}})

@@ -214,7 +214,8 @@ class MessagesAdapter:
 
 def _usage(seen: Observed, usage: Any) -> None:
     """Anthropic usage: the prompt is `input_tokens` plus the cache reads and writes, which vLLM subtracts
-    from it when prompt-token details are on (vLLM v0.33.0 entrypoints/anthropic/serving.py:75-111)."""
+    from it when prompt-token details are on (vLLM v0.33.0 entrypoints/anthropic/serving.py:75-111; 0.32.0
+    the same, 70-98), and the cache reads are its cached prompt tokens."""
     if not isinstance(usage, dict):
         return
     seen.usage_seen = True
@@ -223,6 +224,7 @@ def _usage(seen: Observed, usage: Any) -> None:
         for key in ("cache_read_input_tokens", "cache_creation_input_tokens"):
             prompt += count_int(usage.get(key)) or 0
     seen.prompt = prompt
+    seen.cached = count_int(usage.get("cache_read_input_tokens"))
     seen.completion = count_int(usage.get("output_tokens"))
 
 

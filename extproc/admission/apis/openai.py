@@ -330,13 +330,24 @@ class OpenAIDialect:
 
 
 def read_openai_usage(obj: Mapping[str, Any], seen: Observed) -> None:
-    """`usage.{prompt_tokens,completion_tokens}`; an event whose `choices` are empty is the usage-only one."""
+    """`usage.{prompt_tokens,completion_tokens}` and `usage.prompt_tokens_details.cached_tokens`; an event
+    whose `choices` are empty is the usage-only one.
+
+    vLLM 0.32.0 writes `prompt_tokens_details` only with `--enable-prompt-tokens-details`: in chat bodies and
+    the streamed usage event (entrypoints/openai/chat_completion/serving.py `_make_prompt_tokens_details`,
+    used at 853 and 1164), in completions (completion/serving.py 453-456 streamed, 608-615 whole; with
+    several prompts it reports one prompt's hit, so a discount undercounts, never overcounts) and
+    token-in/token-out (scale_out/token_in_token_out/serving.py 478-483, 675-677); `cached_tokens` may be
+    null there (entrypoints/serve/engine/protocol.py `PromptTokenUsageInfo`), read as unknown."""
     usage = obj.get("usage")
     if isinstance(usage, dict):
         choices = obj.get("choices")
         seen.usage_seen = True
         seen.prompt = count_int(usage.get("prompt_tokens"))
         seen.completion = count_int(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            seen.cached = count_int(details.get("cached_tokens"))
         seen.usage_only = choices is None or choices == []
 
 

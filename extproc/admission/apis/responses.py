@@ -249,10 +249,16 @@ NOT_TEXT_DELTAS = frozenset({"response.audio.delta"})
 
 
 def _usage(seen: Observed, usage: Any) -> None:
+    """`input_tokens`, `output_tokens` and `input_tokens_details.cached_tokens` (the prefix-cache hit,
+    included in `input_tokens`), which vLLM 0.32.0 writes whatever its flags
+    (entrypoints/openai/responses/serving.py 867-886)."""
     if isinstance(usage, dict):
         seen.usage_seen = True
         seen.prompt = count_int(usage.get("input_tokens"))
         seen.completion = count_int(usage.get("output_tokens"))
+        details = usage.get("input_tokens_details")
+        if isinstance(details, dict):
+            seen.cached = count_int(details.get("cached_tokens"))
 
 
 def _item_texts(item: Any, texts: list[str]) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from extproc.core.clock import Clock
-from extproc.core.limiter import Lease, Reason, Rejection
+from extproc.core.limiter import TOKEN_REASONS, Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.core.waitqueue import Waiter, WaitQueue
 from extproc.metrics import Metrics
@@ -37,7 +37,7 @@ from extproc.metrics import Metrics
 log = logging.getLogger(__name__)
 
 PUMP_INTERVAL_S = 0.1
-WAITABLE = (Reason.CONCURRENCY, Reason.TOKENS)
+WAITABLE = (Reason.CONCURRENCY, *TOKEN_REASONS)
 """Refusals that time can cure; a request larger than the bucket's base capacity never waits."""
 
 
@@ -150,20 +150,22 @@ class AdmissionQueue:
         refused: Rejection | None = None,
         run_s: float = 0.0,
         gate: Gate | None = None,
+        output_tokens: int = 0,
     ) -> Lease | Rejection | None:
         """Wait for a lease. None when the wait's end passed (`max_wait_s`, already the smallest of the
         bounds that apply); QueueFull when there is no room to wait; DeadlineUnmet when a pump finds `due`,
         the request's own deadline on this queue's clock (which also orders its tenant's line), out of
         reach. `refused`: what the request met trying at once, the class's `blocked` until a pump runs;
         `run_s`: how long it will hold its capacity, for the deadlines of the waiters behind it; `gate`:
-        what else it needs, opened before each try (a lease granted finds it open)."""
+        what else it needs, opened before each try (a lease granted finds it open); `output_tokens`: how
+        many of `tokens` are reserved completion (split input and output limits)."""
         if refused is not None:
             self._blocked[holder] = refused
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
         waiter = Waiter(holder, tenant, enqueued_at=now, deadline=now + max_wait_s, due=due, run_s=run_s)
-        waiter.payload = (tuple(keys), tokens, future, gate)
+        waiter.payload = (tuple(keys), tokens, future, gate, output_tokens)
         if not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
             raise QueueFull
@@ -224,10 +226,10 @@ class AdmissionQueue:
         try:
             self._expire()
             for waiter in list(self.queue.candidates()):
-                keys, tokens, future, gate = waiter.payload
+                keys, tokens, future, gate, output_tokens = waiter.payload
                 if future.done() or (gate is not None and not gate.open()):
                     continue  # a gate still shut (its KV does not fit): the next pump asks again
-                result = await self.store.acquire(keys, tokens, waiter.holder)
+                result = await self.store.acquire(keys, tokens, waiter.holder, output_tokens=output_tokens)
                 if gate is not None and not isinstance(result, Lease):
                     gate.close()
                 if isinstance(result, Lease):

@@ -23,6 +23,13 @@ in docs/architecture.md) hold whichever path delivered them:
 |                                                     |                | whole steps of all n sequences    |
 | no end signal within the lease's bound (lean)       | expired        | prompt + estimate of generation   |
 
+Cached prompt tokens: where the engine reports how many prompt tokens its prefix cache served
+(`Usage.cached_prompt_tokens`), each is charged `admission.cached_prompt_token_weight` of a token (1.0, the
+default, charges them in full). The discount is rounded down, so a charge never falls below the weighted
+count; the hit is clamped to the prompt charged. Admission reserved the whole prompt (the hit is known only
+from the answer), so the settlement's refund returns the discount and the ledger (reserved - refunded +
+overrun = settled) stays exact.
+
 An engine's 503 is backpressure, not a failure: vLLM answers it before the request enters its scheduler
 (`AsyncLLM.check_admission`, vllm 0.32.0 vllm/v1/engine/async_llm.py: `QueueOverflowError` past
 `--max-num-queued-reqs`, `MaxQueuedTokensError` past `--max-num-queued-tokens`, both 503 by
@@ -35,6 +42,7 @@ profile that reads the response (`engine_answered`).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from extproc.admission.vocabulary.usage import Usage
@@ -97,11 +105,16 @@ class ResponseFacts:
 
 @dataclass(frozen=True, slots=True)
 class Charge:
-    """The settlement of one lease: tokens charged, split into prompt and completion, and how it ended."""
+    """The settlement of one lease: tokens charged, split into prompt and completion, and how it ended.
+
+    `prompt` is the prompt as charged (cached tokens at their weight); `cached` the prompt tokens the engine
+    reported served from its prefix cache (0 when it did not say), counted whole for the metrics.
+    """
 
     ending: Ending
     prompt: int
     completion: int
+    cached: int = 0
 
     @property
     def total(self) -> int:
@@ -124,19 +137,33 @@ def ending_of(facts: ResponseFacts) -> Ending:
     return Ending.ABORTED
 
 
-def settle_charge(admitted_prompt: int, facts: ResponseFacts) -> Charge:
-    """Tokens to charge for a request admitted with `admitted_prompt` prompt tokens, under the rules above."""
+def settle_charge(admitted_prompt: int, facts: ResponseFacts, cached_weight: float = 1.0) -> Charge:
+    """Tokens to charge for a request admitted with `admitted_prompt` prompt tokens, under the rules above;
+    `cached_weight` is what a prompt token served from the prefix cache costs (1.0: full price)."""
     ending = ending_of(facts)
     if ending in (Ending.NOT_FORWARDED, Ending.ENGINE_BUSY):
         return Charge(ending=ending, prompt=0, completion=0)
     prompt = admitted_prompt
     completion = 0
+    cached = 0
     usage = facts.usage
     if usage is not None:
         if usage.reported and usage.prompt_tokens is not None:
             prompt = usage.prompt_tokens
         completion = usage.completion_tokens
+        cached = usage.cached_prompt_tokens or 0
     if ending in (Ending.ABORTED, Ending.EXPIRED, Ending.CUT):
         # The engine's work, not the client's reading: what passed is a floor, the estimate can be more.
         completion = max(completion, facts.estimated_completion)
-    return Charge(ending=ending, prompt=max(0, prompt), completion=max(0, completion))
+    prompt = max(0, prompt)
+    cached = min(cached, prompt)
+    charged = prompt - cached_discount(cached, cached_weight)
+    return Charge(ending=ending, prompt=charged, completion=max(0, completion), cached=cached)
+
+
+def cached_discount(cached: int, weight: float) -> int:
+    """Tokens taken off the prompt's charge for `cached` prefix-cache hits at `weight`, rounded down so the
+    charge never undercuts the weighted count (with weight 1.0, nothing)."""
+    if weight >= 1.0 or cached <= 0:
+        return 0
+    return math.floor(cached * (1.0 - weight) + 1e-9)

@@ -171,7 +171,9 @@ class Decision:
         # other's, and never while the request waits in a queue: there it is booked the moment it fits.
         gate = KvGate(booking, facts, plan, fits)
         try:
-            async for step in self.acquire(self._keys(), plan.total, shadow, run_s, gate):
+            async for step in self.acquire(
+                self._keys(), plan.total, shadow, run_s, gate, output_tokens=plan.completion_tokens
+            ):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -210,7 +212,9 @@ class Decision:
         booking.hold(parsed, bound)
         result: Lease | Rejection | None = None
         try:
-            result = await service.acquire(self._keys(), bound.total, klass.name)
+            result = await service.acquire(
+                self._keys(), bound.total, klass.name, output_tokens=bound.completion_tokens
+            )
         except StoreUnavailable:
             return self.refuse(refusals.store_unavailable())
         finally:
@@ -228,7 +232,9 @@ class Decision:
         return KvBooking(deps.kv_budget(pool), pool, request.tenant, deps.budget_changed, deps.clock, rank)
 
     def _keys(self) -> list[str]:
-        return ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
+        """The limiter keys of this request, and the derived keys of those with split input/output limits."""
+        keys = ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
+        return self.service.rules().split_keys.keys_for(keys)
 
     def _forwarding(
         self, parsed: ParsedRequest, plan: Reservation, rules: AdmissionRules
@@ -379,13 +385,20 @@ class Decision:
         return refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait)
 
     async def acquire(
-        self, keys: list[str], tokens: int, shadow: bool, run_s: float = 0.0, gate: KvGate | None = None
+        self,
+        keys: list[str],
+        tokens: int,
+        shadow: bool,
+        run_s: float = 0.0,
+        gate: KvGate | None = None,
+        output_tokens: int = 0,
     ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
         """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
         result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down).
         `run_s`: how long it will hold the lease, weighed by the deadlines of the requests behind it;
         `gate`: its KV, booked for the try now where it fits (else it queues at once, which only a class
-        that queues is let do), given back while it waits, and booked again the moment it fits."""
+        that queues is let do), given back while it waits, and booked again the moment it fits;
+        `output_tokens` of `tokens` are the reserved completion (split limits: extproc/core/split.py)."""
         klass, service = self.request.klass, self.service
         queue = service.deps.queue
         waits = self._may_queue(shadow)
@@ -395,7 +408,9 @@ class Decision:
             if not (behind and waits) and (gate is None or gate.take()):
                 # Waiters of a higher class are ahead: a class that does not queue may still use its own
                 # guarantee, but not the pool they are waiting for.
-                result = await service.acquire(keys, tokens, klass.name, use_pool=not behind)
+                result = await service.acquire(
+                    keys, tokens, klass.name, use_pool=not behind, output_tokens=output_tokens
+                )
                 if gate is not None and not isinstance(result, Lease):
                     gate.close()
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
@@ -420,6 +435,7 @@ class Decision:
                         refused,
                         run_s,
                         gate,
+                        output_tokens,
                     )
                 except QueueFull:
                     yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)

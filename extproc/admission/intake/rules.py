@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from extproc.admission.intake.paths import PathTable
 from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
@@ -73,6 +74,24 @@ class Tokenizing:
     inline_count_bytes: int
 
 
+class LimitKeys(Protocol):
+    """Names the derived limiter keys of a request's keys (extproc/core/split.py `SplitIndex`, given by the
+    config: intake does not import the limiter)."""
+
+    def keys_for(self, keys: list[str]) -> list[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _NoSplit:
+    """No key has split input/output limits: a request's keys are its own."""
+
+    def keys_for(self, keys: list[str]) -> list[str]:
+        return keys
+
+
+NO_SPLIT = _NoSplit()
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionRules:
     """Everything a request's admission reads from the config, resolved at load.
@@ -103,6 +122,9 @@ class AdmissionRules:
     shadow: bool
     end_report_wait_seconds: float
     refuse_unserved: bool  # `feedback.unserved_models: refuse`: a name no listing engine serves gets a 404
+    cached_prompt_token_weight: float = 1.0  # a prefix-cache hit's share of a prompt token's charge
+    # Adds the keys of split input/output limits to a request's (extproc/core/split.py).
+    split_keys: LimitKeys = field(default_factory=lambda: NO_SPLIT)
     # `admission.max_queue_wait_seconds`: the longest any request waits in a queue, whatever its class says.
     max_queue_wait_seconds: float | None = None
     pool_headers: PoolHeaders = PoolHeaders()

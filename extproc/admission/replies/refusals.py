@@ -15,6 +15,7 @@ from extproc.admission.vocabulary.names import DETAILS_PREFIX
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Reason, Rejection
 from extproc.core.slot_eta import MAX_HINT_S
+from extproc.core.split import INPUT_PREFIX, base_key
 
 KV_RETRY_AFTER_S = 1.0
 """Retry hint for a KV-budget refusal while the pool's decode pace is unknown (no forecast of when the
@@ -82,7 +83,9 @@ def unknown_path(method: str, path: str) -> Refusal:
 
 
 def scope_of(key: str) -> str:
-    """What a limiter key limits, in words a client may see (never the key or tenant id itself)."""
+    """What a limiter key limits, in words a client may see (never the key or tenant id itself); a split
+    limit's key (`input:<key>`, `output:<key>`) limits what its key does."""
+    key = base_key(key)
     if key.startswith("tenant:"):
         return "your organization"
     if key.startswith("model:"):
@@ -107,6 +110,20 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
             f"Rate limit reached for {model} on tokens per min (TPM) for {scope}: "
             f"Limit {status.limit_tokens}, Remaining {status.remaining_tokens}, Requested {requested}. "
             f"Please try again in {wait}."
+        )
+    elif rejection.reason in (Reason.INPUT_TOKENS, Reason.OUTPUT_TOKENS):
+        kind = "tokens"
+        which = "input" if rejection.reason is Reason.INPUT_TOKENS else "output"
+        message = (
+            f"Rate limit reached for {model} on {which} tokens per min for {scope}. "
+            f"Please try again in {wait}."
+        )
+    elif rejection.key != base_key(rejection.key):  # larger than a split limit
+        kind = "tokens"
+        which = "input" if rejection.key.startswith(INPUT_PREFIX) else "output"
+        message = (
+            f"Request too large for {model} on {which} tokens per min for {scope}. "
+            "Reduce the prompt or max_tokens; retrying cannot succeed."
         )
     else:
         kind = "tokens"

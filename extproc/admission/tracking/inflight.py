@@ -219,7 +219,8 @@ class InFlight:
         self._book(facts, self.admitted)
 
     def _book(self, facts: ResponseFacts, admitted: Admitted) -> None:
-        self.service.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts))
+        weight = self.service.rules().cached_prompt_token_weight
+        self.service.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts, weight))
 
     def start_correction(self) -> None:
         """Count a bound admission exactly: once the proxy has its verdict, or once it settles if that is

@@ -13,6 +13,8 @@ What the filter reports, per response:
   the first and the last usage object as text (Anthropic reports the prompt in `message_start` and the
   output in `message_delta`; the others report once, at the end or on every event), how many content events
   had passed when the last usage object was seen, and whether a final or an error event was seen.
+* The usage object is captured whole (the pattern takes its balanced braces), so nested fields such as
+  `prompt_tokens_details.cached_tokens` reach the dialect as they do in the inline profile.
 * A JSON answer: the body itself up to 64 KiB, past that its last 8 KiB, from which the usage object (written
   after the choices) is read the way the inline profile reads a body larger than its buffer.
 
@@ -137,6 +139,7 @@ def _event_usage(reading: ResponseReading, api: Api) -> Usage:
     dialect = dialect_for(api)
     prompt: int | None = None
     completion: int | None = None
+    cached: int | None = None
     seen = False
     for text in (reading.usage_first, reading.usage_last):
         observed = _observe(dialect.body, key, text)
@@ -147,10 +150,15 @@ def _event_usage(reading: ResponseReading, api: Api) -> Usage:
             prompt = observed.prompt
         if observed.completion is not None:
             completion = observed.completion
+        if observed.cached is not None:
+            cached = observed.cached
     if completion is None:
-        return Usage(prompt_tokens=prompt, completion_tokens=reading.events, reported=seen)
-    after = max(0, reading.events - reading.events_at_usage)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion + after, reported=seen)
+        completion, after = reading.events, 0
+    else:
+        after = max(0, reading.events - reading.events_at_usage)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion + after, reported=seen, cached_prompt_tokens=cached
+    )
 
 
 def _observe(read: Any, key: str, text: str | None) -> Observed | None:

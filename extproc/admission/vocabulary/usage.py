@@ -16,6 +16,10 @@ Settlement facts the server relies on:
   Real backends send about one token per delta, where the two agree exactly. For a backend with another
   tokenizer the count is an estimate in the sidecar's encoding.
 * `prompt_tokens` is None unless reported: the server keeps its own count from admission.
+* `cached_prompt_tokens` is the part of the prompt the engine's prefix cache served, when the backend
+  reports it (chat and completions: `usage.prompt_tokens_details.cached_tokens`, which vLLM writes only when
+  started with `--enable-prompt-tokens-details`; Responses and Anthropic have their own fields, read by
+  their dialects), else None: nothing is guessed, so an unreported hit is charged in full.
 * A stream cut mid-way (client disconnect, backend failure) gets no usage event; `usage` is valid at any
   time and then reports what was counted so far.
 * `error_seen` is True after an SSE error event (`event: error`, `data: {"error": ...}`,
@@ -61,6 +65,7 @@ class Usage:
     prompt_tokens: int | None  # as reported by the backend, None if not reported
     completion_tokens: int  # reported, or counted from what passed
     reported: bool  # True when the backend's own usage object was seen
+    cached_prompt_tokens: int | None = None  # of prompt_tokens, served from the prefix cache, if reported
 
 
 def count_int(value: Any) -> int | None:
@@ -75,9 +80,10 @@ class Observed:
     """What one SSE event or one JSON body says about usage, in a dialect-independent form.
 
     `texts` are generated texts to count when no usage is reported, `tokens` generated tokens known without
-    tokenizing (token-id arrays); `prompt`/`completion` are reported counts (`usage_seen` once any usage
-    object was present); `final` marks the event that ends a complete answer; `usage_only` marks the usage
-    event a client did not ask for (it may be stripped).
+    tokenizing (token-id arrays); `prompt`/`completion`/`cached` are reported counts (`usage_seen` once any
+    usage object was present; `cached` the prompt tokens the prefix cache served); `final` marks the event
+    that ends a complete answer; `usage_only` marks the usage event a client did not ask for (it may be
+    stripped).
     """
 
     texts: list[str] = field(default_factory=list)
@@ -85,6 +91,7 @@ class Observed:
     usage_seen: bool = False
     prompt: int | None = None
     completion: int | None = None
+    cached: int | None = None
     error: bool = False
     final: bool = False
     usage_only: bool = False
@@ -142,6 +149,7 @@ class ResponseUsageTracker:
         self._usage_seen = False
         self._reported_prompt: int | None = None
         self._reported_completion: int | None = None
+        self._reported_cached: int | None = None
         self._counted_total = 0
         self._counted_since_report = 0
         self._error = False
@@ -200,6 +208,7 @@ class ResponseUsageTracker:
             prompt_tokens=self._reported_prompt,
             completion_tokens=completion,
             reported=self._usage_seen,
+            cached_prompt_tokens=self._reported_cached,
         )
 
     @property
@@ -394,6 +403,8 @@ class ResponseUsageTracker:
         self._usage_seen = True
         if seen.prompt is not None:
             self._reported_prompt = seen.prompt
+        if seen.cached is not None:
+            self._reported_cached = seen.cached
         if seen.completion is not None:
             self._reported_completion = seen.completion
             self._counted_since_report = 0

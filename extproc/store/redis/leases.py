@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from extproc.core.limiter import Lease, Placement, Reason, Rejection
+from extproc.core.limiter import Lease, Placement, Reason, Rejection, token_reason
 from extproc.core.ports import StoreUnavailable
 from extproc.core.shares import SHARED
+from extproc.core.split import key_tokens
 from extproc.core.state import DEFAULT_HOLD_S, SHRUNK_RETRY_S, RateLimitStatus, tightest_status
 from extproc.store.redis.breaker import CLIENT_ERRORS, RedisUnavailable, RedisUnsafe
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Background, Calls
@@ -98,20 +99,28 @@ class Leases:
     # -- acquire -------------------------------------------------------------------------------------------
 
     async def acquire(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
-        """Take one slot and `tokens` on every key, all or nothing, in one script call.
+        """Take one slot on every key and each key's part of `tokens` (`output_tokens` of them completion:
+        extproc/core/split.py `key_tokens`), all or nothing, in one script call.
 
         Raises `StoreUnavailable` when Redis does not answer within `timeout_s`, or cannot be trusted now.
         """
-        if tokens < 0:
-            raise ValueError("tokens must be >= 0")
+        if tokens < 0 or not 0 <= output_tokens <= tokens:
+            raise ValueError("tokens must be >= 0, output_tokens between 0 and tokens")
         unique = tuple(dict.fromkeys(keys))
         lease_id = (self.calls.replica << 32) | next(self._ids)
         member = str(lease_id)
         if not unique:
             status = RateLimitStatus()
-            return Lease(lease_id, unique, tokens, time.monotonic(), status, holder)
+            return Lease(
+                lease_id, unique, tokens, time.monotonic(), status, holder, reserved_output=output_tokens
+            )
         self.guard.check_admission()
         head = [
             member,
@@ -122,11 +131,12 @@ class Leases:
             "1" if use_pool else "0",
             repr(SHRUNK_RETRY_S if use_pool else DEFAULT_HOLD_S),
         ]
+        parts = [str(key_tokens(key, tokens, output_tokens)) for key in unique]
         sent_at = time.monotonic()
         try:
             raw = await self.calls.run(
                 self.calls.scripts.acquire,
-                lambda: [*head, *self.guard.admission_args(), *self.keyspace.keyspec(unique)],
+                lambda: [*head, *self.guard.admission_args(), *self.keyspace.keyspec(unique), *parts],
                 unique,
                 self.timeout_s,
             )
@@ -150,8 +160,8 @@ class Leases:
             if code == 3:
                 return Rejection(Reason.TOO_LARGE, key, None, status)
             # A refused request took nothing: the returned state is the one it was judged on.
-            _, retry = view.place_tokens(holder, tokens, now, use_pool)
-            return Rejection(Reason.TOKENS, key, retry, status)
+            _, retry = view.place_tokens(holder, key_tokens(key, tokens, output_tokens), now, use_pool)
+            return Rejection(token_reason(key), key, retry, status)
         placements = tuple(
             Placement(key, slot, tok or None) for key, (slot, tok) in zip(unique, places, strict=True)
         )
@@ -163,6 +173,7 @@ class Leases:
             status=tightest_status(unique, views, holder, now),
             holder=holder,
             placements=placements,
+            reserved_output=output_tokens,
         )
         self.open[lease_id] = Open(lease, member, sent_at)
         return lease
@@ -188,8 +199,8 @@ class Leases:
 
     # -- release -------------------------------------------------------------------------------------------
 
-    async def release(self, lease: Lease, actual_tokens: int) -> bool:
-        """Settle a lease to the tokens really used, in one script call.
+    async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
+        """Settle a lease to the tokens really used (`actual_output` of them completion), in one script call.
 
         False when it was settled before (by this process, or found already removed or expired in Redis).
         If Redis cannot be reached the settlement is retried in the background and True is returned: this
@@ -200,18 +211,20 @@ class Leases:
             return False
         lease.settled = True
         lease.actual_tokens = max(0, actual_tokens)
+        lease.actual_output = max(0, actual_output)
         self.open.pop(lease.lease_id, None)
         if not lease.placements:
             return True
-        head = [
-            str(lease.lease_id),
-            str(lease.reserved_tokens),
-            str(lease.actual_tokens),
-            repr(lease.acquired_at),
-        ]
+        head = [str(lease.lease_id), repr(lease.acquired_at)]
         tail: list[str] = []
         for placement in lease.placements:
-            tail += [placement.slot, placement.tokens or ""]
+            key = placement.key
+            tail += [
+                placement.slot,
+                placement.tokens or "",
+                str(lease.reserved_on(key)),
+                str(lease.actual_on(key)),
+            ]
 
         def args() -> list[str]:
             return [*head, *self.keyspace.keyspec(lease.keys), *tail]

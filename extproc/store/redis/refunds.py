@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 
 from extproc.core.limiter import Lease
+from extproc.core.split import key_tokens
 from extproc.store.redis.breaker import RedisUnavailable
 from extproc.store.redis.calls import Calls
 from extproc.store.redis.keyspace import Keyspace
 
 
 async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, timeout_s: float) -> bool:
-    """Give `tokens` of an open lease's reservation back to its buckets now, in one script call.
+    """Give `tokens` prompt tokens of an open lease's reservation back to its buckets now (each key its part:
+    extproc/core/split.py `key_tokens`), in one script call.
 
     False when the lease is settled, or found removed or expired in Redis. When Redis does not answer the
     refund may or may not have run: the lease is then taken as refunded (its release refunds that much
@@ -20,13 +22,13 @@ async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, ti
     twice. A refund never sent (failing fast, or no connection free within the bound) leaves the
     reservation as it was, for the release to refund.
     """
-    tokens = max(0, min(tokens, lease.reserved_tokens))
+    tokens = max(0, min(tokens, lease.reserved_tokens - lease.reserved_output))
     if lease.settled or not lease.placements or tokens == 0:
         return False
-    head = [str(lease.lease_id), str(tokens)]
+    head = [str(lease.lease_id)]
     tail: list[str] = []
-    for placement in lease.placements:
-        tail += [placement.slot, placement.tokens or ""]
+    for placement in lease.placements:  # prompt tokens: the total and input buckets, not the output ones
+        tail += [placement.slot, placement.tokens or "", str(key_tokens(placement.key, tokens, 0))]
     try:
         raw = await calls.run(
             calls.scripts.refund, lambda: [*head, *keyspace.keyspec(lease.keys), *tail], lease.keys, timeout_s

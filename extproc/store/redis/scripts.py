@@ -218,15 +218,17 @@ ACQUIRE = (
     + r"""
 -- ARGV: member, lease ttl s, lease key ttl ms, tokens, holder ('' none), use_pool ('1'/'0'),
 --       wait hint when only the pool could ever hold the tokens, the epoch id the caller knows ('' none),
---       the recovery time after a loss (ms), KEYSPEC
+--       the recovery time after a loss (ms), KEYSPEC, then per key: the tokens its bucket must hold (its
+--       part of `tokens`: extproc/core/split.py `key_tokens`)
 -- Reply: `epoch` with the stored id and the recovery time left when the caller knows another id;
 --        `recovering` with the time left while replicas re-assert their leases after a loss; `stale`;
 --        or code (0 admitted, 1 concurrency, 2 tokens, 3 too large), refusing key index, server now,
 --        then per key: slot share, token share ('' none), hold, share count, (name, active, tokens)...
 local member, ttl, key_ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local tokens, holder, use_pool = tonumber(ARGV[4]), ARGV[5], ARGV[6] == '1'
+local holder, use_pool = ARGV[5], ARGV[6] == '1'  -- ARGV[4]: the whole reservation, each key's part below
 local fallback_wait = tonumber(ARGV[7])
-local keys = parse_keys(10)
+local keys, at = parse_keys(10)
+for _, k in ipairs(keys) do k.need = tonumber(ARGV[at]); at = at + 1 end
 local now = clock()
 local ep, left = epoch(ARGV[8], member, tonumber(ARGV[9]), now)
 if ep ~= ARGV[8] then return {'epoch', ep, fmt(left)} end
@@ -247,6 +249,7 @@ end
 
 local function place_tokens(k)
   if not k.has_tpm then return nil, 0 end
+  local tokens = k.need
   local fits = false
   for _, s in ipairs(candidates(k, holder, true)) do
     if tokens <= k.shares[s].base then fits = true end
@@ -299,7 +302,7 @@ for i, k in ipairs(keys) do
   sh.active = sh.active + 1
   if toks[i] ~= '' then
     local tsh = k.shares[toks[i]]
-    tsh.tokens = tsh.tokens - tokens
+    tsh.tokens = tsh.tokens - k.need
     save_bucket(k.key, toks[i], tsh.tokens, now, tsh.cap)
   end
 end
@@ -310,19 +313,21 @@ return reply(0, 0, slots, toks)
 RELEASE = (
     COMMON
     + r"""
--- ARGV: member, reserved, actual, acquired_at (server time), KEYSPEC, then per key: slot share, token share
+-- ARGV: member, acquired_at (server time), KEYSPEC, then per key: slot share, token share, the tokens its
+--       bucket holds for the lease and the tokens to charge it (each key its part: split.py `key_tokens`)
 -- Reply: 1 if this call settled the lease (0: settled before, or expired), server now, per key: state.
 -- A lease is alive while its score is in the future; all its members share one score, so checking the first
 -- decides for all. Settling an expired lease would refund tokens already written off: it is a no-op instead.
-local member, reserved, actual, acquired = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local keys, i = parse_keys(5)
+local member, acquired = ARGV[1], tonumber(ARGV[2])
+local keys, i = parse_keys(3)
 local refused = stale(keys)
 if refused then return refused end
 local now = clock()
 local places = {}
 for k = 1, #keys do
-  places[k] = {slot = ARGV[i], tok = ARGV[i + 1]}
-  i = i + 2
+  places[k] = {slot = ARGV[i], tok = ARGV[i + 1], reserved = tonumber(ARGV[i + 2]),
+               actual = tonumber(ARGV[i + 3])}
+  i = i + 4
 end
 local alive = false
 if #keys > 0 then
@@ -331,7 +336,7 @@ if #keys > 0 then
 end
 for k, spec in ipairs(keys) do redis.call('ZREM', rkey('l', spec.key, places[k].slot), member) end
 
-local function settle(spec, share)
+local function settle(spec, share, reserved, actual)
   local sh = spec.shares[share]
   local cap = 0
   if sh then cap = sh.cap end
@@ -355,7 +360,8 @@ end
 if alive then
   local held = math.max(0, now - acquired)
   for k, spec in ipairs(keys) do
-    if places[k].tok ~= '' then settle(spec, places[k].tok) end
+    local pl = places[k]
+    if pl.tok ~= '' then settle(spec, pl.tok, pl.reserved, pl.actual) end
     local hk = rkey('k', spec.key)
     local h = redis.call('HGET', hk, 'hold')
     if h then h = 0.8 * tonumber(h) + 0.2 * held else h = held end
@@ -376,18 +382,18 @@ return out
 REFUND = (
     COMMON
     + r"""
--- ARGV: member, tokens, KEYSPEC, then per key: slot share, token share.
--- Reply: 1 if the lease is alive and its buckets got `tokens` back (never above capacity), else 0, then
--- server now. The caller lowers its lease's reservation by `tokens` on 1, so the release stays exact.
-local member, tokens = ARGV[1], tonumber(ARGV[2])
-local keys, i = parse_keys(3)
+-- ARGV: member, KEYSPEC, then per key: slot share, token share, the tokens its bucket gets back.
+-- Reply: 1 if the lease is alive and its buckets got their tokens back (never above capacity), else 0, then
+-- server now. The caller lowers its lease's reservation on 1, so the release stays exact.
+local member = ARGV[1]
+local keys, i = parse_keys(2)
 local refused = stale(keys)
 if refused then return refused end
 local now = clock()
 local places = {}
 for k = 1, #keys do
-  places[k] = {slot = ARGV[i], tok = ARGV[i + 1]}
-  i = i + 2
+  places[k] = {slot = ARGV[i], tok = ARGV[i + 1], tokens = tonumber(ARGV[i + 2])}
+  i = i + 3
 end
 if #keys == 0 then return {0, fmt(now)} end
 local score = redis.call('ZSCORE', rkey('l', keys[1].key, places[1].slot), member)
@@ -398,7 +404,7 @@ for k, spec in ipairs(keys) do
   if share ~= '' and sh and sh.cap ~= nil and sh.cap > 0 then
     local t = load_bucket(spec.key, share, now)
     if t ~= nil then  -- a missing bucket is full: nothing to give back
-      save_bucket(spec.key, share, math.min(t + tokens, sh.cap), now, sh.cap)
+      save_bucket(spec.key, share, math.min(t + places[k].tokens, sh.cap), now, sh.cap)
     end
   end
 end

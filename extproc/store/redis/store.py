@@ -199,12 +199,17 @@ class RedisStore:
     # -- admission -----------------------------------------------------------------------------------------
 
     async def acquire(
-        self, keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
-        return await self.leases.acquire(keys, tokens, holder, use_pool)
+        return await self.leases.acquire(keys, tokens, holder, use_pool, output_tokens)
 
-    async def release(self, lease: Lease, actual_tokens: int) -> bool:
-        return await self.leases.release(lease, actual_tokens)
+    async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
+        return await self.leases.release(lease, actual_tokens, actual_output)
 
     async def refund(self, lease: Lease, tokens: int) -> bool:
         return await refund(self.calls, self.keyspace, lease, tokens, self.timeout_s)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
@@ -72,3 +73,34 @@ async def test_without_prefix_caching_nothing_is_shared(
     assert m[HITS] == 0 and m[QUERIES] == 0 and m[CACHED] == 0
     info = [k for k in m if k.startswith("vllm:cache_config_info")]
     assert len(info) == 1 and "enable_prefix_caching=False" in info[0]
+
+
+async def test_prompt_tokens_details_report_the_hit_as_vllm_does(
+    start_sim: SimFactory, http: aiohttp.ClientSession
+) -> None:
+    """With --enable-prompt-tokens-details, usage carries `prompt_tokens_details.cached_tokens` (0 on a
+    miss, as vLLM writes it), in a JSON body and in a stream's usage event, for chat and completions."""
+    sim = await start_sim(num_gpu_blocks=1000, enable_prompt_tokens_details=True)
+    first, second = conversation("What is a block?"), conversation("And what is eviction?")
+    async with http.post(sim.url + "/v1/chat/completions", json=first) as resp:
+        assert (await resp.json())["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    streamed = second | {"stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(sim.url + "/v1/chat/completions", json=streamed) as resp:
+        events = [line for line in (await resp.text()).splitlines() if line.startswith("data: {")]
+    usage = json.loads(events[-1][6:])["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": expected_hit(first, second)}
+    assert (await metrics(http, sim))[CACHED] == expected_hit(first, second)
+    text = {"model": "llama-3-8b", "prompt": SYSTEM["content"], "max_tokens": 2}
+    async with http.post(sim.url + "/v1/completions", json=text) as resp:
+        prompt = (await resp.json())["usage"]["prompt_tokens"]
+    async with http.post(sim.url + "/v1/completions", json=text) as resp:
+        details = (await resp.json())["usage"]["prompt_tokens_details"]
+    assert details == {"cached_tokens": (prompt - 1) // 16 * 16}
+
+
+async def test_without_the_flag_usage_has_no_prompt_tokens_details(
+    start_sim: SimFactory, http: aiohttp.ClientSession
+) -> None:
+    sim = await start_sim(num_gpu_blocks=1000)
+    async with http.post(sim.url + "/v1/chat/completions", json=conversation("What is a block?")) as resp:
+        assert "prompt_tokens_details" not in (await resp.json())["usage"]

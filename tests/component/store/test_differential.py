@@ -15,6 +15,7 @@ import pytest
 
 from extproc.core.clock import FakeClock
 from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.split import SplitIndex, expand
 from extproc.store.local import LocalStore
 from extproc.store.redis import RedisStore
 
@@ -27,6 +28,8 @@ CONFIG_A = {
     "model:a": LimitSpec(
         max_concurrency=4,
         tokens_per_minute=1200,
+        input_tokens_per_minute=900,
+        output_tokens_per_minute=450,
         guaranteed=(
             ("critical", LimitSpec(max_concurrency=2, tokens_per_minute=600)),
             ("batch", LimitSpec(max_concurrency=1)),
@@ -40,8 +43,20 @@ CONFIG_B = {
         guaranteed=(("critical", LimitSpec(max_concurrency=1)), ("batch", LimitSpec(max_concurrency=1))),
     ),
 }
-DEFAULTS_A = {"tenant:": LimitSpec(max_concurrency=2)}
+DEFAULTS_A = {"tenant:": LimitSpec(max_concurrency=2, output_tokens_per_minute=600)}
 DEFAULTS_B = {"tenant:": LimitSpec(max_concurrency=1, tokens_per_minute=300)}
+"""CONFIG_A and DEFAULTS_A carry split input/output limits (extproc/core/split.py): the derived keys are named
+and charged alike by both stores, and drop back to unlimited under CONFIG_B."""
+
+
+def tables(
+    config: dict[str, LimitSpec], defaults: dict[str, LimitSpec]
+) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
+    """The stores' spec tables, the derived keys of split limits included, as the sidecar applies them."""
+    return expand(config, defaults)
+
+
+SPLIT_KEYS = SplitIndex.of(CONFIG_A, DEFAULTS_A)
 
 
 @pytest.fixture
@@ -75,20 +90,21 @@ async def test_random_sequences_get_the_same_answers(redis_store: RedisStore, se
     remote = redis_store
     clock = MatchedClock(remote)
     local = LocalStore(clock=clock)
-    await remote.apply_limits(CONFIG_A, DEFAULTS_A, PRIORITY)
+    await remote.apply_limits(*tables(CONFIG_A, DEFAULTS_A), PRIORITY)
     clock.match()
-    await local.apply_limits(CONFIG_A, DEFAULTS_A, PRIORITY)
+    await local.apply_limits(*tables(CONFIG_A, DEFAULTS_A), PRIORITY)
     open_pairs: list[tuple[Lease, Lease]] = []
     for step in range(250):
         op = rng.random()
         where = f"seed {seed} step {step}"
         if op < 0.45:
-            keys = [k for k in KEYS if k == "global" or rng.random() < 0.6]
+            keys = SPLIT_KEYS.keys_for([k for k in KEYS if k == "global" or rng.random() < 0.6])
             tokens = 50 * (rng.randint(0, 4) if rng.random() < 0.8 else rng.randint(5, 40))
+            output = rng.randint(0, tokens)
             holder, use_pool = rng.choice(HOLDERS), rng.random() < 0.8
-            b = await remote.acquire(keys, tokens, holder, use_pool)
+            b = await remote.acquire(keys, tokens, holder, use_pool, output)
             clock.match()
-            a = await local.acquire(keys, tokens, holder, use_pool)
+            a = await local.acquire(keys, tokens, holder, use_pool, output)
             assert type(a) is type(b), (where, a, b)
             if isinstance(a, Rejection) and isinstance(b, Rejection):
                 assert (a.reason, a.key) == (b.reason, b.key), (where, a, b)
@@ -108,17 +124,25 @@ async def test_random_sequences_get_the_same_answers(redis_store: RedisStore, se
             if sa.remaining_tokens is not None and sb.remaining_tokens is not None:
                 # Whole tokens of levels equal up to rounding: a level at an integer may floor either way.
                 assert abs(sa.remaining_tokens - sb.remaining_tokens) <= 1, (where, sa, sb)
+        elif op < 0.5 and open_pairs:  # a bound admission's correction: prompt tokens back
+            la, lb = open_pairs[rng.randrange(len(open_pairs))]
+            back = rng.randint(1, 100)
+            refunded = await remote.refund(lb, back)
+            clock.match()
+            assert await local.refund(la, back) == refunded, where
+            assert (la.reserved_tokens, la.reserved_output) == (lb.reserved_tokens, lb.reserved_output), where
         elif op < 0.85 and open_pairs:
             la, lb = open_pairs.pop(rng.randrange(len(open_pairs)))
             actual = 50 * (rng.randint(0, 3) if rng.random() < 0.9 else rng.randint(4, 16))
-            assert await remote.release(lb, actual) is True
+            output = rng.randint(0, actual)
+            assert await remote.release(lb, actual, output) is True
             clock.match()
-            assert await local.release(la, actual) is True
+            assert await local.release(la, actual, output) is True
         elif op < 0.93:
             config, defaults = rng.choice([(CONFIG_A, DEFAULTS_A), (CONFIG_B, DEFAULTS_B)])
-            await remote.apply_limits(config, defaults, PRIORITY)
+            await remote.apply_limits(*tables(config, defaults), PRIORITY)
             clock.match()  # the last of its calls: the one that resized the buckets
-            await local.apply_limits(config, defaults, PRIORITY)
+            await local.apply_limits(*tables(config, defaults), PRIORITY)
         else:
             scale = rng.choice([1.0, 0.5])
             await remote.set_scale("model:a", scale)

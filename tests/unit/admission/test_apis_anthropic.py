@@ -213,6 +213,9 @@ def test_message_delta_settles_the_completion(step: int) -> None:
 def test_cache_reads_and_writes_are_part_of_the_prompt() -> None:
     usage, _, _ = track(M, stream(cache=True))
     assert (usage.prompt_tokens, usage.completion_tokens) == (5 + 16 + 4, 12)
+    assert usage.cached_prompt_tokens == 16  # the cache reads; writes were computed
+    plain, _, _ = track(M, stream())
+    assert plain.cached_prompt_tokens is None
 
 
 def test_a_stream_cut_before_message_delta_counts_what_passed() -> None:

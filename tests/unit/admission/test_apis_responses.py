@@ -224,6 +224,14 @@ def test_the_terminal_event_settles_exactly_however_the_stream_is_cut(step: int)
     assert out == stream()
 
 
+def test_the_cached_input_tokens_are_read_from_the_terminal_event() -> None:
+    """vLLM writes `input_tokens_details.cached_tokens` in every Responses usage; it is part of the input."""
+    detailed = {**USAGE, "input_tokens_details": {"cached_tokens": 16}}
+    usage, _, _ = track(R, stream(usage=detailed), step=7)
+    assert (usage.prompt_tokens, usage.cached_prompt_tokens) == (31, 16)
+    assert track(R, stream())[0].cached_prompt_tokens is None
+
+
 def test_without_usage_only_the_deltas_are_counted() -> None:
     usage, tracker, _ = track(R, stream(usage=None))
     assert (usage.completion_tokens, usage.reported) == (COUNTED, False)

@@ -300,9 +300,9 @@ async def test_a_settlement_during_the_refund_waits_for_it() -> None:
         order.append("refund")
         return await refund(lease, tokens)
 
-    async def noted_release(lease: Lease, actual_tokens: int) -> bool:
+    async def noted_release(lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
         order.append("release")
-        return await release(lease, actual_tokens)
+        return await release(lease, actual_tokens, actual_output)
 
     r.store.refund = slow_refund  # type: ignore[method-assign]
     r.store.release = noted_release  # type: ignore[method-assign]

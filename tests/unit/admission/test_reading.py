@@ -6,7 +6,13 @@ import json
 from dataclasses import replace
 
 from extproc.admission.apis import REGISTRY
-from extproc.admission.capacity.settlement import Ending, ResponseFacts, ending_of, settle_charge
+from extproc.admission.capacity.settlement import (
+    Ending,
+    ResponseFacts,
+    cached_discount,
+    ending_of,
+    settle_charge,
+)
 from extproc.admission.intake.request import Api
 from extproc.admission.tracking.reading import ReadSpec, ResponseReading, facts_of, spec_for
 
@@ -133,3 +139,52 @@ def test_a_503_the_proxy_made_or_another_error_keeps_the_backend_error_rule() ->
         settle_charge(40, ResponseFacts(upstream_status=503, forwarded=False)).ending is Ending.NOT_FORWARDED
     )
     assert settle_charge(40, ResponseFacts(upstream_status=503, cut=True)).ending is Ending.CUT
+
+
+def cached_usage(prompt: int, completion: int, cached: int) -> str:
+    return json.dumps({**usage_dict(prompt, completion), "prompt_tokens_details": {"cached_tokens": cached}})
+
+
+def test_the_lean_profile_reads_cached_prompt_tokens_from_the_captured_usage_and_body() -> None:
+    """The Lua reader captures the whole usage object, nested details included (test_response_lua.py)."""
+    reading = ResponseReading(events=5, events_at_usage=5, usage_last=cached_usage(40, 5, 32), final=True)
+    streamed = facts_of(200, reading, Api("chat"), ENC).usage
+    assert streamed is not None and streamed.cached_prompt_tokens == 32
+    body = '{"choices": [], "usage": ' + cached_usage(40, 5, 16) + "}"
+    whole = facts_of(200, ResponseReading(body=body, body_end=True), Api("completions"), ENC).usage
+    assert whole is not None and whole.cached_prompt_tokens == 16
+    plain = ResponseReading(events=5, events_at_usage=5, usage_last=usage(prompt_tokens=40), final=True)
+    none = facts_of(200, plain, Api("chat"), ENC).usage
+    assert none is not None and none.cached_prompt_tokens is None
+
+
+def test_cached_prompt_tokens_are_charged_at_their_weight_and_rounded_up() -> None:
+    reading = ResponseReading(events=5, events_at_usage=5, usage_last=cached_usage(40, 5, 32), final=True)
+    facts = facts_of(200, reading, Api("chat"), ENC)
+    full = settle_charge(40, facts)
+    assert (full.prompt, full.completion, full.cached) == (40, 5, 32)
+    tenth = settle_charge(40, facts, 0.1)  # 8 uncached + 32 x 0.1 = 11.2, charged 12
+    assert (tenth.prompt, tenth.cached, tenth.total) == (12, 32, 17)
+    free = settle_charge(40, facts, 0.0)
+    assert (free.prompt, free.total) == (8, 13)
+    half = settle_charge(40, facts, 0.5)
+    assert half.prompt == 8 + 16
+
+
+def test_a_cached_count_beyond_the_prompt_is_clamped_and_a_refusal_charges_nothing() -> None:
+    reading = ResponseReading(events=1, events_at_usage=1, usage_last=cached_usage(10, 1, 99), final=True)
+    charge = settle_charge(10, facts_of(200, reading, Api("chat"), ENC), 0.0)
+    assert (charge.prompt, charge.cached) == (0, 10)
+    busy = settle_charge(10, facts_of(503, reading, Api("chat"), ENC), 0.0)
+    assert (busy.prompt, busy.completion, busy.cached) == (0, 0, 0)
+
+
+def test_the_discount_is_never_more_than_the_weight_allows() -> None:
+    """Rounded down, and safe from float error: 10 hits at 0.9 take exactly 1 token off, not 0."""
+    assert cached_discount(10, 0.9) == 1 and cached_discount(10, 1.0) == 0 and cached_discount(0, 0.0) == 0
+    for cached in range(0, 300, 7):
+        for weight in (0.0, 0.1, 0.25, 1 / 3, 0.5, 0.9, 0.99):
+            discount = cached_discount(cached, weight)
+            assert 0 <= discount <= cached
+            assert cached - discount >= cached * weight - 1e-6  # the charge covers the weighted hits
+            assert cached - discount < cached * weight + 1  # and by less than one token more

@@ -404,3 +404,28 @@ def test_finish_is_idempotent() -> None:
     assert tracker.finish() == b'data: {"choices":[{"delta":{"content":"x"}}]}'
     assert tracker.finish() is None
     assert tracker.usage.completion_tokens == tk("x")
+
+
+CACHED_USAGE = {**USAGE, "prompt_tokens_details": {"cached_tokens": 16}}
+
+
+def test_cached_prompt_tokens_are_read_from_a_stream_and_a_body() -> None:
+    """vLLM's `--enable-prompt-tokens-details` usage, in the usage-only event and in a JSON body."""
+    event = ev({"id": "c1", "object": "chat.completion.chunk", "choices": [], "usage": CACHED_USAGE})
+    stream = b"".join(BODY_EVENTS) + event + b"data: [DONE]\n\n"
+    _, tracker, _ = run(stream, [len(stream) // 2], strip=True)
+    assert tracker.usage == Usage(
+        prompt_tokens=17, completion_tokens=6, reported=True, cached_prompt_tokens=16
+    )
+    body = json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": CACHED_USAGE}).encode()
+    _, tracker, _ = run(body, [], strip=False, streaming=False)
+    assert tracker.usage.cached_prompt_tokens == 16
+
+
+@pytest.mark.parametrize("details", [None, {}, {"cached_tokens": None}, {"cached_tokens": -1}, "16"])
+def test_absent_or_malformed_cached_tokens_are_unknown(details: Any) -> None:
+    """Without details (vLLM's default), or with a null or malformed count, nothing is assumed cached."""
+    usage = {**USAGE, "prompt_tokens_details": details}
+    body = json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": usage}).encode()
+    _, tracker, _ = run(body, [], strip=False, streaming=False)
+    assert tracker.usage.cached_prompt_tokens is None and tracker.usage.prompt_tokens == 17

@@ -146,7 +146,7 @@ def sse(*payloads: dict[str, Any] | str, newline: str = "\n") -> bytes:
     return "".join(events).encode()
 
 
-def chat_stream(tokens: int, usage: dict[str, int] | None) -> tuple[bytes, bytes]:
+def chat_stream(tokens: int, usage: dict[str, Any] | None) -> tuple[bytes, bytes]:
     """A vLLM chat stream (role delta, one token per event, finish, optional usage-only chunk, [DONE]), and
     the same stream without the usage-only chunk (what a client that did not ask for usage must get)."""
     base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m"}
@@ -186,6 +186,17 @@ def test_an_openai_stream_is_read_the_same_whatever_the_chunking(reader: Reader)
         assert json.loads(seen.fields["u"]) == USAGE and seen.fields["x"] is True
         charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api("chat"), ENC))
         assert (charge.ending, charge.prompt, charge.completion) == (Ending.COMPLETED, 12, 5)
+
+
+def test_the_whole_usage_object_is_captured_with_its_prompt_tokens_details(reader: Reader) -> None:
+    """vLLM's `--enable-prompt-tokens-details` nests an object in usage: `%b{}` keeps it whole."""
+    usage = {**USAGE, "prompt_tokens_details": {"cached_tokens": 8}}
+    full, _ = chat_stream(5, usage)
+    for chunks in every_split(full):
+        seen = reader.read(Api("chat"), "text/event-stream", chunks, strip=True)
+        assert json.loads(seen.fields["u"]) == usage
+        charge = settle_charge(12, facts_of(200, reading_of(seen.struct()), Api("chat"), ENC), 0.5)
+        assert (charge.prompt, charge.completion, charge.cached) == (8, 5, 8)
 
 
 def test_a_client_that_asked_for_usage_gets_every_byte(reader: Reader) -> None:

@@ -83,10 +83,14 @@ async def test_a_caller_that_leaves_while_deciding_leaves_no_kv_booking() -> Non
     acquire = store.acquire
 
     async def slow_acquire(
-        keys: Sequence[str], tokens: int, holder: str | None = None, use_pool: bool = True
+        keys: Sequence[str],
+        tokens: int,
+        holder: str | None = None,
+        use_pool: bool = True,
+        output_tokens: int = 0,
     ) -> Lease | Rejection:
         await gate.wait()
-        return await acquire(keys, tokens, holder, use_pool)
+        return await acquire(keys, tokens, holder, use_pool, output_tokens)
 
     store.acquire = slow_acquire  # type: ignore[method-assign]
     task = asyncio.ensure_future(decide(sidecar))
