@@ -7,6 +7,7 @@ upstream port set to the engine's, so the same engine serves both profiles and t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -107,7 +108,11 @@ def engine_host_envoy(config: dict[str, Any]) -> None:
 
 
 def start_gateway(
-    engine: Engine, config: dict[str, Any], profile: str, with_exporter: bool = False
+    engine: Engine,
+    config: dict[str, Any],
+    profile: str,
+    with_exporter: bool = False,
+    envoy_patch: Callable[[dict[str, Any]], None] = engine_host_envoy,
 ) -> LocalStack:
     ports = replace(Ports.free(), upstream=engine.port)
     stack = start_stack(
@@ -118,7 +123,7 @@ def start_gateway(
         # The CPU engine shares two cores with everything else: while it decodes, its /metrics page can take
         # several seconds (5 s timed out in CI), past the exporter's default 0.8 s scrape timeout.
         exporter_args=("--interval", "2", "--timeout", "15"),
-        envoy_patch=engine_host_envoy,
+        envoy_patch=envoy_patch,
         profile=profile,
         model=MODEL,
     )
