@@ -35,7 +35,7 @@ from extproc.core.decode_rate import DecodeRates
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
-from extproc.core.slot_eta import MAX_HINT_S, OpenLease
+from extproc.core.slot_eta import OpenLease, hint_within
 from extproc.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ class AdmissionService:
         honour."""
         key = next((k for k in admitted.lease.keys if k.startswith("model:")), None)
         eta = None if key is None else self.slot_hints.hint(key, self.clock(), self._open_leases)
-        return ENGINE_RETRY_AFTER_S if eta is None else min(MAX_HINT_S, max(ENGINE_RETRY_AFTER_S, eta))
+        return hint_within(eta, ENGINE_RETRY_AFTER_S)
 
     def _account(self, done: asyncio.Future[bool], admitted: Admitted, charge: Charge) -> None:
         model = admitted.model_label

@@ -38,6 +38,12 @@ MAX_HINT_S = 60.0
 """OpenAI's SDKs honour `retry-after` only up to 60 s; a longer wait is the same as no hint to them."""
 
 
+def hint_within(eta_s: float | None, floor_s: float) -> float:
+    """A forecast as a refusal's `retry-after`: `floor_s` where there is none or it says sooner (a client
+    told "now" spends its retries at once), at most what SDKs honour (`MAX_HINT_S`)."""
+    return floor_s if eta_s is None else min(MAX_HINT_S, max(floor_s, eta_s))
+
+
 @dataclass(frozen=True, slots=True)
 class OpenLease:
     """What the estimate needs of one open request (per sequence; the rate in tokens per second)."""

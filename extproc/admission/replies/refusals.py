@@ -14,7 +14,7 @@ from extproc.admission.vocabulary.errors import AdmissionError, error_body
 from extproc.admission.vocabulary.names import DETAILS_PREFIX
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Reason, Rejection
-from extproc.core.slot_eta import MAX_HINT_S
+from extproc.core.slot_eta import hint_within
 from extproc.core.split import INPUT_PREFIX, base_key
 
 KV_RETRY_AFTER_S = 1.0
@@ -148,7 +148,7 @@ def kv_retry_after(budget: KvBudget, now: float) -> float:
     # Never sooner than the fixed second: a forecast that says "now" for a request it just refused is wrong
     # (a pace learned at a smaller batch, leases taken for finished), and clients following it would spend
     # their retries in a few hundred milliseconds (measured on vLLM: hints of 50 ms).
-    return KV_RETRY_AFTER_S if eta is None else min(MAX_HINT_S, max(KV_RETRY_AFTER_S, eta))
+    return hint_within(eta, KV_RETRY_AFTER_S)
 
 
 def kv_budget(model: str, needed: int, headroom: int, retry_after_s: float = KV_RETRY_AFTER_S) -> Refusal:
@@ -180,7 +180,7 @@ def deadline_unmet(class_name: str, deadline_ms: int, retry_after_s: float | Non
     """A request whose deadline for its first token the queue cannot meet: refused at once when the
     capacity it waits for is not expected to free in time, or when its deadline passes while it waits.
     Retryable: the same request without (or with a later) deadline may wait, or fit later."""
-    wait = min(MAX_HINT_S, max(1.0, retry_after_s or 1.0))
+    wait = hint_within(retry_after_s, 1.0)
     message = (
         f"No capacity for class {class_name} within this request's deadline of {deadline_ms} ms for its "
         f"first token: the deadline could not be met. Please try again in {format_duration(wait)}."
