@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
@@ -52,22 +52,24 @@ def report_to_nowhere(config: dict[str, Any]) -> None:
                 )
 
 
+def lean_stack(config: dict[str, Any], envoy_patch: Callable[[dict[str, Any]], None]) -> Iterator[Stack]:
+    """A lean stack over a steady simulator (5 ms steps) with `envoy_patch` applied, stopped after use."""
+    local = start_stack(
+        config=config, sim_args=fixed_step_sim(MODEL, 5), envoy_patch=envoy_patch, profile="lean"
+    )
+    try:
+        yield Stack(local)
+    finally:
+        local.stop()
+
+
 @pytest.fixture(scope="module")
 def lost_reports() -> Iterator[Stack]:
     config = {
         "admission": {"end_report_wait_seconds": REPORT_WAIT_S, "assumed_decode_tokens_per_second": 50},
         "models": {"*": {"context_window": 4096, "default_max_tokens": 256}},
     }
-    local = start_stack(
-        config=config,
-        sim_args=fixed_step_sim(MODEL, 5),
-        envoy_patch=report_to_nowhere,
-        profile="lean",
-    )
-    try:
-        yield Stack(local)
-    finally:
-        local.stop()
+    yield from lean_stack(config, report_to_nowhere)
 
 
 def test_a_lease_whose_end_report_never_comes_expires_by_the_rule_and_is_counted(lost_reports: Stack) -> None:
@@ -207,16 +209,7 @@ def tiny_message_timeout(config: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def timeouts() -> Iterator[Stack]:
-    local = start_stack(
-        config=TIMEOUT_CONFIG,
-        sim_args=fixed_step_sim(MODEL, 5),
-        envoy_patch=tiny_message_timeout,
-        profile="lean",
-    )
-    try:
-        yield Stack(local)
-    finally:
-        local.stop()
+    yield from lean_stack(TIMEOUT_CONFIG, tiny_message_timeout)
 
 
 def test_admissions_envoy_timed_out_are_refunded_and_raise_no_channel_alarm(timeouts: Stack) -> None:
