@@ -172,7 +172,7 @@ class Decision:
         gate = KvGate(booking, facts, plan, fits)
         try:
             async for step in self.acquire(
-                self._keys(), plan.total, shadow, run_s, gate, output_tokens=plan.completion_tokens
+                self._keys(), plan.total, shadow, gate, run_s, output_tokens=plan.completion_tokens
             ):
                 if isinstance(step, Hold):
                     yield step
@@ -389,8 +389,8 @@ class Decision:
         keys: list[str],
         tokens: int,
         shadow: bool,
+        gate: KvGate,
         run_s: float = 0.0,
-        gate: KvGate | None = None,
         output_tokens: int = 0,
     ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
         """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
@@ -405,13 +405,13 @@ class Decision:
         behind = queue is not None and queue.must_queue(klass.name)
         result: Lease | Rejection | None = None
         try:
-            if not (behind and waits) and (gate is None or gate.take()):
+            if not (behind and waits) and gate.take():
                 # Waiters of a higher class are ahead: a class that does not queue may still use its own
                 # guarantee, but not the pool they are waiting for.
                 result = await service.acquire(
                     keys, tokens, klass.name, use_pool=not behind, output_tokens=output_tokens
                 )
-                if gate is not None and not isinstance(result, Lease):
+                if not isinstance(result, Lease):
                     gate.close()
             if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
                 assert queue is not None
