@@ -85,6 +85,10 @@ class _Lease:
     # The engine's whole-block rounding of its sequences' last blocks (`KvBudget.set_block_tokens`).
     slack: int = 0
 
+    def settled_by(self, before: float) -> bool:
+        """Admitted by `before`: long enough ago to be in the engine's gauges (`KvBudget.settle_after`)."""
+        return self.admitted_at is not None and self.admitted_at <= before
+
     @property
     def own_prompt(self) -> int:
         """The prompt's KV this lease is booked for: all of it, less the shared chunks others pay for."""
@@ -373,7 +377,7 @@ class KvBudget:
                 if lease_id in self._finished:
                     continue
                 explained += lease.trajectory(now, rate, delay)[0]
-                if lease.admitted_at is not None and lease.admitted_at <= settled_before:
+                if lease.settled_by(settled_before):
                     settled += lease.own_prompt + lease.streamed
             if used > explained:
                 self._unexplained = used - explained
@@ -394,9 +398,7 @@ class KvBudget:
             return frozenset()
         settled_before = now - self.settle_after()
         settled = {
-            lease_id: lease
-            for lease_id, lease in self._leases.items()
-            if lease.admitted_at is not None and lease.admitted_at <= settled_before
+            lease_id: lease for lease_id, lease in self._leases.items() if lease.settled_by(settled_before)
         }
         excess = sum(lease.sequences for lease in settled.values()) - max(0.0, running) * self._share
         rate, delay = self.decode_rate(), self.pace.first_token_delay
