@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ OUTPUT = 300
 TENANTS = {"short": (64, 100), "long": (8, 3000)}
 """Tenant: (clients, prompt tokens): one ' hello' is one token, and the chat template adds a few."""
 WINDOW_S = 10.0
+SEED = 7
 SIM_ARGS = fixed_step_sim(MODEL, 20, "--num-gpu-blocks", "1024", "--max-model-len", "4096")
 """1,024 blocks of 16 tokens; a 20 ms decode step whatever the batch: 300 tokens stream in 6 s."""
 
@@ -54,6 +56,7 @@ class Tally:
     """What one run's clients saw."""
 
     admitted: list[tuple[float, str, int]] = field(default_factory=list)  # (seconds in, tenant, KV tokens)
+    held: list[tuple[float, float, str, int]] = field(default_factory=list)  # (admitted, ended, tenant, KV)
     ttft: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TENANTS})
     refusals: int = 0
 
@@ -90,13 +93,15 @@ async def client(
                     await asyncio.sleep(min(wait_ms / 1000, max(0.0, until - time.monotonic())))
                     continue
                 resp.raise_for_status()
-                tally.admitted.append((time.monotonic() - start, tenant, prompt + OUTPUT))
+                admitted_at = time.monotonic() - start
+                tally.admitted.append((admitted_at, tenant, prompt + OUTPUT))
                 async for line in resp.content:
                     if line.startswith(b"data: {") and b'"content"' in line:
                         tally.ttft[tenant].append(time.monotonic() - first_try)
                         break
                 async for _ in resp.content.iter_any():
                     pass
+                tally.held.append((admitted_at, time.monotonic() - start, tenant, prompt + OUTPUT))
             break
 
 
@@ -106,14 +111,41 @@ async def drive(url: str, tenants: dict[str, tuple[int, int]], seconds: float) -
     until = start + seconds
     limits = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        # Clients start in a seeded random order: started tenant by tenant, the first tenant's flood would
+        # fill the empty cache before the other sent anything, a head start no admission rule can undo
+        # without preempting (the gateway never does).
+        everyone = [
+            (tenant, number, prompt)
+            for tenant, (clients, prompt) in tenants.items()
+            for number in range(clients)
+        ]
+        random.Random(SEED).shuffle(everyone)
         await asyncio.gather(
             *(
                 client(session, url, (tenant, number), prompt, until, start, tally)
-                for tenant, (clients, prompt) in tenants.items()
-                for number in range(clients)
+                for tenant, number, prompt in everyone
             )
         )
     return tally
+
+
+def held_shares(tally: Tally, seconds: float) -> tuple[float, list[float]]:
+    """The long tenant's share of the KV service, KV-token seconds held (admission to the stream's end) by
+    both tenants, over the run and per window: what the cache gave each, whenever it was admitted."""
+    windows = [(i * WINDOW_S, (i + 1) * WINDOW_S) for i in range(int(seconds // WINDOW_S))]
+
+    def held(tenant: str, low: float, high: float) -> float:
+        return sum(
+            kv * max(0.0, min(end, high) - max(start, low))
+            for start, end, who, kv in tally.held
+            if who == tenant
+        )
+
+    def share(low: float, high: float) -> float:
+        long, short = held("long", low, high), held("short", low, high)
+        return round(long / ((long + short) or 1), 3)
+
+    return share(0.0, seconds), [share(low, high) for low, high in windows]
 
 
 def figures(tally: Tally, seconds: float) -> dict[str, Any]:
@@ -127,7 +159,16 @@ def figures(tally: Tally, seconds: float) -> dict[str, Any]:
             for t in TENANTS
         }
         windows.append(round(got["long"] / (sum(got.values()) or 1), 3))
+    held_share, held_windows = held_shares(tally, seconds)
+    durations = {t: [end - start for start, end, who, _ in tally.held if who == t] for t in TENANTS}
     return {
+        "held_kv_tokens_mean": round(
+            sum(kv * (min(end, seconds) - start) for start, end, _, kv in tally.held if start < seconds)
+            / seconds
+        ),
+        "seconds_held_p50": {t: round(percentile(d, 50), 1) for t, d in durations.items()},
+        "long_kv_seconds_share": held_share,
+        "long_kv_seconds_share_per_10s": held_windows,
         "long_share": round(total["long"] / both, 3),
         "long_share_per_10s": windows,
         "admitted": {t: sum(1 for _, tenant, _ in tally.admitted if tenant == t) for t in TENANTS},

@@ -169,6 +169,7 @@ class KvBudget:
         self.fairness = fairness
         self.schedule = RetrySchedule()
         self._refused: tuple[ClaimId, int, float] | None = None  # the last refusal's (id, footprint, run)
+        self._over_share = False  # whether the last refusal was for its tenant's share (`kv_fairness`)
         self._capacity: int | None = None
         self._leases: dict[str, _Lease] = {}
         self._prefixes = PrefixIndex()
@@ -273,9 +274,11 @@ class KvBudget:
             return None
         owner, footprint, completion = refused
         fair = self.fairness
+        delay = self.pace.first_token_delay
+        if fair is not None and self._over_share:
+            return self._share_eta(fair, owner, now, rate, delay)
         first = fair is not None and fair.holds(owner, now)
         served = fair.attained(owner.tenant, now) if fair is not None else 0.0
-        delay = self.pace.first_token_delay
         releases = [
             (self._seconds_left(lease, now, rate, delay), lease.footprint) for lease in self._leases.values()
         ]
@@ -284,8 +287,23 @@ class KvBudget:
         eta = self.schedule.eta(
             owner, now, self._booked_with, budget, releases, duration, footprint, first, priority
         )
-        if fair is not None and first:
-            fair.keep_until(owner, now + eta)  # the claim waits for its owner's return
+        if fair is not None:
+            fair.waits(owner, now + eta + fair.claim_ttl_s)  # its tenant waits until it is due back
+            if first:
+                fair.keep_until(owner, now + eta)  # the claim waits for its owner's return
+        return eta
+
+    def _share_eta(self, fair: FairShare, owner: ClaimId, now: float, rate: float, delay: float) -> float:
+        """A request refused for its tenant's share: back when the tenant's first lease ends and its share
+        falls. It takes no place in the schedule: the places are the waiting tenants' (module docstring
+        of `kv_fairness`), and a flood's refusals would push them later."""
+        ends = [
+            self._seconds_left(lease, now, rate, delay)
+            for lease in self._leases.values()
+            if lease.learner_key == owner.tenant
+        ]
+        eta = min(ends, default=0.0)
+        fair.waits(owner, now + eta + fair.claim_ttl_s)
         return eta
 
     @staticmethod
@@ -490,6 +508,7 @@ class KvBudget:
             chunks,
         )
         self._booked_with = booked_with
+        self._over_share = False
         if not self._leases:
             return True, headroom
         claimant = self._claim_id(candidate, rank)
@@ -497,9 +516,7 @@ class KvBudget:
         if fair is None or now is None:
             fits = booked_with <= budget
         else:
-            fits = booked_with + fair.withheld(claimant, now) <= budget
-            if not fits and claim and candidate.footprint <= budget:
-                fair.refused(claimant, candidate.footprint, now)
+            fits = self._fits_fairly(fair, claimant, candidate, booked_with, now, claim)
         if not fits:
             # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
             self._refused = (
@@ -508,6 +525,33 @@ class KvBudget:
                 candidate.expected_completion / candidate.sequences,
             )
         return fits, headroom
+
+    def _fits_fairly(
+        self, fair: FairShare, claimant: ClaimId, candidate: _Lease, booked_with: int, now: float, claim: bool
+    ) -> bool:
+        """`would_fit` with fair shares: the candidate fits beside another tenant's claim, and its tenant is
+        not over its share while another tenant waits (`kv_fairness`). A refusal claims only for a tenant
+        within its share (not on a bound's check, nor beyond the whole budget), and its tenant waits."""
+        budget = self.budget_tokens or 0
+        footprint = candidate.footprint
+        over = fair.others_wait(claimant, now) and fair.over_share(
+            claimant, self._held_by_tenant(), footprint, now
+        )
+        fits = not over and booked_with + fair.withheld(claimant, now) <= budget
+        self._over_share = over
+        if not fits and claim:
+            if over:
+                fair.waits(claimant, now + fair.claim_ttl_s)
+            elif footprint <= budget:  # one larger fits only an empty pool: it neither claims nor waits
+                fair.refused(claimant, footprint, now)
+        return fits
+
+    def _held_by_tenant(self) -> dict[str, float]:
+        """The KV each tenant's leases hold now, by their lifetime footprints (the share guard's measure)."""
+        held: dict[str, float] = {}
+        for lease in self._leases.values():
+            held[lease.learner_key] = held.get(lease.learner_key, 0.0) + lease.footprint
+        return held
 
     def admit(
         self,

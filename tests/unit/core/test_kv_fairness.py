@@ -172,3 +172,107 @@ def test_backlogged_tenants_whose_sizes_differ_thirty_fold_each_get_about_half_t
     unfair, fair = run(None), run(FairShare())
     assert unfair < 0.2, unfair
     assert 0.4 <= fair <= 0.6, fair
+
+
+def test_a_tenant_over_its_share_is_refused_while_another_waits_and_one_under_it_is_not() -> None:
+    fair = FairShare()
+    held = {"short": 6000.0, "long": 3000.0}
+    assert fair.over_share(SMALL, held, 400, now=0.0) is False  # nobody waits: no guard
+    fair.waits(LARGE, 10.0)
+    assert fair.over_share(SMALL, held, 400, now=1.0) is True  # 67 % of what is held, the other waits
+    assert fair.over_share(LARGE, held, 3000, now=1.0) is False  # the waiting tenant is under its share
+    assert fair.over_share(SMALL, held, 400, now=10.5) is False  # the wait lapsed: no guard
+
+
+def test_a_waiting_tenant_over_its_own_share_holds_no_one_back() -> None:
+    """Each over its share by the other's measure would refuse the other while the cache stands idle."""
+    fair = FairShare()
+    fair.waits(LARGE, 10.0)
+    fair.waits(SMALL, 10.0)
+    fair.served("short", 5000, now=0.0)  # the small tenant has received more: it would not round up
+    held = {"short": 3000.0, "long": 3200.0}
+    assert fair.over_share(LARGE, held, 3000, now=1.0) is True  # over its share now
+    assert fair.over_share(SMALL, held, 400, now=1.0) is False  # only the over-share tenant waits
+
+
+def test_which_tenant_rounds_up_past_its_share_is_decided_by_what_each_received() -> None:
+    """A request too large to split the cache exactly goes over the share only for the tenant that has
+    received less lately."""
+    held = {"short": 6600.0, "long": 6600.0}  # each at its share: one more long request goes past it
+    behind = FairShare()
+    behind.served("short", 9000, now=0.0)
+    behind.served("long", 6000, now=0.0)
+    behind.waits(SMALL, 10.0)
+    assert behind.over_share(LARGE, held, 3300, now=1.0) is False
+    ahead = FairShare()
+    ahead.served("short", 6000, now=0.0)
+    ahead.served("long", 9000, now=0.0)
+    ahead.waits(SMALL, 10.0)
+    assert ahead.over_share(LARGE, held, 3300, now=1.0) is True
+
+
+def test_the_claimant_passes_the_share_guard() -> None:
+    fair = FairShare()
+    fair.refused(LARGE, 3000, now=0.0)
+    fair.waits(SMALL, 10.0)
+    assert fair.over_share(LARGE, {"long": 9000.0, "short": 1000.0}, 3000, now=1.0) is False
+
+
+def test_a_share_refusal_is_sent_back_when_its_tenant_frees_and_takes_no_place_in_the_schedule() -> None:
+    fair = FairShare()
+    kv = KvBudget(4096, booking=Booking.LIFETIME, fairness=fair)
+    kv.admit("s1", 8, 1000, "short", now=0.0)
+    kv.admit("s2", 8, 1000, "short", now=0.0)
+    assert kv.would_fit(8, 1800, "long", now=1.0)[0] is False  # 1,808 does not fit in 3,686 - 2,016
+    assert fair.holds(ClaimId(0, "long", 1, (8, 1800)), 1.0)
+    assert kv.would_fit(8, 50, "short", now=1.5)[0] is False  # the short tenant holds all: over its share
+    assert kv.schedule.promises == 0
+    assert kv.retry_after(1.5) is None  # no decode pace (lifetime booking): the caller's default hint
+
+
+def run_with_hints(fair: FairShare | None, seconds: float = 60.0) -> tuple[list[float], float]:
+    """The thirty-fold tenants again, each request held 6 s, every refused client back after the budget's
+    retry-after (1 s where it has none): the long tenant's share of the KV held per 10 s window, and the KV
+    held on average."""
+    kv = KvBudget(16_384, booking=Booking.LIFETIME, fairness=fair)
+    rng = random.Random(7)
+    clients = [("short", 100, i) for i in range(64)] + [("long", 3000, i) for i in range(8)]
+    rng.shuffle(clients)
+    busy: dict[tuple[str, int, int], tuple[float, int]] = {}
+    back_at: dict[tuple[str, int, int], float] = {}
+    window = {"long": 0.0, "short": 0.0}
+    shares, total, now = [], 0.0, 0.0
+    while now < seconds:
+        for client, (until, _) in list(busy.items()):
+            if until <= now:
+                kv.release(str(client), 200)
+                del busy[client]
+        for client in clients:
+            if client in busy or back_at.get(client, 0.0) > now:
+                continue
+            tenant, size, _ = client
+            if kv.would_fit(size, 200, tenant, now=now)[0]:
+                kv.admit(str(client), size, 200, tenant, now=now)
+                busy[client] = (now + 6.0, size + 200)
+            else:
+                back_at[client] = now + min(60.0, max(1.0, kv.retry_after(now) or 1.0))
+        for (tenant, _, _), (_, footprint) in busy.items():
+            window[tenant] += footprint * 0.1
+            total += footprint * 0.1
+        now = round(now + 0.1, 1)
+        if abs(now % 10.0) < 1e-9:
+            shares.append(window["long"] / (window["long"] + window["short"]))
+            window = {"long": 0.0, "short": 0.0}
+    return shares, total / seconds
+
+
+def test_per_ten_second_window_each_tenant_gets_about_half_and_the_cache_stays_full() -> None:
+    """Each 10 s window within 40-60 %, at no more than a tenth less KV held than admitting whatever fits:
+    a share guard under which two tenants, each over its share by the other's measure, refused each other
+    held 38 % less here. (This lifetime-booked model does not show the live stack's early starvation
+    that the guard fixed: bench.protection.fairness measures that.)"""
+    unfair, held_unfair = run_with_hints(None)
+    fair, held_fair = run_with_hints(FairShare())
+    assert max(unfair) < 0.5, unfair
+    assert all(0.4 <= share <= 0.6 for share in fair), fair
+    assert held_fair >= 0.9 * held_unfair, (held_fair, held_unfair)
