@@ -32,7 +32,7 @@ from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
-from extproc.protocol.accesslog import EndReports
+from extproc.protocol.accesslog import EndReports, Relay
 from extproc.protocol.lean import LeanRuntime
 from extproc.protocol.servicer import ExtProcServicer
 from extproc.store.factory import build_store
@@ -76,9 +76,11 @@ class Sidecar:
             served_as=self.feedback.served_as,
         )
         self.admission = built.service
+        self.unseen = built.unseen
         self.lean = LeanRuntime(built.unseen)
         self.servicer = ExtProcServicer(self.admission, self.lean)
         self.end_reports = EndReports(built.unseen)
+        self.relay: Relay | None = None  # with a shared store (`_start_relay`)
         self.health = health.aio.HealthServicer()
         self.ready = False
         self.grpc_server: grpc.aio.Server | None = None
@@ -201,10 +203,10 @@ class Sidecar:
         if client is None:
             return
         relay = ReportRelay(
-            client, self.config.store.key_prefix, self.admission.report_prefix, self.end_reports.settle
+            client, self.config.store.key_prefix, self.unseen.report_prefix, self.end_reports.settle
         )
         await relay.start()
-        self.end_reports.relay = relay
+        self.relay = self.end_reports.relay = relay
 
     async def _start_admin(self) -> None:
         app = web.Application()
@@ -260,9 +262,10 @@ class Sidecar:
         self.queue.close()
         await self.lean.stop()
         self.admission.settle_open()
+        self.unseen.expire_all()
         await self.admission.drain()
-        if self.end_reports.relay is not None:
-            await self.end_reports.relay.close()
+        if self.relay is not None:
+            await self.relay.close()
         assert self.store is not None
         await self.store.close()
         if self.admin_runner is not None:
@@ -275,7 +278,7 @@ class Sidecar:
         """Envoy keeps its access-log stream open for good: close it once no ext_proc stream is open and no
         lease waits for its end report, or the server's stop would always wait the whole grace period."""
         while not stopping.done():
-            if self.admission.open_streams() == 0 and not self.admission.awaiting_reports():
+            if self.admission.open_streams() == 0 and not self.unseen.awaiting_reports():
                 self.end_reports.close()
                 return
             await asyncio.sleep(0.05)

@@ -234,9 +234,9 @@ class Exchange:
     def _reported(self, granted: Granted) -> Forward:
         """Lean: the proxy reads the answer and reports the end; the verdict says how, and carries the
         headers the proxy's route adds to the response and to the upstream request."""
-        assert self.inflight is not None
+        assert self.inflight is not None and self.unseen is not None
         admitted = granted.admitted
-        key = self.service.expect_report(self.inflight)
+        key = self.unseen.expect_report(self.inflight)
         ticket = ReportTicket(key, spec_for(admitted.request.api), admitted.strip_usage)
         forwarded = tuple(h for h in granted.forward.set_headers if h[0] in FORWARDED_REQUEST_HEADERS)
         metadata = (*ratelimit_headers(admitted.lease.status), *forwarded)

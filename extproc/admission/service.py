@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.hints import SlotHints
@@ -37,9 +35,6 @@ from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.core.slot_eta import OpenLease, hint_within
 from extproc.metrics import Metrics
-
-if TYPE_CHECKING:
-    from extproc.admission.tracking.inflight import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +91,19 @@ class Admitted:
         return self.booking.budget
 
 
+class Holder(Protocol):
+    """An admitted request as the retry hints read it (an `InFlight`, extproc/admission/tracking/): the lease
+    it holds on a key, if any. Declared here so the service never names the in-flight code above it."""
+
+    def open_lease(self, key: str) -> OpenLease | None: ...
+
+
 class OpenStream(Protocol):
     """A request whose protocol stream is open (an `Exchange`): closed at shutdown, and read for the lease
     it holds (retry hints count only what this replica holds open)."""
 
     @property
-    def inflight(self) -> InFlight | None: ...
+    def inflight(self) -> Holder | None: ...
 
     def close(self) -> None: ...
 
@@ -130,10 +132,9 @@ class AdmissionService:
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
     slot_hints: SlotHints = field(default_factory=SlotHints)
     lanes: Lanes = field(init=False)
-    # Lean profile: admitted exchanges whose end the proxy reports, by report key (`expect_report`).
-    _reports: dict[str, InFlight] = field(default_factory=dict)
-    _report_prefix: str = field(default_factory=lambda: secrets.token_hex(4))
-    _report_seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # Holders of leases here besides the open streams: the lean profile's requests whose stream ended before
+    # their end report came (extproc/admission/tracking/unseen.py adds its own).
+    holders: list[Callable[[], Iterable[Holder]]] = field(default_factory=list)
     child: LabelledChildren = field(default_factory=LabelledChildren)
 
     def __post_init__(self) -> None:
@@ -198,7 +199,8 @@ class AdmissionService:
         """The requests that hold a lease on `key` here: those whose streams are open, and (lean) those
         whose end report has not arrived, the request ended or not: each holds its slot until it settles."""
         inflights = {id(f): f for stream in self._open if (f := stream.inflight) is not None}
-        inflights |= {id(f): f for f in self._reports.values()}
+        for held in self.holders:
+            inflights |= {id(f): f for f in held()}
         return [lease for f in inflights.values() if (lease := f.open_lease(key)) is not None]
 
     # -- leases --------------------------------------------------------------------------------------------
@@ -305,42 +307,9 @@ class AdmissionService:
         return len(self._open)
 
     def settle_open(self) -> None:
-        """On shutdown after the grace period: settle what is still open with what is known, and expire
-        the leases whose end report has not come (lean profile)."""
+        """On shutdown after the grace period: settle what is still open with what is known."""
         for stream in list(self._open):
             stream.close()
-        for inflight in list(self._reports.values()):
-            inflight.expire()
-
-    # -- end reports (lean profile) -------------------------------------------------------------------------
-
-    def expect_report(self, inflight: InFlight) -> str:
-        """Register an admitted exchange whose end the proxy will report, under a key the proxy echoes back.
-
-        The key is the sidecar's own (a per-process random prefix and a counter), never a client-supplied
-        request id: a client cannot make its report settle another request's lease, and a report from before
-        a restart matches nothing.
-        """
-        key = f"{self._report_prefix}-{next(self._report_seq)}"
-        self._reports[key] = inflight
-        inflight.report_key = key
-        return key
-
-    @property
-    def report_prefix(self) -> str:
-        """The prefix of every report key this process issues: names this replica to the others."""
-        return self._report_prefix
-
-    def take_report(self, key: str) -> InFlight | None:
-        """The request a report is for, removed from the registry; None for an unknown or settled key."""
-        return self._reports.pop(key, None)
-
-    def forget_report(self, key: str) -> None:
-        self._reports.pop(key, None)
-
-    def awaiting_reports(self) -> list[InFlight]:
-        """Admitted requests whose end report has not arrived (the lean profile's in-flight requests)."""
-        return list(self._reports.values())
 
     async def drain(self) -> None:
         """Wait for settlements already started, so shutdown never drops a refund."""

@@ -6,7 +6,7 @@ ext_proc stream and its gRPC access-log stream are two separate connections to t
 their own: the entry that ends a request often reaches another replica than the one holding its lease. The
 lease lives in the admitting replica's memory (the reservation, the reading spec, the decode pace), so only
 that replica can settle it exactly. Every report key starts with the admitting replica's prefix
-(AdmissionService.expect_report: `<prefix>-<counter>`), so the receiving replica publishes the serialized
+(UnseenStreams.expect_report: `<prefix>-<counter>`), so the receiving replica publishes the serialized
 entry on the owner's channel, `<store.key_prefix>reports:<prefix>`, and the owner settles it as if Envoy had
 sent it there.
 

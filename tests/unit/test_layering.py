@@ -1,6 +1,7 @@
 """The layer table of docs/architecture.md holds in the code: it names every module of extproc/ and nothing
 that does not exist, every import follows its "may import" column, every module does only the I/O its row
-names, and neither extproc/ nor bench/ has an import cycle between modules.
+names, and neither extproc/ nor bench/ has an import cycle between modules. Every import counts, a deferred
+one and a type-only one (under `if TYPE_CHECKING:`) alike (tests/support/imports.py).
 
 The rules are read from the doc's table, so the doc is the one place they are written: a row added, a module
 moved or a rule changed there is what this test checks the code against. Each row's first cell names the

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from extproc.admission.capacity.settlement import ResponseFacts, settle_charge
@@ -100,7 +101,14 @@ class InFlight:
         self.was_cut = False
         self.ended_at: float | None = None  # lean: when the request ended on the proxy
         self.report_key: str | None = None  # lean: the key the proxy's end report names
+        self._forget_report: Callable[[str], None] = lambda _key: None
         self.request_id: str | None = None  # lean: the proxy's x-request-id, only to find an unforwarded one
+
+    def await_report(self, key: str, forget: Callable[[str], None]) -> None:
+        """Lean: the proxy will report this request's end under `key`; `forget` takes it off the registry
+        that holds it (extproc/admission/tracking/unseen.py) when it settles, whichever way."""
+        self.report_key = key
+        self._forget_report = forget
 
     @property
     def awaiting_report(self) -> bool:
@@ -211,7 +219,7 @@ class InFlight:
         # that already expired there, and the request still ended here.
         self.settled = True
         if self.report_key is not None:
-            self.service.forget_report(self.report_key)
+            self._forget_report(self.report_key)
         correction = self.correction
         if correction is not None and correction.defer(functools.partial(self._book, facts)):
             self.start_correction()
