@@ -32,8 +32,9 @@ from extproc.core.clock import Clock, monotonic
 from extproc.core.ports import LimiterStore
 from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
-from extproc.protocol.accesslog import EndReports, Relay
+from extproc.protocol.accesslog import EndReports
 from extproc.protocol.lean import LeanRuntime
+from extproc.protocol.relay import ReportRelay
 from extproc.protocol.servicer import ExtProcServicer
 from extproc.store.factory import build_store
 
@@ -80,7 +81,7 @@ class Sidecar:
         self.lean = LeanRuntime(built.unseen)
         self.servicer = ExtProcServicer(self.admission, self.lean)
         self.end_reports = EndReports(built.unseen)
-        self.relay: Relay | None = None  # with a shared store (`_start_relay`)
+        self.relay: ReportRelay | None = None  # with a shared store (`_start_relay`)
         self.health = health.aio.HealthServicer()
         self.ready = False
         self.grpc_server: grpc.aio.Server | None = None
@@ -193,18 +194,14 @@ class Sidecar:
         )
 
     async def _start_relay(self) -> None:
-        """With a shared store, end reports for leases of other replicas go to them, and theirs come here
-        (extproc/protocol/relay.py): subscribed before the sidecar reports ready."""
-        if self.config.store.backend != "redis":
+        """With a store shared by replicas, end reports for leases of other replicas go to them, and theirs
+        come here (extproc/protocol/relay.py), through the store's mailbox: subscribed before the sidecar
+        reports ready."""
+        assert self.store is not None
+        mailbox = self.store.mailbox(self.unseen.report_prefix)
+        if mailbox is None:
             return
-        from extproc.protocol.relay import ReportRelay, shared_client  # imports the Redis client
-
-        client = shared_client(self.store)
-        if client is None:
-            return
-        relay = ReportRelay(
-            client, self.config.store.key_prefix, self.unseen.report_prefix, self.end_reports.settle
-        )
+        relay = ReportRelay(mailbox, self.unseen.report_prefix, self.end_reports.settle)
         await relay.start()
         self.relay = self.end_reports.relay = relay
 

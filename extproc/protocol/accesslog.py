@@ -64,8 +64,6 @@ class Relay(Protocol):
         the key names no other replica."""
         ...
 
-    async def close(self) -> None: ...
-
 
 def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
     """The Lua reader's fields (`ResponseField`, written by extproc/envoyconf/response.lua) as a
