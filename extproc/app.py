@@ -79,7 +79,7 @@ class Sidecar:
         self.admission = built.service
         self.unseen = built.unseen
         self.lean = LeanRuntime(built.unseen)
-        self.servicer = ExtProcServicer(self.admission, self.lean)
+        self.servicer = ExtProcServicer(built, self.lean)
         self.end_reports = EndReports(built.unseen)
         self.relay: ReportRelay | None = None  # with a shared store (`_start_relay`)
         self.health = health.aio.HealthServicer()

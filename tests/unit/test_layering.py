@@ -342,6 +342,8 @@ def test_a_rule_breach_is_caught() -> None:
     assert allowed("extproc.protocol.relay", "extproc.core.ports")
     assert not allowed("extproc.protocol.lean", "extproc.core.ports")
     assert not allowed("extproc.protocol.relay", "extproc.store.redis.breaker")
+    # The servicer depends on the interfaces it declares, not on the admission service's class.
+    assert not allowed("extproc.protocol.servicer", "extproc.admission.service")
     # A row by its path is that row's modules only, not the rows of its files or subfolders.
     assert allowed("extproc.config.runtime", "extproc.kvfeed.subscriber.settings")
     assert not allowed("extproc.config.runtime", "extproc.kvfeed.subscriber.client")
