@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from extproc.admission.apis import render_refusal
+from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.deciding.decision import Decision, Granted, RequestFacts, Shadowed, refuse
 from extproc.admission.deciding.provisional import Correction
 from extproc.admission.intake.deadline import deadline_ms
@@ -46,7 +47,7 @@ from extproc.admission.replies.verdicts import (
     ReportTicket,
     RequestVerdict,
 )
-from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.service import AdmissionService
 from extproc.admission.tracking.answer import Answer
 from extproc.admission.tracking.inflight import InFlight
 from extproc.admission.tracking.reading import spec_for

@@ -17,11 +17,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.settlement import ResponseFacts, settle_charge
 from extproc.admission.deciding import provisional
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
-from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.service import AdmissionService
 from extproc.core.decode_rate import DecodeRates, lockstep_floor
 from extproc.core.slot_eta import OpenLease
 
@@ -228,7 +229,7 @@ class InFlight:
 
     def _book(self, facts: ResponseFacts, admitted: Admitted) -> None:
         weight = self.service.rules().cached_prompt_token_weight
-        self.service.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts, weight))
+        self.service.settler.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts, weight))
 
     def start_correction(self) -> None:
         """Count a bound admission exactly: once the proxy has its verdict, or once it settles if that is
