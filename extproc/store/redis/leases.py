@@ -22,15 +22,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.core.limiter import Lease, Placement, Reason, Rejection, token_reason
+from extproc.core.limiter import Lease, Placement, Rejection
 from extproc.core.ports import StoreUnavailable
 from extproc.core.shares import SHARED
 from extproc.core.split import key_tokens
-from extproc.core.state import DEFAULT_HOLD_S, SHRUNK_RETRY_S, KeyState, RateLimitStatus, tightest_status
+from extproc.core.state import DEFAULT_HOLD_S, SHRUNK_RETRY_S, RateLimitStatus, tightest_status
 from extproc.store.redis.breaker import CLIENT_ERRORS, RedisUnavailable, RedisUnsafe
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Background, Calls
 from extproc.store.redis.guard import StateGuard
-from extproc.store.redis.keyspace import Keyspace
+from extproc.store.redis.keyspace import Keyspace, refusal
 from extproc.store.redis.views import Views
 
 log = logging.getLogger("extproc.store.redis")
@@ -141,7 +141,7 @@ class Leases:
             key = unique[index - 1]
             status = tightest_status(unique, views, holder, now)
             part = key_tokens(key, tokens, output_tokens)
-            return _refusal(code, key, views[index - 1], status, holder, part, now, use_pool)
+            return refusal(code, key, views[index - 1], status, holder, part, now, use_pool)
         placements = tuple(
             Placement(key, slot, tok or None) for key, (slot, tok) in zip(unique, places, strict=True)
         )
@@ -161,8 +161,7 @@ class Leases:
     async def _run_acquire(
         self, member: str, unique: tuple[str, ...], holder: str | None, head: list[str], parts: list[str]
     ) -> list[Any]:
-        """The acquire script's reply; where it may have run without its reply arriving (the answer lost,
-        or the caller cancelled meanwhile), what it placed is taken back in the background."""
+        """The acquire script's reply; what it placed without its reply arriving is taken back later."""
         try:
             raw: list[Any] = await self.calls.run(
                 self.calls.scripts.acquire,
@@ -349,23 +348,3 @@ class Leases:
             await self.calls.run(
                 self.calls.scripts.forget, lambda: [member, *pairs], (), BACKGROUND_TIMEOUT_S, fail_fast=False
             )
-
-
-def _refusal(
-    code: int,
-    key: str,
-    view: KeyState,
-    status: RateLimitStatus,
-    holder: str | None,
-    tokens: int,
-    now: float,
-    use_pool: bool,
-) -> Rejection:
-    """The acquire script's refusal `code` on `key` (1: no slot, 3: larger than the key's capacity, else no
-    tokens), its retry hint from the state it was judged on: a refused request took nothing."""
-    if code == 1:
-        return Rejection(Reason.CONCURRENCY, key, view.slot_retry_after(holder), status)
-    if code == 3:
-        return Rejection(Reason.TOO_LARGE, key, None, status)
-    _, retry = view.place_tokens(holder, tokens, now, use_pool)
-    return Rejection(token_reason(key), key, retry, status)

@@ -233,8 +233,7 @@ class RedisStore:
         """Nothing to forget here: every key in Redis carries a TTL and expires when idle."""
         return 0
 
-    def mailbox(self, own: str) -> RedisMailbox:
-        """Messages between the replicas on this Redis and key prefix, by pub/sub (`mailbox`)."""
+    def mailbox(self, own: str) -> RedisMailbox:  # by pub/sub on this Redis and key prefix
         return RedisMailbox(self.client, self.key_prefix, own)
 
     # -- background work -----------------------------------------------------------------------------------
@@ -281,9 +280,6 @@ class RedisStore:
 
     def announce_waiting(self) -> None:
         self.wake.announce_waiting()
-
-    async def _announce(self) -> None:
-        await self.wake.announce()
 
     # -- observation ---------------------------------------------------------------------------------------
 
