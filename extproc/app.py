@@ -34,6 +34,7 @@ from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
 from extproc.metrics import Metrics
 from extproc.protocol.accesslog import EndReports
 from extproc.protocol.lean import LeanRuntime
+from extproc.protocol.relay import ReportRelay
 from extproc.protocol.servicer import ExtProcServicer
 from extproc.store.factory import build_store
 
@@ -76,9 +77,11 @@ class Sidecar:
             served_as=self.feedback.served_as,
         )
         self.admission = built.service
+        self.unseen = built.unseen
         self.lean = LeanRuntime(built.unseen)
-        self.servicer = ExtProcServicer(self.admission, self.lean)
+        self.servicer = ExtProcServicer(built, self.lean)
         self.end_reports = EndReports(built.unseen)
+        self.relay: ReportRelay | None = None  # with a shared store (`_start_relay`)
         self.health = health.aio.HealthServicer()
         self.ready = False
         self.grpc_server: grpc.aio.Server | None = None
@@ -191,20 +194,16 @@ class Sidecar:
         )
 
     async def _start_relay(self) -> None:
-        """With a shared store, end reports for leases of other replicas go to them, and theirs come here
-        (extproc/protocol/relay.py): subscribed before the sidecar reports ready."""
-        if self.config.store.backend != "redis":
+        """With a store shared by replicas, end reports for leases of other replicas go to them, and theirs
+        come here (extproc/protocol/relay.py), through the store's mailbox: subscribed before the sidecar
+        reports ready."""
+        assert self.store is not None
+        mailbox = self.store.mailbox(self.unseen.report_prefix)
+        if mailbox is None:
             return
-        from extproc.protocol.relay import ReportRelay, shared_client  # imports the Redis client
-
-        client = shared_client(self.store)
-        if client is None:
-            return
-        relay = ReportRelay(
-            client, self.config.store.key_prefix, self.admission.report_prefix, self.end_reports.settle
-        )
+        relay = ReportRelay(mailbox, self.unseen.report_prefix, self.end_reports.settle)
         await relay.start()
-        self.end_reports.relay = relay
+        self.relay = self.end_reports.relay = relay
 
     async def _start_admin(self) -> None:
         app = web.Application()
@@ -260,9 +259,10 @@ class Sidecar:
         self.queue.close()
         await self.lean.stop()
         self.admission.settle_open()
+        self.unseen.expire_all()
         await self.admission.drain()
-        if self.end_reports.relay is not None:
-            await self.end_reports.relay.close()
+        if self.relay is not None:
+            await self.relay.close()
         assert self.store is not None
         await self.store.close()
         if self.admin_runner is not None:
@@ -275,7 +275,7 @@ class Sidecar:
         """Envoy keeps its access-log stream open for good: close it once no ext_proc stream is open and no
         lease waits for its end report, or the server's stop would always wait the whole grace period."""
         while not stopping.done():
-            if self.admission.open_streams() == 0 and not self.admission.awaiting_reports():
+            if self.admission.open_streams() == 0 and not self.unseen.awaiting_reports():
                 self.end_reports.close()
                 return
             await asyncio.sleep(0.05)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +23,22 @@ DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 MAX_TENANT_KEYS = SNAPSHOT_BUSIEST_KEYS
 """Tenant keys (`tenant:*`) with per-key gauges, the busiest (`_use`); other configured keys all have them."""
+
+
+class LabelledChildren:
+    """Prometheus children by label values, looked up once per value set: `labels()` takes a lock and
+    builds a key on every call, several times per request. Label values are bounded (configured models,
+    classes, allow-listed tenants, fixed reasons), so the cache is too."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def __call__(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 def _use(snap: KeySnapshot) -> tuple[int, float]:

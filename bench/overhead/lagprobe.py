@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.admission.service import AdmissionService
+from extproc.admission.capacity.settling import Settler
 from extproc.app import serve
 from extproc.config import load_config
 from extproc.logs import setup_logging
@@ -40,13 +40,13 @@ async def heartbeat(samples: list[tuple[float, float]]) -> None:
 
 def record_releases(releases: list[float]) -> None:
     """Wrap the one place every lease settles, to note when."""
-    settle = AdmissionService.settle
+    settle = Settler.settle
 
-    def timed(self: AdmissionService, admitted: Any, charge: Any) -> Any:
+    def timed(self: Settler, admitted: Any, charge: Any) -> Any:
         releases.append(time.time())
         return settle(self, admitted, charge)
 
-    AdmissionService.settle = timed  # type: ignore[method-assign]
+    Settler.settle = timed  # type: ignore[method-assign]
 
 
 async def main(config: Path, samples: list[tuple[float, float]] | None) -> None:

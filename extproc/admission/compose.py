@@ -53,6 +53,16 @@ class Admission:
         reports its end)."""
         return Exchange(self.service, self.unseen if reported else None)
 
+    def opened(self, exchange: Exchange) -> None:
+        """A protocol stream opened for `exchange`: open until `closed` (the service closes it at shutdown
+        and reads its lease for retry hints), and counted in `extproc_streams_active`."""
+        self.service.register(exchange)
+        self.service.metrics.streams.inc()
+
+    def closed(self, exchange: Exchange) -> None:
+        self.service.unregister(exchange)
+        self.service.metrics.streams.dec()
+
 
 def build_admission(
     rules: Callable[[], AdmissionRules],

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from extproc.admission.apis import render_refusal
+from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.deciding.decision import Decision, Granted, RequestFacts, Shadowed, refuse
 from extproc.admission.deciding.provisional import Correction
 from extproc.admission.intake.deadline import deadline_ms
@@ -46,7 +47,7 @@ from extproc.admission.replies.verdicts import (
     ReportTicket,
     RequestVerdict,
 )
-from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.service import AdmissionService
 from extproc.admission.tracking.answer import Answer
 from extproc.admission.tracking.inflight import InFlight
 from extproc.admission.tracking.reading import spec_for
@@ -234,9 +235,9 @@ class Exchange:
     def _reported(self, granted: Granted) -> Forward:
         """Lean: the proxy reads the answer and reports the end; the verdict says how, and carries the
         headers the proxy's route adds to the response and to the upstream request."""
-        assert self.inflight is not None
+        assert self.inflight is not None and self.unseen is not None
         admitted = granted.admitted
-        key = self.service.expect_report(self.inflight)
+        key = self.unseen.expect_report(self.inflight)
         ticket = ReportTicket(key, spec_for(admitted.request.api), admitted.strip_usage)
         forwarded = tuple(h for h in granted.forward.set_headers if h[0] in FORWARDED_REQUEST_HEADERS)
         metadata = (*ratelimit_headers(admitted.lease.status), *forwarded)

@@ -1,33 +1,32 @@
-"""The admission service: the one place that decides, for every protocol profile.
+"""The admission service: the dependencies every request shares, whatever its protocol profile.
 
-`AdmissionService` holds what all requests share (rules, limiter store, KV budgets, wait queue, metrics,
-worker threads) and the operations that need it: acquiring a lease so that a cancelled caller can never
-leak one, settling a lease exactly once, retry hints from the leases open here, and the registries of open
-streams and of admitted requests whose end the proxy will report. Each request's life is an `Exchange`
-(see `exchange.py`): its decision is `decision.py`, its admitted life `inflight.py`. A protocol handler only
-translates its wire messages to the exchange's methods and the returned verdicts back to wire messages.
-`compose.py` builds the whole from the rules, store and clock.
+`AdmissionService` holds the rules, the limiter store, the KV budgets, the wait queue, the metrics and the
+tokenizer threads, and the few operations that need them together: acquiring a lease so that a cancelled
+caller can never leak one, settling through its `Settler` (capacity/settling.py), retry hints from the
+leases held here, and the registry of open protocol streams (the lean profile's requests awaiting their end
+report are `UnseenStreams`'s, tracking/unseen.py). It decides nothing: a request's decision is `Decision`
+(deciding/decision.py), its admitted life `InFlight` (tracking/inflight.py), the two joined by `Exchange`
+(exchange.py); `compose.py` builds the whole from the rules, store and clock. It names nothing above it:
+what it reads of an admitted request is the narrow `Holder` it declares.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from extproc.admission.capacity.booking import KvBooking
+from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.hints import SlotHints
 from extproc.admission.capacity.lanes import Lanes
 from extproc.admission.capacity.queueing import AdmissionQueue
-from extproc.admission.capacity.settlement import Charge, Ending
-from extproc.admission.intake.request import ParsedRequest, Reservation, count_prompt_tokens
-from extproc.admission.intake.rules import AdmissionRules, ClassPolicy
+from extproc.admission.capacity.settling import Settler
+from extproc.admission.intake.request import ParsedRequest, count_prompt_tokens
+from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prompt import Count
 from extproc.core.clock import Clock, monotonic
@@ -36,16 +35,9 @@ from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.core.slot_eta import OpenLease, hint_within
-from extproc.metrics import Metrics
-
-if TYPE_CHECKING:
-    from extproc.admission.tracking.inflight import InFlight
+from extproc.metrics import LabelledChildren, Metrics
 
 log = logging.getLogger(__name__)
-
-ENGINE_REFUSAL_REASON = "queue_full"
-"""The `reason` of `extproc_engine_refusals_total`: the only refusal recognized, an engine's 503
-(`settlement.ENGINE_BUSY_STATUSES`); vLLM's own counter, which the feed reads, tells requests from tokens."""
 
 ENGINE_RETRY_AFTER_S = 1.0
 """The least `retry-after` sent with an engine's refusal, and the one sent while nothing is open here to
@@ -75,25 +67,11 @@ class Deps:
     settle_executor: Executor | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """An admitted request: the lease it holds and the facts its settlement needs (never the body)."""
+class Holder(Protocol):
+    """An admitted request as the retry hints read it (an `InFlight`, extproc/admission/tracking/): the lease
+    it holds on a key, if any. Declared here so the service never names the in-flight code above it."""
 
-    lease: Lease
-    request: ParsedRequest
-    policy: ModelPolicy
-    pool: str
-    plan: Reservation
-    tenant: str
-    klass: ClassPolicy
-    model_label: str
-    booking: KvBooking  # its entry in the pool's KV budget (booked before the lease was granted)
-    strip_usage: bool
-    admitted_at: float
-
-    @property
-    def budget(self) -> KvBudget | None:
-        return self.booking.budget
+    def open_lease(self, key: str) -> OpenLease | None: ...
 
 
 class OpenStream(Protocol):
@@ -101,42 +79,38 @@ class OpenStream(Protocol):
     it holds (retry hints count only what this replica holds open)."""
 
     @property
-    def inflight(self) -> InFlight | None: ...
+    def inflight(self) -> Holder | None: ...
 
     def close(self) -> None: ...
 
 
-class LabelledChildren:
-    """Prometheus children by label values, looked up once per value set: `labels()` takes a lock and
-    builds a key on every call, several times per request. Label values are bounded (configured models,
-    classes, allow-listed tenants, fixed reasons), so the cache is too."""
-
-    def __init__(self) -> None:
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-
-    def __call__(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
-
 @dataclass(eq=False)
 class AdmissionService:
+    """What every request shares (see the module docstring)."""
+
     deps: Deps
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
     _open: set[OpenStream] = field(default_factory=set)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
     slot_hints: SlotHints = field(default_factory=SlotHints)
     lanes: Lanes = field(init=False)
-    # Lean profile: admitted exchanges whose end the proxy reports, by report key (`expect_report`).
-    _reports: dict[str, InFlight] = field(default_factory=dict)
-    _report_prefix: str = field(default_factory=lambda: secrets.token_hex(4))
-    _report_seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # Holders of leases here besides the open streams: the lean profile's requests whose stream ended before
+    # their end report came (extproc/admission/tracking/unseen.py adds its own).
+    holders: list[Callable[[], Iterable[Holder]]] = field(default_factory=list)
     child: LabelledChildren = field(default_factory=LabelledChildren)
+    settler: Settler = field(init=False)
 
     def __post_init__(self) -> None:
+        deps = self.deps
+        # The hook read per call: the composition may fill it in after the service is built.
+        self.settler = Settler(
+            deps.store,
+            deps.metrics,
+            self.child,
+            self.track,
+            lambda pool: deps.engine_refused(pool),
+            deps.queue,
+        )
         tokenizing = self.deps.rules().tokenizing
         self.lanes = Lanes(
             self.deps.executor,
@@ -198,7 +172,8 @@ class AdmissionService:
         """The requests that hold a lease on `key` here: those whose streams are open, and (lean) those
         whose end report has not arrived, the request ended or not: each holds its slot until it settles."""
         inflights = {id(f): f for stream in self._open if (f := stream.inflight) is not None}
-        inflights |= {id(f): f for f in self._reports.values()}
+        for held in self.holders:
+            inflights |= {id(f): f for f in held()}
         return [lease for f in inflights.values() if (lease := f.open_lease(key)) is not None]
 
     # -- leases --------------------------------------------------------------------------------------------
@@ -230,29 +205,6 @@ class AdmissionService:
         future.add_done_callback(self._pending.discard)
         return future
 
-    def settle(self, admitted: Admitted, charge: Charge) -> asyncio.Future[bool]:
-        """Release the lease to what was used, update the KV budget, count it; exactly once per lease."""
-        if charge.ending is Ending.ENGINE_BUSY:
-            self._engine_refused(admitted)
-        completed = charge.ending == "completed"
-        admitted.booking.release(charge.completion if completed else None)
-        future = asyncio.ensure_future(
-            self.deps.store.release(admitted.lease, charge.total, charge.completion)
-        )
-        future.add_done_callback(lambda done: self._account(done, admitted, charge))
-        self.track(future)
-        return future
-
-    def _engine_refused(self, admitted: Admitted) -> None:
-        """The engine refused this request (its queue full): counted apart from engine failures, and the
-        pool's scale told at once, as an engine queue at `waiting_high` would (docs/feedback.md)."""
-        self.child(self.metrics.engine_refusals, admitted.model_label, ENGINE_REFUSAL_REASON).inc()
-        log.info("engine refused an admitted request", extra={"model": admitted.model_label})
-        try:
-            self.deps.engine_refused(admitted.pool)
-        except Exception:
-            log.exception("engine refusal hook failed", extra={"model": admitted.model_label})
-
     def engine_retry_after(self, admitted: Admitted) -> float:
         """The `retry-after` of the engine's refusal of `admitted` (settled already, so not counted among
         the open leases): when a slot of its pool is expected to free, from the leases open here, as for
@@ -261,37 +213,6 @@ class AdmissionService:
         key = next((k for k in admitted.lease.keys if k.startswith("model:")), None)
         eta = None if key is None else self.slot_hints.hint(key, self.clock(), self._open_leases)
         return hint_within(eta, ENGINE_RETRY_AFTER_S)
-
-    def _account(self, done: asyncio.Future[bool], admitted: Admitted, charge: Charge) -> None:
-        model = admitted.model_label
-        if done.cancelled() or done.exception() is not None:
-            log.error("lease settlement failed", extra={"model": model})
-            self.metrics.settlements.labels("failed").inc()
-            return
-        if self.deps.queue is not None:
-            self.deps.queue.kick()
-        metrics = self.metrics
-        metrics.active.dec()
-        child = self.child
-        child(metrics.settlements, charge.ending.value).inc()
-        child(metrics.tokens_settled, model, "prompt").inc(charge.prompt)
-        child(metrics.tokens_settled, model, "completion").inc(charge.completion)
-        if charge.cached:
-            child(metrics.tokens_cached_prompt, model).inc(charge.cached)
-        delta = admitted.lease.reserved_tokens - charge.total
-        if delta > 0:
-            child(metrics.tokens_refunded, model).inc(delta)
-        elif delta < 0:
-            child(metrics.tokens_overrun, model).inc(-delta)
-        log.debug(
-            "lease settled",
-            extra={
-                "outcome": charge.ending.value,
-                "reserved": admitted.lease.reserved_tokens,
-                "actual": charge.total,
-                "model": model,
-            },
-        )
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -305,42 +226,9 @@ class AdmissionService:
         return len(self._open)
 
     def settle_open(self) -> None:
-        """On shutdown after the grace period: settle what is still open with what is known, and expire
-        the leases whose end report has not come (lean profile)."""
+        """On shutdown after the grace period: settle what is still open with what is known."""
         for stream in list(self._open):
             stream.close()
-        for inflight in list(self._reports.values()):
-            inflight.expire()
-
-    # -- end reports (lean profile) -------------------------------------------------------------------------
-
-    def expect_report(self, inflight: InFlight) -> str:
-        """Register an admitted exchange whose end the proxy will report, under a key the proxy echoes back.
-
-        The key is the sidecar's own (a per-process random prefix and a counter), never a client-supplied
-        request id: a client cannot make its report settle another request's lease, and a report from before
-        a restart matches nothing.
-        """
-        key = f"{self._report_prefix}-{next(self._report_seq)}"
-        self._reports[key] = inflight
-        inflight.report_key = key
-        return key
-
-    @property
-    def report_prefix(self) -> str:
-        """The prefix of every report key this process issues: names this replica to the others."""
-        return self._report_prefix
-
-    def take_report(self, key: str) -> InFlight | None:
-        """The request a report is for, removed from the registry; None for an unknown or settled key."""
-        return self._reports.pop(key, None)
-
-    def forget_report(self, key: str) -> None:
-        self._reports.pop(key, None)
-
-    def awaiting_reports(self) -> list[InFlight]:
-        """Admitted requests whose end report has not arrived (the lean profile's in-flight requests)."""
-        return list(self._reports.values())
 
     async def drain(self) -> None:
         """Wait for settlements already started, so shutdown never drops a refund."""

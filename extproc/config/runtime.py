@@ -28,6 +28,7 @@ from extproc.config import schema
 from extproc.core import split
 from extproc.core.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import FeedbackConfig
+from extproc.store.backends import backend_settings
 from extproc.store.settings import StoreSettings
 
 _MODEL = schema.DEFAULT_MODEL_ENTRY
@@ -123,24 +124,15 @@ class ServerConfig:
 
 
 def store_settings(store: schema.Store) -> StoreSettings:
-    """`store` as the store factory takes it (extproc/store/settings.py); checked in build.py first."""
-    red = store.redis
+    """`store` as the store factory takes it (extproc/store/settings.py); checked in build.py first. The
+    backend's own section (`store.<backend>`, none for `local`) is read by the parser that backend registers
+    (extproc/store/backends.py), so a new backend needs no line here."""
+    section = getattr(store, store.backend, None)
     return StoreSettings(
         backend=store.backend,
-        redis_url=red.url,
-        key_prefix=red.key_prefix,
-        lease_ttl_seconds=red.lease_ttl_seconds,
-        timeout_ms=red.timeout_ms,
+        options=backend_settings(store.backend, section.model_dump() if section is not None else {}),
         on_unavailable=store.on_unavailable,
         fallback_share=store.fallback_share,
-        redis_mode=red.mode,
-        redis_username=red.username,
-        redis_password_file=red.password_file,
-        redis_password_env=red.password_env,
-        tls_ca_file=red.tls.ca_file,
-        tls_cert_file=red.tls.cert_file,
-        tls_key_file=red.tls.key_file,
-        tls_verify=red.tls.verify,
     )
 
 

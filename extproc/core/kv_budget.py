@@ -20,7 +20,7 @@ estimate. Two ways to book it (`Booking`):
   one token per step per sequence until its expected final completion, then gone. A request fits when
   the highest total the trajectories reach from now on, with its own added, stays within the budget.
   Tokens generated so far are the streamed count where the response streams, else an estimate from the
-  time since admission and the pool's decode pace learned from streams (`DecodePace`). The engine's own
+  time since admission and the pool's decode pace learned from streams (`DecodeRate`). The engine's own
   KV gauge corrects the sum in both directions (`observe_engine`): at each feed sample, KV in use that
   the leases do not explain (other traffic, progress under-estimated) is added to every forecast until the
   next sample, and, while nothing waits in the engine, what running leases are provably booked for beyond
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from extproc.core.completion_learner import CompletionLearner
 from extproc.core.decode_rate import usable_rate
 from extproc.core.kv_fairness import ClaimId, FairShare
-from extproc.core.kv_forecast import DecodePace, Steps, forecast_peaks
+from extproc.core.kv_forecast import DecodeRate, Steps, forecast_peaks
 from extproc.core.kv_schedule import RetrySchedule
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
 
@@ -102,7 +102,7 @@ class _Lease:
 
     def generated(self, now: float, rate: float | None, delay: float) -> float | None:
         """Completion tokens so far: streamed, else estimated at `rate` tokens per second per sequence
-        after `delay` (the pool's pace, see `DecodePace`); None when unknowable."""
+        after `delay` (the pool's pace, see `DecodeRate`); None when unknowable."""
         if self.first_progress is not None:
             return float(self.streamed)
         if self.admitted_at is None or rate is None:
@@ -143,7 +143,7 @@ class KvBudget:
         min_completion_ratio: float = 0.1,
         learner: CompletionLearner | None = None,
         booking: Booking = Booking.LIFETIME,
-        pace: DecodePace | None = None,
+        pace: DecodeRate | None = None,
         prefix_sharing: bool = True,
         fairness: FairShare | None = None,
     ) -> None:
@@ -165,7 +165,7 @@ class KvBudget:
         self.learner = learner or CompletionLearner(
             prior=initial_completion_ratio, floor=min_completion_ratio
         )
-        self.pace = pace or DecodePace()
+        self.pace = pace or DecodeRate()
         self.fairness = fairness
         self.schedule = RetrySchedule()
         self._refused: tuple[ClaimId, int, float] | None = None  # the last refusal's (id, footprint, run)

@@ -11,7 +11,7 @@ and `end` = the steps until its expected last token. The sum of these trajectori
 ends and only falls at an end, so its maximum over the future is reached at one of the ends: the forecast
 peak is a maximum over `n` suffix sums after sorting by end, O(n log n). Steps are the common unit, so no
 decode rate is needed for the peak itself; the rate only enters when a caller estimates how far a request
-it cannot observe has come (`DecodePace`).
+it cannot observe has come (`DecodeRate`).
 
 If every `end` is at least the request's real remaining length, the forecast peak bounds the real peak of
 those requests (each real trajectory lies under its forecast one), which is what lets an admission that
@@ -101,8 +101,10 @@ _END = operator.itemgetter(2)
 
 
 @dataclass
-class DecodePace:
-    """How fast a pool decodes per sequence, and how long an admitted request waits for its first token.
+class DecodeRate:
+    """How fast a pool decodes per sequence, and how long an admitted request waits for its first token, as
+    one KV budget learns them (its forecast's pace). The decode rate settlement charges with is the pools'
+    `DecodeRates` (decode_rate.py); the engines' own, read from their counters, the feed's `DecodeRateMeter`.
 
     Learned from requests whose progress is observed (streamed answers) as exponentially weighted means,
     so the progress of requests that cannot be observed (plain JSON answers) can be estimated from the time

@@ -2,7 +2,8 @@
 
 The ext_proc server talks to limits only through `LimiterStore`. The in-process store (the default) keeps
 state in this process; a shared store lets several gateway replicas enforce one global limit. Both settle a
-lease exactly once, whoever asks first.
+lease exactly once, whoever asks first. A shared store also carries messages between the replicas that share
+it (`Mailbox`): the lean profile's end reports reach the replica that admitted their request through it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,32 @@ class StoreHealth:
     restored_leases: int = 0
     """Leases this replica re-added because the shared store had lost them before their expiry."""
     eviction: EvictionCheck = "safe"
+
+
+class Mailbox(Protocol):
+    """Messages between the replicas that share a store, each replica reached by its name: at most once, to
+    a replica subscribed at that moment; a lost message is the caller's to recover from."""
+
+    published: int
+    """Messages handed to the shared store."""
+    dropped: int
+    """Messages lost: the store unreachable, or too many waiting to be sent."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def start(self, deliver: Callable[[bytes], None]) -> None:
+        """Receive this replica's messages, each handed to `deliver`; returns once receiving (bounded: a
+        store unreachable now is tried again in the background)."""
+        ...
+
+    def send(self, to: str, payload: bytes) -> None:
+        """Send `payload` to replica `to` without waiting; never raises (a lost message is counted)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop receiving and sending, within a bounded time."""
+        ...
 
 
 class LimiterStore(Protocol):
@@ -115,4 +142,9 @@ class LimiterStore(Protocol):
 
     def health(self) -> StoreHealth:
         """Failure counters for metrics, read at scrape time."""
+        ...
+
+    def mailbox(self, own: str) -> Mailbox | None:
+        """Messages to and from the other replicas sharing this store's state, this one named `own`; None
+        where the state is this process's own (every message would be for the one replica there is)."""
         ...

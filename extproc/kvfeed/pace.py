@@ -59,8 +59,9 @@ def _usable(value: float | None) -> bool:
     return value is not None and math.isfinite(value) and value >= 0.0
 
 
-class PaceMeter:
-    """Per endpoint and model, the counter reading a window started at; `observe` gives the pace.
+class DecodeRateMeter:
+    """An engine's decode rate per running sequence (its pace), per endpoint and model: the counter reading a
+    window started at; `observe` gives the pace.
 
     A window closes at the first reading at least `min_window_s` after its start: a scrape's own latency
     varies by tens of milliseconds, which over a 200 ms interval is a 10 % error in the pace. While a window

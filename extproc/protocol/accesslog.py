@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -53,10 +53,16 @@ from extproc.admission.vocabulary.names import (
 )
 from extproc.admission.vocabulary.names import ResponseField as Field
 
-if TYPE_CHECKING:
-    from extproc.protocol.relay import ReportRelay
-
 log = logging.getLogger(__name__)
+
+
+class Relay(Protocol):
+    """What the end reports ask of the relay between replicas (extproc/protocol/relay.py `ReportRelay`)."""
+
+    def forward(self, key: str, entry: accesslog_pb2.HTTPAccessLogEntry) -> bool:
+        """Hand an entry whose key this replica does not hold to the replica that issued it; False when
+        the key names no other replica."""
+        ...
 
 
 def reading_of(found: struct_pb2.Struct | None) -> ResponseReading:
@@ -148,7 +154,7 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         self.unseen = unseen
         self.service = unseen.service
         self.channel = unseen.channel
-        self.relay: ReportRelay | None = None
+        self.relay: Relay | None = None
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = False
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
-from extproc.core.ports import LimiterStore, StoreHealth, StoreUnavailable
+from extproc.core.ports import LimiterStore, Mailbox, StoreHealth, StoreUnavailable
 from extproc.store.local import LocalStore
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,10 @@ class FallbackStore:
 
     def prune(self) -> int:
         return self.primary.prune() + self.fallback.prune()
+
+    def mailbox(self, own: str) -> Mailbox | None:
+        """The shared store's: the replicas share it whether or not this one has fallen back for now."""
+        return self.primary.mailbox(own)
 
     def health(self) -> StoreHealth:
         shared = self.primary.health()

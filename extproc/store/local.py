@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from extproc.core.clock import Clock, monotonic
 from extproc.core.limiter import JointLimiter, KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
-from extproc.core.ports import StoreHealth
+from extproc.core.ports import Mailbox, StoreHealth
 
 
 class LocalStore:
@@ -73,3 +73,7 @@ class LocalStore:
 
     def health(self) -> StoreHealth:
         return StoreHealth(available=True)
+
+    def mailbox(self, own: str) -> Mailbox | None:
+        """None: the state is this process's own, so no other replica shares it."""
+        return None

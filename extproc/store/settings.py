@@ -1,15 +1,18 @@
 """What the store factory takes: `StoreSettings`, built from the config's `store` section at load.
 
 The store package defines it, so it depends on no config class; the config package converts `store` into it
-(extproc/config/runtime.py) and holds the defaults. Read at start only: switching stores orphans leases.
+(extproc/config/runtime.py) and holds the defaults. What is common to every backend is here; what belongs to
+one backend is its own settings type, read from its own section of `store` (`store.redis` for Redis:
+`RedisSettings`) by the parser the backend registers (extproc/store/backends.py). Read at start only:
+switching stores orphans leases.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-Backend = Literal["local", "redis"]
 OnUnavailable = Literal["local", "reject"]  # fall back to this replica's own limits, or refuse (fail closed)
 RedisMode = Literal["standalone", "cluster"]
 TlsVerify = Literal["full", "ca", "none"]
@@ -17,21 +20,48 @@ TlsVerify = Literal["full", "ca", "none"]
 
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
-    """`store`, flattened for `build_store`: the backend, and for Redis how to reach it and what to do
-    when it cannot be reached."""
+    """`store`: the backend by its registered name, its own settings (`options`, of the type its parser
+    returns), and what to do when a store shared by replicas cannot be reached."""
 
-    backend: Backend
-    redis_url: str
+    backend: str
+    options: object
+    on_unavailable: OnUnavailable = "local"
+    fallback_share: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """`store.redis`: how to reach the shared Redis (one Redis or a Cluster) and how long its leases live."""
+
+    url: str
     key_prefix: str
     lease_ttl_seconds: float
     timeout_ms: float
-    on_unavailable: OnUnavailable
-    fallback_share: float
-    redis_mode: RedisMode
-    redis_username: str | None
-    redis_password_file: str | None  # a mounted Secret; never logged
-    redis_password_env: str | None
+    mode: RedisMode
+    username: str | None
+    password_file: str | None  # a mounted Secret; never logged
+    password_env: str | None
     tls_ca_file: str | None
     tls_cert_file: str | None
     tls_key_file: str | None
     tls_verify: TlsVerify
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any]) -> RedisSettings:
+        """The parsed `store.redis` section (every key present, the config's defaults filled in), its `tls`
+        subsection flattened."""
+        tls = section["tls"]
+        return cls(
+            url=section["url"],
+            key_prefix=section["key_prefix"],
+            lease_ttl_seconds=section["lease_ttl_seconds"],
+            timeout_ms=section["timeout_ms"],
+            mode=section["mode"],
+            username=section["username"],
+            password_file=section["password_file"],
+            password_env=section["password_env"],
+            tls_ca_file=tls["ca_file"],
+            tls_cert_file=tls["cert_file"],
+            tls_key_file=tls["key_file"],
+            tls_verify=tls["verify"],
+        )

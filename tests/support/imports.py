@@ -1,16 +1,15 @@
 """The import graph of a package read from its source (no import runs), for the tests that keep the layers
 and the absence of cycles true.
 
-Every import a module makes counts, inside functions too: a deferred import is how a cycle hides, and it still
-makes the modules depend on each other. Imports under `if TYPE_CHECKING:` are left out (they never run). A
-package's `__init__` importing its own submodules is not a cycle: a submodule never imports its package's
-names.
+Every import a module makes counts, inside functions and under `if TYPE_CHECKING:` too: a deferred import is
+how a cycle hides, and a type-only one still makes the modules depend on each other's names (the circle is in
+the design, whether or not it runs). A package's `__init__` importing its own submodules is not a cycle: a
+submodule never imports its package's names.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -21,23 +20,10 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node that runs, leaving out the bodies of `if TYPE_CHECKING:`."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
-
-
 def imports_of(tree: ast.AST, modules: set[str]) -> set[str]:
     """The modules of `modules` that this source imports (`from pkg import sub` names the submodule)."""
     found: set[str] = set()
-    for node in _runtime_nodes(tree):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in modules)
         elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
@@ -92,9 +78,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def external_imports(tree: ast.AST) -> set[str]:
-    """Every absolute module name this source imports at run time, whatever package it belongs to."""
+    """Every absolute module name this source imports, whatever package it belongs to."""
     found: set[str] = set()
-    for node in _runtime_nodes(tree):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:

@@ -21,6 +21,7 @@ from extproc.config import (
     parse_config,
 )
 from extproc.core.limiter import LimitSpec
+from extproc.store.settings import RedisSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -299,7 +300,8 @@ def test_store_defaults_to_in_process_state() -> None:
     store = parse_config({}).store
     assert store.backend == "local"
     redis = parse_config({"store": {"backend": "redis", "redis": {"url": "rediss://r:6380/1"}}}).store
-    assert (redis.backend, redis.redis_url, redis.on_unavailable) == ("redis", "rediss://r:6380/1", "local")
+    assert isinstance(redis.options, RedisSettings)
+    assert (redis.backend, redis.options.url, redis.on_unavailable) == ("redis", "rediss://r:6380/1", "local")
 
 
 def test_model_costs_pools_and_output_bound_policy() -> None:

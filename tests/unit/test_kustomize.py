@@ -21,6 +21,7 @@ import yaml
 from extproc.admission.vocabulary.names import NAMESPACE as NAMESPACE_METADATA
 from extproc.config import config_warnings, parse_config
 from extproc.envoyconf.lean import lua_source
+from extproc.store.settings import RedisSettings
 from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
 
@@ -152,8 +153,9 @@ def test_envoy_gateway_lean_wires_metadata_reports_and_store_together() -> None:
     config = parse_config(yaml.safe_load((ENVOY_GATEWAY_LEAN / "config.yaml").read_text()))
     redis = named(docs, "Service", "extproc-redis")
     assert config.store.backend == "redis"
+    assert isinstance(config.store.options, RedisSettings)
     assert (
-        config.store.redis_url == f"redis://extproc-redis.extproc.svc:{redis['spec']['ports'][0]['port']}/0"
+        config.store.options.url == f"redis://extproc-redis.extproc.svc:{redis['spec']['ports'][0]['port']}/0"
     )
     assert named(docs, "Deployment", "extproc-admission")["spec"]["replicas"] == 2
     assert config.store.fallback_share == 0.5

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from extproc.admission.apis import render_refusal
+from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.booking import KvBooking, KvGate
 from extproc.admission.capacity.lanes import LaneFull
 from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
@@ -39,7 +40,7 @@ from extproc.admission.intake.request import (
 from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules, ClassPolicy
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import FORWARD, Forward, Hold, Refusal
-from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.names import PRIORITY_HEADER
 from extproc.admission.vocabulary.policy import ModelPolicy

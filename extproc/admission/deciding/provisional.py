@@ -35,11 +35,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.lanes import LaneFull
 from extproc.admission.intake.request import ParsedRequest, Reservation, plan_reservation
 from extproc.admission.intake.rules import ClassPolicy
-from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary import prompt as prompts
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.settlement import ResponseFacts, settle_charge
 from extproc.admission.deciding import provisional
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
-from extproc.admission.service import AdmissionService, Admitted
+from extproc.admission.service import AdmissionService
 from extproc.core.decode_rate import DecodeRates, lockstep_floor
 from extproc.core.slot_eta import OpenLease
 
@@ -100,7 +102,14 @@ class InFlight:
         self.was_cut = False
         self.ended_at: float | None = None  # lean: when the request ended on the proxy
         self.report_key: str | None = None  # lean: the key the proxy's end report names
+        self._forget_report: Callable[[str], None] = lambda _key: None
         self.request_id: str | None = None  # lean: the proxy's x-request-id, only to find an unforwarded one
+
+    def await_report(self, key: str, forget: Callable[[str], None]) -> None:
+        """Lean: the proxy will report this request's end under `key`; `forget` takes it off the registry
+        that holds it (extproc/admission/tracking/unseen.py) when it settles, whichever way."""
+        self.report_key = key
+        self._forget_report = forget
 
     @property
     def awaiting_report(self) -> bool:
@@ -211,7 +220,7 @@ class InFlight:
         # that already expired there, and the request still ended here.
         self.settled = True
         if self.report_key is not None:
-            self.service.forget_report(self.report_key)
+            self._forget_report(self.report_key)
         correction = self.correction
         if correction is not None and correction.defer(functools.partial(self._book, facts)):
             self.start_correction()
@@ -220,7 +229,7 @@ class InFlight:
 
     def _book(self, facts: ResponseFacts, admitted: Admitted) -> None:
         weight = self.service.rules().cached_prompt_token_weight
-        self.service.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts, weight))
+        self.service.settler.settle(admitted, settle_charge(admitted.plan.prompt_tokens, facts, weight))
 
     def start_correction(self) -> None:
         """Count a bound admission exactly: once the proxy has its verdict, or once it settles if that is

@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
@@ -136,11 +138,16 @@ class ReportChannel:
 
 
 class UnseenStreams:
-    """The lean profile's in-flight requests (see the module docstring); the registry of report keys is the
-    service's (`AdmissionService.expect_report`), so shutdown and other replicas' relays find them."""
+    """The lean profile's in-flight requests (see the module docstring), by the report key each one's end
+    report names (`expect_report`): shutdown, the service's retry hints and other replicas' relays find
+    them here."""
 
     def __init__(self, service: AdmissionService) -> None:
         self.service = service
+        self._reports: dict[str, InFlight] = {}
+        self._report_prefix = secrets.token_hex(4)
+        self._report_seq = itertools.count(1)
+        service.holders.append(self._reports.values)  # each holds its lease until it settles
         self._cuts: dict[InFlight, asyncio.Future[Refusal]] = {}
         self._task: asyncio.Task[None] | None = None
         self._warned_at: float | None = None
@@ -158,6 +165,37 @@ class UnseenStreams:
                 await self._task
             self._task = None
 
+    # -- the registry of report keys ----------------------------------------------------------------------
+
+    def expect_report(self, inflight: InFlight) -> str:
+        """Register an admitted request whose end the proxy will report, under a key the proxy echoes back.
+
+        The key is the sidecar's own (a per-process random prefix and a counter), never a client-supplied
+        request id: a client cannot make its report settle another request's lease, and a report from before
+        a restart matches nothing. The request leaves the registry when it settles, whichever way.
+        """
+        key = f"{self._report_prefix}-{next(self._report_seq)}"
+        self._reports[key] = inflight
+        inflight.await_report(key, self._forget)
+        return key
+
+    @property
+    def report_prefix(self) -> str:
+        """The prefix of every report key this process issues: names this replica to the others."""
+        return self._report_prefix
+
+    def _forget(self, key: str) -> None:
+        self._reports.pop(key, None)
+
+    def awaiting_reports(self) -> list[InFlight]:
+        """Admitted requests whose end report has not arrived (the lean profile's in-flight requests)."""
+        return list(self._reports.values())
+
+    def expire_all(self) -> None:
+        """On shutdown after the grace period: the reports still awaited will not come here."""
+        for inflight in list(self._reports.values()):
+            inflight.expire()
+
     # -- the end report -------------------------------------------------------------------------------------
 
     def report(
@@ -173,7 +211,7 @@ class UnseenStreams:
         started), what its reader saw, when the answer's tokens came, and whether any byte of the request was
         sent upstream, and whether the status came from the engine (not made by the proxy after the request
         went upstream). False when no request here waits for that key."""
-        inflight = self.service.take_report(key)
+        inflight = self._reports.pop(key, None)
         if inflight is None:
             return False
         admitted = inflight.admitted
@@ -232,7 +270,7 @@ class UnseenStreams:
 
     def _expire_ended(self) -> None:
         """The channel was just found lost: the requests that ended and still wait will get no report."""
-        for inflight in self.service.awaiting_reports():
+        for inflight in self.awaiting_reports():
             if inflight.ended_at is not None:
                 self._give_up(inflight)
 
@@ -286,7 +324,7 @@ class UnseenStreams:
         """Follow every admitted request still running: grow its KV-budget footprint at the decode rate (the
         budget cannot see tokens stream here), and cut it when its class's watermark is passed."""
         pools: set[str] = set()
-        for inflight in self.service.awaiting_reports():
+        for inflight in self.awaiting_reports():
             if inflight.admitted.booking.follow(inflight.estimate()):
                 pools.add(inflight.admitted.pool)
             cut = self._cuts.get(inflight)

@@ -110,7 +110,7 @@ PATH_ATTRIBUTE = "request.path"
 
 REQUEST_ID_ATTRIBUTE = "request.id"
 """The ext_proc request attribute of the request's `x-request-id` (lean profile). It never names a lease's
-end report (`AdmissionService.expect_report`: a client may send its own): it only finds the request Envoy
+end report (`UnseenStreams.expect_report`: a client may send its own): it only finds the request Envoy
 says it never forwarded, its ext_proc message having timed out (extproc/protocol/accesslog.py)."""
 
 REQUEST_ID_HEADER = "x-request-id"

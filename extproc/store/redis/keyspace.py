@@ -1,5 +1,6 @@
 """What this replica knows about each limiter key: its configured limits, the effective scale Redis stores
-for it, the KEYSPEC argument block the scripts take, and the key's state rebuilt from a script's reply.
+for it, the KEYSPEC argument block the scripts take, and the key's state rebuilt from a script's reply (and
+an acquire's refusal from it, `refusal`).
 
 Each replica reads the same config, so each computes the same effective shares (slots and token capacity per
 class guarantee and for the burstable pool); only the counts live in Redis. The state a script returns is
@@ -14,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from extproc.core.bucket import TokenBucket
-from extproc.core.limiter import EAGER_KEYS
-from extproc.core.state import KeyState, LimitSpec, Share
+from extproc.core.limiter import EAGER_KEYS, Reason, Rejection, token_reason
+from extproc.core.state import KeyState, LimitSpec, RateLimitStatus, Share
 
 CACHE_MAX_KEYS = 4096
 """Bound on the keys whose KEYSPEC block and metrics view are kept (unconfigured tenants come and go)."""
@@ -181,3 +182,23 @@ class Keyspace:
 
 def _num(value: float | None) -> str:
     return "" if value is None else repr(float(value))
+
+
+def refusal(
+    code: int,
+    key: str,
+    view: KeyState,
+    status: RateLimitStatus,
+    holder: str | None,
+    tokens: int,
+    now: float,
+    use_pool: bool,
+) -> Rejection:
+    """The acquire script's refusal `code` on `key` (1: no slot, 3: larger than the key's capacity, else no
+    tokens), its retry hint from the state it was judged on: a refused request took nothing."""
+    if code == 1:
+        return Rejection(Reason.CONCURRENCY, key, view.slot_retry_after(holder), status)
+    if code == 3:
+        return Rejection(Reason.TOO_LARGE, key, None, status)
+    _, retry = view.place_tokens(holder, tokens, now, use_pool)
+    return Rejection(token_reason(key), key, retry, status)

@@ -20,8 +20,9 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from extproc.core.limiter import Lease, Placement, Reason, Rejection, token_reason
+from extproc.core.limiter import Lease, Placement, Rejection
 from extproc.core.ports import StoreUnavailable
 from extproc.core.shares import SHARED
 from extproc.core.split import key_tokens
@@ -29,7 +30,7 @@ from extproc.core.state import DEFAULT_HOLD_S, SHRUNK_RETRY_S, RateLimitStatus, 
 from extproc.store.redis.breaker import CLIENT_ERRORS, RedisUnavailable, RedisUnsafe
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Background, Calls
 from extproc.store.redis.guard import StateGuard
-from extproc.store.redis.keyspace import Keyspace
+from extproc.store.redis.keyspace import Keyspace, refusal
 from extproc.store.redis.views import Views
 
 log = logging.getLogger("extproc.store.redis")
@@ -133,35 +134,14 @@ class Leases:
         ]
         parts = [str(key_tokens(key, tokens, output_tokens)) for key in unique]
         sent_at = time.monotonic()
-        try:
-            raw = await self.calls.run(
-                self.calls.scripts.acquire,
-                lambda: [*head, *self.guard.admission_args(), *self.keyspace.keyspec(unique), *parts],
-                unique,
-                self.timeout_s,
-            )
-        except RedisUnsafe:
-            raise  # the script refused before placing anything
-        except RedisUnavailable as exc:
-            if exc.sent:  # the script may have run before the answer was lost: take back what it placed
-                self.background.spawn(self._forget_lease(member, unique, holder))
-            raise
-        except asyncio.CancelledError:  # cancelled while the script may be running
-            self.background.spawn(self._forget_lease(member, unique, holder))
-            raise
+        raw = await self._run_acquire(member, unique, holder, head, parts)
         code, index, now = int(raw[0]), int(raw[1]), float(raw[2])
         places, views = self.views.parse(unique, raw[3:], now, with_places=True)
         if code:
             key = unique[index - 1]
-            view = views[index - 1]
             status = tightest_status(unique, views, holder, now)
-            if code == 1:
-                return Rejection(Reason.CONCURRENCY, key, view.slot_retry_after(holder), status)
-            if code == 3:
-                return Rejection(Reason.TOO_LARGE, key, None, status)
-            # A refused request took nothing: the returned state is the one it was judged on.
-            _, retry = view.place_tokens(holder, key_tokens(key, tokens, output_tokens), now, use_pool)
-            return Rejection(token_reason(key), key, retry, status)
+            part = key_tokens(key, tokens, output_tokens)
+            return refusal(code, key, views[index - 1], status, holder, part, now, use_pool)
         placements = tuple(
             Placement(key, slot, tok or None) for key, (slot, tok) in zip(unique, places, strict=True)
         )
@@ -177,6 +157,28 @@ class Leases:
         )
         self.open[lease_id] = Open(lease, member, sent_at)
         return lease
+
+    async def _run_acquire(
+        self, member: str, unique: tuple[str, ...], holder: str | None, head: list[str], parts: list[str]
+    ) -> list[Any]:
+        """The acquire script's reply; what it placed without its reply arriving is taken back later."""
+        try:
+            raw: list[Any] = await self.calls.run(
+                self.calls.scripts.acquire,
+                lambda: [*head, *self.guard.admission_args(), *self.keyspace.keyspec(unique), *parts],
+                unique,
+                self.timeout_s,
+            )
+        except RedisUnsafe:
+            raise  # the script refused before placing anything
+        except RedisUnavailable as exc:
+            if exc.sent:  # the script may have run before the answer was lost: take back what it placed
+                self.background.spawn(self._forget_lease(member, unique, holder))
+            raise
+        except asyncio.CancelledError:  # cancelled while the script may be running
+            self.background.spawn(self._forget_lease(member, unique, holder))
+            raise
+        return raw
 
     async def _forget_lease(self, member: str, keys: Sequence[str], holder: str | None) -> None:
         pairs: list[str] = []

@@ -9,7 +9,8 @@ derived in Python from the state the script returns, with the very code the in-p
 The parts: `connection` (client, TLS, ACL), `calls` (script calls, retries on `stale`/`epoch` replies,
 background tasks), `breaker` (failures and fail-fast), `keyspace` (limits, scales, KEYSPEC, state rebuilt
 from replies), `views` (the metrics cache), `leases` (acquire, release, renewal), `scales` (the shared
-adaptive scale), `wake` (wake-ups across replicas), `guard` (a Redis that lost its state or may evict).
+adaptive scale), `wake` (wake-ups across replicas), `mailbox` (messages between replicas), `guard` (a
+Redis that lost its state or may evict).
 
 Concurrency model: all methods run on one event loop; local state (config, open leases, the metrics cache)
 is only touched between awaits. `snapshot()` does no I/O: it serves a cache refreshed after every call and
@@ -39,6 +40,7 @@ from extproc.store.redis.connection import (
 from extproc.store.redis.guard import DEFAULT_GUARD_INTERVAL_S, StateGuard
 from extproc.store.redis.keyspace import Keyspace
 from extproc.store.redis.leases import Leases
+from extproc.store.redis.mailbox import RedisMailbox
 from extproc.store.redis.refunds import refund
 from extproc.store.redis.scales import Scales
 from extproc.store.redis.views import Views
@@ -73,6 +75,7 @@ class RedisStore:
         if lease_ttl_s <= 0 or timeout_s <= 0 or refresh_s <= 0 or guard_interval_s <= 0:
             raise ValueError("lease_ttl_s, timeout_s, refresh_s and guard_interval_s must be > 0")
         self.client = client
+        self.key_prefix = key_prefix
         # One hash tag for every key: a script touches keys of several limiter keys, which Redis Cluster only
         # allows within one slot.
         self.base = f"{key_prefix}{{limits}}:"
@@ -230,6 +233,9 @@ class RedisStore:
         """Nothing to forget here: every key in Redis carries a TTL and expires when idle."""
         return 0
 
+    def mailbox(self, own: str) -> RedisMailbox:  # by pub/sub on this Redis and key prefix
+        return RedisMailbox(self.client, self.key_prefix, own)
+
     # -- background work -----------------------------------------------------------------------------------
 
     async def renew(self) -> int:
@@ -274,9 +280,6 @@ class RedisStore:
 
     def announce_waiting(self) -> None:
         self.wake.announce_waiting()
-
-    async def _announce(self) -> None:
-        await self.wake.announce()
 
     # -- observation ---------------------------------------------------------------------------------------
 

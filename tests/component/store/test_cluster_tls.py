@@ -95,7 +95,7 @@ async def test_a_release_wakes_the_other_replica_over_tls(stores: list[RedisStor
     assert woken, "the subscriber never connected over TLS"
     woken.clear()
     before = second.wakeups
-    await second._announce()
+    await second.wake.announce()
     lease = await first.acquire(["global"], 0)
     assert isinstance(lease, Lease)
     await first.release(lease, 0)

@@ -24,7 +24,7 @@ class Replica:
         self.store = RedisStore.from_url(url, timeout_s=1.0)
         self.got: list[accesslog_pb2.HTTPAccessLogEntry] = []
         self.arrived = asyncio.Event()
-        self.relay = ReportRelay(self.store.client, "extproc:", prefix, self.deliver)
+        self.relay = ReportRelay(self.store.mailbox(prefix), prefix, self.deliver)
 
     def deliver(self, found: accesslog_pb2.HTTPAccessLogEntry) -> None:
         self.got.append(found)
@@ -72,7 +72,7 @@ async def test_an_undecodable_payload_is_ignored_and_the_subscription_stays(
     replicas: dict[str, Replica],
 ) -> None:
     a, b, _ = replicas.values()
-    await b.store.client.publish(a.relay.channel("aaaa0001"), "not base64 !")
+    await b.store.client.publish(b.store.mailbox("bbbb0002").channel("aaaa0001"), "not base64 !")
     assert b.relay.forward("aaaa0001-1", entry("/after"))
     await a.arrival()
     assert [e.request.path for e in a.got] == ["/after"]

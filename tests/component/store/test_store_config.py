@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from extproc.config import ConfigError, parse_config
+from extproc.store.settings import RedisSettings
 
 
 def redis(**section: Any) -> dict[str, Any]:
@@ -57,8 +58,9 @@ def test_cluster_tls_and_acl_settings_are_read(tmp_path: Path) -> None:
             password_file=str(secret),
             tls={"ca_file": str(ca), "verify": "ca"},
         )
-    ).store
-    assert (store.redis_mode, store.redis_username, store.redis_password_file) == (
+    ).store.options
+    assert isinstance(store, RedisSettings)
+    assert (store.mode, store.username, store.password_file) == (
         "cluster",
         "extproc",
         str(secret),
@@ -67,5 +69,6 @@ def test_cluster_tls_and_acl_settings_are_read(tmp_path: Path) -> None:
 
 
 def test_defaults_are_one_redis_without_tls() -> None:
-    store = parse_config(redis()).store
-    assert (store.redis_mode, store.tls_verify, store.redis_username) == ("standalone", "full", None)
+    store = parse_config(redis()).store.options
+    assert isinstance(store, RedisSettings)
+    assert (store.mode, store.tls_verify, store.username) == ("standalone", "full", None)

@@ -80,7 +80,7 @@ async def test_wake_ups_reach_subscribers_over_tls(store: RedisStore) -> None:
     store.on_wake(lambda: woken.append(1))
     await wait_for(lambda: bool(woken))  # the subscription's first look after connecting
     woken.clear()
-    await store._announce()
+    await store.wake.announce()
     lease = await store.acquire(["global"], 0)
     assert isinstance(lease, Lease)
     await store.release(lease, 0)

@@ -148,7 +148,7 @@ async def test_lean_a_lost_report_channel_expires_an_ended_request_at_once() -> 
     await rig.settled()
     assert rig.active == 0
     assert rig.metric("extproc_settlements_total", outcome="expired") == 1
-    assert rig.admission.service.awaiting_reports() == []
+    assert rig.admission.unseen.awaiting_reports() == []
 
 
 async def test_inline_an_admission_the_transport_never_took_is_refunded_in_full() -> None:

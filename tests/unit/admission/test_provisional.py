@@ -255,8 +255,9 @@ def end_inline(exchange: Exchange, how: str) -> None:
         exchange.inflight.expire()
     elif how == "reported":
         assert exchange.inflight is not None
-        key = exchange.service.expect_report(exchange.inflight)
-        UnseenStreams(exchange.service).report(key, None, ResponseReading())  # no response started
+        unseen = UnseenStreams(exchange.service)
+        key = unseen.expect_report(exchange.inflight)
+        unseen.report(key, None, ResponseReading())  # no response started
     else:
         raise AssertionError(how)
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.kv_forecast import DecodePace, Trajectory, forecast_peak, forecast_peaks
+from extproc.core.kv_forecast import DecodeRate, Trajectory, forecast_peak, forecast_peaks
 
 
 def test_peak_of_nothing_is_zero() -> None:
@@ -65,7 +65,7 @@ def test_peak_equals_the_maximum_over_every_step(items: list[Trajectory]) -> Non
 
 
 def test_pace_is_unknown_until_a_stream_is_seen() -> None:
-    pace = DecodePace()
+    pace = DecodeRate()
     assert pace.tokens_per_second is None
     assert pace.tokens_since(0.0, 10.0, 1) is None
     pace.observe_stream(10, 1.0)  # too short to time
@@ -77,7 +77,7 @@ def test_pace_is_unknown_until_a_stream_is_seen() -> None:
 
 
 def test_pace_estimates_progress_after_the_first_token_delay() -> None:
-    pace = DecodePace(alpha=1.0)
+    pace = DecodeRate(alpha=1.0)
     pace.observe_stream(100, 1.0)
     pace.observe_first_token(0.5)
     assert pace.first_token_delay == 0.5
@@ -87,14 +87,14 @@ def test_pace_estimates_progress_after_the_first_token_delay() -> None:
 
 
 def test_pace_ignores_bad_timings_and_validates() -> None:
-    pace = DecodePace()
+    pace = DecodeRate()
     pace.observe_stream(100, 0.0)
     pace.observe_stream(100, math.inf)
     pace.observe_first_token(-1.0)
     pace.observe_first_token(math.nan)
     assert pace.tokens_per_second is None and pace.first_token_delay == 0.0
     with pytest.raises(ValueError, match="alpha"):
-        DecodePace(alpha=0.0)
+        DecodeRate(alpha=0.0)
 
 
 @given(

@@ -368,7 +368,7 @@ async def test_the_last_access_log_stream_closing_loses_the_channel_and_frees_en
     waiting = harness.stream()
     await waiting.send(lean_body(chat(max_tokens=40)))
     await waiting.close()  # ended on Envoy; its report would come within 30 s
-    await eventually(lambda: harness.sidecar.admission.awaiting_reports()[0].ended_at is not None)
+    await eventually(lambda: harness.sidecar.unseen.awaiting_reports()[0].ended_at is not None)
     assert harness.metric("extproc_active_requests") == 1
     await report(harness, entry("from-before", 200, None))  # Envoy's only access-log stream opens and ends
     await eventually(lambda: harness.metric("extproc_end_report_channel_up") == 0)
