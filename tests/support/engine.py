@@ -18,8 +18,9 @@ Engine flags, from vLLM 0.32.0's own sources (.venv-vllm/lib/python3.11/site-pac
 * `--enforce-eager`: no torch.compile (a compiled start takes two to three times as long).
 * `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details.cached_tokens` (entrypoints/
   launchers/cli_args.py:148; chat_completion/serving.py `_make_prompt_tokens_details`), what the sidecar's
-  cached-prompt discount reads. The tier's other prompts are shorter than a 128-token block, so their hit is
-  0 and Anthropic's `input_tokens` (prompt less cache reads and writes, anthropic/serving.py:63) unchanged.
+  cached-prompt discount reads (tests/engine/test_charges_engine.py). The tier's Anthropic and Cohere
+  prompts are shorter than a 128-token block, so nothing of them is cached and Anthropic's `input_tokens`
+  (the prompt less cache reads and writes, anthropic/serving.py:63) stays the whole prompt.
 * `VLLM_HOST_IP=127.0.0.1`: the engine core's ZMQ sockets stay on loopback.
 """
 
