@@ -16,6 +16,11 @@ Engine flags, from vLLM 0.32.0's own sources (.venv-vllm/lib/python3.11/site-pac
   pool at 128 blocks of 128 tokens (platforms/cpu.py:293, the CPU default block size): 16,384 tokens,
   small enough that a few requests overflow it.
 * `--enforce-eager`: no torch.compile (a compiled start takes two to three times as long).
+* `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details.cached_tokens` (entrypoints/
+  launchers/cli_args.py:148; chat_completion/serving.py `_make_prompt_tokens_details`), what the sidecar's
+  cached-prompt discount reads (tests/engine/test_charges_engine.py). The tier's Anthropic and Cohere
+  prompts are shorter than a 128-token block, so nothing of them is cached and Anthropic's `input_tokens`
+  (the prompt less cache reads and writes, anthropic/serving.py:63) stays the whole prompt.
 * `VLLM_HOST_IP=127.0.0.1`: the engine core's ZMQ sockets stay on loopback.
 """
 
@@ -132,6 +137,7 @@ def engine_argv(python: Path, model_dir: Path, port: int, *extra: str) -> list[s
         "--num-gpu-blocks-override",
         str(BLOCKS),
         "--enforce-eager",
+        "--enable-prompt-tokens-details",
         *extra,
     ]
 
