@@ -108,23 +108,10 @@ class DecodeRates:
         return pool in self._rates
 
     def estimate(self, pool: str, elapsed_s: float, sequences: int, cap: int) -> int:
-        """Tokens the pool may have generated for a request in `elapsed_s`, at most `cap`. Several
-        sequences sampled together take the slower of the rate and the fed pace (`sequence_rate`)."""
+        """Tokens the pool may have generated for a request in `elapsed_s`, at most `cap`."""
         if elapsed_s <= 0 or cap <= 0:
             return 0
-        return min(cap, math.ceil(elapsed_s * self.sequence_rate(pool, sequences) * max(1, sequences)))
-
-    def sequence_rate(self, pool: str, sequences: int) -> float:
-        """The per-sequence rate for a request of `sequences` sampled together: `rate`, or the engine's
-        fed pace where that is slower and there is more than one. A rate learned from answers of one
-        sequence runs faster than each of `n` decoding in one batch: measured on vLLM 0.32 (CPU), an
-        `n`=8 stream left mid-way was charged 1.3-2.2x what the engine generated at the learned rate.
-        The fed pace is the engines' generated tokens per running sequence, the batch included."""
-        rate = self.rate(pool)
-        if sequences <= 1:
-            return rate
-        fed = usable_rate(self.fed(pool))
-        return rate if fed is None else min(rate, fed)
+        return min(cap, math.ceil(elapsed_s * self.rate(pool) * max(1, sequences)))
 
     @property
     def pools(self) -> int:

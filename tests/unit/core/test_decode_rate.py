@@ -52,20 +52,6 @@ def test_a_fed_value_that_is_no_pace_falls_to_the_assumption(bad: float | None) 
     assert (rates.rate("p"), rates.source("p")) == (100.0, RateSource.ASSUMED)
 
 
-def test_several_sequences_are_charged_at_the_slower_of_the_learned_rate_and_the_fed_pace() -> None:
-    """A rate learned from one-sequence streams (100 tok/s) overstates each of 8 decoding in one batch
-    (the engine's pace per running sequence: 40): 8 x 40 a second, while one sequence keeps the learned."""
-    fed: dict[str, float | None] = {"p": 40.0}
-    rates = DecodeRates(default_tokens_per_second=100.0, fed=fed.get)
-    rates.observe("p", 1000, 10.0)
-    assert rates.estimate("p", 1.0, 8, 10_000) == 320
-    assert rates.estimate("p", 1.0, 1, 10_000) == 100
-    fed["p"] = 400.0  # a faster fed pace never raises the charge above the learned rate
-    assert rates.estimate("p", 1.0, 8, 10_000) == 800
-    fed["p"] = None  # no feed: the learned rate
-    assert rates.estimate("p", 1.0, 8, 10_000) == 800
-
-
 def test_an_expired_lease_is_charged_at_the_fed_pace() -> None:
     """60 s of a lease whose end never came, on an engine running 20 tok/s per sequence: 1,200, not 6,000."""
     rates = DecodeRates(default_tokens_per_second=100.0, fed=lambda pool: 20.0)
