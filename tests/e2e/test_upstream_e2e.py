@@ -1,6 +1,7 @@
 """The Kubernetes gateway's Envoy, run on the files `kubectl kustomize` builds for its pod, forwards to the
 engine named in the extproc-upstream ConfigMap alone: plain HTTP and TLS (SNI, the CA beside it), in both
-profiles, and follows the ConfigMap when the kubelet swaps it in place (k8s/README.md,
+profiles, follows the ConfigMap when the kubelet swaps it in place and keeps the last good engine when the
+new file is invalid (k8s/README.md,
 extproc/envoyconf/upstream.py).
 
 The pod's files are written under a temporary root, the mount paths rewritten to it, and the ConfigMap's
@@ -123,6 +124,14 @@ class Pod:
         finally:
             process.stop()
 
+    def refused_updates(self) -> int:
+        """CDS updates Envoy refused: a file it could not parse, or a cluster it did not accept."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports.envoy_admin}/stats", timeout=5) as resp:
+            stats = dict(line.split(": ", 1) for line in resp.read().decode().splitlines() if ": " in line)
+        return sum(
+            int(stats.get(f"cluster_manager.cds.update_{name}", 0)) for name in ("failure", "rejected")
+        )
+
     def get(self, path: str = "/health") -> tuple[int, str]:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.ports.envoy}{path}", timeout=5) as resp:
@@ -166,6 +175,10 @@ def test_envoy_forwards_to_the_configured_engine_and_follows_the_config_map(
             assert pod.get() == (200, "first")
             pod.upstream({UPSTREAM_FILE: cds_file(f"http://localhost:{second}")})
             assert until(lambda: pod.get() == (200, "second")), pod.get()
+            # An invalid update (a port past 65535) is refused and the last good engine kept.
+            pod.upstream({UPSTREAM_FILE: cds_file(f"http://127.0.0.1:{first}").replace(str(first), "99999")})
+            assert until(lambda: pod.refused_updates() > 0)
+            assert pod.get() == (200, "second")
 
 
 def make_ca(directory: Path, name: str) -> tuple[Path, Path, Path]:

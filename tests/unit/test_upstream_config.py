@@ -5,7 +5,9 @@ accepts and uses the built files is tests/e2e/test_shipped_configs.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -28,6 +30,7 @@ from extproc.envoyconf.upstream import (
 )
 from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, envoy_files, named
+from tests.unit.test_manifests import schema_errors
 
 EXAMPLE = K8S / "examples" / "my-vllm"
 PROFILES = {"lean": K8S, "inline": K8S / "inline"}
@@ -190,3 +193,58 @@ def test_a_url_envoy_cannot_use_is_refused_with_the_reason(
     assert message in capsys.readouterr().err
     with pytest.raises(UpstreamURLError):
         EngineAddress.parse(argv[0], *([argv[2]] if len(argv) > 2 else []))
+
+
+README = K8S / "README.md"
+ENVOY_GATEWAY = {"lean": K8S / "envoy-gateway" / "lean", "inline": K8S / "envoy-gateway" / "inline"}
+
+
+def readme_block(marker: str) -> dict[str, Any]:
+    """The k8s/README.md YAML block containing `marker`."""
+    blocks = re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)
+    (block,) = [yaml.safe_load(b) for b in blocks if marker in b]
+    return dict(block)
+
+
+def test_the_readmes_gateway_overlay_is_the_tested_example() -> None:
+    readme = readme_block("configMapGenerator")
+    example = yaml.safe_load((EXAMPLE / "kustomization.yaml").read_text())
+    assert readme["configMapGenerator"] == example["configMapGenerator"]
+    assert readme["resources"] == ["../extproc/k8s"]
+    command = re.search(
+        r"python -m extproc envoy-upstream (\S+) > my-gateway/upstream.yaml", README.read_text()
+    )
+    assert command is not None and rendering_command(EXAMPLE / UPSTREAM_FILE) == [command[1]]
+
+
+def route_backends(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = named(docs, "HTTPRoute", "llm-routes")["spec"]["rules"]
+    return [ref for rule in rules for ref in rule["backendRefs"]]
+
+
+def test_both_envoy_gateway_profiles_route_to_the_engine_of_one_route_rule() -> None:
+    lean, inline = (built(path) for path in ENVOY_GATEWAY.values())
+    assert route_backends(lean) == route_backends(inline) == [{"name": "vllm", "port": 8000}]
+    for docs in (lean, inline):
+        rest = [d for d in docs if d["kind"] != "HTTPRoute"]
+        assert '"name": "vllm"' not in json.dumps(rest)  # no other object names the engine's Service
+
+
+@pytest.mark.parametrize("profile", ENVOY_GATEWAY)
+def test_the_readmes_envoy_gateway_patch_sets_the_engine(profile: str, tmp_path: Path) -> None:
+    overlay = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(ENVOY_GATEWAY[profile], tmp_path)],
+        **readme_block("HTTPRoute"),
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    result = subprocess.run(
+        [kustomize_build.kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    docs = tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+    assert route_backends(docs) == [{"name": "my-vllm", "port": 8000}]
+    assert schema_errors(named(docs, "HTTPRoute", "llm-routes")) == []
+    shipped = built(ENVOY_GATEWAY[profile])
+    assert [d for d in docs if d["kind"] != "HTTPRoute"] == [d for d in shipped if d["kind"] != "HTTPRoute"]
