@@ -30,7 +30,6 @@ from extproc.envoyconf.upstream import (
 )
 from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, envoy_files, named
-from tests.unit.test_manifests import schema_errors
 
 EXAMPLE = K8S / "examples" / "my-vllm"
 PROFILES = {"lean": K8S, "inline": K8S / "inline"}
@@ -245,6 +244,5 @@ def test_the_readmes_envoy_gateway_patch_sets_the_engine(profile: str, tmp_path:
     assert result.returncode == 0, result.stderr
     docs = tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
     assert route_backends(docs) == [{"name": "my-vllm", "port": 8000}]
-    assert schema_errors(named(docs, "HTTPRoute", "llm-routes")) == []
     shipped = built(ENVOY_GATEWAY[profile])
     assert [d for d in docs if d["kind"] != "HTTPRoute"] == [d for d in shipped if d["kind"] != "HTTPRoute"]
