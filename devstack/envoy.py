@@ -3,7 +3,6 @@ edits tests and benchmarks make to it (a client-chosen tenant, Envoy without the
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from extproc.config import Config
 from extproc.envoyconf.bootstrap import HEADER_MUTATION, http_connection_managers, strip_tenant_header
 from extproc.envoyconf.lean import render_lean
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE, PROFILES
+from extproc.envoyconf.upstream import UPSTREAM_CLUSTER, discovery_type
 
 
 def render_envoy_config(
@@ -42,7 +42,7 @@ def render_envoy_config(
         if listener["name"] == "llm_ingress":
             listener["address"]["socket_address"]["port_value"] = ports.envoy
     for cluster in config["static_resources"]["clusters"]:
-        port = {"llm_admission_extproc": ports.grpc, "llm_upstream": ports.upstream}[cluster["name"]]
+        port = {"llm_admission_extproc": ports.grpc, UPSTREAM_CLUSTER: ports.upstream}[cluster["name"]]
         for group in cluster["load_assignment"]["endpoints"]:
             for endpoint in group["lb_endpoints"]:
                 endpoint["endpoint"]["address"]["socket_address"]["port_value"] = port
@@ -53,15 +53,10 @@ def render_envoy_config(
 
 def point_upstream_at(config: dict[str, Any], host: str, port: int) -> None:
     """The `llm_upstream` cluster to `host:port`: a static address for an IP literal, else STRICT_DNS."""
-    try:
-        ipaddress.ip_address(host)
-        literal = True
-    except ValueError:
-        literal = False
     for cluster in config["static_resources"]["clusters"]:
-        if cluster["name"] != "llm_upstream":
+        if cluster["name"] != UPSTREAM_CLUSTER:
             continue
-        cluster["type"] = "STATIC" if literal else "STRICT_DNS"
+        cluster["type"] = discovery_type(host)
         for group in cluster["load_assignment"]["endpoints"]:
             for endpoint in group["lb_endpoints"]:
                 endpoint["endpoint"]["address"]["socket_address"].update(address=host, port_value=port)

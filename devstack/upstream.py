@@ -43,7 +43,7 @@ class Upstream:
         if parts.scheme != "http" or not parts.hostname:
             raise UpstreamError(
                 f"--upstream {url!r}: give http://HOST:PORT (the local stack speaks plain HTTP to its "
-                "upstream; for TLS, deploy with a TLS transport socket on the llm_upstream cluster)"
+                "upstream; an https engine is for the Kubernetes gateway: k8s/README.md)"
             )
         if parts.path.strip("/"):
             raise UpstreamError(f"--upstream {url!r}: give the server's root, without a path")

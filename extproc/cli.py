@@ -1,5 +1,6 @@
 """Command line: `extproc serve --config PATH` runs the sidecar; `extproc check-config PATH` validates;
-`extproc envoy-config` prints a profile's Envoy config; `extproc plan` sizes a deployment and suggests its
+`extproc envoy-config` prints a profile's Envoy config; `extproc envoy-upstream URL` prints the file the
+Kubernetes gateway loads its engine from (k8s/README.md); `extproc plan` sizes a deployment and suggests its
 limits (docs/planning.md). The local stack (`make run`) is `python -m devstack`, outside this package."""
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ def print_envoy_config(profile: str, template: Path | None, config_path: Path | 
     return 0
 
 
+def print_envoy_upstream(url: str, sni: str | None, ca: str | None) -> int:
+    """Print the CDS file of the engine at `url` (extproc/envoyconf/upstream.py)."""
+    from extproc.envoyconf.upstream import UpstreamURLError, render_upstream_yaml
+
+    try:
+        sys.stdout.write(render_upstream_yaml(url, sni, ca))
+    except UpstreamURLError as exc:
+        print(f"envoy-upstream: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def check_config(path: Path) -> int:
     """Validate a file the way the sidecar loads it: every problem, one per line (exit 1); warnings about
     settings that work against each other do not fail it."""
@@ -68,6 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument(
         "--config", type=Path, default=None, help="sidecar config: its path table and body cap"
     )
+    upstream = sub.add_parser(
+        "envoy-upstream", help="print the file the Kubernetes gateway loads its engine (llm_upstream) from"
+    )
+    upstream.add_argument("url", help="the engine's root: http://HOST:PORT or https://HOST:PORT")
+    upstream.add_argument(
+        "--sni", default=None, help="https: the name in the engine's certificate (default HOST)"
+    )
+    upstream.add_argument(
+        "--ca",
+        default=None,
+        help="https: the CA file in the Envoy container (default /etc/envoy-upstream/ca.crt)",
+    )
     add_plan_parser(sub)
     args = parser.parse_args(argv)
 
@@ -78,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return check_config(args.config)
     if args.command == "envoy-config":
         return print_envoy_config(args.profile, args.template, args.config)
+    if args.command == "envoy-upstream":
+        return print_envoy_upstream(args.url, args.sni, args.ca)
 
     try:
         config = load_config(args.config)

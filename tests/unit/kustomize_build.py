@@ -79,3 +79,18 @@ def named(docs: tuple[dict[str, Any], ...], kind: str, prefix: str) -> dict[str,
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(prefix)]
     assert len(matches) == 1, f"{len(matches)} {kind} named {prefix}*"
     return matches[0]
+
+
+def envoy_files(docs: tuple[dict[str, Any], ...]) -> dict[str, str]:
+    """The files the gateway pod's Envoy container reads, by their path in the container: every key of every
+    ConfigMap it mounts (the bootstrap, the engine's cluster file, its CA)."""
+    pod = named(docs, "Deployment", "extproc-gateway")["spec"]["template"]["spec"]
+    envoy = next(c for c in pod["containers"] if c["name"] == "envoy")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    files: dict[str, str] = {}
+    for mount in envoy["volumeMounts"]:
+        config_map = named(docs, "ConfigMap", volumes[mount["name"]]["configMap"]["name"])
+        assert config_map["metadata"]["name"] == volumes[mount["name"]]["configMap"]["name"]
+        for key, text in config_map["data"].items():
+            files[f"{mount['mountPath']}/{key}"] = text
+    return files

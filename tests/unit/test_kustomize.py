@@ -25,7 +25,7 @@ from extproc.store.settings import RedisSettings
 from tests.unit import kustomize_build
 from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
 
-NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml"}
+NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml", "upstream.yaml"}
 NAMESPACE = "extproc"
 CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding"}
 
