@@ -16,8 +16,8 @@ room per layer decides. Layers are split across stages by `get_pp_indices` (vllm
 before the last.
 
 The overhead term (activation peak + non-torch memory + CUDA graphs if reserved) is measured by vLLM at
-start-up; here it is a model with stated constants (`OverheadModel`), and docs/planning.md gives its
-error against published start-up logs.
+start-up; here it is a model with stated constants (`OverheadModel`), and
+docs/internals/planner-memory-model.md gives its error against published start-up logs.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class OverheadModel:
 
     `fixed_gib` is calibrated so that Llama-3-8B at 8,192 batched tokens gets 0.78125 + 1.71875 =
     2.5 GiB, the simulator's default overhead; published logs put that term between 0.5 and 2.3 GiB
-    (docs/planning.md has the table).
+    (docs/internals/planner-memory-model.md has the table).
     """
 
     fixed_gib: float = 1.71875

@@ -5,7 +5,8 @@ The simulator's KV capacity has to match what a real vLLM deployment would repor
 planner (`extproc plan`) has to size limits against the same number. Both call this module. vLLM profiles
 the GPU at start-up and pre-allocates everything left after weights and activations as KV cache
 (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py; `get_num_blocks`,
-vllm/v1/core/kv_cache_utils.py; docs/planning.md has the citations and the error against real logs):
+vllm/v1/core/kv_cache_utils.py; docs/internals/planner-memory-model.md has the citations and the error
+against real logs):
 
     kv_bytes_per_gpu = gpu_memory * gpu_memory_utilization - weights / tp - overhead
     bytes_per_token_per_gpu = 2 (K and V) * layers * (kv_heads / tp) * head_dim * dtype_bytes

@@ -1,7 +1,7 @@
 """The image's install steps, run as close to the Dockerfile as these machines allow, and each entry point the
 manifests start, started from what they installed.
 
-No base image can be pulled here, so the real `docker build` is documented (README, "Deploying it") and not
+No base image can be pulled here, so the real `docker build` is documented (README, "The image") and not
 run. This test does what the Dockerfile's build stage does: copies exactly the files its COPY lines name into
 an empty directory and runs its `pip install --prefix` there, with `--no-deps --no-build-isolation` added
 because nothing can be downloaded (the dependencies and setuptools come from the test venv). The installed

@@ -1,4 +1,5 @@
-"""The memory model against published vLLM start-up logs (the table in docs/planning.md).
+"""The memory model against published vLLM start-up logs (the table in
+docs/internals/planner-memory-model.md).
 
 Each case gives the deployment as the log states it and the block count vLLM reported (or that its
 logged KV memory implies). The test pins the planner's prediction and bounds its error, so the table
