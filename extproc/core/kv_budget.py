@@ -408,10 +408,12 @@ class KvBudget:
         """The leases the engine has finished, by count: with nothing waiting, every lease admitted more
         than `settle_after` ago runs there (its sequences are among `running`, this sidecar's share of
         them) unless the engine has finished it. Where the settled leases' sequences outnumber the engine's
-        running ones, that many are done; taken from those whose progress nobody sees (a streamed answer
-        ends its lease with its upstream end), furthest into their expected answer first, never more
-        sequences than the excess. A wrong guess books too little only until the next sample: the KV in use
-        that the remaining leases do not explain is added back to every forecast."""
+        running ones, that many are done; taken first from streams whose progress stopped `settle_after`
+        ago or more (a slow reader's answer reaches the sidecar at its client's pace, behind the proxy's
+        full buffers), longest stalled first, then from those whose progress nobody sees, furthest into
+        their expected answer first, never more sequences than the excess. A wrong guess books too little
+        only until the next sample: the KV in use that the remaining leases do not explain is added back to
+        every forecast."""
         if waiting != 0 or running is None or not math.isfinite(running) or not self.forecasting(now):
             return frozenset()
         settled_before = now - self.settle_after()
@@ -427,9 +429,16 @@ class KvBudget:
             fraction = (done or 0.0) / max(1, lease.expected_completion)
             return (-fraction, lease.admitted_at or 0.0)
 
+        def stalled_for(item: tuple[str, _Lease]) -> float:
+            return now - (item[1].last_progress_at or now)
+
         finished: list[str] = []
-        unseen = [item for item in settled.items() if item[1].first_progress is None]
-        for lease_id, lease in sorted(unseen, key=progress):
+        unseen = sorted((item for item in settled.items() if item[1].first_progress is None), key=progress)
+        # A stream whose progress stopped for `settle_after` is read slower than it was generated (the inline
+        # profile sees an answer only as the proxy passes it on, at its client's pace): longest stalled first.
+        stalled = [item for item in settled.items() if item[1].first_progress is not None]
+        stalled = sorted((i for i in stalled if stalled_for(i) >= self.settle_after()), key=stalled_for)
+        for lease_id, lease in [*reversed(stalled), *unseen]:
             if lease.sequences > excess:
                 break
             excess -= lease.sequences

@@ -428,15 +428,30 @@ def test_no_lease_counts_as_finished_unless_the_engine_says_so(
     assert b.booked_tokens == 4_200
 
 
-def test_a_streamed_or_fresh_lease_never_counts_as_finished() -> None:
-    """A streamed answer's lease ends with its upstream end (what the engine does is seen), and a lease
-    admitted less than `settle_after` ago may not be in the engine's count yet."""
+def test_a_stream_still_progressing_or_a_fresh_lease_never_counts_as_finished() -> None:
+    """A streamed answer seen progressing is running (what the engine does is seen), and a lease admitted
+    less than `settle_after` ago may not be in the engine's count yet."""
     b = slow_readers()
     b.progress("a", 50, now=2.0)
+    b.progress("a", 2_000, now=29.5)
     b.admit("c", 100, 2_000, now=29.5)
     b.observe_engine(4_200, now=30.0, fresh_for=5.0, waiting=0, running=0)
     assert b.engine_finished == 1  # "b" only
     assert b.demand_tokens == 2 * 2_100
+
+
+def test_a_stream_stalled_behind_its_slow_reader_counts_as_finished() -> None:
+    """The inline profile sees a slow reader's answer at its client's pace: a stream whose progress stopped
+    `settle_after` ago or more is the first taken as finished when the engine runs fewer sequences than the
+    leases settled in it."""
+    b = slow_readers()
+    b.progress("a", 50, now=2.0)  # stalled since 2 s: the proxy's buffers are full
+    b.observe_engine(0, now=30.0, fresh_for=5.0, waiting=0, running=0)
+    assert b.engine_finished == 2  # "b", whose progress nobody sees, and the stalled stream "a"
+    assert b.demand_tokens == 0
+    b.progress("a", 60, now=30.5)  # it moves again, and the engine runs both
+    b.observe_engine(4_200, now=31.0, fresh_for=5.0, waiting=0, running=2)
+    assert b.engine_finished == 0
 
 
 def test_n_sequences_count_as_n_of_the_engines_running_requests() -> None:
