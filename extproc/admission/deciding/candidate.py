@@ -1,4 +1,6 @@
-"""One try to admit a request: the value both of the decision's tries are made of.
+"""What the decision works on: the request's facts, and one try to admit it.
+
+`RequestFacts` is what the request line and headers settled before the body came.
 
 A request is tried at most twice: on its prompt's upper bound, where the bound decides (`provisional.py`),
 and on its exact count. Each try is a `Candidate`, and `Decision.admit` (decision.py) is the one path over
@@ -10,8 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.admission.capacity.booking import KvBooking
-from extproc.admission.intake.request import ParsedRequest, Reservation
+from extproc.admission.intake.request import Api, ParsedRequest, Reservation
+from extproc.admission.intake.rules import ClassPolicy
 from extproc.admission.vocabulary.policy import ModelPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the request line and headers settled: the API, the tenant and its class, the client."""
+
+    api: Api
+    tenant: str
+    klass: ClassPolicy
+    client: str | None = None
+    # The client's deadline for its first token on the service's clock, and as it asked (milliseconds
+    # from arrival, extproc/admission/intake/deadline.py); None without one.
+    deadline: float | None = None
+    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,10 @@
           ─▶ acquire a lease (or wait in the class's queue) ─▶ grant
 
 Each try is one `Candidate` (candidate.py) over one path, `Decision.admit`: KV check, book, acquire (or
-wait), give back if not admitted, grant. `Decision.run` yields `Hold` before it waits in a queue, then
-exactly one outcome, counted once. It calls nothing of the exchange that asked; the exchange turns the
-outcome into its phase and verdict. The prompt's exact count is awaited in one place, `Decision.plan`
-(`service.count_prompts`), unless the request is admitted on its byte bound (`_on_bound`,
+wait: acquiring.py), give back if not admitted, grant. `Decision.run` yields `Hold` before it waits in a
+queue, then exactly one outcome, counted once. It calls nothing of the exchange that asked; the exchange
+turns the outcome into its phase and verdict. The prompt's exact count is awaited in one place,
+`Decision.plan` (`service.count_prompts`), unless the request is admitted on its byte bound (`_on_bound`,
 `provisional.py`): the grant then carries the `Correction` that counts it after the verdict.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -25,9 +24,9 @@ from extproc.admission.apis import render_refusal
 from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.booking import KvBooking, KvGate
 from extproc.admission.capacity.lanes import LaneFull
-from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
 from extproc.admission.deciding import provisional
-from extproc.admission.deciding.candidate import Candidate
+from extproc.admission.deciding.acquiring import Acquisition
+from extproc.admission.deciding.candidate import Candidate, RequestFacts
 from extproc.admission.intake.request import (
     USAGE_OPTION_APIS,
     Api,
@@ -47,26 +46,11 @@ from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.names import PRIORITY_HEADER
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.core.limiter import Lease, Rejection
-from extproc.core.ports import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 OFF_LOOP_PARSE_BYTES = 64 * 1024
 """A request body larger than this is parsed in a worker thread (with its tokenizing), not on the loop."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFacts:
-    """What the request line and headers settled: the API, the tenant and its class, the client."""
-
-    api: Api
-    tenant: str
-    klass: ClassPolicy
-    client: str | None = None
-    # The client's deadline for its first token on the service's clock, and as it asked (milliseconds
-    # from arrival, extproc/admission/intake/deadline.py); None without one.
-    deadline: float | None = None
-    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +195,7 @@ class Decision:
         gate = KvGate(booking, replace(candidate.parsed, body={}), candidate.plan, fits)
         result: Lease | Rejection | Refusal | None = None
         try:
-            async for step in self.acquire(gate, waits, run_s):
+            async for step in Acquisition(service, self.request, self._keys()).run(gate, waits, run_s):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -387,114 +371,3 @@ class Decision:
         assert budget is not None
         wait = refusals.kv_retry_after(budget, self.service.clock())
         return refusals.kv_budget(candidate.parsed.model, candidate.plan.total, headroom or 0, wait)
-
-    async def acquire(
-        self, gate: KvGate, waits: bool, run_s: float = 0.0
-    ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
-        """Take a lease for `gate.plan` now, or, where the request `waits`, wait for one in the class's
-        queue; yields `Hold` before waiting, then the result: a lease, the limiter's rejection, or a refusal
-        (queue full or timed out, store down). `gate`: its KV, booked for the try now where it fits (else
-        it queues at once, which only a class that queues is let do), given back while it waits, and booked
-        again the moment it fits; `run_s`: how long it will hold the lease, weighed by the deadlines of the
-        requests behind it. The reserved completion is what an `output:` key's bucket holds (split limits:
-        extproc/core/split.py)."""
-        klass, service, plan = self.request.klass, self.service, gate.plan
-        queue = service.deps.queue
-        behind = queue is not None and queue.must_queue(klass.name)
-        keys = self._keys()
-        result: Lease | Rejection | Refusal | Hold | None = None
-        try:
-            if not (behind and waits) and gate.take():
-                # Waiters of a higher class are ahead: a class that does not queue may still use its own
-                # guarantee, but not the pool they are waiting for.
-                result = await service.acquire(
-                    keys, plan.total, klass.name, use_pool=not behind, output_tokens=plan.completion_tokens
-                )
-                if not isinstance(result, Lease):
-                    gate.close()
-            if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
-                assert queue is not None
-                refused = result if isinstance(result, Rejection) else None
-                async for result in self._wait(queue, keys, gate, run_s, refused):
-                    if isinstance(result, Hold):
-                        yield result
-        except StoreUnavailable:
-            yield refusals.store_unavailable()
-            return
-        assert result is not None
-        yield result
-
-    async def _wait(
-        self, queue: AdmissionQueue, keys: list[str], gate: KvGate, run_s: float, refused: Rejection | None
-    ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
-        """Wait in the class's queue, `refused` so by the try now (None: it did not fit the KV or queued
-        behind others): `Hold` first, then the lease, or the rejection or refusal that ended the wait."""
-        unmet = self._deadline_unmet(queue, keys, run_s, refused)
-        if unmet is not None:
-            yield unmet  # its deadline is out of reach: refused now, not when it passes
-            return
-        max_wait, by_deadline = self._max_wait()
-        # The proxy's per-message timer must not fire while the request waits for capacity.
-        yield Hold(math.ceil(max_wait) + 1)
-        request, plan = self.request, gate.plan
-        klass = request.klass
-        try:
-            result = await queue.wait(
-                keys,
-                plan.total,
-                klass.name,
-                request.tenant,
-                max_wait,
-                request.deadline,
-                refused,
-                run_s,
-                gate,
-                plan.completion_tokens,
-            )
-        except QueueFull:
-            yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
-            return
-        except DeadlineUnmet as exc:
-            yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta)
-            return
-        if result is None:
-            yield (
-                self._deadline_passed()
-                if by_deadline
-                else refusals.queue_refused("queue_timeout", klass.name, max_wait)
-            )
-            return
-        yield result
-
-    def _max_wait(self) -> tuple[float, bool]:
-        """How long this request may wait in its class's queue (`AdmissionRules.queue_wait`: the smallest
-        of the global, class and request bounds), and whether its own deadline is the bound that ends it."""
-        request, rules = self.request, self.service.rules()
-        left = None if request.deadline is None else request.deadline - self.service.clock()
-        others = rules.queue_wait(request.klass, None)
-        wait = rules.queue_wait(request.klass, left)
-        return wait, left is not None and left <= others
-
-    def _deadline_unmet(
-        self, queue: AdmissionQueue, keys: list[str], run_s: float, result: Rejection | None
-    ) -> Refusal | None:
-        """A refusal when this request's deadline is out of reach before it waits: already passed, or
-        earlier than its capacity is expected, or met only by pushing a request already waiting in time
-        out of its own (`AdmissionQueue.deadline_refusal`, on the refusal it met trying, else its class's
-        last). Where nothing tells (no refusal of a key it needs, leases held by other replicas), it
-        waits, and its deadline ends the wait."""
-        request = self.request
-        if request.deadline is None:
-            return None
-        klass, ms = request.klass.name, request.deadline_ms or 0
-        if request.deadline <= self.service.clock():
-            return refusals.deadline_unmet(klass, ms, None)
-        blocked = result if isinstance(result, Rejection) else queue.blocked(klass)
-        if blocked is None or blocked.key not in keys:
-            return None  # another tenant's or pool's own limit says nothing of this request's wait
-        eta = queue.deadline_refusal(klass, request.tenant, keys, request.deadline, run_s, blocked)
-        return None if eta is None else refusals.deadline_unmet(klass, ms, eta)
-
-    def _deadline_passed(self) -> Refusal:
-        """The request's own deadline ended its wait."""
-        return refusals.deadline_unmet(self.request.klass.name, self.request.deadline_ms or 0, None)
