@@ -1,10 +1,11 @@
 """Follow one lean request body through the code: how many times the walk enters each admission module.
 
-The walk is the sequence of project files the running code is in; a module is entered each time the walk
-moves into it from another file, by a call or back from one (`Entries`). The body is driven as the
-component tests drive the lean profile (`LeanTranslator._on_body` over one message carrying the body and
-its attributes), over admission built as the sidecar builds it (tests/support/admission.py). Run as a
-script to print the counts: `python -m tests.support.walk`.
+The walk is the sequence of project functions called, a coroutine resumed counting as a call; a module is
+entered each time the walk moves into it from another file (`Entries.entries`), and, a narrower count, each
+time a function of it is called from another file (`Entries.calls`). The body is driven as the component
+tests drive the lean profile (`LeanTranslator._on_body` over one message carrying the body and its
+attributes), over admission built as the sidecar builds it (tests/support/admission.py). Run as a script to
+print the counts: `python -m tests.support.walk`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ EXTPROC = ADMISSION.parent
 
 
 def _room(frame: FrameType | None) -> str | None:
-    """The project file the walk is in at `frame`: its own, or its nearest caller's within extproc/ (the
-    standard library and dependencies are passed through, not rooms)."""
+    """The project file of `frame`, or of its nearest caller within extproc/ (the standard library and
+    dependencies are passed through)."""
     while frame is not None:
         if Path(frame.f_code.co_filename).is_relative_to(EXTPROC):
             return frame.f_code.co_filename
@@ -54,38 +55,29 @@ def _room(frame: FrameType | None) -> str | None:
 
 
 class Entries:
-    """A profile hook that follows the walk from file to file and counts, per admission module (its path
-    under extproc/admission/), how many times the walk enters it (`visits`): by a call from another file, or
-    back from a call it made into another file, a coroutine resumed included; and how many of those entries
-    are calls from another file (`calls`). One stay in a module is one visit, whatever it calls within its
-    own file or outside the project."""
+    """A profile hook counting, per admission module (its path under extproc/admission/), the walk's
+    `entries` into it: each call of one of its functions (or resumption of one of its coroutines) after
+    the walk's last call went to another project file; and the `calls` into it: each call of one of its
+    functions from another project file (a coroutine resumed not counted)."""
 
     def __init__(self) -> None:
-        self.visits: Counter[str] = Counter()
+        self.entries: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
-        self._room: str | None = None
+        self._last: str | None = None
 
     def __call__(self, frame: FrameType, event: str, _arg: Any) -> None:
-        if event == "call":
-            room = _room(frame)
-        elif event == "return":
-            room = _room(frame.f_back)
-        else:
+        if event != "call":
             return
-        if room is None or room == self._room:
+        path = Path(frame.f_code.co_filename)
+        if not path.is_relative_to(EXTPROC):
             return
-        self._room = room
-        path = Path(room)
-        if path.is_relative_to(ADMISSION):
-            module = str(path.relative_to(ADMISSION))
-            self.visits[module] += 1
-            if event == "call" and room == frame.f_code.co_filename and _fresh(frame):
-                self.calls[module] += 1
-
-
-def _fresh(frame: FrameType) -> bool:
-    """Whether `frame` starts its code (not a generator or coroutine resumed)."""
-    return frame.f_lasti <= 0
+        module = str(path.relative_to(ADMISSION)) if path.is_relative_to(ADMISSION) else None
+        if module is not None and frame.f_code.co_filename != self._last:
+            self.entries[module] += 1
+        self._last = frame.f_code.co_filename
+        fresh = frame.f_lasti <= 0  # not a generator or coroutine resumed
+        if module is not None and fresh and _room(frame.f_back) != frame.f_code.co_filename:
+            self.calls[module] += 1
 
 
 async def walk(body: bytes, config: dict[str, Any] | None = None) -> Entries:
@@ -104,12 +96,18 @@ async def walk(body: bytes, config: dict[str, Any] | None = None) -> Entries:
     return entries
 
 
+COUNTED_FIRST: dict[str, Any] = {
+    **BASE_CONFIG,
+    "admission": {**BASE_CONFIG["admission"], "bound_admission": False},
+}
+"""The config under which the body is counted before it is decided (no admission on the prompt's bound)."""
+
+
 def main() -> None:
-    counted = {**BASE_CONFIG, "admission": {**BASE_CONFIG["admission"], "bound_admission": False}}
-    for name, config in (("admitted on the prompt's bound", BASE_CONFIG), ("counted first", counted)):
+    for name, config in (("admitted on the prompt's bound", BASE_CONFIG), ("counted first", COUNTED_FIRST)):
         entries = asyncio.run(walk(chat(), config))
-        print(f"{name}: {entries.visits.total()} visits, {entries.calls.total()} of them calls in")
-        for module, n in entries.visits.most_common():
+        print(f"{name}: {entries.entries.total()} entries, {entries.calls.total()} calls in")
+        for module, n in entries.entries.most_common():
             print(f"  {n:3d} {entries.calls[module]:3d}  {module}")
 
 
