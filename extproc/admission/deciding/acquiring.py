@@ -24,12 +24,22 @@ from extproc.core.ports import StoreUnavailable
 
 
 class Acquisition:
-    """One request's tries for a lease on its limiter `keys` (see the module docstring)."""
+    """One request's tries for a lease on the limiter keys of its tenant and of `limit_pool`, the pool whose
+    `model:<pool>` limits apply (see the module docstring)."""
 
-    def __init__(self, service: AdmissionService, request: RequestFacts, keys: list[str]) -> None:
+    def __init__(self, service: AdmissionService, request: RequestFacts, limit_pool: str) -> None:
         self.service = service
         self.request = request
-        self.keys = keys
+        self.limit_pool = limit_pool
+
+    def keys(self) -> list[str]:
+        """The limiter keys of this request, and the derived keys of those with split input/output limits."""
+        keys = ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
+        return self.service.rules().split_keys.keys_for(keys)
+
+    def may_wait(self, shadow: bool) -> bool:
+        """Whether this request may wait in its class's queue (not in shadow mode: it would delay it)."""
+        return self.service.deps.queue is not None and self.request.klass.queues and not shadow
 
     async def run(
         self, gate: KvGate, waits: bool, run_s: float = 0.0
@@ -44,7 +54,7 @@ class Acquisition:
         klass, service, plan = self.request.klass, self.service, gate.plan
         queue = service.deps.queue
         behind = queue is not None and queue.must_queue(klass.name)
-        keys = self.keys
+        keys = self.keys()
         result: Lease | Rejection | Refusal | Hold | None = None
         try:
             if not (behind and waits) and gate.take():

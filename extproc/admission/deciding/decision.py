@@ -183,7 +183,8 @@ class Decision:
         booking = candidate.booking
         # A try on the bound was checked against the budget already, without claiming (`_on_bound`).
         fits, headroom = (True, None) if candidate.on_bound else candidate.fits(service.clock())
-        waits = self._may_queue(shadow) and not candidate.on_bound
+        acquisition = Acquisition(service, self.request, self.limit_pool)
+        waits = acquisition.may_wait(shadow) and not candidate.on_bound
         if not fits and not waits:
             yield self._deny(self._kv_refusal(candidate, headroom), shadow)
             return
@@ -195,7 +196,7 @@ class Decision:
         gate = KvGate(booking, replace(candidate.parsed, body={}), candidate.plan, fits)
         result: Lease | Rejection | Refusal | None = None
         try:
-            async for step in Acquisition(service, self.request, self._keys()).run(gate, waits, run_s):
+            async for step in acquisition.run(gate, waits, run_s):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -224,11 +225,6 @@ class Decision:
         deps, request = self.service.deps, self.request
         rank = self.service.rules().rank_of(request.klass)
         return KvBooking(deps.kv_budget(pool), pool, request.tenant, deps.budget_changed, deps.clock, rank)
-
-    def _keys(self) -> list[str]:
-        """The limiter keys of this request, and the derived keys of those with split input/output limits."""
-        keys = ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
-        return self.service.rules().split_keys.keys_for(keys)
 
     def _forwarding(
         self, parsed: ParsedRequest, plan: Reservation, rules: AdmissionRules
@@ -361,10 +357,6 @@ class Decision:
         return candidate.booking.expected_completion(allowance) / self.service.decode_rates.rate(
             candidate.pool
         )
-
-    def _may_queue(self, shadow: bool) -> bool:
-        """Whether this request may wait in its class's queue (not in shadow mode: it would delay it)."""
-        return self.service.deps.queue is not None and self.request.klass.queues and not shadow
 
     def _kv_refusal(self, candidate: Candidate, headroom: int | None) -> Refusal:
         budget = candidate.booking.budget
