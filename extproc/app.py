@@ -77,6 +77,7 @@ class Sidecar:
             served_as=self.feedback.served_as,
         )
         self.admission = built.service
+        self.streams = built.streams
         self.unseen = built.unseen
         self.lean = LeanRuntime(built.unseen)
         self.servicer = ExtProcServicer(built, self.lean)
@@ -258,7 +259,7 @@ class Sidecar:
             await stopping
         self.queue.close()
         await self.lean.stop()
-        self.admission.settle_open()
+        self.streams.close_all()
         self.unseen.expire_all()
         await self.admission.drain()
         if self.relay is not None:
@@ -275,7 +276,7 @@ class Sidecar:
         """Envoy keeps its access-log stream open for good: close it once no ext_proc stream is open and no
         lease waits for its end report, or the server's stop would always wait the whole grace period."""
         while not stopping.done():
-            if self.admission.open_streams() == 0 and not self.unseen.awaiting_reports():
+            if len(self.streams) == 0 and not self.unseen.awaiting_reports():
                 self.end_reports.close()
                 return
             await asyncio.sleep(0.05)

@@ -9,7 +9,7 @@ config.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,7 +17,7 @@ from typing import Protocol
 from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.admission.exchange import Exchange
 from extproc.admission.intake.rules import AdmissionRules
-from extproc.admission.service import AdmissionService, Deps
+from extproc.admission.service import AdmissionService, Deps, Holder
 from extproc.admission.tracking.unseen import UnseenStreams
 from extproc.core.clock import Clock
 from extproc.core.kv_budget import KvBudget
@@ -41,11 +41,50 @@ class KvSignals(Protocol):
     def engine_refused(self, pool: str) -> None: ...
 
 
+class OpenStream(Protocol):
+    """A request whose protocol stream is open (an `Exchange`): closed at shutdown, and read for the lease
+    it holds (retry hints count only what this replica holds open)."""
+
+    @property
+    def inflight(self) -> Holder | None: ...
+
+    def close(self) -> None: ...
+
+
+class OpenStreams:
+    """The requests whose protocol streams are open here: what the servicer opens and closes, the sidecar
+    counts and closes at shutdown, and the retry hints read for the leases they hold (`holders`, registered
+    with the service)."""
+
+    def __init__(self) -> None:
+        self._open: set[OpenStream] = set()
+
+    def add(self, stream: OpenStream) -> None:
+        self._open.add(stream)
+
+    def discard(self, stream: OpenStream) -> None:
+        self._open.discard(stream)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def holders(self) -> Iterator[Holder]:
+        """The admitted requests of the open streams."""
+        return (inflight for stream in self._open if (inflight := stream.inflight) is not None)
+
+    def close_all(self) -> None:
+        """On shutdown after the grace period: settle what is still open with what is known."""
+        for stream in list(self._open):
+            stream.close()
+
+
 @dataclass(frozen=True)
 class Admission:
-    """The admission layer: the shared service, and the lean profile's bookkeeping of unseen answers."""
+    """The admission layer: the shared service, the open streams, and the lean profile's bookkeeping of
+    unseen answers."""
 
     service: AdmissionService
+    streams: OpenStreams
     unseen: UnseenStreams
 
     def exchange(self, reported: bool = False) -> Exchange:
@@ -54,13 +93,13 @@ class Admission:
         return Exchange(self.service, self.unseen if reported else None)
 
     def opened(self, exchange: Exchange) -> None:
-        """A protocol stream opened for `exchange`: open until `closed` (the service closes it at shutdown
-        and reads its lease for retry hints), and counted in `extproc_streams_active`."""
-        self.service.register(exchange)
+        """A protocol stream opened for `exchange`: open until `closed` (`OpenStreams`: closed at
+        shutdown, read for its lease by the retry hints), and counted in `extproc_streams_active`."""
+        self.streams.add(exchange)
         self.service.metrics.streams.inc()
 
     def closed(self, exchange: Exchange) -> None:
-        self.service.unregister(exchange)
+        self.streams.discard(exchange)
         self.service.metrics.streams.dec()
 
 
@@ -102,4 +141,6 @@ def build_admission(
         queue.starts = service.capacity_starts  # waiters' deadlines, weighed against the open leases here
     if signals is not None:
         service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned
-    return Admission(service, UnseenStreams(service))
+    streams = OpenStreams()
+    service.holders.append(streams.holders)  # before the unseen requests': the open streams are read first
+    return Admission(service, streams, UnseenStreams(service))

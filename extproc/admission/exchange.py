@@ -29,7 +29,8 @@ from typing import TypeVar
 
 from extproc.admission.apis import render_refusal
 from extproc.admission.capacity.admitted import Admitted
-from extproc.admission.deciding.decision import Decision, Granted, RequestFacts, Shadowed, refuse
+from extproc.admission.deciding.candidate import RequestFacts
+from extproc.admission.deciding.decision import Decision, Granted, Shadowed, refuse
 from extproc.admission.deciding.provisional import Correction
 from extproc.admission.intake.deadline import deadline_ms
 from extproc.admission.intake.paths import BACKEND_CONTROL_HEADERS, RouteKind

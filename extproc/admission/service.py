@@ -3,8 +3,9 @@
 `AdmissionService` holds the rules, the limiter store, the KV budgets, the wait queue, the metrics and the
 tokenizer threads, and the few operations that need them together: acquiring a lease so that a cancelled
 caller can never leak one, settling through its `Settler` (capacity/settling.py), retry hints from the
-leases held here, and the registry of open protocol streams (the lean profile's requests awaiting their end
-report are `UnseenStreams`'s, tracking/unseen.py). It decides nothing: a request's decision is `Decision`
+leases held here (their holders registered by those who keep them: the open protocol streams by
+compose.py's `OpenStreams`, the lean profile's requests awaiting their end report by `UnseenStreams`,
+tracking/unseen.py). It decides nothing: a request's decision is `Decision`
 (deciding/decision.py), its admitted life `InFlight` (tracking/inflight.py), the two joined by `Exchange`
 (exchange.py); `compose.py` builds the whole from the rules, store and clock. It names nothing above it:
 what it reads of an admitted request is the narrow `Holder` it declares.
@@ -74,28 +75,17 @@ class Holder(Protocol):
     def open_lease(self, key: str) -> OpenLease | None: ...
 
 
-class OpenStream(Protocol):
-    """A request whose protocol stream is open (an `Exchange`): closed at shutdown, and read for the lease
-    it holds (retry hints count only what this replica holds open)."""
-
-    @property
-    def inflight(self) -> Holder | None: ...
-
-    def close(self) -> None: ...
-
-
 @dataclass(eq=False)
 class AdmissionService:
     """What every request shares (see the module docstring)."""
 
     deps: Deps
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
-    _open: set[OpenStream] = field(default_factory=set)
     decode_rates: DecodeRates = field(default_factory=DecodeRates)
     slot_hints: SlotHints = field(default_factory=SlotHints)
     lanes: Lanes = field(init=False)
-    # Holders of leases here besides the open streams: the lean profile's requests whose stream ended before
-    # their end report came (extproc/admission/tracking/unseen.py adds its own).
+    # Holders of leases here: the open streams' requests (compose.py `OpenStreams`), and the lean profile's
+    # requests whose stream ended before their end report came (extproc/admission/tracking/unseen.py).
     holders: list[Callable[[], Iterable[Holder]]] = field(default_factory=list)
     child: LabelledChildren = field(default_factory=LabelledChildren)
     settler: Settler = field(init=False)
@@ -171,7 +161,7 @@ class AdmissionService:
     def _open_leases(self, key: str) -> list[OpenLease]:
         """The requests that hold a lease on `key` here: those whose streams are open, and (lean) those
         whose end report has not arrived, the request ended or not: each holds its slot until it settles."""
-        inflights = {id(f): f for stream in self._open if (f := stream.inflight) is not None}
+        inflights: dict[int, Holder] = {}
         for held in self.holders:
             inflights |= {id(f): f for f in held()}
         return [lease for f in inflights.values() if (lease := f.open_lease(key)) is not None]
@@ -215,20 +205,6 @@ class AdmissionService:
         return hint_within(eta, ENGINE_RETRY_AFTER_S)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
-
-    def register(self, stream: OpenStream) -> None:
-        self._open.add(stream)
-
-    def unregister(self, stream: OpenStream) -> None:
-        self._open.discard(stream)
-
-    def open_streams(self) -> int:
-        return len(self._open)
-
-    def settle_open(self) -> None:
-        """On shutdown after the grace period: settle what is still open with what is known."""
-        for stream in list(self._open):
-            stream.close()
 
     async def drain(self) -> None:
         """Wait for settlements already started, so shutdown never drops a refund."""

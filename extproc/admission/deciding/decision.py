@@ -5,18 +5,18 @@
           ─▶ else count the prompt ─▶ size the reservation ─▶ KV budget check ─▶ book the KV
           ─▶ acquire a lease (or wait in the class's queue) ─▶ grant
 
-`Decision.run` yields `Hold` before it waits in a queue, then exactly one outcome, counted once. It calls
-nothing of the exchange that asked; the exchange turns the outcome into its phase and verdict. The prompt's
-exact count is awaited in one place, `Decision.plan` (`service.count_prompts`), unless the request is
-admitted on its byte bound (`on_bound`, `provisional.py`): the grant then carries the `Correction` that
-counts it after the verdict.
+Each try is one `Candidate` (candidate.py) over one path, `Decision.admit`: KV check, book, acquire (or
+wait: acquiring.py), give back if not admitted, grant. `Decision.run` yields `Hold` before it waits in a
+queue, then exactly one outcome, counted once. It calls nothing of the exchange that asked; the exchange
+turns the outcome into its phase and verdict. The prompt's exact count is awaited in one place,
+`Decision.plan` (`service.count_prompts`), unless the request is admitted on its byte bound (`_on_bound`,
+`provisional.py`): the grant then carries the `Correction` that counts it after the verdict.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -24,8 +24,9 @@ from extproc.admission.apis import render_refusal
 from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.booking import KvBooking, KvGate
 from extproc.admission.capacity.lanes import LaneFull
-from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
 from extproc.admission.deciding import provisional
+from extproc.admission.deciding.acquiring import Acquisition
+from extproc.admission.deciding.candidate import Candidate, RequestFacts
 from extproc.admission.intake.request import (
     USAGE_OPTION_APIS,
     Api,
@@ -45,26 +46,11 @@ from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.names import PRIORITY_HEADER
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.core.limiter import Lease, Rejection
-from extproc.core.ports import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 OFF_LOOP_PARSE_BYTES = 64 * 1024
 """A request body larger than this is parsed in a worker thread (with its tokenizing), not on the loop."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFacts:
-    """What the request line and headers settled: the API, the tenant and its class, the client."""
-
-    api: Api
-    tenant: str
-    klass: ClassPolicy
-    client: str | None = None
-    # The client's deadline for its first token on the service's clock, and as it asked (milliseconds
-    # from arrival, extproc/admission/intake/deadline.py); None without one.
-    deadline: float | None = None
-    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,38 +129,74 @@ class Decision:
         try:
             parsed, policy, pool = await self.resolve(raw, rules)
             self.check(parsed, policy, rules)
-            on_bound = await self.on_bound(parsed, policy, pool, rules)  # no count yet (provisional.py)
-            plan = await self.plan(parsed, policy, rules) if on_bound is None else None
-        except AdmissionError as exc:
-            yield self.refuse(refusals.invalid(exc))
+        except (AdmissionError, LaneFull) as exc:
+            yield self._invalid(exc)
             return
-        except LaneFull:
-            yield self.refuse(refusals.tokenizer_busy())
+        bound = self._on_bound(parsed, policy, pool, rules)
+        if bound is not None:
+            # No count yet (provisional.py): a bucket or a slot that says no sends it to be counted.
+            refused = False
+            async for outcome in self.admit(bound, rules):
+                if outcome is None:
+                    refused = True
+                else:
+                    yield outcome
+            if not refused:
+                return
+        try:
+            plan = await self.plan(parsed, policy, rules)
+        except (AdmissionError, LaneFull) as exc:
+            yield self._invalid(exc)
             return
-        if on_bound is not None:
-            yield on_bound
-            return
-        assert plan is not None
+        async for outcome in self.admit(Candidate(parsed, policy, pool, plan, self._booking(pool)), rules):
+            assert outcome is not None  # only a try on the bound is sent to be counted
+            yield outcome
+
+    def _invalid(self, exc: AdmissionError | LaneFull) -> Refusal:
+        if isinstance(exc, LaneFull):
+            return self.refuse(refusals.tokenizer_busy())
+        return self.refuse(refusals.invalid(exc))
+
+    def _on_bound(
+        self, parsed: ParsedRequest, policy: ModelPolicy, pool: str, rules: AdmissionRules
+    ) -> Candidate | None:
+        """The try on the prompt's upper bound where it decides (`provisional.py`), else None: the request
+        must be counted first (near the window, when the bound does not fit the KV budget, when it must
+        queue)."""
+        bound = provisional.bound_plan(parsed, policy, rules.per_step)
+        if bound is None:
+            return None
+        candidate = Candidate(parsed, policy, pool, bound, self._booking(pool), on_bound=True)
         klass = self.request.klass
+        if not provisional.may_admit_on_bound(self.service, klass, candidate, self.tokenizer_lane):
+            return None
+        return candidate
+
+    async def admit(
+        self, candidate: Candidate, rules: AdmissionRules
+    ) -> AsyncIterator[Hold | Granted | Refusal | Shadowed | None]:
+        """Try `candidate`: check the KV budget, book, acquire a lease (or wait in the class's queue), give
+        the booking back if not admitted, grant. Yields `Hold` before it waits, then one outcome; None for a
+        try on the bound that a bucket or a slot refused (count it, and try the exact need)."""
+        klass, service = self.request.klass, self.service
         shadow = rules.shadow or klass.shadow
-        service = self.service
-        booking = self._booking(pool)
-        now = service.clock()
-        fits, headroom = booking.fits(parsed, plan, now)
-        if not fits and not self._may_queue(shadow):
-            yield self._deny(self._kv_refusal(parsed, plan, booking, headroom), shadow)
+        booking = candidate.booking
+        # A try on the bound was checked against the budget already, without claiming (`_on_bound`).
+        fits, headroom = (True, None) if candidate.on_bound else candidate.fits(service.clock())
+        acquisition = Acquisition(service, self.request, self.limit_pool)
+        waits = acquisition.may_wait(shadow) and not candidate.on_bound
+        if not fits and not waits:
+            yield self._deny(self._kv_refusal(candidate, headroom), shadow)
             return
-        facts, new_body, strip_usage = self._forwarding(parsed, plan, rules)
-        result: Lease | Rejection | Refusal | None = None
         # Only a request that may wait holds a place in the deadlines' layout of its queue.
-        run_s = self._run_seconds(parsed, plan, booking, pool) if klass.queues else 0.0
+        run_s = self._run_seconds(candidate) if waits else 0.0
         # The KV is booked before each of the limiter's awaits, so that concurrent decisions see each
         # other's, and never while the request waits in a queue: there it is booked the moment it fits.
-        gate = KvGate(booking, facts, plan, fits)
+        # The waiter holds the request without its body (a waiter must not hold megabytes of JSON).
+        gate = KvGate(booking, replace(candidate.parsed, body={}), candidate.plan, fits)
+        result: Lease | Rejection | Refusal | None = None
         try:
-            async for step in self.acquire(
-                self._keys(), plan.total, shadow, gate, run_s, output_tokens=plan.completion_tokens
-            ):
+            async for step in acquisition.run(gate, waits, run_s):
                 if isinstance(step, Hold):
                     yield step
                 else:
@@ -182,60 +204,27 @@ class Decision:
         finally:
             if not isinstance(result, Lease):
                 booking.give_back()  # refused, or the caller went away while it waited
-        if isinstance(result, Refusal):
+        if isinstance(result, Lease):
+            yield self._grant(result, candidate, rules)
+        elif isinstance(result, Rejection):
+            if candidate.on_bound:
+                yield None
+                return
+            refusal = refusals.rate_limited(
+                service.retry_hint(result), candidate.parsed.model, gate.plan.total
+            )
+            yield self._deny(refusal, shadow)
+        else:
+            assert result is not None
             if not fits and result.reason == "queue_timeout":
                 # Waited its whole bound for KV: the budget's forecast says when to try again.
-                result = self._kv_refusal(parsed, plan, booking, booking.fits(facts, plan)[1])
+                result = self._kv_refusal(candidate, gate.booking.fits(gate.request, gate.plan)[1])
             yield self.refuse(result)
-            return
-        if isinstance(result, Rejection):
-            refusal = refusals.rate_limited(service.retry_hint(result), facts.model, plan.total)
-            yield self._deny(refusal, shadow)
-            return
-        assert isinstance(result, Lease)
-        yield self._grant(result, facts, policy, pool, plan, booking, strip_usage, new_body)
-
-    async def on_bound(
-        self, parsed: ParsedRequest, policy: ModelPolicy, pool: str, rules: AdmissionRules
-    ) -> Granted | Refusal | None:
-        """Admit on the prompt's upper bound where it decides, the exact count to follow (`provisional.py`).
-
-        Returns the outcome, or None when the request must be counted first: near the window, when the
-        bound does not fit the KV budget or a bucket, or when it must queue. Nothing is held then.
-        """
-        klass, service = self.request.klass, self.service
-        bound = provisional.bound_plan(parsed, policy, rules.per_step)
-        booking = self._booking(pool)
-        if bound is None or not provisional.may_admit_on_bound(
-            service, klass, booking, parsed, bound, self.tokenizer_lane
-        ):
-            return None
-        booking.hold(parsed, bound)
-        result: Lease | Rejection | None = None
-        try:
-            result = await service.acquire(
-                self._keys(), bound.total, klass.name, output_tokens=bound.completion_tokens
-            )
-        except StoreUnavailable:
-            return self.refuse(refusals.store_unavailable())
-        finally:
-            if not isinstance(result, Lease):
-                booking.give_back()
-        if not isinstance(result, Lease):
-            return None  # a bucket or a slot said no: count, and decide on the exact need
-        facts, new_body, strip_usage = self._forwarding(parsed, bound, rules)
-        granted = self._grant(result, facts, policy, pool, bound, booking, strip_usage, new_body)
-        return replace(granted, correction=provisional.Correction(service, self.tokenizer_lane))
 
     def _booking(self, pool: str) -> KvBooking:
         deps, request = self.service.deps, self.request
         rank = self.service.rules().rank_of(request.klass)
         return KvBooking(deps.kv_budget(pool), pool, request.tenant, deps.budget_changed, deps.clock, rank)
-
-    def _keys(self) -> list[str]:
-        """The limiter keys of this request, and the derived keys of those with split input/output limits."""
-        keys = ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
-        return self.service.rules().split_keys.keys_for(keys)
 
     def _forwarding(
         self, parsed: ParsedRequest, plan: Reservation, rules: AdmissionRules
@@ -258,36 +247,29 @@ class Decision:
         )
         return replace(parsed, body={}), new_body, strip_usage
 
-    def _grant(
-        self,
-        lease: Lease,
-        facts: ParsedRequest,
-        policy: ModelPolicy,
-        pool: str,
-        plan: Reservation,
-        booking: KvBooking,
-        strip_usage: bool,
-        new_body: bytes | None,
-    ) -> Granted:
-        """The admission, counted once, and how the request goes upstream."""
+    def _grant(self, lease: Lease, candidate: Candidate, rules: AdmissionRules) -> Granted:
+        """The admission, counted once, and how the request goes upstream; on the bound, with the exact count
+        to follow."""
         klass, tenant, service = self.request.klass, self.request.tenant, self.service
+        facts, new_body, strip_usage = self._forwarding(candidate.parsed, candidate.plan, rules)
         admitted = Admitted(
             lease=lease,
             request=facts,
-            policy=policy,
-            pool=pool,
-            plan=plan,
+            policy=candidate.policy,
+            pool=candidate.pool,
+            plan=candidate.plan,
             tenant=tenant,
             klass=klass,
             model_label=self.model_label,
-            booking=booking,
+            booking=candidate.booking,
             strip_usage=strip_usage,
             admitted_at=service.clock(),
         )
         service.count("admitted", "ok", self.model_label, klass.name, tenant)
-        service.child(service.metrics.tokens_reserved, self.model_label).inc(plan.total)
+        service.child(service.metrics.tokens_reserved, self.model_label).inc(candidate.plan.total)
         service.metrics.active.inc()
-        return Granted(admitted, self._forward(klass, new_body))
+        correction = provisional.Correction(service, self.tokenizer_lane) if candidate.on_bound else None
+        return Granted(admitted, self._forward(klass, new_body), correction)
 
     @staticmethod
     def _forward(klass: ClassPolicy, new_body: bytes | None) -> Forward:
@@ -367,125 +349,17 @@ class Decision:
                 param=key,
             )
 
-    def _run_seconds(self, parsed: ParsedRequest, plan: Reservation, booking: KvBooking, pool: str) -> float:
+    def _run_seconds(self, candidate: Candidate) -> float:
         """How long this request is expected to hold its slot: its expected completion per sequence at the
         pool's decode rate, as an open lease's remaining time is reckoned (`InFlight.open_lease`)."""
-        allowance = plan.completion_tokens / max(1, parsed.sequences * parsed.prompt_count)
-        return booking.expected_completion(allowance) / self.service.decode_rates.rate(pool)
+        parsed = candidate.parsed
+        allowance = candidate.plan.completion_tokens / max(1, parsed.sequences * parsed.prompt_count)
+        return candidate.booking.expected_completion(allowance) / self.service.decode_rates.rate(
+            candidate.pool
+        )
 
-    def _may_queue(self, shadow: bool) -> bool:
-        """Whether this request may wait in its class's queue (not in shadow mode: it would delay it)."""
-        return self.service.deps.queue is not None and self.request.klass.queues and not shadow
-
-    def _kv_refusal(
-        self, parsed: ParsedRequest, plan: Reservation, booking: KvBooking, headroom: int | None
-    ) -> Refusal:
-        budget = booking.budget
+    def _kv_refusal(self, candidate: Candidate, headroom: int | None) -> Refusal:
+        budget = candidate.booking.budget
         assert budget is not None
         wait = refusals.kv_retry_after(budget, self.service.clock())
-        return refusals.kv_budget(parsed.model, plan.total, headroom or 0, wait)
-
-    async def acquire(
-        self,
-        keys: list[str],
-        tokens: int,
-        shadow: bool,
-        gate: KvGate,
-        run_s: float = 0.0,
-        output_tokens: int = 0,
-    ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
-        """Take a lease now, or wait for one in the class's queue; yields `Hold` before waiting, then the
-        result: a lease, the limiter's rejection, or a refusal (queue full or timed out, store down).
-        `run_s`: how long it will hold the lease, weighed by the deadlines of the requests behind it;
-        `gate`: its KV, booked for the try now where it fits (else it queues at once, which only a class
-        that queues is let do), given back while it waits, and booked again the moment it fits;
-        `output_tokens` of `tokens` are the reserved completion (split limits: extproc/core/split.py)."""
-        klass, service = self.request.klass, self.service
-        queue = service.deps.queue
-        waits = self._may_queue(shadow)
-        behind = queue is not None and queue.must_queue(klass.name)
-        result: Lease | Rejection | None = None
-        try:
-            if not (behind and waits) and gate.take():
-                # Waiters of a higher class are ahead: a class that does not queue may still use its own
-                # guarantee, but not the pool they are waiting for.
-                result = await service.acquire(
-                    keys, tokens, klass.name, use_pool=not behind, output_tokens=output_tokens
-                )
-                if not isinstance(result, Lease):
-                    gate.close()
-            if waits and (result is None or (isinstance(result, Rejection) and result.reason in WAITABLE)):
-                assert queue is not None
-                unmet = self._deadline_unmet(queue, keys, run_s, result)
-                if unmet is not None:
-                    yield unmet  # its deadline is out of reach: refused now, not when it passes
-                    return
-                max_wait, by_deadline = self._max_wait()
-                # The proxy's per-message timer must not fire while the request waits for capacity.
-                yield Hold(math.ceil(max_wait) + 1)
-                refused = result if isinstance(result, Rejection) else None
-                request = self.request
-                try:
-                    result = await queue.wait(
-                        keys,
-                        tokens,
-                        klass.name,
-                        request.tenant,
-                        max_wait,
-                        request.deadline,
-                        refused,
-                        run_s,
-                        gate,
-                        output_tokens,
-                    )
-                except QueueFull:
-                    yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
-                    return
-                except DeadlineUnmet as exc:
-                    yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta)
-                    return
-                if result is None:
-                    yield (
-                        self._deadline_passed()
-                        if by_deadline
-                        else refusals.queue_refused("queue_timeout", klass.name, max_wait)
-                    )
-                    return
-        except StoreUnavailable:
-            yield refusals.store_unavailable()
-            return
-        assert result is not None
-        yield result
-
-    def _max_wait(self) -> tuple[float, bool]:
-        """How long this request may wait in its class's queue (`AdmissionRules.queue_wait`: the smallest
-        of the global, class and request bounds), and whether its own deadline is the bound that ends it."""
-        request, rules = self.request, self.service.rules()
-        left = None if request.deadline is None else request.deadline - self.service.clock()
-        others = rules.queue_wait(request.klass, None)
-        wait = rules.queue_wait(request.klass, left)
-        return wait, left is not None and left <= others
-
-    def _deadline_unmet(
-        self, queue: AdmissionQueue, keys: list[str], run_s: float, result: Lease | Rejection | None
-    ) -> Refusal | None:
-        """A refusal when this request's deadline is out of reach before it waits: already passed, or
-        earlier than its capacity is expected, or met only by pushing a request already waiting in time
-        out of its own (`AdmissionQueue.deadline_refusal`, on the refusal it met trying, else its class's
-        last). Where nothing tells (no refusal of a key it needs, leases held by other replicas), it
-        waits, and its deadline ends the wait."""
-        request = self.request
-        if request.deadline is None:
-            return None
-        klass, ms = request.klass.name, request.deadline_ms or 0
-        if request.deadline <= self.service.clock():
-            return refusals.deadline_unmet(klass, ms, None)
-        blocked = result if isinstance(result, Rejection) else queue.blocked(klass)
-        if blocked is None or blocked.key not in keys:
-            return None  # another tenant's or pool's own limit says nothing of this request's wait
-        eta = queue.deadline_refusal(klass, request.tenant, keys, request.deadline, run_s, blocked)
-        return None if eta is None else refusals.deadline_unmet(klass, ms, eta)
-
-    def _deadline_passed(self) -> Refusal:
-        """The request's own deadline ended its wait."""
-        return refusals.deadline_unmet(self.request.klass.name, self.request.deadline_ms or 0, None)
+        return refusals.kv_budget(candidate.parsed.model, candidate.plan.total, headroom or 0, wait)

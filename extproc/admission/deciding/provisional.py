@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from extproc.admission.capacity.admitted import Admitted
-from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.lanes import LaneFull
+from extproc.admission.deciding.candidate import Candidate
 from extproc.admission.intake.request import ParsedRequest, Reservation, plan_reservation
 from extproc.admission.intake.rules import ClassPolicy
 from extproc.admission.service import AdmissionService
@@ -87,12 +87,7 @@ def _completion_terms(plan: Reservation) -> tuple[int, int | None, int]:
 
 
 def may_admit_on_bound(
-    service: AdmissionService,
-    klass: ClassPolicy,
-    booking: KvBooking,
-    req: ParsedRequest,
-    bound: Reservation,
-    lane: str,
+    service: AdmissionService, klass: ClassPolicy, candidate: Candidate, lane: str
 ) -> bool:
     """Whether to try the bound at all: not in shadow mode, not when the class must queue behind others
     (a queued request waits for its exact need, not an over-estimate), not when the client's tokenizer lane
@@ -103,11 +98,11 @@ def may_admit_on_bound(
     queue = service.deps.queue
     if queue is not None and queue.must_queue(klass.name):
         return False
-    if req.text_bytes > rules.tokenizing.inline_count_bytes and not service.lanes.free(lane):
+    if candidate.parsed.text_bytes > rules.tokenizing.inline_count_bytes and not service.lanes.free(lane):
         # The count after would wait in the client's tokenizer lane, where it could delay (or, past the
         # lane's backlog, refuse) the client's next request: count this one first instead.
         return False
-    return booking.fits(req, bound, claim=False)[0]
+    return candidate.fits(claim=False)[0]
 
 
 class Correction:

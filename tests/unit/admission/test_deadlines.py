@@ -47,7 +47,7 @@ class Rig(AdmissionRig):
 
     def exchange(self) -> Exchange:
         exchange = self.admission.exchange()
-        self.admission.service.register(exchange)
+        self.admission.streams.add(exchange)
         return exchange
 
     async def hold_the_slot(self, max_tokens: int = 100, tenant: str | None = None) -> Exchange:
@@ -208,7 +208,7 @@ async def test_a_lean_request_that_ended_at_the_proxy_frees_its_slot_in_the_layo
     rig = await Rig().start()
     service = rig.admission.service
     holder = rig.admission.exchange(reported=True)  # lean: its end comes in a report
-    service.register(holder)
+    rig.admission.streams.add(holder)
     verdicts = await rig.send(holder, {}, max_tokens=100)
     assert isinstance(verdicts[-1], Forward)
     status = await rig.store.status(["global"])
@@ -216,7 +216,7 @@ async def test_a_lean_request_that_ended_at_the_proxy_frees_its_slot_in_the_layo
     assert service.capacity_starts(slot, [0.0], []) == pytest.approx([1.0])  # 100 tokens to go
     # The HTTP request ended (its ext_proc stream closed, no longer open here), the report on its way.
     holder.stream_ended()
-    service.unregister(holder)
+    rig.admission.streams.discard(holder)
     rig.clock.advance(0.06)  # past the 50 ms the open leases are read for
     assert service.capacity_starts(slot, [0.0], []) == pytest.approx([0.05])
     await service.drain()

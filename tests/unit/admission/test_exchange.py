@@ -295,7 +295,7 @@ async def test_a_slot_refusal_hints_from_the_request_held_open_here() -> None:
     rig = await Rig(concurrency=1).start()
     service = rig.admission.service
     holder = rig.admission.exchange()
-    service.register(holder)
+    rig.admission.streams.add(holder)
     assert isinstance(await rig.decide(holder, chat(max_tokens=100)), Forward)
     assert isinstance(holder.inflight, InFlight)
     assert holder.inflight.open_lease("global") is not None
