@@ -436,9 +436,12 @@ class KvBudget:
         unseen = sorted((item for item in settled.items() if item[1].first_progress is None), key=progress)
         # A stream whose progress stopped for `settle_after` is read slower than it was generated (the inline
         # profile sees an answer only as the proxy passes it on, at its client's pace): longest stalled first.
-        stalled = [item for item in settled.items() if item[1].first_progress is not None]
-        stalled = sorted((i for i in stalled if stalled_for(i) >= self.settle_after()), key=stalled_for)
-        for lease_id, lease in [*reversed(stalled), *unseen]:
+        after = self.settle_after()
+        streams = (item for item in settled.items() if item[1].first_progress is not None)
+        stalled = sorted(
+            (item for item in streams if stalled_for(item) >= after), key=stalled_for, reverse=True
+        )
+        for lease_id, lease in [*stalled, *unseen]:
             if lease.sequences > excess:
                 break
             excess -= lease.sequences
