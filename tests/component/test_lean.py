@@ -20,12 +20,9 @@ from extproc.admission.tracking.reading import OPENAI_SPEC, ReportedTiming, Resp
 from extproc.admission.vocabulary.names import NAMESPACE, RATELIMIT_HEADERS, REPORT_KEY, RESPONSE_NAMESPACE
 from extproc.admission.vocabulary.names import ResponseField as Field
 from extproc.app import Sidecar
-from extproc.config import parse_config
-from extproc.core.clock import FakeClock
-from extproc.metrics import Metrics
 from extproc.protocol.accesslog import reading_of, timing_of
 from extproc.protocol.lean import is_lean
-from tests.support.servicer import BASE_CONFIG, Harness, chat, headers_msg
+from tests.support.servicer import BASE_CONFIG, Harness, chat, headers_msg, serving
 from tests.support.waiting import eventually
 
 _MODE = processing_mode_pb2.ProcessingMode
@@ -80,14 +77,8 @@ class LeanHarness(Harness):
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
-    sidecar = Sidecar(config=parse_config(CONFIG), clock=FakeClock(), metrics=Metrics())
-    await sidecar.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
-    try:
+    async with serving(CONFIG) as (sidecar, channel):
         yield LeanHarness(sidecar, channel)
-    finally:
-        await channel.close()
-        await sidecar.stop(grace_s=1)
 
 
 async def report(harness: Harness, *entries: accesslog_pb2.HTTPAccessLogEntry) -> None:
@@ -350,14 +341,8 @@ async def test_reported_streams_teach_the_decode_rate_from_the_first_token(harne
 async def patient() -> AsyncIterator[Harness]:
     """A sidecar that waits 30 s for an end report: a settlement sooner than that did not wait."""
     config = {**CONFIG, "admission": {**CONFIG["admission"], "end_report_wait_seconds": 30}}
-    sidecar = Sidecar(config=parse_config(config), clock=FakeClock(), metrics=Metrics())
-    await sidecar.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
-    try:
+    async with serving(config) as (sidecar, channel):
         yield LeanHarness(sidecar, channel)
-    finally:
-        await channel.close()
-        await sidecar.stop(grace_s=1)
 
 
 async def test_the_last_access_log_stream_closing_loses_the_channel_and_frees_ended_leases(

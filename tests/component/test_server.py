@@ -11,10 +11,8 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.admission.replies import refusals
-from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
-from extproc.metrics import Metrics
 from tests.support.servicer import (
     BASE_CONFIG,
     Harness,
@@ -24,21 +22,15 @@ from tests.support.servicer import (
     headers_msg,
     resp_body_msg,
     resp_headers_msg,
+    serving,
 )
 from tests.support.waiting import eventually
 
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
-    clock = FakeClock()
-    sidecar = Sidecar(config=parse_config(BASE_CONFIG), clock=clock, metrics=Metrics())
-    await sidecar.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
-    try:
+    async with serving(BASE_CONFIG) as (sidecar, channel):
         yield Harness(sidecar, channel)
-    finally:
-        await channel.close()
-        await sidecar.stop(grace_s=1)
 
 
 async def test_non_llm_path_passes_through_with_mode_override(harness: Harness) -> None:

@@ -4,8 +4,9 @@ and a harness that reads the sidecar's own metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -15,6 +16,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.app import Sidecar
+from extproc.config import parse_config
+from extproc.core.clock import FakeClock
+from extproc.metrics import Metrics
 from tests.support.waiting import eventually
 
 BASE_CONFIG: dict[str, Any] = {
@@ -121,3 +125,17 @@ class Harness:
         """Wait until no lease is open and every settlement has been accounted."""
         await eventually(lambda: self.metric("extproc_active_requests") == 0)
         await self.sidecar.admission.drain()
+
+
+@contextlib.asynccontextmanager
+async def serving(config: dict[str, Any]) -> AsyncIterator[tuple[Sidecar, grpc.aio.Channel]]:
+    """A sidecar started on `config` with a fake clock, and a channel to its ext_proc port; both closed
+    after (the sidecar given 1 s to drain)."""
+    sidecar = Sidecar(config=parse_config(config), clock=FakeClock(), metrics=Metrics())
+    await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}")
+    try:
+        yield sidecar, channel
+    finally:
+        await channel.close()
+        await sidecar.stop(grace_s=1)
