@@ -28,7 +28,7 @@ from bench.common import write_json
 from bench.protection import trace as tr
 from bench.protection.offline import Policy, Prefixes, Replay, oracle_budget, policy_for
 from bench.protection.run import Deployment, size_limits
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 
 TRACES = {"conversation": "mooncake_conversation_trace.jsonl", "synthetic": "mooncake_synthetic_trace.jsonl"}
 ID_TOKENS = 64
@@ -76,7 +76,7 @@ def scenarios(trace: list[tr.TraceRequest], dep: Deployment) -> list[tuple[str, 
     shipped = policy_for("feedback", size_limits(dep, trace), dep.max_model_len)
     assert shipped is not None and shipped.budget is not None
     probe = shipped.budget(dep.kv_tokens)
-    assert probe.booking is Booking.FORECAST and probe.prefix_sharing
+    assert probe.booking is BookingMode.FORECAST and probe.prefix_sharing
     return [
         ("envoy", None),
         ("feedback, whole prompts", unshared(shipped)),

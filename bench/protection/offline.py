@@ -35,7 +35,7 @@ from extproc.config import parse_config
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController
 from extproc.core.clock import FakeClock
 from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.limiter import JointLimiter, Lease, LimitSpec, Rejection
 from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
 from extproc.sim.kvcache import BlockPool, PrefixCachingBlockPool, hash_blocks
@@ -84,7 +84,7 @@ def policy_for(mode: str, sizing: Sizing, context_window: int) -> Policy | None:
             capacity,
             target_utilization=settings.target_utilization,
             capacity_share=settings.capacity_share,
-            booking=Booking(settings.booking),
+            booking=BookingMode(settings.booking),
             prefix_sharing=settings.prefix_sharing,
         )
 
@@ -97,7 +97,7 @@ def oracle_budget(target: float) -> Callable[[int], KvBudget]:
 
     def build(capacity: int) -> KvBudget:
         learner = CompletionLearner(min_samples=10**9)  # never learns below the exact allowance
-        return KvBudget(capacity, target_utilization=target, booking=Booking.FORECAST, learner=learner)
+        return KvBudget(capacity, target_utilization=target, booking=BookingMode.FORECAST, learner=learner)
 
     return build
 

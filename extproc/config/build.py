@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ValidationError
 
 from extproc.admission.intake.paths import DEFAULT_TABLE, PathRule, PathTable, RouteKind, normalize_path
-from extproc.admission.intake.rules import DEFAULT_MODEL, ClassPolicy, PoolHeaders
+from extproc.admission.intake.rules import DEFAULT_MODEL, PoolHeaders
 from extproc.admission.vocabulary.policy import (
+    ClassPolicy,
     MediaCosts,
     MissingMaxTokens,
     ModelPolicy,

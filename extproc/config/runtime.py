@@ -18,12 +18,11 @@ from extproc.admission.intake.paths import DEFAULT_TABLE, PathTable
 from extproc.admission.intake.rules import (
     DEFAULT_MODEL,
     AdmissionRules,
-    ClassPolicy,
     PoolHeaders,
     TenantSource,
     Tokenizing,
 )
-from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
+from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy, StepBounds
 from extproc.config import schema
 from extproc.core import split
 from extproc.core.limiter import LimitSpec

@@ -11,7 +11,7 @@ the remaining context) times a learned ratio (`CompletionLearner`): per learner 
 tenant), a high quantile of `actual_completion / allowance` over that key's finished requests, with a
 floor. It starts at 1.0 (assume the whole allowance is used); only finished requests feed it (cancelled
 ones, `actual_completion=None`, would bias it low), and no client's requests move another client's
-estimate. Two ways to book it (`Booking`):
+estimate. Two ways to book it (`BookingMode`):
 
 * `lifetime`: every lease counts prompt + expected completion (never less than prompt + streamed) from
   admission to release. Safe, but a request holds that much KV only at its very end: it starts with its
@@ -61,7 +61,7 @@ SETTLE_AFTER_S = 2.0
 """The least time after admission for a lease to count as held in the engine's gauge (`settle_after`)."""
 
 
-class Booking(enum.StrEnum):
+class BookingMode(enum.StrEnum):
     """How a lease is charged against the budget (see the module docstring)."""
 
     LIFETIME = "lifetime"
@@ -142,7 +142,7 @@ class KvBudget:
         initial_completion_ratio: float = 1.0,
         min_completion_ratio: float = 0.1,
         learner: CompletionLearner | None = None,
-        booking: Booking = Booking.LIFETIME,
+        booking: BookingMode = BookingMode.LIFETIME,
         pace: DecodeRate | None = None,
         prefix_sharing: bool = True,
         fairness: FairShare | None = None,
@@ -160,7 +160,7 @@ class KvBudget:
             )
         self._target = target_utilization
         self._share = capacity_share
-        self.booking = Booking(booking)
+        self.booking = BookingMode(booking)
         self.prefix_sharing = prefix_sharing
         self.learner = learner or CompletionLearner(
             prior=initial_completion_ratio, floor=min_completion_ratio
@@ -251,7 +251,7 @@ class KvBudget:
     def forecasting(self, now: float | None) -> bool:
         """Whether decisions at `now` use the forecast (booking `forecast` and a fresh engine sample)."""
         return (
-            self.booking is Booking.FORECAST
+            self.booking is BookingMode.FORECAST
             and now is not None
             and self._fresh_until is not None
             and now <= self._fresh_until

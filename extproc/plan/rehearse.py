@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController
 from extproc.core.clock import FakeClock
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.limiter import JointLimiter, Lease, LimitSpec, Rejection
 from extproc.plan.traffic import TraceRequest
 from extproc.sim.kvcache import BlockPool
@@ -69,7 +69,7 @@ class RehearsalLimits:
     kv_target_utilization: float | None = None
     adaptive: AdaptiveConfig | None = None
     feedback_interval_s: float = 1.0
-    kv_booking: Booking = Booking.FORECAST
+    kv_booking: BookingMode = BookingMode.FORECAST
 
 
 @dataclass(frozen=True)

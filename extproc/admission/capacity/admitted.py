@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.intake.request import ParsedRequest, Reservation
-from extproc.admission.intake.rules import ClassPolicy
-from extproc.admission.vocabulary.policy import ModelPolicy
+from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease
 

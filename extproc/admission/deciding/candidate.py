@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.intake.request import Api, ParsedRequest, Reservation
-from extproc.admission.intake.rules import ClassPolicy
-from extproc.admission.vocabulary.policy import ModelPolicy
+from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy
 
 
 @dataclass(frozen=True, slots=True)

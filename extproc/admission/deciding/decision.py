@@ -38,13 +38,13 @@ from extproc.admission.intake.request import (
     plan_reservation,
     prompt_token_lower_bound,
 )
-from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules, ClassPolicy
+from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import FORWARD, Forward, Hold, Refusal
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.names import PRIORITY_HEADER
-from extproc.admission.vocabulary.policy import ModelPolicy
+from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy
 from extproc.core.limiter import Lease, Rejection
 
 log = logging.getLogger(__name__)

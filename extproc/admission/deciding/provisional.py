@@ -39,11 +39,10 @@ from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.lanes import LaneFull
 from extproc.admission.deciding.candidate import Candidate
 from extproc.admission.intake.request import ParsedRequest, Reservation, plan_reservation
-from extproc.admission.intake.rules import ClassPolicy
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary import prompt as prompts
 from extproc.admission.vocabulary.errors import AdmissionError
-from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
+from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy, StepBounds
 from extproc.admission.vocabulary.prompt import Count
 
 log = logging.getLogger(__name__)

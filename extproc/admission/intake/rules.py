@@ -14,28 +14,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.admission.intake.paths import PathTable
-from extproc.admission.vocabulary.policy import ModelPolicy, StepBounds
+from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy, StepBounds
 
 DEFAULT_MODEL = "*"
 """Key of the `models` / `limits.models` entry that applies to every model not named explicitly."""
-
-
-@dataclass(frozen=True, slots=True)
-class ClassPolicy:
-    """A priority class (`classes[]`). Order in the config is priority: the first class is the most
-    important."""
-
-    name: str
-    max_wait_seconds: float  # 0: answer 429 at once instead of waiting for capacity
-    max_queued: int
-    shadow: bool
-    cut_streams_above_kv: float | None
-    # Written into the body's `priority` (vLLM/SGLang priority scheduling); None: the client's is removed.
-    backend_priority: int | None
-
-    @property
-    def queues(self) -> bool:
-        return self.max_wait_seconds > 0 and self.max_queued > 0
 
 
 @dataclass(frozen=True, slots=True)

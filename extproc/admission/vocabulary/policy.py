@@ -1,4 +1,5 @@
-"""What the sidecar knows about a served model that a request does not say: plain, validated data.
+"""The policies a request does not state, as plain validated data: its model's (`ModelPolicy`) and its
+priority class's (`ClassPolicy`).
 
 The request meter must count what the backend will count. Text is tokenized; everything else a backend
 renders into the prompt has a configured cost, because the sidecar never decodes media or runs the model's
@@ -78,6 +79,24 @@ class ModelPolicy:
     media: MediaCosts = field(default_factory=MediaCosts)
     # The pool (limits.models key, KV feed pool) this model's requests count against; None: its own name.
     pool: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    """A priority class (`classes[]`). Order in the config is priority: the first class is the most
+    important."""
+
+    name: str
+    max_wait_seconds: float  # 0: answer 429 at once instead of waiting for capacity
+    max_queued: int
+    shadow: bool
+    cut_streams_above_kv: float | None
+    # Written into the body's `priority` (vLLM/SGLang priority scheduling); None: the client's is removed.
+    backend_priority: int | None
+
+    @property
+    def queues(self) -> bool:
+        return self.max_wait_seconds > 0 and self.max_queued > 0
 
 
 @dataclass(frozen=True, slots=True)

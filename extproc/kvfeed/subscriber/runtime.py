@@ -26,7 +26,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import ControllerState
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.kv_fairness import FairShare
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
@@ -165,7 +165,7 @@ class FeedbackRuntime:
             budget = KvBudget(
                 target_utilization=settings.target_utilization,
                 capacity_share=settings.capacity_share,
-                booking=Booking(settings.booking),
+                booking=BookingMode(settings.booking),
                 prefix_sharing=settings.prefix_sharing,
                 min_completion_ratio=settings.min_completion_ratio,
                 fairness=fair_share(settings),

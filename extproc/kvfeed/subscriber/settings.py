@@ -86,7 +86,7 @@ class KvBudgetConfig:
     enabled: bool = False
     target_utilization: float = 0.9
     capacity_share: float = 1.0
-    booking: Literal["forecast", "lifetime"] = "forecast"  # extproc.core.kv_budget.Booking
+    booking: Literal["forecast", "lifetime"] = "forecast"  # extproc.core.kv_budget.BookingMode
     # Book a prompt prefix shared by requests in flight once per replica, as the engine's prefix cache holds
     # it (extproc.core.prefix_index); off: every prompt is booked whole.
     prefix_sharing: bool = True

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 
 ALLOWANCE = 4000
 
 
-def trained_down(booking: Booking = Booking.LIFETIME) -> KvBudget:
+def trained_down(booking: BookingMode = BookingMode.LIFETIME) -> KvBudget:
     """A budget whose tenant `mallory` finished 40 requests after 1 of 4,000 allowed tokens each."""
     budget = KvBudget(100_000, target_utilization=1.0, booking=booking)
     for i in range(40):
@@ -46,7 +46,7 @@ def test_min_tokens_floors_the_booking_at_what_it_declares() -> None:
 
 def test_the_declared_floor_decides_admission_under_both_bookings() -> None:
     """Capacity 5,000, 4,100 booked: a trained-down 4,000-token request fits only if it is under-booked."""
-    for booking in (Booking.LIFETIME, Booking.FORECAST):
+    for booking in (BookingMode.LIFETIME, BookingMode.FORECAST):
         budget = trained_down(booking)
         budget.set_capacity(5000)
         budget.admit("held", 100, ALLOWANCE, "alice", now=0.0)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 
 
 def test_unknown_capacity_always_fits() -> None:
@@ -165,7 +165,7 @@ def test_demand_equals_sum_of_live_footprints_and_returns_to_zero(
 def forecasting_budget(capacity: int = 10_000, **kwargs: object) -> KvBudget:
     """A forecast budget whose completion estimate is the whole allowance (a bound, never a guess)."""
     learner = CompletionLearner(min_samples=10**6)
-    return KvBudget(capacity, target_utilization=1.0, booking=Booking.FORECAST, learner=learner, **kwargs)  # type: ignore[arg-type]
+    return KvBudget(capacity, target_utilization=1.0, booking=BookingMode.FORECAST, learner=learner, **kwargs)  # type: ignore[arg-type]
 
 
 def test_without_a_known_pace_a_silent_lease_books_its_whole_footprint() -> None:
@@ -249,7 +249,7 @@ def test_pace_from_streams_estimates_answers_that_do_not_stream() -> None:
 
 def test_a_lease_past_its_estimate_is_reforecast_to_its_allowance() -> None:
     learner = CompletionLearner(min_samples=1, prior=1.0)
-    b = KvBudget(100_000, target_utilization=1.0, booking=Booking.FORECAST, learner=learner)
+    b = KvBudget(100_000, target_utilization=1.0, booking=BookingMode.FORECAST, learner=learner)
     b.admit("x", 0, 100, now=0.0)
     b.release("x", 20)  # the learned ratio is now 0.2
     b.observe_engine(0, now=0.0, fresh_for=100.0)

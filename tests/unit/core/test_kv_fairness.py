@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.kv_fairness import ClaimId, FairShare
 
 LARGE = ClaimId(1, "long", 1, (1, 12_000))
@@ -101,7 +101,7 @@ def test_bad_settings_are_refused() -> None:
 
 def budget(fair: FairShare | None) -> KvBudget:
     """4,096 KV tokens, 3,686 of them to fill, booked by lifetime (no feed): only the arithmetic counts."""
-    return KvBudget(4096, booking=Booking.LIFETIME, fairness=fair)
+    return KvBudget(4096, booking=BookingMode.LIFETIME, fairness=fair)
 
 
 def test_in_the_budget_a_refused_request_keeps_its_space_from_a_later_smaller_one() -> None:
@@ -147,7 +147,7 @@ def test_backlogged_tenants_whose_sizes_differ_thirty_fold_each_get_about_half_t
     evenly (50 %)."""
 
     def run(fair: FairShare | None) -> float:
-        kv = KvBudget(16_384, booking=Booking.LIFETIME, fairness=fair)
+        kv = KvBudget(16_384, booking=BookingMode.LIFETIME, fairness=fair)
         rng = random.Random(7)
         clients = [("short", 100, i) for i in range(64)] + [("long", 3000, i) for i in range(8)]
         busy_until: dict[tuple[str, int, int], float] = {}
@@ -220,7 +220,7 @@ def test_the_claimant_passes_the_share_guard() -> None:
 
 def test_a_share_refusal_is_sent_back_when_its_tenant_frees_and_takes_no_place_in_the_schedule() -> None:
     fair = FairShare()
-    kv = KvBudget(4096, booking=Booking.LIFETIME, fairness=fair)
+    kv = KvBudget(4096, booking=BookingMode.LIFETIME, fairness=fair)
     kv.admit("s1", 8, 1000, "short", now=0.0)
     kv.admit("s2", 8, 1000, "short", now=0.0)
     assert kv.would_fit(8, 1800, "long", now=1.0)[0] is False  # 1,808 does not fit in 3,686 - 2,016
@@ -234,7 +234,7 @@ def run_with_hints(fair: FairShare | None, seconds: float = 60.0) -> tuple[list[
     """The thirty-fold tenants again, each request held 6 s, every refused client back after the budget's
     retry-after (1 s where it has none): the long tenant's share of the KV held per 10 s window, and the KV
     held on average."""
-    kv = KvBudget(16_384, booking=Booking.LIFETIME, fairness=fair)
+    kv = KvBudget(16_384, booking=BookingMode.LIFETIME, fairness=fair)
     rng = random.Random(7)
     clients = [("short", 100, i) for i in range(64)] + [("long", 3000, i) for i in range(8)]
     rng.shuffle(clients)

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from extproc.core.kv_budget import Booking, KvBudget
+from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.prefix_index import PrefixIndex, PromptChunks
 
 SYSTEM = tuple(range(100, 112))  # twelve chunks of a shared system prompt
@@ -157,7 +157,7 @@ def engine_sampled(kv: KvBudget, used: float, now: float, waiting: float | None)
 
 def forecasting() -> KvBudget:
     """A forecasting budget without a learned pace: each lease holds its whole footprint, 1,300 + 300."""
-    kv = KvBudget(100_000, target_utilization=1.0, booking=Booking.FORECAST)
+    kv = KvBudget(100_000, target_utilization=1.0, booking=BookingMode.FORECAST)
     kv.observe_engine(0.0, now=0.0, fresh_for=100.0)
     return kv
 
@@ -223,7 +223,7 @@ def test_the_engines_slower_pace_bounds_the_learned_one() -> None:
     engine's counters say 20). At the learned pace the running answer is taken for 500 tokens along and a
     second one fits beside it (peak 1,700 of 1,800); at the engine's pace it is 100 along, ends later, and
     the two together would peak at 2,100: refused."""
-    kv = KvBudget(2000, target_utilization=0.9, booking=Booking.FORECAST)
+    kv = KvBudget(2000, target_utilization=0.9, booking=BookingMode.FORECAST)
     kv.observe_engine(0.0, now=0.0, fresh_for=100.0)
     kv.pace.observe_stream(100.0, 1.0)
     kv.admit("a", 100, 1000, now=0.0)
@@ -233,6 +233,6 @@ def test_the_engines_slower_pace_bounds_the_learned_one() -> None:
     assert kv.would_fit(100, 1000, now=5.0)[0] is False
     kv.observe_fed_pace(float("nan"))  # an impossible reading is no reading
     assert kv.decode_rate() == 100.0
-    unlearned = KvBudget(2000, booking=Booking.FORECAST)
+    unlearned = KvBudget(2000, booking=BookingMode.FORECAST)
     unlearned.observe_fed_pace(20.0)
     assert unlearned.decode_rate() is None  # nothing learned: such leases book whole footprints, as before

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, parse_config
 from extproc.core.adaptive import AdaptiveConfig, ControllerState
-from extproc.core.kv_budget import Booking
+from extproc.core.kv_budget import BookingMode
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
@@ -85,7 +85,7 @@ def test_runtime_feeds_engine_readings_and_keeps_capacity_when_stale() -> None:
             assert runtime.loop is not None
             runtime.loop.subscriber.ingest(sample(0.3, t=1.0))
             budget = runtime.budget("m")
-            assert budget is not None and budget.booking is Booking.FORECAST
+            assert budget is not None and budget.booking is BookingMode.FORECAST
             assert budget.capacity_tokens == 1000 and budget.forecasting(clock.now)
             assert budget.unexplained_tokens == 300  # nothing admitted here holds it
             assert budget.would_fit(150, 50, now=clock.now) == (True, 200)

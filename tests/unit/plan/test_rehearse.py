@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core.adaptive import AdaptiveConfig
-from extproc.core.kv_budget import Booking
+from extproc.core.kv_budget import BookingMode
 from extproc.plan.rehearse import (
     EngineSetup,
     RehearsalLimits,
@@ -113,10 +113,10 @@ def test_forecast_booking_fills_more_of_the_cache_than_lifetime_without_preempti
             SMALL,
             RehearsalLimits("m", max_tokens=300, kv_target_utilization=0.9, kv_booking=booking),
         )
-        for booking in Booking
+        for booking in BookingMode
     }
-    assert RehearsalLimits("m", max_tokens=1).kv_booking is Booking.FORECAST
-    lifetime, forecast = results[Booking.LIFETIME], results[Booking.FORECAST]
+    assert RehearsalLimits("m", max_tokens=1).kv_booking is BookingMode.FORECAST
+    lifetime, forecast = results[BookingMode.LIFETIME], results[BookingMode.FORECAST]
     assert lifetime.preemptions == 0 and forecast.preemptions == 0
     assert forecast.admitted > lifetime.admitted
     assert forecast.mean_kv_usage > lifetime.mean_kv_usage
