@@ -631,9 +631,13 @@ class KvBudget:
         self._demand += lease.footprint - before
         return True
 
-    def correct_prompt(self, lease_id: str, prompt_tokens: int) -> bool:
+    def correct_prompt(self, lease_id: str, prompt_tokens: int, now: float | None = None) -> bool:
         """Lower a lease's prompt to its exact count (it was booked on a bound, `provisional.py`); never
-        raises it. False for an unknown (already released) lease, which is harmless."""
+        raises it. With fair shares and `now`, its tenant's attained service is lowered by as much: counted
+        at the bound's footprint, a tenant of short prompts (whose byte bound is about twice their count) had
+        received twice its due by that measure, so a tenant of long prompts won every rounding past its
+        share and held 54-63 % of the cache per window. False for an unknown (already released) lease,
+        which is harmless."""
         lease = self._leases.get(lease_id)
         if lease is None:
             return False
@@ -641,6 +645,8 @@ class KvBudget:
         before = lease.footprint
         lease.prompt = max(0, min(lease.prompt, int(prompt_tokens)))
         self._demand += lease.footprint - before
+        if self.fairness is not None and now is not None:
+            self.fairness.served(lease.learner_key, lease.footprint - before, now)
         return True
 
     def estimate_progress(self, lease_id: str, tokens: int) -> bool:

@@ -103,10 +103,11 @@ class FairShare:
         return value * self._decay(now - at) / self.weights.get(tenant, 1.0)
 
     def served(self, tenant: str, tokens: float, now: float) -> None:
-        """The tenant was admitted `tokens` of KV footprint at `now`."""
+        """The tenant was admitted `tokens` of KV footprint at `now` (negative: a footprint admitted on a
+        bound, lowered to its exact count; the service never falls below 0)."""
         entry = self._service.pop(tenant, None)
         value = 0.0 if entry is None else entry[0] * self._decay(now - entry[1])
-        self._service[tenant] = (value + max(0.0, tokens), now)
+        self._service[tenant] = (max(0.0, value + tokens), now)
         while len(self._service) > self.max_tenants:
             self._service.popitem(last=False)
 

@@ -97,7 +97,7 @@ class KvBooking:
     def correct_prompt(self, prompt_tokens: int) -> None:
         """Admitted on the prompt's bound (`provisional.py`): lower the booked prompt to its exact count."""
         if self.budget is not None:
-            self.budget.correct_prompt(self.id, prompt_tokens)
+            self.budget.correct_prompt(self.id, prompt_tokens, self.clock())
             self.changed(self.pool)
 
     def give_back(self) -> None:

@@ -276,3 +276,18 @@ def test_per_ten_second_window_each_tenant_gets_about_half_and_the_cache_stays_f
     assert max(unfair) < 0.5, unfair
     assert all(0.4 <= share <= 0.6 for share in fair), fair
     assert held_fair >= 0.9 * held_unfair, (held_fair, held_unfair)
+
+
+def test_a_prompt_admitted_on_its_bound_is_served_at_its_exact_count() -> None:
+    """A short prompt's byte bound is about twice its count: served at the bound, its tenant had received
+    twice its due by the measure that decides which tenant rounds up past its share."""
+    fair = FairShare()
+    kv = KvBudget(16_384, booking=BookingMode.LIFETIME, fairness=fair)
+    kv.admit("a", 500, 300, "short", now=0.0)  # the bound
+    assert fair.attained("short", 0.0) == 800
+    assert kv.correct_prompt("a", 110, now=0.0)
+    assert fair.attained("short", 0.0) == 410
+    kv.correct_prompt("a", 100)  # no clock: the service stays as it was
+    assert fair.attained("short", 0.0) == 410
+    fair.served("short", -10_000, 0.0)
+    assert fair.attained("short", 0.0) == 0  # never below nothing
