@@ -278,7 +278,7 @@ class KvBudget:
         if fair is not None and self._over_share:
             return self._share_eta(fair, owner, now, rate, delay)
         first = fair is not None and fair.holds(owner, now)
-        served = fair.attained(owner.tenant, now) if fair is not None else 0.0
+        served = fair.standing(owner.tenant, now) if fair is not None else 0.0
         releases = [
             (self._seconds_left(lease, now, rate, delay), lease.footprint) for lease in self._leases.values()
         ]

@@ -291,3 +291,28 @@ def test_a_prompt_admitted_on_its_bound_is_served_at_its_exact_count() -> None:
     assert fair.attained("short", 0.0) == 410
     fair.served("short", -10_000, 0.0)
     assert fair.attained("short", 0.0) == 0  # never below nothing
+
+
+def test_a_tenant_left_far_behind_is_owed_one_large_admission_not_its_whole_deficit() -> None:
+    """Bounded lag: behind the most served tenant by at most the largest admission lately, as start-time
+    fair queueing starts a flow at the current virtual time; one admission from there and it is level."""
+    fair = FairShare()
+    for _ in range(10):
+        fair.served("short", 3300, now=0.0)
+    assert fair.standing("long", 0.0) == 33_000 - 3300  # never served: stands one large admission behind
+    assert fair.attained("long", 0.0) == 0  # what it received, as the metrics show it
+    assert fair._before(ClaimId(1, "long", 1, (1, 1)), ClaimId(1, "short", 1, (2, 2)), 0.0)
+    fair.served("long", 3300, now=0.0)
+    assert fair.standing("long", 0.0) == fair.standing("short", 0.0) == 33_000  # level after one
+    assert not fair._before(ClaimId(1, "long", 1, (1, 1)), ClaimId(1, "short", 1, (2, 2)), 0.0)
+
+
+def test_the_most_served_tenant_is_found_again_when_a_correction_lowers_it() -> None:
+    fair = FairShare()
+    fair.served("a", 1000, now=0.0)
+    fair.served("b", 800, now=0.0)
+    fair.served("a", -500, now=0.0)  # its prompt counted at its exact count
+    assert fair._top is not None and fair._top[:2] == ("b", 800)
+    for _ in range(3):
+        fair.served("b", 400, now=0.0)
+    assert fair.standing("c", 0.0) == 2000 - 1000  # the top's less the largest admission lately
