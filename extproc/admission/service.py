@@ -89,9 +89,16 @@ class AdmissionService:
     holders: list[Callable[[], Iterable[Holder]]] = field(default_factory=list)
     child: LabelledChildren = field(default_factory=LabelledChildren)
     settler: Settler = field(init=False)
+    # The deps' own rules, clock and metrics, held as they are (not wrapped): every request reads them.
+    # `rules()` is the rules current now, what a request arriving now is decided by; a decision reads them
+    # once and passes them on, so a reload in the middle never mixes two configs in one decision.
+    rules: Callable[[], AdmissionRules] = field(init=False)
+    clock: Clock = field(init=False)
+    metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
         deps = self.deps
+        self.rules, self.clock, self.metrics = deps.rules, deps.clock, deps.metrics
         # The hook read per call: the composition may fill it in after the service is built.
         self.settler = Settler(
             deps.store,
@@ -109,17 +116,6 @@ class AdmissionService:
             backlog=tokenizing.backlog_per_client,
             max_wait_s=tokenizing.max_wait_seconds,
         )
-
-    @property
-    def metrics(self) -> Metrics:
-        return self.deps.metrics
-
-    def rules(self) -> AdmissionRules:
-        """The rules current now: what a request arriving now is decided by."""
-        return self.deps.rules()
-
-    def clock(self) -> float:
-        return self.deps.clock()
 
     # -- counting ------------------------------------------------------------------------------------------
 
