@@ -197,8 +197,9 @@ class Exchange:
         self._phase = Phase.DECIDING
         service = self.service
         started = service.clock()
+        rules = service.rules()  # read once: the whole decision is made under them
         decision = Decision(service, request)
-        async for step in decision.run(body, service.rules()):
+        async for step in decision.run(body, rules):
             self.model_label = decision.model_label
             if isinstance(step, Hold):
                 yield step

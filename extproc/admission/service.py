@@ -126,6 +126,13 @@ class AdmissionService:
             label = self.rules().tenant_label(tenant)
             self.child(self.metrics.tenant_requests, label, decision).inc()
 
+    def count_admitted(self, admitted: Admitted) -> None:
+        """One admission, counted once: as a decision, in the tokens it reserves, among those active."""
+        label = admitted.model_label
+        self.count("admitted", "ok", label, admitted.klass.name, admitted.tenant)
+        self.child(self.metrics.tokens_reserved, label).inc(admitted.plan.total)
+        self.metrics.active.inc()
+
     # -- tokenizing -----------------------------------------------------------------------------------------
 
     async def count_prompts(self, req: ParsedRequest, policy: ModelPolicy, lane: str) -> list[Count]:
