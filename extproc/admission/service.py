@@ -26,7 +26,8 @@ from extproc.admission.capacity.hints import SlotHints
 from extproc.admission.capacity.lanes import Lanes
 from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.admission.capacity.settling import Settler
-from extproc.admission.intake.request import ParsedRequest, count_prompt_tokens
+from extproc.admission.intake.request import ParsedRequest
+from extproc.admission.intake.reservation import count_prompt_tokens
 from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prompt import Count

@@ -15,14 +15,8 @@ from dataclasses import dataclass, replace
 
 from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.booking import KvBooking
-from extproc.admission.intake.request import (
-    USAGE_OPTION_APIS,
-    Api,
-    BodyEdits,
-    ParsedRequest,
-    Reservation,
-    edit_body,
-)
+from extproc.admission.intake.request import USAGE_OPTION_APIS, Api, BodyEdits, ParsedRequest, edit_body
+from extproc.admission.intake.reservation import Reservation
 from extproc.admission.replies.verdicts import FORWARD, Forward
 from extproc.admission.vocabulary.names import PRIORITY_HEADER
 from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy

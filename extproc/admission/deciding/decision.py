@@ -28,7 +28,8 @@ from extproc.admission.capacity.lanes import LaneFull
 from extproc.admission.deciding import provisional, resolving
 from extproc.admission.deciding.acquiring import Acquisition
 from extproc.admission.deciding.candidate import Candidate, RequestFacts
-from extproc.admission.intake.request import Api, plan_reservation
+from extproc.admission.intake.request import Api
+from extproc.admission.intake.reservation import plan_reservation
 from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Forward, Hold, Refusal

@@ -40,7 +40,8 @@ from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.lanes import LaneFull
 from extproc.admission.deciding.candidate import Candidate
 from extproc.admission.deciding.resolving import Resolved
-from extproc.admission.intake.request import ParsedRequest, Reservation, plan_reservation
+from extproc.admission.intake.request import ParsedRequest
+from extproc.admission.intake.reservation import Reservation, plan_reservation
 from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary import prompt as prompts

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from extproc.admission.intake.request import Api, ParsedRequest, parse_request, prompt_token_lower_bound
+from extproc.admission.intake.request import Api, ParsedRequest, parse_request
+from extproc.admission.intake.reservation import prompt_token_lower_bound
 from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
