@@ -122,7 +122,7 @@ class Decision:
             return
         deps, pool, parsed, policy = service.deps, resolved.pool, resolved.parsed, resolved.policy
         rank = rules.rank_of(request.klass)
-        booking = KvBooking(deps.kv_budget(pool), pool, request.tenant, deps.budget_changed, deps.clock, rank)
+        booking = KvBooking(resolved.budget, pool, request.tenant, deps.budget_changed, deps.clock, rank)
         bound = provisional.on_bound(service, request.klass, resolved, booking, rules, lane)
         if bound is not None:
             # No count yet (provisional.py): a bucket or a slot that says no sends it to be counted.

@@ -21,6 +21,7 @@ from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.policy import ModelPolicy
+from extproc.core.kv_budget import KvBudget
 
 OFF_LOOP_PARSE_BYTES = 64 * 1024
 """A request body larger than this is parsed in a worker thread (with its tokenizing), not on the loop."""
@@ -29,12 +30,13 @@ OFF_LOOP_PARSE_BYTES = 64 * 1024
 @dataclass(frozen=True, slots=True)
 class Resolved:
     """A parsed request and the model it resolved to: its policy, the pool whose engines serve it (its KV
-    budget, KV usage and decode pace), the pool whose `model:<pool>` limits apply, and the label its
-    metrics carry."""
+    usage and decode pace) and that pool's KV budget (None: none), the pool whose `model:<pool>` limits
+    apply, and the label its metrics carry."""
 
     parsed: ParsedRequest
     policy: ModelPolicy
     pool: str
+    budget: KvBudget | None
     limit_pool: str
     model_label: str
 
@@ -42,11 +44,11 @@ class Resolved:
 async def resolve(
     service: AdmissionService, api: Api, raw: bytes, rules: AdmissionRules, lane: str
 ) -> Resolved:
-    """Parse `raw`, and resolve the requested model to its policy and pools (404 for one nobody serves),
-    under the one `rules` the decision reads. The engines' pool is the limits' pool, except for a name the
-    config does not know, which shares the `models."*"` limits (a client must not mint limits by inventing
-    names) but whose engines the feed reports by that name: their budget applies to it (else a config that
-    names no model would run without any KV budget)."""
+    """Parse `raw`, and resolve the requested model to its policy, pools and KV budget (404 for a model
+    nobody serves), under the one `rules` the decision reads. The engines' pool is the limits' pool, except
+    for a name the config does not know, which shares the `models."*"` limits (a client must not mint limits
+    by inventing names) but whose engines the feed reports by that name: their budget applies to it (else a
+    config that names no model would run without any KV budget)."""
     stored, bounds = rules.allow_stored_context, rules.per_step
     if len(raw) > OFF_LOOP_PARSE_BYTES:
         # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
@@ -66,7 +68,8 @@ async def resolve(
     pool = limit_pool
     if limit_pool == DEFAULT_MODEL and deps.feeds_pool(served_as):
         pool = served_as
-    return Resolved(parsed, policy, pool, limit_pool, rules.model_label(limit_pool))
+    budget = deps.kv_budget(pool)
+    return Resolved(parsed, policy, pool, budget, limit_pool, rules.model_label(limit_pool))
 
 
 def check(resolved: Resolved, rules: AdmissionRules) -> None:
