@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.intake.request import Api, count_prompt_tokens, parse_request
+from extproc.admission.intake.request import Api, parse_request
+from extproc.admission.intake.reservation import count_prompt_tokens
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.tokens import count_text
 from extproc.core.limiter import JointLimiter, LimitSpec

@@ -144,6 +144,12 @@ class Exchange:
 
     def request_headers(self, head: RequestHead) -> RequestVerdict:
         rules = self.service.rules()
+        # What the request claims of itself (its tenant, its objective), read before it is routed: reading
+        # its headers is one step here, not one after each call elsewhere.
+        claimed = head.tenant or _first(
+            head.headers, FAIRNESS_ID_HEADERS, rules.pool_headers.trust_fairness_id
+        )
+        objective = _first(head.headers, OBJECTIVE_HEADERS, rules.pool_headers.trust_objective)
         rule = rules.paths.route(head.method, head.path)
         if rule is None:
             self._phase = Phase.REFUSED
@@ -154,11 +160,7 @@ class Exchange:
             self.service.count("passthrough", "free_path", "none", "none", None)
             return PASSTHROUGH
         self.request_id = head.request_id
-        claimed = head.tenant or _first(
-            head.headers, FAIRNESS_ID_HEADERS, rules.pool_headers.trust_fairness_id
-        )
         tenant = claimed if _TENANT_RE.fullmatch(claimed) else rules.tenant.default
-        objective = _first(head.headers, OBJECTIVE_HEADERS, rules.pool_headers.trust_objective)
         klass = rules.class_for(tenant, objective or None)
         self.request = request = RequestFacts(rule.api, tenant, klass, head.client)
         try:
@@ -183,7 +185,10 @@ class Exchange:
         # a reset instead of the 413. Envoy buffers the body up to its own bound first (envoy/envoy.yaml).
         self._phase = Phase.AWAITING_BODY
         # Headers the engines read to override the body (priority, data-parallel rank, model) never pass.
-        control = tuple(h for h in BACKEND_CONTROL_HEADERS if h in head.headers)
+        control: tuple[str, ...] = ()
+        for name in BACKEND_CONTROL_HEADERS:
+            if name in head.headers:
+                control += (name,)
         return Forward(remove_headers=control) if control else FORWARD
 
     async def request_body(self, body: bytes) -> AsyncIterator[BodyVerdict]:
@@ -197,8 +202,9 @@ class Exchange:
         self._phase = Phase.DECIDING
         service = self.service
         started = service.clock()
+        rules = service.rules()  # read once: the whole decision is made under them
         decision = Decision(service, request)
-        async for step in decision.run(body, service.rules()):
+        async for step in decision.run(body, rules):
             self.model_label = decision.model_label
             if isinstance(step, Hold):
                 yield step
@@ -214,6 +220,9 @@ class Exchange:
                     self.inflight.start_correction()
 
     def _outcome(self, step: Granted | Refusal | Shadowed) -> Forward | Refusal:
+        """The verdict for the decision's outcome, and the phase it leads to. Admitted in the lean profile,
+        the proxy reads the answer and reports the end: the verdict says how, and carries the headers the
+        proxy's route adds to the response and to the upstream request."""
         if isinstance(step, Refusal):
             self._phase = Phase.REFUSED
             return step
@@ -221,7 +230,8 @@ class Exchange:
             self._phase = Phase.PASSTHROUGH
             return FORWARD
         self._phase = Phase.ADMITTED
-        inflight = self.inflight = InFlight(self.service, step.admitted, step.correction)
+        admitted, unseen = step.admitted, self.unseen
+        inflight = self.inflight = InFlight(self.service, admitted, step.correction)
         inflight.request_id = self.request_id
         if self._closed:
             # The request ended while it waited (a cancel the wait swallowed): the proxy never had the
@@ -229,20 +239,16 @@ class Exchange:
             inflight.never_forwarded()
             inflight.settle()
             return FORWARD
-        if self.unseen is None:
+        if unseen is None:
             return step.forward
-        return self._reported(step)
-
-    def _reported(self, granted: Granted) -> Forward:
-        """Lean: the proxy reads the answer and reports the end; the verdict says how, and carries the
-        headers the proxy's route adds to the response and to the upstream request."""
-        assert self.inflight is not None and self.unseen is not None
-        admitted = granted.admitted
-        key = self.unseen.expect_report(self.inflight)
-        ticket = ReportTicket(key, spec_for(admitted.request.api), admitted.strip_usage)
-        forwarded = tuple(h for h in granted.forward.set_headers if h[0] in FORWARDED_REQUEST_HEADERS)
-        metadata = (*ratelimit_headers(admitted.lease.status), *forwarded)
-        return replace(granted.forward, report=ticket, metadata=metadata)
+        ticket = ReportTicket(
+            unseen.expect_report(inflight), spec_for(admitted.request.api), admitted.strip_usage
+        )
+        metadata = ratelimit_headers(admitted.lease.status)
+        for header in step.forward.set_headers:
+            if header[0] in FORWARDED_REQUEST_HEADERS:
+                metadata += (header,)
+        return replace(step.forward, report=ticket, metadata=metadata)
 
     # -- response (inline) ----------------------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ from extproc.admission.capacity.hints import SlotHints
 from extproc.admission.capacity.lanes import Lanes
 from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.admission.capacity.settling import Settler
-from extproc.admission.intake.request import ParsedRequest, count_prompt_tokens
+from extproc.admission.intake.request import ParsedRequest
+from extproc.admission.intake.reservation import count_prompt_tokens
 from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prompt import Count
@@ -89,9 +90,16 @@ class AdmissionService:
     holders: list[Callable[[], Iterable[Holder]]] = field(default_factory=list)
     child: LabelledChildren = field(default_factory=LabelledChildren)
     settler: Settler = field(init=False)
+    # The deps' own rules, clock and metrics, held as they are (not wrapped): every request reads them.
+    # `rules()` is the rules current now, what a request arriving now is decided by; a decision reads them
+    # once and passes them on, so a reload in the middle never mixes two configs in one decision.
+    rules: Callable[[], AdmissionRules] = field(init=False)
+    clock: Clock = field(init=False)
+    metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
         deps = self.deps
+        self.rules, self.clock, self.metrics = deps.rules, deps.clock, deps.metrics
         # The hook read per call: the composition may fill it in after the service is built.
         self.settler = Settler(
             deps.store,
@@ -110,17 +118,6 @@ class AdmissionService:
             max_wait_s=tokenizing.max_wait_seconds,
         )
 
-    @property
-    def metrics(self) -> Metrics:
-        return self.deps.metrics
-
-    def rules(self) -> AdmissionRules:
-        """The rules current now: what a request arriving now is decided by."""
-        return self.deps.rules()
-
-    def clock(self) -> float:
-        return self.deps.clock()
-
     # -- counting ------------------------------------------------------------------------------------------
 
     def count(self, decision: str, reason: str, model_label: str, klass: str, tenant: str | None) -> None:
@@ -129,6 +126,13 @@ class AdmissionService:
         if tenant is not None:
             label = self.rules().tenant_label(tenant)
             self.child(self.metrics.tenant_requests, label, decision).inc()
+
+    def count_admitted(self, admitted: Admitted) -> None:
+        """One admission, counted once: as a decision, in the tokens it reserves, among those active."""
+        label = admitted.model_label
+        self.count("admitted", "ok", label, admitted.klass.name, admitted.tenant)
+        self.child(self.metrics.tokens_reserved, label).inc(admitted.plan.total)
+        self.metrics.active.inc()
 
     # -- tokenizing -----------------------------------------------------------------------------------------
 

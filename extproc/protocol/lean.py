@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 
 _MODE = processing_mode_pb2.ProcessingMode
 
+_HEADER_ATTRIBUTES = tuple((name, header_attribute(name)) for name in ATTRIBUTE_HEADERS)
+"""Each header admission reads from the attributes, and the attribute that carries it: named once, not per
+request."""
+
 
 def is_lean(request: pb.ProcessingRequest) -> bool:
     """A stream whose processing mode sends the sidecar no response body (sent with its first message)."""
@@ -178,8 +182,8 @@ class LeanTranslator:
         source = self.exchange.tenant_source()
         headers = {
             name: value
-            for name in ATTRIBUTE_HEADERS
-            if (value := _attribute(request, header_attribute(name))) is not None
+            for name, attribute in _HEADER_ATTRIBUTES
+            if (value := _attribute(request, attribute)) is not None
         }
         return RequestHead(
             method=_attribute(request, METHOD_ATTRIBUTE) or "",

@@ -15,9 +15,6 @@ from extproc.admission.apis.openai import (
     chat_prompt,
     chat_step_work,
     edit_generation,
-    least_output,
-    stream_options,
-    truncation,
 )
 from extproc.admission.apis.spec import GENERATES, ApiSpec, path, shared
 from extproc.admission.vocabulary import fields as f
@@ -41,10 +38,10 @@ class ChatAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = stream_options(body, only_when_streamed=True)
+        stream, include_usage = f.stream_options(body, only_when_streamed=True)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         requested, param = chat_output_bound(body)
-        least, ignore_eos = least_output(body)
+        least, ignore_eos = f.least_output(body)
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -55,7 +52,7 @@ class ChatAdapter:
             requested_max_tokens=requested,
             max_tokens_param=param,
             prompt_param="messages",
-            truncate_prompt_tokens=truncation(body),
+            truncate_prompt_tokens=f.truncation(body),
             min_tokens=least,
             ignore_eos=ignore_eos,
             work=chat_step_work(body),

@@ -21,8 +21,6 @@ from extproc.admission.apis.openai import (
     chat_prompt,
     chat_step_work,
     edit_bound,
-    least_output,
-    truncation,
 )
 from extproc.admission.apis.spec import VLLM, ApiSpec, path, shared
 from extproc.admission.vocabulary import fields as f
@@ -55,7 +53,7 @@ class ChatBatchAdapter:
             for i, conversation in enumerate(conversations)
         )
         requested, param = chat_output_bound(body)
-        least, ignore_eos = least_output(body)
+        least, ignore_eos = f.least_output(body)
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -63,7 +61,7 @@ class ChatBatchAdapter:
             requested_max_tokens=requested,
             max_tokens_param=param,
             prompt_param="messages",
-            truncate_prompt_tokens=truncation(body),
+            truncate_prompt_tokens=f.truncation(body),
             min_tokens=least,
             ignore_eos=ignore_eos,
             work=chat_step_work(body),

@@ -11,10 +11,7 @@ from extproc.admission.apis.openai import (
     OPENAI_SPEC,
     completion_step_work,
     edit_generation,
-    least_output,
-    stream_options,
     text_prompts,
-    truncation,
 )
 from extproc.admission.apis.spec import BOTH, GENERATES, ApiSpec, path, shared
 from extproc.admission.vocabulary import fields as f
@@ -37,13 +34,13 @@ class CompletionsAdapter:
 
     def parse(self, body: dict[str, Any]) -> ParsedRequest:
         model = f.model_name(body)
-        stream, include_usage = stream_options(body, only_when_streamed=True)
+        stream, include_usage = f.stream_options(body, only_when_streamed=True)
         n = f.opt_int(body, "n", low=1, high=f.MAX_N) or 1
         best_of = f.opt_int(body, "best_of", low=1, high=f.MAX_N) or 1
         requested = f.opt_int(body, "max_tokens", low=1, high=f.MAX_TOKENS_LIMIT)
         embeds = _prompt_embeds(body)
         found = embeds if embeds and body.get("prompt") is None else embeds + text_prompts(body, "prompt")
-        least, ignore_eos = least_output(body)
+        least, ignore_eos = f.least_output(body)
         return ParsedRequest(
             api=self.api,
             model=model,
@@ -53,7 +50,7 @@ class CompletionsAdapter:
             sequences=max(n, best_of),  # the backend decodes best_of sequences and returns n
             requested_max_tokens=requested,
             prompt_param="prompt",
-            truncate_prompt_tokens=truncation(body),
+            truncate_prompt_tokens=f.truncation(body),
             min_tokens=least,
             ignore_eos=ignore_eos,
             work=completion_step_work(body),

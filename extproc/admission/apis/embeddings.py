@@ -11,7 +11,6 @@ from extproc.admission.apis.openai import (
     chat_prompt,
     edit_priority,
     text_prompts,
-    truncation,
 )
 from extproc.admission.apis.spec import PROMPT_ONLY, ApiSpec, path, shared
 from extproc.admission.vocabulary import fields as f
@@ -41,7 +40,7 @@ class EmbeddingsAdapter:
             prompts=padded(body, found),
             prompt_param=param,
             generates=False,
-            truncate_prompt_tokens=truncation(body),
+            truncate_prompt_tokens=f.truncation(body),
             body=body,
         )
 

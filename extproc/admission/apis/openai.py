@@ -167,19 +167,6 @@ def template_inputs(body: Mapping[str, Any], fields: tuple[str, ...] = TEMPLATED
     return collected.texts
 
 
-def truncation(body: Mapping[str, Any], param: str = "truncate_prompt_tokens") -> int | None:
-    """`truncate_prompt_tokens`: -1 or more (vLLM v0.32.0 entrypoints/openai/chat_completion/protocol.py:285,
-    completion/protocol.py:88, pooling/base/protocol.py:42)."""
-    return f.opt_int(body, "truncate_prompt_tokens", low=-1, high=f.MAX_TOKENS_LIMIT, param=param)
-
-
-def least_output(body: Mapping[str, Any], prefix: str = "") -> tuple[int, bool]:
-    """(`min_tokens`, `ignore_eos`): what a request declares it will generate at least per sequence
-    (vLLM v0.32.0 chat_completion/protocol.py:281-282, completion/protocol.py:84-85)."""
-    least = f.opt_int(body, "min_tokens", low=0, high=f.MAX_TOKENS_LIMIT, param=f"{prefix}min_tokens") or 0
-    return least, bool(f.opt_bool(body, "ignore_eos", f"{prefix}ignore_eos"))
-
-
 def entries(value: Any) -> int:
     """How many entries a per-step list holds: a string is one (`stop: "x"`), an array or object its length;
     anything else is left for the backend to refuse."""
@@ -227,25 +214,6 @@ def completion_step_work(body: Mapping[str, Any]) -> StepWork:
         logprobs=logprobs,
         prompt_logprobs=prompt,
     )
-
-
-def stream_options(body: Mapping[str, Any], *, only_when_streamed: bool = False) -> tuple[bool, bool]:
-    """(stream, include_usage) of a generation request. `only_when_streamed`: stream options without
-    `stream: true` are refused, as vLLM 0.32.0 refuses them for chat and completions (chat_completion/
-    protocol.py:822-831, completion/protocol.py:579-588: a truthy `stream_options` and a falsy `stream`),
-    instead of admitting, metering and refunding what the engine will refuse."""
-    stream = bool(f.opt_bool(body, "stream", "stream"))
-    if only_when_streamed and body.get("stream_options") and not stream:
-        f.bad(
-            "Stream options (`stream_options`) can only be defined when `stream=True`.",
-            code="invalid_value",
-            param="stream_options",
-        )
-    options = f.opt_object(body, "stream_options", "stream_options")
-    include_usage = (
-        bool(f.opt_bool(options, "include_usage", "stream_options.include_usage")) if options else False
-    )
-    return stream, include_usage
 
 
 def ask_for_usage(body: dict[str, Any], req: ParsedRequest, edits: BodyEdits) -> bool:

@@ -19,7 +19,6 @@ from extproc.admission.apis.openai import (
     chat_prompt,
     edit_priority,
     text_prompts,
-    truncation,
 )
 from extproc.admission.apis.sglang import NATIVE_INPUTS
 from extproc.admission.apis.sglang_encode import SGLangEncodeAdapter
@@ -41,7 +40,7 @@ def pooled(
         prompts=padded(body, prompts),
         prompt_param=param,
         generates=False,
-        truncate_prompt_tokens=truncation(body),
+        truncate_prompt_tokens=f.truncation(body),
         body=body,
     )
 

@@ -21,9 +21,7 @@ from extproc.admission.apis.openai import (
     ask_for_usage,
     completion_step_work,
     edit_priority,
-    least_output,
     read_openai_usage,
-    stream_options,
 )
 from extproc.admission.apis.spec import VLLM, ApiSpec, path, shared
 from extproc.admission.vocabulary import fields as f
@@ -73,10 +71,10 @@ class GenerateTokensAdapter:
                 code="missing_field",
                 param="sampling_params",
             )
-        stream, include_usage = stream_options(body)
+        stream, include_usage = f.stream_options(body)
         # `sampling_params` is vLLM's `SamplingParams` itself (vLLM v0.32.0
         # entrypoints/scale_out/token_in_token_out/protocol.py): the same least output and per-step work.
-        least, ignore_eos = least_output(params, "sampling_params.")
+        least, ignore_eos = f.least_output(params, "sampling_params.")
         return ParsedRequest(
             api=self.api,
             model=model,

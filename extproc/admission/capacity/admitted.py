@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.admission.capacity.booking import KvBooking
-from extproc.admission.intake.request import ParsedRequest, Reservation
+from extproc.admission.intake.request import ParsedRequest
+from extproc.admission.intake.reservation import Reservation
 from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease

@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from extproc.admission.intake.request import ParsedRequest, Reservation
+from extproc.admission.intake.request import ParsedRequest
+from extproc.admission.intake.reservation import Reservation
 from extproc.admission.vocabulary.prefix import prompt_chunks
 from extproc.core.clock import Clock
 from extproc.core.kv_budget import KvBudget

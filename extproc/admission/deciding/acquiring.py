@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from extproc.admission.capacity.booking import KvGate
 from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
 from extproc.admission.deciding.candidate import RequestFacts
+from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Hold, Refusal
 from extproc.admission.service import AdmissionService
@@ -25,17 +26,20 @@ from extproc.core.ports import StoreUnavailable
 
 class Acquisition:
     """One request's tries for a lease on the limiter keys of its tenant and of `limit_pool`, the pool whose
-    `model:<pool>` limits apply (see the module docstring)."""
+    `model:<pool>` limits apply, under the decision's `rules` (see the module docstring)."""
 
-    def __init__(self, service: AdmissionService, request: RequestFacts, limit_pool: str) -> None:
+    def __init__(
+        self, service: AdmissionService, request: RequestFacts, limit_pool: str, rules: AdmissionRules
+    ) -> None:
         self.service = service
         self.request = request
         self.limit_pool = limit_pool
+        self.rules = rules
 
     def keys(self) -> list[str]:
         """The limiter keys of this request, and the derived keys of those with split input/output limits."""
         keys = ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
-        return self.service.rules().split_keys.keys_for(keys)
+        return self.rules.split_keys.keys_for(keys)
 
     def may_wait(self, shadow: bool) -> bool:
         """Whether this request may wait in its class's queue (not in shadow mode: it would delay it)."""
@@ -122,7 +126,7 @@ class Acquisition:
     def _max_wait(self) -> tuple[float, bool]:
         """How long this request may wait in its class's queue (`AdmissionRules.queue_wait`: the smallest
         of the global, class and request bounds), and whether its own deadline is the bound that ends it."""
-        request, rules = self.request, self.service.rules()
+        request, rules = self.request, self.rules
         left = None if request.deadline is None else request.deadline - self.service.clock()
         others = rules.queue_wait(request.klass, None)
         wait = rules.queue_wait(request.klass, left)

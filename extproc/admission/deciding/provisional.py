@@ -36,9 +36,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from extproc.admission.capacity.admitted import Admitted
+from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.capacity.lanes import LaneFull
 from extproc.admission.deciding.candidate import Candidate
-from extproc.admission.intake.request import ParsedRequest, Reservation, plan_reservation
+from extproc.admission.deciding.resolving import Resolved
+from extproc.admission.intake.request import ParsedRequest
+from extproc.admission.intake.reservation import Reservation, plan_reservation
+from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary import prompt as prompts
 from extproc.admission.vocabulary.errors import AdmissionError
@@ -69,29 +73,47 @@ def bound_plan(req: ParsedRequest, policy: ModelPolicy, bounds: StepBounds) -> R
     """
     if not req.prompts or any(p.opaque for p in req.prompts):
         return None
-    highs = [Count(h, h) for h in (prompts.upper_bound(p, policy) for p in req.prompts)]
-    lows = [Count(low, low) for low in (prompts.lower_bound(p, policy) for p in req.prompts)]
+    highs: list[Count] = []
+    lows: list[Count] = []
+    for prompt in req.prompts:
+        most, least = prompts.upper_bound(prompt, policy), prompts.lower_bound(prompt, policy)
+        highs.append(Count(most, most))
+        lows.append(Count(least, least))
     try:
         high = plan_reservation(req, highs, policy, bounds)
         low = plan_reservation(req, lows, policy, bounds)
     except AdmissionError:
         return None  # near the window (or another count-dependent limit): the exact count decides
-    if _completion_terms(high) != _completion_terms(low):
+    completion_terms = (high.completion_tokens, high.injected_max_tokens, high.committed_completion_tokens)
+    if completion_terms != (low.completion_tokens, low.injected_max_tokens, low.committed_completion_tokens):
         return None
     return high
 
 
-def _completion_terms(plan: Reservation) -> tuple[int, int | None, int]:
-    return plan.completion_tokens, plan.injected_max_tokens, plan.committed_completion_tokens
+def on_bound(
+    service: AdmissionService,
+    klass: ClassPolicy,
+    resolved: Resolved,
+    booking: KvBooking,
+    rules: AdmissionRules,
+    lane: str,
+) -> Candidate | None:
+    """The try on the prompt's upper bound where it decides (`bound_plan`, `may_admit_on_bound`), else None:
+    the request must be counted first (near the window, when the bound does not fit the KV budget, when it
+    must queue)."""
+    plan = bound_plan(resolved.parsed, resolved.policy, rules.per_step)
+    if plan is None:
+        return None
+    candidate = Candidate(resolved.parsed, resolved.policy, resolved.pool, plan, booking, on_bound=True)
+    return candidate if may_admit_on_bound(service, klass, candidate, lane, rules) else None
 
 
 def may_admit_on_bound(
-    service: AdmissionService, klass: ClassPolicy, candidate: Candidate, lane: str
+    service: AdmissionService, klass: ClassPolicy, candidate: Candidate, lane: str, rules: AdmissionRules
 ) -> bool:
-    """Whether to try the bound at all: not in shadow mode, not when the class must queue behind others
-    (a queued request waits for its exact need, not an over-estimate), not when the client's tokenizer lane
-    is busy, and only if it fits the KV budget."""
-    rules = service.rules()
+    """Whether to try the bound at all, under the decision's `rules`: not in shadow mode, not when the class
+    must queue behind others (a queued request waits for its exact need, not an over-estimate), not when the
+    client's tokenizer lane is busy, and only if it fits the KV budget."""
     if not rules.bound_admission or rules.shadow or klass.shadow:
         return False
     queue = service.deps.queue

@@ -1,7 +1,10 @@
 """Field validation shared by every API adapter: each error names the field, as OpenAI's API does.
 
 A malformed request is refused with the 400 the backend would have returned, before it holds a slot or a
-token. JSON null counts as absent for optional fields (OpenAI clients send `"max_tokens": null`).
+token. JSON null counts as absent for optional fields (OpenAI clients send `"max_tokens": null`). Beside the
+checks of one value's type and range are the readers of fields several APIs share (`stream_options`,
+`least_output`, `truncation`), next to the checks they are made of, so that an adapter reading them makes
+one call here, not one back and forth with another module per field.
 """
 
 from __future__ import annotations
@@ -201,3 +204,35 @@ def compact_json(value: Any, param: str) -> str:
         ValueError,
     ):  # unreachable for parsed JSON; a caller-built body must not crash counting
         bad(f"'{param}' is not serialisable.", code="invalid_value", param=param)
+
+
+def truncation(body: Mapping[str, Any], param: str = "truncate_prompt_tokens") -> int | None:
+    """`truncate_prompt_tokens`: -1 or more (vLLM v0.32.0 entrypoints/openai/chat_completion/protocol.py:285,
+    completion/protocol.py:88, pooling/base/protocol.py:42)."""
+    return opt_int(body, "truncate_prompt_tokens", low=-1, high=MAX_TOKENS_LIMIT, param=param)
+
+
+def least_output(body: Mapping[str, Any], prefix: str = "") -> tuple[int, bool]:
+    """(`min_tokens`, `ignore_eos`): what a request declares it will generate at least per sequence
+    (vLLM v0.32.0 chat_completion/protocol.py:281-282, completion/protocol.py:84-85)."""
+    least = opt_int(body, "min_tokens", low=0, high=MAX_TOKENS_LIMIT, param=f"{prefix}min_tokens") or 0
+    return least, bool(opt_bool(body, "ignore_eos", f"{prefix}ignore_eos"))
+
+
+def stream_options(body: Mapping[str, Any], *, only_when_streamed: bool = False) -> tuple[bool, bool]:
+    """(stream, include_usage) of a generation request. `only_when_streamed`: stream options without
+    `stream: true` are refused, as vLLM 0.32.0 refuses them for chat and completions (chat_completion/
+    protocol.py:822-831, completion/protocol.py:579-588: a truthy `stream_options` and a falsy `stream`),
+    instead of admitting, metering and refunding what the engine will refuse."""
+    stream = bool(opt_bool(body, "stream", "stream"))
+    if only_when_streamed and body.get("stream_options") and not stream:
+        bad(
+            "Stream options (`stream_options`) can only be defined when `stream=True`.",
+            code="invalid_value",
+            param="stream_options",
+        )
+    options = opt_object(body, "stream_options", "stream_options")
+    include_usage = (
+        bool(opt_bool(options, "include_usage", "stream_options.include_usage")) if options else False
+    )
+    return stream, include_usage

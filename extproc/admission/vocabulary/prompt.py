@@ -74,7 +74,10 @@ class Prompt:
 
     def __post_init__(self) -> None:
         if self.text_bytes < 0:
-            object.__setattr__(self, "text_bytes", sum(utf8_len(t) for t in self.texts))
+            text_bytes = 0
+            for text in self.texts:
+                text_bytes += utf8_len(text)
+            object.__setattr__(self, "text_bytes", text_bytes)
 
 
 def known_tokens(prompt: Prompt, policy: ModelPolicy) -> int:
@@ -98,7 +101,8 @@ def known_tokens(prompt: Prompt, policy: ModelPolicy) -> int:
 
 
 def lower_bound(prompt: Prompt, policy: ModelPolicy) -> int:
-    return math.ceil(prompt.text_bytes / max_token_bytes(policy.encoding)) + known_tokens(prompt, policy)
+    known = known_tokens(prompt, policy)
+    return known + math.ceil(prompt.text_bytes / max_token_bytes(policy.encoding))
 
 
 def upper_bound(prompt: Prompt, policy: ModelPolicy) -> int:

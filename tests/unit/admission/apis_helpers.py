@@ -9,16 +9,8 @@ import pytest
 import tiktoken
 
 from extproc.admission.apis import dialect_for
-from extproc.admission.intake.request import (
-    Api,
-    BodyEdits,
-    ParsedRequest,
-    Reservation,
-    count_prompt_tokens,
-    edit_body,
-    parse_request,
-    plan_reservation,
-)
+from extproc.admission.intake.request import Api, BodyEdits, ParsedRequest, edit_body, parse_request
+from extproc.admission.intake.reservation import Reservation, count_prompt_tokens, plan_reservation
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.policy import ModelPolicy, TemplateCosts
 from extproc.admission.vocabulary.usage import ResponseUsageTracker, Usage

@@ -9,7 +9,8 @@ import pytest
 
 from extproc.admission.apis import render_refusal
 from extproc.admission.apis.anthropic import anthropic_refusal
-from extproc.admission.intake.request import Api, BodyEdits, Reservation
+from extproc.admission.intake.request import Api, BodyEdits
+from extproc.admission.intake.reservation import Reservation
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.vocabulary.errors import AdmissionError

@@ -11,7 +11,8 @@ import pytest
 from extproc.admission.apis import render_refusal, spec_of
 from extproc.admission.apis.cohere_chat import count_number
 from extproc.admission.intake.paths import DEFAULT_TABLE
-from extproc.admission.intake.request import Api, BodyEdits, Reservation, StepWork
+from extproc.admission.intake.request import Api, BodyEdits, StepWork
+from extproc.admission.intake.reservation import Reservation
 from extproc.admission.replies import refusals
 from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
 from extproc.core.limiter import RateLimitStatus, Reason, Rejection

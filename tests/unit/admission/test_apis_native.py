@@ -9,7 +9,8 @@ import pytest
 
 from extproc.admission.apis import dialect_for
 from extproc.admission.apis.common import UNNAMED_MODEL
-from extproc.admission.intake.request import Api, BodyEdits, Reservation
+from extproc.admission.intake.request import Api, BodyEdits
+from extproc.admission.intake.reservation import Reservation
 from extproc.admission.vocabulary.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
 from extproc.config import DEFAULT_MODEL
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, sse, tk, track

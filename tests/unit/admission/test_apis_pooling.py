@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.intake.request import Api, BodyEdits, Reservation
+from extproc.admission.intake.request import Api, BodyEdits
+from extproc.admission.intake.reservation import Reservation
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, track

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.intake.request import Api, BodyEdits, Reservation, prompt_token_lower_bound
+from extproc.admission.intake.request import Api, BodyEdits
+from extproc.admission.intake.reservation import Reservation, prompt_token_lower_bound
 from extproc.admission.vocabulary.policy import MediaCosts, MissingMaxTokens, ModelPolicy, TemplateCosts
 from tests.unit.admission.apis_helpers import BARE, counts, edited, parse, plan, refused, sse, tk, track
 

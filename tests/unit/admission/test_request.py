@@ -11,14 +11,10 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.admission.intake.request import (
-    Api,
-    BodyEdits,
-    ParsedRequest,
+from extproc.admission.intake.request import Api, BodyEdits, ParsedRequest, edit_body, parse_request
+from extproc.admission.intake.reservation import (
     Reservation,
     count_prompt_tokens,
-    edit_body,
-    parse_request,
     plan_reservation,
     prompt_token_lower_bound,
     prompt_token_upper_bound,

@@ -8,12 +8,10 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.intake.request import (
-    Api,
-    ParsedRequest,
+from extproc.admission.intake.request import Api, ParsedRequest, parse_request
+from extproc.admission.intake.reservation import (
     Reservation,
     count_prompt_tokens,
-    parse_request,
     plan_reservation,
     prompt_token_lower_bound,
 )
