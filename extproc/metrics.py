@@ -197,6 +197,14 @@ class Metrics:
             ["class"],
             registry=r,
         )
+        self.slots_released_early = Counter(
+            "extproc_slots_released_early",
+            "Admitted requests whose concurrency slots went back before they ended, by model: the KV feed "
+            "found the engine done with them while their clients still read the answer (a slow reader); "
+            "their tokens settle when they end, as any request's.",
+            ["model"],
+            registry=r,
+        )
         self.end_reports = Counter(
             "extproc_end_reports",
             "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
@@ -320,6 +328,7 @@ class Metrics:
             self.tokens_refunded,
             self.tokens_overrun,
             self.tokens_cached_prompt,
+            self.slots_released_early,
         ):
             counter.labels(model)
         for kind in ("prompt", "completion"):
