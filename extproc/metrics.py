@@ -77,7 +77,7 @@ class _LimitCollector(Collector):
             labels=["key"],
         )
         active = GaugeMetricFamily(
-            "extproc_key_active_requests", "Leases currently held per limited key.", labels=["key"]
+            "extproc_key_active_requests", "Slots currently held per limited key.", labels=["key"]
         )
         avail = GaugeMetricFamily(
             "extproc_tokens_available", "Tokens in the key's bucket now (negative: debt).", labels=["key"]
