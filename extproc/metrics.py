@@ -77,7 +77,7 @@ class _LimitCollector(Collector):
             labels=["key"],
         )
         active = GaugeMetricFamily(
-            "extproc_key_active_requests", "Leases currently held per limited key.", labels=["key"]
+            "extproc_key_active_requests", "Slots currently held per limited key.", labels=["key"]
         )
         avail = GaugeMetricFamily(
             "extproc_tokens_available", "Tokens in the key's bucket now (negative: debt).", labels=["key"]
@@ -195,6 +195,14 @@ class Metrics:
             "extproc_streams_cut",
             "In-flight streams reset because the pool's KV usage passed the class's cut watermark.",
             ["class"],
+            registry=r,
+        )
+        self.slots_released_early = Counter(
+            "extproc_slots_released_early",
+            "Admitted requests whose concurrency slots went back before they ended, by model: the KV feed "
+            "found the engine done with them while their clients still read the answer (a slow reader); "
+            "their tokens settle when they end, as any request's.",
+            ["model"],
             registry=r,
         )
         self.end_reports = Counter(
@@ -320,6 +328,7 @@ class Metrics:
             self.tokens_refunded,
             self.tokens_overrun,
             self.tokens_cached_prompt,
+            self.slots_released_early,
         ):
             counter.labels(model)
         for kind in ("prompt", "completion"):

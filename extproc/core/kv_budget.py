@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.core.completion_learner import CompletionLearner
 from extproc.core.decode_rate import usable_rate
+from extproc.core.engine_done import EngineDone
 from extproc.core.kv_fairness import ClaimId, FairShare
 from extproc.core.kv_forecast import DecodeRate, Steps, forecast_peaks
 from extproc.core.kv_schedule import RetrySchedule
@@ -179,6 +181,7 @@ class KvBudget:
         self._fresh_until: float | None = None
         self._unexplained = 0.0
         self._finished: frozenset[str] = frozenset()  # leases the engine finished, at the last sample
+        self._engine_done = EngineDone()  # who is told once the engine is confirmed done with a lease
         self._booked = 0
         self._last_fit: tuple[float | None, int, int, int, str, int, PromptChunks] | None = None
         self._booked_with = 0
@@ -381,7 +384,8 @@ class KvBudget:
           nothing now but needs its KV back, so with anything waiting nothing is taken off.
         * Leases the engine has finished are booked nothing until the next sample (`_engine_finished`): an
           answer the engine generated whole while its client still reads it (a slow reader in the lean
-          profile, whose lease ends with the proxy's report) holds no KV there.
+          profile, whose lease ends with the proxy's report) holds no KV there. Once that finding holds
+          over samples, whoever asked (`on_engine_done`) is told, at the end of this call.
         """
         self._fresh_until = now + max(0.0, fresh_for)
         self._unexplained = 0.0
@@ -403,6 +407,15 @@ class KvBudget:
                 self._unexplained = used - settled
         self._booked = self._book(now)[0]
         self._last_fit = None
+        for told in self._engine_done.sample(self._finished, now, self.settle_after()):
+            told()
+
+    def on_engine_done(self, lease_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` once, at a feed sample, when the engine is confirmed to have finished the lease
+        while its client still reads (`engine_done`: found so in consecutive samples over `settle_after`);
+        never after its release. Nothing for a lease not booked here."""
+        if lease_id in self._leases:
+            self._engine_done.watch(lease_id, callback)
 
     def _engine_finished(self, now: float, waiting: float | None, running: float | None) -> frozenset[str]:
         """The leases the engine has finished, by count: with nothing waiting, every lease admitted more
@@ -677,6 +690,7 @@ class KvBudget:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        self._engine_done.forget(lease_id)
         self._last_fit = None
         self._demand -= lease.footprint
         self._credit(self._prefixes.remove(lease_id, lease.chunks.hashes), -1)

@@ -144,6 +144,9 @@ class Lease:
     actual_tokens: int | None = None
     reserved_output: int = 0
     actual_output: int = 0
+    slot_released: bool = False
+    """Its slots were given back before its settlement (`release_slot`: the engine finished while the client
+    still reads); its tokens stay reserved until `release` settles them."""
 
     def reserved_on(self, key: str) -> int:
         return key_tokens(key, self.reserved_tokens, self.reserved_output)
@@ -287,24 +290,42 @@ class JointLimiter:
         )
 
     def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
-        """Settle a lease to the tokens really used, `actual_output` of them completion. Returns False if it
-        was already settled."""
+        """Settle a lease to the tokens really used, `actual_output` of them completion, and give back its
+        slots unless `release_slot` did. Returns False if it was already settled."""
         if lease.settled:
             return False
         lease.settled = True
         lease.actual_tokens = max(0, actual_tokens)
         lease.actual_output = max(0, actual_output)
         now = self.clock()
+        for placement in lease.placements:
+            if placement.tokens is None:
+                continue
+            share = self._state(placement.key).shares.get(placement.tokens)
+            if share is not None and share.bucket is not None:
+                share.bucket.settle(lease.reserved_on(placement.key), lease.actual_on(placement.key), now)
+        if not lease.slot_released:
+            self._free_slots(lease, now)
+        return True
+
+    def release_slot(self, lease: Lease) -> bool:
+        """Give back an open lease's slots now and keep its tokens reserved until `release` settles them to
+        what was used (the engine finished the request while its client still reads the answer). False when
+        the lease is settled or its slots were given back before: a slot is never freed twice."""
+        if lease.settled or lease.slot_released:
+            return False
+        lease.slot_released = True
+        self._free_slots(lease, self.clock())
+        return True
+
+    def _free_slots(self, lease: Lease, now: float) -> None:
+        """One slot back on every key the lease holds, and its hold time into the slot retry hints."""
         held = max(0.0, now - lease.acquired_at)
         for placement in lease.placements:
             state = self._state(placement.key)
             slot = state.shares.get(placement.slot)
             if slot is not None:
                 slot.active = max(0, slot.active - 1)
-            if placement.tokens is not None:
-                share = state.shares.get(placement.tokens)
-                if share is not None and share.bucket is not None:
-                    share.bucket.settle(lease.reserved_on(placement.key), lease.actual_on(placement.key), now)
             state.hold_ewma_s = (
                 held
                 if state.hold_ewma_s is None
@@ -312,7 +333,6 @@ class JointLimiter:
             )
             if slot is not None and slot.concurrency == 0 and slot.active == 0:
                 state.rebuild(now)  # drops a share whose guarantee was removed once it is empty
-        return True
 
     def refund(self, lease: Lease, tokens: int) -> bool:
         """Lower an open lease's reservation by `tokens` prompt tokens (at most what it holds for the prompt),

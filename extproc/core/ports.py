@@ -2,7 +2,8 @@
 
 The ext_proc server talks to limits only through `LimiterStore`. The in-process store (the default) keeps
 state in this process; a shared store lets several gateway replicas enforce one global limit. Both settle a
-lease exactly once, whoever asks first. A shared store also carries messages between the replicas that share
+lease exactly once, whoever asks first; a lease may give its slots back before that (`release_slot`), its
+tokens then settling with the lease. A shared store also carries messages between the replicas that share
 it (`Mailbox`): the lean profile's end reports reach the replica that admitted their request through it.
 """
 
@@ -83,8 +84,15 @@ class LimiterStore(Protocol):
         ...
 
     async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
-        """Settle a lease to the tokens really used, `actual_output` of them completion; False when it was
-        settled before."""
+        """Settle a lease to the tokens really used, `actual_output` of them completion, and give back its
+        slots unless `release_slot` did; False when it was settled before."""
+        ...
+
+    async def release_slot(self, lease: Lease) -> bool:
+        """Give back an open lease's slots now, its tokens staying reserved until `release` settles them
+        (the engine finished the request while its client still reads the answer). False when the lease is
+        settled, gone, or gave its slots back before: a slot is never freed twice. A store that cannot
+        answer keeps the slots held (False, never raises): `release` frees them at the latest."""
         ...
 
     async def refund(self, lease: Lease, tokens: int) -> bool:

@@ -107,6 +107,18 @@ class FallbackStore:
             await self.fallback.release(shadow, 0)
         return await self.primary.release(lease, actual_tokens, actual_output)
 
+    async def release_slot(self, lease: Lease) -> bool:
+        """The slots where the lease took them; a shared lease's local shadow slot goes with its shared
+        ones (only once those are back: a shared store that cannot answer keeps both)."""
+        if id(lease) in self._local:
+            return await self.fallback.release_slot(lease)
+        if not await self.primary.release_slot(lease):
+            return False
+        shadow = self._shadows.pop(id(lease), None)
+        if shadow is not None:
+            await self.fallback.release(shadow, 0)
+        return True
+
     async def refund(self, lease: Lease, tokens: int) -> bool:
         if id(lease) in self._local:
             return await self.fallback.refund(lease, tokens)

@@ -32,6 +32,9 @@ class LocalStore:
     async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
         return self.limiter.release(lease, actual_tokens, actual_output)
 
+    async def release_slot(self, lease: Lease) -> bool:
+        return self.limiter.release_slot(lease)
+
     async def refund(self, lease: Lease, tokens: int) -> bool:
         return self.limiter.refund(lease, tokens)
 

@@ -7,7 +7,9 @@
   `end_report_wait_seconds`, the charge from the time to the stream's end x the learned decode rate, within
   1.5x of what the engine generated.
 * A slow reader (a raw socket reading 1 KiB every 0.1 s of a 24 x 2,000-token answer): the metered route's
-  lifetime bound (`admission.max_request_seconds`) ends it, and it pays for what the engine generated.
+  lifetime bound (`admission.max_request_seconds`) ends it, and it pays for what the engine generated. With
+  the KV feed its slot goes back once the engine is done, before the client has read the answer: a second
+  request is admitted into a one-slot limit while the first one's client still reads.
 """
 
 from __future__ import annotations
@@ -361,6 +363,88 @@ def test_a_slow_reader_is_bounded_and_pays_for_what_the_engine_generated(slow_st
     assert read < 1_000_000  # the reader got a small part of the answer
     # At least what the engine generated (the learned pace rounds per sequence), never above the reservation.
     assert 0.95 * truth <= charged <= 24 * 2000, (charged, truth)
+
+
+FOLLOWED_CONFIG: dict[str, Any] = {
+    "models": {"*": {"context_window": 4096, "default_max_tokens": 256}},
+    "limits": {"global": {"max_concurrency": 1, "tokens_per_minute": 100_000_000}},
+    "kv_budget": {"enabled": True},
+}
+
+
+@pytest.fixture(params=["inline", "lean"])
+def followed_stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
+    """One slot, the KV feed and a forecasting KV budget: the engine's running count reaches the sidecar."""
+    stack = build_stack(config=FOLLOWED_CONFIG, sim_args=SLOW_SIM, with_exporter=True, profile=request.param)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_a_slow_readers_slot_follows_the_engine_and_its_charge_the_engines_count(
+    followed_stack: LocalStack,
+) -> None:
+    """24 x 2,000 tokens read at 10 KiB/s: the engine is done in about 4 s; its slot goes back once the feed
+    confirms it, and a second request is admitted into the one slot while the slow client still reads. When
+    the client goes, the charge is what the engine generated, as before."""
+    stack = followed_stack
+    wait_for(lambda: sidecar_metric(stack, "extproc_kv_capacity_tokens") > 0, 15)
+    for _ in range(2):  # completed streams teach the pool's decode rate
+        assert stream_chat(stack.envoy_url, 40) == 40
+    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 5)
+    generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
+    completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
+    before_generated, before_charged = generated(), completion()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a long story."}],
+            "n": 24,
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=30)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    read, freed_at, engine_done_at, second = 0, None, None, None
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        started = time.monotonic()
+        while time.monotonic() - started < 30 and freed_at is None:  # 1 KiB every 0.1 s
+            chunk = sock.recv(1024)
+            assert chunk, "the answer ended early"
+            read += len(chunk)
+            if (
+                engine_done_at is None
+                and metric(f"{stack.upstream_url}/metrics", "vllm:num_requests_running") == 0
+            ):
+                engine_done_at = time.monotonic() - started
+            if sidecar_metric(stack, "extproc_slots_released_early_total") == 1:
+                freed_at = time.monotonic() - started
+            time.sleep(0.1)
+        assert freed_at is not None and engine_done_at is not None, (freed_at, engine_done_at)
+        assert sidecar_metric(stack, "extproc_active_requests") == 1  # not settled: its tokens wait
+        second = http("POST", f"{stack.envoy_url}/v1/chat/completions", CHAT)
+        sock.recv(1024)  # the slow client still reads
+    finally:
+        sock.close()
+    wait_for(lambda: stack_idle(stack), 10)
+    truth, charged = generated() - before_generated, completion() - before_charged - 8
+    print(
+        f"{stack.profile}: engine done at {engine_done_at:.1f}s, slot back at {freed_at:.1f}s, "
+        f"read {read} B, {truth} made, {charged} charged"
+    )
+    assert second.status == 200, second.body  # admitted into the slot given back
+    assert freed_at - engine_done_at < 8.0  # the feed's samples, confirmed over settle_after
+    assert read < 1_000_000  # the reader got a small part of the answer
+    assert 0.95 * (truth - 8) <= charged <= 24 * 2000, (charged, truth)
 
 
 def stack_idle(stack: LocalStack) -> bool:

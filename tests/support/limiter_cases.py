@@ -161,6 +161,67 @@ async def overrun_charged_as_debt(h: Harness) -> None:
     assert isinstance(rej, Rejection) and rej.retry_after_s == h.seconds(15.0, abs_s=0.6)
 
 
+# -- slots given back before the settlement (`LimiterStore.release_slot`) ---------------------------------
+
+
+@limiter_case
+async def a_slot_given_back_admits_another_while_the_tokens_wait_for_the_release(h: Harness) -> None:
+    await h.apply({"m": LimitSpec(max_concurrency=1, tokens_per_minute=6000)})
+    lease = await h.lease(["m"], 3000)
+    assert isinstance(await h.acquire(["m"], 0), Rejection)
+    assert await h.store.release_slot(lease) is True
+    assert lease.slot_released and not lease.settled
+    snap = h.snap("m")
+    assert snap.active == 0
+    assert snap.tokens_available == h.tokens(3000, 6000)  # still reserved
+    second = await h.lease(["m"], 0)  # the slot it gave back
+    assert isinstance(await h.acquire(["m"], 0), Rejection)  # one slot, held once
+    assert await h.store.release(lease, 1000) is True  # tokens only: no slot freed twice
+    assert h.snap("m").active == 1
+    assert isinstance(await h.acquire(["m"], 0), Rejection)
+    assert h.snap("m").tokens_available == h.tokens(5000, 6000)  # settled to what was used
+    assert await h.store.release(second, 0)
+    assert h.snap("m").active == 0
+
+
+@limiter_case
+async def a_slot_is_given_back_once_and_never_by_a_settled_lease(h: Harness) -> None:
+    await h.apply({"m": LimitSpec(max_concurrency=2, tokens_per_minute=600)}, priority=PRIORITY)
+    lease = await h.lease(["m"], 100, "critical")
+    other = await h.lease(["m"], 0)
+    assert await h.store.release_slot(lease)
+    assert await h.store.release_slot(lease) is False
+    assert h.snap("m").active == 1
+    assert await h.store.release(lease, 100)
+    assert await h.store.release(lease, 100) is False
+    assert h.snap("m").active == 1  # `other` still holds its slot
+    settled = await h.lease(["m"], 0)
+    assert await h.store.release(settled, 0)
+    assert await h.store.release_slot(settled) is False
+    assert h.snap("m").active == 1
+    assert await h.store.release(other, 0)
+    snap = h.snap("m")
+    assert snap.active == 0 and snap.tokens_available == h.tokens(500, 600)
+
+
+@limiter_case
+async def a_slot_given_back_on_several_keys_frees_each_once(h: Harness) -> None:
+    await h.apply(
+        {
+            "global": LimitSpec(max_concurrency=3, tokens_per_minute=6000),
+            "model:m": LimitSpec(max_concurrency=1),
+        }
+    )
+    lease = await h.lease(["global", "model:m"], 600)
+    assert await h.store.release_slot(lease)
+    assert (h.snap("global").active, h.snap("model:m").active) == (0, 0)
+    other = await h.lease(["global", "model:m"], 0)
+    assert await h.store.release(lease, 60)
+    assert (h.snap("global").active, h.snap("model:m").active) == (1, 1)
+    assert h.snap("global").tokens_available == h.tokens(5940, 6000)
+    assert await h.store.release(other, 0)
+
+
 # -- split input/output limits (extproc/core/split.py) ---------------------------------------------------
 
 SPLIT = LimitSpec(tokens_per_minute=6000, input_tokens_per_minute=600, output_tokens_per_minute=300)

@@ -4,7 +4,8 @@ A request is checked (`fits`), booked before the limiter's await (`hold`, so tha
 each other's footprints), given back if it is not admitted (`give_back`), lowered to the exact count after
 an admission on the prompt's bound (`correct_prompt`), followed while it runs (`progress` from the chunks
 the inline profile sees, `follow` from the decode-rate estimate where nobody sees them), and released when
-it settles (`release`); a completed stream nobody watched teaches it the pool's pace (`learn_pace`). Each
+it settles (`release`); a completed stream nobody watched teaches it the pool's pace (`learn_pace`), and
+the feed's finding that the engine is done with it is passed on (`when_engine_done`). Each
 change that can move the budget's headroom tells the feedback side (`changed`), which republishes the
 pool's KV state.
 """
@@ -114,6 +115,12 @@ class KvBooking:
             self.budget.release(self.id, completion)
             self.held = False
             self.changed(self.pool)
+
+    def when_engine_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the pool's feed confirms the engine has finished this request while its
+        client still reads (`KvBudget.on_engine_done`); never without a budget, or after the release."""
+        if self.budget is not None and self.held:
+            self.budget.on_engine_done(self.id, callback)
 
     def progress(self, streamed_tokens: int, now: float | None) -> None:
         """The inline profile saw `streamed_tokens` completion tokens so far (`now`: a stream's chunk time,

@@ -1,7 +1,8 @@
 """Settling a lease, exactly once per lease, and counting what it cost: the store releases the lease to what
 was charged (`settlement.py` says what), the KV budget gives back the request's entry, and the settlement
-metrics record the outcome, the tokens settled, refunded and overrun. An engine's refusal (its queue full)
-also tells the pool's adaptive scale at once.
+metrics record the outcome, the tokens settled, refunded and overrun. A lease whose engine is done before
+its client has read the answer gives its slots back first (`release_slot`), counted and logged. An
+engine's refusal (its queue full) also tells the pool's adaptive scale at once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,29 @@ class Settler:
         future.add_done_callback(lambda done: self._account(done, admitted, charge))
         self.track(future)
         return future
+
+    def release_slot(self, admitted: Admitted) -> asyncio.Future[bool]:
+        """Give the lease's slots back before it settles (the engine is done with it, its client still
+        reads): the store frees them at most once, and `settle` later charges its tokens as ever."""
+        future = asyncio.ensure_future(self.store.release_slot(admitted.lease))
+        future.add_done_callback(lambda done: self._slot_back(done, admitted))
+        self.track(future)
+        return future
+
+    def _slot_back(self, done: asyncio.Future[bool], admitted: Admitted) -> None:
+        if done.cancelled() or done.exception() is not None or not done.result():
+            return  # settled meanwhile, or the store kept the slot: the settlement frees it
+        if self.queue is not None:
+            self.queue.kick()
+        self.child(self.metrics.slots_released_early, admitted.model_label).inc()
+        log.info(
+            "slot released early: the engine is done, the client still reads",
+            extra={
+                "model": admitted.model_label,
+                "class": admitted.klass.name,
+                "lease": admitted.lease.lease_id,
+            },
+        )
 
     def _engine_refused(self, admitted: Admitted) -> None:
         """The engine refused this request (its queue full): counted apart from engine failures, and the

@@ -8,6 +8,10 @@ Where the answer was not seen to its end, the charge includes the pool's decode-
 engine generated; a completed stream teaches that rate (`learn_pace`, the one place it is learned).
 
 One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
+
+A request whose engine is done before its client has read the answer gives its slots back early
+(`engine_done`, told by its KV booking once the feed confirms it): the slot follows the engine, the tokens
+the answer.
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ class InFlight:
         self.report_key: str | None = None  # lean: the key the proxy's end report names
         self._forget_report: Callable[[str], None] = lambda _key: None
         self.request_id: str | None = None  # lean: the proxy's x-request-id, only to find an unforwarded one
+        self.slot_given_back = False  # the engine was done before the client: its slots went back early
+        admitted.booking.when_engine_done(self.engine_done)
 
     def await_report(self, key: str, forget: Callable[[str], None]) -> None:
         """Lean: the proxy will report this request's end under `key`; `forget` takes it off the registry
@@ -152,6 +158,15 @@ class InFlight:
                 seen.decode_s,
                 seen.first_token_after_s,
             )
+
+    def engine_done(self) -> None:
+        """The KV feed confirms the engine has finished this request while its client still reads the
+        answer (a slow reader, behind the proxy's full buffers): its slots go back now, so the engine's idle
+        room admits others; its tokens settle when it ends, from what is seen then, as ever. Once."""
+        if self.settled or self.slot_given_back:
+            return
+        self.slot_given_back = True
+        self.service.settler.release_slot(self.admitted)
 
     def cut(self) -> Refusal | None:
         """The refusal that resets this stream when its class's KV watermark is passed, else None; at most
@@ -271,7 +286,7 @@ class InFlight:
     def open_lease(self, key: str) -> OpenLease | None:
         """This request as an open lease on `key` (for slot retry hints), or None if it holds none there."""
         admitted = self.admitted
-        if self.settled or key not in admitted.lease.keys:
+        if self.settled or self.slot_given_back or key not in admitted.lease.keys:
             return None
         usage = self.seen.facts.usage
         request = admitted.request

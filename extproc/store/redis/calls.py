@@ -36,6 +36,7 @@ from extproc.store.redis.scripts import (
     PEEK,
     REFUND,
     RELEASE,
+    RELEASE_SLOT,
     RENEW,
     SCALE,
     WAITING,
@@ -92,6 +93,7 @@ class Scripts:
     def __init__(self, client: Client) -> None:
         self.acquire = client.register_script(ACQUIRE)
         self.release = client.register_script(RELEASE)
+        self.release_slot = client.register_script(RELEASE_SLOT)
         self.peek = client.register_script(PEEK)
         self.renew = client.register_script(RENEW)
         self.forget = client.register_script(FORGET)
@@ -105,6 +107,7 @@ class Scripts:
         return (
             self.acquire,
             self.release,
+            self.release_slot,
             self.peek,
             self.renew,
             self.forget,

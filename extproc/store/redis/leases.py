@@ -5,7 +5,7 @@ Leases are members of per-(key, share) sorted sets scored by their expiry. The o
 leases every `lease_ttl_s / 3`; a replica that dies stops renewing and its leases drop out of every count
 `lease_ttl_s` later. A lease that outlived its TTL without renewal (Redis unreachable for longer than the TTL)
 is gone for good: renewing or settling it later is a no-op, never a revival. A lease *missing* before it can
-have expired was lost by Redis (evicted, flushed): the renewal adds it back (`guard`).
+have expired was lost by Redis (evicted, flushed): the renewal adds it back (`guard`), where it was (`P u`).
 
 A release that fails is retried in the background (bounded) and otherwise left to lease expiry.
 """
@@ -94,7 +94,7 @@ class Leases:
         self.restored_leases = 0
         """Leases re-added because Redis had lost them before their expiry."""
 
-    def _key_ttl_ms(self) -> int:
+    def key_ttl_ms(self) -> int:
         return math.ceil((self.lease_ttl_s + LEASE_KEY_MARGIN_S) * 1000)
 
     # -- acquire -------------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class Leases:
         head = [
             member,
             repr(self.lease_ttl_s),
-            str(self._key_ttl_ms()),
+            str(self.key_ttl_ms()),
             str(tokens),
             holder or "",
             "1" if use_pool else "0",
@@ -316,11 +316,11 @@ class Leases:
         return len(entries) - lost
 
     def _renew_args(self, chunk: Sequence[Open], sent_at: float) -> list[str]:
-        args = [repr(self.lease_ttl_s), str(self._key_ttl_ms()), str(len(chunk))]
+        args = [repr(self.lease_ttl_s), str(self.key_ttl_ms()), str(len(chunk))]
         for entry in chunk:
             places = entry.lease.placements
             alive = sent_at < entry.confirmed_at + self.lease_ttl_s * RESTORE_WITHIN
-            args += [entry.member, "1" if alive else "0", str(len(places))]
+            args += [entry.member, str(int(alive)), str(int(entry.lease.slot_released)), str(len(places))]
             for placement in places:
                 args += [placement.key, placement.slot]
         return args

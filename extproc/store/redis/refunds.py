@@ -1,15 +1,19 @@
-"""Part of an open lease's reservation given back early (bound admission: the exact prompt count came in
-under the byte bound the request was admitted on; extproc/admission/deciding/provisional.py)."""
+"""Parts of an open lease given back before its release: some of its reservation (bound admission: the exact
+prompt count came in under the byte bound the request was admitted on; extproc/admission/deciding/
+provisional.py), or its slots (the engine finished the request while its client still reads the answer:
+extproc/admission/tracking/inflight.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from extproc.core.limiter import Lease
+from extproc.core.ports import StoreUnavailable
 from extproc.core.split import key_tokens
 from extproc.store.redis.breaker import RedisUnavailable
 from extproc.store.redis.calls import Calls
 from extproc.store.redis.keyspace import Keyspace
+from extproc.store.redis.views import Views
 
 
 async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, timeout_s: float) -> bool:
@@ -44,3 +48,31 @@ async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, ti
         return False
     lease.reserved_tokens -= tokens
     return True
+
+
+async def release_slot(
+    calls: Calls, keyspace: Keyspace, views: Views, lease: Lease, timeout_s: float, key_ttl_ms: int
+) -> bool:
+    """Give back the lease's slots in one script call, its tokens waiting for the release (`P u` in
+    `scripts`). False when it was settled or gave its slots back before, was found expired, or Redis did not
+    answer: the slots then stay held until the release, the safe side, and no retry is owed. A call whose
+    reply was lost may still have run: the renewal then finds the lease in `P u` and keeps it there, and the
+    release settles it either way."""
+    if lease.settled or lease.slot_released or not lease.placements:
+        return False
+    head = [str(lease.lease_id), repr(lease.acquired_at), str(key_ttl_ms)]
+    slots = [placement.slot for placement in lease.placements]
+    try:
+        raw = await calls.run(
+            calls.scripts.release_slot,
+            lambda: [*head, *keyspace.keyspec(lease.keys), *slots],
+            lease.keys,
+            timeout_s,
+        )
+    except StoreUnavailable:
+        return False
+    views.parse(lease.keys, raw[2:], float(raw[1]), with_places=False)
+    moved = bool(int(raw[0]))
+    if moved and not lease.settled:
+        lease.slot_released = True
+    return moved

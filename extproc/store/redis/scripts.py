@@ -12,6 +12,10 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
 
 - `P l:#k:k:share` (zset): open leases on one share, scored by their expiry (server time, seconds);
   expires lease TTL + 10 s after the last add or renewal.
+- `P u` (zset): leases whose slots were given back before their settlement (`RELEASE_SLOT`: the engine
+  finished while the client still reads), their tokens still reserved, scored by their expiry as in `l`;
+  renewed as they are, and gone with their release. Leases of every key, in one set: a lease is named by
+  its member alone, unique across replicas.
 - `P s:#k:k` (set): share names that may hold leases, so leases of a guarantee this replica no longer
   knows are still counted; same expiry.
 - `P b:#k:k:share` (hash): the bucket: `t` tokens (negative: debt), `ts` last update, `c` the capacity it
@@ -201,6 +205,15 @@ local function epoch(known, new_id, rec_ms, now)
   return id, rec - now
 end
 
+-- One lease's hold time (s) into the key's moving average, read for slot retry hints.
+local function hold(key, held)
+  local hk = rkey('k', key)
+  local h = redis.call('HGET', hk, 'hold')
+  if h then h = 0.8 * tonumber(h) + 0.2 * held else h = held end
+  redis.call('HSET', hk, 'hold', fmt(h))
+  redis.call('PEXPIRE', hk, 3600000)
+end
+
 local function append_state(out, k)
   out[#out + 1] = k.hold or ''
   out[#out + 1] = #k.order
@@ -318,6 +331,8 @@ RELEASE = (
 -- Reply: 1 if this call settled the lease (0: settled before, or expired), server now, per key: state.
 -- A lease is alive while its score is in the future; all its members share one score, so checking the first
 -- decides for all. Settling an expired lease would refund tokens already written off: it is a no-op instead.
+-- A lease whose slots were given back (`P u`) is alive by its score there: its tokens settle, no slot is
+-- freed twice, and the hold time was counted when the slots came back.
 local member, acquired = ARGV[1], tonumber(ARGV[2])
 local keys, i = parse_keys(3)
 local refused = stale(keys)
@@ -329,12 +344,15 @@ for k = 1, #keys do
                actual = tonumber(ARGV[i + 3])}
   i = i + 4
 end
-local alive = false
+local alive, holding = false, false
 if #keys > 0 then
   local score = redis.call('ZSCORE', rkey('l', keys[1].key, places[1].slot), member)
-  alive = score and tonumber(score) > now
+  holding = score and tonumber(score) > now
+  local freed = redis.call('ZSCORE', P .. 'u', member)
+  alive = holding or (freed and tonumber(freed) > now)
 end
 for k, spec in ipairs(keys) do redis.call('ZREM', rkey('l', spec.key, places[k].slot), member) end
+redis.call('ZREM', P .. 'u', member)
 
 local function settle(spec, share, reserved, actual)
   local sh = spec.shares[share]
@@ -362,15 +380,47 @@ if alive then
   for k, spec in ipairs(keys) do
     local pl = places[k]
     if pl.tok ~= '' then settle(spec, pl.tok, pl.reserved, pl.actual) end
-    local hk = rkey('k', spec.key)
-    local h = redis.call('HGET', hk, 'hold')
-    if h then h = 0.8 * tonumber(h) + 0.2 * held else h = held end
-    redis.call('HSET', hk, 'hold', fmt(h))
-    redis.call('PEXPIRE', hk, 3600000)
+    if holding then hold(spec.key, held) end
   end
   if redis.call('EXISTS', P .. 'wq') == 1 then redis.call('PUBLISH', P .. 'wake', 'release') end
 end
 local out = {alive and 1 or 0, fmt(now)}
+for _, spec in ipairs(keys) do
+  gather(spec, now)
+  append_state(out, spec)
+end
+return out
+"""
+)
+
+RELEASE_SLOT = (
+    COMMON
+    + r"""
+-- ARGV: member, acquired_at (server time), lease key ttl ms, KEYSPEC, then per key: slot share.
+-- Reply: 1 if this call gave the lease's slots back (0: given back before, settled, or expired), server now,
+--        per key: state.
+-- The lease leaves every slot it holds and waits in `P u`, at the expiry it had, for its release to settle
+-- its tokens; the slots' hold time is counted now, as a release counts it.
+local member, acquired, key_ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local keys, i = parse_keys(4)
+local refused = stale(keys)
+if refused then return refused end
+local now = clock()
+local slots = {}
+for k = 1, #keys do slots[k] = ARGV[i]; i = i + 1 end
+local score = nil
+if #keys > 0 then score = redis.call('ZSCORE', rkey('l', keys[1].key, slots[1]), member) end
+local moved = score and tonumber(score) > now
+if moved then
+  for k, spec in ipairs(keys) do
+    redis.call('ZREM', rkey('l', spec.key, slots[k]), member)
+    hold(spec.key, math.max(0, now - acquired))
+  end
+  redis.call('ZADD', P .. 'u', score, member)
+  redis.call('PEXPIRE', P .. 'u', key_ttl_ms)
+  if redis.call('EXISTS', P .. 'wq') == 1 then redis.call('PUBLISH', P .. 'wake', 'release') end
+end
+local out = {moved and 1 or 0, fmt(now)}
 for _, spec in ipairs(keys) do
   gather(spec, now)
   append_state(out, spec)
@@ -455,19 +505,33 @@ RENEW = (
     COMMON
     + r"""
 -- ARGV: lease ttl s, lease key ttl ms, lease count, then per lease: member, restore ('1': the caller knows
---       it is alive, so re-add it where it is missing), n, (key, slot share) x n
+--       it is alive, so re-add it where it is missing), freed ('1': its slots were given back, so it is
+--       kept in `P u`, never in a slot), n, (key, slot share) x n
 -- Reply: {1-based indices of leases found expired (removed, never revived)},
 --        {indices of leases that were missing and are re-added: Redis lost them before their expiry}.
+-- A lease found in `P u` is renewed there whatever the caller says: the reply of the call that gave its
+-- slots back may not have reached it, and re-adding it to a slot would take the slot again.
 local ttl, key_ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local n, i = tonumber(ARGV[3]), 4
 local now = clock()
 local expiry = now + ttl
 local lost, restored = {}, {}
 for li = 1, n do
-  local member, restore, m = ARGV[i], ARGV[i + 1] == '1', tonumber(ARGV[i + 2])
-  i = i + 3
-  local alive, missing, expired = m == 0, false, false
-  for j = 0, m - 1 do
+  local member, restore, m = ARGV[i], ARGV[i + 1] == '1', tonumber(ARGV[i + 3])
+  local uscore = redis.call('ZSCORE', P .. 'u', member)
+  local freed = ARGV[i + 2] == '1' or uscore ~= false
+  i = i + 4
+  local alive, missing, expired = m == 0 and not freed, false, false
+  if freed then
+    if not uscore then
+      missing = true
+    elseif tonumber(uscore) > now then
+      alive = true
+    else
+      expired = true
+    end
+  end
+  for j = 0, freed and -1 or m - 1 do
     local score = redis.call('ZSCORE', rkey('l', ARGV[i + 2 * j], ARGV[i + 2 * j + 1]), member)
     if not score then
       missing = true
@@ -480,7 +544,7 @@ for li = 1, n do
   local keep = not expired and (alive or restore)
   for _ = 1, m do
     local lk, setk = rkey('l', ARGV[i], ARGV[i + 1]), rkey('s', ARGV[i])
-    if keep then
+    if keep and not freed then
       redis.call('ZADD', lk, expiry, member)
       redis.call('PEXPIRE', lk, key_ttl_ms)
       redis.call('SADD', setk, ARGV[i + 1])
@@ -489,6 +553,12 @@ for li = 1, n do
       redis.call('ZREM', lk, member)
     end
     i = i + 2
+  end
+  if freed and keep then
+    redis.call('ZADD', P .. 'u', expiry, member)
+    redis.call('PEXPIRE', P .. 'u', key_ttl_ms)
+  elseif freed then
+    redis.call('ZREM', P .. 'u', member)
   end
   if not keep then
     lost[#lost + 1] = li
@@ -504,8 +574,10 @@ FORGET = (
     COMMON
     + r"""
 -- ARGV: member, then (key, share) pairs. Removes a lease whose acquire timed out on the caller's side, from
--- every share it could have been placed on. Tokens it may have taken stay charged (the safe side).
-local member, removed = ARGV[1], 0
+-- every share it could have been placed on, and from `P u` (a lease re-added there by a renewal that crossed
+-- its release). Tokens it may have taken stay charged (the safe side).
+local member = ARGV[1]
+local removed = redis.call('ZREM', P .. 'u', member)
 for j = 2, #ARGV, 2 do
   removed = removed + redis.call('ZREM', rkey('l', ARGV[j], ARGV[j + 1]), member)
 end

@@ -8,9 +8,9 @@ derived in Python from the state the script returns, with the very code the in-p
 
 The parts: `connection` (client, TLS, ACL), `calls` (script calls, retries on `stale`/`epoch` replies,
 background tasks), `breaker` (failures and fail-fast), `keyspace` (limits, scales, KEYSPEC, state rebuilt
-from replies), `views` (the metrics cache), `leases` (acquire, release, renewal), `scales` (the shared
-adaptive scale), `wake` (wake-ups across replicas), `mailbox` (messages between replicas), `guard` (a
-Redis that lost its state or may evict).
+from replies), `views` (the metrics cache), `leases` (acquire, release, renewal), `refunds` (parts of a
+lease given back early), `scales` (the shared adaptive scale), `wake` (wake-ups across replicas),
+`mailbox` (messages between replicas), `guard` (a Redis that lost its state or may evict).
 
 Concurrency model: all methods run on one event loop; local state (config, open leases, the metrics cache)
 is only touched between awaits. `snapshot()` does no I/O: it serves a cache refreshed after every call and
@@ -41,7 +41,7 @@ from extproc.store.redis.guard import DEFAULT_GUARD_INTERVAL_S, StateGuard
 from extproc.store.redis.keyspace import Keyspace
 from extproc.store.redis.leases import Leases
 from extproc.store.redis.mailbox import RedisMailbox
-from extproc.store.redis.refunds import refund
+from extproc.store.redis.refunds import refund, release_slot
 from extproc.store.redis.scales import Scales
 from extproc.store.redis.views import Views
 from extproc.store.redis.wake import Wake
@@ -214,6 +214,10 @@ class RedisStore:
     async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
         return await self.leases.release(lease, actual_tokens, actual_output)
 
+    async def release_slot(self, lease: Lease) -> bool:
+        key_ttl_ms = self.leases.key_ttl_ms()
+        return await release_slot(self.calls, self.keyspace, self.views, lease, self.timeout_s, key_ttl_ms)
+
     async def refund(self, lease: Lease, tokens: int) -> bool:
         return await refund(self.calls, self.keyspace, lease, tokens, self.timeout_s)
 
@@ -300,10 +304,6 @@ class RedisStore:
         )
 
     @property
-    def open_leases(self) -> int:
-        return len(self.leases.open)
-
-    @property
     def lost_leases(self) -> int:
         """Leases found expired at renewal (Redis was unreachable for longer than the lease TTL)."""
         return self.leases.lost_leases
@@ -327,10 +327,6 @@ class RedisStore:
     def server_time(self) -> float:
         """Redis server time of the last state read (what the last decision was judged at)."""
         return self.views.server_time
-
-    @property
-    def judged(self) -> list[float]:
-        return self.calls.judged
 
     @property
     def last_error(self) -> str | None:

@@ -64,7 +64,8 @@ def test_defaults_by_prefix_and_pruning_idle_keys() -> None:
 
 
 class LimiterMachine(RuleBasedStateMachine):
-    """Random interleavings of acquire, release, limit changes and time never exceed a limit or leak."""
+    """Random interleavings of acquire, release, slots given back early, limit changes and time never exceed
+    a limit, free a slot twice or leak one."""
 
     KEYS = ("global", "model:a", "tenant:t")
 
@@ -107,6 +108,15 @@ class LimiterMachine(RuleBasedStateMachine):
         if twice:
             assert not self.limiter.release(lease, actual)
 
+    @precondition(lambda self: any(not lease.slot_released for lease in self.open))
+    @rule(data=st.data(), twice=st.booleans())
+    def release_slot(self, data: st.DataObject, twice: bool) -> None:
+        holding = [lease for lease in self.open if not lease.slot_released]
+        lease = holding[data.draw(st.integers(0, len(holding) - 1))]
+        assert self.limiter.release_slot(lease)
+        if twice:
+            assert not self.limiter.release_slot(lease)
+
     @rule(seconds=st.floats(0, 30))
     def tick(self, seconds: float) -> None:
         self.clock.advance(seconds)
@@ -126,7 +136,7 @@ class LimiterMachine(RuleBasedStateMachine):
     def active_matches_open_leases(self) -> None:
         snaps = {s.key: s for s in self.limiter.snapshot()}
         for key in self.KEYS:
-            expected = sum(1 for lease in self.open if key in lease.keys)
+            expected = sum(1 for lease in self.open if key in lease.keys and not lease.slot_released)
             assert (snaps[key].active if key in snaps else 0) == expected
 
     @invariant()
