@@ -67,7 +67,8 @@ class QueueFull(Exception):
 
 
 class DeadlineUnmet(Exception):
-    """A waiter's own deadline is out of reach: its capacity is not expected before it (`eta` seconds)."""
+    """A waiter's own deadline is out of reach: its capacity is not expected before it (`eta` seconds, where
+    known; None once a grant could no longer bring its first token in time)."""
 
     def __init__(self, eta: float | None) -> None:
         super().__init__("deadline passed" if eta is None else f"capacity expected in {eta:.3f} s")
