@@ -10,11 +10,13 @@ told (`announce_waiting`), releases everywhere then publish a wake-up, and the s
 tick stays as the fallback when wake-ups are lost.
 
 A newcomer never overtakes waiters of its own or a higher class: while they wait, it queues behind them.
-A request with a deadline of its own (extproc/admission/intake/deadline.py) waits no longer than it and
-goes ahead of its own tenant's requests with later or no deadlines (`Waiter.due`). The pump keeps the last
-refusal each class's heads met (`blocked`), so a newcomer that lines up behind them without trying can still
-be told at once that its deadline is out of reach, and compares each waiter's deadline with that refusal
-again (`_refuse_unreachable`): a deadline that went out of reach while waiting is refused then. A waiter
+A request with a deadline of its own (extproc/admission/intake/deadline.py) goes ahead of its own tenant's
+requests with later or no deadlines (`Waiter.due`). The pump keeps the last refusal each class's heads met
+(`blocked`), so a newcomer that lines up behind them without trying can still be told at once that its
+deadline is out of reach. Letting it wait is a promise (`deadline_refusal`): made only where the layout of
+the line expects its capacity a margin before its deadline (its first token's delay and the slip the
+forecast has shown, `ForecastSlip`, which each grant teaches), and kept: a waiter is not refused because
+the layout later says it is late, only once a grant could no longer bring its first token in time. A waiter
 whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the very moment
 it left is given straight back, so nothing leaks.
 """
@@ -31,12 +33,17 @@ from typing import Any, Protocol
 from extproc.core.clock import Clock
 from extproc.core.limiter import TOKEN_REASONS, Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
+from extproc.core.slip import ForecastSlip
 from extproc.core.waitqueue import Waiter, WaitQueue
 from extproc.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 PUMP_INTERVAL_S = 0.1
+FIRST_TOKEN_S = 0.05
+"""How long after its capacity is granted a request's first token is expected at its client (the request
+resumes, the engine takes its first step, the token streams back): a wait that ends later than this
+before its deadline cannot meet it, and a promise must leave it."""
 WAITABLE = (Reason.CONCURRENCY, *TOKEN_REASONS)
 """Refusals that time can cure; a request larger than the bucket's base capacity never waits."""
 
@@ -60,10 +67,11 @@ class QueueFull(Exception):
 
 
 class DeadlineUnmet(Exception):
-    """A waiter's own deadline is out of reach: its capacity is not expected before it (`eta` seconds)."""
+    """A waiter's own deadline is out of reach: its capacity is not expected before it (`eta` seconds, where
+    known; None once a grant could no longer bring its first token in time)."""
 
-    def __init__(self, eta: float) -> None:
-        super().__init__(f"capacity expected in {eta:.3f} s")
+    def __init__(self, eta: float | None) -> None:
+        super().__init__("deadline passed" if eta is None else f"capacity expected in {eta:.3f} s")
         self.eta = eta
 
 
@@ -91,6 +99,11 @@ class AdmissionQueue:
         # Waiters the pump granted a lease whose requests have not resumed: their leases hold slots that
         # no open request shows yet, which the deadlines' layout counts (`_schedule`).
         self._granted: set[Waiter] = set()
+        # When each waiter was first expected to have its capacity (noted by a pump, moved later by each
+        # newcomer placed ahead of it) and when that was noted: how late capacity came against such
+        # forecasts is the margin newcomers' promises keep (`ForecastSlip`).
+        self._forecast: dict[Waiter, tuple[float, float]] = {}
+        self.slip = ForecastSlip()
         # Wired by the admission service (compose.py): when refused waiters' capacity is expected.
         self.starts: Schedule = _no_schedule
 
@@ -111,23 +124,36 @@ class AdmissionQueue:
     ) -> float | None:
         """Whether a newcomer due at `due` (this queue's clock) that will hold its capacity `run_s` seconds
         may wait, its capacity refused as `refused`: None when it may, else the seconds until its capacity
-        is expected (its retry-after). It may when its capacity is expected before its deadline and its
-        place, ahead of requests with later deadlines, makes none of them that were expected in time miss
-        theirs: a newcomer never pushes a request already waiting in time out of it. None where nothing
-        tells (`Schedule`)."""
+        is expected (its retry-after). Waiting is a promise, kept to the end (`wait`), so it is made with a
+        margin: the newcomer may wait when its capacity is expected a margin before its deadline, and its
+        place, ahead of requests with later deadlines, pushes none of those still in time later into that
+        margin. The margin: its first token's delay after the grant (`FIRST_TOKEN_S`) and how late capacity
+        has come against this forecast lately (`ForecastSlip`). None where nothing tells (`Schedule`)."""
         now = self.clock()
         newcomer = Waiter(holder, tenant, now, due, (tuple(keys), 0, None), sys.maxsize, due, run_s)
         after = self._schedule(holder, refused, newcomer)
         if after is None:
             return None
         mine = after.pop(newcomer)
-        if now + mine > due:
+        if now + mine + self._margin(mine) > due:
             return mine
         before = self._schedule(holder, refused) or {}
         for waiter, start in after.items():
-            if waiter.due is not None and now + before[waiter] <= waiter.due < now + start:
+            was = before[waiter]
+            if waiter.due is None or start <= was or now + was + FIRST_TOKEN_S > waiter.due:
+                continue  # not moved, or already out of time: the newcomer costs it nothing
+            if now + start + self._margin(start) > waiter.due:
                 return mine
+        for waiter, start in after.items():  # moved by the newcomer, not by the forecast slipping
+            noted = self._forecast.get(waiter)
+            if noted is not None and start > before[waiter]:
+                self._forecast[waiter] = (noted[0], noted[1] + start - before[waiter])
         return None
+
+    def _margin(self, start: float) -> float:
+        """How far before its deadline a start `start` seconds away must be expected to be promised: the
+        first token's delay after it and the slip the forecast has shown over such a horizon."""
+        return FIRST_TOKEN_S + self.slip.margin(start)
 
     def _schedule(
         self, holder: str, refused: Rejection, extra: Waiter | None = None
@@ -153,42 +179,45 @@ class AdmissionQueue:
         output_tokens: int = 0,
     ) -> Lease | Rejection | None:
         """Wait for a lease. None when the wait's end passed (`max_wait_s`, already the smallest of the
-        bounds that apply); QueueFull when there is no room to wait; DeadlineUnmet when a pump finds `due`,
-        the request's own deadline on this queue's clock (which also orders its tenant's line), out of
-        reach. `refused`: what the request met trying at once, the class's `blocked` until a pump runs;
-        `run_s`: how long it will hold its capacity, for the deadlines of the waiters behind it; `gate`:
-        what else it needs, opened before each try (a lease granted finds it open); `output_tokens`: how
-        many of `tokens` are reserved completion (split input and output limits)."""
+        bounds that apply); QueueFull when there is no room to wait; DeadlineUnmet when `due`, the request's
+        own deadline on this queue's clock (which also orders its tenant's line), can no longer be met: a
+        grant now would bring its first token after it (`FIRST_TOKEN_S`). Nothing else ends a wait with a
+        deadline early: the layout said it was in time when it began (`deadline_refusal`), and a forecast
+        that slipped since may slip back. `refused`: what the request met trying at once, the class's
+        `blocked` until a pump runs; `run_s`: how long it will hold its capacity, for the deadlines of the
+        waiters behind it; `gate`: what else it needs, opened before each try (a lease granted finds it
+        open); `output_tokens`: how many of `tokens` are reserved completion (split input and output
+        limits)."""
         if refused is not None:
             self._blocked[holder] = refused
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Lease] = loop.create_future()
         now = self.clock()
-        waiter = Waiter(holder, tenant, enqueued_at=now, deadline=now + max_wait_s, due=due, run_s=run_s)
+        end, by_due = _wait_end(now + max_wait_s, due)
+        waiter = Waiter(holder, tenant, enqueued_at=now, deadline=end, due=due, run_s=run_s)
         waiter.payload = (tuple(keys), tokens, future, gate, output_tokens)
         if not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
             raise QueueFull
         self._depth(holder)
         self.kick()
-        outcome = "deadline" if due is not None and due <= waiter.deadline else "timeout"
+        outcome = "deadline" if by_due else "timeout"
         try:
-            lease = await asyncio.wait_for(asyncio.shield(future), max_wait_s)
+            lease = await asyncio.wait_for(asyncio.shield(future), max(0.0, end - now))
             outcome = "admitted"
             return lease
         except _Unwaitable as exc:
             outcome = "refused"
             return exc.rejection
         except _Expired:
-            return None  # the pump found its end passed on the injected clock
-        except DeadlineUnmet:
-            outcome = "deadline"
-            raise
+            _end_of(by_due)  # the pump found its end passed on the injected clock
+            return None
         except TimeoutError:
             if future.done() and not future.cancelled() and future.exception() is None:
                 outcome = "admitted"
                 return future.result()  # admitted in the same instant the deadline passed
             future.cancel()  # an acquire still in flight for this waiter gives its lease back
+            _end_of(by_due)
             return None
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -200,6 +229,7 @@ class AdmissionQueue:
         finally:
             self.queue.remove(waiter)
             self._granted.discard(waiter)
+            self._forecast.pop(waiter, None)
             self._depth(holder)
             self.metrics.queue_wait_seconds.labels(holder, outcome).observe(self.clock() - now)
 
@@ -240,12 +270,15 @@ class AdmissionQueue:
                     self._depth(waiter.holder)
                     future.set_result(result)
                     self._granted.add(waiter)
+                    noted = self._forecast.pop(waiter, None)
+                    if noted is not None:
+                        self.slip.observe(*noted, self.clock())
                     admitted = True
                 elif result.reason in WAITABLE:
                     self._blocked[waiter.holder] = result
                     if waiter.holder not in checked:
                         checked.add(waiter.holder)
-                        self._refuse_unreachable(waiter.holder, result)
+                        self._foresee(waiter.holder, result)
                 elif not future.done():
                     future.set_exception(_Unwaitable(result))
         except Exception:
@@ -264,16 +297,15 @@ class AdmissionQueue:
             if not future.done():
                 future.set_exception(_Expired())
 
-    def _refuse_unreachable(self, holder: str, rejection: Rejection) -> None:
-        """End the waits of this class whose own deadline is now out of reach: the capacity `rejection`
-        refused is not expected before it, after the waiters expected to be admitted first."""
+    def _foresee(self, holder: str, rejection: Rejection) -> None:
+        """Note when each waiter in line for the capacity `rejection` refused is expected to have it, the
+        first time a pump lays it out: its grant then tells how far the forecast slipped over that
+        horizon (`ForecastSlip`). A newcomer placed ahead moves the note with it (`deadline_refusal`);
+        other reorderings (a higher class, a tenant's turn) count as slip, the cautious side."""
         schedule = self._schedule(holder, rejection)
         now = self.clock()
         for waiter, start in (schedule or {}).items():
-            late = waiter.due is not None and now + start > waiter.due
-            future = waiter.payload[2]
-            if late and waiter.holder == holder and not future.done():
-                future.set_exception(DeadlineUnmet(start))
+            self._forecast.setdefault(waiter, (now, now + start))
 
     def _rearm(self) -> None:
         if self._timer is not None:
@@ -294,6 +326,20 @@ class AdmissionQueue:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+
+
+def _wait_end(bound: float, due: float | None) -> tuple[float, bool]:
+    """When a wait ends, its other bounds ending at `bound`, and whether its own deadline `due` sets it:
+    the last moment a grant still brings its first token in time (`FIRST_TOKEN_S` before it)."""
+    if due is not None and due - FIRST_TOKEN_S < bound:
+        return due - FIRST_TOKEN_S, True
+    return bound, False
+
+
+def _end_of(by_due: bool) -> None:
+    """A wait's end passed: DeadlineUnmet where the request's own deadline set it (else it timed out)."""
+    if by_due:
+        raise DeadlineUnmet(None)
 
 
 class _Unwaitable(Exception):

@@ -1,8 +1,11 @@
 """Client deadlines and the inference pool's headers through admission, with an injected clock.
 
-A deadline out of reach is refused before the request waits; a deadline reached while waiting ends the
-wait; its own tenant's line is ordered by it; the queue's bound is the smallest of the global, the class's
-and the request's. Nothing a refused request took is kept (slot, tokens, KV booking).
+A deadline out of reach is refused before the request waits, a margin before it counting as out of reach
+(its first token's delay and the slip the forecast has shown); a wait once begun is a promise, ended only
+when a grant could no longer bring the first token in time; its own tenant's line is ordered by it; the
+queue's bound is the smallest of the global, the class's and the request's. Nothing a refused request took
+is kept (slot, tokens, KV booking). Most tests weigh deadlines against the forecast alone (no slip prior,
+`Rig(prior=0)`); those about the margin say so.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from extproc.admission.capacity.queueing import AdmissionQueue
+from extproc.admission.capacity.queueing import FIRST_TOKEN_S, AdmissionQueue
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import BodyVerdict, Forward, Hold, Refusal
 from extproc.core.limiter import Reason, Rejection
+from extproc.core.slip import ForecastSlip
 from tests.support.admission import AdmissionRig
 
 OWN = "x-extproc-ttft-deadline-ms"
@@ -35,10 +39,12 @@ CONFIG: dict[str, Any] = {
 
 
 class Rig(AdmissionRig):
-    """Admission with a wait queue over an in-process store of one slot (unless told), on a fake clock."""
+    """Admission with a wait queue over an in-process store of one slot (unless told), on a fake clock;
+    `prior`: the slip per second of horizon a promise allows before any was seen (`ForecastSlip.prior`)."""
 
-    def __init__(self, config: dict[str, Any] = CONFIG, slots: int = 1) -> None:
+    def __init__(self, config: dict[str, Any] = CONFIG, slots: int = 1, prior: float = 0.0) -> None:
         super().__init__(config, slots, queues=True)
+        self.waits.slip = ForecastSlip(prior=prior)
 
     @property
     def waits(self) -> AdmissionQueue:
@@ -143,12 +149,16 @@ async def test_a_deadline_within_reach_waits_and_is_admitted_when_the_slot_frees
     assert isinstance(verdicts[-1], Forward)
 
 
-async def test_a_deadline_reached_while_waiting_ends_the_wait_with_its_reason() -> None:
+async def test_a_wait_ends_when_a_grant_could_no_longer_meet_the_deadline() -> None:
     rig = await Rig().start()
     holder = await rig.hold_the_slot(max_tokens=100)
     task = rig.waiting(rig.exchange(), {OWN: "2000"})
     await turns()
-    rig.clock.advance(2.0)
+    rig.clock.advance(2.0 - FIRST_TOKEN_S - 0.01)  # a grant now still brings the first token in time
+    rig.waits.kick()
+    await turns()
+    assert not task.done()
+    rig.clock.advance(0.01)  # from here its first token would come after the deadline
     rig.waits.kick()
     await turns()
     refusal = refusal_of(await task)
@@ -181,10 +191,11 @@ async def test_a_newcomer_never_pushes_a_waiter_in_time_out_of_its_deadline() ->
     assert rig.active == 0
 
 
-async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_passes() -> None:
+async def test_a_promised_waiter_the_layout_turns_late_keeps_its_place_and_is_admitted_in_time() -> None:
     rig = await Rig(slots=2).start()
     short, long = await rig.hold_the_slot(max_tokens=100), await rig.hold_the_slot(max_tokens=300)  # 1 s, 3 s
-    later = rig.waiting(rig.exchange(), {OWN: "2500"})  # the first slot to free (1 s) is in time
+    waiting = rig.exchange()
+    later = rig.waiting(waiting, {OWN: "2500"})  # the first slot to free (1 s) is in time
     await turns()
     # A higher class goes first whatever the deadlines below it, to hold the first slot to free for 3 s.
     vip_exchange = rig.exchange()
@@ -192,13 +203,44 @@ async def test_a_waiter_whose_deadline_goes_out_of_reach_is_refused_before_it_pa
     await turns()
     rig.waits.kick()
     await turns()
-    # Behind it, `later` needs the second slot to free, in 3 s: past its 2.5 s, known now.
-    assert later.done() and refusal_of(await later).reason == "deadline_unmet"
-    assert not vip.done()
-    assert rig.metric("extproc_queue_wait_seconds_count", outcome="deadline", **{"class": "standard"}) == 1
+    # Behind it, `later` is laid out at 3 s, past its 2.5 s; but it was promised: it is not refused on that.
+    assert not later.done() and not vip.done()
+    rig.clock.advance(1.0)
     await rig.settle(short)
     await turns()
+    assert isinstance((await vip)[-1], Forward) and not later.done()
+    rig.clock.advance(0.5)
+    await rig.settle(long)  # the long answer ended early: its slot frees in time for `later`
+    await turns()
+    assert isinstance((await later)[-1], Forward)
+    assert rig.metric("extproc_queue_wait_seconds_count", outcome="admitted", **{"class": "standard"}) == 1
+    for exchange in (vip_exchange, waiting):
+        await rig.settle(exchange)
+    assert rig.active == 0
+
+
+async def test_a_promised_waiter_whose_slot_never_frees_in_time_is_refused_when_no_grant_could_help() -> None:
+    rig = await Rig(slots=2).start()
+    short, long = await rig.hold_the_slot(max_tokens=100), await rig.hold_the_slot(max_tokens=300)
+    later = rig.waiting(rig.exchange(), {OWN: "2500"})
+    await turns()
+    vip_exchange = rig.exchange()
+    vip = rig.waiting(vip_exchange, {}, tenant="vip", max_tokens=300)
+    await turns()
+    rig.clock.advance(1.0)
+    await rig.settle(short)  # the vip takes the slot `later` was promised
+    await turns()
     assert isinstance((await vip)[-1], Forward)
+    rig.clock.advance(1.5 - FIRST_TOKEN_S - 0.01)
+    rig.waits.kick()
+    await turns()
+    assert not later.done()
+    rig.clock.advance(0.01)
+    rig.waits.kick()
+    await turns()
+    refusal = refusal_of(await later)
+    assert refusal.reason == "deadline_unmet" and "retry-after" in dict(refusal.all_headers)
+    assert rig.metric("extproc_queue_wait_seconds_count", outcome="deadline", **{"class": "standard"}) == 1
     for exchange in (long, vip_exchange):
         await rig.settle(exchange)
     assert rig.active == 0
@@ -366,3 +408,96 @@ async def test_untrusted_inference_pool_headers_are_ignored() -> None:
     rig = Rig()
     headers = {"x-gateway-inference-fairness-id": "team-a", "x-gateway-inference-objective": "interactive"}
     assert facts(rig, headers) == ("default", "standard")
+
+
+async def test_a_promise_keeps_the_prior_margin_until_the_forecast_was_checked() -> None:
+    rig = await Rig(prior=1.0).start()
+    holder = await rig.hold_the_slot(max_tokens=100)  # frees in 1 s
+    # In time by the forecast (1 s + the first token's delay), not by a second's slip per second: refused.
+    assert refusal_of(await rig.send(rig.exchange(), {OWN: "2000"})).reason == "deadline_unmet"
+    patient = rig.exchange()
+    waits = rig.waiting(patient, {OWN: str(round((1.0 + FIRST_TOKEN_S + 1.0) * 1000) + 10)})
+    await turns()
+    assert not waits.done()
+    rig.clock.advance(1.0)
+    await rig.settle(holder)
+    await turns()
+    assert isinstance((await waits)[-1], Forward)
+    await rig.settle(patient)
+
+
+async def test_the_margin_is_learned_from_how_late_grants_came_against_their_forecast() -> None:
+    rig = await Rig().start()
+    rig.waits.slip = ForecastSlip(prior=0.0, min_samples=1)
+    holder = await rig.hold_the_slot(max_tokens=100)  # forecast to free in 1 s
+    first = rig.exchange()
+    ahead = rig.waiting(first, {OWN: "9000"})
+    await turns()
+    rig.waits.kick()  # a pump lays the line out: `ahead` expected in 1 s
+    await turns()
+    rig.clock.advance(1.5)  # the holder ran half a second past its forecast
+    await rig.settle(holder)
+    await turns()
+    assert isinstance((await ahead)[-1], Forward)
+    assert rig.waits.slip.rate() == pytest.approx(0.5)  # 0.5 s late over a 1 s horizon
+    # Now a start 0.1 s away (the 10-token `ahead`) is promised only 0.05 s + 0.5 x 0.5 s (the floor) early.
+    assert refusal_of(await rig.send(rig.exchange(), {OWN: "390"})).reason == "deadline_unmet"
+    patient = rig.exchange()
+    waits = rig.waiting(patient, {OWN: "410"})
+    await turns()
+    assert not waits.done()
+    for exchange in (first, patient):
+        rig.clock.advance(0.1)
+        await rig.settle(exchange)
+        await turns()
+    assert isinstance((await waits)[-1], Forward)
+
+
+@pytest.mark.parametrize(("prior", "pushed"), [(0.0, False), (0.25, True)])
+async def test_a_newcomer_may_not_push_a_promised_waiter_into_its_margin(prior: float, pushed: bool) -> None:
+    rig = await Rig(slots=2, prior=prior).start()
+    short, long = await rig.hold_the_slot(max_tokens=100), await rig.hold_the_slot(max_tokens=300)  # 1 s, 3 s
+    waiting = rig.exchange()
+    later = rig.waiting(waiting, {OWN: "2500"})  # expected at 1 s
+    await turns()
+    # Going first at 1 s for 1 s moves `later` to 2 s: 0.45 s before its deadline, in time with the first
+    # token's delay alone, inside a margin of 0.05 s + 0.25 x 2 s.
+    quick_exchange = rig.exchange()
+    quick = rig.waiting(quick_exchange, {OWN: "2000"}, max_tokens=100)
+    await turns()
+    if pushed:
+        assert quick.done() and refusal_of(await quick).reason == "deadline_unmet"
+    else:
+        assert not quick.done()
+    assert not later.done()
+    for exchange in (short, long, quick_exchange, waiting):
+        rig.clock.advance(1.0)
+        await rig.settle(exchange)
+        await turns()
+    assert isinstance((await later)[-1], Forward)
+    assert rig.active == 0
+
+
+async def test_a_newcomer_placed_ahead_moves_the_forecast_it_is_judged_against() -> None:
+    rig = await Rig().start()
+    rig.waits.slip = ForecastSlip(prior=0.0, min_samples=1)
+    holder = await rig.hold_the_slot(max_tokens=100)  # frees in 1 s
+    first = rig.exchange()
+    patient = rig.waiting(first, {OWN: "9000"}, max_tokens=100)
+    await turns()
+    rig.waits.kick()  # laid out: `patient` at 1 s
+    await turns()
+    second = rig.exchange()
+    urgent = rig.waiting(second, {OWN: "3000"}, max_tokens=100)  # ahead of it, 1 s: `patient` moves to 2 s
+    await turns()
+    rig.waits.kick()
+    await turns()
+    for exchange, task in ((holder, urgent), (second, patient)):
+        rig.clock.advance(1.0)
+        await rig.settle(exchange)
+        await turns()
+        assert isinstance((await task)[-1], Forward)
+    # Both came when laid out: the second later than first foreseen, but for the newcomer, not a slip.
+    assert rig.waits.slip.rate() == 0.0
+    await rig.settle(first)
+    assert rig.active == 0
