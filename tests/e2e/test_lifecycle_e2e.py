@@ -319,25 +319,9 @@ def test_a_slow_reader_is_bounded_and_pays_for_what_the_engine_generated(slow_st
     generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
     completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
     before_generated, before_charged = generated(), completion()
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Write a long story."}],
-            "n": 24,
-            "max_tokens": 2000,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=30)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock = slow_reader(stack)
     read = 0
     try:
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
         started = time.monotonic()
         freed_at = None
         # Read 1 KiB every 0.1 s (10 KiB/s against ~10 MB of answer) until the slot is free, 20 s at most.
@@ -397,25 +381,9 @@ def test_a_slow_readers_slot_follows_the_engine_and_its_charge_the_engines_count
     generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
     completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
     before_generated, before_charged = generated(), completion()
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Write a long story."}],
-            "n": 24,
-            "max_tokens": 2000,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=30)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock = slow_reader(stack)
     read, freed_at, engine_done_at, second = 0, None, None, None
     try:
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
         started = time.monotonic()
         while time.monotonic() - started < 30 and freed_at is None:  # 1 KiB every 0.1 s
             chunk = sock.recv(1024)
@@ -445,6 +413,29 @@ def test_a_slow_readers_slot_follows_the_engine_and_its_charge_the_engines_count
     assert freed_at - engine_done_at < 8.0  # the feed's samples, confirmed over settle_after
     assert read < 1_000_000  # the reader got a small part of the answer
     assert 0.95 * (truth - 8) <= charged <= 24 * 2000, (charged, truth)
+
+
+def slow_reader(stack: LocalStack) -> socket.socket:
+    """A raw client with a 4 KiB receive buffer that has sent a streamed chat of 24 x 2,000 tokens: its
+    caller reads as slowly as it likes."""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a long story."}],
+            "n": 24,
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=30)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
 
 
 def stack_idle(stack: LocalStack) -> bool:
