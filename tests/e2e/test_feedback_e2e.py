@@ -18,7 +18,7 @@ import pytest
 
 from extproc.envoyconf.profiles import PROFILES
 from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
-from tests.support.stack import Stack, build_stack, fixed_step_sim, http, start_stack
+from tests.support.stack import Stack, build_stack, fixed_step_sim, http, scrape, start_stack
 from tests.support.waiting import wait_for
 
 MODEL = "llama-3-8b"
@@ -172,6 +172,15 @@ BUDGET_CONFIG: dict[str, Any] = {
 }
 
 
+def _headroom_is_target_less_booked(stack: Stack) -> bool:
+    """One scrape: booked within the two streams' footprints, and headroom the 90 % target less booked."""
+    samples = scrape(f"{stack.stack.admin_url}/metrics")
+    pool = (("pool", MODEL),)
+    booked = samples[("extproc_kv_booked_tokens", pool)]
+    assert 2900 <= booked <= 3686
+    return samples[("extproc_kv_headroom_tokens", pool)] == int(4096 * 0.9) - booked
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
     """256 blocks x 16 = 4,096 KV tokens; 90% target = 3,686: two 1,500-token streams fit, a third not."""
@@ -202,10 +211,9 @@ def test_kv_budget_refuses_what_the_cache_cannot_hold(profile: str) -> None:
         # Booked by forecast: both streams grow to their whole allowance (no tenant history yet), so the
         # peak is their lifetime footprints, plus any KV the engine holds beyond them.
         assert stack.sidecar("extproc_kv_forecasting", pool=MODEL) == 1
-        booked = stack.sidecar("extproc_kv_booked_tokens", pool=MODEL)
-        assert 2900 <= booked <= 3686
-        headroom = stack.sidecar("extproc_kv_headroom_tokens", pool=MODEL)
-        assert headroom == int(4096 * 0.9) - booked
+        # Booked and headroom move with each engine sample: read them from one scrape, and retry a scrape
+        # that landed between the two gauges' updates.
+        wait_for(lambda: _headroom_is_target_less_booked(stack), 5, "headroom = target - booked")
 
         async def third() -> tuple[int, dict[str, str], Any]:
             async with (
