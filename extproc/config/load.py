@@ -13,7 +13,9 @@ things used to hurt the running sidecar:
   `/healthz` and admission for tens of seconds. `load_isolated` runs the whole load (read, bounds, YAML,
   validation) in a child Python process, so the sidecar's loop, memory and GIL are untouched; the child
   sends back the validated `Config` (pickled) or the problems, and a child that runs past
-  `LOAD_TIMEOUT_S`, exceeds its memory cap or dies is a refused reload, not a crash.
+  `LOAD_TIMEOUT_S`, exceeds its memory cap or dies is a refused reload, not a crash. Unpickling holds the
+  GIL, and 10^5 tenants' limits took 0.5 s at once, so the tenant table comes back in chunks of
+  `TENANT_CHUNK` rows, each unpickled in its own turn of the loop.
 - *Exceptions that are not `ConfigError`.* `MemoryError`, `RecursionError` or a too-long integer literal
   (`ValueError`) used to escape the watcher uncounted. Every failure becomes a `ConfigError` that names
   its kind, so the watcher counts it as `refused` in `extproc_config_reloads_total` and logs a bounded line.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import pickle
 import resource
@@ -48,6 +51,8 @@ MAX_SCALAR_BYTES = 64 << 20
 """Most characters in scalars after alias expansion (an alias of a large string counts once per use)."""
 LOAD_TIMEOUT_S = 120.0
 """How long the child that loads a reloaded file may take (10^5 tenants: about 8 s on a busy machine)."""
+TENANT_CHUNK = 4096
+"""Tenant rows unpickled per turn of the event loop on a reload (about 20 ms of one busy core)."""
 CHILD_MEMORY_BYTES = 4 << 30
 """Address-space cap of that child: whatever slips past the bounds ends in its MemoryError, not ours."""
 
@@ -198,16 +203,16 @@ async def load_isolated(path: str | os.PathLike[str], timeout_s: float = LOAD_TI
             child.kill()
         await child.wait()
         raise
-    return _outcome(path, child.returncode, out, err)
+    return await _outcome(path, child.returncode, out, err)
 
 
-def _outcome(path: str | os.PathLike[str], returncode: int | None, out: bytes, err: bytes) -> Config:
+async def _outcome(path: str | os.PathLike[str], returncode: int | None, out: bytes, err: bytes) -> Config:
     """What the child sent back: a validated `Config`, or its problems, or a note that it died."""
     if returncode != 0 or not out:
         last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
         raise ConfigError(f"<file>: the loader of {path} exited with status {returncode}: {last[0]}")
     try:
-        kind, payload = pickle.loads(out)  # our own child, over our own pipe
+        kind, payload, chunks = pickle.loads(out)  # our own child, over our own pipe; chunks stay bytes
     except Exception as exc:  # cut short: the child died while writing
         raise ConfigError(
             f"<file>: the loader of {path} sent back no outcome ({type(exc).__name__})"
@@ -216,7 +221,30 @@ def _outcome(path: str | os.PathLike[str], returncode: int | None, out: bytes, e
         raise ConfigError(*payload)
     if not isinstance(payload, Config):
         raise ConfigError(f"<file>: the loader of {path} sent back {type(payload).__name__}")
-    return payload
+    return await _with_tenants(payload, chunks)
+
+
+async def _with_tenants(config: Config, chunks: list[bytes]) -> Config:
+    """`config` with the tenant rows the child sent apart, one chunk per turn of the loop."""
+    if not chunks:
+        return config
+    tenants: dict[str, Any] = {}
+    for chunk in chunks:
+        tenants.update(pickle.loads(chunk))
+        await asyncio.sleep(0)
+    return dataclasses.replace(config, limits=dataclasses.replace(config.limits, tenants=tenants))
+
+
+def _split_tenants(config: Config) -> tuple[Config, list[bytes]]:
+    """`config` without its tenant table, and the table as pickled chunks of `TENANT_CHUNK` rows."""
+    rows = list(config.limits.tenants.items())
+    if len(rows) <= TENANT_CHUNK:
+        return config, []
+    chunks = [
+        pickle.dumps(rows[i : i + TENANT_CHUNK], protocol=pickle.HIGHEST_PROTOCOL)
+        for i in range(0, len(rows), TENANT_CHUNK)
+    ]
+    return dataclasses.replace(config, limits=dataclasses.replace(config.limits, tenants={})), chunks
 
 
 def _cap_memory(limit: int = CHILD_MEMORY_BYTES) -> None:
@@ -231,11 +259,11 @@ def _child(path: str) -> int:
     result = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a library prints, from Python or native code, goes to stderr
     _cap_memory()
-    outcome: tuple[str, Any]
+    outcome: tuple[str, Any, list[bytes]]
     try:
-        outcome = ("config", load_file(path))
+        outcome = ("config", *_split_tenants(load_file(path)))
     except ConfigError as exc:
-        outcome = ("problems", exc.problems)
+        outcome = ("problems", exc.problems, [])
     with result:
         result.write(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
     return 0

@@ -366,10 +366,21 @@ async def test_the_child_sends_back_what_an_in_process_load_builds() -> None:
         assert await load_isolated(path) == load_config(path), path
 
 
-def test_a_child_that_dies_is_a_refusal_naming_its_status() -> None:
+async def test_a_table_sent_back_in_chunks_arrives_whole(tmp_path: Path) -> None:
+    """Past `TENANT_CHUNK` rows the tenant table comes back in pieces; every row, in order, still arrives."""
+    from extproc.config.load import TENANT_CHUNK
+
+    path = tmp_path / "c.yaml"
+    path.write_text(many_tenants(2 * TENANT_CHUNK + 1))
+    loaded = await load_isolated(path)
+    assert loaded == load_config(path)
+    assert list(loaded.limits.tenants) == [f"t{i:06d}" for i in range(2 * TENANT_CHUNK + 1)]
+
+
+async def test_a_child_that_dies_is_a_refusal_naming_its_status() -> None:
     from extproc.config.load import _outcome
 
     with pytest.raises(ConfigError, match="exited with status -9: Killed"):
-        _outcome("c.yaml", -9, b"", b"Traceback...\nKilled\n")
+        await _outcome("c.yaml", -9, b"", b"Traceback...\nKilled\n")
     with pytest.raises(ConfigError, match="sent back no outcome"):
-        _outcome("c.yaml", 0, b"\x80\x05garbage", b"")
+        await _outcome("c.yaml", 0, b"\x80\x05garbage", b"")
