@@ -311,11 +311,22 @@ def slow_stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
         stack.stop()
 
 
+PACE_LESSON_TOKENS = 400
+"""Each warm-up answer: 0.8 s on the 2 ms-a-step simulator. A slow reader's close is charged the learned pace
+over its time, so the lesson must be the engine's pace: 40-token answers (80 ms) took their delivery's jitter
+for it on a busy host, learned about 160 tok/s for 500, and charged a slow reader 29,352 of 48,000."""
+
+
+def teach_pace(stack: LocalStack) -> None:
+    """Two completed streams teach the pool's decode rate; then nothing is in flight."""
+    for _ in range(2):
+        assert stream_chat(stack.envoy_url, PACE_LESSON_TOKENS) == PACE_LESSON_TOKENS
+    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 5)
+
+
 def test_a_slow_reader_is_bounded_and_pays_for_what_the_engine_generated(slow_stack: LocalStack) -> None:
     stack = slow_stack
-    for _ in range(2):  # completed streams teach the pool's decode rate
-        assert stream_chat(stack.envoy_url, 40) == 40
-    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 5)
+    teach_pace(stack)
     generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
     completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
     before_generated, before_charged = generated(), completion()
@@ -375,9 +386,7 @@ def test_a_slow_readers_slot_follows_the_engine_and_its_charge_the_engines_count
     the client goes, the charge is what the engine generated, as before."""
     stack = followed_stack
     wait_for(lambda: sidecar_metric(stack, "extproc_kv_capacity_tokens") > 0, 15)
-    for _ in range(2):  # completed streams teach the pool's decode rate
-        assert stream_chat(stack.envoy_url, 40) == 40
-    wait_for(lambda: sidecar_metric(stack, "extproc_active_requests") == 0, 5)
+    teach_pace(stack)
     generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
     completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
     before_generated, before_charged = generated(), completion()
