@@ -35,7 +35,7 @@ run: $(STAMP)
 ## (a real vLLM behind the gateway, tests/engine).
 test: $(STAMP) system-deps engine-env lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/engine
-	EXTPROC_ENGINE_VENV=$(abspath $(ENGINE_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
+	EXTPROC_ENGINE_VENV=$(abspath $(ENGINE_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests/engine
 
 ## Unit and component tests only (no Envoy processes).
 test-fast: $(STAMP) system-deps
