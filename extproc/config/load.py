@@ -40,6 +40,7 @@ import extproc
 from extproc.config.build import parse_config
 from extproc.config.errors import ConfigError
 from extproc.config.runtime import Config
+from extproc.core.limiter import LimitSpec
 
 MAX_CONFIG_BYTES = 16 << 20
 """Largest config file read (16 MiB: about 2.5 x 10^5 tenants with their own limits)."""
@@ -228,11 +229,11 @@ async def _with_tenants(config: Config, chunks: list[bytes]) -> Config:
     """`config` with the tenant rows the child sent apart, one chunk per turn of the loop."""
     if not chunks:
         return config
-    tenants: dict[str, Any] = {}
+    tenants: dict[str, LimitSpec] = {}
     for chunk in chunks:
         tenants.update(pickle.loads(chunk))
         await asyncio.sleep(0)
-    return dataclasses.replace(config, limits=dataclasses.replace(config.limits, tenants=tenants))
+    return _tenants_replaced(config, tenants)
 
 
 def _split_tenants(config: Config) -> tuple[Config, list[bytes]]:
@@ -244,7 +245,12 @@ def _split_tenants(config: Config) -> tuple[Config, list[bytes]]:
         pickle.dumps(rows[i : i + TENANT_CHUNK], protocol=pickle.HIGHEST_PROTOCOL)
         for i in range(0, len(rows), TENANT_CHUNK)
     ]
-    return dataclasses.replace(config, limits=dataclasses.replace(config.limits, tenants={})), chunks
+    return _tenants_replaced(config, {}), chunks
+
+
+def _tenants_replaced(config: Config, tenants: dict[str, LimitSpec]) -> Config:
+    """`config` with `tenants` as its tenant table (the rules admission reads are rebuilt: about 40 µs)."""
+    return dataclasses.replace(config, limits=dataclasses.replace(config.limits, tenants=tenants))
 
 
 def _cap_memory(limit: int = CHILD_MEMORY_BYTES) -> None:
