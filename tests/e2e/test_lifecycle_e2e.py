@@ -37,7 +37,15 @@ from extproc.admission.replies import refusals
 from extproc.config import AdmissionConfig
 from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.envoyconf.lean import DRAIN_BODY_BYTES
-from tests.support.stack import build_stack, end_reports_to, fixed_step_sim, http, metric, start_stack
+from tests.support.stack import (
+    build_stack,
+    end_reports_to,
+    fixed_step_sim,
+    http,
+    metric,
+    slow_reader_post,
+    start_stack,
+)
 
 MODEL = "llama-3-8b"
 CONFIG: dict[str, Any] = {
@@ -427,24 +435,15 @@ def test_a_slow_readers_slot_follows_the_engine_and_its_charge_the_engines_count
 def slow_reader(stack: LocalStack) -> socket.socket:
     """A raw client with a 4 KiB receive buffer that has sent a streamed chat of 24 x 2,000 tokens: its
     caller reads as slowly as it likes."""
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Write a long story."}],
-            "n": 24,
-            "max_tokens": 2000,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", stack.ports.envoy), timeout=30)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    return sock
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story."}],
+        "n": 24,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    return slow_reader_post(stack.ports.envoy, "/v1/chat/completions", body)
 
 
 def stack_idle(stack: LocalStack) -> bool:

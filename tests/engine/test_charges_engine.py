@@ -24,7 +24,6 @@ to the tier on a two-core host, most of it the slow reader and the flood, about 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import math
 import socket
 import time
@@ -36,7 +35,7 @@ import pytest
 
 from tests.engine.stacks import Ledger, engine_config, engine_host_envoy, start_gateway, warm_up
 from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
-from tests.support.stack import Reply, Stack, http
+from tests.support.stack import Reply, Stack, http, slow_reader_post
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
@@ -171,25 +170,16 @@ whole: the stream ended with the engine, 30 KB read."""
 
 
 def open_slow_stream(gateway: Stack) -> socket.socket:
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Write a long story."}],
-            "n": SLOW_N,
-            "max_tokens": SLOW_TOKENS,
-            "logprobs": True,
-            "top_logprobs": TOP_LOGPROBS,
-            "stream": True,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", gateway.stack.ports.envoy), timeout=30)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    return sock
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story."}],
+        "n": SLOW_N,
+        "max_tokens": SLOW_TOKENS,
+        "logprobs": True,
+        "top_logprobs": TOP_LOGPROBS,
+        "stream": True,
+    }
+    return slow_reader_post(gateway.stack.ports.envoy, "/v1/chat/completions", body)
 
 
 def read_slowly_until(gateway: Stack, sock: socket.socket, released: bool, limit_s: float) -> dict[str, Any]:

@@ -5,6 +5,7 @@ tests/e2e/conftest.py."""
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +55,31 @@ def http(
             return Reply(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())
     except urllib.error.HTTPError as err:
         return Reply(err.code, {k.lower(): v for k, v in err.headers.items()}, err.read())
+
+
+SLOW_READER_RCVBUF = 4096
+"""A slow reader's receive buffer: small, so that the answer it has not read waits in front of it."""
+
+
+def slow_reader_post(port: int, path: str, body: dict[str, Any], timeout_s: float = 30.0) -> socket.socket:
+    """A raw HTTP/1.1 client on 127.0.0.1:`port` that has sent `body` to `path` with a 4 KiB receive buffer:
+    its caller reads the answer as slowly as it likes.
+
+    The buffer is set before connecting, so the window the handshake advertises fits it. Set after, the
+    loopback sender keeps filling a window sized for the default buffer, the kernel drops what overflows
+    the small one, and the sender's retransmissions back off, doubling: a reader of 1 KiB every 0.1 s
+    waited 3-5 s for a byte here (30 s in one CI run), a stall of the test's own making."""
+    data = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_READER_RCVBUF)
+    sock.settimeout(timeout_s)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n".encode()
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
