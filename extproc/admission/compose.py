@@ -140,7 +140,7 @@ def build_admission(
     if queue is not None:
         queue.starts = service.capacity_starts  # waiters' deadlines, weighed against the open leases here
     if signals is not None:
-        service.decode_rates.fed = signals.decode_rate  # the feed's pace, until one is learned
+        service.decode_rates.fed = signals.decode_rate  # the engines' pace: until one is learned, and a floor
     streams = OpenStreams()
     service.holders.append(streams.holders)  # before the unseen requests': the open streams are read first
     return Admission(service, streams, UnseenStreams(service))

@@ -22,8 +22,10 @@ Elapsed time includes queueing and prefill, so the charge errs high, never above
 
 The same estimate bounds a stream that was seen but not to its end (a slow reader the proxy cut at the
 request's lifetime bound, a client gone mid-answer): the engine kept generating at its own pace whatever the
-client read, so such a stream is charged at least the learned rate over the time since its first token
-(never the configured assumption, nor the fed pace: `learned` is about this pool's own streams).
+client read, so such a stream is charged at least the larger of the learned rate and the fed pace
+(`fed_rate`) over the time since its first token, never the configured assumption (no evidence): a rate
+learned from the inline profile's chunks is a delivery pace, below the engine's on a busy host
+(extproc/admission/tracking/inflight.py `InFlight._pace`).
 Pure: no clock; callers pass durations (`fed` reads the feed's newest aggregate).
 """
 
@@ -102,6 +104,10 @@ class DecodeRates:
         sample = min(tokens_per_sequence / seconds, self.max_step * self.rate(pool))
         old = self._rates.get(pool)
         self._rates[pool] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+
+    def fed_rate(self, pool: str) -> float | None:
+        """The engines' own pace from the KV feed, None where there is none (see `usable_rate`)."""
+        return usable_rate(self.fed(pool))
 
     def learned(self, pool: str) -> bool:
         """Whether the pool's rate was learned from its own streams (else `rate` is fed or assumed)."""

@@ -410,10 +410,11 @@ class KvBudget:
         for told in self._engine_done.sample(self._finished, now, self.settle_after()):
             told()
 
-    def on_engine_done(self, lease_id: str, callback: Callable[[], None]) -> None:
+    def on_engine_done(self, lease_id: str, callback: Callable[[float], None]) -> None:
         """Call `callback` once, at a feed sample, when the engine is confirmed to have finished the lease
-        while its client still reads (`engine_done`: found so in consecutive samples over `settle_after`);
-        never after its release. Nothing for a lease not booked here."""
+        while its client still reads (`engine_done`: found so in consecutive samples over `settle_after`),
+        with the seconds since the first of them; never after its release. Nothing for a lease not booked
+        here."""
         if lease_id in self._leases:
             self._engine_done.watch(lease_id, callback)
 

@@ -232,6 +232,29 @@ async def test_inline_a_stream_of_n_sequences_left_early_is_charged_whole_steps_
     assert rig.total("extproc_tokens_settled_total") - rig.total_prompt() == 16
 
 
+async def test_inline_a_stream_left_is_charged_the_larger_of_the_learned_and_the_fed_pace() -> None:
+    """Two sequences, 2 s from the first token to the client's leaving. Nothing learned: the engines' own
+    pace from the feed (20 a second) gives 1 + 40 tokens each, where the two that passed were all the
+    evidence. A pace learned below it (a delivery pace) does not lower that; one learned above it counts."""
+    charged = []
+    for learned in (None, 5.0, 30.0):
+        rig = await Rig().start()
+        rates = rig.admission.service.decode_rates
+        rates.fed = lambda _pool: 20.0
+        if learned is not None:
+            rates.observe("*", learned * 100, 100.0)
+        exchange = rig.admission.exchange()
+        assert isinstance(await rig.decide(exchange, sampled(2, 200)), Forward)
+        exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+        for index in (0, 1):
+            await exchange.response_body(event(index), False)
+        rig.clock.advance(2.0)
+        exchange.stream_ended()
+        await rig.settled()
+        charged.append(rig.total("extproc_tokens_settled_total") - rig.total_prompt())
+    assert charged == [2 * 41, 2 * 41, 2 * 61]
+
+
 CUT_CONFIG: dict[str, Any] = {
     **CONFIG,
     "classes": [{"name": "standard", "cut_streams_above_kv": 0.9}, {"name": "batch"}],

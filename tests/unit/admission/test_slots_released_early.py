@@ -130,5 +130,52 @@ async def test_lean_a_slow_readers_slot_goes_back_before_its_end_report() -> Non
     assert rig.active == 1  # the second request's slot
 
 
+# -- the close of an answer the engine finished: charged at least the engine's pace over its time ------------
+
+FED_PACE = 10.0
+"""The engines' pace from the feed (tokens a second per running sequence)."""
+
+
+async def slow_reader_closed(rig: Rig, learned: float | None) -> float:
+    """Inline: a stream whose first content came 0.5 s after admission, stalled, found finished by the feed
+    from 10 s, confirmed at 12 s; the client leaves at 20 s having read one token. What its close charged
+    as completion, with the pool's pace `learned` from its streams (None: none learned)."""
+    rates = rig.admission.service.decode_rates
+    rates.fed = lambda _pool: FED_PACE
+    slow = rig.admission.exchange()
+    assert isinstance(await rig.decide(slow), Forward)
+    if learned is not None:
+        assert slow.admitted is not None
+        rates.observe(slow.admitted.pool, learned * 100, 100.0)
+    slow.response_headers(200, "text/event-stream", end_of_stream=False)
+    rig.clock.advance(0.5)
+    await slow.response_body(CHUNK, False)
+    for at in (10.0, 11.0, 12.0):
+        await rig.sample(at, running=0)
+    assert rig.released_early == 1
+    rig.clock.advance(8.0)
+    slow.stream_ended()  # the client left mid-answer
+    await rig.admission.service.drain()
+    assert rig.lease(slow).settled
+    return rig.metric("extproc_tokens_settled_total", model="other", kind="completion")
+
+
+async def test_a_closed_slow_reader_is_charged_the_engines_pace_until_the_feed_found_it_done() -> None:
+    """No pace learned: the one token seen would be the whole charge. The engine ran it from its first
+    token (0.5 s) to the first sample that found it done (10 s) at the fed pace: 1 + 9.5 x 10 tokens."""
+    assert await slow_reader_closed(await Rig().begin(), learned=None) == 1 + 95
+
+
+async def test_a_pace_learned_below_the_engine_does_not_lower_the_close_below_the_engines_count() -> None:
+    """A delivery pace learned at 2 tokens a second over the 19.5 s to the close gives 40; the engine's own
+    pace over its 9.5 s gives 96, and the charge takes the larger."""
+    assert await slow_reader_closed(await Rig().begin(), learned=2.0) == 1 + 95
+
+
+async def test_a_pace_learned_above_the_engine_charges_as_before_capped_by_the_reservation() -> None:
+    """Learned at 40 a second over 19.5 s: past the 200-token reservation, which caps it."""
+    assert await slow_reader_closed(await Rig().begin(), learned=40.0) == 200
+
+
 def phase(exchange: Exchange) -> Phase:
     return exchange.phase
