@@ -10,16 +10,13 @@ budget's `settle_after` (2 s or more): a stream stalled that long behind a full 
 engine's count short of it, sample after sample, is one its engine has let go. A sample that does not find
 it starts it over.
 
-Whoever holds a lease asks to be told (`watch`); each is told at most once, with how long the lease has
-been found finished (from the first of its consecutive samples): when the engine let it go, to within one
-sample, which bounds what it can have generated (extproc/admission/tracking/inflight.py). Memory: one
-entry per lease watched (its callback) and one per watched lease found finished at the last sample; a lease
-is forgotten when it is released.
+Whoever holds a lease asks to be told (`watch`); each is told at most once. Memory: one entry per lease
+watched (its callback) and one per watched lease found finished at the last sample; a lease is forgotten
+when it is released.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection
 
 CONFIRM_SAMPLES = 2
@@ -32,12 +29,11 @@ class EngineDone:
     __slots__ = ("_since", "_watching")
 
     def __init__(self) -> None:
-        self._watching: dict[str, Callable[[float], None]] = {}
+        self._watching: dict[str, Callable[[], None]] = {}
         self._since: dict[str, tuple[float, int]] = {}  # found finished since (when, samples), consecutively
 
-    def watch(self, lease_id: str, callback: Callable[[float], None]) -> None:
-        """Call `callback` once `lease_id` is confirmed finished, with the seconds it has been found so
-        (replaces an earlier one)."""
+    def watch(self, lease_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` once `lease_id` is confirmed finished (replaces an earlier one)."""
         self._watching[lease_id] = callback
 
     def forget(self, lease_id: str) -> None:
@@ -54,15 +50,15 @@ class EngineDone:
         `CONFIRM_SAMPLES` samples in a row spanning `hold_s` or more), each handed out once, for the caller
         to run once its own state is consistent."""
         since: dict[str, tuple[float, int]] = {}
-        confirmed: list[tuple[str, float]] = []
+        confirmed: list[str] = []
         for lease_id in finished:
             if lease_id not in self._watching:
                 continue
             first, samples = self._since.get(lease_id, (now, 0))
             samples += 1
             if samples >= CONFIRM_SAMPLES and now - first >= hold_s:
-                confirmed.append((lease_id, now - first))
+                confirmed.append(lease_id)
             else:
                 since[lease_id] = (first, samples)
         self._since = since
-        return [functools.partial(self._watching.pop(lease_id), found) for lease_id, found in confirmed]
+        return [self._watching.pop(lease_id) for lease_id in confirmed]

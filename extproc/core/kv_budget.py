@@ -86,6 +86,8 @@ class _Lease:
     credited: int = 0  # leading chunks other leases pay for (`PrefixIndex`)
     # The engine's whole-block rounding of its sequences' last blocks (`KvBudget.set_block_tokens`).
     slack: int = 0
+    # A sample since admission counted at least this lease's sequences running (`KvBudget._mark_running`).
+    engine_ran: bool = False
 
     def settled_by(self, before: float) -> bool:
         """Admitted by `before`: long enough ago to be in the engine's gauges (`KvBudget.settle_after`)."""
@@ -389,6 +391,7 @@ class KvBudget:
         """
         self._fresh_until = now + max(0.0, fresh_for)
         self._unexplained = 0.0
+        self._mark_running(running)
         self._finished = self._engine_finished(now, waiting, running)
         if used_tokens is not None and math.isfinite(used_tokens):
             used = used_tokens * self._share
@@ -410,13 +413,27 @@ class KvBudget:
         for told in self._engine_done.sample(self._finished, now, self.settle_after()):
             told()
 
-    def on_engine_done(self, lease_id: str, callback: Callable[[float], None]) -> None:
+    def on_engine_done(self, lease_id: str, callback: Callable[[], None]) -> None:
         """Call `callback` once, at a feed sample, when the engine is confirmed to have finished the lease
-        while its client still reads (`engine_done`: found so in consecutive samples over `settle_after`),
-        with the seconds since the first of them; never after its release. Nothing for a lease not booked
-        here."""
+        while its client still reads (`engine_done`: found so in consecutive samples over `settle_after`);
+        never after its release. Nothing for a lease not booked here."""
         if lease_id in self._leases:
             self._engine_done.watch(lease_id, callback)
+
+    def _mark_running(self, running: float | None) -> None:
+        """Marks the leases the engine may have started: this sample counts at least their sequences
+        running (this sidecar's share). A lease nobody sees progress on (lean) is found finished only once
+        so marked (`_engine_finished`): before the engine counts it, a request can spend seconds in its
+        API server or on the way there, and an engine that runs nothing then would have it found finished
+        before it began (in CI's engine tier, vLLM counted a slow reader running seconds after the sidecar
+        had given its slot back). Another lease's sequences can stand in for its own: a guard against an
+        idle engine's count, not proof."""
+        if running is None or not math.isfinite(running):
+            return
+        count = max(0.0, running) * self._share
+        for lease in self._leases.values():
+            if not lease.engine_ran and count >= lease.sequences:
+                lease.engine_ran = True
 
     def _engine_finished(self, now: float, waiting: float | None, running: float | None) -> frozenset[str]:
         """The leases the engine has finished, by count: with nothing waiting, every lease admitted more
@@ -424,10 +441,10 @@ class KvBudget:
         them) unless the engine has finished it. Where the settled leases' sequences outnumber the engine's
         running ones, that many are done; taken first from streams whose progress stopped `settle_after`
         ago or more (a slow reader's answer reaches the sidecar at its client's pace, behind the proxy's
-        full buffers), longest stalled first, then from those whose progress nobody sees, furthest into
-        their expected answer first, never more sequences than the excess. A wrong guess books too little
-        only until the next sample: the KV in use that the remaining leases do not explain is added back to
-        every forecast."""
+        full buffers), longest stalled first, then from those whose progress nobody sees and that a sample
+        has counted running (`_mark_running`), furthest into their expected answer first, never more
+        sequences than the excess. A wrong guess books too little only until the next sample: the KV in use
+        that the remaining leases do not explain is added back to every forecast."""
         if waiting != 0 or running is None or not math.isfinite(running) or not self.forecasting(now):
             return frozenset()
         settled_before = now - self.settle_after()
@@ -447,7 +464,10 @@ class KvBudget:
             return now - (item[1].last_progress_at or now)
 
         finished: list[str] = []
-        unseen = sorted((item for item in settled.items() if item[1].first_progress is None), key=progress)
+        unseen = sorted(
+            (item for item in settled.items() if item[1].first_progress is None and item[1].engine_ran),
+            key=progress,
+        )
         # A stream whose progress stopped for `settle_after` is read slower than it was generated (the inline
         # profile sees an answer only as the proxy passes it on, at its client's pace): longest stalled first.
         after = self.settle_after()

@@ -116,10 +116,9 @@ class KvBooking:
             self.held = False
             self.changed(self.pool)
 
-    def when_engine_done(self, callback: Callable[[float], None]) -> None:
+    def when_engine_done(self, callback: Callable[[], None]) -> None:
         """Call `callback` once the pool's feed confirms the engine has finished this request while its
-        client still reads, with the seconds it has been found finished (`KvBudget.on_engine_done`); never
-        without a budget, or after the release."""
+        client still reads (`KvBudget.on_engine_done`); never without a budget, or after the release."""
         if self.budget is not None and self.held:
             self.budget.on_engine_done(self.id, callback)
 

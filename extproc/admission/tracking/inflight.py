@@ -11,8 +11,7 @@ One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its poo
 
 A request whose engine is done before its client has read the answer gives its slots back early
 (`engine_done`, told by its KV booking once the feed confirms it): the slot follows the engine, the tokens
-the answer. What the feed saw then also times its charge (`EngineFinish`): a client that closes before
-reading to the end is charged the engine's pace over the time the engine ran the request, not to its close.
+the answer. The feed's pace then is the engine's while it ran the request, kept for its charge (`_pace`).
 """
 
 from __future__ import annotations
@@ -54,17 +53,6 @@ class Seen:
     content_since: float | None = None
     decode_s: float | None = None
     first_token_after_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineFinish:
-    """When the feed first found the engine done with a request its client still read (`at`, the service's
-    clock, to within one feed sample after the engine's end) and the engines' own pace then (`pace`, tokens
-    per second per running sequence from their generation counters, `extproc.kvfeed.pace`; None without):
-    what times the charge of a close that comes long after (`InFlight._decoding_s`, `InFlight._pace`)."""
-
-    at: float
-    pace: float | None
 
 
 NOTHING_SEEN = Seen(ResponseFacts(), responded=False)
@@ -122,7 +110,7 @@ class InFlight:
         self._forget_report: Callable[[str], None] = lambda _key: None
         self.request_id: str | None = None  # lean: the proxy's x-request-id, only to find an unforwarded one
         self.slot_given_back = False  # the engine was done before the client: its slots went back early
-        self.engine_finish: EngineFinish | None = None  # when, and at what pace, the feed saw the engine done
+        self.finish_pace: float | None = None  # the feed's pace when it found the engine done with it
         admitted.booking.when_engine_done(self.engine_done)
 
     def await_report(self, key: str, forget: Callable[[str], None]) -> None:
@@ -173,17 +161,16 @@ class InFlight:
                 seen.first_token_after_s,
             )
 
-    def engine_done(self, found_for_s: float = 0.0) -> None:
+    def engine_done(self) -> None:
         """The KV feed confirms the engine has finished this request while its client still reads the
-        answer (a slow reader, behind the proxy's full buffers), found so for `found_for_s`: its slots go
-        back now, so the engine's idle room admits others; its tokens settle when it ends, from what is
-        seen then, an unseen rest charged over the time the engine ran it (`_decoding_s`). Once."""
+        answer (a slow reader, behind the proxy's full buffers): its slots go back now, so the engine's idle
+        room admits others; its tokens settle when it ends, from what is seen then, as ever, and the feed's
+        pace now, the one it ran at, is kept for that charge (`_pace`). Once."""
         if self.settled or self.slot_given_back:
             return
         self.slot_given_back = True
         service = self.service
-        pace = service.decode_rates.fed_rate(self.admitted.pool)
-        self.engine_finish = EngineFinish(service.clock() - max(0.0, found_for_s), pace)
+        self.finish_pace = service.decode_rates.fed_rate(self.admitted.pool)
         service.settler.release_slot(self.admitted)
 
     def cut(self) -> Refusal | None:
@@ -231,33 +218,11 @@ class InFlight:
             return facts
         if not seen.responded:
             return replace(facts, estimated_completion=self.estimate())
-        streamed = self.estimate_streamed(self._decoding_s()) or 0
-        return replace(facts, estimated_completion=max(streamed, self._lockstep()))
-
-    def _decoding_s(self) -> float | None:
-        """How long the engine decoded an answer seen but not to its end: from its first token to the end
-        seen (the lean report's last upstream byte; inline, the stream's end on the proxy, or now), and no
-        later than when the feed found the engine done with it (`EngineFinish`): a slow reader's close
-        comes long after. None where nothing tells when it started or stopped."""
-        seen = self.seen
         decoding = seen.decode_s
         if decoding is None and seen.content_since is not None:
             decoding = self._until() - seen.content_since
-        finish = self.engine_finish
-        if finish is None:
-            return decoding
-        ran = max(0.0, finish.at - self._first_token_at())
-        return ran if decoding is None else min(decoding, ran)
-
-    def _first_token_at(self) -> float:
-        """When the answer's first token came, on the service's clock: the first content seen (inline), the
-        end report's delay after admission (lean), else admission itself (which errs early: charges high)."""
-        seen, admitted_at = self.seen, self.admitted.admitted_at
-        if seen.content_since is not None:
-            return seen.content_since
-        if seen.first_token_after_s is not None:
-            return admitted_at + seen.first_token_after_s
-        return admitted_at
+        streamed = self.estimate_streamed(decoding) or 0
+        return replace(facts, estimated_completion=max(streamed, self._lockstep()))
 
     def _lockstep(self) -> int:
         """The tokens that passed, as a whole number of steps of all the request's sequences
@@ -326,13 +291,12 @@ class InFlight:
     def _pace(self) -> float | None:
         """The engine's pace per sequence for a stream not seen to its end: the larger of the pool's pace
         learned from its completed streams and the engines' own from the KV feed (taken when the feed found
-        this request done, else now). The learned one is a delivery pace: the inline profile times chunks
-        as the proxy hands them over, which on a busy host runs below the engine (a third of it in one CI
-        run). The fed one is a pool-wide mean per running sequence. Taking the larger errs high, never above
-        the reservation. None with neither (the configured assumption is no evidence)."""
+        the engine done with this request, else now). The learned one is a delivery pace: the inline profile
+        times chunks as the proxy hands them over, which on a busy host runs below the engine (a third of it
+        in one CI run). The fed one is a pool-wide mean per running sequence. Taking the larger errs high,
+        never above the reservation. None with neither (the configured assumption is no evidence)."""
         rates, pool = self.service.decode_rates, self.admitted.pool
-        finish = self.engine_finish
-        fed = finish.pace if finish is not None else rates.fed_rate(pool)
+        fed = self.finish_pace if self.finish_pace is not None else rates.fed_rate(pool)
         learned = rates.rate(pool) if rates.learned(pool) else None
         paces = [p for p in (learned, fed) if p is not None]
         return max(paces) if paces else None

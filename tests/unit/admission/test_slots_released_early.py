@@ -117,6 +117,7 @@ async def test_lean_a_slow_readers_slot_goes_back_before_its_end_report() -> Non
     slow = rig.admission.exchange(reported=True)
     verdict = await rig.decide(slow)
     assert isinstance(verdict, Forward) and verdict.report is not None
+    await rig.sample(5.0, running=1)  # the engine runs it
     for at in (10.0, 11.0, 12.0):
         await rig.sample(at, running=0)
     assert rig.active == 0 and rig.released_early == 1
@@ -130,18 +131,20 @@ async def test_lean_a_slow_readers_slot_goes_back_before_its_end_report() -> Non
     assert rig.active == 1  # the second request's slot
 
 
-# -- the close of an answer the engine finished: charged at least the engine's pace over its time ------------
+# -- the close of an answer the engine finished: charged the engine's pace over its time ------------------
 
 FED_PACE = 10.0
-"""The engines' pace from the feed (tokens a second per running sequence)."""
+"""The engines' pace from the feed while the slow reader's answer ran (tokens a second per sequence)."""
 
 
 async def slow_reader_closed(rig: Rig, learned: float | None) -> float:
     """Inline: a stream whose first content came 0.5 s after admission, stalled, found finished by the feed
-    from 10 s, confirmed at 12 s; the client leaves at 20 s having read one token. What its close charged
-    as completion, with the pool's pace `learned` from its streams (None: none learned)."""
+    from 10 s, confirmed at 12 s, when the feed's pace is the one it ran at; the feed then has none (other
+    traffic, or none); the client leaves at 20 s having read one token. What its close charged as
+    completion, with the pool's pace `learned` from its streams (None: none learned)."""
     rates = rig.admission.service.decode_rates
-    rates.fed = lambda _pool: FED_PACE
+    paces: dict[str, float | None] = {"now": FED_PACE}
+    rates.fed = lambda _pool: paces["now"]
     slow = rig.admission.exchange()
     assert isinstance(await rig.decide(slow), Forward)
     if learned is not None:
@@ -153,6 +156,7 @@ async def slow_reader_closed(rig: Rig, learned: float | None) -> float:
     for at in (10.0, 11.0, 12.0):
         await rig.sample(at, running=0)
     assert rig.released_early == 1
+    paces["now"] = None
     rig.clock.advance(8.0)
     slow.stream_ended()  # the client left mid-answer
     await rig.admission.service.drain()
@@ -160,21 +164,37 @@ async def slow_reader_closed(rig: Rig, learned: float | None) -> float:
     return rig.metric("extproc_tokens_settled_total", model="other", kind="completion")
 
 
-async def test_a_closed_slow_reader_is_charged_the_engines_pace_until_the_feed_found_it_done() -> None:
-    """No pace learned: the one token seen would be the whole charge. The engine ran it from its first
-    token (0.5 s) to the first sample that found it done (10 s) at the fed pace: 1 + 9.5 x 10 tokens."""
-    assert await slow_reader_closed(await Rig().begin(), learned=None) == 1 + 95
+async def test_a_closed_slow_reader_is_charged_the_pace_the_feed_saw_when_the_engine_finished_it() -> None:
+    """No pace learned, none fed at the close: the one token seen would be the whole charge. The pace the
+    feed had when it found the engine done, over the 19.5 s from the first token: 1 + 195 tokens."""
+    assert await slow_reader_closed(await Rig().begin(), learned=None) == 1 + 195
 
 
-async def test_a_pace_learned_below_the_engine_does_not_lower_the_close_below_the_engines_count() -> None:
-    """A delivery pace learned at 2 tokens a second over the 19.5 s to the close gives 40; the engine's own
-    pace over its 9.5 s gives 96, and the charge takes the larger."""
-    assert await slow_reader_closed(await Rig().begin(), learned=2.0) == 1 + 95
+async def test_a_pace_learned_below_the_engine_does_not_lower_a_slow_readers_charge() -> None:
+    """A delivery pace learned at 2 tokens a second gives 40; the engine's own pace gives 196, and the
+    charge takes the larger."""
+    assert await slow_reader_closed(await Rig().begin(), learned=2.0) == 1 + 195
 
 
-async def test_a_pace_learned_above_the_engine_charges_as_before_capped_by_the_reservation() -> None:
+async def test_a_pace_learned_above_the_engine_charges_capped_by_the_reservation() -> None:
     """Learned at 40 a second over 19.5 s: past the 200-token reservation, which caps it."""
     assert await slow_reader_closed(await Rig().begin(), learned=40.0) == 200
+
+
+async def test_lean_a_request_the_engine_never_counted_running_keeps_its_slot() -> None:
+    """Admitted, and the engine runs nothing sample after sample: it may still be in the engine's API server
+    or on its way there, not finished. Its slot stays until a sample counts it running and a later one
+    finds it gone."""
+    rig = await Rig().begin()
+    slow = rig.admission.exchange(reported=True)
+    assert isinstance(await rig.decide(slow), Forward)
+    for at in (10.0, 11.0, 12.0, 13.0):
+        await rig.sample(at, running=0)
+    assert rig.active == 1 and rig.released_early == 0
+    await rig.sample(14.0, running=1)
+    for at in (15.0, 16.0, 17.0):
+        await rig.sample(at, running=0)
+    assert rig.active == 0 and rig.released_early == 1
 
 
 def phase(exchange: Exchange) -> Phase:

@@ -18,7 +18,7 @@ def told(done: EngineDone, finished: set[str], now: float, hold_s: float = 2.0) 
 
 def test_a_lease_is_confirmed_in_consecutive_samples_spanning_the_hold_and_told_once() -> None:
     done, calls = EngineDone(), []
-    done.watch("a", lambda _found: calls.append("a"))
+    done.watch("a", lambda: calls.append("a"))
     assert told(done, {"a"}, now=10.0) == 0  # one sample: a guess
     assert told(done, {"a"}, now=11.0) == 0  # two, but within 2 s
     assert told(done, {"a"}, now=12.0) == 1
@@ -29,7 +29,7 @@ def test_a_lease_is_confirmed_in_consecutive_samples_spanning_the_hold_and_told_
 
 def test_a_sample_that_does_not_find_it_starts_it_over() -> None:
     done, calls = EngineDone(), []
-    done.watch("a", lambda _found: calls.append("a"))
+    done.watch("a", lambda: calls.append("a"))
     told(done, {"a"}, now=10.0)
     told(done, set(), now=11.0)  # the stream resumed: the engine runs it
     assert told(done, {"a"}, now=12.0) == 0  # first again
@@ -39,7 +39,7 @@ def test_a_sample_that_does_not_find_it_starts_it_over() -> None:
 
 def test_with_no_hold_two_samples_are_still_needed() -> None:
     done, calls = EngineDone(), []
-    done.watch("a", lambda _found: calls.append("a"))
+    done.watch("a", lambda: calls.append("a"))
     assert CONFIRM_SAMPLES == 2
     assert told(done, {"a"}, now=10.0, hold_s=0.0) == 0
     assert told(done, {"a"}, now=10.0, hold_s=0.0) == 1
@@ -47,24 +47,12 @@ def test_with_no_hold_two_samples_are_still_needed() -> None:
 
 def test_only_watched_leases_are_kept_and_a_forgotten_one_is_never_told() -> None:
     done, calls = EngineDone(), []
-    done.watch("a", lambda _found: calls.append("a"))
+    done.watch("a", lambda: calls.append("a"))
     told(done, {"a", "x", "y"}, now=10.0)
     done.forget("a")
     assert told(done, {"a", "x", "y"}, now=20.0) == 0
     assert calls == [] and done.watched == 0
     assert done.sample({"x"}, 30.0, 0.0) == []
-
-
-def test_a_watcher_is_told_how_long_the_lease_has_been_found_finished() -> None:
-    """From the first of its consecutive samples: when the engine let it go, to within one sample."""
-    done, found = EngineDone(), list[float]()
-    done.watch("a", found.append)
-    told(done, {"a"}, now=10.0)
-    told(done, set(), now=11.0)  # not found: starts over
-    told(done, {"a"}, now=12.5)
-    told(done, {"a"}, now=14.0)
-    assert told(done, {"a"}, now=15.0) == 1
-    assert found == [2.5]
 
 
 # -- the budget ----------------------------------------------------------------------------------------------
@@ -83,9 +71,9 @@ def slow_readers() -> KvBudget:
 
 def test_the_budget_tells_a_watcher_once_the_engine_is_confirmed_done() -> None:
     b, calls = slow_readers(), []
-    b.on_engine_done("a", lambda _found: calls.append("a"))
-    b.on_engine_done("b", lambda _found: calls.append("b"))
-    b.on_engine_done("unknown", lambda _found: calls.append("unknown"))  # not booked here: never told
+    b.on_engine_done("a", lambda: calls.append("a"))
+    b.on_engine_done("b", lambda: calls.append("b"))
+    b.on_engine_done("unknown", lambda: calls.append("unknown"))  # not booked here: never told
     assert b.settle_after() == 2.0
     b.observe_engine(2_100, now=30.0, fresh_for=5.0, waiting=0, running=1)  # one done: "a", furthest
     b.observe_engine(2_100, now=31.0, fresh_for=5.0, waiting=0, running=1)
@@ -99,8 +87,8 @@ def test_the_budget_tells_a_watcher_once_the_engine_is_confirmed_done() -> None:
 
 def test_a_lease_that_runs_again_or_is_released_is_not_told() -> None:
     b, calls = slow_readers(), []
-    b.on_engine_done("a", lambda _found: calls.append("a"))
-    b.on_engine_done("b", lambda _found: calls.append("b"))
+    b.on_engine_done("a", lambda: calls.append("a"))
+    b.on_engine_done("b", lambda: calls.append("b"))
     b.observe_engine(2_100, now=30.0, fresh_for=5.0, waiting=0, running=1)
     b.observe_engine(4_200, now=31.0, fresh_for=5.0, waiting=0, running=2)  # both run after all
     b.observe_engine(2_100, now=32.0, fresh_for=5.0, waiting=0, running=1)

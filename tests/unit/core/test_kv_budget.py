@@ -391,13 +391,15 @@ def test_an_estimate_of_unseen_progress_grows_the_footprint_but_not_the_forecast
 
 
 def slow_readers() -> KvBudget:
-    """Two answers nobody sees (lean), 100 prompt + 2,000 allowed each, admitted at 0 and 1; the pool's pace
-    known (100 tokens per second), so "b" is less far into its answer than "a" at any time."""
+    """Two answers nobody sees (lean), 100 prompt + 2,000 allowed each, admitted at 0 and 1 and counted
+    running at 2; the pool's pace known (100 tokens per second), so "b" is less far into its answer than "a"
+    at any time."""
     b = forecasting_budget(100_000)
     b.pace.observe_stream(100, 1.0)
     b.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
     b.admit("a", 100, 2_000, now=0.0)
     b.admit("b", 100, 2_000, now=1.0)
+    b.observe_engine(400, now=2.0, fresh_for=100.0, waiting=0, running=2)
     return b
 
 
@@ -426,6 +428,21 @@ def test_no_lease_counts_as_finished_unless_the_engine_says_so(
     b.observe_engine(4_200, now=30.0, fresh_for=5.0, waiting=waiting, running=running)
     assert b.engine_finished == 0
     assert b.booked_tokens == 4_200
+
+
+def test_a_lease_nobody_sees_is_not_finished_before_the_engine_counted_it_running() -> None:
+    """Admitted while the engine runs nothing, and nothing runs sample after sample: the request may still
+    be in the engine's API server or on its way there. It is booked in full until a sample counts it."""
+    b = forecasting_budget(100_000)
+    b.pace.observe_stream(100, 1.0)
+    b.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    b.admit("late", 100, 2_000, now=0.0)
+    for now in (10.0, 20.0, 30.0):
+        b.observe_engine(0, now=now, fresh_for=5.0, waiting=0, running=0)
+        assert b.engine_finished == 0 and b.demand_tokens == 2_100
+    b.observe_engine(300, now=31.0, fresh_for=5.0, waiting=0, running=1)
+    b.observe_engine(0, now=40.0, fresh_for=5.0, waiting=0, running=0)
+    assert b.engine_finished == 1 and b.demand_tokens == 0
 
 
 def test_a_stream_still_progressing_or_a_fresh_lease_never_counts_as_finished() -> None:
@@ -459,6 +476,7 @@ def test_n_sequences_count_as_n_of_the_engines_running_requests() -> None:
     b.pace.observe_stream(100, 1.0)
     b.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
     b.admit("n8", 100, 8 * 200, now=0.0, sequences=8)
+    b.observe_engine(1_000, now=29.0, fresh_for=5.0, waiting=0, running=8)
     b.observe_engine(1_000, now=30.0, fresh_for=5.0, waiting=0, running=7)  # one of its eight ended
     assert b.engine_finished == 0  # never more sequences than the engine says are done
     b.observe_engine(0, now=31.0, fresh_for=5.0, waiting=0, running=0)
