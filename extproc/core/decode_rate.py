@@ -23,9 +23,8 @@ Elapsed time includes queueing and prefill, so the charge errs high, never above
 The same estimate bounds a stream that was seen but not to its end (a slow reader the proxy cut at the
 request's lifetime bound, a client gone mid-answer): the engine kept generating at its own pace whatever the
 client read, so such a stream is charged at least the larger of the learned rate and the fed pace
-(`fed_rate`) over the time since its first token, never the configured assumption (no evidence): a rate
-learned from the inline profile's chunks is a delivery pace, below the engine's on a busy host
-(extproc/admission/tracking/inflight.py `InFlight._pace`).
+(`streamed_pace`) over the time since its first token, never the configured assumption (no evidence): a
+rate learned from the inline profile's chunks is a delivery pace, below the engine's on a busy host.
 Pure: no clock; callers pass durations (`fed` reads the feed's newest aggregate).
 """
 
@@ -109,15 +108,27 @@ class DecodeRates:
         """The engines' own pace from the KV feed, None where there is none (see `usable_rate`)."""
         return usable_rate(self.fed(pool))
 
+    def streamed_pace(self, pool: str, fed: float | None = None) -> float | None:
+        """The pace of a stream seen but not to its end (module docstring): the larger of the learned rate
+        and the fed pace (`fed` where the caller kept one, else the feed's now); None with neither."""
+        if fed is None:
+            fed = self.fed_rate(pool)
+        paces = [pace for pace in (self._rates.get(pool), fed) if pace is not None]
+        return max(paces) if paces else None
+
     def learned(self, pool: str) -> bool:
         """Whether the pool's rate was learned from its own streams (else `rate` is fed or assumed)."""
         return pool in self._rates
 
-    def estimate(self, pool: str, elapsed_s: float, sequences: int, cap: int) -> int:
-        """Tokens the pool may have generated for a request in `elapsed_s`, at most `cap`."""
+    def estimate(
+        self, pool: str, elapsed_s: float, sequences: int, cap: int, rate: float | None = None
+    ) -> int:
+        """Tokens the pool may have generated for a request in `elapsed_s` at `rate` (default: `rate(pool)`),
+        at most `cap`."""
         if elapsed_s <= 0 or cap <= 0:
             return 0
-        return min(cap, math.ceil(elapsed_s * self.rate(pool) * max(1, sequences)))
+        pace = rate if rate is not None else self.rate(pool)
+        return min(cap, math.ceil(elapsed_s * pace * max(1, sequences)))
 
     @property
     def pools(self) -> int:

@@ -11,14 +11,14 @@ One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its poo
 
 A request whose engine is done before its client has read the answer gives its slots back early
 (`engine_done`, told by its KV booking once the feed confirms it): the slot follows the engine, the tokens
-the answer. The feed's pace then is the engine's while it ran the request, kept for its charge (`_pace`).
+the answer. The feed's pace then is the engine's while it ran the request, kept for its charge
+(`estimate_streamed`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -165,7 +165,7 @@ class InFlight:
         """The KV feed confirms the engine has finished this request while its client still reads the
         answer (a slow reader, behind the proxy's full buffers): its slots go back now, so the engine's idle
         room admits others; its tokens settle when it ends, from what is seen then, as ever, and the feed's
-        pace now, the one it ran at, is kept for that charge (`_pace`). Once."""
+        pace now, the one it ran at, is kept for that charge (`estimate_streamed`). Once."""
         if self.settled or self.slot_given_back:
             return
         self.slot_given_back = True
@@ -276,30 +276,22 @@ class InFlight:
         )
 
     def estimate_streamed(self, decoding_s: float | None) -> int | None:
-        """What the engine generated for an answer seen streaming but not to its end: its pace (`_pace`)
-        over `decoding_s` since the first token (one token each before it), for each sequence, capped by the
-        reservation. None without a pace: the tokens that passed are then the only evidence."""
-        pace = self._pace()
+        """What the engine generated for an answer seen streaming but not to its end: its pace over
+        `decoding_s` since the first token (one token each before it), capped by the reservation. The pace
+        is the larger of the learned one and the feed's, kept from when the feed found the engine done with
+        this request where it did (`DecodeRates.streamed_pace`): the learned one is a delivery pace, the
+        inline profile timing chunks as the proxy hands them over, below the engine's on a busy host (a
+        third of it in one CI run). None without a pace: the tokens that passed are then the only
+        evidence."""
+        rates = self.service.decode_rates
+        admitted = self.admitted
+        pace = rates.streamed_pace(admitted.pool, self.finish_pace)
         if decoding_s is None or pace is None:
             return None
-        admitted = self.admitted
         request = admitted.request
-        sequences = max(1, request.sequences * request.prompt_count)
+        sequences = request.sequences * request.prompt_count
         cap = admitted.plan.completion_tokens
-        return min(cap, sequences + math.ceil(max(0.0, decoding_s) * pace * sequences))
-
-    def _pace(self) -> float | None:
-        """The engine's pace per sequence for a stream not seen to its end: the larger of the pool's pace
-        learned from its completed streams and the engines' own from the KV feed (taken when the feed found
-        the engine done with this request, else now). The learned one is a delivery pace: the inline profile
-        times chunks as the proxy hands them over, which on a busy host runs below the engine (a third of it
-        in one CI run). The fed one is a pool-wide mean per running sequence. Taking the larger errs high,
-        never above the reservation. None with neither (the configured assumption is no evidence)."""
-        rates, pool = self.service.decode_rates, self.admitted.pool
-        fed = self.finish_pace if self.finish_pace is not None else rates.fed_rate(pool)
-        learned = rates.rate(pool) if rates.learned(pool) else None
-        paces = [p for p in (learned, fed) if p is not None]
-        return max(paces) if paces else None
+        return min(cap, sequences + rates.estimate(admitted.pool, decoding_s, sequences, cap, rate=pace))
 
     def open_lease(self, key: str) -> OpenLease | None:
         """This request as an open lease on `key` (for slot retry hints), or None if it holds none there."""
