@@ -300,6 +300,7 @@ class Exchange:
         tracker = response.tracker
         if response.first_chunk_at is None and chunk:
             response.first_chunk_at = self.service.clock()
+        response.passed_bytes += len(chunk)
         out = tracker.feed(chunk)
         inflight.observe(response.seen(live=True))
         if not end_of_stream:

@@ -100,6 +100,7 @@ class AdmissionConfig:
     end_report_wait_seconds: float = _ADMISSION.end_report_wait_seconds
     per_step: StepBounds = field(default_factory=StepBounds)
     max_request_seconds: float = _ADMISSION.max_request_seconds
+    proxy_buffer_bytes: int = _ADMISSION.proxy_buffer_bytes
     max_queue_wait_seconds: float | None = _ADMISSION.max_queue_wait_seconds
     inference_pool: PoolHeaders = field(default_factory=PoolHeaders)
     cached_prompt_token_weight: float = _ADMISSION.cached_prompt_token_weight
@@ -218,6 +219,7 @@ def admission_rules(config: Config) -> AdmissionRules:
         shadow=config.shadow,
         end_report_wait_seconds=adm.end_report_wait_seconds,
         cached_prompt_token_weight=adm.cached_prompt_token_weight,
+        proxy_buffer_bytes=adm.proxy_buffer_bytes,
         split_keys=split.SplitIndex.of(*config.configured_limits()),
         refuse_unserved=config.feedback.unserved_models == "refuse",
         max_queue_wait_seconds=adm.max_queue_wait_seconds,

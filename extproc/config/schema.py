@@ -159,6 +159,10 @@ class Admission(Section):
     end_report_wait_seconds: Annotated[float, PlainValidator(number(0.05))] = 2.0
     # The most per-step work (stop strings, bad words, logit bias, logprobs) one request may ask for.
     per_step: PerStep = PerStep()
+    # Envoy's per_connection_buffer_limit_bytes on the listener (2 MiB in every shipped config): a stream left
+    # before this many of its bytes passed the proxy cannot have been held back by its reader, so the tokens
+    # that passed are what the engine generated (docs/configuration.md). Keep it at most Envoy's value.
+    proxy_buffer_bytes: PosInt = 2 << 20
     # The lifetime bound of a metered request, rendered into each metered Envoy route (max_stream_duration).
     max_request_seconds: Annotated[float, PlainValidator(number(1.0))] = 1800.0
     # The longest any request waits in a class's queue, over every class's own bound; None: no global bound.

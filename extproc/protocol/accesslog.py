@@ -230,8 +230,10 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         forwarded = entry.common_properties.HasField("time_to_first_upstream_tx_byte")
         engine_answered = entry.response.response_code_details == VIA_UPSTREAM
         timing = timing_of(entry, reading)
+        # Envoy's bytesSent (http_grpc_access_log_impl.cc): the body's bytes that passed its filters.
+        passed_bytes = entry.response.response_body_bytes
         if not self.unseen.report(
-            key.string_value, code or None, reading, timing, forwarded, engine_answered
+            key.string_value, code or None, reading, timing, forwarded, engine_answered, passed_bytes
         ):
             relayed = self.relay is not None and self.relay.forward(key.string_value, entry)
             self.service.child(self.service.metrics.end_reports, "relayed" if relayed else "unknown").inc()

@@ -277,9 +277,8 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
     assert 5 <= delta.engine_generated <= DISCONNECT_MAX_TOKENS
     assert delta.prompt == delta.engine_prompt
     assert delta.charged == delta.prompt + delta.completion
-    # At least what reached the client; at most a few steps over the engine's count: a stream seen but not
-    # to its end is charged the larger of what passed and the learned pace up to the stream's end
-    # (settlement.py), and that end comes after the engine's abort.
+    # At least what reached the client; at most a few steps over the engine's count: a stream left under
+    # Envoy's buffer is charged what passed and the step the abort lets finish (InFlight._unheld).
     assert len(left.texts) == 5
     assert left.floor(stack.stack.profile) <= delta.completion <= delta.engine_generated + ABORT_STEPS
     if stack.stack.profile == "lean":

@@ -8,6 +8,7 @@ loses a protection. The Envoy side of each setting is exercised in tests/e2e/tes
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,29 @@ def test_every_envoy_bound_fits_the_sidecar_config(reference: dict[str, Any]) ->
     # ... and the sidecar can receive the largest body Envoy buffers for it.
     assert vhost["request_body_buffer_limit"] == DRAIN_BODY_BYTES
     assert DRAIN_BODY_BYTES < AdmissionConfig().max_body_bytes * 16 <= 16 << 20
+
+
+SHIPPED_ENVOY = (
+    "envoy/envoy.yaml",
+    "envoy/envoy-lean.yaml",
+    "envoy/istio/envoyfilter.yaml",
+    "envoy/istio/envoyfilter-lean.yaml",
+    "k8s/gateway/envoy.yaml",
+    "k8s/gateway/lean/envoy.yaml",
+    "k8s/inference-pool/istio/envoyfilter.yaml",
+)
+
+
+def test_every_shipped_proxy_buffers_at_least_what_the_sidecar_assumes() -> None:
+    """A stream left before `admission.proxy_buffer_bytes` passed is charged what passed (no reader could
+    hold the engine back before the proxy's buffer filled): every shipped Envoy buffers at least that, or a
+    slow reader behind a smaller buffer would be charged what it read."""
+    assumed = AdmissionConfig().proxy_buffer_bytes
+    for name in SHIPPED_ENVOY:
+        limits = [
+            int(v) for v in re.findall(r"per_connection_buffer_limit_bytes: (\d+)", (REPO / name).read_text())
+        ]
+        assert limits and min(limits) >= assumed, (name, limits)
 
 
 def test_envoys_own_413_names_the_bound_it_refused_at(reference: dict[str, Any]) -> None:

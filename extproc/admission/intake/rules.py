@@ -105,6 +105,8 @@ class AdmissionRules:
     end_report_wait_seconds: float
     refuse_unserved: bool  # `feedback.unserved_models: refuse`: a name no listing engine serves gets a 404
     cached_prompt_token_weight: float = 1.0  # a prefix-cache hit's share of a prompt token's charge
+    # `admission.proxy_buffer_bytes`: below it a stream left was not held back by its reader (inflight.py).
+    proxy_buffer_bytes: int = 2 << 20
     # Adds the keys of split input/output limits to a request's (extproc/core/split.py).
     split_keys: LimitKeys = field(default_factory=lambda: NO_SPLIT)
     # `admission.max_queue_wait_seconds`: the longest any request waits in a queue, whatever its class says.

@@ -31,6 +31,7 @@ class Answer:
     completed: bool = False
     first_chunk_at: float | None = None
     forwarded: bool = True
+    passed_bytes: int = 0  # the body's bytes seen so far
 
     @classmethod
     def open(
@@ -75,4 +76,5 @@ class Answer:
             live=live,
             content_since=self.first_chunk_at,
             decode_s=decode_s,
+            passed_bytes=self.passed_bytes,
         )

@@ -4,8 +4,9 @@ Each profile hands over what it saw as a `Seen` through one call, `observe`: the
 response message, the lean profile once, from the proxy's end report. `settle()` charges the lease from the
 last observation (extproc/admission/capacity/settlement.py), exactly once, however many paths reach it; a
 request admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in.
-Where the answer was not seen to its end, the charge includes the pool's decode-rate estimate of what the
-engine generated; a completed stream teaches that rate (`learn_pace`, the one place it is learned).
+Where the answer was not seen to its end, the charge is what passed where nothing can have held the engine's
+stream back (`_unheld`), else it includes the pool's decode-rate estimate of what the engine generated; a
+completed stream teaches that rate (`learn_pace`, the one place it is learned).
 
 One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
 
@@ -28,7 +29,7 @@ from extproc.admission.deciding import provisional
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
-from extproc.core.decode_rate import DecodeRates, lockstep_floor
+from extproc.core.decode_rate import STEPS_PAST_ABORT, DecodeRates, lockstep_floor
 from extproc.core.slot_eta import OpenLease
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,9 @@ class Seen:
     time of the first content chunk (inline), from which the decode time of an unfinished stream is
     measured. `decode_s`: the time from the first content to the last upstream byte, where it is known (an
     inline stream at its end, the lean end report); `first_token_after_s`: the request's start to its first
-    content event (lean), which teaches the KV budget's pace.
+    content event (lean), which teaches the KV budget's pace. `passed_bytes`: the answer's bytes that passed
+    the proxy (inline: the chunks seen; lean: Envoy's `response_body_bytes`), None where unknown: fewer than
+    the proxy buffers for one reader, and nobody held the engine's stream back (`InFlight._unheld`).
     """
 
     facts: ResponseFacts
@@ -53,6 +56,7 @@ class Seen:
     content_since: float | None = None
     decode_s: float | None = None
     first_token_after_s: float | None = None
+    passed_bytes: int | None = None
 
 
 NOTHING_SEEN = Seen(ResponseFacts(), responded=False)
@@ -218,22 +222,34 @@ class InFlight:
             return facts
         if not seen.responded:
             return replace(facts, estimated_completion=self.estimate())
+        if self._unheld(seen):
+            return replace(facts, estimated_completion=self._lockstep(STEPS_PAST_ABORT))
         decoding = seen.decode_s
         if decoding is None and seen.content_since is not None:
             decoding = self._until() - seen.content_since
         streamed = self.estimate_streamed(decoding) or 0
         return replace(facts, estimated_completion=max(streamed, self._lockstep()))
 
-    def _lockstep(self) -> int:
+    def _unheld(self, seen: Seen) -> bool:
+        """Whether a stream not seen to its end ran at the engine's own pace to the last: fewer of its bytes
+        passed the proxy than the proxy buffers for one reader (`admission.proxy_buffer_bytes`), so no reader
+        can have held the engine's stream back, and every token the engine sent before the client left
+        passed here and was counted. A pace over the stream's time would charge the pace of other answers
+        (single ones, where eight sequences decoded together each ran at a fifth to a half of it on a CPU
+        engine), so the tokens that passed are the charge, with the step the abort lets finish."""
+        passed = seen.passed_bytes
+        return seen.streamed and passed is not None and passed < self.service.rules().proxy_buffer_bytes
+
+    def _lockstep(self, steps_after: int = 0) -> int:
         """The tokens that passed, as a whole number of steps of all the request's sequences
-        (`decode_rate.lockstep_floor`): an answer left or cut mid-way generated each sequence as far."""
+        (`decode_rate.lockstep_floor`): an answer left or cut mid-way generated each sequence as far; plus
+        `steps_after` more of each (`decode_rate.STEPS_PAST_ABORT`), at most the reservation."""
         usage = self.seen.facts.usage
         request = self.admitted.request
-        return lockstep_floor(
-            usage.completion_tokens if usage is not None else 0,
-            request.sequences * request.prompt_count,
-            self.admitted.plan.completion_tokens,
-        )
+        sequences = request.sequences * request.prompt_count
+        cap = self.admitted.plan.completion_tokens
+        floor = lockstep_floor(usage.completion_tokens if usage is not None else 0, sequences, cap)
+        return min(cap, floor + steps_after * max(1, sequences))
 
     def _charge(self, facts: ResponseFacts) -> None:
         # Booked on the first attempt, whatever the store answers: a shared store answers False for a lease

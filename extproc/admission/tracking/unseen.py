@@ -206,11 +206,13 @@ class UnseenStreams:
         timing: ReportedTiming | None = None,
         forwarded: bool = True,
         engine_answered: bool = True,
+        passed_bytes: int | None = None,
     ) -> bool:
         """Settle the request `key` names from the proxy's end report: the response code (None: no response
         started), what its reader saw, when the answer's tokens came, and whether any byte of the request was
         sent upstream, and whether the status came from the engine (not made by the proxy after the request
-        went upstream). False when no request here waits for that key."""
+        went upstream), and how many of the answer's bytes passed the proxy. False when no request here waits
+        for that key."""
         inflight = self._reports.pop(key, None)
         if inflight is None:
             return False
@@ -226,6 +228,7 @@ class UnseenStreams:
                 streamed=reading.streamed,
                 decode_s=timing.decode_s if timing is not None and timed else None,
                 first_token_after_s=timing.first_token_after_s if timing is not None and timed else None,
+                passed_bytes=passed_bytes,
             )
         )
         inflight.settle()

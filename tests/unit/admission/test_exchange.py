@@ -219,7 +219,8 @@ def event(index: int) -> bytes:
 
 async def test_inline_a_stream_of_n_sequences_left_early_is_charged_whole_steps_of_all() -> None:
     """Eight sequences decoded together; the client left after the first step of each and two of the second:
-    the engine had generated two tokens of every one (16), not the 10 that passed."""
+    the engine had generated two tokens of every one (16), not the 10 that passed, and the step running
+    when the abort reached it one more of each (24)."""
     rig = await Rig().start()
     exchange = rig.admission.exchange()
     await rig.decide(exchange, sampled(8, 24))
@@ -229,30 +230,70 @@ async def test_inline_a_stream_of_n_sequences_left_early_is_charged_whole_steps_
     exchange.stream_ended()
     await rig.settled()
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
-    assert rig.total("extproc_tokens_settled_total") - rig.total_prompt() == 16
+    assert rig.total("extproc_tokens_settled_total") - rig.total_prompt() == 16 + 8
+
+
+HELD_CONFIG: dict[str, Any] = {**CONFIG, "admission": {**CONFIG["admission"], "proxy_buffer_bytes": 64}}
+"""A proxy that buffers 64 bytes for a reader: two events fill it, and the reader may have held the engine's
+stream back from then on."""
+
+
+async def left_after_two_seconds(rig: Rig, learned: float | None) -> float:
+    """Two sequences, one token each passed, then 2 s to the client's leaving; the feed's pace is 20 tokens
+    a second, the learned one `learned`. The completion charged."""
+    rates = rig.admission.service.decode_rates
+    rates.fed = lambda _pool: 20.0
+    if learned is not None:
+        rates.observe("*", learned * 100, 100.0)
+    exchange = rig.admission.exchange()
+    assert isinstance(await rig.decide(exchange, sampled(2, 200)), Forward)
+    exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+    for index in (0, 1):
+        await exchange.response_body(event(index), False)
+    rig.clock.advance(2.0)
+    exchange.stream_ended()
+    await rig.settled()
+    return rig.total("extproc_tokens_settled_total") - rig.total_prompt()
+
+
+async def test_inline_a_stream_left_before_it_filled_the_proxys_buffer_is_charged_what_passed() -> None:
+    """Under the proxy's buffer nothing held the engine's stream back: whatever the pace learned or fed, the
+    engine sent no token in those 2 s that did not pass (it decoded two sequences far slower than one), so
+    the charge is the step that passed and the one the abort let finish, 4 of the 200 reserved."""
+    for learned in (None, 30.0):
+        assert await left_after_two_seconds(await Rig().start(), learned) == 2 * (1 + 1)
 
 
 async def test_inline_a_stream_left_is_charged_the_larger_of_the_learned_and_the_fed_pace() -> None:
-    """Two sequences, 2 s from the first token to the client's leaving. Nothing learned: the engines' own
-    pace from the feed (20 a second) gives 1 + 40 tokens each, where the two that passed were all the
-    evidence. A pace learned below it (a delivery pace) does not lower that; one learned above it counts."""
+    """The same stream where the proxy's buffer was full: the reader may have held the engine back, and the
+    two tokens that passed are no measure. Nothing learned: the engines' own pace from the feed (20 a
+    second) gives 1 + 40 tokens each. A pace learned below it (a delivery pace) does not lower that; one
+    learned above it counts."""
+    charged = [
+        await left_after_two_seconds(await Rig(HELD_CONFIG).start(), learned) for learned in (None, 5.0, 30.0)
+    ]
+    assert charged == [2 * 41, 2 * 41, 2 * 61]
+
+
+async def test_lean_a_stream_left_is_charged_what_passed_under_the_buffer_and_the_pace_over_it() -> None:
+    """The end report of two sequences left 2 s after their first tokens, the feed's pace 20 a second:
+    Envoy's `response_body_bytes` under the proxy's buffer, and the two that passed are what the engine
+    generated, with the step the abort let finish (4); over it (a proxy of 64 bytes here), or not told, the
+    feed's pace (82)."""
     charged = []
-    for learned in (None, 5.0, 30.0):
-        rig = await Rig().start()
-        rates = rig.admission.service.decode_rates
-        rates.fed = lambda _pool: 20.0
-        if learned is not None:
-            rates.observe("*", learned * 100, 100.0)
-        exchange = rig.admission.exchange()
-        assert isinstance(await rig.decide(exchange, sampled(2, 200)), Forward)
-        exchange.response_headers(200, "text/event-stream", end_of_stream=False)
-        for index in (0, 1):
-            await exchange.response_body(event(index), False)
-        rig.clock.advance(2.0)
+    for passed_bytes in (32, 120, None):
+        rig = await Rig(HELD_CONFIG).start()
+        rig.admission.service.decode_rates.fed = lambda _pool: 20.0
+        exchange = rig.admission.exchange(reported=True)
+        verdict = await rig.decide(exchange, sampled(2, 200))
+        assert isinstance(verdict, Forward) and verdict.report is not None
         exchange.stream_ended()
+        reading = ResponseReading(events=2)
+        timing = ReportedTiming(first_token_after_s=0.5, decode_s=2.0)
+        rig.admission.unseen.report(verdict.report.key, 200, reading, timing, passed_bytes=passed_bytes)
         await rig.settled()
         charged.append(rig.total("extproc_tokens_settled_total") - rig.total_prompt())
-    assert charged == [2 * 41, 2 * 41, 2 * 61]
+    assert charged == [2 * (1 + 1), 2 * 41, 2 * 41]
 
 
 CUT_CONFIG: dict[str, Any] = {

@@ -16,7 +16,12 @@ from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.limiter import Lease, LimitSpec
 from tests.support.admission import AdmissionRig
 
-CONFIG: dict[str, Any] = {"models": {"*": {"context_window": 4000, "default_max_tokens": 200}}}
+CONFIG: dict[str, Any] = {
+    "models": {"*": {"context_window": 4000, "default_max_tokens": 200}},
+    # A proxy that buffers 32 bytes for a reader: the one chunk a slow reader here has read fills it, and
+    # from then on the reader, not the engine, paces what passes (`InFlight._unheld`).
+    "admission": {"proxy_buffer_bytes": 32},
+}
 HEAD = RequestHead("POST", "/v1/chat/completions", {})
 TPM = 60_000
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":150,"total_tokens":161}}\n\n'
