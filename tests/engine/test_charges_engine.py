@@ -49,6 +49,12 @@ LONG_ANSWER = 1000
 eight of them fit the KV budget (a warm-up answered in full teaches it to book the whole allowance)."""
 
 
+SMALL_BUFFER = 65536
+"""Envoy's flow-control watermark on the client's and the engine's connections here (2 MiB as shipped): a
+slow reader's unread answer then waits in the engine, not in Envoy, at a few MB less; the n=8 stream left
+after 160 events (about 40 KB) passes under it, as any does under the shipped 2 MiB."""
+
+
 def charges_config() -> dict[str, Any]:
     config = engine_config(
         tenants={SPLIT_TENANT: {"input_tokens_per_minute": INPUT_TPM, "output_tokens_per_minute": OUTPUT_TPM}}
@@ -57,12 +63,6 @@ def charges_config() -> dict[str, Any]:
     config["kv_budget"] = {"enabled": True, "target_utilization": 0.9}
     config["admission"]["proxy_buffer_bytes"] = SMALL_BUFFER  # what Envoy here buffers (`small_buffers`)
     return config
-
-
-SMALL_BUFFER = 65536
-"""Envoy's flow-control watermark on the client's and the engine's connections here (2 MiB as shipped): a
-slow reader's unread answer then waits in the engine, not in Envoy, at a few MB less; the n=8 stream left
-after 160 events (about 40 KB) passes under it, as any does under the shipped 2 MiB."""
 
 
 def small_buffers(config: dict[str, Any]) -> None:

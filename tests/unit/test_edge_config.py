@@ -8,7 +8,6 @@ loses a protection. The Envoy side of each setting is exercised in tests/e2e/tes
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -148,27 +147,15 @@ def test_every_envoy_bound_fits_the_sidecar_config(reference: dict[str, Any]) ->
     assert DRAIN_BODY_BYTES < AdmissionConfig().max_body_bytes * 16 <= 16 << 20
 
 
-SHIPPED_ENVOY = (
-    "envoy/envoy.yaml",
-    "envoy/envoy-lean.yaml",
-    "envoy/istio/envoyfilter.yaml",
-    "envoy/istio/envoyfilter-lean.yaml",
-    "k8s/gateway/envoy.yaml",
-    "k8s/gateway/lean/envoy.yaml",
-    "k8s/inference-pool/istio/envoyfilter.yaml",
-)
-
-
 def test_every_shipped_proxy_buffers_at_least_what_the_sidecar_assumes() -> None:
     """A stream left before `admission.proxy_buffer_bytes` passed is charged what passed (no reader could
     hold the engine back before the proxy's buffer filled): every shipped Envoy buffers at least that, or a
     slow reader behind a smaller buffer would be charged what it read."""
     assumed = AdmissionConfig().proxy_buffer_bytes
-    for name in SHIPPED_ENVOY:
-        limits = [
-            int(v) for v in re.findall(r"per_connection_buffer_limit_bytes: (\d+)", (REPO / name).read_text())
-        ]
-        assert limits and min(limits) >= assumed, (name, limits)
+    for path in [ENVOY_TEMPLATE, *shipped_beside_the_reference()]:
+        document = yaml.safe_load(path.read_text())
+        limits = [v for k, v in walk_items(document) if k == "per_connection_buffer_limit_bytes"]
+        assert limits and min(limits) >= assumed, (path, limits)
 
 
 def test_envoys_own_413_names_the_bound_it_refused_at(reference: dict[str, Any]) -> None:
@@ -200,9 +187,7 @@ def test_every_shipped_ext_proc_message_timeout_is_sized_for_a_busy_core(referen
     worst = AdmissionConfig().tokenizer_max_wait_seconds + 2 * COUNT_12_MIB_S
     assert seconds(ext_proc["message_timeout"]) == MESSAGE_TIMEOUT_S >= 2 * worst
     assert seconds(ext_proc["max_message_timeout"]) > MESSAGE_TIMEOUT_S
-    shipped = [K8S_ENVOY, *LEAN_FILES, REPO / "k8s" / "inference-pool" / "istio" / "envoyfilter.yaml"]
-    shipped += [ISTIO]
-    for path in shipped:
+    for path in shipped_beside_the_reference():
         timeouts = [v for k, v in walk_items(yaml.safe_load(path.read_text())) if k == "message_timeout"]
         assert timeouts == [ext_proc["message_timeout"]], path
     for profile in ("inline", "lean"):
@@ -210,6 +195,13 @@ def test_every_shipped_ext_proc_message_timeout_is_sized_for_a_busy_core(referen
             (REPO / "k8s" / "envoy-gateway" / profile / "envoyextensionpolicy.yaml").read_text()
         )
         assert [p["messageTimeout"] for p in policy["spec"]["extProc"]] == [ext_proc["message_timeout"]]
+
+
+def shipped_beside_the_reference() -> list[Path]:
+    """Every shipped Envoy config but the reference (envoy/envoy.yaml): the Kubernetes gateway's, the Istio
+    EnvoyFilters (the inference pool's too) and the lean renderings."""
+    inference_pool = REPO / "k8s" / "inference-pool" / "istio" / "envoyfilter.yaml"
+    return [K8S_ENVOY, *LEAN_FILES, inference_pool, ISTIO]
 
 
 def walk_items(node: Any) -> list[tuple[str, Any]]:
