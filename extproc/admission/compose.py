@@ -20,6 +20,7 @@ from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.service import AdmissionService, Deps, Holder
 from extproc.admission.tracking.unseen import UnseenStreams
 from extproc.core.clock import Clock
+from extproc.core.engine_tally import EngineTally
 from extproc.core.kv_budget import KvBudget
 from extproc.core.ports import LimiterStore
 from extproc.metrics import Metrics
@@ -35,6 +36,8 @@ class KvSignals(Protocol):
     def kv_usage(self, pool: str) -> float | None: ...
 
     def decode_rate(self, pool: str) -> float | None: ...
+
+    def engine_tally(self, pool: str) -> EngineTally | None: ...
 
     def feeds_pool(self, pool: str) -> bool: ...
 
@@ -134,6 +137,7 @@ def build_admission(
         deps.kv_usage = signals.kv_usage
         deps.feeds_pool = signals.feeds_pool
         deps.engine_refused = signals.engine_refused
+        deps.engine_tally = signals.engine_tally
     if served_as is not None:
         deps.served_as = served_as
     service = AdmissionService(deps)

@@ -6,9 +6,9 @@ only, so the parser, hub, aggregation and tests never depend on generated code.
 `checked(sample)` is the one rule for readings that cannot be true (NaN, ±inf, a negative usage or count, a
 capacity of 0 or beyond `MAX_KV_CAPACITY_TOKENS`): such a sample becomes a down sample with reason
 `invalid`, so its endpoint counts as missing (stale), never as a reading. A decode pace that cannot be true
-is dropped alone (the pace only bounds what an unreported request is charged; losing the KV reading over it
-would lose protection). Both ends apply it: the exporter after parsing a page, the sidecar on every sample
-off the wire (it does not trust the wire).
+is dropped alone, as is an impossible generation counter (both only bound what an unreported request is
+charged; losing the KV reading over them would lose protection). Both ends apply it: the exporter after
+parsing a page, the sidecar on every sample off the wire (it does not trust the wire).
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ class FeedSample:
     kv_block_tokens: int | None = None  # tokens per KV block; None unknown
     # Counter of requests the server refused for want of queue room (vLLM's queue bounds); None unknown.
     admission_rejections_total: float | None = None
+    # Counter of tokens the engine generated (what the pace is timed from); None unknown.
+    generation_tokens_total: float | None = None
 
     @property
     def key(self) -> SampleKey:
@@ -104,6 +106,7 @@ class FeedSample:
             decode_tokens_per_second=decode_tokens_per_second,
             kv_block_tokens=signals.kv_block_tokens,
             admission_rejections_total=signals.admission_rejections_total,
+            generation_tokens_total=signals.generation_tokens_total,
         )
 
     @classmethod
@@ -178,6 +181,9 @@ def checked(sample: FeedSample) -> FeedSample:
     block = sample.kv_block_tokens
     if block is not None and not 0 < block <= MAX_KV_BLOCK_TOKENS:
         sample = replace(sample, kv_block_tokens=None)  # likewise
+    generated = sample.generation_tokens_total
+    if generated is not None and not (math.isfinite(generated) and generated >= 0.0):
+        sample = replace(sample, generation_tokens_total=None)  # likewise
     names = plausible_names(sample.served_names)
     return sample if names == sample.served_names else replace(sample, served_names=names)
 
@@ -206,7 +212,7 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
         scrape_duration_seconds=sample.scrape_duration_seconds,
         served_names=list(sample.served_names),
     )
-    for field in ("kv_usage", *_COUNTS, "decode_tokens_per_second"):
+    for field in ("kv_usage", *_COUNTS, "decode_tokens_per_second", "generation_tokens_total"):
         value = getattr(sample, field)
         if value is not None:
             setattr(msg, field, value)
@@ -244,4 +250,5 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         decode_tokens_per_second=opt("decode_tokens_per_second"),
         kv_block_tokens=int(msg.kv_block_tokens) if msg.HasField("kv_block_tokens") else None,
         admission_rejections_total=opt("admission_rejections_total"),
+        generation_tokens_total=opt("generation_tokens_total"),
     )

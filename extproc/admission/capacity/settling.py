@@ -55,11 +55,15 @@ class Settler:
         self.track(future)
         return future
 
-    def release_slot(self, admitted: Admitted) -> asyncio.Future[bool]:
-        """Give the lease's slots back before it settles (the engine is done with it, its client still
-        reads): the store frees them at most once, and `settle` later charges its tokens as ever."""
+    def release_slot(self, admitted: Admitted, early: bool = True) -> asyncio.Future[bool]:
+        """Give the lease's slots back before it settles: the store frees them at most once, and `settle`
+        later charges its tokens as ever. `early`: the engine is done with it while its client still reads
+        (counted and logged as such); else the request has ended and only its count is awaited."""
         future = asyncio.ensure_future(self.store.release_slot(admitted.lease))
-        future.add_done_callback(lambda done: self._slot_back(done, admitted))
+        if early:
+            future.add_done_callback(lambda done: self._slot_back(done, admitted))
+        elif self.queue is not None:
+            future.add_done_callback(lambda _done: self.queue.kick() if self.queue is not None else None)
         self.track(future)
         return future
 

@@ -6,7 +6,11 @@ last observation (extproc/admission/capacity/settlement.py), exactly once, howev
 request admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in.
 Where the answer was not seen to its end, the charge is what passed where nothing can have held the engine's
 stream back (`_unheld`), else it includes the pool's decode-rate estimate of what the engine generated; a
-completed stream teaches that rate (`learn_pace`, the one place it is learned).
+completed stream teaches that rate (`learn_pace`, the one place it is learned). Where nothing of the answer
+was seen (a client gone before the first byte, a lost end report), the engines' own count is the charge
+where the feed carries their generation counters (`core.engine_tally`): the lease gives its slots and KV
+booking back at once, and settles once the feed has read the engines past its end (`ENGINE_STOP_S`), at
+most `ENGINE_COUNT_WAIT_S` later; the pace estimate where it has not.
 
 One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
 
@@ -18,8 +22,11 @@ the answer. The feed's pace then is the engine's while it ran the request, kept 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -30,6 +37,7 @@ from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
 from extproc.core.decode_rate import STEPS_PAST_ABORT, DecodeRates, lockstep_floor
+from extproc.core.engine_tally import EngineTally
 from extproc.core.slot_eta import OpenLease
 
 log = logging.getLogger(__name__)
@@ -67,6 +75,19 @@ transport never took it, or Envoy says its ext_proc message timed out). The filt
 (`failure_mode_allow: false` in every shipped config), so the engine never saw it: settled as
 `not_forwarded`, refunded in full, unless a report of what did happen comes first."""
 
+ENGINE_STOP_S = 0.5
+"""How long after a request ended on the proxy its engine's counter may still grow for it: the abort reaches
+vLLM's engine core between two steps (`decode_rate.STEPS_PAST_ABORT`), and its API server counts a step's
+tokens as it hands the step's outputs on (vllm 0.32.0 vllm/v1/engine/async_llm.py, `output_handler`, which
+records each batch of outputs into `vllm:generation_tokens_total`): tens of milliseconds on a GPU, a few
+hundred on a busy CPU host. A count waits for a reading this long after the end."""
+
+COUNT_ROUNDING = 1e-6  # a count summed from float shares, a hair over a whole token, is that token
+
+ENGINE_COUNT_WAIT_S = 5.0
+"""The longest a lease whose answer nobody saw waits for that reading before it is charged the pace estimate
+instead: past the exporter's shipped 1 s interval, its scrape and `ENGINE_STOP_S`, several times over."""
+
 MIN_DECODE_SPAN_S = 0.05
 """The shortest first-to-last-content span that times a decode. A shorter one timed the delivery: the answer
 reached the reader in a burst, from a proxy's buffers after a stall (measured on the real-engine tier: 20
@@ -92,6 +113,11 @@ def learn_pace(
     rates.observe(admitted.pool, tokens, decode_s)
     if first_token_after_s is not None:
         admitted.booking.learn_pace(first_token_after_s, tokens, decode_s)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class InFlight:
@@ -204,14 +230,66 @@ class InFlight:
             self.ended_at = self.service.clock()
 
     def expire(self) -> None:
-        """No end report within the bound: settle as `expired`, charged the decode-rate estimate."""
+        """No end report within the bound: settle as `expired`, charged what the engine generated unseen."""
         if not self.settled:
-            self._charge(ResponseFacts(expired=True, estimated_completion=self.estimate()))
+            self._charge_unseen(ResponseFacts(expired=True))
 
     def settle(self) -> None:
         """Charge the lease from what was last seen; only the first call counts."""
-        if not self.settled:
+        if self.settled:
+            return
+        if self._answer_unseen():
+            self._charge_unseen(self.seen.facts)
+        else:
             self._charge(self._final_facts())
+
+    def _answer_unseen(self) -> bool:
+        """Whether the request went upstream and nothing of its answer came back (no response started):
+        what the engine generated for it passed nobody."""
+        seen = self.seen
+        facts = seen.facts
+        cut = self.was_cut and seen is not NOTHING_SEEN
+        return not cut and not facts.completed and facts.forwarded and not seen.responded
+
+    def _charge_unseen(self, facts: ResponseFacts) -> None:
+        """Charge an answer nobody saw what the engines counted for it where the feed carries their counters
+        and reaches back to its admission (`core.engine_tally`), else the pace estimate. Counted: its slots
+        and KV booking go back now (the engine stops within a step of the end), the charge once the feed
+        has read past the end (`ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S` later."""
+        admitted = self.admitted
+        tally = self.service.deps.engine_tally(admitted.pool)
+        if tally is None or not tally.reaches_back(admitted.admitted_at):
+            self._count_unseen("pace")
+            self._charge(replace(facts, estimated_completion=self.estimate()))
+            return
+        stop = self._until()
+        self._close()
+        admitted.booking.release(None)
+        self.service.settler.release_slot(admitted, early=False)
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        tally.after(stop + ENGINE_STOP_S, functools.partial(_resolve, ready))
+        self.service.track(asyncio.ensure_future(self._book_counted(facts, tally, stop, ready)))
+
+    async def _book_counted(
+        self, facts: ResponseFacts, tally: EngineTally, stop: float, ready: asyncio.Future[None]
+    ) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ready, ENGINE_COUNT_WAIT_S)
+        admitted = self.admitted
+        request = admitted.request
+        sequences = request.sequences * request.prompt_count
+        counted = tally.count(admitted.admitted_at, stop, sequences, tail=ENGINE_STOP_S)
+        if counted is None or not tally.covers(stop + ENGINE_STOP_S):
+            self._count_unseen("pace")
+            estimate = self.estimate()
+        else:
+            self._count_unseen("engine_count")
+            estimate = min(admitted.plan.completion_tokens, math.ceil(counted - COUNT_ROUNDING))
+        self._book_or_correct(replace(facts, estimated_completion=estimate))
+
+    def _count_unseen(self, basis: str) -> None:
+        service = self.service
+        service.settler.child(service.metrics.unseen_answers, self.admitted.model_label, basis).inc()
 
     def _final_facts(self) -> ResponseFacts:
         seen = self.seen
@@ -220,8 +298,6 @@ class InFlight:
             return replace(facts, cut=True, estimated_completion=self._lockstep())
         if facts.completed or not facts.forwarded:
             return facts
-        if not seen.responded:
-            return replace(facts, estimated_completion=self.estimate())
         if self._unheld(seen):
             return replace(facts, estimated_completion=self._lockstep(STEPS_PAST_ABORT))
         decoding = seen.decode_s
@@ -252,11 +328,18 @@ class InFlight:
         return min(cap, floor + steps_after * max(1, sequences))
 
     def _charge(self, facts: ResponseFacts) -> None:
-        # Booked on the first attempt, whatever the store answers: a shared store answers False for a lease
-        # that already expired there, and the request still ended here.
+        self._close()
+        self._book_or_correct(facts)
+
+    def _close(self) -> None:
+        """Settled from here on, whatever follows: booked on the first attempt, whatever the store answers
+        (a shared store answers False for a lease that already expired there, and the request still ended
+        here), and no longer awaiting a report."""
         self.settled = True
         if self.report_key is not None:
             self._forget_report(self.report_key)
+
+    def _book_or_correct(self, facts: ResponseFacts) -> None:
         correction = self.correction
         if correction is not None and correction.defer(functools.partial(self._book, facts)):
             self.start_correction()

@@ -8,6 +8,8 @@ Evaluation happens on the event loop: at once for the pool of each arriving samp
 within one scrape), and for every pool on a periodic tick (so staleness and gradual recovery advance with
 no samples arriving). `on_update` runs only when a pool's state changed (ignoring `updated_at`);
 `on_sample(pool, snapshot, now)` runs for every fresh sample that arrives (the KV budget's engine reading).
+Each pool's generation counters feed its `EngineTally` (`engine_tally(pool)`): what the engines generated
+for a request nobody saw answered.
 `served` maps the names the engines serve (aliases, LoRA adapters) to their pools.
 """
 
@@ -16,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 
 from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
+from extproc.core.engine_tally import EngineTally
 from extproc.kvfeed.sample import FeedSample, SampleKey
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
 from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper
@@ -30,6 +34,11 @@ from extproc.kvfeed.subscriber.settings import KvMode, SubscriberConfig
 log = logging.getLogger(__name__)
 
 OnUpdate = Callable[[str, ControllerState], None]
+
+MAX_SCRAPE_S = 10.0
+"""The longest scrape duration a sample's timing is taken back by: past any sane exporter `--timeout` (0.8 s
+by default), so a value off the wire cannot move a reading minutes back."""
+
 OnSample = Callable[[str, PoolSnapshot, float], None]
 
 
@@ -73,6 +82,7 @@ class FeedbackLoop:
         self._controllers: dict[str, AdaptiveController] = {}
         self._snapshots: dict[str, PoolSnapshot] = {}
         self._rejections: dict[SampleKey, float] = {}  # each endpoint's admission-rejection counter
+        self._tallies: dict[str, EngineTally] = {}  # per pool: its engines' generation counters
         self._tick_task: asyncio.Task[None] | None = None
         self.served = ServedNames(subscriber.forget_after)
         self.subscriber = FeedSubscriber(
@@ -117,6 +127,10 @@ class FeedbackLoop:
         """The decode pace per sequence the pool's fresh endpoints publish, None when none does or stale."""
         snap = self._snapshots.get(pool)
         return snap.decode_tokens_per_second if snap is not None and not snap.stale else None
+
+    def engine_tally(self, pool: str) -> EngineTally | None:
+        """The pool's generation counters over time; None before a sample of the pool carried one."""
+        return self._tallies.get(pool)
 
     def evaluate(self, pools: set[str] | None = None) -> None:
         """Re-aggregate and step the controllers of `pools` (all when None) at `clock()`."""
@@ -175,6 +189,7 @@ class FeedbackLoop:
         self.served.observe(sample, self._clock())
         self.evaluate({sample.model})
         self._count_rejections(sample)
+        self._tally(sample)
         snap = self._snapshots.get(sample.model)
         if self._on_fresh is None or snap is None or snap.stale or not sample.up:
             return
@@ -199,11 +214,31 @@ class FeedbackLoop:
             self._metrics.engine_rejections.labels(sample.model).inc(total - before)
         self.engine_refused(sample.model)
 
+    def _tally(self, sample: FeedSample) -> None:
+        """An endpoint's generation counter into its pool's tally, read when the sample arrived less its
+        scrape's duration (at most `MAX_SCRAPE_S`: the wire's word); a sample without one, or a down
+        one, makes its next reading a new baseline."""
+        tally = self._tallies.get(sample.model)
+        generated, running = sample.generation_tokens_total, sample.requests_running
+        if not sample.up or generated is None or running is None:
+            if tally is not None:
+                tally.forget(_endpoint(sample.key))
+            return
+        if tally is None:
+            tally = self._tallies[sample.model] = EngineTally()
+        duration = sample.scrape_duration_seconds
+        took = min(duration, MAX_SCRAPE_S) if math.isfinite(duration) and duration > 0 else 0.0
+        tally.observe(_endpoint(sample.key), generated, running, self._clock() - took)
+
     def _forget_endpoints(self) -> None:
-        """Rejection counters of endpoints the subscriber forgot: memory follows the fleet."""
+        """Rejection counters and tallied counters of endpoints the subscriber forgot: memory follows the
+        fleet."""
         known = {stored.sample.key for stored in self.subscriber.samples()}
         for key in [k for k in self._rejections if k not in known]:
             del self._rejections[key]
+        endpoints = {_endpoint(key) for key in known}
+        for tally in self._tallies.values():
+            tally.keep(endpoints)
 
     async def _tick_loop(self) -> None:
         while True:
@@ -215,3 +250,8 @@ class FeedbackLoop:
                 self.evaluate()
             except Exception:
                 log.exception("feedback tick failed")
+
+
+def _endpoint(key: SampleKey) -> str:
+    """One endpoint as a tally knows it: its node and address (a model is a pool's own tally)."""
+    return f"{key[0]} {key[1]}"

@@ -26,6 +26,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry
 
 from extproc.core.adaptive import ControllerState
+from extproc.core.engine_tally import EngineTally
 from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.kv_fairness import FairShare
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
@@ -210,6 +211,11 @@ class FeedbackRuntime:
         """The pool's decode pace per sequence from the engines' counters (`kvfeed.pace`), None without a
         fresh one: the fallback of `DecodeRates` while the pool has no pace learned from its streams."""
         return self.loop.decode_tokens_per_second(pool) if self.loop is not None else None
+
+    def engine_tally(self, pool: str) -> EngineTally | None:
+        """The pool's engines' generation counters over time (`core.engine_tally`), None without them: what
+        admission counts a request nobody saw answered with."""
+        return self.loop.engine_tally(pool) if self.loop is not None else None
 
     def engine_refused(self, pool: str) -> None:
         """An engine of `pool` refused an admitted request, its queue full: the pool's scale drops at once

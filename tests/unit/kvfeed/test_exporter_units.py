@@ -173,6 +173,19 @@ def test_block_size_travels_and_an_impossible_one_is_dropped_alone() -> None:
         assert dropped.up and dropped.kv_block_tokens is None and dropped.kv_usage == s.kv_usage
 
 
+def test_the_generation_counter_travels_and_an_impossible_one_is_dropped_alone() -> None:
+    from dataclasses import replace
+
+    from extproc.kvfeed.sample import checked
+
+    s = replace(sample(t=5.0), generation_tokens_total=12345.0)
+    assert from_proto(to_proto(s)).generation_tokens_total == 12345.0
+    assert from_proto(to_proto(sample())).generation_tokens_total is None
+    for bad in (-1.0, float("nan"), float("inf")):
+        dropped = checked(replace(s, generation_tokens_total=bad))
+        assert dropped.up and dropped.generation_tokens_total is None and dropped.kv_usage == s.kv_usage
+
+
 def test_admission_rejections_travel_and_an_impossible_count_is_refused_as_any_count() -> None:
     from dataclasses import replace
 

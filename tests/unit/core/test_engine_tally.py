@@ -1,0 +1,108 @@
+"""`EngineTally`: a request's share of what its pool's engines generated, from their counters over time."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.core.engine_tally import EngineTally
+
+
+def tally_of(*readings: tuple[float, float, float], endpoint: str = "a") -> EngineTally:
+    """A tally fed (at, counter, running) readings of one endpoint."""
+    tally = EngineTally()
+    for at, counter, running in readings:
+        tally.observe(endpoint, counter, running, at)
+    return tally
+
+
+def test_alone_on_the_engine_a_request_is_charged_every_token_it_generated_whatever_the_interval() -> None:
+    # Idle at 0, four sequences running at 2, idle again at 4 after the abort: 281 tokens generated, all ours,
+    # wherever in its intervals the request started and ended (the scrapes fall where they fall).
+    tally = tally_of((0.0, 1000.0, 0.0), (2.0, 1200.0, 4.0), (4.0, 1281.0, 0.0))
+    assert tally.count(0.5, 3.5, sequences=4) == pytest.approx(281.0)
+    assert tally.count(1.5, 2.5, sequences=4) == pytest.approx(281.0)
+    # Ended at 1.5 while four sequences ran at 2: those are another's, who shares the interval's tokens.
+    assert tally.count(0.5, 1.5, sequences=4) == pytest.approx(100.0)
+
+
+def test_among_steady_others_a_request_gets_its_sequences_share_of_its_own_time() -> None:
+    # Six others run throughout at 10 tokens/s each; ours (4 sequences at the same pace) from 1.0 to 2.5.
+    tally = tally_of((0.0, 0.0, 6.0), (2.0, 160.0, 10.0), (4.0, 300.0, 6.0))
+    # 0-2: 120 from the others, 40 ours over 1 s; 2-4: 120 + 20 ours over 0.5 s.
+    assert tally.count(1.0, 2.5, sequences=4) == pytest.approx(60.0)
+
+
+def test_growth_outside_the_request_is_not_its() -> None:
+    tally = tally_of((0.0, 0.0, 2.0), (1.0, 20.0, 2.0), (2.0, 40.0, 0.0), (3.0, 40.0, 0.0))
+    assert tally.count(2.5, 3.0, sequences=1) == 0.0
+
+
+def test_endpoints_sum_and_a_restarted_counter_is_a_new_baseline() -> None:
+    tally = EngineTally()
+    tally.observe("a", 500.0, 0.0, 0.0)
+    tally.observe("b", 900.0, 0.0, 0.05)
+    tally.observe("a", 560.0, 2.0, 1.0)
+    tally.observe("b", 10.0, 0.0, 1.05)  # b restarted: its new value is a baseline, not -890
+    tally.observe("a", 580.0, 0.0, 2.0)
+    assert tally.count(0.1, 1.5, sequences=2) == pytest.approx(80.0)
+
+
+def test_no_count_where_the_points_do_not_reach_around_the_request() -> None:
+    tally = tally_of((1.0, 0.0, 0.0), (2.0, 10.0, 1.0))
+    assert tally.count(0.5, 1.5, sequences=1) is None  # nothing read before it started
+    assert tally.count(1.5, 2.5, sequences=1) is None  # nor after it ended, yet
+    assert tally.reaches_back(1.0) and not tally.reaches_back(0.5)
+    assert tally.covers(2.0) and not tally.covers(2.5)
+
+
+def test_a_waiter_is_called_at_the_first_point_past_its_time() -> None:
+    tally = tally_of((0.0, 0.0, 0.0))
+    called: list[str] = []
+    tally.after(1.5, lambda: called.append("late"))
+    tally.after(0.0, lambda: called.append("now"))
+    assert called == ["now"]
+    tally.observe("a", 5.0, 1.0, 1.0)
+    assert called == ["now"]
+    tally.observe("a", 9.0, 1.0, 1.6)
+    assert called == ["now", "late"]
+
+
+def test_memory_is_bounded_and_close_readings_share_a_point() -> None:
+    tally = EngineTally(max_points=100, min_spacing_s=0.1)
+    for i in range(1000):
+        tally.observe("a", float(i), 1.0, i * 0.05)  # twice as often as the spacing
+    assert len(tally) <= 100
+    assert not tally.reaches_back(0.0) and tally.covers(49.9)
+    # One sequence ran throughout: at the window's ends it counts as another's, so the share is a hair low.
+    assert tally.count(45.0, 49.0, sequences=1) == pytest.approx(80.0, rel=0.01)
+
+
+def test_a_forgotten_endpoint_starts_again_from_its_next_reading() -> None:
+    tally = EngineTally()
+    tally.observe("a", 100.0, 1.0, 0.0)
+    tally.forget("a")
+    tally.observe("a", 300.0, 1.0, 1.0)  # its growth while gone is not known to be anyone's
+    tally.observe("a", 310.0, 0.0, 2.0)
+    assert tally.count(0.0, 2.0, sequences=1) == pytest.approx(10.0)
+    tally.keep(set())
+    tally.observe("a", 320.0, 0.0, 3.0)
+    assert tally.count(0.0, 3.0, sequences=1) == pytest.approx(10.0)
+
+
+def test_alone_the_steps_the_abort_found_count_though_read_after_the_end() -> None:
+    # Ended at 1.5; the reading at 1.6 still shows its four sequences (the abort not in yet), the one at 2.5
+    # the engine idle: the 12 tokens between are its last steps.
+    tally = tally_of((0.0, 0.0, 0.0), (1.6, 100.0, 4.0), (2.5, 112.0, 0.0))
+    assert tally.count(0.2, 1.5, sequences=4, tail=0.5) == pytest.approx(112.0)
+    # Among others still running after its end, what follows it is theirs.
+    busy = tally_of((0.0, 0.0, 2.0), (1.6, 100.0, 6.0), (2.5, 130.0, 2.0))
+    counted = busy.count(0.2, 1.5, sequences=4, tail=0.5)
+    assert counted is not None and counted < 100.0
+
+
+def test_a_burst_that_starts_and_ends_together_shares_the_engines_count_evenly() -> None:
+    # Four single-sequence requests from 0.3 to 3.7, readings every second: 80 tokens each, 320 in all.
+    readings = [(0.0, 0.0, 0.0), (1.0, 56.0, 4.0), (2.0, 136.0, 4.0), (3.0, 216.0, 4.0), (4.0, 320.0, 0.0)]
+    tally = tally_of(*readings)
+    counted = tally.count(0.3, 3.7, sequences=1)
+    assert counted == pytest.approx(80.0)  # the mean of the ends would give each 0.3/(1.5+0.3) of the first
