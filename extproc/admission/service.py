@@ -33,7 +33,7 @@ from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prompt import Count
 from extproc.core.clock import Clock, monotonic
 from extproc.core.decode_rate import DecodeRates
-from extproc.core.engine_tally import EngineTally
+from extproc.core.engine_tally import EngineTally, no_tally
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
@@ -59,7 +59,7 @@ class Deps:
     kv_budget: Callable[[str], KvBudget | None] = lambda _pool: None
     budget_changed: Callable[[str], None] = lambda _pool: None
     kv_usage: Callable[[str], float | None] = lambda _pool: None
-    engine_tally: Callable[[str], EngineTally | None] = lambda _pool: None  # the engines' own counts
+    engine_tally: Callable[[str], EngineTally | None] = no_tally  # the engines' own counts, from the feed
     feeds_pool: Callable[[str], bool] = lambda _pool: False  # whether the KV feed reports this pool
     # The engine refused an admitted request of this pool (its queue full): the pool's scale drops at once.
     engine_refused: Callable[[str], None] = lambda _pool: None

@@ -8,18 +8,21 @@ on another host). The engines count it themselves: the feed carries each endpoin
 (vLLM's `vllm:generation_tokens_total`) with its running requests, and `EngineTally` keeps, per pool, the
 sum of the counters' growth and of the running sequences at each sample (`TallyPoint`).
 
-`count(start, stop, sequences, tail)` is a request's share of that growth over its time: in each interval
-between two points, the tokens generated split in proportion to the sequence-seconds each request ran.
-Ours is `sequences` over the part of the interval inside [start, stop]; the others' is the running count
-at the interval's two ends, less ours where we ran then: those at both ends ran all of it, those who came
-or went inside it as long as we did where we came or went in it too (requests that start or end together,
-a burst), else half of it. Alone on the pool the others' share is 0 and the count is every token the
-engines generated from the point before `start` to the first point after `stop` (and up to `tail` later,
-while the engine finished the step the abort found and then ran nothing), exact whatever the scrape
-interval; among others it is the pool's mean pace per sequence over our own time. A request queued in the
-engine counts as running (the feed's running count does not show it): it errs high, as the pace estimate
-does. One that started and ended between two points is invisible to their running counts: its tokens
-count as those the points show running.
+`count(start, stop, sequences, tail, key)` is a request's share of that growth over its time: in each
+interval between two points, the tokens generated split in proportion to the sequence-seconds each request
+ran. Ours is `sequences` over the part of the interval inside [start, stop]. The others this sidecar
+admitted into the pool ran as it saw them: each request's run (`begin` at its admission, `end` when the
+engine is done with it) is kept, so a closed loop of clients (one request leaving as the next comes) or a
+burst that starts and ends together splits exactly. The rest (another replica's requests, runs forgotten)
+are the running count at the interval's ends less ours where we ran then and the known ones running then,
+averaged over the interval: exact for requests running throughout, half of it for one that came or went
+inside. Alone on the pool, or beside only known runs, the count is exact whatever the scrape interval; past
+`stop`, an interval that starts before `stop + tail` with our sequences still running beside the known ones
+and ends with the engine idle counts as ours too (the step the abort found, read after the end). A
+request queued in the engine counts as running (the feed's running count does not show it), as does the
+time between its admission and its first step: beside unknown others it errs high, as the pace estimate
+does. An unknown one that started and ended between two points is invisible to their running counts: its
+tokens count as those the points show running.
 
 A count needs a point at or before `start` and one at or after `stop + tail`: the caller waits for the latter
 (`after(t, callback)`, called at the first point at or after `t`). Points are read at the sidecar's clock
@@ -27,7 +30,9 @@ when the sample arrived less the scrape's duration (the counters were read no ea
 at most `max_points` per pool, one per `min_spacing_s` (a newer one replaces a last one that came
 sooner), 20,000 at 0.1 s, over half an hour at ten samples a second: a request older than the points kept
 gets no count (None), and the caller charges its pace estimate. An endpoint whose counter goes back (a
-restart) starts a new baseline; one gone from the feed (`forget`) leaves the sum as it was.
+restart) starts a new baseline; one gone from the feed (`forget`) leaves the sum as it was. Runs: every
+request in flight here, and the last `MAX_ENDED_RUNS` ended (20,000: older ones count among the unknown),
+none begun over `MAX_RUN_S` (two hours) before the newest.
 
 Pure: no clock, no I/O; the feed's loop calls `observe` on its event loop, admission reads `count`.
 """
@@ -38,13 +43,22 @@ import bisect
 import heapq
 import itertools
 import logging
-from collections.abc import Callable
+import math
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 MAX_POINTS = 20_000
 MIN_SPACING_S = 0.1
+MAX_ENDED_RUNS = 20_000
+MAX_RUN_S = 7200.0  # past any request's lifetime bound (`admission.max_request_seconds`, 1,800 s by default)
+
+
+def no_tally(pool: str) -> EngineTally | None:
+    """No feed: no pool has a tally (what admission asks before the feed is wired)."""
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +68,19 @@ class TallyPoint:
     at: float
     generated: float
     running: float
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request this sidecar admitted into the pool: `sequences` running from `start` until `stop`."""
+
+    start: float
+    sequences: int
+    stop: float | None = None
+
+    def overlap(self, lo: float, hi: float) -> float:
+        stop = self.stop if self.stop is not None else math.inf
+        return max(0.0, min(hi, stop) - max(lo, self.start))
 
 
 class EngineTally:
@@ -68,6 +95,32 @@ class EngineTally:
         self._generated = 0.0
         self._waiters: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
+        self._closed = False  # the feed stopped: waiters are called at once
+        self._runs: dict[Hashable, _Run] = {}  # this sidecar's requests in the pool, by lease
+        self._ended: deque[Hashable] = deque()  # the ended ones, oldest first, at most `MAX_ENDED_RUNS`
+
+    def begin(self, key: Hashable, start: float, sequences: int) -> None:
+        """This sidecar admitted a request of `sequences` into the pool at `start` (`key`: its lease). Runs
+        begun over `MAX_RUN_S` before go, ended or not: no request lives that long, and one never ended
+        (a bug elsewhere) must not count as running forever."""
+        stale = []
+        for old_key, run in self._runs.items():
+            if run.start >= start - MAX_RUN_S:
+                break
+            stale.append(old_key)
+        for old_key in stale:
+            del self._runs[old_key]
+        self._runs[key] = _Run(start, max(1, sequences))
+
+    def end(self, key: Hashable, stop: float) -> None:
+        """The request `key` ended at `stop` (the engine is done with it); once."""
+        run = self._runs.get(key)
+        if run is None or run.stop is not None:
+            return
+        run.stop = max(stop, run.start)
+        self._ended.append(key)
+        while len(self._ended) > MAX_ENDED_RUNS:
+            self._runs.pop(self._ended.popleft(), None)
 
     def observe(self, endpoint: str, counter: float, running: float, at: float) -> None:
         """One endpoint's generation counter and running requests, read at `at`: a new point of the pool,
@@ -101,10 +154,18 @@ class EngineTally:
 
     def after(self, at: float, callback: Callable[[], None]) -> None:
         """Call `callback` once a point at or after `at` exists (at once if one does)."""
-        if self._times and self._times[-1] >= at:
+        if self._closed or (self._times and self._times[-1] >= at):
             callback()
             return
         heapq.heappush(self._waiters, (at, next(self._order), callback))
+
+    def close(self) -> None:
+        """The feed stopped (shutdown, a reload that restarts it): no point will come, so every waiter is
+        called now, and any later one at once, and finds its count not covered."""
+        self._closed = True
+        waiters, self._waiters = self._waiters, []
+        for _, _, callback in sorted(waiters):
+            _call(callback)
 
     def covers(self, at: float) -> bool:
         """Whether a point at or after `at` exists."""
@@ -114,30 +175,67 @@ class EngineTally:
         """Whether a point at or before `at` is kept: a request that started then can be counted."""
         return bool(self._times) and self._times[0] <= at
 
-    def count(self, start: float, stop: float, sequences: int, tail: float = 0.0) -> float | None:
+    def count(
+        self, start: float, stop: float, sequences: int, tail: float = 0.0, key: Hashable | None = None
+    ) -> float | None:
         """The tokens generated for a request of `sequences` that ran from `start` to `stop` and may have
         run `tail` seconds more (the engine finishing the step the abort found), per the module docstring;
-        None where the points kept do not reach from before `start` to `stop + tail`."""
+        `key`, its own run among this sidecar's. None where the points kept do not reach from before
+        `start` to `stop + tail`."""
         times = self._times
         first = bisect.bisect_right(times, start) - 1
         last = bisect.bisect_left(times, stop + tail)
         if first < 0 or last >= len(times) or stop < start:
             return None
-        points = self._points
         window = _Window(start, stop, stop + tail, max(1, sequences))
-        return sum(window.share(points[i], points[i + 1]) for i in range(first, last))
+        points = self._points[first : last + 1]
+        known = self._known(times[first : last + 1], key)
+        return sum(window.share(points[i], points[i + 1], known[i]) for i in range(len(points) - 1))
+
+    def _known(self, times: list[float], key: Hashable | None) -> list[_Known]:
+        """For each interval between `times`, this sidecar's other requests: the sequences running at its
+        start and end points, and their sequence-seconds in it."""
+        known = [_Known() for _ in range(len(times) - 1)]
+        lo_t, hi_t = times[0], times[-1]
+        for run_key, run in self._runs.items():
+            if run_key == key or run.overlap(lo_t, hi_t) <= 0.0:
+                continue
+            stop = run.stop if run.stop is not None else math.inf
+            first = max(0, bisect.bisect_right(times, run.start) - 1)
+            last = min(len(known), bisect.bisect_left(times, stop))
+            for i in range(first, last):
+                interval = known[i]
+                interval.seconds += run.sequences * run.overlap(times[i], times[i + 1])
+                if run.start < times[i] < stop:
+                    interval.at_start += run.sequences
+                if run.start < times[i + 1] < stop:
+                    interval.at_end += run.sequences
+        return known
 
     def _wake(self, now: float) -> None:
         waiters = self._waiters
         while waiters and waiters[0][0] <= now:
-            _, _, callback = heapq.heappop(waiters)
-            try:
-                callback()
-            except Exception:
-                log.exception("engine tally waiter failed")
+            _call(heapq.heappop(waiters)[2])
 
     def __len__(self) -> int:
         return len(self._points)
+
+
+def _call(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("engine tally waiter failed")
+
+
+@dataclass(slots=True)
+class _Known:
+    """This sidecar's other requests in one interval: sequences running at its two ends, and the
+    sequence-seconds they ran in it."""
+
+    at_start: float = 0.0
+    at_end: float = 0.0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,29 +247,33 @@ class _Window:
     tail_end: float
     ours: int
 
-    def share(self, p0: TallyPoint, p1: TallyPoint) -> float:
+    def share(self, p0: TallyPoint, p1: TallyPoint, known: _Known) -> float:
         """Our part of the tokens generated between two points: in proportion to the sequence-seconds we
-        ran in it against the others' (the running count at each end, less ours where we may have run
-        then: those at both ends ran all of it). Past `stop`, all of an interval at whose end the engine
-        ran nothing and at whose start no more than ours ran: the step the abort found, read after the
-        end; else nothing."""
+        ran in it against the others'. The others this sidecar admitted ran as it saw them (`known`); the
+        rest, the running count at each end less ours where we may have run then and the known ones,
+        averaged over the interval. Past `stop`, the step the abort found, read after the end (`_tail`)."""
         generated = p1.generated - p0.generated
         if generated <= 0.0:
             return 0.0
         if p0.at >= self.stop:
-            return generated if p1.running == 0 and p0.running <= self.ours else 0.0
+            return self._tail(p0, p1, known, generated)
         ran = min(p1.at, self.stop) - max(p0.at, self.start)
         if ran <= 0.0:
             return 0.0
-        span = p1.at - p0.at
-        before, after = self._others(p0), self._others(p1)
-        # Others who came or went inside the interval ran, each, as long in it as we did where we came or
-        # went in it too (a burst starts and ends together), else half of it (arrivals spread over it).
-        edge = p0.at < self.start or self.stop < p1.at
-        changed = abs(after - before) * (ran if edge else span / 2)
+        unknown = (self._unknown(p0, known.at_start) + self._unknown(p1, known.at_end)) / 2
         ours_s = self.ours * ran
-        return generated * ours_s / (min(before, after) * span + changed + ours_s)
+        return generated * ours_s / (known.seconds + unknown * (p1.at - p0.at) + ours_s)
 
-    def _others(self, point: TallyPoint) -> float:
+    def _tail(self, p0: TallyPoint, p1: TallyPoint, known: _Known, generated: float) -> float:
+        """An interval after `stop`, starting before `tail_end`: ours where the reading at its start shows
+        our sequences still running (no more running than ours beside the known others) and the one at its
+        end the engine idle, in proportion to the known others' time in it; else nothing."""
+        unknown = p0.running - known.at_start
+        if p0.at >= self.tail_end or p1.running != 0 or not 0 < unknown <= self.ours:
+            return 0.0
+        ours_s = self.ours * (p1.at - p0.at) / 2
+        return generated * ours_s / (known.seconds + ours_s)
+
+    def _unknown(self, point: TallyPoint, known: float) -> float:
         ours_then = self.start < point.at < self.tail_end
-        return max(0.0, point.running - (self.ours if ours_then else 0))
+        return max(0.0, point.running - (self.ours if ours_then else 0) - known)

@@ -8,9 +8,10 @@ Where the answer was not seen to its end, the charge is what passed where nothin
 stream back (`_unheld`), else it includes the pool's decode-rate estimate of what the engine generated; a
 completed stream teaches that rate (`learn_pace`, the one place it is learned). Where nothing of the answer
 was seen (a client gone before the first byte, a lost end report), the engines' own count is the charge
-where the feed carries their generation counters (`core.engine_tally`): the lease gives its slots and KV
-booking back at once, and settles once the feed has read the engines past its end (`ENGINE_STOP_S`), at
-most `ENGINE_COUNT_WAIT_S` later; the pace estimate where it has not.
+where the feed carries their generation counters (`core.engine_tally`, through the request's `EngineRun`):
+the lease gives its slots and KV booking back at once, and settles once the feed has read the engines past
+its end (`engine_count.ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S` later; the pace estimate where it has
+not.
 
 One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
 
@@ -23,11 +24,10 @@ the answer. The feed's pace then is the engine's while it ran the request, kept 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from extproc.admission.capacity.admitted import Admitted
@@ -36,8 +36,8 @@ from extproc.admission.deciding import provisional
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
+from extproc.admission.tracking.engine_count import EngineRun
 from extproc.core.decode_rate import STEPS_PAST_ABORT, DecodeRates, lockstep_floor
-from extproc.core.engine_tally import EngineTally
 from extproc.core.slot_eta import OpenLease
 
 log = logging.getLogger(__name__)
@@ -75,18 +75,7 @@ transport never took it, or Envoy says its ext_proc message timed out). The filt
 (`failure_mode_allow: false` in every shipped config), so the engine never saw it: settled as
 `not_forwarded`, refunded in full, unless a report of what did happen comes first."""
 
-ENGINE_STOP_S = 0.5
-"""How long after a request ended on the proxy its engine's counter may still grow for it: the abort reaches
-vLLM's engine core between two steps (`decode_rate.STEPS_PAST_ABORT`), and its API server counts a step's
-tokens as it hands the step's outputs on (vllm 0.32.0 vllm/v1/engine/async_llm.py, `output_handler`, which
-records each batch of outputs into `vllm:generation_tokens_total`): tens of milliseconds on a GPU, a few
-hundred on a busy CPU host. A count waits for a reading this long after the end."""
-
 COUNT_ROUNDING = 1e-6  # a count summed from float shares, a hair over a whole token, is that token
-
-ENGINE_COUNT_WAIT_S = 5.0
-"""The longest a lease whose answer nobody saw waits for that reading before it is charged the pace estimate
-instead: past the exporter's shipped 1 s interval, its scrape and `ENGINE_STOP_S`, several times over."""
 
 MIN_DECODE_SPAN_S = 0.05
 """The shortest first-to-last-content span that times a decode. A shorter one timed the delivery: the answer
@@ -115,11 +104,6 @@ def learn_pace(
         admitted.booking.learn_pace(first_token_after_s, tokens, decode_s)
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 class InFlight:
     """One admitted request until its lease settles (see the module docstring)."""
 
@@ -142,6 +126,10 @@ class InFlight:
         self.slot_given_back = False  # the engine was done before the client: its slots went back early
         self.finish_pace: float | None = None  # the feed's pace when it found the engine done with it
         admitted.booking.when_engine_done(self.engine_done)
+        request = admitted.request
+        sequences = request.sequences * request.prompt_count
+        tally = service.deps.engine_tally(admitted.pool)
+        self.run = EngineRun(tally, admitted.lease.lease_id, admitted.admitted_at, sequences)
 
     def await_report(self, key: str, forget: Callable[[str], None]) -> None:
         """Lean: the proxy will report this request's end under `key`; `forget` takes it off the registry
@@ -199,6 +187,7 @@ class InFlight:
         if self.settled or self.slot_given_back:
             return
         self.slot_given_back = True
+        self._end_run()
         service = self.service
         self.finish_pace = service.decode_rates.fed_rate(self.admitted.pool)
         service.settler.release_slot(self.admitted)
@@ -228,6 +217,7 @@ class InFlight:
         """The request ended on the proxy (its ext_proc stream closed): the estimate stops growing here."""
         if self.ended_at is None:
             self.ended_at = self.service.clock()
+        self._end_run()
 
     def expire(self) -> None:
         """No end report within the bound: settle as `expired`, charged what the engine generated unseen."""
@@ -253,12 +243,11 @@ class InFlight:
 
     def _charge_unseen(self, facts: ResponseFacts) -> None:
         """Charge an answer nobody saw what the engines counted for it where the feed carries their counters
-        and reaches back to its admission (`core.engine_tally`), else the pace estimate. Counted: its slots
-        and KV booking go back now (the engine stops within a step of the end), the charge once the feed
-        has read past the end (`ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S` later."""
+        and reaches back to its admission (`engine_count.EngineRun`), else the pace estimate. Counted: its
+        slots and KV booking go back now (the engine stops within a step of the end), the charge once the
+        feed has read past the end."""
         admitted = self.admitted
-        tally = self.service.deps.engine_tally(admitted.pool)
-        if tally is None or not tally.reaches_back(admitted.admitted_at):
+        if not self.run.countable():
             self._count_unseen("pace")
             self._charge(replace(facts, estimated_completion=self.estimate()))
             return
@@ -266,25 +255,16 @@ class InFlight:
         self._close()
         admitted.booking.release(None)
         self.service.settler.release_slot(admitted, early=False)
-        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        tally.after(stop + ENGINE_STOP_S, functools.partial(_resolve, ready))
-        self.service.track(asyncio.ensure_future(self._book_counted(facts, tally, stop, ready)))
+        self.service.track(asyncio.ensure_future(self._book_counted(facts, self.run.count(stop))))
 
-    async def _book_counted(
-        self, facts: ResponseFacts, tally: EngineTally, stop: float, ready: asyncio.Future[None]
-    ) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ready, ENGINE_COUNT_WAIT_S)
-        admitted = self.admitted
-        request = admitted.request
-        sequences = request.sequences * request.prompt_count
-        counted = tally.count(admitted.admitted_at, stop, sequences, tail=ENGINE_STOP_S)
-        if counted is None or not tally.covers(stop + ENGINE_STOP_S):
+    async def _book_counted(self, facts: ResponseFacts, count: Awaitable[float | None]) -> None:
+        counted = await count
+        if counted is None:
             self._count_unseen("pace")
             estimate = self.estimate()
         else:
             self._count_unseen("engine_count")
-            estimate = min(admitted.plan.completion_tokens, math.ceil(counted - COUNT_ROUNDING))
+            estimate = min(self.admitted.plan.completion_tokens, math.ceil(counted - COUNT_ROUNDING))
         self._book_or_correct(replace(facts, estimated_completion=estimate))
 
     def _count_unseen(self, basis: str) -> None:
@@ -335,9 +315,13 @@ class InFlight:
         """Settled from here on, whatever follows: booked on the first attempt, whatever the store answers
         (a shared store answers False for a lease that already expired there, and the request still ended
         here), and no longer awaiting a report."""
+        self._end_run()
         self.settled = True
         if self.report_key is not None:
             self._forget_report(self.report_key)
+
+    def _end_run(self) -> None:
+        self.run.end(self._until())
 
     def _book_or_correct(self, facts: ResponseFacts) -> None:
         correction = self.correction

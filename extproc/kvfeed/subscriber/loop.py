@@ -106,6 +106,8 @@ class FeedbackLoop:
                 await self._tick_task
             self._tick_task = None
         await self.subscriber.stop()
+        for tally in self._tallies.values():
+            tally.close()  # requests waiting for a count get none from this loop
 
     def states(self) -> dict[str, ControllerState]:
         """Current state of every known pool (configured pools and pools seen in the feed)."""

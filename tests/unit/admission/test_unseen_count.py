@@ -12,7 +12,7 @@ import pytest
 
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward, Refusal
-from extproc.admission.tracking import inflight
+from extproc.admission.tracking import engine_count
 from extproc.admission.tracking.reading import ResponseReading
 from extproc.core.engine_tally import EngineTally
 from tests.support.admission import AdmissionRig
@@ -78,9 +78,9 @@ async def test_inline_a_body_left_is_charged_the_engines_count_once_the_feed_is_
         await asyncio.sleep(0)  # the store's release runs on the loop
     assert rig.active == 0  # its slot is back at once: the engine stops within a step
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 0  # its count is not in yet
-    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + inflight.ENGINE_STOP_S / 2)
+    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + engine_count.ENGINE_STOP_S / 2)
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 0  # read too soon after the end
-    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + inflight.ENGINE_STOP_S)
+    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + engine_count.ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 281  # what the engine generated, not 336 at the pace of single answers
     assert basis(rig, "engine_count") == 1 and basis(rig, "pace") == 0
@@ -136,7 +136,7 @@ async def test_without_counters_reaching_back_to_the_admission_the_pace_estimate
 async def test_a_feed_that_does_not_read_the_engines_in_time_leaves_the_pace_estimate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(inflight, "ENGINE_COUNT_WAIT_S", 0.01)
+    monkeypatch.setattr(engine_count, "ENGINE_COUNT_WAIT_S", 0.01)
     tally = EngineTally()
     rig = await rig_with(tally)
     tally.observe("node ep", 0.0, 0.0, rig.clock())
@@ -145,3 +145,15 @@ async def test_a_feed_that_does_not_read_the_engines_in_time_leaves_the_pace_est
     assert completion(rig) == 336
     assert basis(rig, "pace") == 1
     assert rig.active == 0
+
+
+async def test_a_feed_stopped_while_a_lease_waits_leaves_it_the_pace_estimate_at_once() -> None:
+    """Shutdown stops the feed before it drains the leases (or a reload restarts it): a lease waiting for
+    its count is charged the pace estimate then, not after `ENGINE_COUNT_WAIT_S`."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    tally.observe("node ep", 0.0, 0.0, rig.clock())
+    await left_after(rig, 1.5)
+    tally.close()
+    await asyncio.wait_for(rig.settled(), 1.0)
+    assert completion(rig) == 336 and basis(rig, "pace") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.core import engine_tally
 from extproc.core.engine_tally import EngineTally
 
 
@@ -100,9 +101,69 @@ def test_alone_the_steps_the_abort_found_count_though_read_after_the_end() -> No
     assert counted is not None and counted < 100.0
 
 
-def test_a_burst_that_starts_and_ends_together_shares_the_engines_count_evenly() -> None:
-    # Four single-sequence requests from 0.3 to 3.7, readings every second: 80 tokens each, 320 in all.
+def test_requests_this_sidecar_admitted_beside_it_are_counted_as_they_ran() -> None:
+    # Four single-sequence requests from 0.3 to 3.7, readings every second: 80 tokens each, 320 in all. The
+    # running counts alone cannot tell when the others came and went inside an interval: the mean of its
+    # ends gives each 0.3/(1.5+0.3) of the first interval's tokens, 91 in all; the others' runs, known here,
+    # give each its own.
     readings = [(0.0, 0.0, 0.0), (1.0, 56.0, 4.0), (2.0, 136.0, 4.0), (3.0, 216.0, 4.0), (4.0, 320.0, 0.0)]
     tally = tally_of(*readings)
-    counted = tally.count(0.3, 3.7, sequences=1)
-    assert counted == pytest.approx(80.0)  # the mean of the ends would give each 0.3/(1.5+0.3) of the first
+    assert tally.count(0.3, 3.7, sequences=1) == pytest.approx(90.9, abs=0.1)
+    for key in "abcd":
+        tally.begin(key, 0.3, 1)
+        tally.end(key, 3.7)
+    assert tally.count(0.3, 3.7, sequences=1, key="a") == pytest.approx(80.0)
+
+
+def test_a_closed_loop_of_clients_shares_the_engines_count_by_the_runs_it_saw() -> None:
+    # Two clients, one sequence each at 20 tokens/s, each sending its next request as its last one ends:
+    # client x at 0-0.5, 0.5-1.7; client y at 0-1.2, 1.2-2.0. Readings at 0, 1 and 2: 2 and 1.7
+    # sequence-seconds between them, 40 and 34 tokens.
+    tally = tally_of((0.0, 0.0, 0.0), (1.0, 40.0, 2.0), (2.0, 74.0, 0.0))
+    for key, start, stop in (("x1", 0.0, 0.5), ("x2", 0.5, 1.7), ("y1", 0.0, 1.2), ("y2", 1.2, 2.0)):
+        tally.begin(key, start, 1)
+        tally.end(key, stop)
+    counts = {
+        key: tally.count(start, stop, 1, key=key)
+        for key, start, stop in (("x1", 0.0, 0.5), ("x2", 0.5, 1.7), ("y1", 0.0, 1.2), ("y2", 1.2, 2.0))
+    }
+    assert counts == pytest.approx({"x1": 10.0, "x2": 24.0, "y1": 24.0, "y2": 16.0})
+
+
+def test_runs_ended_long_ago_are_forgotten() -> None:
+    tally = tally_of((0.0, 0.0, 0.0), (1.0, 20.0, 2.0), (2.0, 40.0, 0.0))
+    tally.begin("old", 0.0, 1)
+    tally.end("old", 2.0)
+    for i in range(engine_tally.MAX_ENDED_RUNS):
+        tally.begin(f"r{i}", 5.0, 1)
+        tally.end(f"r{i}", 6.0)
+    # The old run is gone: the one counted shares the intervals with an unknown other, by the running
+    # counts at their ends (half of each interval), where the known run ran all of both.
+    assert tally.count(0.0, 2.0, sequences=1) == pytest.approx(80 / 3)
+    tally.begin("old", 0.0, 1)
+    tally.end("old", 2.0)
+    tally.end("old", 9.0)  # once
+    assert tally.count(0.0, 2.0, sequences=1, key="new") == pytest.approx(20.0)
+
+
+def test_closing_calls_every_waiter_and_a_failing_one_stops_no_other() -> None:
+    tally = tally_of((0.0, 0.0, 0.0))
+    called: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("a waiter's bug")
+
+    tally.after(5.0, broken)
+    tally.after(9.0, lambda: called.append("last"))
+    tally.close()
+    assert called == ["last"] and not tally.covers(5.0)
+    tally.after(20.0, lambda: called.append("after the close"))
+    assert called == ["last", "after the close"]
+
+
+def test_a_run_never_ended_is_forgotten_past_any_requests_lifetime() -> None:
+    tally = tally_of((0.0, 0.0, 0.0), (1.0, 20.0, 2.0), (2.0, 40.0, 0.0))
+    tally.begin("lost", 0.0, 1)  # its end never told
+    assert tally.count(0.0, 2.0, sequences=1, key="new") == pytest.approx(20.0)
+    tally.begin("much later", engine_tally.MAX_RUN_S + 1.0, 1)
+    assert tally.count(0.0, 2.0, sequences=1, key="new") == pytest.approx(80 / 3)
