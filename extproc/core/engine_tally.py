@@ -22,7 +22,8 @@ and ends with the engine idle counts as ours too (the step the abort found, read
 request queued in the engine counts as running (the feed's running count does not show it), as does the
 time between its admission and its first step: beside unknown others it errs high, as the pace estimate
 does. An unknown one that started and ended between two points is invisible to their running counts: its
-tokens count as those the points show running.
+tokens count as those the points show running. The split takes every running sequence to decode at one
+pace (nearly so on a GPU; on a CPU engine a sequence among eight runs at a fraction of one alone).
 
 A count needs a point at or before `start` and one at or after `stop + tail`: the caller waits for the latter
 (`after(t, callback)`, called at the first point at or after `t`). Points are read at the sidecar's clock

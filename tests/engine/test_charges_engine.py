@@ -151,10 +151,11 @@ where four sequences decoded together each ran at a fraction of one alone's pace
 quarter, fails the floor."""
 
 FEED_INTERVAL_S = 2.0
-"""The tier's exporter interval (`tests/engine/stacks.py`): the body test waits one, and a little, idle
-first, so that the feed's reading before it shows the engine idle. A request that started and ended between
-two readings is invisible to their running counts, and the warm-up's 32 tokens, finished just before, were
-once counted as the next request's (285 of 253): the tally's documented limit, not this request's."""
+"""The tier's exporter interval (`tests/engine/stacks.py`): the body tests wait one, and a little, idle
+first, so that no other request shares the interval their count starts in. Before the sidecar kept its own
+requests' runs, the warm-up's 32 tokens, finished just before, were once counted as the next request's (285
+of 253); with them kept, an interval shared with an answer of one sequence still splits by sequence-seconds
+as if each sequence ran at one pace, where four decoded together on a CPU engine each run slower."""
 
 
 def test_a_non_streamed_answer_of_n_sequences_left_is_charged_the_engines_count(gateway: Stack) -> None:
