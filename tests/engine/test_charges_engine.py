@@ -309,7 +309,8 @@ def test_a_flood_of_streams_left_early_is_charged_what_the_engine_generated(gate
 
 BODY_FLOOD_BOUNDS = (0.95, 1.05)
 """The total charge of a flood of non-streamed answers left after 0.6 to 1.5 s, against the engine's count:
-1.006 lean (3,691 of 3,668) and 1.007 inline (3,435 of 3,410), 52 answers each. Each is charged its share of
+1.006 lean (3,691 of 3,668) and 1.007 inline (3,435 of 3,410), 52 answers each, each share then rounded up
+(half a token a request of the excess; now to the nearest token). Each is charged its share of
 the engine's count by the sequence-seconds it and the others ran, the others as this sidecar saw them
 (`EngineTally.begin` / `end`); by the feed's running counts alone the same flood gave 1.11 and 1.26: a
 closed loop of clients, each next request coming as the last leaves, hides inside a 2 s interval."""

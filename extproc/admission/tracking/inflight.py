@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -74,8 +73,6 @@ NEVER_FORWARDED = Seen(ResponseFacts(forwarded=False), responded=False)
 transport never took it, or Envoy says its ext_proc message timed out). The filter fails closed
 (`failure_mode_allow: false` in every shipped config), so the engine never saw it: settled as
 `not_forwarded`, refunded in full, unless a report of what did happen comes first."""
-
-COUNT_ROUNDING = 1e-6  # a count summed from float shares, a hair over a whole token, is that token
 
 MIN_DECODE_SPAN_S = 0.05
 """The shortest first-to-last-content span that times a decode. A shorter one timed the delivery: the answer
@@ -264,7 +261,9 @@ class InFlight:
             estimate = self.estimate()
         else:
             self._count_unseen("engine_count")
-            estimate = min(self.admitted.plan.completion_tokens, math.ceil(counted - COUNT_ROUNDING))
+            # To the nearest token: a request's share is a fraction of what others ran beside it, and
+            # rounding each up charged a flood half a token a request more than the engines generated.
+            estimate = min(self.admitted.plan.completion_tokens, round(counted))
         self._book_or_correct(replace(facts, estimated_completion=estimate))
 
     def _count_unseen(self, basis: str) -> None:

@@ -157,3 +157,17 @@ async def test_a_feed_stopped_while_a_lease_waits_leaves_it_the_pace_estimate_at
     tally.close()
     await asyncio.wait_for(rig.settled(), 1.0)
     assert completion(rig) == 336 and basis(rig, "pace") == 1
+
+
+async def test_a_share_among_others_is_charged_to_the_nearest_token() -> None:
+    """Six other sequences ran throughout its 1.5 s in a 3 s interval of 301 tokens: its four ran 6 of the
+    24 sequence-seconds, 75.25 tokens. Charged 75: rounding each share up would charge a flood of such
+    requests half a token each more than the engines generated."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    tally.observe("node ep", 0.0, 6.0, start - 0.5)
+    await left_after(rig, 1.5)
+    tally.observe("node ep", 301.0, 6.0, start + 2.5)
+    await rig.settled()
+    assert completion(rig) == 75
