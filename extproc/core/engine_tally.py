@@ -79,9 +79,13 @@ class _Run:
     sequences: int
     stop: float | None = None
 
+    @property
+    def until(self) -> float:
+        """Its stop, or never while it runs."""
+        return self.stop if self.stop is not None else math.inf
+
     def overlap(self, lo: float, hi: float) -> float:
-        stop = self.stop if self.stop is not None else math.inf
-        return max(0.0, min(hi, stop) - max(lo, self.start))
+        return max(0.0, min(hi, self.until) - max(lo, self.start))
 
 
 class EngineTally:
@@ -201,7 +205,7 @@ class EngineTally:
         for run_key, run in self._runs.items():
             if run_key == key or run.overlap(lo_t, hi_t) <= 0.0:
                 continue
-            stop = run.stop if run.stop is not None else math.inf
+            stop = run.until
             first = max(0, bisect.bisect_right(times, run.start) - 1)
             last = min(len(known), bisect.bisect_left(times, stop))
             for i in range(first, last):

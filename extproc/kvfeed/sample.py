@@ -150,12 +150,17 @@ def problem(sample: FeedSample) -> str | None:
         return f"kv_usage {usage!r}"
     for field in _COUNTS:
         value = getattr(sample, field)
-        if value is not None and not (math.isfinite(value) and value >= 0.0):
+        if value is not None and not _countable(value):
             return f"{field} {value!r}"
     capacity = sample.kv_capacity_tokens
     if capacity is not None and not 0 < capacity <= MAX_KV_CAPACITY_TOKENS:
         return f"kv_capacity_tokens {capacity} outside 1..2^40"
     return None
+
+
+def _countable(value: float) -> bool:
+    """Whether a count or counter reading can be true: finite and not below 0."""
+    return math.isfinite(value) and value >= 0.0
 
 
 def checked(sample: FeedSample) -> FeedSample:
@@ -182,7 +187,7 @@ def checked(sample: FeedSample) -> FeedSample:
     if block is not None and not 0 < block <= MAX_KV_BLOCK_TOKENS:
         sample = replace(sample, kv_block_tokens=None)  # likewise
     generated = sample.generation_tokens_total
-    if generated is not None and not (math.isfinite(generated) and generated >= 0.0):
+    if generated is not None and not _countable(generated):
         sample = replace(sample, generation_tokens_total=None)  # likewise
     names = plausible_names(sample.served_names)
     return sample if names == sample.served_names else replace(sample, served_names=names)

@@ -60,18 +60,17 @@ class Settler:
         later charges its tokens as ever. `early`: the engine is done with it while its client still reads
         (counted and logged as such); else the request has ended and only its count is awaited."""
         future = asyncio.ensure_future(self.store.release_slot(admitted.lease))
-        if early:
-            future.add_done_callback(lambda done: self._slot_back(done, admitted))
-        elif self.queue is not None:
-            future.add_done_callback(lambda _done: self.queue.kick() if self.queue is not None else None)
+        future.add_done_callback(lambda done: self._slot_back(done, admitted, early))
         self.track(future)
         return future
 
-    def _slot_back(self, done: asyncio.Future[bool], admitted: Admitted) -> None:
+    def _slot_back(self, done: asyncio.Future[bool], admitted: Admitted, early: bool) -> None:
         if done.cancelled() or done.exception() is not None or not done.result():
             return  # settled meanwhile, or the store kept the slot: the settlement frees it
         if self.queue is not None:
             self.queue.kick()
+        if not early:
+            return
         self.child(self.metrics.slots_released_early, admitted.model_label).inc()
         log.info(
             "slot released early: the engine is done, the client still reads",
