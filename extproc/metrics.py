@@ -22,8 +22,8 @@ from extproc.core.ports import StoreHealth
 DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 MAX_TENANT_KEYS = SNAPSHOT_BUSIEST_KEYS
-UNSEEN_BASES = ("engine_count", "pace")
-"""What an answer nobody saw is charged from (`extproc_unseen_answers_total{basis}`)."""
+UNFINISHED_BASES = ("engine_count", "estimate")
+"""What an answer not seen to its end is charged from (`extproc_unfinished_answers_total{basis}`)."""
 """Tenant keys (`tenant:*`) with per-key gauges, the busiest (`_use`); other configured keys all have them."""
 
 
@@ -207,12 +207,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
-        self.unseen_answers = Counter(
-            "extproc_unseen_answers",
-            "Requests that went upstream and whose answer nobody saw (a client gone before the first byte, "
-            "an end report that never came), by model and what their completion was charged from: "
-            "engine_count, the engines' generation counters in the KV feed over the request's time; pace, "
-            "the decode-rate estimate (no feed, or it did not read the engines in time).",
+        self.unfinished_answers = Counter(
+            "extproc_unfinished_answers",
+            "Requests that went upstream and ended before their answer was seen whole at the engine's own "
+            "pace (a client gone before the first byte or mid-stream, a stream cut, an end report that never "
+            "came), by model and what their completion was charged from: engine_count, the engines' "
+            "generation counters in the KV feed over the request's time; estimate, the decode-rate estimate "
+            "or what passed (no feed, or it did not read the engines in time).",
             ["model", "basis"],
             registry=r,
         )
@@ -344,8 +345,8 @@ class Metrics:
             counter.labels(model)
         for kind in ("prompt", "completion"):
             self.tokens_settled.labels(model, kind)
-        for basis in UNSEEN_BASES:
-            self.unseen_answers.labels(model, basis)
+        for basis in UNFINISHED_BASES:
+            self.unfinished_answers.labels(model, basis)
         self.engine_refusals.labels(model, "queue_full")
 
     def set_scale_floors(self, floors: Mapping[str, float]) -> None:

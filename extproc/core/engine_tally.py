@@ -1,7 +1,8 @@
-"""What a pool's engines generated for one request whose answer nobody saw, from their generation counters.
+"""What a pool's engines generated for one request whose answer was not seen whole, from their counters.
 
 A non-streamed answer whose client left, or a request whose end report never came, passed no token through
-the proxy: the sidecar must estimate what the engine generated for it. A pace times its time errs by the
+the proxy, and a stream left mid-answer passed fewer than the engine generated before the abort reached it:
+the sidecar must estimate what the engine generated for it. A pace times its time errs by the
 pace: one learned from single answers is not what each of `n` sequences decoded together runs at (on the
 real-engine tier an n=4 answer left after 1.5 s was charged 1.10 to 1.29 times what vLLM counted, 2.1 to 3.3
 on another host). The engines count it themselves: the feed carries each endpoint's generation-token counter
@@ -16,7 +17,10 @@ engine is done with it) is kept, so a closed loop of clients (one request leavin
 burst that starts and ends together splits exactly. The rest (another replica's requests, runs forgotten)
 are the running count at the interval's ends less ours where we ran then and the known ones running then,
 averaged over the interval: exact for requests running throughout, half of it for one that came or went
-inside. Alone on the pool, or beside only known runs, the count is exact whatever the scrape interval; past
+inside. A known run is taken for running at a point up to `tail` past its stop (the engine runs an
+aborted request on until the abort reaches it, and the running count shows it): taken for another
+replica's, the steps an engine ran a flood's streams on after their clients left went to nobody. Alone on
+the pool, or beside only known runs, the shares sum to the growth whatever the scrape interval; past
 `stop`, an interval that starts before `stop + tail` with our sequences still running beside the known ones
 and ends with the engine idle counts as ours too (the step the abort found, read after the end). A
 request queued in the engine counts as running (the feed's running count does not show it), as does the
@@ -34,6 +38,10 @@ gets no count (None), and the caller charges its pace estimate. An endpoint whos
 restart) starts a new baseline; one gone from the feed (`forget`) leaves the sum as it was. Runs: every
 request in flight here, and the last `MAX_ENDED_RUNS` ended (20,000: older ones count among the unknown),
 none begun over `MAX_RUN_S` (two hours) before the newest.
+
+A share is noisy (a fifth either way for one request of a flood) while the tokens that passed a stream are
+certain: `charge` lifts a share to them and takes what it lifted off the next shares above theirs, so the
+charges still sum to the count.
 
 Pure: no clock, no I/O; the feed's loop calls `observe` on its event loop, admission reads `count`.
 """
@@ -55,6 +63,17 @@ MAX_POINTS = 20_000
 MIN_SPACING_S = 0.1
 MAX_ENDED_RUNS = 20_000
 MAX_RUN_S = 7200.0  # past any request's lifetime bound (`admission.max_request_seconds`, 1,800 s by default)
+SHOWN_AFTER_STOP_S = 5.0
+"""How long after its stop a run this sidecar saw end is taken for still running where a reading's running
+count has room for it (`_known`): an engine runs an aborted request on until the abort reaches it, up to
+two seconds and more on a saturated host (vLLM's API server notices a client gone late); taken for another
+replica's, the tokens it generated then are charged to nobody. Beside another replica's requests, a run
+taken for running that the engine had stopped hides one of theirs: the requests counted then are charged a
+little of its tokens."""
+MAX_LIFTED = 100_000.0
+"""The most tokens of shares lifted to their floors the pool holds to be paid back (`EngineTally.charge`):
+past a flood's worth, so a split that errs low for long (beside another replica's requests) cannot take
+more than that off later shares."""
 
 
 def no_tally(pool: str) -> EngineTally | None:
@@ -101,6 +120,7 @@ class EngineTally:
         self._waiters: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self._closed = False  # the feed stopped: waiters are called at once
+        self._lifted = 0.0  # shares lifted to their floors, not yet paid back by later shares
         self._runs: dict[Hashable, _Run] = {}  # this sidecar's requests in the pool, by lease
         self._ended: deque[Hashable] = deque()  # the ended ones, oldest first, at most `MAX_ENDED_RUNS`
 
@@ -164,6 +184,19 @@ class EngineTally:
             return
         heapq.heappush(self._waiters, (at, next(self._order), callback))
 
+    def charge(self, counted: float, floor: float) -> float:
+        """A request's counted share as its charge, at least `floor` (the tokens that passed: the engines
+        generated them for certain). A share under its floor took what the split gave its neighbours, so it
+        is lifted and the pool owes the difference; the next shares over their floors pay it back, never
+        below their own floors, and a flood's charges still sum to the engines' count (at most
+        `MAX_LIFTED` owed)."""
+        if counted < floor:
+            self._lifted = min(MAX_LIFTED, self._lifted + floor - counted)
+            return floor
+        repaid = min(self._lifted, counted - floor)
+        self._lifted -= repaid
+        return counted - repaid
+
     def close(self) -> None:
         """The feed stopped (shutdown, a reload that restarts it): no point will come, so every waiter is
         called now, and any later one at once, and finds its count not covered."""
@@ -194,26 +227,27 @@ class EngineTally:
             return None
         window = _Window(start, stop, stop + tail, max(1, sequences))
         points = self._points[first : last + 1]
-        known = self._known(times[first : last + 1], key)
+        known = self._known(times[first : last + 1], key, max(tail, SHOWN_AFTER_STOP_S))
         return sum(window.share(points[i], points[i + 1], known[i]) for i in range(len(points) - 1))
 
-    def _known(self, times: list[float], key: Hashable | None) -> list[_Known]:
-        """For each interval between `times`, this sidecar's other requests: the sequences running at its
-        start and end points, and their sequence-seconds in it."""
+    def _known(self, times: list[float], key: Hashable | None, tail: float) -> list[_Known]:
+        """For each interval between `times`, this sidecar's other requests: the sequences that may be
+        running at its start and end points (up to `tail` past their stop, as ours: the engine finishing
+        the step an abort found still shows them running), and their sequence-seconds in it."""
         known = [_Known() for _ in range(len(times) - 1)]
         lo_t, hi_t = times[0], times[-1]
         for run_key, run in self._runs.items():
-            if run_key == key or run.overlap(lo_t, hi_t) <= 0.0:
+            shown = run.until + tail
+            if run_key == key or run.start >= hi_t or shown <= lo_t:
                 continue
-            stop = run.until
             first = max(0, bisect.bisect_right(times, run.start) - 1)
-            last = min(len(known), bisect.bisect_left(times, stop))
+            last = min(len(known), bisect.bisect_left(times, shown))
             for i in range(first, last):
                 interval = known[i]
                 interval.seconds += run.sequences * run.overlap(times[i], times[i + 1])
-                if run.start < times[i] < stop:
+                if run.start < times[i] < shown:
                     interval.at_start += run.sequences
-                if run.start < times[i + 1] < stop:
+                if run.start < times[i + 1] < shown:
                     interval.at_end += run.sequences
         return known
 

@@ -96,6 +96,6 @@ def test_leases_without_any_end_report_are_charged_the_engines_count(no_reports:
     pace = metric(sidecar, "extproc_feed_decode_tokens_per_second", pool=MODEL)
     print(f"charged {charged} for {truth} generated at a fed pace of {pace:.1f} tokens/s")
     assert metric(sidecar, "extproc_end_reports_total", result="matched") == 0  # nothing was learned
-    counted = metric(sidecar, "extproc_unseen_answers_total", model=MODEL, basis="engine_count")
+    counted = metric(sidecar, "extproc_unfinished_answers_total", model=MODEL, basis="engine_count")
     assert counted == STREAMS, counted
     assert truth * 0.95 <= charged <= truth * 1.05, (charged, truth, pace)

@@ -93,6 +93,11 @@ def profile(gateway: Stack) -> str:
     return gateway.stack.profile
 
 
+def counted_answers(gateway: Stack) -> float:
+    """Answers not seen whole that were charged the engine's count (else an estimate)."""
+    return gateway.sidecar("extproc_unfinished_answers_total", model=MODEL, basis="engine_count")
+
+
 # -- n sequences left by the client ------------------------------------------------------------------------
 
 
@@ -108,15 +113,13 @@ def leave_stream(gateway: Stack, n: int, events: int) -> Ledger:
     return Ledger.read(gateway) - before
 
 
-STREAM_LEFT_BOUNDS = (0.8, 1.25)
-"""The charge of a stream of eight sequences left mid-way, as a share of what the engine generated: 1.05 and
-1.09 measured (168 of 160, 176 of 161). It is the tokens that passed (about 40 KB, under Envoy's buffer),
-rounded up to whole steps of all eight (`lockstep_floor`), and one step more, the one the engine finishes
-after the abort (`STEPS_PAST_ABORT`): at most two steps of eight over 20, or a few under where a busy engine
-runs steps more before the abort reaches it. A pace over the stream's time, as charged before, gave 1.56 to
-2.1 on this host and 3.4 to 5.5 on another: a pace learned from single answers, where eight sequences decoded
-together on a CPU engine each run at a fifth to a half of it. One sequence's tokens, an eighth, fails the
-floor."""
+STREAM_LEFT_BOUNDS = (0.95, 1.05)
+"""The charge of a stream of eight sequences left mid-way, as a share of what the engine generated: its share
+of the engine's count over its time, alone on the engine here (after a feed interval idle: a CPU engine
+runs one sequence faster than each of eight, and the split takes them at one pace), so all of it. By the
+tokens that passed in whole steps and the step the abort lets finish, as charged before, 1.05 and 1.09 (168
+of 160, 176 of 161); by a pace over the stream's time 1.56 to 2.1 on this host, 3.4 to 5.5 on another. One
+sequence's tokens, an eighth, fails the floor."""
 STREAM_EVENTS = 160
 
 
@@ -131,6 +134,7 @@ def ignored_the_abort(delta: Ledger) -> bool:
 def test_a_stream_of_n_sequences_left_is_charged_what_the_engine_generated(gateway: Stack) -> None:
     """Left after 160 events, a stream of eight sequences: the engine generated every sequence as far (and
     a few steps more until the abort reached it)."""
+    time.sleep(FEED_INTERVAL_S + 0.5)
     delta = leave_stream(gateway, n=8, events=STREAM_EVENTS)
     if ignored_the_abort(delta):  # once is the engine's; twice in a row fails
         print(f"{profile(gateway)}: the engine missed the abort: {delta}")
@@ -163,13 +167,13 @@ def test_a_non_streamed_answer_of_n_sequences_left_is_charged_the_engines_count(
     engine counted for its four sequences, read from the feed once it has read the engine past the end."""
     time.sleep(FEED_INTERVAL_S + 0.5)
     before = Ledger.read(gateway)
-    counted = gateway.sidecar("extproc_unseen_answers_total", model=MODEL, basis="engine_count")
+    counted = counted_answers(gateway)
     body = {"model": MODEL, "prompt": "Hi", "n": 4, "max_tokens": LONG_ANSWER}
     with pytest.raises(OSError):  # the read timed out: the client left
         http("POST", f"{gateway.url}/v1/completions", body, timeout_s=1.5)
     delta = Ledger.read(gateway) - before
     print(f"{profile(gateway)}: n=4 body left: {delta.completion} charged of {delta.engine_generated}")
-    assert gateway.sidecar("extproc_unseen_answers_total", model=MODEL, basis="engine_count") == counted + 1
+    assert counted_answers(gateway) == counted + 1
     assert delta.engine_generated >= 4
     low, high = BODY_LEFT_BOUNDS
     ratio = delta.completion / delta.engine_generated
@@ -262,15 +266,20 @@ def test_a_slow_reader_of_n_sequences_is_released_by_the_engine_and_charged_its_
 # -- a flood of streams left after three chunks ----------------------------------------------------------
 
 FLOOD_S, FLOOD_CLIENTS = 12.0, 4
-FLOOD_BOUNDS = (0.5, 1.5)
-"""The flood's total charge against the engine's count: 0.94 to 1.23 measured (lean 1.04 and 1.19, inline
-0.94 and 1.23, 218 to 263 streams each). Each stream is charged the three or four tokens that passed and the
-one step the engine finishes after the abort; the engine generated 0.2 to 1.9 tokens a stream beyond what
-passed (the mean over runs near one), so on answers this short one token is a quarter of the charge either
-way. A pace over each stream's time, as charged before, gave 1.22 to 1.78 (lean) and 0.68 to 1.64 (inline)
-here and 1.85 to 2.9 on another host. On a saturated host the engine runs on further before the abort
-reaches it, and nothing in front of it sees that: one clean-clone CI run charged 0.58 (lean, 1,090 of
-1,883: 7.4 tokens generated a stream where about four passed). Issue 29's 5 % is not met here."""
+FLOOD_BOUNDS = (0.9, 1.1)
+"""The flood's total charge against the engine's count: 0.93 to 1.05 measured (lean 1.001 to 1.033 in seven
+runs; inline 0.997 to 1.015 in five, and 0.926 and 1.046 in one saturated pair, 149 streams generating 13
+tokens each where four passed; 117 to 369 streams a run). Each stream is charged its share of the engine's
+count over its time, at least the tokens that certainly passed, what that lifts taken off later shares
+(`EngineTally.charge`); the runs ended within `engine_tally.SHOWN_AFTER_STOP_S` (5 s) are taken for still
+running where the feed's running count has room for them. The engine runs on past what passed until the
+abort reaches it, 0.2 to 9 tokens a stream here, which nothing in front of it sees: charged what passed and
+one step more, as before, the flood gave 0.58 to 1.23. With that allowance at 1.5 s, 0.70 and 0.92 in one
+saturated pair: vLLM's API server noticed the clients gone up to two seconds late and counted their tokens
+until then (vllm 0.32.0 vllm/v1/engine/output_processor.py `abort_requests`). On these two busy cores the
+split errs more than issue 29's 5 %: it takes every running sequence at one pace, and one in its prefill
+generates nothing. Where vLLM missed an abort and decoded the whole answer (`long_answers`), once 1.33 (the
+cause not found); a flood out of bounds is run again once, and twice in a row fails."""
 
 
 def leave_after_three(url: str, deadline: float) -> int:
@@ -296,15 +305,47 @@ def leave_after_three(url: str, deadline: float) -> int:
     return answered
 
 
-def test_a_flood_of_streams_left_early_is_charged_what_the_engine_generated(gateway: Stack) -> None:
+def long_answers(gateway: Stack) -> float:
+    """Requests the engine finished after more than 100 tokens (one that missed its abort decodes to its
+    end): its per-request histogram (`vllm:request_generation_tokens`, 1-2-5 buckets up to the model's
+    length, finished requests only; vllm 0.32.0 vllm/v1/metrics/loggers.py)."""
+    total = gateway.upstream("vllm:request_generation_tokens_count")
+    assert total > 0, "the engine's per-request generation histogram is missing"
+    return total - gateway.upstream("vllm:request_generation_tokens_bucket", le="100.0")
+
+
+def flood_of_streams_left(gateway: Stack) -> tuple[int, float, float, Ledger]:
+    """Four clients leaving streams after three chunks for `FLOOD_S`: how many, how many were charged the
+    engine's count, how many the engine ran past 100 tokens (it missed the abort), and the ledger."""
     before = Ledger.read(gateway)
+    counted, long_before = counted_answers(gateway), long_answers(gateway)
     deadline = time.monotonic() + FLOOD_S
     with concurrent.futures.ThreadPoolExecutor(FLOOD_CLIENTS) as pool:
         answered = sum(pool.map(lambda _: leave_after_three(gateway.url, deadline), range(FLOOD_CLIENTS)))
     delta = Ledger.read(gateway) - before
+    return answered, counted_answers(gateway) - counted, long_answers(gateway) - long_before, delta
+
+
+def within(delta: Ledger, bounds: tuple[float, float]) -> bool:
+    low, high = bounds
+    return low <= delta.completion / delta.engine_generated <= high
+
+
+def test_a_flood_of_streams_left_early_is_charged_what_the_engine_generated(gateway: Stack) -> None:
+    """Each stream charged its share of the engine's count over its own time: the engine ran on past what
+    passed until the abort reached it, which nothing in front of it sees."""
+    time.sleep(FEED_INTERVAL_S + 0.5)
+    answered, by_count, missed, delta = flood_of_streams_left(gateway)
+    if missed or not within(delta, FLOOD_BOUNDS):  # once is the engine's (see FLOOD_BOUNDS); twice fails
+        print(f"{profile(gateway)}: {missed} aborts missed, {delta.completion} of {delta.engine_generated}")
+        time.sleep(FEED_INTERVAL_S + 0.5)
+        answered, by_count, missed, delta = flood_of_streams_left(gateway)
     ratio = delta.completion / delta.engine_generated
-    print(f"{profile(gateway)}: flood of {answered}: {delta.completion} charged of {delta.engine_generated}")
-    assert answered >= FLOOD_CLIENTS
+    print(
+        f"{profile(gateway)}: flood of {answered} ({by_count} counted):",
+        f"{delta.completion} charged of {delta.engine_generated}",
+    )
+    assert answered >= FLOOD_CLIENTS and missed == 0
     low, high = FLOOD_BOUNDS
     assert low <= ratio <= high, (answered, delta.completion, delta.engine_generated)
 
@@ -339,14 +380,14 @@ def test_a_flood_of_non_streamed_answers_left_is_charged_the_engines_count(gatew
     over its own time, by the sequences running beside it."""
     time.sleep(FEED_INTERVAL_S + 0.5)
     before = Ledger.read(gateway)
-    counted = gateway.sidecar("extproc_unseen_answers_total", model=MODEL, basis="engine_count")
+    counted = counted_answers(gateway)
     deadline = time.monotonic() + FLOOD_S
     waits = (0.6, 0.9, 1.2, 1.5)
     with concurrent.futures.ThreadPoolExecutor(len(waits)) as pool:
         left = sum(pool.map(lambda wait: leave_bodies(gateway.url, deadline, wait), waits))
     delta = Ledger.read(gateway) - before
     ratio = delta.completion / delta.engine_generated
-    by_count = gateway.sidecar("extproc_unseen_answers_total", model=MODEL, basis="engine_count") - counted
+    by_count = counted_answers(gateway) - counted
     print(
         f"{profile(gateway)}: {left} bodies left ({by_count} counted): {delta.completion} of",
         delta.engine_generated,

@@ -8,20 +8,28 @@ in docs/architecture.md) hold whichever path delivered them:
 | --------------------------------------------------- | -------------- | --------------------------------- |
 | response completed (end of body, trailers, [DONE])  | completed      | reported usage, else prompt +     |
 |                                                     |                | counted completion                |
-| client disconnect or upstream reset mid-response    | aborted        | prompt + completion streamed, in  |
-|                                                     |                | whole steps of all n sequences,   |
-|                                                     |                | or the decode-rate estimate if    |
-|                                                     |                | more                              |
+| client disconnect or upstream reset mid-response    | aborted        | prompt + the engines' count, else |
+|                                                     |                | completion streamed, in whole     |
+|                                                     |                | steps of all n sequences, or the  |
+|                                                     |                | decode-rate estimate if more      |
 | the engine refused it: 503, its queue is full       | engine_busy    | nothing                           |
 | upstream answered >= 400, or sent an error event    | upstream_error | prompt + what was generated       |
 | answered by a later proxy filter, never sent to the | not_forwarded  | nothing                           |
 | backend (an inference pool's endpoint picker), or   |                |                                   |
 | its admission never reached the proxy (the proxy's  |                |                                   |
 | message timer fired first: it answered 504 itself)  |                |                                   |
-| ended before response headers (client gone, ...)    | aborted        | prompt + estimate of generation   |
-| reset by the sidecar under KV pressure              | cut            | prompt + completion streamed, in  |
-|                                                     |                | whole steps of all n sequences    |
-| no end signal within the lease's bound (lean)       | expired        | prompt + estimate of generation   |
+| ended before response headers (client gone, ...)    | aborted        | prompt + the engines' count, else |
+|                                                     |                | estimate of generation            |
+| reset by the sidecar under KV pressure              | cut            | prompt + the engines' count, else |
+|                                                     |                | completion streamed, in whole     |
+|                                                     |                | steps of all n sequences          |
+| no end signal within the lease's bound (lean)       | expired        | prompt + the engines' count, else |
+|                                                     |                | estimate of generation            |
+
+The engines' count (`counted_completion`) is what their generation counters, read by the KV feed, grew by
+for the request (extproc/core/engine_tally.py), at least what certainly passed: where it is had, it is
+the completion charged. The caller drops a count that falls far below what passed (a missed reading) for
+the rules above.
 
 Cached prompt tokens: where the engine reports how many prompt tokens its prefix cache served
 (`Usage.cached_prompt_tokens`), each is charged `admission.cached_prompt_token_weight` of a token (1.0, the
@@ -79,7 +87,8 @@ class ResponseFacts:
     `NEVER_FORWARDED`), so the engine neither read the prompt nor generated anything. `engine_answered` is
     False when the proxy made the status itself after the request went upstream (the lean profile's access log
     says so: Envoy's response code details other than `via_upstream`, a reset before the response), so a
-    503 then is no engine's refusal.
+    503 then is no engine's refusal. `counted_completion` is the engines' own count of the completion where
+    the feed had it (see the module docstring): where set, the charge of an aborted, expired or cut answer.
     """
 
     upstream_status: int | None = None
@@ -89,6 +98,7 @@ class ResponseFacts:
     usage: Usage | None = None
     error_seen: bool = False
     estimated_completion: int = 0
+    counted_completion: int | None = None
     forwarded: bool = True
     engine_answered: bool = True
 
@@ -153,8 +163,10 @@ def settle_charge(admitted_prompt: int, facts: ResponseFacts, cached_weight: flo
         completion = usage.completion_tokens
         cached = usage.cached_prompt_tokens or 0
     if ending in (Ending.ABORTED, Ending.EXPIRED, Ending.CUT):
-        # The engine's work, not the client's reading: what passed is a floor, the estimate can be more.
-        completion = max(completion, facts.estimated_completion)
+        # The engine's work, not the client's reading: its own count where the feed had it; else what
+        # passed is a floor, the estimate can be more.
+        counted = facts.counted_completion
+        completion = counted if counted is not None else max(completion, facts.estimated_completion)
     prompt = max(0, prompt)
     cached = min(cached, prompt)
     charged = prompt - cached_discount(cached, cached_weight)

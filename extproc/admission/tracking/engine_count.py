@@ -1,9 +1,10 @@
-"""An admitted request's run in its pool's engine tally, and the engines' count of an answer nobody saw.
+"""An admitted request's run in its pool's engine tally, and the engines' count of an answer not seen whole.
 
 `InFlight` holds one `EngineRun` from admission: it tells the pool's `EngineTally` (core/engine_tally.py)
 when the request began and when the engine was done with it, so that the others counted beside it are
-split by the time each ran as this sidecar saw them; and, where nothing of its answer came back, `count`
-waits for the feed to read the engines past its end and gives its share of what they generated.
+split by the time each ran as this sidecar saw them; and, where its answer was not seen to its end (nothing
+of it came back, or a stream was left or cut), `count` waits for the feed to read the engines past its end
+and gives its share of what they generated.
 """
 
 from __future__ import annotations
@@ -13,18 +14,33 @@ import contextlib
 import functools
 from collections.abc import Awaitable, Hashable
 
+from extproc.admission.vocabulary.usage import Usage
 from extproc.core.engine_tally import EngineTally
 
-ENGINE_STOP_S = 0.5
-"""How long after a request ended on the proxy its engine's counter may still grow for it: the abort reaches
-vLLM's engine core between two steps (`decode_rate.STEPS_PAST_ABORT`), and its API server counts a step's
-tokens as it hands the step's outputs on (vllm 0.32.0 vllm/v1/engine/async_llm.py, `output_handler`, which
-records each batch of outputs into `vllm:generation_tokens_total`): tens of milliseconds on a GPU, a few
-hundred on a busy CPU host. A count waits for a reading this long after the end."""
+ENGINE_STOP_S = 1.5
+"""How long after a request ended on the proxy its engine may still run it, and its counter grow for it: the
+client's reset must reach vLLM's API server, its abort the engine core between two steps
+(`decode_rate.STEPS_PAST_ABORT`), and the server counts a step's tokens as it hands the step's outputs on
+(vllm 0.32.0 vllm/v1/engine/async_llm.py, `output_handler`, which records each batch of outputs into
+`vllm:generation_tokens_total`): tens of milliseconds on a GPU; on the real-engine tier's two busy cores up to
+a second (a flood of streams left after three chunks, 13 tokens generated a stream where four passed). A
+count waits for a reading this long after the end, and takes the runs ended within it for still running
+where the feed's running count says so (`EngineTally.count`'s `tail`): by 0.5 s, a third of such a flood's
+tokens were taken for another replica's and charged to nobody."""
 
-ENGINE_COUNT_WAIT_S = 5.0
-"""The longest a lease whose answer nobody saw waits for that reading before it is charged the pace estimate
-instead: past the exporter's shipped 1 s interval, its scrape and `ENGINE_STOP_S`, several times over."""
+ENGINE_COUNT_WAIT_S = 8.0
+"""The longest a lease whose answer was not seen whole waits for that reading before it is charged by the
+rules without a count: past `ENGINE_STOP_S`, the exporter's interval (1 s shipped, 2 s in the real-engine
+tier) and a scrape slowed by a saturated host."""
+
+
+MISSED_READING_SHARE = 0.5
+"""A count below this share of the tokens that passed for the request is taken for a missed reading (an
+endpoint that restarted or left the feed within the request's time, whose growth then was lost), not the
+split's noise, and the request is charged by the rules for an answer without a count. A share of a flood's
+count errs by a fifth either way for one request (a stream that passed 45 tokens counted 38, one that
+passed 3 counted 8: the engine ran on until the abort reached it), never by half as measured; a share
+under what passed is lifted to it (`EngineRun.charge`)."""
 
 
 class EngineRun:
@@ -47,6 +63,20 @@ class EngineRun:
     def countable(self) -> bool:
         """Whether the tally reaches back to the request's start: its count can then be had."""
         return self.tally is not None and self.tally.reaches_back(self.start)
+
+    def charge(self, counted: float | None, usage: Usage | None, cap: int) -> int | None:
+        """The completion to charge from the engines' count of this request (`count`), of which `usage` passed
+        (at most `cap`, its reservation); None where there is no count or it is a missed reading
+        (`MISSED_READING_SHARE`). At least what certainly passed (`Usage.certain_completion`: a tokenizer's
+        count of the text may exceed the engine's tokens), the difference taken off later shares of the pool
+        (`EngineTally.charge`); to the nearest token: a share is a fraction of what others ran beside it,
+        and rounding each up charged a flood more than the engines generated."""
+        tally = self.tally
+        passed = usage.completion_tokens if usage is not None else 0
+        if tally is None or counted is None or counted < passed * MISSED_READING_SHARE:
+            return None
+        certain = usage.certain_completion if usage is not None else None
+        return min(cap, round(tally.charge(counted, passed if certain is None else certain)))
 
     def count(self, stop: float) -> Awaitable[float | None]:
         """The tokens the engines generated for the request, which ended on the proxy at `stop`: once the

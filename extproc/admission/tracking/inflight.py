@@ -6,12 +6,13 @@ last observation (extproc/admission/capacity/settlement.py), exactly once, howev
 request admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in.
 Where the answer was not seen to its end, the charge is what passed where nothing can have held the engine's
 stream back (`_unheld`), else it includes the pool's decode-rate estimate of what the engine generated; a
-completed stream teaches that rate (`learn_pace`, the one place it is learned). Where nothing of the answer
-was seen (a client gone before the first byte, a lost end report), the engines' own count is the charge
-where the feed carries their generation counters (`core.engine_tally`, through the request's `EngineRun`):
-the lease gives its slots and KV booking back at once, and settles once the feed has read the engines past
-its end (`engine_count.ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S` later; the pace estimate where it has
-not.
+completed stream teaches that rate (`learn_pace`, the one place it is learned). Where the engine ran the
+answer at its own pace and it was not seen to its end (nothing of it seen: a client gone before the first
+byte, a lost end report; a stream left before the proxy's buffer filled, or cut), the engines' own count is
+the charge where the feed carries their generation counters (`core.engine_tally`, through the request's
+`EngineRun`): the lease gives its slots and KV booking back at once, and settles once the feed has read the
+engines past its end (`engine_count.ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S` later; the rules above
+where it has not.
 
 One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
 
@@ -99,6 +100,18 @@ def learn_pace(
     rates.observe(admitted.pool, tokens, decode_s)
     if first_token_after_s is not None:
         admitted.booking.learn_pace(first_token_after_s, tokens, decode_s)
+
+
+def lockstep(admitted: Admitted, seen: Seen, steps_after: int = 0) -> int:
+    """The tokens that passed, as a whole number of steps of all the request's sequences
+    (`decode_rate.lockstep_floor`): an answer left or cut mid-way generated each sequence as far; plus
+    `steps_after` more of each (`decode_rate.STEPS_PAST_ABORT`), at most the reservation."""
+    usage = seen.facts.usage
+    request = admitted.request
+    sequences = request.sequences * request.prompt_count
+    cap = admitted.plan.completion_tokens
+    floor = lockstep_floor(usage.completion_tokens if usage is not None else 0, sequences, cap)
+    return min(cap, floor + steps_after * max(1, sequences))
 
 
 class InFlight:
@@ -219,16 +232,29 @@ class InFlight:
     def expire(self) -> None:
         """No end report within the bound: settle as `expired`, charged what the engine generated unseen."""
         if not self.settled:
-            self._charge_unseen(ResponseFacts(expired=True))
+            self._charge_counted(ResponseFacts(expired=True), self.estimate)
 
     def settle(self) -> None:
-        """Charge the lease from what was last seen; only the first call counts."""
+        """Charge the lease from what was last seen; only the first call counts. An answer not seen to its
+        end that ran at the engine's own pace (nothing of it seen, a stream left before the proxy's
+        buffers filled, a cut) is charged the engines' count where the feed has it."""
         if self.settled:
             return
         if self._answer_unseen():
-            self._charge_unseen(self.seen.facts)
+            self._charge_counted(self.seen.facts, self.estimate)
+            return
+        facts = self._final_facts()
+        if self._left_unheld(facts):
+            self._charge_counted(facts, lambda: facts.estimated_completion)
         else:
-            self._charge(self._final_facts())
+            self._charge(facts)
+
+    def _left_unheld(self, facts: ResponseFacts) -> bool:
+        """A stream that went upstream, ended before its end was seen (left or cut), and was never held
+        back by a reader (`_unheld`): the engine ran it at its own pace until the abort reached it."""
+        if facts.completed or not facts.forwarded:
+            return False
+        return facts.cut or self._unheld(self.seen)
 
     def _answer_unseen(self) -> bool:
         """Whether the request went upstream and nothing of its answer came back (no response started):
@@ -238,52 +264,51 @@ class InFlight:
         cut = self.was_cut and seen is not NOTHING_SEEN
         return not cut and not facts.completed and facts.forwarded and not seen.responded
 
-    def _charge_unseen(self, facts: ResponseFacts) -> None:
-        """Charge an answer nobody saw what the engines counted for it where the feed carries their counters
-        and reaches back to its admission (`engine_count.EngineRun`), else the pace estimate. Counted: its
-        slots and KV booking go back now (the engine stops within a step of the end), the charge once the
-        feed has read past the end."""
+    def _charge_counted(self, facts: ResponseFacts, estimate: Callable[[], int]) -> None:
+        """Charge an answer not seen to its end what the engines counted for it where the feed carries
+        their counters and reaches back to its admission (`engine_count.EngineRun`), else `estimate()`
+        (the pace, or what passed by the rules of `_final_facts`). Counted: its slots and KV booking go back
+        now (the engine stops within a step of the end), the charge once the feed has read past the end."""
         admitted = self.admitted
         if not self.run.countable():
-            self._count_unseen("pace")
-            self._charge(replace(facts, estimated_completion=self.estimate()))
+            self._count_basis("estimate")
+            self._charge(replace(facts, estimated_completion=estimate()))
             return
         stop = self._until()
         self._close()
         admitted.booking.release(None)
         self.service.settler.release_slot(admitted, early=False)
-        self.service.track(asyncio.ensure_future(self._book_counted(facts, self.run.count(stop))))
+        counting = self._book_counted(facts, estimate, self.run.count(stop))
+        self.service.track(asyncio.ensure_future(counting))
 
-    async def _book_counted(self, facts: ResponseFacts, count: Awaitable[float | None]) -> None:
-        counted = await count
-        if counted is None:
-            self._count_unseen("pace")
-            estimate = self.estimate()
+    async def _book_counted(
+        self, facts: ResponseFacts, estimate: Callable[[], int], count: Awaitable[float | None]
+    ) -> None:
+        charge = self.run.charge(await count, facts.usage, self.admitted.plan.completion_tokens)
+        self._count_basis("estimate" if charge is None else "engine_count")
+        if charge is None:
+            self._book_or_correct(replace(facts, estimated_completion=estimate()))
         else:
-            self._count_unseen("engine_count")
-            # To the nearest token: a request's share is a fraction of what others ran beside it, and
-            # rounding each up charged a flood half a token a request more than the engines generated.
-            estimate = min(self.admitted.plan.completion_tokens, round(counted))
-        self._book_or_correct(replace(facts, estimated_completion=estimate))
+            self._book_or_correct(replace(facts, counted_completion=charge))
 
-    def _count_unseen(self, basis: str) -> None:
+    def _count_basis(self, basis: str) -> None:
         service = self.service
-        service.settler.child(service.metrics.unseen_answers, self.admitted.model_label, basis).inc()
+        service.settler.child(service.metrics.unfinished_answers, self.admitted.model_label, basis).inc()
 
     def _final_facts(self) -> ResponseFacts:
         seen = self.seen
         facts = seen.facts
         if self.was_cut and seen is not NOTHING_SEEN:
-            return replace(facts, cut=True, estimated_completion=self._lockstep())
+            return replace(facts, cut=True, estimated_completion=lockstep(self.admitted, self.seen))
         if facts.completed or not facts.forwarded:
             return facts
         if self._unheld(seen):
-            return replace(facts, estimated_completion=self._lockstep(STEPS_PAST_ABORT))
+            return replace(facts, estimated_completion=lockstep(self.admitted, self.seen, STEPS_PAST_ABORT))
         decoding = seen.decode_s
         if decoding is None and seen.content_since is not None:
             decoding = self._until() - seen.content_since
         streamed = self.estimate_streamed(decoding) or 0
-        return replace(facts, estimated_completion=max(streamed, self._lockstep()))
+        return replace(facts, estimated_completion=max(streamed, lockstep(self.admitted, self.seen)))
 
     def _unheld(self, seen: Seen) -> bool:
         """Whether a stream not seen to its end ran at the engine's own pace to the last: fewer of its bytes
@@ -294,17 +319,6 @@ class InFlight:
         engine), so the tokens that passed are the charge, with the step the abort lets finish."""
         passed = seen.passed_bytes
         return seen.streamed and passed is not None and passed < self.service.rules().proxy_buffer_bytes
-
-    def _lockstep(self, steps_after: int = 0) -> int:
-        """The tokens that passed, as a whole number of steps of all the request's sequences
-        (`decode_rate.lockstep_floor`): an answer left or cut mid-way generated each sequence as far; plus
-        `steps_after` more of each (`decode_rate.STEPS_PAST_ABORT`), at most the reservation."""
-        usage = self.seen.facts.usage
-        request = self.admitted.request
-        sequences = request.sequences * request.prompt_count
-        cap = self.admitted.plan.completion_tokens
-        floor = lockstep_floor(usage.completion_tokens if usage is not None else 0, sequences, cap)
-        return min(cap, floor + steps_after * max(1, sequences))
 
     def _charge(self, facts: ResponseFacts) -> None:
         self._close()

@@ -68,6 +68,10 @@ class Usage:
     completion_tokens: int  # reported, or counted from what passed
     reported: bool  # True when the backend's own usage object was seen
     cached_prompt_tokens: int | None = None  # of prompt_tokens, served from the prefix cache, if reported
+    certain_completion: int | None = field(default=None, compare=False)
+    """Of `completion_tokens`, those certainly generated: the reported count, and one per text that passed
+    since (each delta carries a token at least) with the token ids; None where unknown (`completion_tokens`
+    then). A floor: a tokenizer's count of the text may exceed the engine's tokens."""
 
 
 def count_int(value: Any) -> int | None:
@@ -152,8 +156,8 @@ class ResponseUsageTracker:
         self._reported_prompt: int | None = None
         self._reported_completion: int | None = None
         self._reported_cached: int | None = None
-        self._counted_total = 0
-        self._counted_since_report = 0
+        self._counted_total = self._counted_since_report = 0
+        self._certain_total = self._certain_since_report = 0  # a token a text, and ids: `certain_completion`
         self._error = False
         self.done_seen = False  # the final event arrived (`data: [DONE]`, or the API's terminal event)
 
@@ -202,15 +206,15 @@ class ResponseUsageTracker:
     @property
     def usage(self) -> Usage:
         """Best knowledge so far; valid at any time, e.g. after a disconnect mid-stream."""
-        if self._reported_completion is not None:
-            completion = self._reported_completion + self._counted_since_report
-        else:
-            completion = self._counted_total
+        reported = self._reported_completion
+        completion = self._counted_total if reported is None else reported + self._counted_since_report
+        certain = self._certain_total if reported is None else reported + self._certain_since_report
         return Usage(
             prompt_tokens=self._reported_prompt,
             completion_tokens=completion,
             reported=self._usage_seen,
             cached_prompt_tokens=self._reported_cached,
+            certain_completion=min(certain, completion),
         )
 
     @property
@@ -400,6 +404,9 @@ class ResponseUsageTracker:
         counted = seen.tokens + sum(count_text(t, self._encoding) for t in seen.texts if t)
         self._counted_total += counted
         self._counted_since_report += counted
+        certain = seen.tokens + sum(1 for t in seen.texts if t)
+        self._certain_total += certain
+        self._certain_since_report += certain
         if not seen.usage_seen:
             return
         self._usage_seen = True
@@ -410,3 +417,4 @@ class ResponseUsageTracker:
         if seen.completion is not None:
             self._reported_completion = seen.completion
             self._counted_since_report = 0
+            self._certain_since_report = 0

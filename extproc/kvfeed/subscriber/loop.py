@@ -9,7 +9,7 @@ within one scrape), and for every pool on a periodic tick (so staleness and grad
 no samples arriving). `on_update` runs only when a pool's state changed (ignoring `updated_at`);
 `on_sample(pool, snapshot, now)` runs for every fresh sample that arrives (the KV budget's engine reading).
 Each pool's generation counters feed its `EngineTally` (`engine_tally(pool)`): what the engines generated
-for a request nobody saw answered.
+for a request whose answer was not seen whole.
 `served` maps the names the engines serve (aliases, LoRA adapters) to their pools.
 """
 

@@ -214,7 +214,7 @@ class FeedbackRuntime:
 
     def engine_tally(self, pool: str) -> EngineTally | None:
         """The pool's engines' generation counters over time (`core.engine_tally`), None without them: what
-        admission counts a request nobody saw answered with."""
+        admission counts a request whose answer was not seen whole with."""
         return self.loop.engine_tally(pool) if self.loop is not None else None
 
     def engine_refused(self, pool: str) -> None:

@@ -1,19 +1,21 @@
-"""An answer nobody saw is charged what the engines counted for it (`InFlight._charge_unseen`): the feed's
+"""An answer not seen to its end at the engine's own pace (nothing of it seen, a stream left before the
+proxy's buffers filled) is charged what the engines counted for it (`InFlight._charge_counted`): the feed's
 generation counters over the request's time (`core.engine_tally`), read once the feed is past its end; the
-pace estimate where the feed has no counters, does not reach back to the admission, or does not read the
-engines in time."""
+rules without a count (the pace estimate, what passed) where the feed has no counters, does not reach back
+to the admission, does not read the engines in time, or counts far less than passed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking import engine_count
-from extproc.admission.tracking.reading import ResponseReading
+from extproc.admission.tracking.reading import ReportedTiming, ResponseReading
 from extproc.core.engine_tally import EngineTally
 from tests.support.admission import AdmissionRig
 
@@ -29,17 +31,21 @@ def four_sequences() -> bytes:
     return json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1000, "n": 4}).encode()
 
 
+def stream_of_four() -> bytes:
+    return json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1000, "n": 4, "stream": True}).encode()
+
+
 class Rig(AdmissionRig):
     """Admission over an in-process store and a fake clock, its pool's engines tallied by the test."""
 
-    def __init__(self, tally: EngineTally | None) -> None:
-        super().__init__(CONFIG)
+    def __init__(self, tally: EngineTally | None, config: dict[str, Any] = CONFIG) -> None:
+        super().__init__(config)
         self.admission.service.deps.engine_tally = lambda _pool: tally
         self.admission.service.decode_rates.observe("*", LEARNED * 100, 100.0)
 
-    async def decide(self, exchange: Exchange) -> Forward | Refusal:
+    async def decide(self, exchange: Exchange, body: bytes | None = None) -> Forward | Refusal:
         exchange.request_headers(HEAD)
-        verdicts = [v async for v in exchange.request_body(four_sequences())]
+        verdicts = [v async for v in exchange.request_body(body or four_sequences())]
         assert isinstance(verdicts[-1], Forward | Refusal)
         return verdicts[-1]
 
@@ -56,7 +62,7 @@ def completion(rig: Rig) -> float:
 
 
 def basis(rig: Rig, name: str) -> float:
-    return rig.metric("extproc_unseen_answers_total", model="other", basis=name)
+    return rig.metric("extproc_unfinished_answers_total", model="other", basis=name)
 
 
 async def left_after(rig: Rig, seconds: float, reported: bool = False) -> Exchange:
@@ -83,7 +89,7 @@ async def test_inline_a_body_left_is_charged_the_engines_count_once_the_feed_is_
     tally.observe("node ep", 1281.0, 0.0, start + 1.5 + engine_count.ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 281  # what the engine generated, not 336 at the pace of single answers
-    assert basis(rig, "engine_count") == 1 and basis(rig, "pace") == 0
+    assert basis(rig, "engine_count") == 1 and basis(rig, "estimate") == 0
     assert rig.metric("extproc_slots_released_early_total", model="other") == 0  # the client did not read on
 
 
@@ -95,7 +101,7 @@ async def test_lean_an_expired_lease_is_charged_the_engines_count() -> None:
     tally.observe("node ep", 0.0, 0.0, start - 0.5)
     await left_after(rig, 2.0, reported=True)
     tally.observe("node ep", 150.0, 4.0, start + 1.0)
-    tally.observe("node ep", 240.0, 0.0, start + 3.0)
+    tally.observe("node ep", 240.0, 0.0, start + 2.0 + engine_count.ENGINE_STOP_S)
     [waiting] = rig.admission.unseen.awaiting_reports()
     waiting.expire()
     await rig.settled()
@@ -116,7 +122,7 @@ async def test_lean_a_report_with_no_response_is_charged_the_engines_count() -> 
     exchange.stream_ended()
     rig.admission.unseen.report(verdict.report.key, None, ResponseReading())
     assert rig.admission.unseen.awaiting_reports() == []  # settled here: a second report finds nothing
-    tally.observe("node ep", 200.0, 0.0, start + 2.5)
+    tally.observe("node ep", 200.0, 0.0, start + 1.5 + engine_count.ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 200
 
@@ -130,7 +136,7 @@ async def test_without_counters_reaching_back_to_the_admission_the_pace_estimate
     await left_after(rig, 1.5)
     await rig.settled()
     assert completion(rig) == 336  # 1.5 s x 4 x 56
-    assert basis(rig, "pace") == 1 and basis(rig, "engine_count") == 0
+    assert basis(rig, "estimate") == 1 and basis(rig, "engine_count") == 0
 
 
 async def test_a_feed_that_does_not_read_the_engines_in_time_leaves_the_pace_estimate(
@@ -143,7 +149,7 @@ async def test_a_feed_that_does_not_read_the_engines_in_time_leaves_the_pace_est
     await left_after(rig, 1.5)
     await rig.settled()  # no reading after the end comes
     assert completion(rig) == 336
-    assert basis(rig, "pace") == 1
+    assert basis(rig, "estimate") == 1
     assert rig.active == 0
 
 
@@ -156,18 +162,142 @@ async def test_a_feed_stopped_while_a_lease_waits_leaves_it_the_pace_estimate_at
     await left_after(rig, 1.5)
     tally.close()
     await asyncio.wait_for(rig.settled(), 1.0)
-    assert completion(rig) == 336 and basis(rig, "pace") == 1
+    assert completion(rig) == 336 and basis(rig, "estimate") == 1
 
 
 async def test_a_share_among_others_is_charged_to_the_nearest_token() -> None:
-    """Six other sequences ran throughout its 1.5 s in a 3 s interval of 301 tokens: its four ran 6 of the
-    24 sequence-seconds, 75.25 tokens. Charged 75: rounding each share up would charge a flood of such
-    requests half a token each more than the engines generated."""
+    """Six other sequences ran throughout its 1.5 s in an interval of 4.5 s and 414 tokens: its four ran 6
+    of the 33 sequence-seconds, 75.27 tokens. Charged 75: rounding each share up would charge a flood of
+    such requests half a token each more than the engines generated."""
     tally = EngineTally()
     rig = await rig_with(tally)
     start = rig.clock()
-    tally.observe("node ep", 0.0, 6.0, start - 0.5)
+    tally.observe("node ep", 0.0, 6.0, start - 1.5)
     await left_after(rig, 1.5)
-    tally.observe("node ep", 301.0, 6.0, start + 2.5)
+    assert engine_count.ENGINE_STOP_S == 1.5  # the first reading it waits for is 3 s after its start
+    tally.observe("node ep", 414.0, 6.0, start + 3.0)
     await rig.settled()
     assert completion(rig) == 75
+
+
+# -- streams left mid-answer -------------------------------------------------------------------------------
+
+
+def text_event(index: int) -> bytes:
+    return b'data: {"choices":[{"index":%d,"text":"a"}]}\n\n' % index
+
+
+async def stream_left(rig: Rig, steps: int, seconds: float) -> None:
+    """A stream of four sequences whose client left `seconds` after its admission, `steps` tokens of each
+    passed."""
+    exchange = rig.admission.exchange()
+    assert isinstance(await rig.decide(exchange, stream_of_four()), Forward)
+    exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+    for _ in range(steps):
+        for index in range(4):
+            await exchange.response_body(text_event(index), False)
+    rig.clock.advance(seconds)
+    exchange.stream_ended()
+
+
+def idle_before(tally: EngineTally, start: float) -> None:
+    tally.observe("node ep", 0.0, 0.0, start - 0.5)
+
+
+def fed_alone(tally: EngineTally, start: float, generated: float, seconds: float) -> None:
+    """After the feed read the engine idle before `start` (`idle_before`): running the stream's four
+    sequences in it, and idle again `ENGINE_STOP_S` past its end, `generated` tokens later."""
+    tally.observe("node ep", generated / 2, 4.0, start + seconds / 2)
+    tally.observe("node ep", generated, 0.0, start + seconds + engine_count.ENGINE_STOP_S)
+
+
+async def test_inline_a_stream_left_is_charged_the_engines_count() -> None:
+    """The engine ran on until the abort reached it: 30 generated where 12 passed, not one step more (16)."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    idle_before(tally, start)
+    await stream_left(rig, steps=3, seconds=1.0)
+    for _ in range(3):
+        await asyncio.sleep(0)  # the store's release runs on the loop
+    assert rig.active == 0  # its slot is back at once: the engine stops within a step
+    assert rig.metric("extproc_settlements_total", outcome="aborted") == 0  # its count is not in yet
+    fed_alone(tally, start, 30.0, 1.0)
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
+    assert completion(rig) == 30
+    assert basis(rig, "engine_count") == 1 and basis(rig, "estimate") == 0
+
+
+async def test_a_share_below_what_passed_is_lifted_to_it_and_the_next_share_pays_it_back() -> None:
+    """Counted 11 where 12 passed (a share errs either way): charged the 12 that certainly passed; the next
+    stream's share of 30 is charged 29, so the two sum to the engines' 41."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    idle_before(tally, start)
+    await stream_left(rig, steps=3, seconds=1.0)
+    fed_alone(tally, start, 11.0, 1.0)
+    await rig.settled()
+    assert completion(rig) == 12
+    rig.clock.advance(3.0)  # past the first's last reading
+    start = rig.clock()
+    tally.observe("node ep", 11.0, 0.0, start - 0.5)
+    await stream_left(rig, steps=3, seconds=1.0)
+    tally.observe("node ep", 26.0, 4.0, start + 0.5)
+    tally.observe("node ep", 41.0, 0.0, start + 1.0 + engine_count.ENGINE_STOP_S)
+    await rig.settled()
+    assert completion(rig) == 12 + 29
+    assert basis(rig, "engine_count") == 2
+
+
+async def test_a_count_far_below_what_passed_is_a_missed_reading_and_what_passed_is_charged() -> None:
+    """Four tokens counted where twelve passed (an endpoint's counter restarted within the stream, say): not
+    the split's noise; charged what passed in whole steps and the step the abort let finish."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    idle_before(tally, start)
+    await stream_left(rig, steps=3, seconds=1.0)
+    fed_alone(tally, start, 4.0, 1.0)
+    await rig.settled()
+    assert completion(rig) == 4 * (3 + 1)
+    assert basis(rig, "estimate") == 1 and basis(rig, "engine_count") == 0
+
+
+HELD_CONFIG: dict[str, Any] = {**CONFIG, "admission": {"proxy_buffer_bytes": 64}}
+"""A proxy that buffers 64 bytes for a reader: two events fill it, and a reader may have held the engine's
+stream back from then on."""
+
+
+async def test_a_stream_a_reader_may_have_held_back_is_not_charged_a_count() -> None:
+    """Over the proxy's buffer the engine may have run ahead of the client, or waited for it: the count
+    over the stream's time is no measure of either, and the pace rules stand."""
+    tally = EngineTally()
+    rig = await Rig(tally, HELD_CONFIG).start()
+    start = rig.clock()
+    idle_before(tally, start)
+    await stream_left(rig, steps=3, seconds=1.0)
+    fed_alone(tally, start, 30.0, 1.0)
+    await rig.settled()
+    assert basis(rig, "engine_count") == 0 and basis(rig, "estimate") == 0
+    assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
+
+
+async def test_lean_a_stream_left_under_the_buffer_is_charged_the_engines_count() -> None:
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    idle_before(tally, start)
+    exchange = rig.admission.exchange(reported=True)
+    verdict = await rig.decide(exchange, stream_of_four())
+    assert isinstance(verdict, Forward) and verdict.report is not None
+    rig.clock.advance(1.0)
+    exchange.stream_ended()
+    fed_alone(tally, start, 30.0, 1.0)
+    reading = ResponseReading(events=12)  # twelve tokens passed
+    timing = ReportedTiming(first_token_after_s=0.2, decode_s=0.8)
+    rig.admission.unseen.report(verdict.report.key, 200, reading, timing, passed_bytes=600)
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
+    assert completion(rig) == 30 and basis(rig, "engine_count") == 1

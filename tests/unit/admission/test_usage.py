@@ -429,3 +429,18 @@ def test_absent_or_malformed_cached_tokens_are_unknown(details: Any) -> None:
     body = json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": usage}).encode()
     _, tracker, _ = run(body, [], strip=False, streaming=False)
     assert tracker.usage.cached_prompt_tokens is None and tracker.usage.prompt_tokens == 17
+
+
+def test_what_certainly_passed_is_a_token_a_text_where_the_tokenizer_counts_more() -> None:
+    """A model whose tokens decode to text the sidecar's tokenizer splits (a random-weight model's bytes, a
+    script the encoding was not trained on): three deltas of one engine token each count 3 + 3 + 2 tokens,
+    and a stream left there is certain of three. A reported usage then counts on from its figure."""
+    deltas = ["🌍🌍", "дождь", "ÿÿ"]
+    data = ev(chunk("", role="assistant")) + b"".join(ev(chunk(d)) for d in deltas)
+    _, tracker, _ = run(data, [], strip=False)
+    usage = tracker.usage
+    assert usage.completion_tokens == sum(tk(d) for d in deltas) > 3
+    assert usage.certain_completion == 3
+    _, tracker, _ = run(data + USAGE_EVENT + ev(chunk("🌍🌍")), [], strip=False)
+    assert tracker.usage.completion_tokens == 6 + tk("🌍🌍")
+    assert tracker.usage.certain_completion == 7

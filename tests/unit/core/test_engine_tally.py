@@ -167,3 +167,47 @@ def test_a_run_never_ended_is_forgotten_past_any_requests_lifetime() -> None:
     assert tally.count(0.0, 2.0, sequences=1, key="new") == pytest.approx(20.0)
     tally.begin("much later", engine_tally.MAX_RUN_S + 1.0, 1)
     assert tally.count(0.0, 2.0, sequences=1, key="new") == pytest.approx(80 / 3)
+
+
+def test_runs_the_engine_ran_on_after_their_clients_left_still_share_every_token() -> None:
+    """Two clients in a closed loop, each leaving its stream after 0.4-1.3 s and sending the next at once,
+    while the engine runs each on for 0.3-1.2 s until the abort reaches it (a saturated host), one sequence
+    at 20 tokens/s. The readings show the aborted runs still running past their stops: counted as this
+    sidecar's, not as another replica's, every token the engine generated is someone's share (the sum 747
+    of 756; taking them for another replica's gave 458)."""
+    pace, lags, waits = 20.0, (0.3, 0.8, 1.2, 0.5), (0.4, 1.3, 0.7, 1.0, 0.9)
+    runs: list[tuple[str, float, float, float]] = []  # key, start, the client's stop, the engine's stop
+    for client in "xy":
+        at = 0.05 if client == "x" else 0.3
+        for i in range(12):
+            stop = at + waits[(i + len(client + str(i))) % len(waits)]
+            runs.append((f"{client}{i}", at, stop, stop + lags[i % len(lags)]))
+            at = stop
+    end = max(engine_stop for *_, engine_stop in runs)
+
+    def generated(t: float) -> float:
+        return sum(pace * max(0.0, min(t, e) - s) for _, s, _, e in runs)
+
+    def running(t: float) -> float:
+        return sum(1.0 for _, s, _, e in runs if s < t < e)
+
+    tally = EngineTally()
+    for _key, start, _stop, _ in runs:
+        tally.begin(_key, start, 1)
+    for _key, _start, stop, _ in runs:
+        tally.end(_key, stop)
+    for tick in range(int(end) + 4):
+        tally.observe("a", generated(float(tick)), running(float(tick)), float(tick))
+    counts = [tally.count(start, stop, 1, tail=1.5, key=key) for key, start, stop, _ in runs]
+    assert all(c is not None for c in counts)
+    assert sum(c or 0.0 for c in counts) == pytest.approx(generated(end), rel=0.02)
+
+
+def test_a_share_under_its_floor_is_lifted_and_later_shares_over_theirs_pay_it_back() -> None:
+    tally = EngineTally()
+    assert tally.charge(38.0, floor=45.0) == 45.0  # 7 owed
+    assert tally.charge(8.0, floor=3.0) == 3.0  # pays 5, never below its own floor
+    assert tally.charge(10.0, floor=4.0) == 8.0  # pays the last 2
+    assert tally.charge(10.0, floor=4.0) == 10.0  # nothing owed
+    assert tally.charge(0.0, floor=engine_tally.MAX_LIFTED * 2) == engine_tally.MAX_LIFTED * 2
+    assert tally.charge(engine_tally.MAX_LIFTED * 3, floor=0.0) == engine_tally.MAX_LIFTED * 2  # owed at most
