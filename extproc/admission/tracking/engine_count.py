@@ -24,9 +24,9 @@ client's reset must reach vLLM's API server, its abort the engine core between t
 (vllm 0.32.0 vllm/v1/engine/async_llm.py, `output_handler`, which records each batch of outputs into
 `vllm:generation_tokens_total`): tens of milliseconds on a GPU; on the real-engine tier's two busy cores up to
 a second (a flood of streams left after three chunks, 13 tokens generated a stream where four passed). A
-count waits for a reading this long after the end, and takes the runs ended within it for still running
-where the feed's running count says so (`EngineTally.count`'s `tail`): by 0.5 s, a third of such a flood's
-tokens were taken for another replica's and charged to nobody."""
+count waits for a reading this long after the end; its own steps read after the end with the engine idle
+then count as its own (`EngineTally.count`'s `tail`), and the runs ended before it are taken for still
+running for longer where the feed's running count has room (`engine_tally.SHOWN_AFTER_STOP_S`)."""
 
 ENGINE_COUNT_WAIT_S = 8.0
 """The longest a lease whose answer was not seen whole waits for that reading before it is charged by the

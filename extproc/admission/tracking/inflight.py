@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from extproc.admission.capacity.admitted import Admitted
-from extproc.admission.capacity.settlement import ResponseFacts, settle_charge
+from extproc.admission.capacity.settlement import Ending, ResponseFacts, ending_of, settle_charge
 from extproc.admission.deciding import provisional
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
@@ -250,11 +250,11 @@ class InFlight:
             self._charge(facts)
 
     def _left_unheld(self, facts: ResponseFacts) -> bool:
-        """A stream that went upstream, ended before its end was seen (left or cut), and was never held
-        back by a reader (`_unheld`): the engine ran it at its own pace until the abort reached it."""
-        if facts.completed or not facts.forwarded:
-            return False
-        return facts.cut or self._unheld(self.seen)
+        """A stream that went upstream, ended before its end was seen (left or cut; not an error, which
+        keeps its rule), and was never held back by a reader (`_unheld`): the engine ran it at its own pace
+        until the abort reached it."""
+        ending = ending_of(facts)
+        return ending is Ending.CUT or (ending is Ending.ABORTED and self._unheld(self.seen))
 
     def _answer_unseen(self) -> bool:
         """Whether the request went upstream and nothing of its answer came back (no response started):

@@ -301,3 +301,21 @@ async def test_lean_a_stream_left_under_the_buffer_is_charged_the_engines_count(
     await rig.settled()
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
     assert completion(rig) == 30 and basis(rig, "engine_count") == 1
+
+
+async def test_a_stream_that_ended_in_an_error_keeps_its_rule_and_waits_for_no_count() -> None:
+    """An error event mid-stream: the engine stopped the answer itself; charged the prompt and what passed
+    (`upstream_error`), at once."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    idle_before(tally, rig.clock())
+    exchange = rig.admission.exchange()
+    assert isinstance(await rig.decide(exchange, stream_of_four()), Forward)
+    exchange.response_headers(200, "text/event-stream", end_of_stream=False)
+    for index in range(4):
+        await exchange.response_body(text_event(index), False)
+    await exchange.response_body(b'data: {"error": {"message": "boom", "code": 500}}\n\n', False)
+    exchange.stream_ended()
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="upstream_error") == 1
+    assert basis(rig, "engine_count") == 0 and basis(rig, "estimate") == 0
