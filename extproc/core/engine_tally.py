@@ -147,6 +147,17 @@ class EngineTally:
         while len(self._ended) > MAX_ENDED_RUNS:
             self._runs.pop(self._ended.popleft(), None)
 
+    def ran_until(self, key: Hashable, stop: float) -> None:
+        """The request `key` ran until `stop`, later than the end it was told (Envoy read its upstream on
+        after the client left): its stop moves there; an earlier `stop` changes nothing."""
+        run = self._runs.get(key)
+        if run is None:
+            return
+        if run.stop is None:
+            self.end(key, stop)
+        elif stop > run.stop:
+            run.stop = stop
+
     def observe(self, endpoint: str, counter: float, running: float, at: float) -> None:
         """One endpoint's generation counter and running requests, read at `at`: a new point of the pool,
         and the waiters it is past called."""

@@ -120,11 +120,11 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
         start_ms = props.start_time.ToMilliseconds()
         first_s = (reading.first_content_ms - start_ms) / 1000.0
         if 0.0 <= first_s <= last_s:
-            return ReportedTiming(first_token_after_s=first_s, decode_s=last_s - first_s)
+            return ReportedTiming(first_token_after_s=first_s, decode_s=last_s - first_s, upstream_s=last_s)
     if not props.HasField("time_to_first_upstream_rx_byte"):
-        return None
+        return ReportedTiming(first_token_after_s=None, decode_s=None, upstream_s=last_s)
     first_byte_s = props.time_to_first_upstream_rx_byte.ToTimedelta().total_seconds()
-    return ReportedTiming(first_token_after_s=None, decode_s=last_s - first_byte_s)
+    return ReportedTiming(first_token_after_s=None, decode_s=last_s - first_byte_s, upstream_s=last_s)
 
 
 VIA_UPSTREAM = "via_upstream"

@@ -306,13 +306,17 @@ def test_the_report_times_the_first_token_from_the_readers_clock_and_envoys_star
     log = entry("k", 200, None)
     timed(log, first_byte_s=0.05, last_byte_s=3.0)
     with_t1 = reading_of_fields({"t1": 1_700_000_000_000 + 1_000.0})
-    assert timing_of(log, with_t1) == ReportedTiming(first_token_after_s=1.0, decode_s=2.0)
+    assert timing_of(log, with_t1) == ReportedTiming(first_token_after_s=1.0, decode_s=2.0, upstream_s=3.0)
     # Without the reader's time: headers (sent before queueing and prefill) to the last byte, decode only.
-    assert timing_of(log, ResponseReading(events=3)) == ReportedTiming(None, approx_s(2.95))
+    assert timing_of(log, ResponseReading(events=3)) == ReportedTiming(None, approx_s(2.95), 3.0)
     # A first-content time outside the request (another clock) is not trusted.
     wrong = reading_of_fields({"t1": 1_600_000_000_000.0})
-    assert timing_of(log, wrong) == ReportedTiming(None, approx_s(2.95))
+    assert timing_of(log, wrong) == ReportedTiming(None, approx_s(2.95), 3.0)
     assert timing_of(entry("k", 200, None), with_t1) is None  # no upstream byte: nothing to learn
+    # The upstream's answer never ended (the client gone, Envoy reset it): the stream's end bounds it.
+    reset = entry("k", 200, None)
+    reset.common_properties.duration.FromMilliseconds(4_500)
+    assert timing_of(reset, ResponseReading(events=3)) == ReportedTiming(None, None, 4.5)
 
 
 def reading_of_fields(fields: dict[str, Any]) -> ResponseReading:

@@ -278,8 +278,10 @@ one step more, as before, the flood gave 0.58 to 1.23. With that allowance at 1.
 saturated pair: vLLM's API server noticed the clients gone up to two seconds late and counted their tokens
 until then (vllm 0.32.0 vllm/v1/engine/output_processor.py `abort_requests`). On these two busy cores the
 split errs more than issue 29's 5 %: it takes every running sequence at one pace, and one in its prefill
-generates nothing. Where vLLM missed an abort and decoded the whole answer (`long_answers`), once 1.33 (the
-cause not found); a flood out of bounds is run again once, and twice in a row fails."""
+generates nothing. Where the engine decoded a whole answer after its client left (`long_answers`), once
+1.33, likely Envoy reading that upstream on in the lean profile while its run stopped at the proxy's end
+(since ended at its last upstream byte, `InFlight._upstream_until`); a flood out of bounds is run again
+once, and twice in a row fails."""
 
 
 def leave_after_three(url: str, deadline: float) -> int:

@@ -60,6 +60,11 @@ class EngineRun:
         if self.tally is not None:
             self.tally.end(self.key, at)
 
+    def ran_until(self, at: float) -> None:
+        """The engine ran the request until `at`, later than its end was told (`EngineTally.ran_until`)."""
+        if self.tally is not None:
+            self.tally.ran_until(self.key, at)
+
     def countable(self) -> bool:
         """Whether the tally reaches back to the request's start: its count can then be had."""
         return self.tally is not None and self.tally.reaches_back(self.start)

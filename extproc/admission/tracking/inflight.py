@@ -55,6 +55,7 @@ class Seen:
     content event (lean), which teaches the KV budget's pace. `passed_bytes`: the answer's bytes that passed
     the proxy (inline: the chunks seen; lean: Envoy's `response_body_bytes`), None where unknown: fewer than
     the proxy buffers for one reader, and nobody held the engine's stream back (`InFlight._unheld`).
+    `upstream_s`: the request's start to the last upstream byte (lean), where Envoy tells.
     """
 
     facts: ResponseFacts
@@ -65,6 +66,7 @@ class Seen:
     decode_s: float | None = None
     first_token_after_s: float | None = None
     passed_bytes: int | None = None
+    upstream_s: float | None = None
 
 
 NOTHING_SEEN = Seen(ResponseFacts(), responded=False)
@@ -167,6 +169,8 @@ class InFlight:
         if self.settled:
             return
         self.seen = seen
+        if seen.upstream_s is not None:
+            self._upstream_until(self.admitted.admitted_at + seen.upstream_s)
         facts = seen.facts
         usage = facts.usage
         if seen.live and usage is not None:
@@ -188,6 +192,15 @@ class InFlight:
                 seen.decode_s,
                 seen.first_token_after_s,
             )
+
+    def _upstream_until(self, at: float) -> None:
+        """Lean: Envoy read the upstream's answer until `at`, past the request's end on the proxy (its client
+        left and Envoy read on, so the engine never saw an abort): the engine ran it until then, which its
+        count and its run in the tally must cover."""
+        at = min(at, self.service.clock())
+        if self.ended_at is not None and at > self.ended_at:
+            self.ended_at = at
+            self.run.ran_until(at)
 
     def engine_done(self) -> None:
         """The KV feed confirms the engine has finished this request while its client still reads the
@@ -391,23 +404,29 @@ class InFlight:
 
     def open_lease(self, key: str) -> OpenLease | None:
         """This request as an open lease on `key` (for slot retry hints), or None if it holds none there."""
-        admitted = self.admitted
-        if self.settled or self.slot_given_back or key not in admitted.lease.keys:
-            return None
-        usage = self.seen.facts.usage
-        request = admitted.request
-        sequences = max(1, request.sequences * request.prompt_count)
-        allowance = admitted.plan.completion_tokens / sequences
-        rate = self.service.decode_rates.rate(admitted.pool)
-        if usage is not None:
-            streamed = usage.completion_tokens / sequences
-        else:
-            # Nothing seen (the lean profile until the end report, a JSON answer): the engine has been
-            # generating since admission at the pool's rate, as the KV forecast reckons unseen progress.
-            streamed = (self.service.clock() - admitted.admitted_at) * rate
-        return OpenLease(
-            expected_tokens=admitted.booking.expected_completion(allowance),
-            streamed_tokens=streamed,
-            rate=rate,
-            ended=self.ended_at is not None,
-        )
+        return open_lease_of(self, key)
+
+
+def open_lease_of(inflight: InFlight, key: str) -> OpenLease | None:
+    """`inflight` as an open lease on `key` (`InFlight.open_lease`)."""
+    admitted = inflight.admitted
+    if inflight.settled or inflight.slot_given_back or key not in admitted.lease.keys:
+        return None
+    usage = inflight.seen.facts.usage
+    request = admitted.request
+    sequences = max(1, request.sequences * request.prompt_count)
+    allowance = admitted.plan.completion_tokens / sequences
+    service = inflight.service
+    rate = service.decode_rates.rate(admitted.pool)
+    if usage is not None:
+        streamed = usage.completion_tokens / sequences
+    else:
+        # Nothing seen (the lean profile until the end report, a JSON answer): the engine has been
+        # generating since admission at the pool's rate, as the KV forecast reckons unseen progress.
+        streamed = (service.clock() - admitted.admitted_at) * rate
+    return OpenLease(
+        expected_tokens=admitted.booking.expected_completion(allowance),
+        streamed_tokens=streamed,
+        rate=rate,
+        ended=inflight.ended_at is not None,
+    )

@@ -91,10 +91,12 @@ class ResponseReading:
 class ReportedTiming:
     """When a streamed answer's tokens came, from the end report: seconds from the request's start to its
     first content event (queueing and prefill, plus the admission itself), and from that event to the last
-    upstream byte (decoding). None where the report does not tell."""
+    upstream byte (decoding); `upstream_s`, from the start to the last upstream byte (or to the stream's end
+    where the upstream's answer never ended), streamed or not. None where the report does not tell."""
 
     first_token_after_s: float | None
     decode_s: float | None
+    upstream_s: float | None = None
 
 
 def facts_of(status: int | None, reading: ResponseReading, api: Api, encoding: str) -> ResponseFacts:

@@ -229,6 +229,7 @@ class UnseenStreams:
                 decode_s=timing.decode_s if timing is not None and timed else None,
                 first_token_after_s=timing.first_token_after_s if timing is not None and timed else None,
                 passed_bytes=passed_bytes,
+                upstream_s=timing.upstream_s if timing is not None else None,
             )
         )
         inflight.settle()

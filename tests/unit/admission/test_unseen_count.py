@@ -319,3 +319,32 @@ async def test_a_stream_that_ended_in_an_error_keeps_its_rule_and_waits_for_no_c
     await rig.settled()
     assert rig.metric("extproc_settlements_total", outcome="upstream_error") == 1
     assert basis(rig, "engine_count") == 0 and basis(rig, "estimate") == 0
+
+
+async def test_lean_a_stream_envoy_read_on_after_its_client_left_is_counted_to_its_last_byte() -> None:
+    """The client left after 1 s; Envoy read the upstream on (the engine saw no abort) until 6 s, its
+    reader counting all 300 events: the engine ran the request until then. Counted over those 6 s it is the
+    engines' 300 (over the 1 s to the proxy's end, 54: a missed reading); and its run in the tally stops at
+    6 s, so the requests beside it then are not charged its tokens."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    idle_before(tally, start)
+    exchange = rig.admission.exchange(reported=True)
+    verdict = await rig.decide(exchange, stream_of_four())
+    assert isinstance(verdict, Forward) and verdict.report is not None
+    rig.clock.advance(1.0)
+    exchange.stream_ended()
+    tally.observe("node ep", 150.0, 4.0, start + 3.0)
+    rig.clock.advance(5.2)
+    timing = ReportedTiming(first_token_after_s=0.2, decode_s=5.8, upstream_s=6.0)
+    reading = ResponseReading(events=300)
+    rig.admission.unseen.report(verdict.report.key, 200, reading, timing, passed_bytes=600)
+    tally.observe("node ep", 300.0, 0.0, start + 6.0 + engine_count.ENGINE_STOP_S)
+    await rig.settled()
+    assert completion(rig) == 300 and basis(rig, "engine_count") == 1
+    tally.begin("beside", start + 4.0, 1)  # another request of this sidecar's, at 4 s: ours still ran
+    tally.end("beside", start + 5.0)
+    # From 3 s to 7.5 s, 150 tokens: ours ran 4 sequences for 3 s of it, the other one for 1 s (150 / 13);
+    # with ours stopped at 1 s, all 150 would be the other's.
+    assert tally.count(start + 4.0, start + 5.0, 1, key="beside") == pytest.approx(150.0 / 13.0)

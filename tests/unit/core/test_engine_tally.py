@@ -211,3 +211,15 @@ def test_a_share_under_its_floor_is_lifted_and_later_shares_over_theirs_pay_it_b
     assert tally.charge(10.0, floor=4.0) == 10.0  # nothing owed
     assert tally.charge(0.0, floor=engine_tally.MAX_LIFTED * 2) == engine_tally.MAX_LIFTED * 2
     assert tally.charge(engine_tally.MAX_LIFTED * 3, floor=0.0) == engine_tally.MAX_LIFTED * 2  # owed at most
+
+
+def test_a_run_told_it_ran_longer_moves_its_stop_later_never_earlier() -> None:
+    tally = tally_of((0.0, 0.0, 0.0), (2.0, 40.0, 2.0), (4.0, 80.0, 0.0))
+    for key in "xy":
+        tally.begin(key, 0.0, 1)
+    tally.end("x", 1.0)
+    tally.ran_until("x", 4.0)  # Envoy read its upstream on until 4 s
+    tally.ran_until("x", 3.0)  # an earlier end changes nothing
+    tally.ran_until("y", 4.0)  # not ended yet: it ends there
+    tally.ran_until("gone", 4.0)  # not kept: nothing
+    assert tally.count(0.0, 4.0, 1, key="y") == pytest.approx(40.0)  # each ran the whole 4 s: half
