@@ -267,22 +267,21 @@ def test_a_slow_reader_of_n_sequences_is_released_by_the_engine_and_charged_its_
 
 FLOOD_S, FLOOD_CLIENTS = 12.0, 4
 FLOOD_BOUNDS = (0.6, 1.4)
-"""The flood's total charge against the engine's count: most runs within issue 29's 5 %, not all (lean 1.001
-to 1.033 in eight runs; inline 0.997 to 1.015 in six, and two saturated pairs, 0.926 and 1.046, 0.645 and
-0.80; 117 to 369 streams a run). Each stream is charged its share of the engine's count over its time, at
+"""The flood's total charge against the engine's count, as charged now: 7 of 12 runs within issue 29's 5 %
+(lean 0.992, 1.001, 1.009; inline 0.997, 1.003, 1.003, 1.046), the rest with the host saturated (inline
+0.926, 0.805, 0.645; lean 0.646 and 1.33, each with an answer the engine decoded whole after its client
+left); 117 to 369 streams a run. Each stream is charged its share of the engine's count over its time, at
 least the tokens that certainly passed, what that lifts taken off later shares (`EngineTally.charge`); the
 runs ended within `engine_tally.SHOWN_AFTER_STOP_S` (5 s) are taken for still running where the feed's
 running count has room for them. The engine runs on past what passed until the abort reaches it, 0.2 to 9
 tokens a stream here, which nothing in front of it sees: charged what passed and one step more, as before,
-the flood gave 0.58 to 1.23. With the allowance at 1.5 s, 0.70 and 0.92 in one saturated pair: vLLM's API
-server noticed the clients gone up to two seconds late and counted their tokens until then (vllm 0.32.0
-vllm/v1/engine/output_processor.py `abort_requests`). On these two saturated cores the split errs more:
-it takes every running sequence at one pace (one in its prefill generates nothing), and tokens of sequences
-the engine runs beyond the allowance are taken for another replica's. Where the engine decoded a whole
-answer after its client left (`long_answers`), once 1.33, likely Envoy reading that upstream on in the lean
-profile while its run stopped at the proxy's end (since ended at its last upstream byte,
-`InFlight._upstream_until`), and once 0.65 after that. A flood out of bounds is run again once, and twice
-in a row fails."""
+the flood gave 0.58 to 1.23. On these two saturated cores the split errs more: it takes every running
+sequence at one pace (one in its prefill generates nothing), and tokens of sequences the engine runs
+beyond the allowance (vLLM's API server noticing clients gone late: it counts a request's tokens until its
+abort, vllm 0.32.0 vllm/v1/engine/output_processor.py `abort_requests`) are taken for another replica's.
+The 1.33 was likely Envoy reading that upstream on in the lean profile while its run stopped at the
+proxy's end (since ended at its last upstream byte, `InFlight._upstream_until`). A flood out of bounds, or
+one where the engine decoded a whole answer (`long_answers`), is run again once; twice in a row fails."""
 
 
 def leave_after_three(url: str, deadline: float) -> int:
