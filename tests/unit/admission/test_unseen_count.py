@@ -284,20 +284,27 @@ async def test_a_stream_a_reader_may_have_held_back_is_not_charged_a_count() -> 
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
 
 
+async def lean_stream_left(rig: Rig, tally: EngineTally, seconds: float) -> str:
+    """Lean: after the feed read the engine idle (`idle_before`), a stream of four sequences whose client left
+    `seconds` after its admission; the key its end report will name."""
+    idle_before(tally, rig.clock())
+    exchange = rig.admission.exchange(reported=True)
+    verdict = await rig.decide(exchange, stream_of_four())
+    assert isinstance(verdict, Forward) and verdict.report is not None
+    rig.clock.advance(seconds)
+    exchange.stream_ended()
+    return verdict.report.key
+
+
 async def test_lean_a_stream_left_under_the_buffer_is_charged_the_engines_count() -> None:
     tally = EngineTally()
     rig = await rig_with(tally)
     start = rig.clock()
-    idle_before(tally, start)
-    exchange = rig.admission.exchange(reported=True)
-    verdict = await rig.decide(exchange, stream_of_four())
-    assert isinstance(verdict, Forward) and verdict.report is not None
-    rig.clock.advance(1.0)
-    exchange.stream_ended()
+    key = await lean_stream_left(rig, tally, seconds=1.0)
     fed_alone(tally, start, 30.0, 1.0)
     reading = ResponseReading(events=12)  # twelve tokens passed
     timing = ReportedTiming(first_token_after_s=0.2, decode_s=0.8)
-    rig.admission.unseen.report(verdict.report.key, 200, reading, timing, passed_bytes=600)
+    rig.admission.unseen.report(key, 200, reading, timing, passed_bytes=600)
     await rig.settled()
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
     assert completion(rig) == 30 and basis(rig, "engine_count") == 1
@@ -329,17 +336,12 @@ async def test_lean_a_stream_envoy_read_on_after_its_client_left_is_counted_to_i
     tally = EngineTally()
     rig = await rig_with(tally)
     start = rig.clock()
-    idle_before(tally, start)
-    exchange = rig.admission.exchange(reported=True)
-    verdict = await rig.decide(exchange, stream_of_four())
-    assert isinstance(verdict, Forward) and verdict.report is not None
-    rig.clock.advance(1.0)
-    exchange.stream_ended()
+    key = await lean_stream_left(rig, tally, seconds=1.0)
     tally.observe("node ep", 150.0, 4.0, start + 3.0)
     rig.clock.advance(5.2)
     timing = ReportedTiming(first_token_after_s=0.2, decode_s=5.8, upstream_s=6.0)
     reading = ResponseReading(events=300)
-    rig.admission.unseen.report(verdict.report.key, 200, reading, timing, passed_bytes=600)
+    rig.admission.unseen.report(key, 200, reading, timing, passed_bytes=600)
     tally.observe("node ep", 300.0, 0.0, start + 6.0 + engine_count.ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 300 and basis(rig, "engine_count") == 1
