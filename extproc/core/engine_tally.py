@@ -17,8 +17,8 @@ engine is done with it) is kept, so a closed loop of clients (one request leavin
 burst that starts and ends together splits exactly. The rest (another replica's requests, runs forgotten)
 are the running count at the interval's ends less ours where we ran then and the known ones running then,
 averaged over the interval: exact for requests running throughout, half of it for one that came or went
-inside. A known run is taken for running at a point up to `tail` past its stop (the engine runs an
-aborted request on until the abort reaches it, and the running count shows it): taken for another
+inside. A known run is taken for running at a point up to `SHOWN_AFTER_STOP_S` past its stop (the engine
+runs an aborted request on until the abort reaches it, and the running count shows it): taken for another
 replica's, the steps an engine ran a flood's streams on after their clients left went to nobody. Alone on
 the pool, or beside only known runs, the shares sum to the growth whatever the scrape interval; past
 `stop`, an interval that starts before `stop + tail` with our sequences still running beside the known ones
@@ -241,14 +241,14 @@ class EngineTally:
         known = self._known(times[first : last + 1], key, max(tail, SHOWN_AFTER_STOP_S))
         return sum(window.share(points[i], points[i + 1], known[i]) for i in range(len(points) - 1))
 
-    def _known(self, times: list[float], key: Hashable | None, tail: float) -> list[_Known]:
+    def _known(self, times: list[float], key: Hashable | None, shown_s: float) -> list[_Known]:
         """For each interval between `times`, this sidecar's other requests: the sequences that may be
-        running at its start and end points (up to `tail` past their stop, as ours: the engine finishing
-        the step an abort found still shows them running), and their sequence-seconds in it."""
+        running at its start and end points (up to `shown_s` past their stop: the engine runs an aborted
+        request on until the abort reaches it), and their sequence-seconds in it."""
         known = [_Known() for _ in range(len(times) - 1)]
         lo_t, hi_t = times[0], times[-1]
         for run_key, run in self._runs.items():
-            shown = run.until + tail
+            shown = run.until + shown_s
             if run_key == key or run.start >= hi_t or shown <= lo_t:
                 continue
             first = max(0, bisect.bisect_right(times, run.start) - 1)

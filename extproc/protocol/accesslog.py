@@ -106,7 +106,9 @@ def timing_of(entry: accesslog_pb2.HTTPAccessLogEntry, reading: ResponseReading)
     """When the answer's tokens came. With the reader's first-content time (Envoy's wall clock, as the
     entry's `start_time`): the first-token delay and the decode time up to the last upstream byte. Without
     it, the span from the first to the last upstream byte stands in for the decode time only: a streaming
-    server sends its headers before queueing and prefill, so that span includes them."""
+    server sends its headers before queueing and prefill, so that span includes them. Either way, and
+    without a first upstream byte too, the time to the last one (`upstream_s`): where Envoy read the
+    upstream on after the client left, the engine ran the request until then. None without that time."""
     props = entry.common_properties
     if props.HasField("time_to_last_upstream_rx_byte"):
         last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()

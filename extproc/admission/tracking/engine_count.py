@@ -77,10 +77,9 @@ class EngineRun:
         (`EngineTally.charge`); to the nearest token: a share is a fraction of what others ran beside it,
         and rounding each up charged a flood more than the engines generated."""
         tally = self.tally
-        passed = usage.completion_tokens if usage is not None else 0
+        passed, certain = (0, None) if usage is None else (usage.completion_tokens, usage.certain_completion)
         if tally is None or counted is None or counted < passed * MISSED_READING_SHARE:
             return None
-        certain = usage.certain_completion if usage is not None else None
         return min(cap, round(tally.charge(counted, passed if certain is None else certain)))
 
     def count(self, stop: float) -> Awaitable[float | None]:
