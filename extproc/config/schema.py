@@ -160,8 +160,9 @@ class Admission(Section):
     # The most per-step work (stop strings, bad words, logit bias, logprobs) one request may ask for.
     per_step: PerStep = PerStep()
     # Envoy's per_connection_buffer_limit_bytes on the listener (2 MiB in every shipped config): a stream left
-    # before this many of its bytes passed the proxy cannot have been held back by its reader, so the tokens
-    # that passed are what the engine generated (docs/configuration.md). Keep it at most Envoy's value.
+    # before this many of its bytes passed the proxy cannot have been held back by its reader, so, without the
+    # engines' count, the tokens that passed are what the engine generated (docs/configuration.md). Keep it
+    # at most Envoy's value.
     proxy_buffer_bytes: PosInt = 2 << 20
     # The lifetime bound of a metered request, rendered into each metered Envoy route (max_stream_duration).
     max_request_seconds: Annotated[float, PlainValidator(number(1.0))] = 1800.0

@@ -4,15 +4,14 @@ Each profile hands over what it saw as a `Seen` through one call, `observe`: the
 response message, the lean profile once, from the proxy's end report. `settle()` charges the lease from the
 last observation (extproc/admission/capacity/settlement.py), exactly once, however many paths reach it; a
 request admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in.
-Where the answer was not seen to its end, the charge is what passed where nothing can have held the engine's
-stream back (`_unheld`), else it includes the pool's decode-rate estimate of what the engine generated; a
-completed stream teaches that rate (`learn_pace`, the one place it is learned). Where the engine ran the
-answer at its own pace and it was not seen to its end (nothing of it seen: a client gone before the first
-byte, a lost end report; a stream left before the proxy's buffer filled, or cut), the engines' own count is
-the charge where the feed carries their generation counters (`core.engine_tally`, through the request's
-`EngineRun`): the lease gives its slots and KV booking back at once, and settles once the feed has read the
-engines past its end (`engine_count.ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S` later; the rules above
-where it has not.
+Where the answer was not seen to its end (nothing of it seen: a client gone before the first byte, a lost
+end report; a stream left mid-answer, or cut), the engine ran it at its own pace, whatever its reader, and
+the engines' own count is the charge where the feed carries their generation counters (`core.engine_tally`,
+through the request's `EngineRun`): the lease gives its slots and KV booking back at once, and settles once
+the feed has read the engines past its end (`engine_count.ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S`
+later. Where it has no count, the charge is what passed where nothing can have been held back from the
+client (`_unheld`), else it includes the pool's decode-rate estimate of what the engine generated; a
+completed stream teaches that rate (`learn_pace`, the one place it is learned).
 
 One cut rule (`cut`): a class with `cut_streams_above_kv` is reset while its pool's KV usage is above it.
 
@@ -257,17 +256,20 @@ class InFlight:
             self._charge_counted(self.seen.facts, self.estimate)
             return
         facts = self._final_facts()
-        if self._left_unheld(facts):
+        if self._left_mid_answer(facts):
             self._charge_counted(facts, lambda: facts.estimated_completion)
         else:
             self._charge(facts)
 
-    def _left_unheld(self, facts: ResponseFacts) -> bool:
-        """A stream that went upstream, ended before its end was seen (left or cut; not an error, which
-        keeps its rule), and was never held back by a reader (`_unheld`): the engine ran it at its own pace
-        until the abort reached it."""
+    def _left_mid_answer(self, facts: ResponseFacts) -> bool:
+        """A stream that went upstream and ended before its end was seen (left or cut; not an error, which
+        keeps its rule), whether or not a reader held its bytes back: the engine ran it at its own pace until
+        the abort reached it. A reader never slows an engine: vLLM's output handler puts each step's output
+        into the request's collector without waiting, merging it with what the consumer has not taken yet
+        (vllm 0.32.0 vllm/v1/engine/output_processor.py, `RequestOutputCollector.put`), so a client slower
+        than the engine holds its bytes in the engine's server, not its decoding."""
         ending = ending_of(facts)
-        return ending is Ending.CUT or (ending is Ending.ABORTED and self._unheld(self.seen))
+        return ending is Ending.CUT or (ending is Ending.ABORTED and self.seen.streamed)
 
     def _answer_unseen(self) -> bool:
         """Whether the request went upstream and nothing of its answer came back (no response started):
@@ -291,7 +293,7 @@ class InFlight:
         self._close()
         admitted.booking.release(None)
         self.service.settler.release_slot(admitted, early=False)
-        counting = self._book_counted(facts, estimate, self.run.count(stop))
+        counting = self._book_counted(facts, estimate, self.run.count(self.run.stopped_at(stop)))
         self.service.track(asyncio.ensure_future(counting))
 
     async def _book_counted(

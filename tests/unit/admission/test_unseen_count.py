@@ -266,13 +266,14 @@ async def test_a_count_far_below_what_passed_is_a_missed_reading_and_what_passed
 
 
 HELD_CONFIG: dict[str, Any] = {**CONFIG, "admission": {"proxy_buffer_bytes": 64}}
-"""A proxy that buffers 64 bytes for a reader: two events fill it, and a reader may have held the engine's
-stream back from then on."""
+"""A proxy that buffers 64 bytes for a reader: two events fill it, and a reader may have held the stream's
+bytes back from then on."""
 
 
-async def test_a_stream_a_reader_may_have_held_back_is_not_charged_a_count() -> None:
-    """Over the proxy's buffer the engine may have run ahead of the client, or waited for it: the count
-    over the stream's time is no measure of either, and the pace rules stand."""
+async def test_a_stream_a_reader_held_back_is_charged_the_engines_count_too() -> None:
+    """Over the proxy's buffer the engine ran ahead of the client (an engine never waits for a reader), so
+    what passed, or a pace over the stream's time, is not what it generated: its count is (30 where 12
+    passed)."""
     tally = EngineTally()
     rig = await Rig(tally, HELD_CONFIG).start()
     start = rig.clock()
@@ -280,8 +281,23 @@ async def test_a_stream_a_reader_may_have_held_back_is_not_charged_a_count() -> 
     await stream_left(rig, steps=3, seconds=1.0)
     fed_alone(tally, start, 30.0, 1.0)
     await rig.settled()
-    assert basis(rig, "engine_count") == 0 and basis(rig, "estimate") == 0
+    assert basis(rig, "engine_count") == 1 and basis(rig, "estimate") == 0
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 1
+    assert completion(rig) == 30
+
+
+def test_a_run_is_counted_to_where_the_engine_stopped_it() -> None:
+    """The first end told is the engine's (the feed found it done while the client still read), moved later
+    only by a later read of its upstream; without one, the request's own end."""
+    run = engine_count.EngineRun(EngineTally(), "lease", 0.0, 1)
+    assert run.stopped_at(9.0) == 9.0
+    run.end(2.0)
+    run.end(5.0)  # the client's close, after the engine was done
+    assert run.stopped_at(5.0) == 2.0
+    run.ran_until(1.0)
+    assert run.stopped_at(5.0) == 2.0
+    run.ran_until(4.0)
+    assert run.stopped_at(5.0) == 4.0
 
 
 async def lean_stream_left(rig: Rig, tally: EngineTally, seconds: float) -> str:
