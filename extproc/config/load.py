@@ -27,13 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import os
 import pickle
 import resource
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from typing import Any
 import yaml
 
 import extproc
-from extproc.config.build import parse_config
+from extproc.config.build import collector_paused, parse_config
 from extproc.config.errors import ConfigError
 from extproc.config.runtime import Config
 from extproc.core.limiter import LimitSpec
@@ -231,11 +229,12 @@ async def _outcome(path: str | os.PathLike[str], returncode: int | None, out: by
 
 async def _with_tenants(config: Config, chunks: list[bytes]) -> Config:
     """`config` with the tenant rows the child sent apart: one chunk per turn of the loop, each followed by
-    a rest (`rest_after`), with the cyclic collector paused meanwhile (`_collector_paused`)."""
+    a rest (`rest_after`), with the cyclic collector paused meanwhile (`collector_paused`: the heap grows by
+    every tenant's objects, and CPython ran a full collection each time it had grown by a quarter)."""
     if not chunks:
         return config
     tenants: dict[str, LimitSpec] = {}
-    with _collector_paused():
+    with collector_paused():
         for chunk in chunks:
             started = time.perf_counter()
             tenants.update(pickle.loads(chunk))
@@ -256,26 +255,6 @@ async def rest_after(started: float) -> None:
     idle half the time, its turns run in the rests, and the reload takes twice as long (about 1 s).
     """
     await asyncio.sleep(max(0.0, time.perf_counter() - started))
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic collector off for the block, as it was after.
-
-    Why: the heap grows by every new tenant's objects while the table is unpickled, and each time it has
-    grown by a quarter CPython runs a full collection over all of it. With 10^5 tenants that was three or
-    four pauses of 0.1 s each, landing between the chunks' turns of the loop, so a request admitted during
-    the reload waited behind several of them; paused, the one full collection comes after. Unpickling
-    creates no reference cycles; the rest of the process's cyclic garbage waits the second or so the table
-    takes.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _split_tenants(config: Config) -> tuple[Config, list[bytes]]:
