@@ -158,6 +158,11 @@ class EngineTally:
         elif stop > run.stop:
             run.stop = stop
 
+    def stop_of(self, key: Hashable) -> float | None:
+        """The stop of the request `key` as told (`end`, `ran_until`); None while it runs, or forgotten."""
+        run = self._runs.get(key)
+        return None if run is None else run.stop
+
     def observe(self, endpoint: str, counter: float, running: float, at: float) -> None:
         """One endpoint's generation counter and running requests, read at `at`: a new point of the pool,
         and the waiters it is past called."""

@@ -51,30 +51,26 @@ class EngineRun:
         self.key = key
         self.start = start
         self.sequences = sequences
-        self.stop: float | None = None
         if tally is not None:
             tally.begin(key, start, sequences)
 
     def end(self, at: float) -> None:
         """The engine is done with the request (it ended on the proxy, settled, or the feed found it done);
         the first call only counts."""
-        if self.stop is None:
-            self.stop = at
         if self.tally is not None:
             self.tally.end(self.key, at)
 
     def ran_until(self, at: float) -> None:
         """The engine ran the request until `at`, later than its end was told (`EngineTally.ran_until`)."""
-        if self.stop is None or at > self.stop:
-            self.stop = at
         if self.tally is not None:
             self.tally.ran_until(self.key, at)
 
     def stopped_at(self, ended: float) -> float:
         """When the engine stopped the request that `ended` on the proxy: the end it was told first (the
         feed found the engine done while a slow client still read: its count must not take what others
-        generated after that), moved later by `ran_until`; else `ended`."""
-        return self.stop if self.stop is not None else ended
+        generated after that), moved later by `ran_until`, as the tally keeps it; else `ended`."""
+        stop = None if self.tally is None else self.tally.stop_of(self.key)
+        return ended if stop is None else stop
 
     def countable(self) -> bool:
         """Whether the tally reaches back to the request's start: its count can then be had."""
