@@ -1,9 +1,9 @@
 # Image for the admission sidecar and the KV-cache exporter (same package, different command).
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY extproc ./extproc
-RUN pip install --no-cache-dir --prefix=/install .
+RUN pip install --no-cache-dir --prefix=/install -c requirements.lock .
 
 FROM python:3.11-slim
 COPY --from=build /install /usr/local

@@ -7,15 +7,20 @@ LINTED := extproc devstack tests $(wildcard bench)
 
 ENGINE_VENV ?= .venv-vllm
 
-.PHONY: install system-deps engine-env run test test-fast lint proto bench bench-full clean
+.PHONY: install lock system-deps engine-env run test test-fast lint proto bench bench-full clean
 
-$(STAMP): pyproject.toml
+## Installs exactly requirements.lock (every dependency pinned; `make lock` refreshes it deliberately).
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+## Re-resolve pyproject.toml's dependencies into requirements.lock (then run the tests and commit it).
+lock:
+	PYTHON=$(PYTHON) bash scripts/lock.sh
 
 ## System programs the tests run for real (redis-server, redis-cli, prometheus, promtool, openssl): installed
 ## with apt-get when missing, otherwise a clear error naming the packages. Tests never skip for want of them.

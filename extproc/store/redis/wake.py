@@ -84,6 +84,6 @@ class Wake:
             finally:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(BACKGROUND_TIMEOUT_S):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        await pubsub.aclose()
             await asyncio.sleep(delay)
             delay = min(WAKE_BACKOFF_S[1], delay * 2)
