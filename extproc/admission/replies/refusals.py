@@ -1,19 +1,27 @@
 """Every refusal the sidecar sends, built in one place: status, OpenAI error JSON, headers and reason.
 
 A client sees the same error envelope whatever refused it (validation, a limit, the KV budget, a queue, the
-store), with the headers its SDK reads to back off. Messages say which limit was hit (requests or tokens,
-gateway, model or tenant) but never name an internal limiter key or a tenant id: a client learns nothing
-about other tenants or how limits are keyed.
+store), with the headers its SDK reads to back off. A 429's `type` says which kind of limit refused it, as
+OpenAI's do: `requests` (a slot, a queue, a deadline), `tokens` (tokens per minute) or `kv_cache` (the KV
+budget). Messages say which limit was hit (requests or tokens, gateway, model or tenant) but never name an
+internal limiter key or a tenant id: a client learns nothing about other tenants or how limits are keyed.
 """
 
 from __future__ import annotations
 
 from extproc.admission.replies.headers import format_duration, ratelimit_headers, retry_headers
 from extproc.admission.replies.verdicts import Header, Refusal
-from extproc.admission.vocabulary.errors import AdmissionError, error_body
+from extproc.admission.vocabulary.errors import (
+    KV_CACHE_LIMIT,
+    RATE_LIMIT_EXCEEDED,
+    REQUESTS_LIMIT,
+    TOKENS_LIMIT,
+    AdmissionError,
+    error_body,
+)
 from extproc.admission.vocabulary.names import DETAILS_PREFIX
 from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Reason, Rejection
+from extproc.core.limiter import RateLimitStatus, Reason, Rejection
 from extproc.core.slot_eta import hint_within
 from extproc.core.split import INPUT_PREFIX, base_key
 
@@ -99,34 +107,34 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
     scope = scope_of(rejection.key)
     wait = format_duration(rejection.retry_after_s or 0)
     if rejection.reason is Reason.CONCURRENCY:
-        kind = "requests"
+        kind = REQUESTS_LIMIT
         message = (
             f"Rate limit reached for {model} on concurrent requests for {scope}: "
             f"Limit {status.limit_requests}. Please try again in {wait}."
         )
     elif rejection.reason is Reason.TOKENS:
-        kind = "tokens"
+        kind = TOKENS_LIMIT
         message = (
             f"Rate limit reached for {model} on tokens per min (TPM) for {scope}: "
             f"Limit {status.limit_tokens}, Remaining {status.remaining_tokens}, Requested {requested}. "
             f"Please try again in {wait}."
         )
     elif rejection.reason in (Reason.INPUT_TOKENS, Reason.OUTPUT_TOKENS):
-        kind = "tokens"
+        kind = TOKENS_LIMIT
         which = "input" if rejection.reason is Reason.INPUT_TOKENS else "output"
         message = (
             f"Rate limit reached for {model} on {which} tokens per min for {scope}. "
             f"Please try again in {wait}."
         )
     elif rejection.key != base_key(rejection.key):  # larger than a split limit
-        kind = "tokens"
+        kind = TOKENS_LIMIT
         which = "input" if rejection.key.startswith(INPUT_PREFIX) else "output"
         message = (
             f"Request too large for {model} on {which} tokens per min for {scope}. "
             "Reduce the prompt or max_tokens; retrying cannot succeed."
         )
     else:
-        kind = "tokens"
+        kind = TOKENS_LIMIT
         message = (
             f"Request too large for {model} on tokens per min (TPM) for {scope}: "
             f"Limit {status.limit_tokens}, Requested {requested}. "
@@ -134,7 +142,7 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
         )
     headers = (*retry_headers(rejection.retry_after_s), *ratelimit_headers(status))
     reason = rejection.reason.value
-    body = error_body(message, type=kind, code="rate_limit_exceeded")
+    body = error_body(message, type=kind, code=RATE_LIMIT_EXCEEDED)
     return Refusal(429, body, reason, _reason(reason, headers), f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 
@@ -151,15 +159,27 @@ def kv_retry_after(budget: KvBudget, now: float) -> float:
     return hint_within(eta, KV_RETRY_AFTER_S)
 
 
-def kv_budget(model: str, needed: int, headroom: int, retry_after_s: float = KV_RETRY_AFTER_S) -> Refusal:
-    """The pool's KV cache cannot take this request's footprint now; sequences finishing will free it."""
+def kv_budget(
+    model: str,
+    needed: int,
+    headroom: int,
+    retry_after_s: float = KV_RETRY_AFTER_S,
+    status: RateLimitStatus | None = None,
+) -> Refusal:
+    """The pool's KV cache cannot take this request's footprint now; sequences finishing will free it.
+
+    Typed `kv_cache`, not `tokens`: no tokens-per-minute limit refused it (`KV_CACHE_LIMIT`). `status` is the
+    limiter's view of the request's keys: its `x-ratelimit-*` headers go with the refusal as with a slot or
+    token refusal, since OpenAI sends them on every 429 and clients read them off whichever 429 they get;
+    None (no view at hand) sends the retry headers alone."""
     message = (
         f"The KV cache of {model} is at its admission target: this request needs up to {needed} tokens of "
         f"KV cache and {max(0, headroom)} are available. "
         f"Please try again in {format_duration(retry_after_s)}."
     )
-    body = error_body(message, type="tokens", code="rate_limit_exceeded")
-    headers = _reason("kv_budget", retry_headers(retry_after_s))
+    body = error_body(message, type=KV_CACHE_LIMIT, code=RATE_LIMIT_EXCEEDED)
+    limits = ratelimit_headers(status) if status is not None else ()
+    headers = _reason("kv_budget", (*retry_headers(retry_after_s), *limits))
     return Refusal(429, body, "kv_budget", headers, DETAILS_PREFIX + "rate_limited_kv_budget")
 
 
@@ -167,7 +187,7 @@ def queue_refused(reason: str, class_name: str, max_wait_s: float) -> Refusal:
     """A class that queues found its queue full, or waited until its deadline."""
     why = "the wait queue is full" if reason == "queue_full" else "waited until the deadline"
     message = f"No capacity for class {class_name} within {max_wait_s:g}s ({why}). Please try again later."
-    body = error_body(message, type="requests", code="rate_limit_exceeded")
+    body = error_body(message, type=REQUESTS_LIMIT, code=RATE_LIMIT_EXCEEDED)
     headers = _reason(reason, retry_headers(max(1.0, max_wait_s / 2)))
     return Refusal(429, body, reason, headers, f"{DETAILS_PREFIX}rate_limited_{reason}")
 
@@ -185,7 +205,7 @@ def deadline_unmet(class_name: str, deadline_ms: int, retry_after_s: float | Non
         f"No capacity for class {class_name} within this request's deadline of {deadline_ms} ms for its "
         f"first token: the deadline could not be met. Please try again in {format_duration(wait)}."
     )
-    body = error_body(message, type="requests", code="rate_limit_exceeded")
+    body = error_body(message, type=REQUESTS_LIMIT, code=RATE_LIMIT_EXCEEDED)
     headers = _reason(DEADLINE_UNMET, retry_headers(wait))
     return Refusal(429, body, DEADLINE_UNMET, headers, f"{DETAILS_PREFIX}rate_limited_{DEADLINE_UNMET}")
 
@@ -194,8 +214,8 @@ def tokenizer_busy() -> Refusal:
     """The client already has its share of large prompts being counted and waiting: come back shortly."""
     body = error_body(
         "Too many large prompts from this client are being processed. Please try again shortly.",
-        type="requests",
-        code="rate_limit_exceeded",
+        type=REQUESTS_LIMIT,
+        code=RATE_LIMIT_EXCEEDED,
     )
     headers = _reason("tokenizer_busy", retry_headers(1.0))
     return Refusal(429, body, "tokenizer_busy", headers, DETAILS_PREFIX + "rate_limited_tokenizer_busy")

@@ -11,6 +11,22 @@ import json
 
 INVALID_REQUEST = "invalid_request_error"
 
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+"""The `code` of every 429 for capacity, as OpenAI's: clients and dashboards key on it to back off."""
+
+REQUESTS_LIMIT = "requests"
+"""The `type` of a 429 for want of a request slot (concurrency, a queue, a deadline), OpenAI's name."""
+
+TOKENS_LIMIT = "tokens"
+"""The `type` of a 429 for want of tokens per minute (a TPM bucket, split or whole), OpenAI's name."""
+
+KV_CACHE_LIMIT = "kv_cache"
+"""The `type` of a 429 from the KV budget: the engines' KV cache cannot hold the request now. Not `tokens`,
+which OpenAI gives a TPM limit: a client or an operator reading `tokens` would look at the tokens-per-minute
+limit, which did not refuse, and shrinking the request's TPM share would not help either. The SDKs choose
+their exception by the status (429 stays `RateLimitError`) and retry on `retry-after`, never by `type`, so a
+type of its own changes nothing for them."""
+
 
 class AdmissionError(Exception):
     """A request refused before it reaches the upstream; carries the HTTP status and an OpenAI-style error."""
