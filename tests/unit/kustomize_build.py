@@ -11,7 +11,7 @@ import functools
 import json
 import shutil
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -94,3 +94,27 @@ def envoy_files(docs: tuple[dict[str, Any], ...]) -> dict[str, str]:
         for key, text in config_map["data"].items():
             files[f"{mount['mountPath']}/{key}"] = text
     return files
+
+
+def sidecar_deployments(
+    docs: tuple[dict[str, Any], ...],
+) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each Deployment of a build that runs the admission sidecar (`extproc serve --config PATH`), with the
+    config it reads there: PATH's file in the ConfigMap mounted at PATH's folder, as the kubelet mounts it;
+    None where the build does not ship that ConfigMap (a part, such as k8s/envoy-gateway/base, whose
+    overlays add it)."""
+    maps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    found: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            args = container.get("args", [])
+            if args[:1] != ["serve"] or "--config" not in args:
+                continue
+            path = PurePosixPath(args[args.index("--config") + 1])
+            mount = next(m for m in container["volumeMounts"] if PurePosixPath(m["mountPath"]) == path.parent)
+            config_map = maps.get(volumes[mount["name"]]["configMap"]["name"])
+            text = None if config_map is None else config_map["data"][path.name]
+            found.append((deployment, None if text is None else yaml.safe_load(text)))
+    return found

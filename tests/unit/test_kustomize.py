@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -23,7 +24,7 @@ from extproc.config import config_warnings, parse_config
 from extproc.envoyconf.lean import lua_source
 from extproc.store.settings import RedisSettings
 from tests.unit import kustomize_build
-from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots
+from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots, sidecar_deployments
 
 NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml", "upstream.yaml"}
 NAMESPACE = "extproc"
@@ -151,11 +152,11 @@ def test_envoy_gateway_lean_wires_metadata_reports_and_store_together() -> None:
     gateway = named(docs, "Gateway", "llm-gateway")
     assert gateway["spec"]["infrastructure"]["parametersRef"]["name"] == "extproc-lean"
     config = parse_config(yaml.safe_load((ENVOY_GATEWAY_LEAN / "config.yaml").read_text()))
-    redis = named(docs, "Service", "extproc-redis")
+    store = named(docs, "Service", "extproc-store")
     assert config.store.backend == "redis"
     assert isinstance(config.store.options, RedisSettings)
     assert (
-        config.store.options.url == f"redis://extproc-redis.extproc.svc:{redis['spec']['ports'][0]['port']}/0"
+        config.store.options.url == f"redis://extproc-store.extproc.svc:{store['spec']['ports'][0]['port']}/0"
     )
     assert named(docs, "Deployment", "extproc-admission")["spec"]["replicas"] == 2
     assert config.store.fallback_share == 0.5
@@ -230,3 +231,99 @@ def test_the_readmes_image_override_reaches_every_extproc_container(install: str
     shipped = images(built(REPO / install))
     assert shipped.count("extproc:0.1.0") >= 2  # the sidecar and the exporter
     assert images(docs) == [pushed if name == "extproc:0.1.0" else name for name in shipped]
+
+
+def installs() -> list[Path]:
+    """The builds an operator applies whole: those that ship their namespace, and the README's `kubectl apply
+    -k` paths. Their parts (k8s/gateway, k8s/store, k8s/exporter) are checked through them: k8s/gateway names
+    the store of namespace extproc, which the install that includes it ships."""
+    shipping = {d for d in roots("Kustomization") if any(doc["kind"] == "Namespace" for doc in built(d))}
+    return sorted(shipping | set(applied()))
+
+
+def selects(selector: dict[str, str], workload: dict[str, Any]) -> bool:
+    """Whether a label selector picks the pods of this Deployment."""
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return selector.items() <= labels.items()
+
+
+def service_named_by(docs: tuple[dict[str, Any], ...], url: str, namespace: str) -> dict[str, Any]:
+    """The Service of this build a store URL's host and port resolve to in cluster DNS (`name`,
+    `name.namespace`, `name.namespace.svc`, `name.namespace.svc.cluster.local`)."""
+    parts = urlsplit(url)
+    labels = (parts.hostname or "").split(".")
+    assert labels[2:] in ([], ["svc"], ["svc", "cluster", "local"]), f"{url}: not a cluster Service name"
+    name, where = labels[0], labels[1] if len(labels) > 1 else namespace
+    services = [
+        d
+        for d in docs
+        if d["kind"] == "Service"
+        and d["metadata"]["name"] == name
+        and d["metadata"].get("namespace") == where
+    ]
+    assert services, f"{url}: the build ships no Service {name} in namespace {where}"
+    ports = [p["port"] for p in services[0]["spec"]["ports"]]
+    assert (parts.port or 6379) in ports, f"{url}: Service {name} serves ports {ports}"
+    return services[0]
+
+
+def server_flags(container: dict[str, Any]) -> dict[str, str]:
+    """`--name value` pairs of a Redis/Valkey server's command line."""
+    words = [*container.get("command", []), *container.get("args", [])]
+    return {word: value for word, value in zip(words, [*words[1:], ""], strict=True) if word.startswith("--")}
+
+
+def check_store_pods(docs: tuple[dict[str, Any], ...], service: dict[str, Any]) -> None:
+    """The store behind the Service runs as shipped stores must: ready only when it answers, sized, never
+    evicting (the sidecar refuses to admit through a store that may evict: extproc/store/redis/guard.py),
+    bounded in memory, non-root, and with a disruption budget."""
+    selector = service["spec"]["selector"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and selects(selector, d)]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for container in pod["containers"]:
+        name = container["name"]
+        assert container.get("readinessProbe"), f"store container {name}: no readiness probe"
+        resources = container.get("resources", {})
+        assert {"cpu", "memory"} <= resources.get("requests", {}).keys(), f"store container {name}: requests"
+        assert "memory" in resources.get("limits", {}), f"store container {name}: no memory limit"
+        flags = server_flags(container)
+        assert flags.get("--maxmemory-policy") == "noeviction", f"store container {name}: {flags}"
+        assert flags.get("--maxmemory"), f"store container {name}: no maxmemory, {flags}"
+    budgets = [
+        d
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget" and selects(d["spec"]["selector"]["matchLabels"], deployment)
+    ]
+    assert budgets, f"store Deployment {deployment['metadata']['name']}: no PodDisruptionBudget"
+
+
+@pytest.mark.parametrize("directory", installs(), ids=where)
+def test_every_install_with_several_sidecar_replicas_ships_the_store_they_share(directory: Path) -> None:
+    """Without a shared store every replica enforces the ConfigMap's limits on its own: two replicas put
+    twice the limits in front of the engine, and nothing else says so. So an install that runs the sidecar in
+    more than one replica names `store.backend: redis` in the ConfigMap the Deployment mounts, on a Service
+    the same build ships, and falls back to at most 1 / replicas of each limit while the store is away. An
+    install that expected an external store would have to be listed here with why; none does."""
+    docs = built(directory)
+    for deployment, raw in sidecar_deployments(docs):
+        replicas = deployment["spec"].get("replicas", 1)
+        if replicas == 1:
+            continue
+        name = deployment["metadata"]["name"]
+        assert raw is not None, f"{name}: {replicas} replicas and the build ships no config for them"
+        config = parse_config(raw)
+        assert config.store.backend == "redis", (
+            f"{name}: {replicas} replicas without a shared store enforce {replicas} x every limit"
+        )
+        assert isinstance(config.store.options, RedisSettings)
+        assert config.store.fallback_share * replicas <= 1, f"{name}: fallback_share over 1 / {replicas}"
+        service = service_named_by(docs, config.store.options.url, deployment["metadata"]["namespace"])
+        check_store_pods(docs, service)
+
+
+def test_the_default_install_runs_several_sidecar_replicas() -> None:
+    """What makes the store test above bite on the default install (and Envoy Gateway's)."""
+    for directory in (K8S, K8S / "envoy-gateway"):
+        assert directory in installs()
+        assert [d["spec"]["replicas"] for d, _ in sidecar_deployments(built(directory))] == [2]
