@@ -30,6 +30,7 @@ REQUIRED_PANELS = {
     "KV usage per pool",
     "KV usage per node",
     "KV budget headroom",
+    "KV budget refusals vs KV usage",
     "Queue depth",
     "Queue wait",
     "Settlement outcomes",
@@ -119,3 +120,14 @@ def test_kustomize_ships_the_dashboard_to_the_grafana_sidecar() -> None:
     assert generator["files"] == [DASHBOARD.name]
     assert generator["options"]["labels"]["grafana_dashboard"] == "1"
     assert generator["options"]["disableNameSuffixHash"] is True
+
+
+def test_the_overbooking_panel_draws_the_alerts_usage_line(dashboard: dict[str, Any]) -> None:
+    """The dashed line of "KV budget refusals vs KV usage" is where ExtprocKvBudgetOverbooking fires: refusals
+    under it page someone, so the two must not drift apart."""
+    (rule,) = [r for g in rule_groups() for r in g["rules"] if r.get("alert") == "ExtprocKvBudgetOverbooking"]
+    (line,) = re.findall(r"max_over_time\(extproc_kv_usage_ratio\[10m\]\)\) < ([0-9.]+)", rule["expr"])
+    (panel,) = [p for p in panels(dashboard) if p["title"] == "KV budget refusals vs KV usage"]
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["custom"]["thresholdsStyle"] == {"mode": "dashed"}
+    assert [step["value"] for step in defaults["thresholds"]["steps"]] == [None, float(line)]
