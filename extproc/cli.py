@@ -1,7 +1,8 @@
-"""Command line: `extproc serve --config PATH` runs the sidecar; `extproc check-config PATH` validates;
-`extproc envoy-config` prints a profile's Envoy config; `extproc envoy-upstream URL` prints the file the
-Kubernetes gateway loads its engine from (k8s/README.md); `extproc plan` sizes a deployment and suggests its
-limits (docs/planning.md). The local stack (`make run`) is `python -m devstack`, outside this package."""
+"""Command line: `extproc serve --config PATH` runs the sidecar; `extproc check-config PATH` validates (for N
+sidecar replicas with `--replicas N`; `--strict` fails on warnings too); `extproc envoy-config` prints a
+profile's Envoy config; `extproc envoy-upstream URL` prints the file the Kubernetes gateway loads its engine
+from (k8s/README.md); `extproc plan` sizes a deployment and suggests its limits (docs/planning.md). The local
+stack (`make run`) is `python -m devstack`, outside this package."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 from extproc.config import Config, ConfigError, config_warnings, load_config
+from extproc.config.warnings import replica_problems, replica_warnings
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE, PROFILES, REPO
 from extproc.logs import setup_logging
 from extproc.plan.cli import add_plan_parser, run_plan
@@ -51,17 +53,39 @@ def print_envoy_upstream(url: str, sni: str | None, ca: str | None) -> int:
     return 0
 
 
-def check_config(path: Path) -> int:
-    """Validate a file the way the sidecar loads it: every problem, one per line (exit 1); warnings about
-    settings that work against each other do not fail it."""
+def replica_count(text: str) -> int:
+    """`--replicas`: how many sidecar replicas will run the file, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of replicas, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def check_config(path: Path, replicas: int = 1, strict: bool = False) -> int:
+    """Validate a file the way the sidecar loads it, for `replicas` sidecar replicas: every problem, one per
+    line (exit 1), a config N replicas would enforce N times over among them; warnings about settings that
+    work against each other follow, and fail it only under `strict` (a CI gate, where a warning such as
+    limits under a misspelt model name must not pass as `config ok`)."""
     try:
         config = load_config(path)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"invalid config: {problem}", file=sys.stderr)
         return 1
-    for warning in config_warnings(config):
+    problems = replica_problems(config, replicas)
+    warnings = config_warnings(config) + replica_warnings(config, replicas)
+    for problem in problems:
+        print(f"invalid config: {problem}", file=sys.stderr)
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if problems:
+        return 1
+    if strict and warnings:
+        print(f"check-config --strict: {len(warnings)} warning(s), counted as errors", file=sys.stderr)
+        return 1
     print("config ok")
     return 0
 
@@ -73,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", required=True, type=Path, help="YAML config file (the ConfigMap)")
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("config", type=Path)
+    check.add_argument(
+        "--replicas",
+        type=replica_count,
+        default=1,
+        help="sidecar replicas that will run it: above 1, refuse a config whose limits are not shared "
+        "through a store (each replica would enforce all of them) (default: 1)",
+    )
+    check.add_argument("--strict", action="store_true", help="exit 1 on any warning too")
     render = sub.add_parser("envoy-config", help="print the Envoy config of a profile (lean: rendered)")
     render.add_argument("--profile", choices=PROFILES, default="lean")
     render.add_argument(
@@ -100,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(args)
 
     if args.command == "check-config":
-        return check_config(args.config)
+        return check_config(args.config, args.replicas, args.strict)
     if args.command == "envoy-config":
         return print_envoy_config(args.profile, args.template, args.config)
     if args.command == "envoy-upstream":

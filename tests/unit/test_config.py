@@ -680,8 +680,19 @@ def test_watermarks_below_the_budget_target_are_warned(extra: dict[str, Any], na
             },
             [],
         ),
-        # no models declared: limits.models is where the names are declared (docs/configuration.md).
-        ({"limits": {"models": {"llama": {"max_concurrency": 4}}}}, []),
+        # models."*" alone: limits.models is where the names are declared (docs/configuration.md).
+        (
+            {
+                "models": {"*": {"context_window": 4096}},
+                "limits": {"models": {"llama": {"max_concurrency": 4}}},
+            },
+            [],
+        ),
+        # nothing declared at all, not even "*": nothing says the name is served.
+        (
+            {"limits": {"models": {"llama": {"max_concurrency": 4}}}},
+            ['limits.models.llama: models declares no model and no "*" of its own'],
+        ),
         ({"models": {"*": {"pool": "shared"}}, "limits": {"models": {"shared": {"max_concurrency": 4}}}}, []),
         (
             {
@@ -750,6 +761,84 @@ def test_check_config_prints_warnings_and_still_passes(
     out = capsys.readouterr()
     assert out.out == "config ok\n"
     assert out.err.startswith("warning: adaptive.low_watermark (0.7) and adaptive.high_watermark (0.85)")
+
+
+def test_check_config_strict_fails_on_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CI gate runs `--strict`: limits under a misspelt model name must not pass it as `config ok`."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"models": {"llama-3-8b": {}}, "limits": {"models": {"llama3-8b": {"max_concurrency": 8}}}}
+        )
+    )
+    assert main(["check-config", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["check-config", str(path), "--strict"]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("warning: limits.models.llama3-8b: models declares llama-3-8b"), out.err
+    assert out.err.endswith("check-config --strict: 1 warning(s), counted as errors\n"), out.err
+    path.write_text(yaml.safe_dump({"models": {"llama-3-8b": {}}}))
+    assert main(["check-config", str(path), "--strict"]) == 0
+    assert capsys.readouterr().out == "config ok\n"
+
+
+SHARED: dict[str, Any] = {"store": {"backend": "redis", "fallback_share": 0.5}}
+"""Limits shared by the replicas through Redis, each falling back to half of them while it is away."""
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 10])
+def test_check_config_refuses_replicas_without_a_shared_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], replicas: int
+) -> None:
+    """N replicas each enforcing the whole of every limit admit N times it: the file alone cannot say how
+    many replicas run it, so `--replicas` does."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"limits": {"global": {"max_concurrency": 48}}}))
+    assert main(["check-config", str(path)]) == 0  # one replica: its own store is the only one
+    capsys.readouterr()
+    assert main(["check-config", str(path), "--replicas", str(replicas)]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("invalid config: store.backend: 'local' keeps the limits in each replica"), (
+        out.err
+    )
+    assert f"every limit would be multiplied by {replicas}" in out.err
+    path.write_text(yaml.safe_dump({"limits": {"global": {"max_concurrency": 48}}, **SHARED}))
+    assert main(["check-config", str(path), "--replicas", "2", "--strict"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_check_config_warns_a_fallback_share_above_one_per_replica(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While the store is away each replica admits on fallback_share: 3 replicas on a half each are 1.5 x."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(SHARED))
+    assert main(["check-config", str(path), "--replicas", "3"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "config ok\n"
+    assert out.err == (
+        "warning: store.fallback_share: 0.5 with 3 replicas: while the store cannot be reached the replicas "
+        "admit 1.5 x every limit between them; set it to 1 / 3 (0.3333) or less\n"
+    )
+    assert main(["check-config", str(path), "--replicas", "3", "--strict"]) == 1
+    capsys.readouterr()
+    rejecting = {"store": {**SHARED["store"], "on_unavailable": "reject"}}  # fails closed: never over
+    path.write_text(yaml.safe_dump(rejecting))
+    assert main(["check-config", str(path), "--replicas", "3", "--strict"]) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_check_config_refuses_a_replica_count_that_is_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("{}\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["check-config", str(path), "--replicas", value])
+    assert exit_.value.code == 2
+    assert "--replicas: must be" in capsys.readouterr().err
 
 
 async def test_a_reload_logs_the_warnings_of_the_new_config(

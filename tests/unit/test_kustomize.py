@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from extproc.admission.vocabulary.names import NAMESPACE as NAMESPACE_METADATA
+from extproc.cli import main
 from extproc.config import config_warnings, parse_config
 from extproc.envoyconf.lean import lua_source
 from extproc.store.settings import RedisSettings
@@ -320,6 +321,21 @@ def test_every_install_with_several_sidecar_replicas_ships_the_store_they_share(
         assert config.store.fallback_share * replicas <= 1, f"{name}: fallback_share over 1 / {replicas}"
         service = service_named_by(docs, config.store.options.url, deployment["metadata"]["namespace"])
         check_store_pods(docs, service)
+
+
+@pytest.mark.parametrize("directory", installs(), ids=where)
+def test_every_shipped_config_passes_check_config_strict_for_its_replicas(
+    directory: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CI gate an operator runs on an edited ConfigMap passes on the shipped one, for the replicas the
+    install runs: no warning, and a store the replicas share."""
+    for deployment, raw in sidecar_deployments(built(directory)):
+        if raw is None:
+            continue
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        replicas = str(deployment["spec"].get("replicas", 1))
+        assert main(["check-config", str(path), "--replicas", replicas, "--strict"]) == 0, capsys.readouterr()
 
 
 def test_the_default_install_runs_several_sidecar_replicas() -> None:
