@@ -94,11 +94,32 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s = p.add_argument_group("limits and output")
     s.add_argument("--target-utilization", type=float, default=0.9, help="KV budget target")
     s.add_argument("--max-tokens", type=int, default=1024, help="completion allowance per request")
-    s.add_argument(
-        "--metrics-url", default="http://127.0.0.1:8000/metrics", help="vLLM /metrics for the feed"
-    )
     s.add_argument("--rehearse", action="store_true", help="replay the traffic through the planned limits")
     s.add_argument("--output", choices=["text", "yaml", "json"], default="text", help="report format")
+    _add_gateway_options(p)
+
+
+def _add_gateway_options(p: argparse.ArgumentParser) -> None:
+    """What the snippet says about the gateway running the limits: its feed and its replicas' store."""
+    g = p.add_argument_group("gateway (the snippet's feed and store)")
+    g.add_argument(
+        "--metrics-url",
+        default=None,
+        help="an engine's /metrics for the sidecar to scrape itself (feedback.direct_targets); "
+        "default: the shipped exporter Service (feedback.service)",
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="gateway (sidecar) replicas enforcing the limits together: above 1 the snippet shares them "
+        "through a store",
+    )
+    g.add_argument(
+        "--store-url",
+        default=None,
+        help="with --replicas above 1, the store the replicas share (default: the shipped k8s/store Service)",
+    )
 
 
 def _model(args: argparse.Namespace) -> tuple[ModelSpec, str]:
@@ -156,7 +177,7 @@ def _profile(args: argparse.Namespace, sample: TrafficSample | None) -> TrafficP
 
 
 def build_from_args(args: argparse.Namespace) -> tuple[Plan, TrafficSample | None]:
-    from extproc.plan.planner import PlanRequest, build_plan
+    from extproc.plan.planner import SHIPPED_STORE, PlanRequest, build_plan
 
     spec, source = _model(args)
     gpu = _gpu(args)
@@ -183,6 +204,8 @@ def build_from_args(args: argparse.Namespace) -> tuple[Plan, TrafficSample | Non
         target_utilization=args.target_utilization,
         max_tokens=args.max_tokens,
         metrics_url=args.metrics_url,
+        replicas=args.replicas,
+        store_url=args.store_url or SHIPPED_STORE,
     )
     return build_plan(request), sample
 

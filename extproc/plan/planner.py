@@ -8,15 +8,22 @@ Capacity comes from `extproc.geometry.capacity` (the simulator's own arithmetic)
   runs only queue inside it);
 - `tokens_per_minute`: what the engine can process per minute at that concurrency, from the step-timing
   model (`extproc.plan.timing`), rounded down to a thousand; the traffic's offered rate is shown beside it;
-- `kv_budget`: enabled at `target_utilization` (needs the KV feed, so the snippet adds a direct target);
+- `kv_budget`: enabled at `target_utilization` (needs the KV feed: the snippet names the shipped installs'
+  exporter Service, `feedback.service`, the one their ConfigMaps already name, so merging it changes no
+  feed; an engine's `/metrics` as a direct target only when `--metrics-url` asks for it);
 - `adaptive`: the watermarks above the budget's target (`watermarks_above`: 0.92 / 0.98 at a target of
   0.9), as the sidecar defaults them beside a budget, so the scale acts only on KV the budget cannot see
-  and `check-config` accepts the snippet without a warning.
+  and `check-config` accepts the snippet without a warning;
+- `store` (with `--replicas N` gateway replicas, N > 1): the limits are the fleet's, counted once in the
+  shared store the shipped installs run (k8s/store), each replica falling back to 1 / N of them while it
+  is away, so `check-config --replicas N` accepts the snippet.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from extproc.core.adaptive import AdaptiveConfig, watermarks_above
 from extproc.geometry.capacity import Capacity, footprint_tokens
@@ -27,6 +34,10 @@ from extproc.sim.scheduler import StepTiming
 
 DEFAULT_PROMPT_TOKENS = 1024
 DEFAULT_OUTPUT_TOKENS = 256
+SHIPPED_FEED = "extproc-kv-exporter.extproc.svc:50061"
+"""The exporter Service every shipped install's sidecar subscribes to (`feedback.service` of k8s/)."""
+SHIPPED_STORE = "redis://extproc-store.extproc.svc:6379/0"
+"""The store the shipped installs' replicas share (`store.redis.url` of k8s/, the Service of k8s/store)."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +85,16 @@ class PlanRequest:
     served_model_name: str
     target_utilization: float = 0.9
     max_tokens: int = 1024
-    metrics_url: str = "http://127.0.0.1:8000/metrics"
+    # An engine's /metrics for the sidecar to scrape itself; None: the shipped exporter Service feeds it.
+    metrics_url: str | None = None
+    replicas: int = 1  # gateway (sidecar) replicas enforcing these limits together
+    store_url: str = SHIPPED_STORE
 
     def validate(self) -> None:
         if not 0 < self.target_utilization <= 1:
             raise ValueError("--target-utilization: must be in (0, 1]")
+        if self.replicas < 1:
+            raise ValueError("--replicas: must be >= 1")
         if self.max_tokens < 1:
             raise ValueError("--max-tokens: must be >= 1")
         if not self.served_model_name:
@@ -121,22 +137,48 @@ class Plan:
         return AdaptiveConfig(low_watermark=s.low_watermark, high_watermark=s.high_watermark)
 
     def config_snippet(self) -> dict[str, object]:
-        """The sidecar's YAML (docs/configuration.md) for this pool; `extproc check-config` accepts it."""
+        """The sidecar's YAML (docs/configuration.md) for this pool; `extproc check-config --replicas N`
+        accepts it. Merged into a shipped ConfigMap it changes neither the feed (the same `feedback.service`
+        unless `--metrics-url` names an engine) nor, with N replicas, the store the ConfigMap names."""
         r, s, cap = self.request, self.suggestions, self.capacity
         name = r.served_model_name
-        return {
+        snippet: dict[str, object] = {
             "models": {name: {"context_window": cap.max_model_len, "default_max_tokens": r.max_tokens}},
             "limits": {
                 "models": {
                     name: {"max_concurrency": s.max_concurrency, "tokens_per_minute": s.tokens_per_minute}
                 }
             },
-            "feedback": {"direct_targets": [{"url": r.metrics_url, "kind": "vllm", "model": name}]},
+            "feedback": self._feed(),
             "kv_budget": {"enabled": True, "target_utilization": s.target_utilization},
             "adaptive": {
                 "pools": {name: {"low_watermark": s.low_watermark, "high_watermark": s.high_watermark}}
             },
         }
+        if r.replicas > 1:
+            snippet["store"] = {
+                "backend": "redis",
+                "redis": {"url": r.store_url},
+                "on_unavailable": "local",
+                "fallback_share": fallback_share(r.replicas),
+            }
+        return snippet
+
+    def _feed(self) -> dict[str, object]:
+        """The KV feed the budget needs: the engine's /metrics scraped by the sidecar where `--metrics-url`
+        names it, else the shipped exporter Service. Never a direct target nobody asked for: the default
+        one, the gateway pod's own 127.0.0.1, merged beside a ConfigMap's `feedback.service`, scraped
+        nothing and passed `check-config` silently."""
+        r = self.request
+        if r.metrics_url is None:
+            return {"service": SHIPPED_FEED}
+        return {"direct_targets": [{"url": r.metrics_url, "kind": "vllm", "model": r.served_model_name}]}
+
+
+def fallback_share(replicas: int) -> float:
+    """1 / replicas rounded down to 4 places: the replicas falling back together never admit more than the
+    limits (0.3333 x 3 < 1)."""
+    return int(10_000 / replicas) / 10_000
 
 
 def _floor_to(value: float, quantum: int) -> int:
@@ -365,8 +407,37 @@ def plan_notes(request: PlanRequest, s: Suggestions) -> list[str]:
         )
     if request.traffic.rate_rps is None:
         notes.append("no request rate: tokens_per_minute is the engine's estimated capacity only")
+    notes += _fleet_notes(request)
     notes.append(
         "overhead and step timing are models (docs/planning.md gives their error against vLLM logs); "
         "check num_gpu_blocks against vllm:cache_config_info after the first start"
     )
     return notes
+
+
+def _fleet_notes(request: PlanRequest) -> list[str]:
+    """What the snippet assumes about the gateway replicas and the feed."""
+    notes = []
+    if request.replicas > 1:
+        share = fallback_share(request.replicas)
+        notes.append(
+            f"the limits are fleet-wide: the {request.replicas} gateway replicas count every request once in "
+            f"the shared store (store.backend: redis, {request.store_url}); while it cannot be reached each "
+            f"replica admits on fallback_share {share:g} (1 / {request.replicas}) of every limit"
+        )
+    url = request.metrics_url
+    if url is not None and _loopback(urlsplit(url).hostname or ""):
+        notes.append(
+            f"--metrics-url {url} is the sidecar's own host: in a gateway pod that is the pod itself, not "
+            "the engine; give the engine's Service, or leave it out for the exporter (feedback.service)"
+        )
+    return notes
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -169,6 +169,7 @@ def render_text(plan: Plan, data: Mapping[str, Any]) -> str:
         f"  at max_model_len {cap.max_model_len:,}: {cap.max_model_len_concurrency:.2f}x concurrency",
         "",
         f"Suggested limits (traffic: {r.traffic.source})",
+        *_fleet_line(plan),
         f"  max_concurrency        {s.max_concurrency}",
         f"  tokens_per_minute      {s.tokens_per_minute:,}",
         f"  kv_budget              enabled, target_utilization {s.target_utilization:g}",
@@ -185,6 +186,14 @@ def render_text(plan: Plan, data: Mapping[str, Any]) -> str:
     lines += ["", "Sidecar config (ConfigMap config.yaml)", ""]
     lines += ["  " + line for line in render_yaml(plan.config_snippet()).splitlines()]
     return "\n".join(lines) + "\n"
+
+
+def _fleet_line(plan: Plan) -> list[str]:
+    """Whose limits these are, where several gateway replicas enforce them."""
+    replicas = plan.request.replicas
+    if replicas == 1:
+        return []
+    return [f"  fleet-wide: one set for all {replicas} gateway replicas, shared through the snippet's store"]
 
 
 _REHEARSAL_ROWS = (

@@ -13,8 +13,11 @@ from extproc.cli import main
 from extproc.config import parse_config
 from extproc.geometry.capacity import DeploymentSpec, plan_capacity
 from extproc.geometry.presets import GPU_PRESETS, model_preset
-from extproc.plan.planner import PlanRequest, TrafficProfile, build_plan
+from extproc.plan.planner import SHIPPED_FEED, SHIPPED_STORE, PlanRequest, TrafficProfile, build_plan
 from extproc.plan.timing import requests_per_second
+
+REPO = Path(__file__).resolve().parents[3]
+SHIPPED_CONFIG = REPO / "k8s" / "gateway" / "config.yaml"
 
 
 def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -91,6 +94,7 @@ def test_config_snippet_is_a_valid_sidecar_config(capsys: pytest.CaptureFixture[
     assert config.limits.models["qwen"].tokens_per_minute == data["tokens_per_minute"]
     assert config.feedback.kv_budget.enabled and config.feedback.kv_budget.target_utilization == 0.9
     assert config.feedback.adaptive_pools["qwen"].high_watermark == 0.98
+    assert snippet["feedback"] == {"service": SHIPPED_FEED} and "store" not in snippet
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(snippet))
     assert main(["check-config", str(path)]) == 0
@@ -176,3 +180,95 @@ def test_model_config_file_and_notes(capsys: pytest.CaptureFixture[str], tmp_pat
 def test_list_presets(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_plan(capsys, "--list-presets")
     assert code == 0 and "llama-3-70b" in out and "mlc-ai/mlc-llm" in out and "h100-80gb" in out
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into `base` key by key, as an operator merges the snippet into the ConfigMap."""
+    out = dict(base)
+    for key, value in over.items():
+        inner = out.get(key)
+        out[key] = merged(inner, value) if isinstance(inner, dict) and isinstance(value, dict) else value
+    return out
+
+
+def check(capsys: pytest.CaptureFixture[str], tmp_path: Path, config: dict[str, Any], *args: str) -> str:
+    """`check-config --strict` on a config: its stderr; fails on any problem or warning."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code = main(["check-config", str(path), "--strict", *args])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    return err
+
+
+def test_the_snippet_names_what_the_shipped_installs_run() -> None:
+    """Its feed and its store are the shipped ConfigMap's, so merging it there changes neither."""
+    shipped = yaml.safe_load(SHIPPED_CONFIG.read_text())
+    assert shipped["feedback"]["service"] == SHIPPED_FEED
+    assert shipped["store"]["redis"]["url"] == SHIPPED_STORE
+
+
+def test_the_snippet_adds_no_direct_target_unasked(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A direct target on the gateway pod's own 127.0.0.1, merged beside the shipped feedback.service, scraped
+    nothing and passed check-config: the feed is the shipped one unless --metrics-url names an engine."""
+    snippet = plan_json(capsys)["config"]
+    assert snippet["feedback"] == {"service": SHIPPED_FEED}
+    config = merged(yaml.safe_load(SHIPPED_CONFIG.read_text()), snippet)
+    assert config["feedback"] == {"service": SHIPPED_FEED}
+    check(capsys, tmp_path, config, "--replicas", "2")
+    engine = "http://vllm.llm-serving.svc:8000/metrics"
+    asked = plan_json(capsys, "--metrics-url", engine)
+    assert asked["config"]["feedback"] == {
+        "direct_targets": [{"url": engine, "kind": "vllm", "model": "llama-3-8b"}]
+    }
+    assert not any("--metrics-url" in note for note in asked["notes"])
+    local = plan_json(capsys, "--metrics-url", "http://127.0.0.1:8000/metrics")["notes"]
+    assert any(
+        note.startswith("--metrics-url http://127.0.0.1:8000/metrics is the sidecar's own host")
+        for note in local
+    )
+
+
+@pytest.mark.parametrize(("replicas", "share"), [(2, 0.5), (3, 0.3333), (8, 0.125)])
+def test_replicas_share_the_limits_through_the_store(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, replicas: int, share: float
+) -> None:
+    """With N gateway replicas the limits stay the engine's, counted once for the fleet in the shared store,
+    each replica falling back to 1 / N of them: check-config --replicas N passes the snippet, alone or merged
+    into the shipped ConfigMap."""
+    data = plan_json(capsys, "--replicas", str(replicas))
+    alone = plan_json(capsys)
+    assert data["max_concurrency"] == alone["max_concurrency"]  # fleet-wide, not divided
+    assert data["config"]["store"] == {
+        "backend": "redis",
+        "redis": {"url": SHIPPED_STORE},
+        "on_unavailable": "local",
+        "fallback_share": share,
+    }
+    assert share * replicas <= 1
+    check(capsys, tmp_path, data["config"], "--replicas", str(replicas))
+    shipped = merged(yaml.safe_load(SHIPPED_CONFIG.read_text()), data["config"])
+    check(capsys, tmp_path, shipped, "--replicas", str(replicas))
+    assert any(
+        note.startswith(f"the limits are fleet-wide: the {replicas} gateway replicas")
+        for note in data["notes"]
+    )
+    code, out, _ = run_plan(capsys, "--replicas", str(replicas))
+    assert code == 0 and f"fleet-wide: one set for all {replicas} gateway replicas" in out
+    other = plan_json(capsys, "--replicas", str(replicas), "--store-url", "rediss://cache.example:6380/2")
+    assert other["config"]["store"]["redis"] == {"url": "rediss://cache.example:6380/2"}
+
+
+def test_one_replicas_snippet_is_refused_for_several(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    snippet = plan_json(capsys)["config"]
+    assert "store" not in snippet
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(snippet))
+    assert main(["check-config", str(path), "--replicas", "2"]) == 1
+    assert "every limit would be multiplied by 2" in capsys.readouterr().err
+    code, out, err = run_plan(capsys, "--replicas", "0")
+    assert code == 2 and out == "" and "--replicas: must be >= 1" in err
