@@ -55,6 +55,7 @@ from extproc.core.completion_learner import CompletionLearner
 from extproc.core.decode_rate import usable_rate
 from extproc.core.engine_done import EngineDone
 from extproc.core.kv_fairness import ClaimId, FairShare
+from extproc.core.kv_fleet import Fleet, Peers, ReplicaShare
 from extproc.core.kv_forecast import DecodeRate, Steps, forecast_peaks
 from extproc.core.kv_schedule import RetrySchedule
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
@@ -133,8 +134,10 @@ class _Lease:
 class KvBudget:
     """Admitted KV demand of one pool against its capacity in tokens.
 
-    `capacity_share` is the fraction of the pool this sidecar may fill, e.g. 1/replicas when several
-    sidecar replicas admit into the same pool without sharing state.
+    `capacity_share` is the most of the pool this sidecar may fill. Replicas that share a store divide the
+    pool by demand through it (`fleet`, `kv_fleet`): each may book what the others have not, up to that
+    ceiling, and its fallback share while the store cannot say; without a shared store it is the fixed
+    fraction each replica fills, 1/replicas where several admit into one pool.
     """
 
     def __init__(
@@ -187,6 +190,8 @@ class KvBudget:
         self._booked = 0
         self._last_fit: tuple[float | None, int, int, int, str, int, PromptChunks] | None = None
         self._booked_with = 0
+        self.fleet = Fleet()
+        self._seen_at: float | None = None  # the latest `now` a caller passed: the others' figures' age
         self.set_capacity(capacity_tokens)
 
     # -- read-only views ---------------------------------------------------------------------------------
@@ -198,10 +203,11 @@ class KvBudget:
 
     @property
     def budget_tokens(self) -> int | None:
-        """Tokens this sidecar may have admitted: capacity x target_utilization x capacity_share."""
+        """Tokens this sidecar may have admitted: capacity x target_utilization, less what the other
+        replicas have booked where a shared store says, at most `capacity_share` of it (`Fleet.budget`)."""
         if self._capacity is None:
             return None
-        return int(self._capacity * self._target * self._share)
+        return self.fleet.budget(self._capacity * self._target, self._share, self._seen_at)
 
     @property
     def demand_tokens(self) -> int:
@@ -390,28 +396,88 @@ class KvBudget:
           over samples, whoever asked (`on_engine_done`) is told, at the end of this call.
         """
         self._fresh_until = now + max(0.0, fresh_for)
+        self._seen(now)
         self._unexplained = 0.0
-        self._mark_running(running)
+        self._mark_running(running, now)
         self._finished = self._engine_finished(now, waiting, running)
         if used_tokens is not None and math.isfinite(used_tokens):
-            used = used_tokens * self._share
-            explained = settled = 0.0
-            settled_before = now - self.settle_after()
-            rate, delay = self.decode_rate(), self.pace.first_token_delay
-            for lease_id, lease in self._leases.items():
-                if lease_id in self._finished:
-                    continue
-                explained += lease.trajectory(now, rate, delay)[0]
-                if lease.settled_by(settled_before):
-                    settled += lease.own_prompt + lease.streamed
-            if used > explained:
-                self._unexplained = used - explained
-            elif waiting == 0 and settled > used:
-                self._unexplained = used - settled
+            self._unexplained = self._correction(max(0.0, used_tokens), now, waiting)
         self._booked = self._book(now)[0]
         self._last_fit = None
         for told in self._engine_done.sample(self._finished, now, self.settle_after()):
             told()
+
+    def _correction(self, used: float, now: float, waiting: float | None) -> float:
+        """`observe_engine`'s correction of the forecasts from the KV in use (`used`, the pool's): upward by
+        what no lease explains, downward by what the settled leases are booked for beyond the KV in use.
+
+        With the other replicas' figures (`fleet`), their leases explain their part of `used`, and hold at
+        least their floor of it. Without them, upward this replica takes its share of `used` as its own,
+        as before; downward it compares its settled leases with the whole of `used`: the others may hold
+        nothing, and a part of `used` taken for theirs would take off KV this replica's leases hold."""
+        explained = settled = 0.0
+        settled_before = now - self.settle_after()
+        rate, delay = self.decode_rate(), self.pace.first_token_delay
+        for lease_id, lease in self._leases.items():
+            if lease_id in self._finished:
+                continue
+            explained += lease.trajectory(now, rate, delay)[0]
+            if lease.settled_by(settled_before):
+                settled += lease.own_prompt + lease.streamed
+        others = self.fleet.used_by_others(now)
+        if others is None:
+            mine, room = used * (self.budget_share()), used
+        else:
+            mine, room = used - others[0], used - others[1]
+        if mine > explained:
+            return mine - explained
+        if waiting == 0 and settled > room:
+            return room - settled
+        return 0.0
+
+    def budget_share(self) -> float:
+        """The fixed share of the pool this replica books against while the others are unknown."""
+        fleet = self.fleet
+        return min(self._share, fleet.fallback_share) if fleet.shared else self._share
+
+    def observe_peers(self, peers: Peers | None, now: float) -> None:
+        """The other replicas' figures of this pool, as the shared store answered at `now` (None: it did not
+        answer; the last answer is trusted `kv_fleet.PEERS_FRESH_S`)."""
+        self._seen(now)
+        self.fleet.observe(peers, now)
+        self._last_fit = None
+
+    def replica_share(self, now: float) -> ReplicaShare:
+        """This replica's figures of the pool for the others (`kv_fleet.ReplicaShare`)."""
+        held = floor = 0.0
+        settled = candidates = 0
+        settled_before = now - self.settle_after()
+        rate, delay = self.decode_rate(), self.pace.first_token_delay
+        for lease_id, lease in self._leases.items():
+            if lease_id in self._finished:
+                continue
+            held += lease.trajectory(now, rate, delay)[0]
+            if lease.settled_by(settled_before):
+                floor += lease.own_prompt + lease.streamed
+                settled += lease.sequences
+                if self._may_be_finished(lease, now):
+                    candidates += lease.sequences
+        if self.forecasting(now):
+            booked = math.ceil(forecast_peaks(self._trajectories(now))[0])
+        else:
+            booked = self._demand
+        return ReplicaShare(booked, math.ceil(held), math.floor(floor), settled, candidates)
+
+    def _may_be_finished(self, lease: _Lease, now: float) -> bool:
+        """Whether the engine may have finished `lease` unseen (`_engine_finished`'s candidates): a stream
+        stalled `settle_after` or more, or an answer nobody sees that a sample counted running."""
+        if lease.first_progress is None:
+            return lease.engine_ran
+        return now - (lease.last_progress_at or now) >= self.settle_after()
+
+    def _seen(self, now: float | None) -> None:
+        if now is not None and (self._seen_at is None or now > self._seen_at):
+            self._seen_at = now
 
     def on_engine_done(self, lease_id: str, callback: Callable[[], None]) -> None:
         """Call `callback` once, at a feed sample, when the engine is confirmed to have finished the lease
@@ -420,38 +486,40 @@ class KvBudget:
         if lease_id in self._leases:
             self._engine_done.watch(lease_id, callback)
 
-    def _mark_running(self, running: float | None) -> None:
+    def _mark_running(self, running: float | None, now: float) -> None:
         """Marks the leases the engine may have started: this sample counts at least their sequences
-        running (this sidecar's share). A lease nobody sees progress on (lean) is found finished only once
-        so marked (`_engine_finished`): before the engine counts it, a request can spend seconds in its
-        API server or on the way there, and an engine that runs nothing then would have it found finished
-        before it began (in CI's engine tier, vLLM counted a slow reader running seconds after the sidecar
-        had given its slot back). Another lease's sequences can stand in for its own: a guard against an
-        idle engine's count, not proof."""
+        running (those that may be this replica's, `Fleet.running_mine`). A lease nobody sees progress on
+        (lean) is found finished only once so marked (`_engine_finished`): before the engine counts it, a
+        request can spend seconds in its API server or on the way there, and an engine that runs nothing
+        then would have it found finished before it began (in CI's engine tier, vLLM counted a slow reader
+        running seconds after the sidecar had given its slot back). Another lease's sequences can stand in
+        for its own: a guard against an idle engine's count, not proof."""
         if running is None or not math.isfinite(running):
             return
-        count = max(0.0, running) * self._share
+        count = self.fleet.running_mine(max(0.0, running), now)
         for lease in self._leases.values():
             if not lease.engine_ran and count >= lease.sequences:
                 lease.engine_ran = True
 
     def _engine_finished(self, now: float, waiting: float | None, running: float | None) -> frozenset[str]:
         """The leases the engine has finished, by count: with nothing waiting, every lease admitted more
-        than `settle_after` ago runs there (its sequences are among `running`, this sidecar's share of
-        them) unless the engine has finished it. Where the settled leases' sequences outnumber the engine's
-        running ones, that many are done; taken first from streams whose progress stopped `settle_after`
-        ago or more (a slow reader's answer reaches the sidecar at its client's pace, behind the proxy's
-        full buffers), longest stalled first, then from those whose progress nobody sees and that a sample
-        has counted running (`_mark_running`), furthest into their expected answer first, never more
-        sequences than the excess. A wrong guess books too little only until the next sample: the KV in use
-        that the remaining leases do not explain is added back to every forecast."""
+        than `settle_after` ago runs there (its sequences are among `running`) unless the engine has
+        finished it. Where the settled leases' sequences outnumber the engine's running ones, that many are
+        done (`Fleet.finished_allowance`: of the whole pool's settled leases where the other replicas' are
+        known, divided between the replicas by their candidates; else of this replica's against every
+        running sequence, since any of them may be another replica's). They are taken first from streams
+        whose progress stopped `settle_after` ago or more (a slow reader's answer reaches the sidecar at its
+        client's pace, behind the proxy's full buffers), longest stalled first, then from those whose
+        progress nobody sees and that a sample has counted running (`_mark_running`), furthest into their
+        expected answer first, never more sequences than the excess. A wrong guess books too little only
+        until the next sample: the KV in use that the remaining leases do not explain is added back to every
+        forecast."""
         if waiting != 0 or running is None or not math.isfinite(running) or not self.forecasting(now):
             return frozenset()
         settled_before = now - self.settle_after()
         settled = {
             lease_id: lease for lease_id, lease in self._leases.items() if lease.settled_by(settled_before)
         }
-        excess = sum(lease.sequences for lease in settled.values()) - max(0.0, running) * self._share
         rate, delay = self.decode_rate(), self.pace.first_token_delay
 
         def progress(item: tuple[str, _Lease]) -> tuple[float, float]:
@@ -475,7 +543,14 @@ class KvBudget:
         stalled = sorted(
             (item for item in streams if stalled_for(item) >= after), key=stalled_for, reverse=True
         )
-        for lease_id, lease in [*stalled, *unseen]:
+        candidates = [*stalled, *unseen]
+        excess = self.fleet.finished_allowance(
+            sum(lease.sequences for lease in settled.values()),
+            sum(lease.sequences for _, lease in candidates),
+            max(0.0, running),
+            now,
+        )
+        for lease_id, lease in candidates:
             if lease.sequences > excess:
                 break
             excess -= lease.sequences
@@ -536,6 +611,7 @@ class KvBudget:
         order, 0 the most important), and a refusal may make it the claimant (not with `claim` False: a
         check on a bound, which the exact count decides again).
         """
+        self._seen(now)
         budget = self.budget_tokens
         if budget is None:
             return True, None
@@ -555,7 +631,7 @@ class KvBudget:
         )
         self._booked_with = booked_with
         self._over_share = False
-        if not self._leases:
+        if not self._leases and self.fleet.others_booked(now) <= 0:
             return True, headroom
         claimant = self._claim_id(candidate, rank)
         fair = self.fairness
@@ -620,6 +696,7 @@ class KvBudget:
         """
         if lease_id in self._leases:
             raise ValueError(f"kv_budget: lease {lease_id!r} already admitted")
+        self._seen(now)
         lease = self._new_lease(prompt_tokens, expected_completion, learner_key, now, sequences, committed)
         lease.chunks = chunks
         fit = (

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from extproc.core.kv_fleet import Peers, ReplicaShare
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 
 
@@ -63,6 +64,16 @@ class Mailbox(Protocol):
 
     async def close(self) -> None:
         """Stop receiving and sending, within a bounded time."""
+        ...
+
+
+class KvBoard(Protocol):
+    """Each pool's KV-budget figures of the replicas that share a store (`core.kv_fleet`): a replica's own
+    are kept a while (`kv_fleet.REPLICA_TTL_S`), so a replica that dies stops counting."""
+
+    async def exchange(self, pool: str, share: ReplicaShare) -> Peers:
+        """Store this replica's figures of `pool` and read the sum of the other live replicas' in one call;
+        raises `StoreUnavailable` when the store cannot answer in time."""
         ...
 
 
@@ -155,4 +166,9 @@ class LimiterStore(Protocol):
     def mailbox(self, own: str) -> Mailbox | None:
         """Messages to and from the other replicas sharing this store's state, this one named `own`; None
         where the state is this process's own (every message would be for the one replica there is)."""
+        ...
+
+    def kv_board(self) -> KvBoard | None:
+        """The pools' KV-budget figures shared between the replicas of this store; None where the state is
+        this process's own (a KV budget then books its configured share of each pool)."""
         ...

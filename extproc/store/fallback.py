@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
-from extproc.core.ports import LimiterStore, Mailbox, StoreHealth, StoreUnavailable
+from extproc.core.ports import KvBoard, LimiterStore, Mailbox, StoreHealth, StoreUnavailable
 from extproc.store.local import LocalStore
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,10 @@ class FallbackStore:
     def mailbox(self, own: str) -> Mailbox | None:
         """The shared store's: the replicas share it whether or not this one has fallen back for now."""
         return self.primary.mailbox(own)
+
+    def kv_board(self) -> KvBoard | None:
+        """The shared store's: while it cannot answer, each KV budget books on its fallback share."""
+        return self.primary.kv_board()
 
     def health(self) -> StoreHealth:
         shared = self.primary.health()

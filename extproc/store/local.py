@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from extproc.core.clock import Clock, monotonic
 from extproc.core.limiter import JointLimiter, KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
-from extproc.core.ports import Mailbox, StoreHealth
+from extproc.core.ports import KvBoard, Mailbox, StoreHealth
 
 
 class LocalStore:
@@ -79,4 +79,8 @@ class LocalStore:
 
     def mailbox(self, own: str) -> Mailbox | None:
         """None: the state is this process's own, so no other replica shares it."""
+        return None
+
+    def kv_board(self) -> KvBoard | None:
+        """None: no other replica shares this state (each KV budget books its configured share)."""
         return None

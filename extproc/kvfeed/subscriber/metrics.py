@@ -117,7 +117,32 @@ class FeedbackMetrics:
             ["pool"],
             registry=registry,
         )
+        self._fleet_series(registry)
         self._fairness_series(registry)
+
+    def _fleet_series(self, registry: CollectorRegistry) -> None:
+        self.budget_tokens = Gauge(
+            "extproc_kv_budget_tokens",
+            "KV tokens this replica may book of the pool now: the pool's target less what the other replicas "
+            "sharing the store have booked (at most capacity_share of it), or its fallback share while they "
+            "are unknown (NaN: capacity unknown).",
+            ["pool"],
+            registry=registry,
+        )
+        self.peers_booked = Gauge(
+            "extproc_kv_peers_booked_tokens",
+            "KV tokens the other gateway replicas of the pool have booked, as the shared store last said "
+            "(0 without a shared store or while it cannot be read).",
+            ["pool"],
+            registry=registry,
+        )
+        self.peers_known = Gauge(
+            "extproc_kv_peers_known",
+            "1 while the other replicas' KV figures of the pool are fresh from the shared store, 0 while "
+            "this replica books on its fixed share (no shared store, or the store unreachable).",
+            ["pool"],
+            registry=registry,
+        )
 
     def _fairness_series(self, registry: CollectorRegistry) -> None:
         self.fairness = Gauge(
@@ -187,6 +212,11 @@ class FeedbackMetrics:
         self.forecasting.labels(pool).set(1.0 if budget.forecasting(now) else 0.0)
         headroom = budget.headroom_tokens
         self.headroom.labels(pool).set(headroom if headroom is not None else float("nan"))
+        allowed = budget.budget_tokens
+        self.budget_tokens.labels(pool).set(allowed if allowed is not None else float("nan"))
+        peers = budget.fleet.peers(now)
+        self.peers_booked.labels(pool).set(peers.share.booked if peers is not None else 0)
+        self.peers_known.labels(pool).set(1.0 if peers is not None else 0.0)
 
 
 def register_feedback_metrics(registry: CollectorRegistry) -> FeedbackMetrics:

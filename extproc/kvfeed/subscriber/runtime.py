@@ -29,7 +29,9 @@ from extproc.core.adaptive import ControllerState
 from extproc.core.engine_tally import EngineTally
 from extproc.core.kv_budget import BookingMode, KvBudget
 from extproc.core.kv_fairness import FairShare
+from extproc.core.ports import KvBoard
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
+from extproc.kvfeed.subscriber.fleet import FleetExchange
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics, register_feedback_metrics
 from extproc.kvfeed.subscriber.settings import FeedbackConfig, KvBudgetConfig
@@ -73,6 +75,18 @@ class FeedbackRuntime:
         self.loop: FeedbackLoop | None = None
         self._budgets: dict[str, KvBudget] = {}
         self._scaled: set[str] = set()
+        self._fleet: FleetExchange | None = None
+        self._fallback_share = 1.0
+
+    def share_through(self, board: KvBoard | None, fallback_share: float) -> None:
+        """Replicas share the pools' KV budgets through `board` (a shared store's; None: this replica books
+        its configured share alone), each booking `fallback_share` of a pool while the board cannot say
+        what the others hold (`core.kv_fleet`). Called once, before the feed starts."""
+        self._fallback_share = fallback_share
+        self._fleet = None if board is None else FleetExchange(board, self._clock, self._peers_seen)
+        for budget in self._budgets.values():
+            if board is not None:
+                budget.fleet.share_through_store(fallback_share)
 
     @property
     def config(self) -> FeedbackConfig:
@@ -116,6 +130,8 @@ class FeedbackRuntime:
         if self.loop is not None:
             await self.loop.stop()
             self.loop = None
+        if self._fleet is not None:
+            await self._fleet.close()
         if reset:
             for key in self._scaled:
                 self._set_scale(key, 1.0)
@@ -147,6 +163,8 @@ class FeedbackRuntime:
         waiting = snapshot.requests_waiting if snapshot.waiting_known else None
         running = snapshot.requests_running if snapshot.running_known else None
         budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds, waiting, running)
+        if self._fleet is not None:
+            self._fleet.changed(pool, budget)
         self.metrics.observe_budget(pool, budget, now)
         self.metrics.observe_fairness(pool, budget, now)
 
@@ -173,6 +191,8 @@ class FeedbackRuntime:
             )
             if self.loop is not None:
                 budget.set_capacity(self.loop.capacity_tokens(pool))
+            if self._fleet is not None:
+                budget.fleet.share_through_store(self._fallback_share)
             self._budgets[pool] = budget
         return budget
 
@@ -223,10 +243,20 @@ class FeedbackRuntime:
         if self.loop is not None:
             self.loop.engine_refused(pool)
 
-    def budget_changed(self, pool: str) -> None:
+    def _peers_seen(self, pool: str) -> None:
+        """The others' figures reached `pool`'s budget: its gauges (its budget changed with them)."""
         budget = self._budgets.get(pool)
         if budget is not None:
             self.metrics.observe_budget(pool, budget, self._clock())
+
+    def budget_changed(self, pool: str) -> None:
+        """A pool's budget changed (a decision, a release, progress, the others' figures): its gauges, and
+        its figures to the other replicas (`FleetExchange`, at most every `kv_fleet.PUBLISH_EVERY_S`)."""
+        budget = self._budgets.get(pool)
+        if budget is not None:
+            self.metrics.observe_budget(pool, budget, self._clock())
+            if self._fleet is not None:
+                self._fleet.changed(pool, budget)
 
 
 def fair_share(settings: KvBudgetConfig) -> FairShare | None:

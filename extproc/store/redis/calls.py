@@ -33,6 +33,7 @@ from extproc.store.redis.scripts import (
     ACQUIRE,
     FORGET,
     GUARD,
+    KV_POOL,
     PEEK,
     REFUND,
     RELEASE,
@@ -101,6 +102,7 @@ class Scripts:
         self.scale = client.register_script(SCALE)
         self.waiting = client.register_script(WAITING)
         self.guard = client.register_script(GUARD)
+        self.kv_pool = client.register_script(KV_POOL)
 
     @property
     def all(self) -> tuple[AsyncScript, ...]:
@@ -115,6 +117,7 @@ class Scripts:
             self.scale,
             self.waiting,
             self.guard,
+            self.kv_pool,
         )
 
 

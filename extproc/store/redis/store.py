@@ -39,6 +39,7 @@ from extproc.store.redis.connection import (
 )
 from extproc.store.redis.guard import DEFAULT_GUARD_INTERVAL_S, StateGuard
 from extproc.store.redis.keyspace import Keyspace
+from extproc.store.redis.kvboard import RedisKvBoard
 from extproc.store.redis.leases import Leases
 from extproc.store.redis.mailbox import RedisMailbox
 from extproc.store.redis.refunds import refund, release_slot
@@ -239,6 +240,9 @@ class RedisStore:
 
     def mailbox(self, own: str) -> RedisMailbox:  # by pub/sub on this Redis and key prefix
         return RedisMailbox(self.client, self.key_prefix, own)
+
+    def kv_board(self) -> RedisKvBoard:  # the pools' KV figures of every replica on this Redis
+        return RedisKvBoard(self.calls)
 
     # -- background work -----------------------------------------------------------------------------------
 

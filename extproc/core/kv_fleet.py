@@ -1,0 +1,159 @@
+"""One pool's KV budget across the gateway replicas that admit into it: what each replica tells the others.
+
+Several replicas in front of one engine pool share its KV cache. A fixed fraction each (`capacity_share`,
+1/replicas) splits the cache whatever the traffic: a replica holding every client fills half the cache while
+the other half stands idle behind the other replica. And every inference a budget draws from the engine's
+pool-wide gauges (`KvBudget.observe_engine`: KV in use beyond what its leases explain, running sequences fewer
+than its settled leases) reads another replica's requests as its own: with 10 and 2 requests running on two
+replicas and the running count scaled by one half, the busy one counted 6 running, took 4 of its running
+leases for finished and gave their slots back while they ran.
+
+So each replica publishes its figures of each pool (`ReplicaShare`) through the shared store, and reads the
+sum of the others' (`Peers`, the store's `KvBoard`): a replica's budget is the pool's target less what the
+others have booked, so the cache is divided by demand; and the engine's counts are read against the leases of
+every replica. Where the others are unknown (a store that is not shared, or one that cannot be reached) a
+budget falls back to a fixed share, and reads the engine's counts as if every running sequence could be
+another replica's: it finds fewer of its own leases finished, never more (`Fleet`).
+
+The figures are published after each change of a budget (at most every `PUBLISH_EVERY_S`) and at each feed
+sample, so two replicas admitting in the same instant can both take the same room once: the race is bounded by
+the admissions of one publication interval, inside `target_utilization`'s margin. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PUBLISH_EVERY_S = 0.05
+"""The shortest interval between two publications of one pool's figures by one replica: a burst of decisions
+is published once per interval, not once per decision."""
+
+PEERS_FRESH_S = 3.0
+"""How long the others' figures, as last read from the store, are trusted: past that (the store unreachable)
+a budget books on its fallback share again. Three feed samples."""
+
+REPLICA_TTL_S = 5.0
+"""How long a replica's published figures count after their publication: a replica that died, or lost the
+store, stops holding KV in the others' budgets after this."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaShare:
+    """One replica's figures of a pool, in tokens and sequences, as `KvBudget.replica_share` computes them:
+
+    - `booked`: the forecast peak of its leases (or their lifetime footprints), without the engine correction
+      (the pool's own, which every replica computes alike);
+    - `held`: the KV its leases explain now (prompt less shared chunks, plus tokens generated);
+    - `floor`: the prompts and streamed tokens of its settled leases (those admitted long enough ago to be in
+      the engine's gauges), a floor of what they hold while they run;
+    - `settled`: those leases' sequences, which the engine runs unless it has finished them;
+    - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees).
+    """
+
+    booked: int = 0
+    held: int = 0
+    floor: int = 0
+    settled: int = 0
+    candidates: int = 0
+
+    def plus(self, other: ReplicaShare) -> ReplicaShare:
+        return ReplicaShare(
+            self.booked + other.booked,
+            self.held + other.held,
+            self.floor + other.floor,
+            self.settled + other.settled,
+            self.candidates + other.candidates,
+        )
+
+    def fields(self) -> tuple[int, int, int, int, int]:
+        return (self.booked, self.held, self.floor, self.settled, self.candidates)
+
+
+NOBODY = ReplicaShare()
+"""The others' figures when there are no others."""
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    """The sum of the other live replicas' figures of a pool, as the store last answered, and how many."""
+
+    share: ReplicaShare = NOBODY
+    replicas: int = 0
+
+
+class Fleet:
+    """How one pool's budget sees the other replicas: alone (no shared store: the configured fixed share),
+    or shared (the store's `Peers`, or, while they are unknown, the fallback share)."""
+
+    def __init__(self) -> None:
+        self.shared = False
+        self.fallback_share = 1.0
+        self._peers: Peers | None = None
+        self._read_at: float | None = None
+
+    def share_through_store(self, fallback_share: float) -> None:
+        """Replicas share this pool through a store; `fallback_share` of the pool is this replica's while the
+        store cannot say what the others hold (`store.fallback_share`, 1/replicas)."""
+        if not 0.0 < fallback_share <= 1.0:
+            raise ValueError(f"store.fallback_share: must be in (0, 1], got {fallback_share}")
+        self.shared = True
+        self.fallback_share = fallback_share
+
+    def observe(self, peers: Peers | None, now: float) -> None:
+        """The store's answer at `now` (None: it did not answer)."""
+        if peers is not None:
+            self._peers, self._read_at = peers, now
+
+    def peers(self, now: float | None) -> Peers | None:
+        """The others' figures; None while unknown: not shared, never read, or last read too long ago."""
+        if not self.shared or self._read_at is None:
+            return None
+        if now is not None and now - self._read_at > PEERS_FRESH_S:
+            return None
+        return self._peers
+
+    def budget(self, target_tokens: float, ceiling: float, now: float | None) -> int:
+        """Tokens this replica may book of the pool's `target_tokens` (capacity x target_utilization):
+
+        - shared, the others known: what they have not booked, at most `ceiling` (`capacity_share`) of it;
+        - shared, the others unknown: the fallback share (and never above the ceiling);
+        - alone: the ceiling, the configured fixed share, as before there was a fleet.
+        """
+        peers = self.peers(now)
+        if peers is not None:
+            return math.floor(min(target_tokens * ceiling, target_tokens - peers.share.booked))
+        share = min(ceiling, self.fallback_share) if self.shared else ceiling
+        return math.floor(target_tokens * share)
+
+    def others_booked(self, now: float | None) -> int:
+        peers = self.peers(now)
+        return 0 if peers is None else peers.share.booked
+
+    def running_mine(self, running: float, now: float | None) -> float:
+        """Of the engine's running sequences, those that may be this replica's: all but the others' settled
+        leases where they are known, else all (another replica's can be any of them)."""
+        peers = self.peers(now)
+        others = 0 if peers is None else peers.share.settled
+        return max(0.0, running - others)
+
+    def finished_allowance(self, settled: int, candidates: int, running: float, now: float | None) -> int:
+        """How many of this replica's candidate sequences the engine may be taken to have finished: the pool's
+        settled sequences beyond its running ones, divided between the replicas by their candidates (so the
+        replicas together never find more finished than the engine's count says), or, with the others
+        unknown, this replica's settled sequences beyond every running one."""
+        peers = self.peers(now)
+        if peers is None:
+            return max(0, math.floor(settled - running))
+        excess = settled + peers.share.settled - running
+        everyone = candidates + peers.share.candidates
+        if excess <= 0 or everyone <= 0:
+            return 0
+        return math.floor(excess * candidates / everyone)
+
+    def used_by_others(self, now: float | None) -> tuple[float, float] | None:
+        """The KV the others' leases explain now and the floor of their settled leases; None when unknown."""
+        peers = self.peers(now)
+        if peers is None:
+            return None
+        return float(peers.share.held), float(peers.share.floor)

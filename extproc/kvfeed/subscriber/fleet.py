@@ -1,0 +1,94 @@
+"""Each pool's KV-budget figures exchanged with the other replicas through the shared store (`core.kv_fleet`).
+
+A budget's figures go out after it changes (an admission, a release, a stream's progress, a feed sample),
+at most once per `PUBLISH_EVERY_S` and one call in flight per pool: a burst of decisions is one call, and a
+change made while a call is in flight is sent once it returns. The answer, the other replicas' figures, goes
+to the budget at once; no answer (the store unreachable) leaves the last one, which the budget trusts for
+`PEERS_FRESH_S` before it books on its fallback share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from extproc.core.kv_budget import KvBudget
+from extproc.core.kv_fleet import PUBLISH_EVERY_S, Peers
+from extproc.core.ports import KvBoard, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class FleetExchange:
+    """Publishes each pool's figures to a `KvBoard` and hands the others' back to the pool's budget."""
+
+    def __init__(
+        self,
+        board: KvBoard,
+        clock: Callable[[], float] = time.monotonic,
+        on_peers: Callable[[str], None] = lambda _pool: None,
+    ) -> None:
+        self._board = board
+        self._clock = clock
+        self._on_peers = on_peers  # told after a pool's budget took the others' figures (metrics, waiters)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._later: dict[str, asyncio.TimerHandle] = {}
+        self._dirty: set[str] = set()
+        self._sent_at: dict[str, float] = {}
+        self.exchanges = 0
+        self.failures = 0
+
+    def changed(self, pool: str, budget: KvBudget) -> None:
+        """`budget` of `pool` changed: its figures go out now, or as soon as the interval allows."""
+        if pool in self._tasks or pool in self._later:
+            self._dirty.add(pool)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a synchronous caller): nothing to publish with
+        wait = self._sent_at.get(pool, float("-inf")) + PUBLISH_EVERY_S - self._clock()
+        if wait > 0:
+            self._later[pool] = loop.call_later(wait, self._start, pool, budget)
+        else:
+            self._start(pool, budget)
+
+    def _start(self, pool: str, budget: KvBudget) -> None:
+        self._later.pop(pool, None)
+        self._dirty.discard(pool)
+        self._sent_at[pool] = self._clock()
+        self._tasks[pool] = asyncio.get_running_loop().create_task(self._exchange(pool, budget))
+
+    async def _exchange(self, pool: str, budget: KvBudget) -> None:
+        peers: Peers | None = None
+        try:
+            peers = await self._board.exchange(pool, budget.replica_share(self._clock()))
+            self.exchanges += 1
+        except StoreUnavailable:
+            self.failures += 1
+        except Exception:  # a bug here must not stop publishing: the budget falls back to its share
+            self.failures += 1
+            log.exception("kv fleet: exchange failed", extra={"pool": pool})
+        finally:
+            self._tasks.pop(pool, None)
+        budget.observe_peers(peers, self._clock())
+        self._on_peers(pool)
+        if pool in self._dirty:
+            self.changed(pool, budget)
+
+    async def close(self) -> None:
+        """Stop publishing: pending publications dropped, calls in flight cancelled (the figures expire in
+        the store `REPLICA_TTL_S` after the last one)."""
+        for handle in self._later.values():
+            handle.cancel()
+        self._later.clear()
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()

@@ -1,0 +1,32 @@
+"""The KV-budget figures of each pool, shared between the replicas of one Redis (`core.kv_fleet`).
+
+Each replica stores its own figures of a pool and reads the sum of the others' in one KV_POOL call
+(`scripts`): the figures live in one hash per pool, a field per replica with its expiry in server time, so a
+replica that dies stops holding KV in the others' budgets `REPLICA_TTL_S` after its last publication and no
+replica's clock decides it. Background work: the call runs in the background lane, never on a request's path.
+"""
+
+from __future__ import annotations
+
+import math
+
+from extproc.core.kv_fleet import REPLICA_TTL_S, Peers, ReplicaShare
+from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
+
+
+class RedisKvBoard:
+    """`KvBoard` on the store's Redis and key prefix."""
+
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+
+    async def exchange(self, pool: str, share: ReplicaShare) -> Peers:
+        """One KV_POOL call; raises the store's `StoreUnavailable` (`RedisUnavailable`) when Redis does not
+        answer within the background bound."""
+        ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
+        args = [pool, str(self.calls.replica), ttl_ms, *(str(max(0, int(v))) for v in share.fields())]
+        raw = await self.calls.run(
+            self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
+        )
+        values = [int(v) for v in raw]
+        return Peers(ReplicaShare(*values[1:6]), values[0])

@@ -1,0 +1,115 @@
+"""The pools' KV-budget figures shared through a real Redis (`RedisKvBoard`, KV_POOL): each replica reads the
+sum of the others', a dead replica's figures expire in server time, a Redis that does not answer is the
+port's `StoreUnavailable`, and two replicas' budgets divide one pool by demand through it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.core.completion_learner import CompletionLearner
+from extproc.core.kv_budget import BookingMode, KvBudget
+from extproc.core.kv_fleet import Peers, ReplicaShare
+from extproc.core.ports import StoreUnavailable
+from extproc.kvfeed.subscriber.fleet import FleetExchange
+from extproc.store.redis import RedisStore
+from extproc.store.redis import kvboard as kvboard_module
+from tests.component.store.redis_cluster import RedisClusterNodes
+
+A = ReplicaShare(booked=8_000, held=6_000, floor=5_000, settled=8, candidates=2)
+B = ReplicaShare(booked=1_000, held=900, floor=800, settled=1, candidates=0)
+
+
+async def test_each_replica_reads_the_sum_of_the_others(redis_url: str) -> None:
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(3)]
+    try:
+        a, b, c = (store.kv_board() for store in stores)
+        assert await a.exchange("llama", A) == Peers(ReplicaShare(), 0)
+        assert await b.exchange("llama", B) == Peers(A, 1)
+        assert await c.exchange("llama", ReplicaShare()) == Peers(A.plus(B), 2)
+        assert await a.exchange("llama", A) == Peers(B, 2)  # its own figures replaced, not added
+        assert await a.exchange("mistral", A) == Peers(ReplicaShare(), 0)  # pools apart
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_a_replica_that_stops_publishing_stops_counting(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvboard_module, "REPLICA_TTL_S", 0.3)
+    a, b = RedisStore.from_url(redis_url, timeout_s=1.0), RedisStore.from_url(redis_url, timeout_s=1.0)
+    try:
+        await a.kv_board().exchange("llama", A)
+        assert (await b.kv_board().exchange("llama", B)).replicas == 1
+        await asyncio.sleep(0.5)  # server time: the figures' expiry is Redis's clock, not this one's
+        assert await b.kv_board().exchange("llama", B) == Peers(ReplicaShare(), 0)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_redis_that_does_not_answer_is_store_unavailable() -> None:
+    store = RedisStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.2)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.kv_board().exchange("llama", A)
+    finally:
+        await store.close()
+
+
+async def test_on_a_cluster_the_figures_live_in_the_stores_one_slot(
+    redis_cluster: RedisClusterNodes, cluster_url: str
+) -> None:
+    a = RedisStore.from_url(cluster_url, mode="cluster", timeout_s=1.0)
+    b = RedisStore.from_url(cluster_url, mode="cluster", timeout_s=1.0)
+    try:
+        await a.kv_board().exchange("llama", A)
+        assert await b.kv_board().exchange("llama", B) == Peers(A, 1)
+    finally:
+        await a.close()
+        await b.close()
+
+
+def budget() -> KvBudget:
+    learner = CompletionLearner(min_samples=10**6)
+    b = KvBudget(10_000, target_utilization=1.0, booking=BookingMode.FORECAST, learner=learner)
+    b.pace.observe_stream(100, 1.0)
+    b.fleet.share_through_store(fallback_share=0.5)
+    b.observe_engine(0, now=0.0, fresh_for=1e9, waiting=0, running=0)
+    return b
+
+
+async def exchanged(fleet: FleetExchange, budget: KvBudget) -> None:
+    fleet.changed("llama", budget)
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if fleet.exchanges + fleet.failures and not fleet._tasks:
+            return
+    raise AssertionError("no exchange")
+
+
+async def test_two_replicas_divide_a_pool_by_demand_through_redis(redis_url: str) -> None:
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
+    clock = [0.0]
+    busy_budget, idle_budget = budget(), budget()
+    busy = FleetExchange(stores[0].kv_board(), clock=lambda: clock[0])
+    idle = FleetExchange(stores[1].kv_board(), clock=lambda: clock[0])
+    try:
+        await exchanged(idle, idle_budget)
+        await exchanged(busy, busy_budget)
+        assert busy_budget.budget_tokens == 10_000  # the idle replica books nothing: all of it
+        for i in range(8):
+            assert busy_budget.would_fit(500, 500, now=0.0)[0]
+            busy_budget.admit(f"a{i}", 500, 500, now=0.0)
+        clock[0] = 1.0
+        await exchanged(busy, busy_budget)
+        await exchanged(idle, idle_budget)
+        assert idle_budget.budget_tokens == 2_000
+        assert not idle_budget.would_fit(1_500, 1_000, now=1.0)[0]
+    finally:
+        await busy.close()
+        await idle.close()
+        for store in stores:
+            await store.close()
