@@ -20,6 +20,12 @@ Envoy facts relied on (envoyproxy/data-plane-api @ 84e84367, the Envoy 1.40 API)
   static route table") for setting it false. The cluster name is held to `llm_upstream` by the tests.
 * `envoy --mode validate` checks that the CDS file exists but not what it holds; the tests validate the
   cluster in a static bootstrap and start a real Envoy on the built files (tests/e2e/test_shipped_configs.py).
+* The engine's HTTP server closes a keep-alive connection idle for 5 s (vLLM 0.32.0: uvicorn's
+  timeout_keep_alive, VLLM_HTTP_TIMEOUT_KEEP_ALIVE in vllm/envs.py), and a request sent on a connection it
+  just closed fails (503 UC): Envoy closes idle connections first, after `IDLE_TIMEOUT`
+  (extensions.upstreams.http.v3.HttpProtocolOptions: common_http_protocol_options.idle_timeout;
+  envoy/envoy.yaml explains the choice). That message needs the protocol stated: `explicit_http_config`
+  HTTP/1.1, as before.
 * TLS: the `envoy.transport_sockets.tls` socket with an UpstreamTlsContext (tls.proto: `sni`, field 2;
   `common_tls_context`, field 1), whose CertificateValidationContext (common.proto) trusts `trusted_ca`
   (field 1) and checks the server's DNS name (`match_typed_subject_alt_names`, field 15; SanType DNS).
@@ -46,6 +52,10 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 TLS_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 CONNECT_TIMEOUT = "2s"
 """Time to open a connection to one engine endpoint, the in-cluster value shipped before (a Service hop)."""
+IDLE_TIMEOUT = "4s"
+"""How long an engine connection may sit idle before Envoy closes it: under the engine's own keep-alive (5 s).
+The same as envoy/envoy.yaml's llm_upstream (tests/unit/envoyconf/test_engine_connections.py)."""
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 MAX_PER_GATEWAY = 100_000
 """The cluster's circuit breakers, far above any real load: the sidecar, not Envoy's defaults (1,024), is
 what bounds the requests an engine gets."""
@@ -103,6 +113,13 @@ def upstream_cluster(engine: EngineAddress) -> dict[str, Any]:
         "type": discovery_type(engine.host),
         "connect_timeout": CONNECT_TIMEOUT,
         "dns_lookup_family": "V4_ONLY",
+        "typed_extension_protocol_options": {
+            HTTP_OPTIONS: {
+                "@type": f"type.googleapis.com/{HTTP_OPTIONS}",
+                "common_http_protocol_options": {"idle_timeout": IDLE_TIMEOUT},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "circuit_breakers": {
             "thresholds": [
                 {
