@@ -373,6 +373,20 @@ BROKEN: list[Any] = [
         "oneOf",
         id="btp-cel-response-and-redirect",
     ),
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: d["spec"]["retry"]["retryOn"].update(triggers=["reset_before_request"]),
+        ("spec", "retry", "retryOn", "triggers", 0),
+        "enum",
+        id="btp-misspelt-retry-trigger",
+    ),
+    pytest.param(
+        "BackendTrafficPolicy",
+        lambda d: d["spec"]["timeout"]["http"].update(connectionIdleTimeout="4 s"),
+        ("spec", "timeout", "http", "connectionIdleTimeout"),
+        "pattern",
+        id="btp-bad-idle-timeout",
+    ),
     # EnvoyExtensionPolicy, lean: the Lua reader and the metadata namespaces
     pytest.param(
         "EnvoyExtensionPolicy",
