@@ -55,6 +55,7 @@ from extproc.config.fields import (
 from extproc.kvfeed.subscriber.settings import FeedbackConfig
 
 Ratio = Annotated[float, PlainValidator(number(0.01, 1.0))]
+Share = Annotated[float, PlainValidator(number(0.0, 1.0))]
 Positive = Annotated[float, PlainValidator(number(0.001))]
 _FEEDBACK = FeedbackConfig()
 """The feed's runtime settings own their defaults; the `feedback` and `kv_budget` sections take them."""
@@ -350,6 +351,7 @@ class KvBudget(Section):
     )
     prefix_sharing: Flag = _FEEDBACK.kv_budget.prefix_sharing
     min_completion_ratio: Ratio = _FEEDBACK.kv_budget.min_completion_ratio
+    unconfirmed_share: Share = _FEEDBACK.kv_budget.unconfirmed_share
     fair_shares: Flag = _FEEDBACK.kv_budget.fair_shares
     claim_seconds: Positive = _FEEDBACK.kv_budget.claim_seconds
     service_half_life_seconds: Positive = _FEEDBACK.kv_budget.service_half_life_seconds

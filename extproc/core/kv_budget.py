@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from extproc.core.completion_learner import CompletionLearner
 from extproc.core.decode_rate import usable_rate
 from extproc.core.engine_done import EngineDone
+from extproc.core.kv_credit import UnconfirmedCredit
 from extproc.core.kv_fairness import ClaimId, FairShare
 from extproc.core.kv_fleet import Fleet, Peers, ReplicaShare
 from extproc.core.kv_forecast import DecodeRate, Steps, forecast_peaks
@@ -153,6 +154,7 @@ class KvBudget:
         pace: DecodeRate | None = None,
         prefix_sharing: bool = True,
         fairness: FairShare | None = None,
+        unconfirmed_share: float = 0.1,
     ) -> None:
         if not 0.0 < target_utilization <= 1.0:
             raise ValueError(f"kv_budget.target_utilization: must be in (0, 1], got {target_utilization}")
@@ -165,7 +167,13 @@ class KvBudget:
                 "kv_budget.initial_completion_ratio: must be in [min_completion_ratio, 1], "
                 f"got {initial_completion_ratio}"
             )
+        if not 0.0 <= unconfirmed_share <= 1.0:
+            raise ValueError(f"kv_budget.unconfirmed_share: must be in [0, 1], got {unconfirmed_share}")
         self._target = target_utilization
+        # The most of the capacity one tenant's requests may be booked below their allowances (`kv_credit`):
+        # by default the margin the default target (0.9) keeps.
+        self._unconfirmed = unconfirmed_share
+        self.credit = UnconfirmedCredit()
         self._share = capacity_share
         self.booking = BookingMode(booking)
         self.prefix_sharing = prefix_sharing
@@ -331,8 +339,16 @@ class KvBudget:
         """Update capacity from the feed; 0 or negative means unknown (servers report 0 when unset)."""
         if capacity_tokens is None or capacity_tokens <= 0:
             self._capacity = None
+            self.credit.limit = None
         else:
             self._capacity = int(capacity_tokens)
+            self._set_credit_limit()
+
+    def _set_credit_limit(self) -> None:
+        """A tenant's unconfirmed credit: `unconfirmed_share` of this replica's fixed share of the cache
+        (of every replica's, through a shared store, it adds up to the pool's margin)."""
+        if self._capacity is not None:
+            self.credit.limit = int(self._capacity * self._unconfirmed * self.budget_share())
 
     def set_replicas(self, replicas: int) -> None:
         """How many replicas serve the pool (from the feed): a shared chunk is booked once per replica at
@@ -439,6 +455,11 @@ class KvBudget:
         """The fixed share of the pool this replica books against while the others are unknown."""
         fleet = self.fleet
         return min(self._share, fleet.fallback_share) if fleet.shared else self._share
+
+    def share_through_store(self, fallback_share: float) -> None:
+        """Replicas share this pool through a store (`Fleet.share_through_store`)."""
+        self.fleet.share_through_store(fallback_share)
+        self._set_credit_limit()
 
     def observe_peers(self, peers: Peers | None, now: float) -> None:
         """The other replicas' figures of this pool, as the shared store answered at `now` (None: it did not
@@ -712,6 +733,7 @@ class KvBudget:
         self._last_fit = None
         self._leases[lease_id] = lease
         self._demand += lease.footprint
+        self.credit.take(lease.learner_key, lease.allowance - lease.expected_completion)
         self._credit(self._prefixes.add(lease_id, chunks.hashes), 1)
         self._booked = booked if booked is not None else self._book(now)[0]
         claimant = self._claim_id(lease, rank)
@@ -791,6 +813,7 @@ class KvBudget:
         self._engine_done.forget(lease_id)
         self._last_fit = None
         self._demand -= lease.footprint
+        self.credit.give_back(lease.learner_key, lease.allowance - lease.expected_completion)
         self._credit(self._prefixes.remove(lease_id, lease.chunks.hashes), -1)
         if self._unexplained < 0:
             # What the engine took off may have been this lease's over-booking, now gone with it: taken off
@@ -818,10 +841,11 @@ class KvBudget:
         committed: int = 0,
     ) -> _Lease:
         allowance = max(0, int(allowance))
+        learned = self.expected_completion(allowance, learner_key, committed)
         return _Lease(
             prompt=max(0, int(prompt)),
             allowance=allowance,
-            expected_completion=self.expected_completion(allowance, learner_key, committed),
+            expected_completion=self.credit.expected(learner_key, allowance, learned),
             learner_key=learner_key,
             sequences=max(1, int(sequences)),
             admitted_at=now,

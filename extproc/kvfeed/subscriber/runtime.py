@@ -86,7 +86,7 @@ class FeedbackRuntime:
         self._fleet = None if board is None else FleetExchange(board, self._clock, self._peers_seen)
         for budget in self._budgets.values():
             if board is not None:
-                budget.fleet.share_through_store(fallback_share)
+                budget.share_through_store(fallback_share)
 
     @property
     def config(self) -> FeedbackConfig:
@@ -187,12 +187,13 @@ class FeedbackRuntime:
                 booking=BookingMode(settings.booking),
                 prefix_sharing=settings.prefix_sharing,
                 min_completion_ratio=settings.min_completion_ratio,
+                unconfirmed_share=settings.unconfirmed_share,
                 fairness=fair_share(settings),
             )
             if self.loop is not None:
                 budget.set_capacity(self.loop.capacity_tokens(pool))
             if self._fleet is not None:
-                budget.fleet.share_through_store(self._fallback_share)
+                budget.share_through_store(self._fallback_share)
             self._budgets[pool] = budget
         return budget
 

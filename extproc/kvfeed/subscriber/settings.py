@@ -93,6 +93,10 @@ class KvBudgetConfig:
     # The least share of its completion allowance a request is booked for whatever its tenant's history
     # (extproc.core.completion_learner): forty answers that stop after one token cannot book the next at 0.
     min_completion_ratio: float = 0.1
+    # The most of the capacity one tenant's requests in flight may be booked below their completion
+    # allowances, in all (extproc.core.kv_credit): a tenant that trained its learned share down cannot burst
+    # past the margin the budget keeps; 0 books every request at its whole allowance.
+    unconfirmed_share: float = 0.1
     # Fair shares of the cache between tenants (extproc.core.kv_fairness): attained service halves every
     # `service_half_life_seconds`, divided by the tenant's weight (default 1); a refused request claims its
     # KV from later requests of other tenants until it comes back, at most `claim_seconds` after its refusal.

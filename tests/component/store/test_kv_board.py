@@ -76,7 +76,7 @@ def budget() -> KvBudget:
     learner = CompletionLearner(min_samples=10**6)
     b = KvBudget(10_000, target_utilization=1.0, booking=BookingMode.FORECAST, learner=learner)
     b.pace.observe_stream(100, 1.0)
-    b.fleet.share_through_store(fallback_share=0.5)
+    b.share_through_store(fallback_share=0.5)
     b.observe_engine(0, now=0.0, fresh_for=1e9, waiting=0, running=0)
     return b
 

@@ -8,9 +8,9 @@ from extproc.core.kv_budget import BookingMode, KvBudget
 ALLOWANCE = 4000
 
 
-def trained_down(booking: BookingMode = BookingMode.LIFETIME) -> KvBudget:
+def trained_down(booking: BookingMode = BookingMode.LIFETIME, unconfirmed_share: float = 0.1) -> KvBudget:
     """A budget whose tenant `mallory` finished 40 requests after 1 of 4,000 allowed tokens each."""
-    budget = KvBudget(100_000, target_utilization=1.0, booking=booking)
+    budget = KvBudget(100_000, target_utilization=1.0, booking=booking, unconfirmed_share=unconfirmed_share)
     for i in range(40):
         budget.admit(f"short{i}", 10, ALLOWANCE, "mallory")
         budget.release(f"short{i}", actual_completion=1)
@@ -45,9 +45,10 @@ def test_min_tokens_floors_the_booking_at_what_it_declares() -> None:
 
 
 def test_the_declared_floor_decides_admission_under_both_bookings() -> None:
-    """Capacity 5,000, 4,100 booked: a trained-down 4,000-token request fits only if it is under-booked."""
+    """Capacity 5,000, 4,100 booked: a trained-down 4,000-token request fits only if it is under-booked
+    (its whole credit allowed here: `unconfirmed_share` 1; test_kv_budget.py bounds it)."""
     for booking in (BookingMode.LIFETIME, BookingMode.FORECAST):
-        budget = trained_down(booking)
+        budget = trained_down(booking, unconfirmed_share=1.0)
         budget.set_capacity(5000)
         budget.admit("held", 100, ALLOWANCE, "alice", now=0.0)
         fits, _ = budget.would_fit(10, ALLOWANCE, "mallory", now=0.0)

@@ -481,3 +481,62 @@ def test_n_sequences_count_as_n_of_the_engines_running_requests() -> None:
     assert b.engine_finished == 0  # never more sequences than the engine says are done
     b.observe_engine(0, now=31.0, fresh_for=5.0, waiting=0, running=0)
     assert b.engine_finished == 1
+
+
+# -- unconfirmed credit (core/kv_credit.py) ------------------------------------------------------------------
+
+
+def poisoned(unconfirmed_share: float = 0.1) -> KvBudget:
+    """`make run`'s 16,384-token cache at 0.9, its tenant trained to stop after one token of 4,000."""
+    b = KvBudget(16_384, target_utilization=0.9, unconfirmed_share=unconfirmed_share)
+    for i in range(40):
+        b.admit(f"t{i}", 20, 4_000, "mallory")
+        b.release(f"t{i}", 1)
+    assert b.completion_ratio == 1.0 and b.learner.ratio("mallory") == 0.1
+    return b
+
+
+def burst(b: KvBudget, count: int = 12) -> list[str]:
+    admitted = []
+    for i in range(count):
+        if b.would_fit(20, 4_000, "mallory")[0]:
+            b.admit(f"b{i}", 20, 4_000, "mallory")
+            admitted.append(f"b{i}")
+    return admitted
+
+
+def test_a_tenant_trained_short_cannot_burst_past_the_cache() -> None:
+    b = poisoned()
+    admitted = burst(b)
+    # Before the credit's bound: all 12 booked 420 each; run to the end, 48,240 tokens in a 16,384 cache.
+    assert len(admitted) == 4
+    assert len(admitted) * (20 + 4_000) <= 16_384
+    assert b.credit.held("mallory") <= int(16_384 * 0.1)
+
+
+def test_credit_comes_back_with_the_release_and_an_honest_short_request_keeps_it() -> None:
+    b = poisoned()
+    b.admit("short", 20, 1_000, "mallory")  # credit 900 of the 1,638 a tenant may hold
+    assert b.demand_tokens == 20 + 100
+    b.admit("long", 20, 4_000, "mallory")  # 738 of credit left: booked 3,262
+    assert b.demand_tokens == 120 + 20 + 3_262
+    b.release("short", 1)
+    b.release("long", 1)
+    assert b.credit.held("mallory") == 0
+    b.admit("again", 20, 1_000, "mallory")
+    assert b.demand_tokens == 120  # the learned share again
+
+
+def test_another_tenants_credit_is_its_own() -> None:
+    b = poisoned()
+    burst(b, 2)
+    for _i in range(8):
+        b.learner.observe("alice", 0.1)
+    b.admit("a", 20, 1_000, "alice")
+    assert b.credit.held("alice") == 900
+
+
+def test_no_credit_bound_can_be_configured_and_a_bad_one_is_refused() -> None:
+    assert len(burst(poisoned(unconfirmed_share=1.0))) > 4
+    with pytest.raises(ValueError, match="unconfirmed_share"):
+        KvBudget(1_000, unconfirmed_share=1.5)

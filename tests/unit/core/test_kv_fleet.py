@@ -35,7 +35,7 @@ def exchange(a: KvBudget, b: KvBudget, now: float) -> None:
 def test_one_replica_with_all_the_traffic_fills_the_whole_target() -> None:
     busy, idle = budget(), budget()
     for r in (busy, idle):
-        r.fleet.share_through_store(fallback_share=0.5)
+        r.share_through_store(fallback_share=0.5)
         r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
     exchange(busy, idle, 0.0)
     for i in range(8):  # 8 x 1,000 = 8,000 of 10,000: past the half a fixed share would allow
@@ -52,7 +52,7 @@ def test_one_replica_with_all_the_traffic_fills_the_whole_target() -> None:
 def test_even_traffic_divides_the_pool_about_in_half() -> None:
     a, b = budget(), budget()
     for r in (a, b):
-        r.fleet.share_through_store(fallback_share=0.5)
+        r.share_through_store(fallback_share=0.5)
         r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
     admitted = {"a": 0, "b": 0}
     for i in range(20):
@@ -67,7 +67,7 @@ def test_even_traffic_divides_the_pool_about_in_half() -> None:
 def test_the_store_unreachable_books_on_the_fallback_share_and_capacity_share_stays_a_ceiling() -> None:
     r = budget(share=0.8)
     assert r.budget_tokens == 8_000  # alone: the configured share, as before there was a fleet
-    r.fleet.share_through_store(fallback_share=0.5)
+    r.share_through_store(fallback_share=0.5)
     assert r.budget_tokens == 5_000  # shared, the others not known yet
     r.observe_peers(Peers(ReplicaShare(booked=1_000), 1), now=10.0)
     assert r.budget_tokens == 8_000  # 9,000 unbooked, at most the 0.8 ceiling
@@ -79,7 +79,7 @@ def test_the_store_unreachable_books_on_the_fallback_share_and_capacity_share_st
 
 def test_an_empty_replica_does_not_admit_past_a_pool_the_others_filled() -> None:
     r = budget()
-    r.fleet.share_through_store(fallback_share=0.5)
+    r.share_through_store(fallback_share=0.5)
     r.observe_peers(Peers(ReplicaShare(booked=9_900), 1), now=0.0)
     assert not r.would_fit(500, 500, now=0.0)[0]  # not the "empty pool admits" of a replica alone
 
@@ -104,7 +104,7 @@ def test_a_replicas_running_leases_are_not_found_finished_for_the_others_count()
 def test_with_the_others_figures_the_pools_excess_is_divided_by_candidates() -> None:
     a, b = budget(capacity=100_000), budget(capacity=100_000)
     for r, prefix, count in ((a, "a", 10), (b, "b", 2)):
-        r.fleet.share_through_store(fallback_share=0.5)
+        r.share_through_store(fallback_share=0.5)
         unseen_leases(r, prefix, count)
         r.observe_engine(2_000, now=3.0, fresh_for=100.0, waiting=0, running=12)
     exchange(a, b, 3.0)
@@ -120,7 +120,7 @@ def test_with_the_others_figures_the_pools_excess_is_divided_by_candidates() -> 
 
 def test_the_engine_correction_reads_the_others_kv_as_theirs() -> None:
     a = budget(capacity=100_000)
-    a.fleet.share_through_store(fallback_share=0.5)
+    a.share_through_store(fallback_share=0.5)
     a.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
     a.admit("a", 1_000, 0, now=0.0)
     a.observe_peers(Peers(ReplicaShare(booked=3_000, held=3_000, floor=3_000, settled=3), 1), now=3.0)
