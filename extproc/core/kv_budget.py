@@ -199,6 +199,7 @@ class KvBudget:
         self._last_fit: tuple[float | None, int, int, int, str, int, PromptChunks] | None = None
         self._booked_with = 0
         self.fleet = Fleet()
+        self._engine_shares = True  # the pool's engines share prompt prefixes (`set_engine_shares_prefixes`)
         self._seen_at: float | None = None  # the latest `now` a caller passed: the others' figures' age
         self.set_capacity(capacity_tokens)
 
@@ -362,6 +363,22 @@ class KvBudget:
             self._prefixes.add(lease_id, lease.chunks.hashes)
         for lease_id, lease in self._leases.items():
             self._set_credit(lease, self._prefixes.credited(lease_id, lease.chunks.hashes))
+
+    def set_engine_shares_prefixes(self, shares: bool) -> None:
+        """Whether the pool's engines share prompt prefixes (the feed: vLLM's `enable_prefix_caching`, True
+        when no engine says). An engine that does not holds every prompt whole, however many requests
+        share its text: no request is credited another's chunks, and the leases in flight are booked whole
+        again at once. Sharing back on credits new leases only."""
+        if shares == self._engine_shares:
+            return
+        self._engine_shares = shares
+        self._last_fit = None
+        if shares:
+            return
+        self._prefixes = PrefixIndex(self._prefixes.replicas)
+        for lease in self._leases.values():
+            self._set_credit(lease, 0)
+            lease.chunks = NO_CHUNKS
 
     def set_block_tokens(self, block_tokens: int | None) -> None:
         """The engine's tokens per KV block (from the feed; None: unknown, no rounding booked). The engine
@@ -636,6 +653,7 @@ class KvBudget:
         budget = self.budget_tokens
         if budget is None:
             return True, None
+        chunks = chunks if self._engine_shares else NO_CHUNKS
         candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences, committed)
         candidate.chunks = chunks
         self._booked, booked_with = self._book_candidate(now, candidate)
@@ -718,6 +736,7 @@ class KvBudget:
         if lease_id in self._leases:
             raise ValueError(f"kv_budget: lease {lease_id!r} already admitted")
         self._seen(now)
+        chunks = chunks if self._engine_shares else NO_CHUNKS
         lease = self._new_lease(prompt_tokens, expected_completion, learner_key, now, sequences, committed)
         lease.chunks = chunks
         fit = (

@@ -102,6 +102,9 @@ class InfoLabels:
     count_label: str
     tokens_label: str | None = None
     count_is_page_total: bool = False
+    # A label saying whether the engine shares prompt prefixes in its cache ("True"/"False", as Python prints
+    # a bool); None: the engine's page does not say (the budget then shares as configured).
+    prefix_caching_label: str | None = None
     note: str = ""
 
     @property
@@ -213,7 +216,11 @@ _VLLM = EngineProfile(
             count_label="num_gpu_blocks",
             tokens_label="kv_cache_size_tokens",
             count_is_page_total=True,
-            note="kv_cache_size_tokens per engine; else block_size x num_gpu_blocks, once per page",
+            # vllm 0.32.0 vllm/config/cache.py: CacheConfig.enable_prefix_caching (default True), and
+            # metrics_info() labels the info gauge with every field as str(value).
+            prefix_caching_label="enable_prefix_caching",
+            note="kv_cache_size_tokens per engine; else block_size x num_gpu_blocks, once per page; "
+            "enable_prefix_caching",
         ),
     ),
     model_labels=("model_name",),

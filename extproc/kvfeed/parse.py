@@ -87,6 +87,7 @@ class ModelSignals:
     kv_block_tokens: int | None = None  # tokens per KV block, where the capacity source names it
     # counter: requests the engine refused for want of queue room (vLLM's 503 past its queue bounds)
     admission_rejections_total: float | None = None
+    prefix_caching: bool | None = None  # whether the engine shares prompt prefixes; None: it does not say
 
 
 def _unescape(value: str) -> str:
@@ -327,6 +328,21 @@ class _ModelView:
                 return int(min(total, 2.0**64))  # +inf and any absurd value: refused by `checked`
         return None
 
+    def prefix_caching(self) -> bool | None:
+        """Whether the engine shares prompt prefixes, from the first capacity source that says: False when
+        any of its series says "False" (one engine of the page that does not share is enough to book whole
+        prompts), True when some say "True" and none "False", None when none says."""
+        for source in self.profile.capacity:
+            if not isinstance(source, InfoLabels) or source.prefix_caching_label is None:
+                continue
+            label = source.prefix_caching_label
+            values = {s.labels.get(label) for s in self.series if s.name == source.name} - {None}
+            if "False" in values:
+                return False
+            if "True" in values:
+                return True
+        return None
+
     def block_tokens(self) -> int | None:
         """Tokens per KV block from the first capacity source that names one (the largest over the
         page's series: a larger block rounds more, so it is the one the budget must assume)."""
@@ -404,6 +420,7 @@ class _ModelView:
             generation_tokens_total=self.counted("generated"),
             kv_block_tokens=self.block_tokens(),
             admission_rejections_total=self.counted("rejections"),
+            prefix_caching=self.prefix_caching(),
         )
 
 

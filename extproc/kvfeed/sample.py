@@ -73,6 +73,7 @@ class FeedSample:
     admission_rejections_total: float | None = None
     # Counter of tokens the engine generated (what the pace is timed from); None unknown.
     generation_tokens_total: float | None = None
+    prefix_caching: bool | None = None  # whether the engine shares prompt prefixes; None unknown
 
     @property
     def key(self) -> SampleKey:
@@ -107,6 +108,7 @@ class FeedSample:
             kv_block_tokens=signals.kv_block_tokens,
             admission_rejections_total=signals.admission_rejections_total,
             generation_tokens_total=signals.generation_tokens_total,
+            prefix_caching=signals.prefix_caching,
         )
 
     @classmethod
@@ -225,6 +227,8 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
         msg.kv_capacity_tokens = sample.kv_capacity_tokens
     if sample.kv_block_tokens is not None and 0 <= sample.kv_block_tokens < 2**32:
         msg.kv_block_tokens = sample.kv_block_tokens
+    if sample.prefix_caching is not None:
+        msg.prefix_caching = sample.prefix_caching
     seconds = math.floor(sample.sample_time)
     msg.sample_time.seconds = seconds
     msg.sample_time.nanos = min(999_999_999, int((sample.sample_time - seconds) * 1e9))
@@ -256,4 +260,5 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         kv_block_tokens=int(msg.kv_block_tokens) if msg.HasField("kv_block_tokens") else None,
         admission_rejections_total=opt("admission_rejections_total"),
         generation_tokens_total=opt("generation_tokens_total"),
+        prefix_caching=bool(msg.prefix_caching) if msg.HasField("prefix_caching") else None,
     )

@@ -11,7 +11,8 @@ What may change the rendered prompt ahead of the text (the model, the API, a cus
 documents, a system field, `cache_salt`, any field this module does not know) seeds the first hash, so
 two requests share chunks only when all of it is equal; only fields that cannot reach the prompt (sampling,
 streaming, output bounds) are left out of the seed. Requests with media, several prompts, or prompts not
-given as text (token ids, embeddings) bring no chunks: they are booked whole, the safe direction.
+given as text (token ids, embeddings) bring no chunks: they are booked whole, the safe direction. So do
+requests that ask the engine to truncate their prompt (`_truncating`): what it keeps is not the text's lead.
 
 Cost: one `hash` per `CHUNK_CHARS` of text (SipHash over the slice) plus the seed's compact JSON; at most
 `MAX_CHUNKS` chunks, past which the rest of a prompt is its own.
@@ -72,9 +73,21 @@ UNRENDERED = frozenset(
 requests differing only in them share their prefix. Every other field seeds it."""
 
 
+def _truncating(body: dict[str, Any]) -> bool:
+    """Whether the body asks the engine to cut the prompt: the text's leading chunks may then not be what the
+    engine holds (a cut from the left shifts every block), so none is credited. vLLM's
+    `truncate_prompt_tokens` keeps the last N tokens of the rendered prompt (-1: the model's length; vllm
+    0.32.0 vllm/entrypoints/openai/chat_completion/protocol.py, completion/protocol.py,
+    pooling/base/protocol.py); OpenAI Responses' `truncation: "auto"` drops items from the start of a
+    conversation that outgrows the context."""
+    return body.get("truncate_prompt_tokens") is not None or body.get("truncation") not in (None, "disabled")
+
+
 def prompt_chunks(request: ParsedRequest) -> PromptChunks:
     """The request's leading chunks, or none where sharing cannot be told from its text."""
     if request.prompt_count != 1:
+        return NO_CHUNKS
+    if _truncating(request.body):
         return NO_CHUNKS
     prompt = request.prompts[0]
     if prompt.media or prompt.opaque or prompt.fixed_tokens or not prompt.texts:

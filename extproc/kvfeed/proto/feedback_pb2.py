@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#extproc/kvfeed/proto/feedback.proto\x12\x13\x65xtproc.feedback.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x1e\n\x0cWatchRequest\x12\x0e\n\x06models\x18\x01 \x03(\t\"\xec\x05\n\x08KvSample\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x34\n\x0bserver_kind\x18\x04 \x01(\x0e\x32\x1f.extproc.feedback.v1.ServerKind\x12\x15\n\x08kv_usage\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10requests_waiting\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10requests_running\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11preemptions_total\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12kv_capacity_tokens\x18\t \x01(\x04H\x04\x88\x01\x01\x12/\n\x0bsample_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\n\n\x02up\x18\x0b \x01(\x08\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x1f\n\x17scrape_duration_seconds\x18\r \x01(\x01\x12\x14\n\x0cserved_names\x18\x0e \x03(\t\x12%\n\x18\x64\x65\x63ode_tokens_per_second\x18\x0f \x01(\x01H\x05\x88\x01\x01\x12\x1c\n\x0fkv_block_tokens\x18\x10 \x01(\rH\x06\x88\x01\x01\x12\'\n\x1a\x61\x64mission_rejections_total\x18\x11 \x01(\x01H\x07\x88\x01\x01\x12$\n\x17generation_tokens_total\x18\x12 \x01(\x01H\x08\x88\x01\x01\x42\x0b\n\t_kv_usageB\x13\n\x11_requests_waitingB\x13\n\x11_requests_runningB\x14\n\x12_preemptions_totalB\x15\n\x13_kv_capacity_tokensB\x1b\n\x19_decode_tokens_per_secondB\x12\n\x10_kv_block_tokensB\x1d\n\x1b_admission_rejections_totalB\x1a\n\x18_generation_tokens_total*\x9c\x01\n\nServerKind\x12\x1b\n\x17SERVER_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10SERVER_KIND_VLLM\x10\x01\x12\x16\n\x12SERVER_KIND_SGLANG\x10\x02\x12\x13\n\x0fSERVER_KIND_TGI\x10\x03\x12\x16\n\x12SERVER_KIND_TRTLLM\x10\x04\x12\x16\n\x12SERVER_KIND_TRITON\x10\x05\x32U\n\x06KvFeed\x12K\n\x05Watch\x12!.extproc.feedback.v1.WatchRequest\x1a\x1d.extproc.feedback.v1.KvSample0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#extproc/kvfeed/proto/feedback.proto\x12\x13\x65xtproc.feedback.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x1e\n\x0cWatchRequest\x12\x0e\n\x06models\x18\x01 \x03(\t\"\x9c\x06\n\x08KvSample\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x34\n\x0bserver_kind\x18\x04 \x01(\x0e\x32\x1f.extproc.feedback.v1.ServerKind\x12\x15\n\x08kv_usage\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10requests_waiting\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10requests_running\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11preemptions_total\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12kv_capacity_tokens\x18\t \x01(\x04H\x04\x88\x01\x01\x12/\n\x0bsample_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\n\n\x02up\x18\x0b \x01(\x08\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x1f\n\x17scrape_duration_seconds\x18\r \x01(\x01\x12\x14\n\x0cserved_names\x18\x0e \x03(\t\x12%\n\x18\x64\x65\x63ode_tokens_per_second\x18\x0f \x01(\x01H\x05\x88\x01\x01\x12\x1c\n\x0fkv_block_tokens\x18\x10 \x01(\rH\x06\x88\x01\x01\x12\'\n\x1a\x61\x64mission_rejections_total\x18\x11 \x01(\x01H\x07\x88\x01\x01\x12$\n\x17generation_tokens_total\x18\x12 \x01(\x01H\x08\x88\x01\x01\x12\x1b\n\x0eprefix_caching\x18\x13 \x01(\x08H\t\x88\x01\x01\x42\x0b\n\t_kv_usageB\x13\n\x11_requests_waitingB\x13\n\x11_requests_runningB\x14\n\x12_preemptions_totalB\x15\n\x13_kv_capacity_tokensB\x1b\n\x19_decode_tokens_per_secondB\x12\n\x10_kv_block_tokensB\x1d\n\x1b_admission_rejections_totalB\x1a\n\x18_generation_tokens_totalB\x11\n\x0f_prefix_caching*\x9c\x01\n\nServerKind\x12\x1b\n\x17SERVER_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10SERVER_KIND_VLLM\x10\x01\x12\x16\n\x12SERVER_KIND_SGLANG\x10\x02\x12\x13\n\x0fSERVER_KIND_TGI\x10\x03\x12\x16\n\x12SERVER_KIND_TRTLLM\x10\x04\x12\x16\n\x12SERVER_KIND_TRITON\x10\x05\x32U\n\x06KvFeed\x12K\n\x05Watch\x12!.extproc.feedback.v1.WatchRequest\x1a\x1d.extproc.feedback.v1.KvSample0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'extproc.kvfeed.proto.feedback_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVERKIND']._serialized_start=877
-  _globals['_SERVERKIND']._serialized_end=1033
+  _globals['_SERVERKIND']._serialized_start=925
+  _globals['_SERVERKIND']._serialized_end=1081
   _globals['_WATCHREQUEST']._serialized_start=93
   _globals['_WATCHREQUEST']._serialized_end=123
   _globals['_KVSAMPLE']._serialized_start=126
-  _globals['_KVSAMPLE']._serialized_end=874
-  _globals['_KVFEED']._serialized_start=1035
-  _globals['_KVFEED']._serialized_end=1120
+  _globals['_KVSAMPLE']._serialized_end=922
+  _globals['_KVFEED']._serialized_start=1083
+  _globals['_KVFEED']._serialized_end=1168
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,15 @@ class PoolSnapshot:
     kv_block_tokens: int | None = None  # the largest block of the fresh endpoints: the most one rounds
     waiting_known: bool = False  # every fresh endpoint published its queue (requests_waiting is then exact)
     running_known: bool = False  # every fresh endpoint published its running count (then exact)
+    # Whether the pool's engines share prompt prefixes: False when a fresh endpoint says it does not (a
+    # request routed there holds its whole prompt), True when every one that says, says so; None: none says.
+    prefix_caching: bool | None = None
+
+
+def pool_prefix_caching(items: Iterable[StoredSample]) -> bool | None:
+    """Whether the fresh endpoints that say share prompt prefixes (False: one does not; None: none says)."""
+    said = {s.sample.prefix_caching for s in items} - {None}
+    return None if not said else all(said)
 
 
 def pool_pace(items: Iterable[StoredSample]) -> float | None:
@@ -104,5 +113,6 @@ def aggregate(
             kv_block_tokens=max((b for s in items if (b := s.sample.kv_block_tokens)), default=None),
             waiting_known=bool(items) and all(s.sample.requests_waiting is not None for s in items),
             running_known=bool(items) and all(s.sample.requests_running is not None for s in items),
+            prefix_caching=pool_prefix_caching(items),
         )
     return out

@@ -62,3 +62,14 @@ def test_media_and_batches_bring_no_chunks() -> None:
     assert prompt_chunks(parse(Api("completions"), batch)).hashes == ()
     single = {"model": "m", "prompt": SYSTEM + "a", "max_tokens": 5}
     assert shared(single, {**single, "prompt": SYSTEM + "b", "max_tokens": 7}, Api("completions")) >= 11
+
+
+def test_a_prompt_the_engine_may_cut_brings_no_chunks() -> None:
+    """vLLM's `truncate_prompt_tokens` keeps the prompt's last tokens and Responses' `truncation: auto` drops
+    a conversation's first items: the engine then holds none of the text's leading blocks."""
+    assert prompt_chunks(parse(CHAT, chat("q", truncate_prompt_tokens=512))).hashes == ()
+    assert prompt_chunks(parse(CHAT, chat("q", truncate_prompt_tokens=-1))).hashes == ()
+    responses = {"model": "m", "instructions": SYSTEM, "input": "q"}
+    assert prompt_chunks(parse(Api("responses"), responses)).hashes != ()
+    assert prompt_chunks(parse(Api("responses"), {**responses, "truncation": "auto"})).hashes == ()
+    assert prompt_chunks(parse(Api("responses"), {**responses, "truncation": "disabled"})).hashes != ()

@@ -236,3 +236,21 @@ def test_the_engines_slower_pace_bounds_the_learned_one() -> None:
     unlearned = KvBudget(2000, booking=BookingMode.FORECAST)
     unlearned.observe_fed_pace(20.0)
     assert unlearned.decode_rate() is None  # nothing learned: such leases book whole footprints, as before
+
+
+def test_an_engine_that_does_not_share_prefixes_credits_none() -> None:
+    """vLLM with --no-enable-prefix-caching holds every prompt whole: the credit of the leases in flight is
+    booked again at once, and no new request is credited."""
+    b = KvBudget(100_000, target_utilization=1.0)
+    chunks = PromptChunks(tuple(range(10)), 100, 1_000)
+    b.admit("a", 1_000, 0, chunks=chunks)
+    b.admit("b", 1_000, 0, chunks=chunks)
+    assert b.demand_tokens < 2_000
+    b.set_engine_shares_prefixes(False)
+    assert b.demand_tokens == 2_000 and b.shared_prompt_tokens == 0
+    b.admit("c", 1_000, 0, chunks=chunks)
+    assert b.demand_tokens == 3_000
+    b.set_engine_shares_prefixes(True)  # new leases share again; those in flight stay whole
+    b.admit("d", 1_000, 0, chunks=chunks)
+    b.admit("e", 1_000, 0, chunks=chunks)
+    assert 4_000 < b.demand_tokens < 5_000

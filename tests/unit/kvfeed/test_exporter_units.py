@@ -168,6 +168,8 @@ def test_block_size_travels_and_an_impossible_one_is_dropped_alone() -> None:
     s = replace(sample(t=5.0), kv_block_tokens=128)
     assert from_proto(to_proto(s)).kv_block_tokens == 128
     assert from_proto(to_proto(sample())).kv_block_tokens is None
+    for flag in (True, False, None):
+        assert from_proto(to_proto(replace(s, prefix_caching=flag))).prefix_caching is flag
     for bad in (0, 2**21):
         dropped = checked(replace(s, kv_block_tokens=bad))
         assert dropped.up and dropped.kv_block_tokens is None and dropped.kv_usage == s.kv_usage

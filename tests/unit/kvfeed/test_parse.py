@@ -159,6 +159,25 @@ def test_vllm_block_size_reaches_the_signals() -> None:
     assert parse_metrics(gauge_only)["x"].kv_block_tokens is None
 
 
+def test_vllm_says_whether_it_shares_prompt_prefixes() -> None:
+    """vllm 0.32.0 labels vllm:cache_config_info with every CacheConfig field as str(value), among them
+    enable_prefix_caching: "False" means no prompt shares another's blocks, and one engine of the page that
+    says so is enough."""
+    text = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.1\n'
+        'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",'
+        'num_gpu_blocks="128"} 1\n'
+    )
+    assert parse_metrics(text)["m"].prefix_caching is True
+    assert parse_metrics(text.replace('"True"', '"False"'))["m"].prefix_caching is False
+    second = (
+        'vllm:cache_config_info{block_size="16",enable_prefix_caching="False",engine="1",'
+        'num_gpu_blocks="128"} 1\n'
+    )
+    assert parse_metrics(text + second)["m"].prefix_caching is False
+    assert parse_metrics(text.replace('enable_prefix_caching="True",', ""))["m"].prefix_caching is None
+
+
 def test_vllm_admission_rejections_are_summed_over_reasons() -> None:
     """vLLM 0.32.0's counter (vllm/v1/metrics/loggers.py): labels model_name and reason only, one series per
     queue bound; the feed publishes their sum, and nothing where the page has none (before 0.32)."""
