@@ -24,11 +24,14 @@ booking leaves it out):
 Credited chunks always form a leading run of a request's chunks: every holder of chunk i also holds chunk
 i-1 (chained hashes), so whoever is among the last payers of chunk i-1 is among those of chunk i too.
 
-Pure and synchronous; memory is bounded by the chunks of the requests in flight.
+Pure and synchronous; memory is bounded by the chunks of the requests in flight. Each admission, release and
+candidate's check costs a few dict operations per chunk of its prompt, however many requests hold the chunk;
+a change of `replicas` costs the shared chunks (`PrefixIndex`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,24 +62,49 @@ class PromptChunks:
 NO_CHUNKS = PromptChunks()
 
 
-class PrefixIndex:
-    """Chunk hash -> the lease ids holding it, oldest first."""
+class _Shared:
+    """A chunk two or more requests hold: its payers (the last `replicas` holders, or all while fewer) and the
+    holders credited it, each oldest first."""
 
-    __slots__ = ("_holders", "replicas")
+    __slots__ = ("credited", "payers")
+
+    def __init__(self, payers: OrderedDict[str, None], credited: dict[str, None]) -> None:
+        self.payers = payers  # ordered: a holder paying again joins at the front, as the oldest payer
+        self.credited = credited  # only ever grows at the end, its newest leaves from the end (`popitem`)
+
+
+class PrefixIndex:
+    """Chunk hash -> the lease ids holding it, in admission order, as counted structures.
+
+    A chunk one request holds maps to that lease id; a shared one to its payers and its credited holders
+    (`_Shared`), so every change is a few dict operations per chunk, whatever the number of holders: `add` and
+    `remove` of a lease are O(its chunks), `would_credit` (a candidate's check) too, without changing
+    anything, and `set_replicas` visits the shared chunks only, moving just the holders whose payment
+    changes. A lease holds each chunk once (chained hashes never repeat within a prompt).
+    """
+
+    __slots__ = ("_replicas", "_shared", "_solo")
 
     def __init__(self, replicas: int = 1) -> None:
-        self.replicas = max(1, int(replicas))
-        self._holders: dict[int, list[str]] = {}
+        self._replicas = max(1, int(replicas))
+        self._solo: dict[int, str] = {}  # chunk -> its one holder, who pays for it
+        self._shared: dict[int, _Shared] = {}  # chunks held by two or more
+
+    @property
+    def replicas(self) -> int:
+        """How many of a chunk's holders pay for it, at most (`set_replicas` changes it)."""
+        return self._replicas
 
     def __len__(self) -> int:
         """Distinct chunks held by at least one request."""
-        return len(self._holders)
+        return len(self._solo) + len(self._shared)
 
     def shared_run(self, chunks: Sequence[int]) -> int:
         """How many leading chunks of a prompt some request in flight already holds."""
+        solo, shared = self._solo, self._shared
         run = 0
         for chunk in chunks:
-            if chunk not in self._holders:
+            if chunk not in solo and chunk not in shared:
                 break
             run += 1
         return run
@@ -85,42 +113,107 @@ class PrefixIndex:
         """`lease` now holds `chunks`, and pays for each; returns the holders that each stopped paying for
         some chunks (lease id -> chunks newly credited to it)."""
         credited: dict[str, int] = {}
+        replicas, solo, shared = self._replicas, self._solo, self._shared
         for chunk in chunks:
-            holders = self._holders.setdefault(chunk, [])
-            holders.append(lease)
-            if len(holders) > self.replicas:
-                older = holders[-self.replicas - 1]
+            held = shared.get(chunk)
+            if held is None:
+                other = solo.setdefault(chunk, lease)
+                if other is lease:
+                    continue  # a chunk nobody held: its one holder pays
+                del solo[chunk]
+                if replicas == 1:
+                    shared[chunk] = _Shared(OrderedDict({lease: None}), {other: None})
+                    credited[other] = credited.get(other, 0) + 1
+                else:
+                    shared[chunk] = _Shared(OrderedDict({other: None, lease: None}), {})
+                continue
+            payers = held.payers
+            payers[lease] = None
+            if len(payers) > replicas:
+                older = payers.popitem(last=False)[0]  # the oldest payer is now one too many
+                held.credited[older] = None
                 credited[older] = credited.get(older, 0) + 1
+        return credited
+
+    def would_credit(self, chunks: Sequence[int]) -> dict[str, int]:
+        """What `add` of a new lease holding `chunks` would return, changing nothing: the oldest payer of each
+        chunk that already has `replicas` holders."""
+        credited: dict[str, int] = {}
+        replicas, solo, shared = self._replicas, self._solo, self._shared
+        for chunk in chunks:
+            held = shared.get(chunk)
+            if held is not None:
+                payers = held.payers
+                if len(payers) < replicas:
+                    continue
+                older = next(iter(payers))
+            elif replicas == 1 and chunk in solo:
+                older = solo[chunk]
+            else:
+                continue
+            credited[older] = credited.get(older, 0) + 1
         return credited
 
     def remove(self, lease: str, chunks: Sequence[int]) -> dict[str, int]:
         """`lease` released `chunks`; returns the holders that pay again for some of them (lease id ->
         chunks no longer credited to it)."""
         debited: dict[str, int] = {}
+        solo, shared = self._solo, self._shared
         for chunk in chunks:
-            holders = self._holders.get(chunk)
-            if holders is None:
+            held = shared.get(chunk)
+            if held is None:
+                if solo.get(chunk) == lease:
+                    del solo[chunk]
                 continue
-            try:
-                at = holders.index(lease)  # a lease holds a chunk once
-            except ValueError:
+            payers, rest = held.payers, held.credited
+            if lease in rest:
+                del rest[lease]
+            elif lease in payers:
+                del payers[lease]
+                if rest:  # the newest credited holder pays from now on, as the oldest payer
+                    newer = rest.popitem()[0]
+                    payers[newer] = None
+                    payers.move_to_end(newer, last=False)
+                    debited[newer] = debited.get(newer, 0) + 1
+            else:
                 continue
-            paid = at >= len(holders) - self.replicas
-            del holders[at]
-            if not holders:
-                del self._holders[chunk]
-            elif paid and len(holders) >= self.replicas:
-                newer = holders[-self.replicas]
-                debited[newer] = debited.get(newer, 0) + 1
+            if len(payers) + len(rest) == 1:  # one holder left: it pays (a credited one has payers after it)
+                del shared[chunk]
+                solo[chunk] = next(iter(payers))
         return debited
 
     def credited(self, lease: str, chunks: Sequence[int]) -> int:
         """Chunks of `lease` it does not pay for (a leading run of its chunks)."""
+        shared = self._shared
         run = 0
         for chunk in chunks:
-            holders = self._holders.get(chunk, ())
-            if lease in holders[: max(0, len(holders) - self.replicas)]:
-                run += 1
-            else:
+            held = shared.get(chunk)
+            if held is None or lease not in held.credited:
                 break
+            run += 1
         return run
+
+    def set_replicas(self, replicas: int) -> dict[str, int]:
+        """Let the last `replicas` holders of each chunk pay; returns the change of each holder's credited
+        chunks (lease id -> chunks newly credited, negative: paid again). Only the chunks held more than the
+        smaller of the two counts change: of a shared chunk, the newest credited holders pay again, or the
+        oldest payers are credited."""
+        replicas = max(1, int(replicas))
+        before, self._replicas = self._replicas, replicas
+        changes: dict[str, int] = {}
+        if replicas > before:
+            for held in self._shared.values():
+                payers, rest = held.payers, held.credited
+                while rest and len(payers) < replicas:
+                    newer = rest.popitem()[0]
+                    payers[newer] = None
+                    payers.move_to_end(newer, last=False)
+                    changes[newer] = changes.get(newer, 0) - 1
+        elif replicas < before:
+            for held in self._shared.values():
+                payers, rest = held.payers, held.credited
+                while len(payers) > replicas:
+                    older = payers.popitem(last=False)[0]
+                    rest[older] = None
+                    changes[older] = changes.get(older, 0) + 1
+        return changes
