@@ -61,6 +61,11 @@ from extproc.core.kv_forecast import DecodeRate, Steps, forecast_peaks
 from extproc.core.kv_schedule import RetrySchedule
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
 
+PREFIX_MARGIN_TOKENS = 64
+"""What a shared run is credited less while the engine's block size is unknown (`PromptChunks.credit`): about
+the one 256-character chunk the credit kept back before it was counted in tokens; with the block size from the
+feed, one block (16 on a GPU's vLLM, 128 on its CPU build)."""
+
 SETTLE_AFTER_S = 2.0
 """The least time after admission for a lease to count as held in the engine's gauge (`settle_after`)."""
 
@@ -88,6 +93,7 @@ class _Lease:
     credited: int = 0  # leading chunks other leases pay for (`PrefixIndex`)
     # The engine's whole-block rounding of its sequences' last blocks (`KvBudget.set_block_tokens`).
     slack: int = 0
+    margin: int = PREFIX_MARGIN_TOKENS  # one engine block, kept back from a shared run's credit
     # A sample since admission counted at least this lease's sequences running (`KvBudget._mark_running`).
     engine_ran: bool = False
 
@@ -98,7 +104,7 @@ class _Lease:
     @property
     def own_prompt(self) -> int:
         """The prompt's KV this lease is booked for: all of it, less the shared chunks others pay for."""
-        return self.prompt - self.chunks.credit(self.credited, self.prompt)
+        return self.prompt - self.chunks.credit(self.credited, self.prompt, self.margin)
 
     @property
     def footprint(self) -> int:
@@ -189,6 +195,7 @@ class KvBudget:
         self._leases: dict[str, _Lease] = {}
         self._prefixes = PrefixIndex()
         self._block_slack = 0
+        self._prefix_margin = PREFIX_MARGIN_TOKENS
         self._fed_rate: float | None = None
         self._demand = 0
         self._fresh_until: float | None = None
@@ -353,16 +360,14 @@ class KvBudget:
 
     def set_replicas(self, replicas: int) -> None:
         """How many replicas serve the pool (from the feed): a shared chunk is booked once per replica at
-        most. A change re-books every lease's prefix credit under the new count."""
+        most. A change re-books the prefix credit of the leases whose payment it changes (only those holding
+        a chunk with more holders than the smaller count), in place: a replica coming or going costs the
+        shared chunks, not a rebuild of every lease."""
         replicas = max(1, int(replicas))
         if replicas == self._prefixes.replicas:
             return
-        self._prefixes = PrefixIndex(replicas)
         self._last_fit = None
-        for lease_id, lease in self._leases.items():
-            self._prefixes.add(lease_id, lease.chunks.hashes)
-        for lease_id, lease in self._leases.items():
-            self._set_credit(lease, self._prefixes.credited(lease_id, lease.chunks.hashes))
+        self._credit(self._prefixes.set_replicas(replicas), 1)
 
     def set_engine_shares_prefixes(self, shares: bool) -> None:
         """Whether the pool's engines share prompt prefixes (the feed: vLLM's `enable_prefix_caching`, True
@@ -388,13 +393,16 @@ class KvBudget:
         128-token blocks: 234 tokens, 1.4 % of a 16,384-token cache), where booking a whole block each
         would refuse a fifth of such a cache's requests for nothing."""
         slack = max(0, int(block_tokens or 0) - 1) // 2
-        if slack == self._block_slack:
+        margin = int(block_tokens) if block_tokens and block_tokens > 0 else PREFIX_MARGIN_TOKENS
+        if slack == self._block_slack and margin == self._prefix_margin:
             return
         self._block_slack = slack
+        self._prefix_margin = margin
         self._last_fit = None
         for lease in self._leases.values():
             before = lease.footprint
             lease.slack = slack * lease.sequences
+            lease.margin = margin
             self._demand += lease.footprint - before
 
     def observe_engine(
@@ -783,12 +791,15 @@ class KvBudget:
         self._demand += lease.footprint - before
         return True
 
-    def correct_prompt(self, lease_id: str, prompt_tokens: int, now: float | None = None) -> bool:
+    def correct_prompt(
+        self, lease_id: str, prompt_tokens: int, now: float | None = None, chunks: PromptChunks | None = None
+    ) -> bool:
         """Lower a lease's prompt to its exact count (it was booked on a bound, `provisional.py`); never
         raises it. With fair shares and `now`, its tenant's attained service is lowered by as much: counted
         at the bound's footprint, a tenant of short prompts (whose byte bound is about twice their count) had
         received twice its due by that measure, so a tenant of long prompts won every rounding past its
-        share and held 54-63 % of the cache per window. False for an unknown (already released) lease,
+        share and held 54-63 % of the cache per window. With `chunks` (its chunks, their texts' tokens now
+        counted), its shared run is credited in tokens. False for an unknown (already released) lease,
         which is harmless."""
         lease = self._leases.get(lease_id)
         if lease is None:
@@ -796,6 +807,8 @@ class KvBudget:
         self._last_fit = None
         before = lease.footprint
         lease.prompt = max(0, min(lease.prompt, int(prompt_tokens)))
+        if chunks is not None and chunks.hashes == lease.chunks.hashes:
+            lease.chunks = chunks  # the same chunks, their texts' tokens now counted: credited in tokens
         self._demand += lease.footprint - before
         if self.fairness is not None and now is not None:
             self.fairness.served(lease.learner_key, lease.footprint - before, now)
@@ -869,6 +882,7 @@ class KvBudget:
             sequences=max(1, int(sequences)),
             admitted_at=now,
             slack=self._block_slack * max(1, int(sequences)),
+            margin=self._prefix_margin,
         )
 
     @staticmethod
@@ -892,17 +906,19 @@ class KvBudget:
         self._demand += lease.footprint - before
 
     def _book_candidate(self, now: float | None, candidate: _Lease) -> tuple[int, int]:
-        """`_book` with `candidate` added, its shared chunks credited to the leases that hold them for as
-        long as the sum takes (then as before: the candidate is not admitted yet)."""
+        """`_book` with `candidate` added, the chunks it would credit to the leases that hold them credited
+        for as long as the sum takes (then as before: the candidate is not admitted yet). The index is only
+        read (`PrefixIndex.would_credit`): the check costs the candidate's chunks, not their holders."""
         hashes = candidate.chunks.hashes
-        if not hashes or not self._prefixes.shared_run(hashes):
+        changes = self._prefixes.would_credit(hashes) if hashes else None
+        if not changes:
             return self._book(now, candidate)
         alone = self._book(now)[0]
-        self._credit(self._prefixes.add("", hashes), 1)
+        self._credit(changes, 1)
         try:
             together = self._book(now, candidate)[1]
         finally:
-            self._credit(self._prefixes.remove("", hashes), -1)
+            self._credit(changes, -1)
         return alone, together
 
     def _trajectories(self, now: float) -> list[Steps]:

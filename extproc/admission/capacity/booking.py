@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from extproc.admission.intake.request import ParsedRequest
 from extproc.admission.intake.reservation import Reservation
-from extproc.admission.vocabulary.prefix import prompt_chunks
+from extproc.admission.vocabulary.prefix import prompt_chunks, with_text_tokens
 from extproc.core.clock import Clock
 from extproc.core.kv_budget import KvBudget
 from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
@@ -29,7 +29,7 @@ _BUDGET_IDS = itertools.count()
 class KvBooking:
     """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op)."""
 
-    __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "pool", "rank", "tenant")
+    __slots__ = ("_chunks", "_texts", "budget", "changed", "clock", "held", "id", "pool", "rank", "tenant")
 
     def __init__(
         self,
@@ -49,14 +49,28 @@ class KvBooking:
         self.id = f"x{next(_BUDGET_IDS)}"
         self.held = False
         self._chunks: PromptChunks | None = None
+        self._texts: tuple[str, ...] = ()  # the one prompt's texts, to credit its chunks in tokens later
 
-    def chunks(self, request: ParsedRequest) -> PromptChunks:
+    def chunks(self, request: ParsedRequest, plan: Reservation | None = None) -> PromptChunks:
         """The request's prompt chunks for the budget's prefix sharing, hashed once per request (none when
-        the budget does not share prefixes)."""
+        the budget does not share prefixes), with the tokens of its texts once a plan counted them."""
         if self._chunks is None:
             sharing = self.budget is not None and self.budget.prefix_sharing
-            self._chunks = prompt_chunks(request) if sharing else NO_CHUNKS
+            text_tokens = plan.text_tokens if plan is not None else ()
+            self._chunks = prompt_chunks(request, text_tokens) if sharing else NO_CHUNKS
+            if self._chunks.hashes:
+                self._texts = request.prompts[0].texts
+        elif plan is not None:
+            self._counted(plan.text_tokens)
         return self._chunks
+
+    def _counted(self, text_tokens: tuple[int, ...]) -> bool:
+        """The texts' tokens, once counted, for chunks hashed before (on a bound): True if they changed."""
+        chunks = self._chunks
+        if chunks is None or not chunks.hashes or chunks.text_tokens or not text_tokens:
+            return False
+        self._chunks = with_text_tokens(chunks, self._texts, text_tokens)
+        return bool(self._chunks.text_tokens)
 
     def fits(
         self, request: ParsedRequest, plan: Reservation, now: float | None = None, *, claim: bool = True
@@ -73,7 +87,7 @@ class KvBooking:
             now=self.clock() if now is None else now,
             sequences=request.sequences * request.prompt_count,
             committed=plan.committed_completion_tokens,
-            chunks=self.chunks(request),
+            chunks=self.chunks(request, plan),
             rank=self.rank,
             claim=claim,
         )
@@ -90,16 +104,18 @@ class KvBooking:
             now=self.clock(),
             sequences=request.sequences * request.prompt_count,
             committed=plan.committed_completion_tokens,
-            chunks=self.chunks(request),
+            chunks=self.chunks(request, plan),
             rank=self.rank,
         )
         self.held = True
         self.changed(self.pool)
 
-    def correct_prompt(self, prompt_tokens: int) -> None:
-        """Admitted on the prompt's bound (`provisional.py`): lower the booked prompt to its exact count."""
+    def correct_prompt(self, prompt_tokens: int, text_tokens: tuple[int, ...] = ()) -> None:
+        """Admitted on the prompt's bound (`provisional.py`): lower the booked prompt to its exact count, and
+        credit its shared texts in tokens, now counted (`text_tokens`)."""
         if self.budget is not None:
-            self.budget.correct_prompt(self.id, prompt_tokens, self.clock())
+            chunks = self._chunks if self._counted(text_tokens) else None
+            self.budget.correct_prompt(self.id, prompt_tokens, self.clock(), chunks)
             self.changed(self.pool)
 
     def give_back(self) -> None:

@@ -161,20 +161,24 @@ class Correction:
         final = admitted
         stage = Stage.ABANDONED
         try:
-            exact = await self._count(admitted)
-            if exact is not None:
-                final = replace(admitted, plan=replace(admitted.plan, prompt_tokens=exact))
+            counted = await self._count(admitted)
+            if counted is not None:
+                # A sliced count's interval may reach past the byte bound; the truth never does.
+                exact = min(counted.prompt_tokens, admitted.plan.prompt_tokens)
+                plan = replace(admitted.plan, prompt_tokens=exact, text_tokens=counted.text_tokens)
+                final = replace(admitted, plan=plan)
                 if self._on_corrected is not None:
                     self._on_corrected(final)
                 if self._settle is None:
                     self.stage = Stage.REFUNDING
+                    admitted.booking.correct_prompt(exact, counted.text_tokens)
                     await self._refund(admitted, admitted.plan.prompt_tokens - exact)
                 stage = Stage.CORRECTED
         finally:
             self._finish(stage, final)
 
-    async def _count(self, admitted: Admitted) -> int | None:
-        """The exact prompt tokens (never above the bound admitted on), or None when counting failed."""
+    async def _count(self, admitted: Admitted) -> Reservation | None:
+        """The plan on the exact count, or None when counting failed."""
         request, policy = admitted.request, admitted.policy
         try:
             counts = await self.service.count_prompts(request, policy, self.lane)
@@ -182,15 +186,14 @@ class Correction:
         except (LaneFull, AdmissionError, ValueError) as exc:
             log.info("bound admission: exact count failed, the bound stays", extra={"error": str(exc)})
             return None
-        # A sliced count's interval may reach past the byte bound; the truth never does.
-        return min(exact.prompt_tokens, admitted.plan.prompt_tokens)
+        return exact
 
     async def _refund(self, admitted: Admitted, tokens: int) -> None:
-        """Lower the KV booking and the store's reservation by `tokens` while the request runs."""
+        """Return `tokens` of the store's reservation while the request runs (its KV booking was lowered
+        first, `KvBooking.correct_prompt`)."""
         if tokens <= 0:
             return
         service = self.service
-        admitted.booking.correct_prompt(admitted.plan.prompt_tokens - tokens)
         lease = admitted.lease
         before = lease.reserved_tokens
         try:

@@ -16,7 +16,7 @@ reservation is sized in one visit here, not in many.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from extproc.admission.intake.request import DEFAULT_STEP_BOUNDS
@@ -38,6 +38,9 @@ class Reservation:
     # Of `completion_tokens`, what the request declares it will generate (`min_tokens`, `ignore_eos`): a
     # forecast of its completion never books less.
     committed_completion_tokens: int = 0
+    # Each text's tokens of a request's one prompt, counted exactly and kept whole (`Count.texts`); empty on
+    # a bound, for several prompts or under truncation: the KV budget's prefix credit in tokens.
+    text_tokens: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def total(self) -> int:
@@ -211,11 +214,13 @@ def plan_reservation(
         committed += _committed(req, per_sequence)
     if len(counts) < expected:
         raise ValueError("counting stopped early but no prompt exceeded the context window")
+    whole = len(counts) == 1 and limit is None and counts[0].complete
     return Reservation(
         prompt_tokens=prompt_total,
         completion_tokens=completion_total,
         injected_max_tokens=injected,
         committed_completion_tokens=committed,
+        text_tokens=counts[0].texts if whole else (),
     )
 
 

@@ -21,6 +21,7 @@ Cost: one `hash` per `CHUNK_CHARS` of text (SipHash over the slice) plus the see
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from extproc.admission.vocabulary.parsed import ParsedRequest
@@ -83,8 +84,10 @@ def _truncating(body: dict[str, Any]) -> bool:
     return body.get("truncate_prompt_tokens") is not None or body.get("truncation") not in (None, "disabled")
 
 
-def prompt_chunks(request: ParsedRequest) -> PromptChunks:
-    """The request's leading chunks, or none where sharing cannot be told from its text."""
+def prompt_chunks(request: ParsedRequest, text_tokens: tuple[int, ...] = ()) -> PromptChunks:
+    """The request's leading chunks, or none where sharing cannot be told from its text; with each text's
+    tokens (`Reservation.text_tokens`, from the exact count), where each text ends and the tokens up to
+    there, so a shared run is credited the tokens of the whole texts it covers (`PromptChunks.credit`)."""
     if request.prompt_count != 1:
         return NO_CHUNKS
     if _truncating(request.body):
@@ -98,7 +101,30 @@ def prompt_chunks(request: ParsedRequest) -> PromptChunks:
     for start in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS), CHUNK_CHARS):
         parent = hash((parent, text[start : start + CHUNK_CHARS]))
         hashes.append(parent)
-    return PromptChunks(tuple(hashes), CHUNK_CHARS, len(text))
+    ends, tokens = _text_ends(prompt.texts, text_tokens)
+    return PromptChunks(tuple(hashes), CHUNK_CHARS, len(text), ends, tokens)
+
+
+def with_text_tokens(chunks: PromptChunks, texts: tuple[str, ...], counts: tuple[int, ...]) -> PromptChunks:
+    """`chunks`, hashed before the prompt was counted, with where its texts end and their tokens."""
+    ends, tokens = _text_ends(texts, counts)
+    return replace(chunks, text_ends=ends, text_tokens=tokens) if tokens else chunks
+
+
+def _text_ends(texts: tuple[str, ...], counts: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where each text ends in the joined prompt text, and the tokens of the texts up to there: none
+    without one count per text (a prompt booked on its bound is credited nothing until its exact count)."""
+    if len(counts) != len(texts):
+        return (), ()
+    ends: list[int] = []
+    tokens: list[int] = []
+    end = total = 0
+    for i, (text, count) in enumerate(zip(texts, counts, strict=True)):
+        end += len(text) + (1 if i else 0)  # the separator before every text but the first
+        total += count
+        ends.append(end)
+        tokens.append(total)
+    return tuple(ends), tuple(tokens)
 
 
 def _seed(body: dict[str, Any], prompt_field: str) -> str:

@@ -130,11 +130,16 @@ class Count:
 
     `complete` is False when counting stopped early because `low` passed the caller's limit: `high` then
     means nothing, and the prompt is certainly larger than the limit.
+
+    `texts`: each text's tokens, in order (the low side of a sliced one), when complete: what the KV budget
+    credits a prompt for the leading texts it shares with requests in flight, in tokens, not characters
+    (`admission/vocabulary/prefix.py`).
     """
 
     low: int
     high: int
     complete: bool = True
+    texts: tuple[int, ...] = field(default=(), compare=False)
 
 
 def count(prompt: Prompt, policy: ModelPolicy, stop_above: int | None = None) -> Count:
@@ -148,7 +153,9 @@ def count(prompt: Prompt, policy: ModelPolicy, stop_above: int | None = None) ->
     base = known_tokens(prompt, policy)
     total = base
     cuts = 0
+    per_text: list[int] = []
     for text in prompt.texts:
+        before, cuts_before = total, cuts
         if len(text) <= SLICE_CHARS:
             total += count_text(text, policy.encoding)
         else:
@@ -157,6 +164,7 @@ def count(prompt: Prompt, policy: ModelPolicy, stop_above: int | None = None) ->
                 total += count_text(piece, policy.encoding)
                 if stop_above is not None and total - cuts * CUT_MARGIN > stop_above:
                     return Count(total - cuts * CUT_MARGIN, total + cuts * CUT_MARGIN, complete=False)
+        per_text.append(max(0, total - before - (cuts - cuts_before) * CUT_MARGIN))
         if stop_above is not None and total - cuts * CUT_MARGIN > stop_above:
             return Count(total - cuts * CUT_MARGIN, total + cuts * CUT_MARGIN, complete=False)
-    return Count(max(base, total - cuts * CUT_MARGIN), total + cuts * CUT_MARGIN)
+    return Count(max(base, total - cuts * CUT_MARGIN), total + cuts * CUT_MARGIN, texts=tuple(per_text))

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from extproc.admission.vocabulary.parsed import Api
+from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prefix import CHUNK_CHARS, prompt_chunks
-from tests.unit.admission.apis_helpers import parse
+from tests.unit.admission.apis_helpers import parse, plan
 
 CHAT = Api("chat")
+POLICY = ModelPolicy(context_window=100_000)
 SYSTEM = "You are a careful assistant. " * 100  # ~2,900 characters: eleven full chunks
 
 
@@ -73,3 +77,46 @@ def test_a_prompt_the_engine_may_cut_brings_no_chunks() -> None:
     assert prompt_chunks(parse(Api("responses"), responses)).hashes != ()
     assert prompt_chunks(parse(Api("responses"), {**responses, "truncation": "auto"})).hashes == ()
     assert prompt_chunks(parse(Api("responses"), {**responses, "truncation": "disabled"})).hashes != ()
+
+
+def own_booked(api: Api, shared: dict[str, Any], own: dict[str, Any]) -> tuple[int, int]:
+    """(tokens booked for `own`'s prompt beside `shared` in flight, its tokens past the shared text)."""
+    plan_shared, plan_own = plan(api, shared, POLICY), plan(api, own, POLICY)
+    first = prompt_chunks(parse(api, shared), plan_shared.text_tokens)
+    second = prompt_chunks(parse(api, own), plan_own.text_tokens)
+    run = 0
+    for x, y in zip(first.hashes, second.hashes, strict=False):
+        if x != y:
+            break
+        run += 1
+    credit = second.credit(run, plan_own.prompt_tokens, margin=16)
+    return plan_own.prompt_tokens - credit, plan_own.prompt_tokens - plan_shared.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        "这是一个关于缓存的问题请详细回答。" * 80,  # ~1,500 Chinese characters: about a token each
+        "0123456789 " * 400,  # digits: dense in tokens per character
+    ],
+)
+def test_a_dense_tail_is_booked_at_least_its_own_tokens(tail: str) -> None:
+    """By the characters' share, an English system prompt before a tail denser in tokens per character was
+    credited part of the tail: its own part booked 665 of 1,507 tokens. In tokens, never below its own."""
+    shared, own = chat("q"), chat(tail)
+    booked, own_tokens = own_booked(CHAT, shared, own)
+    assert booked >= own_tokens > 0
+
+
+def test_a_padded_prefix_is_not_credited_past_its_tokens() -> None:
+    """A system prompt padded with `=` lines (few tokens per character) and a tail of digits."""
+    system = ("=" * 200 + "\n") * 20
+
+    def body(user: str) -> dict[str, Any]:
+        return {
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        }
+
+    booked, own_tokens = own_booked(CHAT, body("q"), body("7" * 4_000))
+    assert booked >= own_tokens > 0

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from extproc.core.kv_budget import BookingMode, KvBudget
+from extproc.core.kv_budget import PREFIX_MARGIN_TOKENS, BookingMode, KvBudget
 from extproc.core.prefix_index import PrefixIndex, PromptChunks
 
 SYSTEM = tuple(range(100, 112))  # twelve chunks of a shared system prompt
@@ -15,12 +15,20 @@ _OWN = itertools.count(10_000)
 
 
 PROMPT = 1300  # tokens of a prompt of thirteen chunks: one chunk stands for 100 tokens
+SHARED = 12 * 100 - PREFIX_MARGIN_TOKENS
+"""What a prompt sharing the twelve chunks is credited: their tokens, less the margin of an engine block."""
 
 
 def chunks(own: int = 1, *, shared: tuple[int, ...] = SYSTEM) -> PromptChunks:
-    """A prompt of the shared chunks followed by `own` chunks of its own (hashes unique to it)."""
+    """A prompt of the shared chunks followed by `own` chunks of its own (hashes unique to it), each chunk a
+    text of its own of 100 tokens, counted."""
     tail = tuple(next(_OWN) for _ in range(own))
-    return PromptChunks(shared + tail, chunk_chars=400, text_chars=400 * (len(shared) + own))
+    n = len(shared) + own
+    ends = tuple(400 * (i + 1) for i in range(n))
+    tokens = tuple(100 * (i + 1) for i in range(n))
+    return PromptChunks(
+        shared + tail, chunk_chars=400, text_chars=400 * n, text_ends=ends, text_tokens=tokens
+    )
 
 
 def budget(capacity: int = 100_000) -> KvBudget:
@@ -55,8 +63,8 @@ def test_shared_prompt_is_booked_once() -> None:
     assert kv.demand_tokens == prompt + 300
     kv.admit("b", prompt, 300, chunks=second)
     # One chunk of margin: 12 credited chunks of 13 stand for 11 x 100 tokens.
-    assert kv.shared_prompt_tokens == 1100
-    assert kv.demand_tokens == 2 * (prompt + 300) - 1100
+    assert kv.shared_prompt_tokens == SHARED
+    assert kv.demand_tokens == 2 * (prompt + 300) - SHARED
 
 
 def test_payer_release_makes_the_holder_pay_again() -> None:
@@ -98,11 +106,11 @@ def test_replicas_bound_the_credit_and_a_change_rebooks() -> None:
     prompt = PROMPT
     for name in "abc":
         kv.admit(name, prompt, 300, chunks=chunks(1))
-    assert kv.shared_prompt_tokens == 2 * 1100
+    assert kv.shared_prompt_tokens == 2 * SHARED
     kv.set_replicas(3)  # each of three replicas may hold its own copy
     assert kv.shared_prompt_tokens == 0 and kv.demand_tokens == 3 * (prompt + 300)
     kv.set_replicas(2)
-    assert kv.shared_prompt_tokens == 1100
+    assert kv.shared_prompt_tokens == SHARED
     for name in "abc":
         kv.release(name)
     assert kv.demand_tokens == 0
@@ -124,16 +132,30 @@ def test_forecast_books_the_shared_prefix_once() -> None:
     kv.admit("a", prompt, 300, now=0.0, chunks=chunks(1))
     kv.admit("b", prompt, 300, now=0.0, chunks=chunks(1))
     kv.observe_engine(0.0, now=0.0, fresh_for=100.0)
-    assert kv.booked_tokens == 2 * (prompt + 300) - 1100
+    assert kv.booked_tokens == 2 * (prompt + 300) - SHARED
 
 
-def test_a_prompt_booked_on_its_bound_is_credited_in_proportion() -> None:
+def test_a_prompt_booked_on_its_bound_is_credited_once_counted_in_tokens() -> None:
     kv = budget()
-    kv.admit("b", 4 * PROMPT, 300, chunks=chunks())  # the byte bound, before the exact count
-    kv.admit("a", PROMPT, 300, chunks=chunks())  # the last holder pays: b is credited
-    assert kv.shared_prompt_tokens == 4 * 1100
-    kv.correct_prompt("b", PROMPT)
-    assert kv.shared_prompt_tokens == 1100 and kv.demand_tokens == 2 * (PROMPT + 300) - 1100
+    counted = chunks()
+    uncounted = PromptChunks(counted.hashes, counted.chunk_chars, counted.text_chars)
+    kv.admit("b", 4 * PROMPT, 300, chunks=uncounted)  # the byte bound, before the exact count
+    kv.admit("a", PROMPT, 300, chunks=chunks())  # the last holder pays: b is credited, but not counted yet
+    assert kv.shared_prompt_tokens == 0
+    kv.correct_prompt("b", PROMPT, chunks=counted)
+    assert kv.shared_prompt_tokens == SHARED and kv.demand_tokens == 2 * (PROMPT + 300) - SHARED
+    other = PromptChunks((1, 2), 400, 800)
+    assert kv.correct_prompt("a", PROMPT, chunks=other) and kv.shared_prompt_tokens == SHARED  # not its own
+
+
+def test_a_shared_run_is_credited_the_tokens_of_the_whole_texts_it_covers() -> None:
+    """An English system prompt (1,161 tokens in 5,000 characters) before 1,500 Chinese characters of the
+    request's own (1,507 tokens): by the character share the own part was booked 665 tokens."""
+    prompt = PromptChunks(tuple(range(26)), 256, 6_501, text_ends=(5_000, 6_501), text_tokens=(1_161, 2_668))
+    assert prompt.credit(19, 2_668) == 0  # 4,864 characters: the system prompt not whole
+    assert prompt.credit(20, 2_668, margin=16) == 1_161 - 16
+    assert 2_668 - prompt.credit(25, 2_668, margin=16) >= 1_507  # 6,400 characters: the own text not whole
+    assert prompt.credit(26, 2_668) == 2_667  # every text shared: never the whole prompt
 
 
 def test_block_rounding_is_booked_per_sequence() -> None:
@@ -242,7 +264,9 @@ def test_an_engine_that_does_not_share_prefixes_credits_none() -> None:
     """vLLM with --no-enable-prefix-caching holds every prompt whole: the credit of the leases in flight is
     booked again at once, and no new request is credited."""
     b = KvBudget(100_000, target_utilization=1.0)
-    chunks = PromptChunks(tuple(range(10)), 100, 1_000)
+    chunks = PromptChunks(
+        tuple(range(10)), 100, 1_000, tuple(range(100, 1_001, 100)), tuple(range(100, 1_001, 100))
+    )
     b.admit("a", 1_000, 0, chunks=chunks)
     b.admit("b", 1_000, 0, chunks=chunks)
     assert b.demand_tokens < 2_000
