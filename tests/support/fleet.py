@@ -234,13 +234,16 @@ class Sample:
     that short). So `running <= held` holds at every sample of a fleet that releases no slot of a request
     the engine still runs, whatever happens between the reads."""
 
-    at: float
+    at: float  # time.monotonic() of the engine's read
     running: float
     waiting: float
     kv: float
+    generated: float  # the engine's generated tokens so far
+    preemptions: float
     held: int
     admitted: int
     held_max: int  # the larger of the two reads: the slots held at one instant
+    span_s: float  # from the first read of the leases to the end of the second
 
 
 class Sampler(threading.Thread):
@@ -254,7 +257,6 @@ class Sampler(threading.Thread):
         self.samples: list[Sample] = []
         self.failed = 0
         self._stop_event = threading.Event()
-        self._start_time = time.monotonic()
 
     def run(self) -> None:
         try:
@@ -267,17 +269,22 @@ class Sampler(threading.Thread):
             self.leases.close()
 
     def sample(self) -> Sample:
+        began = time.monotonic()
         held_before, admitted_before = self.leases.read()
+        at = time.monotonic()
         page = engine_page(self.sim_url)
         held_after, admitted_after = self.leases.read()
         return Sample(
-            at=time.monotonic() - self._start_time,
+            at=at,
             running=page.get("vllm:num_requests_running", 0.0),
             waiting=page.get("vllm:num_requests_waiting", 0.0),
             kv=page.get("vllm:kv_cache_usage_perc", 0.0),
+            generated=page.get("vllm:generation_tokens_total", 0.0),
+            preemptions=page.get("vllm:num_preemptions_total", 0.0),
             held=len(held_before | held_after),
             admitted=len(admitted_before | admitted_after),
             held_max=max(len(held_before), len(held_after)),
+            span_s=time.monotonic() - began,
         )
 
     def stop(self) -> list[Sample]:
@@ -344,6 +351,8 @@ class Tally:
     statuses: dict[int, int] = field(default_factory=dict)
     reasons: dict[str, int] = field(default_factory=dict)
     """Refusals by `x-extproc-reject-reason`, both gateways together."""
+    started: float = 0.0
+    """time.monotonic() when the clients started: the load ran until `started + seconds`."""
 
 
 def chat_body(rng: random.Random, client: int, sent: int, load: Load) -> dict[str, Any]:
@@ -413,8 +422,8 @@ async def _client(
 
 async def _drive(urls: Sequence[str], load: Load) -> Tally:
     n = len(urls)
-    tally = Tally([0] * n, [0] * n, [0] * n, [0] * n)
-    until = time.monotonic() + load.seconds
+    tally = Tally([0] * n, [0] * n, [0] * n, [0] * n, started=time.monotonic())
+    until = tally.started + load.seconds
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=load.seconds + load.drain_s + 30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
