@@ -145,6 +145,23 @@ def build_admission(
         queue.starts = service.capacity_starts  # waiters' deadlines, weighed against the open leases here
     if signals is not None:
         service.decode_rates.fed = signals.decode_rate  # the engines' pace: until one is learned, and a floor
+        deps.kv_budget = _assuming_pace(signals.budget, service)
     streams = OpenStreams()
     service.holders.append(streams.holders)  # before the unseen requests': the open streams are read first
     return Admission(service, streams, UnseenStreams(service))
+
+
+def _assuming_pace(
+    budgets: Callable[[str], KvBudget | None], service: AdmissionService
+) -> Callable[[str], KvBudget | None]:
+    """The pools' KV budgets, each told the decode pace assumed where none is learned or fed
+    (`admission.assumed_decode_tokens_per_second`, as reloaded), which its refusals' `retry-after` takes
+    with no other (`KvBudget.hint_rate`): the first burst after a start, before the feed has a pace."""
+
+    def budget(pool: str) -> KvBudget | None:
+        found = budgets(pool)
+        if found is not None:
+            found.assume_pace(service.decode_rates.default_tokens_per_second)
+        return found
+
+    return budget

@@ -106,6 +106,21 @@ class DecodeRates:
             return fed, RateSource.FED
         return self.default_tokens_per_second, RateSource.ASSUMED
 
+    def hint_rate(self, pool: str) -> float:
+        """The pace a retry hint forecasts open requests to end at (`slot_eta`): the slower of the learned
+        rate and the fed pace where both exist, else `rate`. A rate learned from a few answers decoded at low
+        load (a warm-up, the first streams after a start) runs fast under the full batch the refused
+        clients wait behind, and hints at it send them back before anything frees: the `openai` SDK spends
+        its retries in the first seconds and gives up. The feed's pace is the engines' own under the batch
+        they run now; a hint late by a little costs a client that much, one early costs it a retry (the
+        KV budget's forecast takes the slower of the two for the same reason, `KvBudget.decode_rate`)."""
+        rate, source = self.rate_and_source(pool)
+        if source is RateSource.LEARNED:
+            fed = self.fed_rate(pool)
+            if fed is not None and fed < rate:
+                return fed
+        return rate
+
     def observe(self, pool: str, tokens_per_sequence: float, seconds: float) -> None:
         """A completed streamed answer: `tokens_per_sequence` tokens after the first, over `seconds`."""
         if tokens_per_sequence < self.min_tokens or seconds <= 0 or not math.isfinite(seconds):

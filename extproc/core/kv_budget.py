@@ -286,8 +286,8 @@ class KvBudget:
 
     def retry_after(self, now: float | None) -> float | None:
         """After a refusal by `would_fit` at `now`: in how many seconds that request is expected to fit, and
-        a promise of that place so the next refused request is sent later (`kv_schedule`). None when the
-        pool's decode pace is unknown (no forecast exists) or nothing is admitted.
+        a promise of that place so the next refused request is sent later (`kv_schedule`). None when no pace
+        at all is known (`hint_rate`) or nothing is admitted.
 
         Leases end at their forecast ends (`trajectory`: expected completion less tokens done, in steps
         of one token per sequence) at the pace, plus the first-token delay still ahead of a lease with no
@@ -295,7 +295,7 @@ class KvBudget:
         compared with. The refused request is expected to run its own expected completion at that pace.
         """
         budget = self.budget_tokens
-        rate = self.decode_rate()
+        rate = self.hint_rate()
         refused = self._refused
         if budget is None or now is None or rate is None or rate <= 0 or not self._leases or refused is None:
             return None
@@ -619,6 +619,27 @@ class KvBudget:
         if learned is None or self._fed_rate is None:
             return learned
         return min(learned, self._fed_rate)
+
+    _assumed_rate: float | None = None  # the pace hints take with no other (`assume_pace`)
+
+    def assume_pace(self, tokens_per_second: float | None) -> None:
+        """The pace a refusal's `retry-after` is forecast at where neither a learned nor a fed one exists
+        (`admission.assumed_decode_tokens_per_second`): hints only, never what is booked."""
+        self._assumed_rate = usable_rate(tokens_per_second)
+
+    def hint_rate(self) -> float | None:
+        """The pace a refusal's `retry-after` is forecast at: the forecast's own (`decode_rate`), else the
+        engines' pace from the feed, else the assumed one; None with none of them.
+
+        Before a stream has shown a pace the forecast has none (its unseen leases book their whole footprint,
+        the safe side), but a hint still needs one: without it the first burst after a start was told a flat
+        second while the answers it waited for ran four (the `openai` SDK's two retries spent before
+        anything freed: 7 of 40 answered on vLLM). The feed's pace is the engines' own under the batch they
+        run now, what the leases will end at."""
+        for rate in (self.decode_rate(), self._fed_rate, self._assumed_rate):
+            if rate is not None:
+                return rate
+        return None
 
     def settle_after(self) -> float:
         """Seconds after admission past which a lease is taken to be in the engine's KV gauge when nothing

@@ -419,7 +419,7 @@ def open_lease_of(inflight: InFlight, key: str) -> OpenLease | None:
     sequences = max(1, request.sequences * request.prompt_count)
     allowance = admitted.plan.completion_tokens / sequences
     service = inflight.service
-    rate = service.decode_rates.rate(admitted.pool)
+    rate = service.decode_rates.hint_rate(admitted.pool)
     if usage is not None:
         streamed = usage.completion_tokens / sequences
     else:

@@ -85,3 +85,19 @@ def test_the_lockstep_floor_counts_whole_steps_of_all_sequences(
     seen: int, sequences: int, cap: int, floor: int
 ) -> None:
     assert lockstep_floor(seen, sequences, cap) == floor
+
+
+def test_hints_take_the_slower_of_the_learned_and_the_fed_pace() -> None:
+    """A pace learned from answers decoded at low load runs fast under the batch a refused client waits
+    behind: the retry hints take the engines' own where it is slower, and the usual rate otherwise."""
+    fed: dict[str, float | None] = {"p": None}
+    rates = DecodeRates(default_tokens_per_second=100.0, fed=lambda pool: fed[pool])
+    assert rates.hint_rate("p") == 100.0  # nothing known: assumed
+    fed["p"] = 40.0
+    assert rates.hint_rate("p") == 40.0  # fed
+    rates.observe("p", 160.0, 1.0)
+    assert rates.rate("p") == 160.0 and rates.hint_rate("p") == 40.0  # learned fast, the engines slower
+    fed["p"] = 400.0
+    assert rates.hint_rate("p") == 160.0  # the learned pace is the slower one
+    fed["p"] = None
+    assert rates.hint_rate("p") == 160.0

@@ -3,8 +3,12 @@ requests refused before it (`KvBudget.retry_after`), and the hint a refusal carr
 
 from __future__ import annotations
 
+import pytest
+
 from extproc.admission.replies import refusals
-from extproc.core.kv_budget import KvBudget
+from extproc.core.clock import FakeClock
+from extproc.core.kv_budget import BookingMode, KvBudget
+from extproc.core.kv_fairness import FairShare
 
 
 def budget_at_pace(tokens_per_second: float | None) -> KvBudget:
@@ -91,3 +95,100 @@ def test_a_burst_is_sent_back_in_waves_the_cache_holds() -> None:
     assert waits == [1.0] * 8 + [2.0] * 8 + [3.0] * 8 + [4.0] * 8
     budget.admit("back", 0, 100, now=1.0)  # one of the first wave is admitted: its place is taken
     assert budget.schedule.promises == 31
+
+
+# -- a cold start: no pace learned from streams yet ---------------------------------------------------------
+
+CACHE = 16_384
+PROMPT, ANSWER = 1_500, 300
+ENGINE_PACE = 80.0
+"""Tokens per second per sequence the modeled engine decodes at under the burst's batch, as the feed reads
+it from the engines' counters; nothing has streamed through the gateway yet, so nothing is learned."""
+SAMPLE_S = 0.05
+
+
+def cold_pool() -> tuple[KvBudget, FakeClock]:
+    clock = FakeClock()
+    budget = KvBudget(CACHE, target_utilization=0.9, booking=BookingMode.FORECAST, fairness=FairShare())
+    budget.observe_fed_pace(ENGINE_PACE)
+    budget.observe_engine(0.0, clock(), fresh_for=2.0, waiting=0, running=0)
+    return budget, clock
+
+
+def burst_until_admitted(
+    budget: KvBudget, clock: FakeClock, requests: int
+) -> tuple[list[float], list[float]]:
+    """`requests` chats sent at once to a modeled engine behind `budget` (the lean profile: no progress seen,
+    each answer runs `ANSWER` tokens at `ENGINE_PACE` and ends; the feed samples the KV it holds every
+    `SAMPLE_S`). Returns the `retry-after` each refused request got at once, and the moments each was in
+    fact admitted when tried again at every sample, in order of arrival."""
+    start = clock()
+    ends: dict[str, float] = {}
+    hints: list[float] = []
+    waiting: list[int] = []
+    admitted_at: dict[int, float] = {}
+
+    def try_admit(index: int) -> bool:
+        prompt = PROMPT + index  # distinct prompts: each request known apart on its retries
+        if not budget.would_fit(prompt, ANSWER, "tenant", now=clock())[0]:
+            return False
+        budget.admit(f"r{index}", prompt, ANSWER, "tenant", now=clock())
+        ends[f"r{index}"] = clock() + ANSWER / ENGINE_PACE
+        admitted_at[index] = clock() - start
+        return True
+
+    for index in range(requests):
+        if not try_admit(index):
+            hints.append(refusals.kv_retry_after(budget, clock()))
+            waiting.append(index)
+    while waiting:
+        clock.advance(SAMPLE_S)
+        for lease_id in [lid for lid, end in ends.items() if end <= clock()]:
+            budget.release(lease_id, ANSWER)
+            del ends[lease_id]
+        held = sum(PROMPT + ENGINE_PACE * (clock() - (end - ANSWER / ENGINE_PACE)) for end in ends.values())
+        budget.observe_engine(held, clock(), fresh_for=2.0, waiting=0, running=len(ends))
+        while waiting and try_admit(waiting[0]):
+            waiting.pop(0)
+    return hints, [admitted_at[i] for i in sorted(admitted_at) if admitted_at[i] > 0.0]
+
+
+def within_twice(hint: float, actual: float) -> bool:
+    return actual / 2 <= hint <= actual * 2
+
+
+def test_the_first_refusal_after_a_cold_start_is_told_when_it_fits() -> None:
+    """Forty at once where eight fit, before any stream has taught the budget a pace: the first refused
+    request is told about when the first answers end (at the engines' fed pace), within 2x of the moment
+    it could in fact be admitted; those refused after it are told successive, later moments. The flat
+    second this hint was before fails the same check (3.75 s away)."""
+    budget, clock = cold_pool()
+    assert budget.decode_rate() is None  # nothing learned: the forecast itself books whole footprints
+    hints, admitted = burst_until_admitted(budget, clock, 40)
+    assert len(hints) == 32 and len(admitted) == 32
+    first = admitted[0]
+    assert first == pytest.approx(ANSWER / ENGINE_PACE, abs=2 * SAMPLE_S)
+    assert within_twice(hints[0], first), (hints[0], first)
+    assert not within_twice(refusals.KV_RETRY_AFTER_S, first)
+    # Successive refused clients are sent to successive waves, each hint within 2x of its own admission.
+    assert hints == sorted(hints) and hints[-1] > 3 * hints[0]
+    assert all(within_twice(hint, at) for hint, at in zip(hints, admitted, strict=True)), (hints, admitted)
+
+
+def test_without_a_fed_pace_the_assumed_one_forecasts() -> None:
+    """No stream yet and no feed pace (an engine idle since its exporter started): the pace admission
+    assumes (`admission.assumed_decode_tokens_per_second`) forecasts, never a flat second."""
+    budget = budget_at_pace(None)
+    budget.would_fit(100, 550, now=0.0)
+    assert budget.retry_after(0.0) is None
+    budget.assume_pace(100.0)
+    assert budget.would_fit(100, 550, now=0.0)[0] is False
+    assert refusals.kv_retry_after(budget, 0.0) == 4.0  # the long lease's end at 100 tokens/s
+    fed = budget_at_pace(None)
+    fed.assume_pace(100.0)
+    fed.observe_fed_pace(50.0)  # the engines' own pace comes first
+    assert fed.would_fit(100, 550, now=0.0)[0] is False
+    assert refusals.kv_retry_after(fed, 0.0) == 8.0
+    budget.observe_fed_pace(50.0)
+    budget.pace.observe_stream(100, 1.0)  # a learned pace faster than the engines' now: the slower one
+    assert budget.hint_rate() == 50.0
