@@ -30,7 +30,9 @@ Try:
   curl -s http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model":"{model}","max_tokens":64,"messages":[{{"role":"user","content":"Hello"}}]}}'
 
-See the KV budget refuse what the cache cannot hold (429, with the reason and a forecast retry-after):
+Fill the cache: twenty long answers where seven fit. The shipped `interactive` class waits up to 25 s
+for the KV each needs, so two waves are answered late; what the cache cannot take by then gets a 429
+with the reason and a forecast retry-after:
   for i in $(seq 20); do curl -s -o /dev/null \\
     -w '%{{http_code}} %header{{x-extproc-reject-reason}} retry-after %header{{retry-after}}\\n' \\
     http://127.0.0.1:{envoy}/v1/chat/completions -H 'content-type: application/json' \\

@@ -1,6 +1,8 @@
 """What `make run` shows: its banner's own load loop, pasted as printed, meets the KV budget (the local
-simulator's 16,384-token cache, config/local.yaml's slots above it) and gets 429s that name the reason and
-carry a forecast `retry-after`. The stack is built as `foreground_stack` builds it, on free ports."""
+simulator's 16,384-token cache, config/local.yaml's slots above it). The shipped `interactive` class waits
+up to 25 s for the KV, so two waves of seven are answered, and what the cache cannot take by then gets 429s
+that name the reason and carry a forecast `retry-after`. The stack is built as `foreground_stack` builds it,
+on free ports."""
 
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def test_the_banner_loop_meets_the_kv_budget(stack: Stack) -> None:
     out = subprocess.run(["bash", "-c", banner_loop(stack)], capture_output=True, text=True, timeout=120)
     lines = out.stdout.split("\n")
     refused = [line.split() for line in lines if line.startswith("429")]
-    assert len([line for line in lines if line.startswith("200")]) >= 3, out.stdout
+    # Seven fit the cache at once and the next seven waited for it (before the queue: the seven alone).
+    assert len([line for line in lines if line.startswith("200")]) >= 10, out.stdout
     assert refused and all(words[1] == "kv_budget" for words in refused), out.stdout
     assert all(int(words[3]) >= 1 for words in refused), out.stdout  # a forecast, never "now"

@@ -1,0 +1,70 @@
+"""Issue 41: a burst the engine alone would serve is served through `make run`'s gateway too.
+
+Forty streamed chats of about 1,500 prompt and 300 output tokens sent at once by the official `openai` SDK
+(tests/support/burst.py) to the stack `make run` starts: config/local.yaml as shipped, the lean profile, the
+simulator's 16,384-token cache (about eight of them fit), the KV-cache exporter. Straight to the simulator
+all forty are answered, with preemptions; through the gateway with the config before its default queue, 8
+were (every KV refusal told a flat second, the SDK's two retries spent before the first answers ended).
+Now the shipped `interactive` class waits for the KV instead: all forty answered, none preempted, with the
+SDK's default retries and with none. bench/burst_sim.py prints the same rows for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from devstack.run import LOCAL_SIM_ARGS
+from devstack.stack import LOCAL_CONFIG
+from tests.support.burst import REQUESTS, SDK_DEFAULT_RETRIES, BurstResult, burst
+from tests.support.stack import Stack, start_stack
+
+pytestmark = pytest.mark.e2e
+CACHE_TOKENS = 1024 * 16
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    config = yaml.safe_load(LOCAL_CONFIG.read_text())
+    local = start_stack(config, LOCAL_SIM_ARGS, profile="lean", with_exporter=True, envoy_patch=None)
+    try:
+        stack = Stack(local)
+        deadline = time.monotonic() + 30
+        while stack.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
+            assert time.monotonic() < deadline, "the feed never reported the simulator's cache"
+            time.sleep(0.2)
+        yield stack
+    finally:
+        local.stop()
+
+
+def idle(stack: Stack) -> None:
+    deadline = time.monotonic() + 30
+    while stack.sidecar("extproc_active_requests") + stack.upstream("vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the stack never went idle"
+        time.sleep(0.1)
+
+
+def served(stack: Stack, retries: int, seed: int) -> BurstResult:
+    idle(stack)
+    preempted = stack.upstream("vllm:num_preemptions_total")
+    waited = stack.sidecar("extproc_queue_wait_seconds_count", outcome="admitted")
+    result = burst(stack.url, retries, seed)
+    assert (result.answered, result.failed) == (REQUESTS, 0), (result.row("gateway"), result.reasons())
+    assert stack.upstream("vllm:num_preemptions_total") == preempted
+    # The cache holds about eight: the rest were answered because they waited for its KV.
+    assert stack.sidecar("extproc_queue_wait_seconds_count", outcome="admitted") - waited >= REQUESTS // 2
+    return result
+
+
+def test_a_cold_burst_is_answered_whole_without_retries(stack: Stack) -> None:
+    """The first traffic the stack sees, no pace learned: a client that never retries is answered too."""
+    result = served(stack, retries=0, seed=0)
+    assert result.refusals == 0
+
+
+def test_the_sdk_defaults_are_answered_whole(stack: Stack) -> None:
+    served(stack, retries=SDK_DEFAULT_RETRIES, seed=100)
