@@ -311,8 +311,19 @@ class KvBudget:
         ]
         duration = delay + completion / rate
         priority = (float(owner.rank), served)
+        standing = None if fair is None else (lambda tenant: fair.standing(tenant, now))
         eta = self.schedule.eta(
-            owner, now, self._booked_with, budget, releases, duration, footprint, first, priority
+            owner,
+            now,
+            self._booked_with,
+            budget,
+            releases,
+            duration,
+            footprint,
+            first,
+            priority,
+            owner.tenant,
+            standing,
         )
         if fair is not None:
             fair.waits(owner, now + eta + fair.claim_ttl_s)  # its tenant waits until it is due back

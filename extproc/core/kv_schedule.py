@@ -21,7 +21,7 @@ expected end. Pure: callers pass `now`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -33,6 +33,22 @@ class Promise:
     end: float
     tokens: int
     priority: tuple[float, float] = (0.0, 0.0)  # (class rank, tenant's attained service): lower first
+    tenant: str = ""  # whose request it is: its service is read again when another is planned (`eta`)
+
+
+_Planned = tuple[tuple[float, float], str, Callable[[str], float] | None]
+"""A request being planned: its priority, its tenant and how to read a tenant's service now (`eta`)."""
+
+
+def _ahead(
+    promise: Promise, priority: tuple[float, float], tenant: str, standing: Callable[[str], float] | None
+) -> bool:
+    """Whether `promise` is planned before the request of `priority` and `tenant` (lower goes first)."""
+    if standing is None or promise.priority[0] != priority[0]:
+        return promise.priority <= priority
+    if promise.tenant == tenant:
+        return True
+    return standing(promise.tenant) <= priority[1]
 
 
 @dataclass
@@ -55,20 +71,28 @@ class RetrySchedule:
         tokens: int,
         first: bool = False,
         priority: tuple[float, float] = (0.0, 0.0),
+        tenant: str = "",
+        standing: Callable[[str], float] | None = None,
     ) -> float:
         """Seconds from `now` after which the refused request `owner` (`tokens` of KV for `duration` s) is
         expected to fit, and the promise made for it. `level` is the booking it was refused at, itself
         included; `releases` (seconds from now, tokens) are the leases' expected ends. It is planned around
         the promises of its `priority` or before (its class's rank, its tenant's attained service: lower
         goes first), in front of the others, or of all with `first` (it holds the fair-share claim): those
-        passed find its KV taken when they come back and are planned again. One sort and one sweep:
-        O(n log n) in the leases and promises."""
+        passed find its KV taken when they come back and are planned again. With `standing` (a tenant's
+        attained service now) the promises of `tenant`'s class are ordered by their tenants' service now,
+        not as it stood when each was made: service decays, so a tenant's own earlier promises, made at
+        its higher service of a moment ago, would all count as behind its later refusals, and a burst's
+        refusals spread over milliseconds were every one sent to the first release. A tenant's own earlier
+        promises stay ahead of it (first come within a tenant). One sort and one sweep: O(n log n) in the
+        leases and promises."""
         self._forget(now)
         self._drop(owner, due_by=now)  # this client's own promise, if it is back at or after its time
-        times, levels = self._steps(now, level, releases, None if first else priority)
+        ahead_of = None if first else (priority, tenant, standing)
+        times, levels = self._steps(now, level, releases, ahead_of)
         chosen = self._first_fit(times, levels, budget, max(0.0, duration))
         if self.promises < self.max_promises:
-            promise = Promise(now + chosen, now + chosen + max(0.0, duration), tokens, priority)
+            promise = Promise(now + chosen, now + chosen + max(0.0, duration), tokens, priority, tenant)
             self._promises.setdefault(owner, []).append(promise)
         return chosen
 
@@ -93,10 +117,10 @@ class RetrySchedule:
         now: float,
         level: float,
         releases: Sequence[tuple[float, int]],
-        ahead_of: tuple[float, float] | None,
+        ahead_of: _Planned | None,
     ) -> tuple[list[float], list[float]]:
         """The booking ahead as a step function: `levels[k]` holds from `times[k]` to `times[k + 1]`, with
-        the promises of priority `ahead_of` or before (none for None)."""
+        the promises ahead of the request `ahead_of` describes (none for None, `_ahead`)."""
         changes: dict[float, float] = {0.0: 0.0}
         for at, released in releases:
             at = max(0.0, at)
@@ -105,7 +129,7 @@ class RetrySchedule:
             p
             for listed in self._promises.values()
             for p in listed
-            if ahead_of is not None and p.priority <= ahead_of
+            if ahead_of is not None and _ahead(p, *ahead_of)
         ]
         for promise in promises:
             start, end = max(0.0, promise.start - now), promise.end - now

@@ -71,3 +71,40 @@ def test_a_tenant_that_received_less_is_planned_before_promises_of_one_that_rece
     assert schedule.eta("critical", 0.0, 900, 800, releases, 10.0, 100, priority=(-1.0, 9e9)) == 10.0
     # Among equals, promises keep their order: one more of the flood waits for the third wave.
     assert schedule.eta(("flood", 99), 0.0, 900, 800, releases, 10.0, 100, priority=(0.0, 5000.0)) == 30.0
+
+
+def test_a_tenants_service_is_read_now_not_as_it_stood_at_each_promise() -> None:
+    """Service decays: a tenant's later refusal stands a little lower than its earlier promises were made
+    at. Compared as recorded, each of a burst's refusals, milliseconds apart, passed every promise before
+    it and was sent to the first release. Read now, a tenant's own earlier promises stay ahead of it, and
+    another tenant's are ahead only while that tenant has received no more."""
+    schedule = RetrySchedule()
+    service = {"a": 1000.0}
+
+    def standing(tenant: str) -> float:
+        return service[tenant]
+
+    def eta(owner: object, tenant: str, served: float, now: float = 0.0) -> float:
+        releases = [(10.0 - now, 100)] * 8  # the same leases' ends, seen from `now`
+        return schedule.eta(
+            owner,
+            now,
+            900,
+            800,
+            releases,
+            10.0,
+            100,
+            priority=(0.0, served),
+            tenant=tenant,
+            standing=standing,
+        )
+
+    # The flood's tenant, its service decaying between its refusals 2 ms apart.
+    starts = [i * 0.002 + eta(("a", i), "a", 1000.0 - i, now=i * 0.002) for i in range(16)]
+    assert starts == pytest.approx([10.0] * 8 + [20.0] * 8)
+    # A tenant that has received more than the flood's is planned behind its promises ...
+    service["b"] = 2000.0
+    assert eta("b", "b", 2000.0) == 30.0
+    # ... one that has received less goes ahead of them: its KV is taken at the first release.
+    service["c"] = 0.0
+    assert eta("c", "c", 0.0) == 10.0
