@@ -35,14 +35,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from devstack.processes import Process, free_port
 from extproc.envoyconf.profiles import REPO
+from tests.support.stack import http, scrape
 
 ENGINE_VENV = Path(os.environ.get("EXTPROC_ENGINE_VENV", REPO / ".venv-vllm"))
 """The engine's venv: `make engine-env` makes it at the repository root."""
@@ -185,3 +187,56 @@ def wait_engine(engine: Engine, timeout_s: float) -> None:
             pass
         time.sleep(0.5)
     pytest.fail(f"the engine was not ready after {timeout_s:.0f}s:\n{engine.log()[-6000:]}", pytrace=False)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The engine's KV cache as it reports it: `vllm:cache_config_info`'s labels (vLLM 0.32.0
+    v1/metrics/loggers.py, the engine's CacheConfig)."""
+
+    block_tokens: int
+    blocks: int
+    prefix_caching: bool
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks a request can hold: one is the block pool's null block (v1/core/block_pool.py)."""
+        return self.blocks - 1
+
+
+def cache_shape(engine_url: str) -> CacheShape:
+    for (name, labels), _ in scrape(f"{engine_url}/metrics").items():
+        if name == "vllm:cache_config_info":
+            info = dict(labels)
+            return CacheShape(
+                block_tokens=int(info["block_size"]),
+                blocks=int(info["num_gpu_blocks"]),
+                prefix_caching=info.get("enable_prefix_caching") == "True",
+            )
+    raise AssertionError(f"no vllm:cache_config_info on {engine_url}/metrics")
+
+
+def tokenize(engine_url: str, body: dict[str, Any]) -> list[int]:
+    """The engine's own token ids for a request's prompt (`/tokenize` with the request's `messages`, chat
+    template and generation prompt applied, or its `prompt`)."""
+    keys = ("model", "messages", "prompt")
+    reply = http("POST", f"{engine_url}/tokenize", {k: v for k, v in body.items() if k in keys})
+    assert reply.status == 200, reply.body
+    tokens: list[int] = reply.json()["tokens"]
+    return tokens
+
+
+def blocks_at_end(prompts: Sequence[Sequence[int]], output_tokens: int, shape: CacheShape) -> int:
+    """The fewest KV blocks the requests hold together once each has generated `output_tokens`, were they
+    all running then: each holds its prompt and all but its last token (the last one sampled is never
+    computed), in whole blocks; with prefix caching the full prompt blocks that requests have in common
+    (the same tokens from the start, vLLM's block hashes chain them) are held once. A lower bound: vLLM
+    may also compute a shared block twice when requests arrive in the same step."""
+    size = shape.block_tokens
+    shared: set[tuple[int, ...]] = set()
+    held = 0
+    for prompt in prompts:
+        full = len(prompt) // size if shape.prefix_caching else 0
+        shared.update(tuple(prompt[: (k + 1) * size]) for k in range(full))
+        held += -(-(len(prompt) + output_tokens - 1) // size) - full
+    return held + len(shared)
