@@ -30,6 +30,7 @@ import math
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import openai
@@ -134,17 +135,26 @@ def ignored_the_abort(delta: Ledger) -> bool:
 
 def test_a_stream_of_n_sequences_left_is_charged_what_the_engine_generated(gateway: Stack) -> None:
     """Left after 160 events, a stream of eight sequences: the engine generated every sequence as far (and
-    a few steps more until the abort reached it)."""
-    time.sleep(FEED_INTERVAL_S + 0.5)
-    delta = leave_stream(gateway, n=8, events=STREAM_EVENTS)
-    if ignored_the_abort(delta):  # once is the engine's; twice in a row fails
-        print(f"{profile(gateway)}: the engine missed the abort: {delta}")
+    a few steps more until the abort reached it), and the charge is its count. Where the engine ran on past
+    the abort (`ignored_the_abort`, the engine's doing) the stream is left once more; if it does again, what
+    the product guarantees whatever the engine does is asserted: at least what passed, at most the
+    reservation and `STREAM_LEFT_BOUNDS`' ceiling of the engine's count (the steps it ran after the client
+    left are not all the stream's as far as the gateway can tell)."""
+    for _ in range(2):
+        time.sleep(FEED_INTERVAL_S + 0.5)
         delta = leave_stream(gateway, n=8, events=STREAM_EVENTS)
-    ratio = delta.completion / delta.engine_generated
-    print(f"{profile(gateway)}: n=8 stream left: {delta.completion} charged of {delta.engine_generated}")
-    assert delta.engine_generated >= STREAM_EVENTS
-    low, high = STREAM_LEFT_BOUNDS
-    assert low <= ratio <= high, (delta.completion, delta.engine_generated)
+        missed = ignored_the_abort(delta)
+        case = "the engine missed the abort" if missed else "the engine aborted in time"
+        print(f"{profile(gateway)}: n=8 stream left, {case}: {delta.completion} of {delta.engine_generated}")
+        assert delta.engine_generated >= STREAM_EVENTS
+        ceiling = min(8 * LONG_ANSWER, STREAM_LEFT_BOUNDS[1] * delta.engine_generated)
+        assert STREAM_EVENTS <= delta.completion <= ceiling, delta
+        if not missed:
+            break
+    if not missed:
+        low, high = STREAM_LEFT_BOUNDS
+        ratio = delta.completion / delta.engine_generated
+        assert low <= ratio <= high, (delta.completion, delta.engine_generated)
 
 
 BODY_LEFT_BOUNDS = (0.95, 1.05)
@@ -286,13 +296,15 @@ the tier, clients fell so far behind that streams passed more than the proxy's b
 before they left; charged by the pace rules then, a lean flood with two of them came to 1.07. Such streams
 are counted too now (`InFlight._left_mid_answer`): since then 1.033 lean (its first run, with an answer
 decoded whole, 0.79), inline 0.999, 0.995 and once 0.82 (180 streams, not diagnosed). A flood out of
-bounds, or one where the engine decoded a whole answer (`long_answers`), is run again once; twice in a row
-fails."""
+bounds, or one where the engine decoded a whole answer (`long_answers`), is run again once; out of bounds
+twice in a row with every abort in time fails; a second flood with an abort missed is held to what the
+product guarantees whatever the engine does (see the test)."""
 
 
-def leave_after_three(url: str, deadline: float) -> int:
-    """Streams left after three chunks, one after another until `deadline`: how many were answered."""
-    answered = 0
+def leave_after_three(url: str, deadline: float) -> tuple[int, int]:
+    """Streams left after three chunks, one after another until `deadline`: how many were answered, and how
+    many chunks with text the client read (a token or more each)."""
+    answered = passed = 0
     with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         while time.monotonic() < deadline:
             try:
@@ -305,12 +317,18 @@ def leave_after_three(url: str, deadline: float) -> int:
             except openai.RateLimitError:
                 time.sleep(0.5)
                 continue
-            for i, _ in enumerate(stream):
+            for i, chunk in enumerate(stream):
+                passed += sum(1 for choice in chunk.choices if choice.delta.content)
                 if i == 3:
                     break
             stream.close()
             answered += 1
-    return answered
+    return answered, passed
+
+
+def within(delta: Ledger, bounds: tuple[float, float]) -> bool:
+    low, high = bounds
+    return low <= delta.completion / delta.engine_generated <= high
 
 
 def long_answers(gateway: Stack) -> float:
@@ -322,40 +340,71 @@ def long_answers(gateway: Stack) -> float:
     return total - gateway.upstream("vllm:request_generation_tokens_bucket", le="100.0")
 
 
-def flood_of_streams_left(gateway: Stack) -> tuple[int, float, float, Ledger]:
-    """Four clients leaving streams after three chunks for `FLOOD_S`: how many, how many were charged the
-    engine's count, how many the engine ran past 100 tokens (it missed the abort), and the ledger."""
+@dataclass
+class Flood:
+    answered: int
+    passed: int
+    """Tokens the clients read, at least (chunks with text)."""
+    by_count: float
+    """Streams charged the engine's count (`counted_answers`)."""
+    missed: float
+    """Streams the engine ran past 100 tokens: it missed their abort (`long_answers`)."""
+    delta: Ledger
+
+    @property
+    def ratio(self) -> float:
+        return self.delta.completion / self.delta.engine_generated
+
+    def __str__(self) -> str:
+        case = f"{self.missed:.0f} aborts missed by the engine" if self.missed else "every abort in time"
+        return (
+            f"flood of {self.answered} ({self.by_count:.0f} counted, {case}): {self.delta.completion} "
+            f"charged of {self.delta.engine_generated} generated ({self.ratio:.3f}), {self.passed} passed"
+        )
+
+
+def flood_of_streams_left(gateway: Stack) -> Flood:
+    """Four clients leaving streams after three chunks for `FLOOD_S`."""
     before = Ledger.read(gateway)
     counted, long_before = counted_answers(gateway), long_answers(gateway)
     deadline = time.monotonic() + FLOOD_S
     with concurrent.futures.ThreadPoolExecutor(FLOOD_CLIENTS) as pool:
-        answered = sum(pool.map(lambda _: leave_after_three(gateway.url, deadline), range(FLOOD_CLIENTS)))
+        runs = list(pool.map(lambda _: leave_after_three(gateway.url, deadline), range(FLOOD_CLIENTS)))
     delta = Ledger.read(gateway) - before
-    return answered, counted_answers(gateway) - counted, long_answers(gateway) - long_before, delta
-
-
-def within(delta: Ledger, bounds: tuple[float, float]) -> bool:
-    low, high = bounds
-    return low <= delta.completion / delta.engine_generated <= high
+    return Flood(
+        answered=sum(answered for answered, _ in runs),
+        passed=sum(passed for _, passed in runs),
+        by_count=counted_answers(gateway) - counted,
+        missed=long_answers(gateway) - long_before,
+        delta=delta,
+    )
 
 
 def test_a_flood_of_streams_left_early_is_charged_what_the_engine_generated(gateway: Stack) -> None:
     """Each stream charged its share of the engine's count over its own time: the engine ran on past what
-    passed until the abort reached it, which nothing in front of it sees."""
-    time.sleep(FEED_INTERVAL_S + 0.5)
-    answered, by_count, missed, delta = flood_of_streams_left(gateway)
-    if missed or not within(delta, FLOOD_BOUNDS):  # once is the engine's (see FLOOD_BOUNDS); twice fails
-        print(f"{profile(gateway)}: {missed} aborts missed, {delta.completion} of {delta.engine_generated}")
+    passed until the abort reached it, which nothing in front of it sees.
+
+    Whatever the engine does, the flood is charged at least what passed to its clients and at most their
+    reservations and `FLOOD_BOUNDS`' ceiling of the engine's count. Where the engine honoured every abort the
+    charge is within `FLOOD_BOUNDS` of its count; a flood out of bounds is run again once (the host's
+    saturation, see there), twice in a row fails. Where the engine missed an abort (vLLM issue #54947: an
+    answer decoded to its end after its client left, `long_answers`), the steps it ran after the client
+    left may be nobody's as far as the gateway can tell, so the floor is what passed: the flood is run
+    again once for a measurement without one, and a second such flood is asserted on those terms alone."""
+    for attempt in (1, 2):
         time.sleep(FEED_INTERVAL_S + 0.5)
-        answered, by_count, missed, delta = flood_of_streams_left(gateway)
-    ratio = delta.completion / delta.engine_generated
-    print(
-        f"{profile(gateway)}: flood of {answered} ({by_count} counted):",
-        f"{delta.completion} charged of {delta.engine_generated}",
-    )
-    assert answered >= FLOOD_CLIENTS and missed == 0
-    low, high = FLOOD_BOUNDS
-    assert low <= ratio <= high, (answered, delta.completion, delta.engine_generated)
+        flood = flood_of_streams_left(gateway)
+        print(f"{profile(gateway)}: {flood}")
+        delta = flood.delta
+        assert flood.answered >= FLOOD_CLIENTS, flood
+        assert flood.passed >= flood.answered, flood  # each read a token or more
+        assert flood.passed <= delta.completion <= flood.answered * LONG_ANSWER, flood
+        assert delta.completion <= FLOOD_BOUNDS[1] * delta.engine_generated, flood
+        if not flood.missed and within(delta, FLOOD_BOUNDS):
+            return
+        if attempt == 2 and flood.missed:
+            return  # the engine's doing, twice: what holds whatever the engine does is asserted above
+    raise AssertionError(f"out of {FLOOD_BOUNDS} twice in a row with every abort in time: {flood}")
 
 
 BODY_FLOOD_BOUNDS = (0.95, 1.05)
@@ -367,20 +416,31 @@ the engine's count by the sequence-seconds it and the others ran, the others as 
 closed loop of clients, each next request coming as the last leaves, hides inside a 2 s interval."""
 
 
-def leave_bodies(url: str, deadline: float, wait_s: float) -> int:
+BODY_ANSWER = 1600
+"""The non-streamed answers' `max_tokens` (two sequences each; the tier's model never stops before it,
+tests/engine/build_model.py): 1,600 steps, far more than a host runs in the longest wait (1.5 s) here (7 ms a
+step for two sequences on the loaded CI host; at 1,000 an answer once came back, 200, before its client
+left on a fresh clone's host), while four still fit the KV budget at once (12,800 tokens of its 14,745).
+An answer served whole all the same is charged its usage, counted in the comparison like the rest."""
+
+
+def leave_bodies(url: str, deadline: float, wait_s: float) -> tuple[int, int]:
     """Non-streamed answers of two sequences, each left after `wait_s`, one after another until `deadline`:
-    how many were left."""
-    left = 0
-    body = {"model": MODEL, "prompt": "Hi", "n": 2, "max_tokens": LONG_ANSWER}
+    how many were left, and how many answered before their client left."""
+    left = answered = 0
+    body = {"model": MODEL, "prompt": "Hi", "n": 2, "max_tokens": BODY_ANSWER}
     while time.monotonic() < deadline:
         try:
             reply = http("POST", f"{url}/v1/completions", body, timeout_s=wait_s)
         except OSError:
             left += 1
             continue
+        if reply.status == 200:  # the host ran the answer faster than the client waited: charged its usage
+            answered += 1
+            continue
         assert reply.status == 429, reply.body  # nothing else answers before the client leaves
         time.sleep(0.5)
-    return left
+    return left, answered
 
 
 def test_a_flood_of_non_streamed_answers_left_is_charged_the_engines_count(gateway: Stack) -> None:
@@ -392,13 +452,14 @@ def test_a_flood_of_non_streamed_answers_left_is_charged_the_engines_count(gatew
     deadline = time.monotonic() + FLOOD_S
     waits = (0.6, 0.9, 1.2, 1.5)
     with concurrent.futures.ThreadPoolExecutor(len(waits)) as pool:
-        left = sum(pool.map(lambda wait: leave_bodies(gateway.url, deadline, wait), waits))
+        runs = list(pool.map(lambda wait: leave_bodies(gateway.url, deadline, wait), waits))
+    left, answered = sum(r[0] for r in runs), sum(r[1] for r in runs)
     delta = Ledger.read(gateway) - before
     ratio = delta.completion / delta.engine_generated
     by_count = counted_answers(gateway) - counted
     print(
-        f"{profile(gateway)}: {left} bodies left ({by_count} counted): {delta.completion} of",
-        delta.engine_generated,
+        f"{profile(gateway)}: {left} bodies left ({by_count} counted), {answered} answered: "
+        f"{delta.completion} of {delta.engine_generated}"
     )
     assert left >= len(waits)
     low, high = BODY_FLOOD_BOUNDS
