@@ -127,24 +127,9 @@ class LocalStack:
 
     def _start(self) -> None:
         assert self.workdir is not None
-        python = sys.executable
         sim: Process | None = None
         if self.with_simulator and self.upstream is None:
-            sim = Process.start(
-                "simulator",
-                [
-                    python,
-                    "-m",
-                    "extproc.sim",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.ports.upstream),
-                    *self.sim_args,
-                ],
-                self.workdir,
-            )
-            self.processes["simulator"] = sim
+            sim = self.start_simulator()
         if self.with_exporter:
             self.start_exporter()
         sidecar_config = self._sidecar_config_data()
@@ -183,6 +168,16 @@ class LocalStack:
             return parse_config(sidecar_config_with_ports(raw, self.ports, self.with_exporter))
         except ConfigError as exc:
             raise RuntimeError(f"invalid sidecar config: {exc}") from exc
+
+    def start_simulator(self) -> Process:
+        """The simulator on the upstream port with the stack's arguments: at start, and again where a test
+        stopped it (`stop_process("simulator")`) and brings the engine back."""
+        assert self.workdir is not None
+        port = str(self.ports.upstream)
+        argv = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", port, *self.sim_args]
+        sim = Process.start("simulator", argv, self.workdir)
+        self.processes["simulator"] = sim
+        return sim
 
     def start_exporter(self) -> Process:
         """The KV-cache exporter scraping the simulator, as a DaemonSet pod would on a GPU node."""

@@ -286,7 +286,8 @@ class Metrics:
             "Leases settled, by how the response ended (completed, aborted, upstream_error, cut, expired: "
             "the lean profile's end report did not come within admission.end_report_wait_seconds; "
             "not_forwarded: a filter after the sidecar, such as an endpoint picker, answered it; "
-            "engine_busy: the engine refused it, its queue full: nothing charged).",
+            "engine_busy: the engine refused it, its queue full: nothing charged; engine_unreachable: the "
+            "proxy could not connect to any engine, its response flags UF or UH: nothing charged).",
             ["outcome"],
             registry=r,
         )

@@ -43,6 +43,8 @@ class KvSignals(Protocol):
 
     def engine_refused(self, pool: str) -> None: ...
 
+    def engine_down_for(self, pool: str) -> float | None: ...
+
 
 class OpenStream(Protocol):
     """A request whose protocol stream is open (an `Exchange`): closed at shutdown, and read for the lease
@@ -137,6 +139,7 @@ def build_admission(
         deps.kv_usage = signals.kv_usage
         deps.feeds_pool = signals.feeds_pool
         deps.engine_refused = signals.engine_refused
+        deps.engine_down_for = signals.engine_down_for
         deps.engine_tally = signals.engine_tally
     if served_as is not None:
         deps.served_as = served_as

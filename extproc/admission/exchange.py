@@ -253,22 +253,32 @@ class Exchange:
     # -- response (inline) ----------------------------------------------------------------------------------
 
     def response_headers(
-        self, status: int | None, content_type: str, end_of_stream: bool, from_router: bool = True
+        self,
+        status: int | None,
+        content_type: str,
+        end_of_stream: bool,
+        from_router: bool = True,
+        engine_unreachable: bool = False,
     ) -> Forward | Refusal:
         """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers.
         `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so a picker
         refusal status (`answer.PICKER_REFUSALS`) came from a filter after the sidecar and the request was not
         forwarded. An engine's own refusal (a 503, its queue full) is made a retryable one
-        (`_engine_busy`)."""
+        (`_engine_busy`); so is the proxy's own answer when it could not connect to any engine
+        (`engine_unreachable`, its response flags: `_engine_unreachable`)."""
         inflight = self.inflight
         if inflight is None or self.phase is not Phase.ADMITTED:
             return FORWARD
         admitted = inflight.admitted
-        self.response = response = Answer.open(admitted, status, content_type, end_of_stream, from_router)
+        self.response = response = Answer.open(
+            admitted, status, content_type, end_of_stream, from_router, engine_unreachable
+        )
         self._phase = Phase.RESPONDING
         seen = response.seen()
         inflight.observe(seen)
         headers = ratelimit_headers(admitted.lease.status)
+        if response.engine_unreachable:
+            return self._engine_unreachable(inflight)
         if seen.facts.engine_busy:
             return self._engine_busy(inflight, headers, content_type)
         return Forward(set_headers=headers)
@@ -286,6 +296,17 @@ class Exchange:
         if "json" in content_type.lower():
             return Forward(set_headers=(*headers, *refusals.engine_busy_headers(retry_after_s)))
         return render_refusal(admitted.request.api, refusals.engine_busy(retry_after_s, headers))
+
+    def _engine_unreachable(self, inflight: InFlight) -> Refusal:
+        """The proxy could not connect to any engine for this admitted request and answered itself: nothing
+        was sent, so the lease settles now (`engine_unreachable`, refunded in full), and the client gets the
+        refusal the sidecar sends up front once the feed shows the pool down, with its reason and retry hint
+        (the outage's length where the feed knows it already, else the least)."""
+        inflight.settle()
+        admitted = inflight.admitted
+        down_for = self.service.deps.engine_down_for(admitted.pool)
+        refusal = refusals.engine_down(admitted.request.model, refusals.engine_down_retry_after(down_for))
+        return render_refusal(admitted.request.api, refusal)
 
     async def response_body(self, chunk: bytes, end_of_stream: bool) -> Forward | Refusal:
         """Follow usage (removing the usage event the client did not ask for); maybe cut under pressure."""

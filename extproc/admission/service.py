@@ -31,6 +31,7 @@ from extproc.admission.intake.reservation import count_prompt_tokens
 from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prompt import Count
+from extproc.core.adaptive import never_down
 from extproc.core.clock import Clock, monotonic
 from extproc.core.decode_rate import DecodeRates
 from extproc.core.engine_tally import EngineTally, no_tally
@@ -63,6 +64,8 @@ class Deps:
     feeds_pool: Callable[[str], bool] = lambda _pool: False  # whether the KV feed reports this pool
     # The engine refused an admitted request of this pool (its queue full): the pool's scale drops at once.
     engine_refused: Callable[[str], None] = lambda _pool: None
+    # Seconds the feed has shown no live endpoint of this pool (None: not down): refused up front.
+    engine_down_for: Callable[[str], float | None] = never_down
     # The name whose policy and pool a requested model uses (an engine-listed alias or adapter: its base
     # pool); None refuses it as a model the engines do not serve (kvfeed.subscriber.runtime.served_as).
     # Asked with the rules the request is admitted under, so one request never mixes two configs.

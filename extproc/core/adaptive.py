@@ -23,12 +23,30 @@ like any other drop.
 
 Staleness: with no sample newer than `stale_after_seconds` the controller cannot see the GPU, so it falls to
 `stale_scale` (default `min_scale`, never full limits) and recovers gradually once samples return.
+
+Engines down: a feed that keeps arriving and says every endpoint of the pool refuses connections is not a
+stale feed and not KV pressure: the sidecar sees the pool's state exactly (nothing runs there). `unreachable`
+holds the scale where it was (an engine that comes back has an empty cache: falling to `stale_scale` would
+only keep the limits at 60 % for the eight seconds of recovery after it returns) and, once that has lasted
+`ENGINE_DOWN_GRACE_S`, says so (`ControllerState.engine_down`, with `down_since`): admission then refuses the
+pool's requests up front. The first up sample ends it at once (`observe`), the scale as it was.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+ENGINE_DOWN_GRACE_S = 1.0
+"""How long every endpoint of a pool must have been seen refusing connections before the pool counts as
+down (`AdaptiveController.unreachable`). One failed scrape can be a listener restarting; two in a row, a
+scrape interval (1 s) apart, say the engine is gone. Meanwhile admitted requests get the proxy's own 503,
+refunded and settled as `engine_unreachable`, so the grace costs the clients nothing they would have had."""
+
+
+def never_down(_pool: str) -> float | None:
+    """How long a pool has been down where nothing watches its engines (no KV feed): never."""
+    return None
 
 
 class AdaptiveConfigError(ValueError):
@@ -130,6 +148,8 @@ class ControllerState:
     `kv_usage` is None when the pool reports no KV gauge (the KV term is then 1.0); `waiting` is the pool's
     summed backend queue; `target_scale` is what the curve asks for, `scale` what the limits should use
     after hysteresis; `stale` says the inputs are too old to trust; `updated_at` is the `now` of the call.
+    `engine_down` says the feed has shown every endpoint of the pool refusing connections for at least
+    `ENGINE_DOWN_GRACE_S`, since `down_since` (the first such reading; None while any endpoint is seen up).
     """
 
     kv_usage: float | None
@@ -138,6 +158,8 @@ class ControllerState:
     scale: float
     stale: bool
     updated_at: float
+    engine_down: bool = False
+    down_since: float | None = None
 
 
 def _linear_down(value: float, low: float, high: float, floor: float) -> float:
@@ -174,6 +196,7 @@ class AdaptiveController:
     _kv_usage: float | None = field(default=None, init=False)
     _waiting: float = field(default=0.0, init=False)
     _newest_sample_at: float | None = field(default=None, init=False)
+    _down_since: float | None = field(default=None, init=False)
     _state: ControllerState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -206,7 +229,8 @@ class AdaptiveController:
         self, kv_usage: float | None, waiting: float, newest_sample_at: float | None, now: float
     ) -> ControllerState:
         """Feed the pool's aggregate (`newest_sample_at` = when the freshest contributing sample arrived,
-        None when the pool has no fresh sample) and re-evaluate."""
+        None when the pool has no fresh sample) and re-evaluate. Ends an outage (`unreachable`)."""
+        self._down_since = None
         self._kv_usage = _clean_ratio(kv_usage)
         self._waiting = _clean_count(waiting)
         if newest_sample_at is not None and (
@@ -216,6 +240,28 @@ class AdaptiveController:
         elif newest_sample_at is None:
             self._newest_sample_at = None
         return self.tick(now)
+
+    def unreachable(self, now: float) -> ControllerState:
+        """The feed, fresh, shows every endpoint of the pool refusing connections: not KV pressure and not a
+        blind sidecar, so the scale holds where it was (its time moves on, so recovery after the outage runs
+        from the return, not from before it), and once this has lasted `ENGINE_DOWN_GRACE_S` the state says
+        the pool is down. The next `observe` (an endpoint up, or the feed gone stale) ends it."""
+        prev = self._state
+        if self._down_since is None:
+            self._down_since = now
+        down = now - self._down_since >= ENGINE_DOWN_GRACE_S
+        self._kv_usage, self._waiting = None, 0.0
+        self._state = ControllerState(
+            kv_usage=None,
+            waiting=0.0,
+            target_scale=prev.scale,
+            scale=prev.scale,
+            stale=False,
+            updated_at=max(now, prev.updated_at),
+            engine_down=down,
+            down_since=self._down_since,
+        )
+        return self._state
 
     def refused(self, now: float) -> ControllerState:
         """The engine refused a request for want of room: the scale falls to `min_scale` now (the target too,
@@ -229,6 +275,8 @@ class AdaptiveController:
             scale=min(prev.scale, floor),
             stale=prev.stale,
             updated_at=max(now, prev.updated_at),
+            engine_down=prev.engine_down,
+            down_since=prev.down_since,
         )
         return self._state
 

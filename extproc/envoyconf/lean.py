@@ -181,6 +181,8 @@ def _lean_filters(hcm: dict[str, Any], max_body_bytes: int) -> None:
             attributes.append(tenant_attribute(tenant))
         attributes.extend(header_attribute(name) for name in ATTRIBUTE_HEADERS)
         ext_proc["request_attributes"] = attributes
+        # No response phase here: the access log brings Envoy's response flags instead (accesslog.py).
+        ext_proc.pop("response_attributes", None)
         # Kept: the namespaces an earlier filter forwards (a tenant from metadata, docs/tenants.md).
         options = ext_proc.setdefault("metadata_options", {})
         options["receiving_namespaces"] = {"untyped": [NAMESPACE]}
@@ -431,6 +433,7 @@ def render_istio_lean(inline: dict[str, Any]) -> dict[str, Any]:
         elif patch["applyTo"] == "HTTP_FILTER" and value["name"] == EXT_PROC:
             ext_proc = value["typed_config"]
             ext_proc["processing_mode"] = dict(HEADERS_AND_BODY_MODE)
+            ext_proc.pop("response_attributes", None)  # no response phase: the access log has the flags
             ext_proc.setdefault("metadata_options", {})["receiving_namespaces"] = {"untyped": [NAMESPACE]}
             lua = copy.deepcopy(patch)
             lua["patch"]["value"] = _lua_filter()

@@ -21,7 +21,9 @@ key, extproc/admission/vocabulary/names.py), so each entry names one waiting lea
   it (a reset before the response, no healthy upstream...): an engine's 503 is its queue full and refunded
   in full (`engine_busy`), Envoy's own 503 is not;
 * `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
-  logged for diagnosis; settlement needs only what was seen (extproc/admission/capacity/settlement.py).
+  logged for diagnosis; settlement reads only `upstream_connection_failure` (UF) and `no_healthy_upstream`
+  (UH): Envoy could not connect to any engine, so the request settles as `engine_unreachable`, refunded in
+  full (extproc/admission/capacity/settlement.py), not as a filter's `not_forwarded`.
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded
 rule (extproc/admission/tracking/unseen.py). An entry without a report key is a refusal Envoy answered itself
@@ -231,11 +233,20 @@ class EndReports(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         # No byte sent upstream: a filter after the sidecar (an endpoint picker) answered the request locally.
         forwarded = entry.common_properties.HasField("time_to_first_upstream_tx_byte")
         engine_answered = entry.response.response_code_details == VIA_UPSTREAM
+        flags = entry.common_properties.response_flags
+        unreachable = flags.upstream_connection_failure or flags.no_healthy_upstream
         timing = timing_of(entry, reading)
         # Envoy's bytesSent (http_grpc_access_log_impl.cc): the body's bytes that passed its filters.
         passed_bytes = entry.response.response_body_bytes
         if not self.unseen.report(
-            key.string_value, code or None, reading, timing, forwarded, engine_answered, passed_bytes
+            key.string_value,
+            code or None,
+            reading,
+            timing,
+            forwarded,
+            engine_answered,
+            passed_bytes,
+            engine_unreachable=unreachable,
         ):
             relayed = self.relay is not None and self.relay.forward(key.string_value, entry)
             self.service.child(self.service.metrics.end_reports, "relayed" if relayed else "unknown").inc()

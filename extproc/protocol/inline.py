@@ -18,6 +18,7 @@ from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.vocabulary.names import UPSTREAM_SERVICE_TIME
 from extproc.protocol.messages import (
     common_response,
+    engine_unreachable,
     header_values,
     immediate,
     on_request_headers,
@@ -51,8 +52,9 @@ class InlineTranslator:
                 headers.get("content-type", ""),
                 request.response_headers.end_of_stream,
                 from_router=UPSTREAM_SERVICE_TIME in headers,
+                engine_unreachable=engine_unreachable(request),
             )
-            if isinstance(verdict, Refusal):  # the engine's refusal, answered in its place
+            if isinstance(verdict, Refusal):  # the engine's refusal or its outage, answered in its place
                 yield immediate(verdict)
             else:
                 yield pb.ProcessingResponse(

@@ -16,7 +16,11 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.intake.rules import TenantSource
 from extproc.admission.replies.verdicts import Forward, Header, Hold, Passthrough, Refusal
-from extproc.admission.vocabulary.names import CLIENT_ADDRESS_ATTRIBUTE, REQUEST_ID_HEADER
+from extproc.admission.vocabulary.names import (
+    CLIENT_ADDRESS_ATTRIBUTE,
+    REQUEST_ID_HEADER,
+    RESPONSE_FLAGS_ATTRIBUTE,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +139,27 @@ def client_address(request: pb.ProcessingRequest) -> str | None:
         return None
     host, sep, port = value.string_value.rpartition(":")
     return (host if sep and port.isdigit() else value.string_value).strip("[]") or None
+
+
+NO_HEALTHY_UPSTREAM = 0x2
+UPSTREAM_CONNECTION_FAILURE = 0x20
+"""Envoy's response flags UH and UF as the `response.flags` attribute carries them: one bit per flag, in
+the order of `StreamInfo::CoreResponseFlag` (envoy/stream_info/stream_info.h: NoHealthyUpstream is 1,
+UpstreamConnectionFailure 5). Envoy 1.40 sends 32800 (UF | URX, 0x8020) for a 503 after the retries of
+a refused connection (tests/e2e/test_engine_down_e2e.py)."""
+
+
+def engine_unreachable(request: pb.ProcessingRequest) -> bool:
+    """Whether Envoy says (the `response.flags` attribute, `response_attributes` in the inline profile's
+    ext_proc filter) that it answered because it could not connect to any engine: UF or UH."""
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None:
+        return False
+    value = attributes.fields.get(RESPONSE_FLAGS_ATTRIBUTE)
+    if value is None or value.WhichOneof("kind") != "number_value":
+        return False
+    flags = int(value.number_value)
+    return bool(flags & (UPSTREAM_CONNECTION_FAILURE | NO_HEALTHY_UPSTREAM))
 
 
 def on_request_headers(exchange: Exchange, request: pb.ProcessingRequest) -> pb.ProcessingResponse:

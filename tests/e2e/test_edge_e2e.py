@@ -423,11 +423,18 @@ def test_stalled_sidecar_gets_json_504_at_the_message_timeout(edge: Edge) -> Non
 
 
 def test_backend_down_gets_json_503_and_settles(edge: Edge) -> None:
+    """Envoy cannot connect to the engine: a retryable 503 that names the engine's outage, not the gateway's
+    (`service_unavailable` is the sidecar's or its store's), in every attachment."""
     edge.echo.stop()
     try:
         reply = http("POST", f"{edge.stack.envoy_url}/v1/chat/completions", CHAT)
-        assert assert_openai_error(reply, 503)["code"] == "service_unavailable"
+        assert assert_openai_error(reply, 503)["code"] == "engine_unavailable"
+        assert reply.headers["x-extproc-reject-reason"] == "engine_down"
+        assert int(reply.headers["retry-after"]) >= 1
     finally:
         edge.echo.start()
-    # Envoy's reply went through the sidecar's response path (lean: its end report): the lease settled.
+    # Envoy's reply went through the sidecar's response path (lean: its end report): the lease settled, as
+    # the engine's outage (Envoy's response flags), not as a later filter's refusal.
     assert edge.wait_sidecar("extproc_active_requests", 0) == 0
+    assert edge.sidecar("extproc_settlements_total", outcome="not_forwarded") == 0
+    assert edge.sidecar("extproc_settlements_total", outcome="engine_unreachable") >= 1

@@ -14,6 +14,9 @@ in docs/architecture.md) hold whichever path delivered them:
 |                                                     |                | decode-rate estimate if more      |
 | the engine refused it: 503, its queue is full       | engine_busy    | nothing                           |
 | upstream answered >= 400, or sent an error event    | upstream_error | prompt + what was generated       |
+| the proxy could not connect to any engine (Envoy's  | engine_        | nothing                           |
+| own 503: UF connection failure, UH no healthy       | unreachable    |                                   |
+| upstream), never sent                               |                |                                   |
 | answered by a later proxy filter, never sent to the | not_forwarded  | nothing                           |
 | backend (an inference pool's endpoint picker), or   |                |                                   |
 | its admission never reached the proxy (the proxy's  |                |                                   |
@@ -68,6 +71,7 @@ class Ending(enum.StrEnum):
     ABORTED = "aborted"
     ENGINE_BUSY = "engine_busy"
     UPSTREAM_ERROR = "upstream_error"
+    ENGINE_UNREACHABLE = "engine_unreachable"
     NOT_FORWARDED = "not_forwarded"
     CUT = "cut"
     EXPIRED = "expired"
@@ -89,6 +93,9 @@ class ResponseFacts:
     says so: Envoy's response code details other than `via_upstream`, a reset before the response), so a
     503 then is no engine's refusal. `counted_completion` is the engines' own count of the completion where
     the feed had it (see the module docstring): where set, the charge of an aborted, expired or cut answer.
+    `engine_unreachable` says the proxy made the answer because it could not connect to any engine (Envoy's
+    response flags UF or UH; the inline profile reads them as a response attribute, the lean one from the
+    access log): with `forwarded` False, the request is settled as the engine's outage, not as a filter's.
     """
 
     upstream_status: int | None = None
@@ -101,6 +108,7 @@ class ResponseFacts:
     counted_completion: int | None = None
     forwarded: bool = True
     engine_answered: bool = True
+    engine_unreachable: bool = False
 
     @property
     def engine_busy(self) -> bool:
@@ -135,7 +143,7 @@ def ending_of(facts: ResponseFacts) -> Ending:
     if facts.cut:
         return Ending.CUT
     if not facts.forwarded:
-        return Ending.NOT_FORWARDED
+        return Ending.ENGINE_UNREACHABLE if facts.engine_unreachable else Ending.NOT_FORWARDED
     if facts.engine_busy:
         return Ending.ENGINE_BUSY
     if (facts.upstream_status is not None and facts.upstream_status >= 400) or facts.error_seen:
@@ -151,7 +159,7 @@ def settle_charge(admitted_prompt: int, facts: ResponseFacts, cached_weight: flo
     """Tokens to charge for a request admitted with `admitted_prompt` prompt tokens, under the rules above;
     `cached_weight` is what a prompt token served from the prefix cache costs (1.0: full price)."""
     ending = ending_of(facts)
-    if ending in (Ending.NOT_FORWARDED, Ending.ENGINE_BUSY):
+    if ending in (Ending.NOT_FORWARDED, Ending.ENGINE_BUSY, Ending.ENGINE_UNREACHABLE):
         return Charge(ending=ending, prompt=0, completion=0)
     prompt = admitted_prompt
     completion = 0

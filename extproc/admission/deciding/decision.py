@@ -1,6 +1,7 @@
 """The admission decision: a request's facts and body in, `Granted | Refusal | Shadowed` out.
 
     resolve (resolving.py: parse, the model's policy and pools, refuse what needs no count)
+          ─▶ refuse a pool whose engines the feed shows all unreachable (503 engine_down)
           ─▶ where the upper bound decides: book the KV, acquire on the bound ─▶ grant (count after)
           ─▶ else count the prompt ─▶ size the reservation ─▶ KV budget check ─▶ book the KV
           ─▶ acquire a lease (or wait in the class's queue) ─▶ grant
@@ -121,6 +122,12 @@ class Decision:
             yield self._invalid(exc)
             return
         deps, pool, parsed, policy = service.deps, resolved.pool, resolved.parsed, resolved.policy
+        down_for = deps.engine_down_for(pool)
+        if down_for is not None:
+            # No engine of the pool accepts connections (the KV feed says so): nothing is counted or held.
+            refusal = refusals.engine_down(parsed.model, refusals.engine_down_retry_after(down_for))
+            yield self._deny(refusal, rules.shadow or request.klass.shadow)
+            return
         rank = rules.rank_of(request.klass)
         booking = KvBooking(resolved.budget, pool, request.tenant, deps.budget_changed, deps.clock, rank)
         bound = provisional.on_bound(service, request.klass, resolved, booking, rules, lane)

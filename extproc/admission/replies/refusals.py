@@ -32,6 +32,15 @@ running sequences end)."""
 STORE_RETRY_AFTER_S = 1.0
 """Retry hint while the shared limiter store is unreachable (fail-closed mode)."""
 
+ENGINE_DOWN = "engine_down"
+"""The reason of a refusal because no engine of the pool can be reached (metric label,
+`x-extproc-reject-reason`), whether the sidecar refused it up front or Envoy failed to connect."""
+
+ENGINE_DOWN_RETRY_MIN_S = 1.0
+ENGINE_DOWN_RETRY_MAX_S = 10.0
+ENGINE_DOWN_RETRY_SHARE = 0.25
+"""`engine_down_retry_after`: a quarter of the outage so far, between 1 s and 10 s."""
+
 REASON_HEADER = "x-extproc-reject-reason"
 
 
@@ -248,6 +257,45 @@ def engine_busy(retry_after_s: float, ratelimit: tuple[Header, ...] = ()) -> Ref
     body = error_body(message, type="server_error", code="service_unavailable")
     headers = _reason("engine_busy", (*retry_headers(retry_after_s), *ratelimit))
     return Refusal(503, body, "engine_busy", headers, DETAILS_PREFIX + "engine_busy")
+
+
+def engine_down_retry_after(down_for_s: float | None) -> float:
+    """The `retry-after` of a refusal while no engine of the pool can be reached, from how long that has
+    lasted (`down_for_s`; None: not known to be down, the proxy's first failed connection): a quarter of it,
+    at least 1 s, at most 10 s.
+
+    Why a share of the outage: how long it has lasted is the only forecast there is, and an outage grows
+    more likely to go on the longer it has (a process restarting comes back in seconds; an engine reloading
+    its weights, or a node lost, takes minutes), so clients back off as it drags on and, told a quarter, come
+    back about four times over what remains of it instead of spending their retries (the `openai` SDK's two)
+    in its first seconds. Why 1 s at least: a client told "now" spends its retries at once. Why 10 s at
+    most: once an engine answers again the sidecar admits within its next feed sample, and a client's wait
+    past the return is at most this bound; the SDKs honour hints up to 60 s, but an outage's end is not
+    forecast, only noticed."""
+    if down_for_s is None:
+        return ENGINE_DOWN_RETRY_MIN_S
+    share = max(0.0, down_for_s) * ENGINE_DOWN_RETRY_SHARE
+    return min(ENGINE_DOWN_RETRY_MAX_S, max(ENGINE_DOWN_RETRY_MIN_S, share))
+
+
+def engine_down_headers(retry_after_s: float) -> tuple[Header, ...]:
+    """The reason and retry hint of an engine-down refusal, as the inline profile adds them to a reply the
+    proxy made itself when it could not connect to any engine."""
+    return _reason(ENGINE_DOWN, retry_headers(retry_after_s))
+
+
+def engine_down(model: str, retry_after_s: float) -> Refusal:
+    """No engine serving `model` can be reached: every endpoint the KV feed knows for its pool refuses
+    connections (refused up front, before anything is counted or reserved), or the proxy just failed to
+    connect to one for an admitted request. A retryable 503, apart from the gateway's own troubles by its
+    code (`engine_unavailable`, where the sidecar or its store away is `service_unavailable`) and its reason;
+    `type` stays `server_error`, OpenAI's for every 5xx, which clients bucket errors by."""
+    message = (
+        f"The engines serving {model} cannot be reached right now (none accepts connections). "
+        f"Please try again in {format_duration(retry_after_s)}."
+    )
+    body = error_body(message, type="server_error", code="engine_unavailable")
+    return Refusal(503, body, ENGINE_DOWN, engine_down_headers(retry_after_s), DETAILS_PREFIX + ENGINE_DOWN)
 
 
 def cut_under_kv_pressure() -> Refusal:

@@ -17,8 +17,9 @@ PICKER_REFUSALS = frozenset({429, 503})
 endpoint; gateway-api-inference-extension v1.6.0 docs/proposals/004-endpoint-picker-protocol). Inline, only
 these, without the router's header, count as never forwarded: Envoy's router makes its own 502 and 504
 without that header too, after the backend may have read the prompt, and they keep the backend-error rule.
-Its own 503 (connection failure, or a reset before the response) is refunded in full like a picker's: the
-inline profile cannot tell them apart; the lean one can (no byte sent upstream)."""
+Its own 503 (a reset before the response) is refunded in full like a picker's; one it made because it could
+not connect to any engine says so by its response flags (UF, UH: the `response.flags` attribute) and settles
+as the engine's outage (`engine_unreachable`)."""
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class Answer:
     completed: bool = False
     first_chunk_at: float | None = None
     forwarded: bool = True
+    engine_unreachable: bool = False  # the proxy answered: it could not connect to any engine
     passed_bytes: int = 0  # the body's bytes seen so far
 
     @classmethod
@@ -41,9 +43,11 @@ class Answer:
         content_type: str,
         end_of_stream: bool,
         from_router: bool,
+        engine_unreachable: bool = False,
     ) -> Answer:
         """Response headers arrived: choose how to read usage (SSE or JSON, removing the usage event the
-        client did not ask for), and whether the request reached the backend at all."""
+        client did not ask for), and whether the request reached the backend at all (`engine_unreachable`:
+        the proxy could not connect to any engine)."""
         streaming = "text/event-stream" in content_type
         ok = status is not None and status < 400
         tracker = ResponseUsageTracker(
@@ -57,7 +61,8 @@ class Answer:
             tracker=tracker,
             streaming=streaming,
             completed=end_of_stream,
-            forwarded=from_router or ok or status not in PICKER_REFUSALS,
+            forwarded=not engine_unreachable and (from_router or ok or status not in PICKER_REFUSALS),
+            engine_unreachable=engine_unreachable,
         )
 
     def seen(self, live: bool = False, decode_s: float | None = None) -> Seen:
@@ -69,6 +74,7 @@ class Answer:
             usage=tracker.usage,
             error_seen=tracker.error_seen,
             forwarded=self.forwarded,
+            engine_unreachable=self.engine_unreachable,
         )
         return Seen(
             facts,

@@ -207,19 +207,25 @@ class UnseenStreams:
         forwarded: bool = True,
         engine_answered: bool = True,
         passed_bytes: int | None = None,
+        engine_unreachable: bool = False,
     ) -> bool:
         """Settle the request `key` names from the proxy's end report: the response code (None: no response
         started), what its reader saw, when the answer's tokens came, and whether any byte of the request was
         sent upstream, and whether the status came from the engine (not made by the proxy after the request
-        went upstream), and how many of the answer's bytes passed the proxy. False when no request here waits
-        for that key."""
+        went upstream), and how many of the answer's bytes passed the proxy, and whether the proxy could not
+        connect to any engine for it. False when no request here waits for that key."""
         inflight = self._reports.pop(key, None)
         if inflight is None:
             return False
         admitted = inflight.admitted
         facts = facts_of(status, reading, admitted.request.api, admitted.policy.encoding)
-        if not forwarded or not engine_answered:
-            facts = replace(facts, forwarded=forwarded, engine_answered=engine_answered)
+        if not forwarded or not engine_answered or engine_unreachable:
+            facts = replace(
+                facts,
+                forwarded=forwarded,
+                engine_answered=engine_answered,
+                engine_unreachable=engine_unreachable,
+            )
         timed = reading.streamed and timing is not None
         inflight.observe(
             Seen(

@@ -102,6 +102,10 @@ errors would be taken for local ones and their prompt refunded."""
 CLIENT_ADDRESS_ATTRIBUTE = "source.address"
 """The ext_proc request attribute of the client's address (both profiles: the client's own limits)."""
 
+RESPONSE_FLAGS_ATTRIBUTE = "response.flags"
+"""The ext_proc response attribute of Envoy's response flags (inline profile, `response_attributes`): a reply
+Envoy made because it could not connect to any engine carries UF or UH (extproc/protocol/messages.py)."""
+
 METHOD_ATTRIBUTE = "request.method"
 """The ext_proc request attribute of the method: the lean profile skips the header phase."""
 

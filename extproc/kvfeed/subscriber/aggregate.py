@@ -8,6 +8,12 @@ requests. Samples that are down (up=false) or older than the staleness window (b
 time, so exporter clock skew cannot fake freshness) are excluded, and so is any sample holding a reading no
 server can have (`sample.problem`; the subscriber already stores those as down): one endpoint's NaN cannot
 make the pool's aggregate NaN. A pool with no fresh sample is stale.
+
+A pool has no live endpoint (`PoolSnapshot.no_live_endpoint`) when every endpoint the feed knows for it sent,
+within the staleness window, a down sample whose scrape could not connect (`UNREACHABLE_REASONS`): the
+exporter is alive and says nothing listens there. Any other state (an endpoint up, one not heard from lately,
+one down for another reason: a timeout, a bad page) is not that: a slow or odd metrics page says nothing
+about whether the engine serves, and an exporter gone quiet says nothing at all (the pool is then stale).
 """
 
 from __future__ import annotations
@@ -17,6 +23,17 @@ from dataclasses import dataclass
 
 from extproc.kvfeed.sample import FeedSample, problem
 from extproc.kvfeed.subscriber.settings import KvMode
+
+UNREACHABLE_REASONS = frozenset({"connect"})
+"""The scrape failures (the reason that opens a down sample's `error`, extproc/kvfeed/scraper.py) that mean
+the engine is not there: the connection itself failed (refused, no route, no such host). vLLM and SGLang open
+their HTTP port only once the model is loaded, so a starting engine reads so too. Not `timeout` (a busy
+engine can answer its metrics late and still serve) nor `http_status`, `parse` or `invalid` (it answered)."""
+
+
+def unreachable(sample: FeedSample) -> bool:
+    """Whether `sample` says its engine could not be connected to (`UNREACHABLE_REASONS`)."""
+    return not sample.up and sample.error.split(":", 1)[0].strip() in UNREACHABLE_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +65,12 @@ class PoolSnapshot:
     # Whether the pool's engines share prompt prefixes: False when a fresh endpoint says it does not (a
     # request routed there holds its whole prompt), True when every one that says, says so; None: none says.
     prefix_caching: bool | None = None
+    endpoints_unreachable: int = 0  # endpoints whose latest sample, within the window, could not connect
+
+    @property
+    def no_live_endpoint(self) -> bool:
+        """Every endpoint the feed knows for the pool recently failed to connect (module docstring)."""
+        return self.endpoints_known > 0 and self.endpoints_unreachable == self.endpoints_known
 
 
 def pool_prefix_caching(items: Iterable[StoredSample]) -> bool | None:
@@ -77,14 +100,17 @@ def aggregate(
 ) -> dict[str, PoolSnapshot]:
     """Snapshots of every pool that has at least one sample (fresh or not)."""
     known: dict[str, int] = {}
+    down: dict[str, int] = {}
     fresh: dict[str, list[StoredSample]] = {}
     for stored in samples:
         pool = stored.sample.model
         known[pool] = known.get(pool, 0) + 1
         fresh.setdefault(pool, [])
-        age = now - stored.received_at
-        if stored.sample.up and age <= stale_after(pool) and problem(stored.sample) is None:
+        recent = now - stored.received_at <= stale_after(pool)
+        if stored.sample.up and recent and problem(stored.sample) is None:
             fresh[pool].append(stored)
+        elif recent and unreachable(stored.sample):
+            down[pool] = down.get(pool, 0) + 1
 
     out: dict[str, PoolSnapshot] = {}
     for pool, items in fresh.items():
@@ -114,5 +140,6 @@ def aggregate(
             waiting_known=bool(items) and all(s.sample.requests_waiting is not None for s in items),
             running_known=bool(items) and all(s.sample.requests_running is not None for s in items),
             prefix_caching=pool_prefix_caching(items),
+            endpoints_unreachable=down.get(pool, 0),
         )
     return out

@@ -11,6 +11,10 @@ no samples arriving). `on_update` runs only when a pool's state changed (ignorin
 Each pool's generation counters feed its `EngineTally` (`engine_tally(pool)`): what the engines generated
 for a request whose answer was not seen whole.
 `served` maps the names the engines serve (aliases, LoRA adapters) to their pools.
+
+A pool whose every endpoint the feed shows refusing connections (`PoolSnapshot.no_live_endpoint`) is not
+stale: its controller holds the scale (`AdaptiveController.unreachable`), and past the grace the pool is down
+(`engine_down_for`), which admission refuses up front; an endpoint's first up sample ends it at once.
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ OnSample = Callable[[str, PoolSnapshot, float], None]
 
 
 def _same(a: ControllerState, b: ControllerState) -> bool:
-    return (a.kv_usage, a.waiting, a.target_scale, a.scale, a.stale) == (
+    return (a.kv_usage, a.waiting, a.target_scale, a.scale, a.stale, a.engine_down) == (
         b.kv_usage,
         b.waiting,
         b.target_scale,
         b.scale,
         b.stale,
+        b.engine_down,
     )
 
 
@@ -144,11 +149,21 @@ class FeedbackLoop:
             ctl = self._controller(pool, now)
             before = ctl.state
             snap = snaps.get(pool)
-            if snap is None or snap.stale:
+            if snap is not None and snap.no_live_endpoint:
+                state = ctl.unreachable(now)
+            elif snap is None or snap.stale:
                 state = ctl.observe(None, 0.0 if snap is None else snap.requests_waiting, None, now)
             else:
                 state = ctl.observe(snap.kv_usage, snap.requests_waiting, snap.newest_at, now)
             self._publish(pool, before, state)
+
+    def engine_down_for(self, pool: str) -> float | None:
+        """Seconds since the feed first showed every endpoint of `pool` refusing connections, where it has
+        for at least the grace (`adaptive.ENGINE_DOWN_GRACE_S`); None while it is not down, or unknown."""
+        state = self.state(pool)
+        if state is None or not state.engine_down or state.down_since is None:
+            return None
+        return max(0.0, self._clock() - state.down_since)
 
     def engine_refused(self, pool: str) -> None:
         """An engine of `pool` refused an admitted request (its queue full): its scale drops at once

@@ -45,6 +45,14 @@ class FeedbackMetrics:
         self.stale = Gauge(
             "extproc_feed_stale", "1 when the pool has no fresh sample.", ["pool"], registry=registry
         )
+        self.engine_down = Gauge(
+            "extproc_engine_down",
+            "1 while the feed shows every endpoint of the pool refusing connections (past a 1 s grace): the "
+            "sidecar refuses the pool's requests with 503 engine_down and holds its adaptive scale; 0 "
+            "otherwise (a stale feed is extproc_feed_stale, not this).",
+            ["pool"],
+            registry=registry,
+        )
         self.samples = Counter("extproc_feed_samples", "Feed samples received.", registry=registry)
         self.engine_rejections = Counter(
             "extproc_feed_engine_rejections",
@@ -200,6 +208,7 @@ class FeedbackMetrics:
         self.requests_waiting.labels(pool).set(state.waiting)
         self.scale.labels(pool).set(state.scale)
         self.stale.labels(pool).set(1.0 if state.stale else 0.0)
+        self.engine_down.labels(pool).set(1.0 if state.engine_down else 0.0)
         self.capacity.labels(pool).set(capacity_tokens if capacity_tokens is not None else 0)
 
     def observe_budget(self, pool: str, budget: KvBudget, now: float | None = None) -> None:

@@ -77,6 +77,7 @@ class FeedbackRuntime:
         self._scaled: set[str] = set()
         self._fleet: FleetExchange | None = None
         self._fallback_share = 1.0
+        self._down: set[str] = set()  # pools last seen with no live endpoint (logged when that changes)
 
     def share_through(self, board: KvBoard | None, fallback_share: float) -> None:
         """Replicas share the pools' KV budgets through `board` (a shared store's; None: this replica books
@@ -148,6 +149,12 @@ class FeedbackRuntime:
                 budget.set_capacity(capacity)
             self.metrics.observe_budget(pool, budget, self._clock())
         log.debug("pool state", extra={"pool": pool, "scale": state.scale, "stale": state.stale})
+        if state.engine_down and pool not in self._down:
+            self._down.add(pool)
+            log.warning("engine down: no endpoint of the pool accepts connections", extra={"pool": pool})
+        elif not state.engine_down and pool in self._down:
+            self._down.discard(pool)
+            log.warning("engine back: an endpoint of the pool is up", extra={"pool": pool})
 
     def _on_sample(self, pool: str, snapshot: PoolSnapshot, now: float) -> None:
         """A fresh sample: the budget learns the engine's KV in use and trusts forecasts a while longer."""
@@ -238,6 +245,11 @@ class FeedbackRuntime:
         """The pool's engines' generation counters over time (`core.engine_tally`), None without them: what
         admission counts a request whose answer was not seen whole with."""
         return self.loop.engine_tally(pool) if self.loop is not None else None
+
+    def engine_down_for(self, pool: str) -> float | None:
+        """How long (seconds) the feed has shown no live endpoint of `pool` (`FeedbackLoop.engine_down_for`);
+        None while it is not down, or without the feed: admission then forwards as ever."""
+        return self.loop.engine_down_for(pool) if self.loop is not None else None
 
     def engine_refused(self, pool: str) -> None:
         """An engine of `pool` refused an admitted request, its queue full: the pool's scale drops at once

@@ -50,6 +50,7 @@ BUILDERS: dict[str, Callable[[], Refusal]] = {
     "tokenizer_busy": refusals.tokenizer_busy,
     "store_unavailable": refusals.store_unavailable,
     "engine_busy": lambda: refusals.engine_busy(2.0, ratelimit_headers(STATUS)),
+    "engine_down": lambda: refusals.engine_down("m", refusals.engine_down_retry_after(12.0)),
 }
 """Each reason's refusal as its caller builds it: the limiter's status wherever the caller has one."""
 
@@ -116,3 +117,25 @@ def test_a_kv_budget_refusal_carries_the_rate_limit_headers_a_slot_refusal_does(
 def test_a_kv_budget_refusal_without_a_status_sends_its_retry_headers_alone() -> None:
     headers = dict(refusals.kv_budget("m", 4000, 100, 3.0).headers)
     assert set(headers) == {"retry-after", "retry-after-ms", refusals.REASON_HEADER}
+
+
+@pytest.mark.parametrize(
+    ("down_for_s", "hint_s"),
+    [(None, 1.0), (0.0, 1.0), (2.0, 1.0), (4.0, 1.0), (12.0, 3.0), (40.0, 10.0), (3600.0, 10.0)],
+)
+def test_an_engine_down_hint_is_a_quarter_of_the_outage_between_1_and_10_s(
+    down_for_s: float | None, hint_s: float
+) -> None:
+    assert refusals.engine_down_retry_after(down_for_s) == pytest.approx(hint_s)
+
+
+def test_an_engine_down_refusal_is_told_apart_from_the_gateways_own_503s() -> None:
+    """The sidecar away (Envoy's mapper) and its store away say `service_unavailable`; an engine outage says
+    `engine_unavailable`, with its own reason, so neither a client nor an operator reads it as theirs."""
+    down = refusals.engine_down("llama", 3.0)
+    error = json.loads(down.body)["error"]
+    assert (down.status, error["code"], down.reason) == (503, "engine_unavailable", "engine_down")
+    assert "llama" in error["message"] and "3s" in error["message"]
+    store = json.loads(refusals.store_unavailable().body)["error"]
+    assert store["code"] != error["code"]
+    assert dict(down.headers)["retry-after"] == "3"

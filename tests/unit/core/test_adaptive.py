@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
+from extproc.core.adaptive import ENGINE_DOWN_GRACE_S, AdaptiveConfig, AdaptiveController, ControllerState
 
 
 def fresh_controller(
@@ -198,3 +198,43 @@ def test_an_engine_refusal_drops_the_scale_at_once_and_it_recovers_as_usual() ->
 def test_an_engine_refusal_never_raises_a_lower_scale() -> None:
     ctl = AdaptiveController(AdaptiveConfig(stale_scale=0.3), now=0.0)
     assert ctl.refused(1.0).scale == pytest.approx(0.3)
+
+
+def test_engines_down_hold_the_scale_and_say_so_only_after_the_grace() -> None:
+    """A fresh feed showing every endpoint refusing connections is neither KV pressure nor a blind sidecar:
+    the scale stays where it was (not `stale_scale`), and the pool counts as down once that has lasted the
+    grace, from the first such reading."""
+    ctl = fresh_controller()
+    assert ctl.state.scale == 1.0
+    first = ctl.unreachable(1.0)
+    assert (first.scale, first.stale, first.engine_down, first.down_since) == (1.0, False, False, 1.0)
+    assert not ctl.unreachable(1.0 + ENGINE_DOWN_GRACE_S - 0.01).engine_down
+    later = ctl.unreachable(1.0 + ENGINE_DOWN_GRACE_S)
+    assert later.engine_down and later.down_since == 1.0
+    # Long past stale_after_seconds (5 s) with no up sample: still down, still at full scale.
+    held = ctl.unreachable(60.0)
+    assert (held.scale, held.stale, held.engine_down, held.down_since) == (1.0, False, True, 1.0)
+
+
+def test_an_engine_back_ends_the_outage_at_once_with_the_scale_it_had() -> None:
+    ctl = fresh_controller()
+    ctl.observe(0.775, 0, newest_sample_at=0.5, now=0.5)  # some KV pressure before the crash: 0.8
+    for t in (1.0, 2.0, 30.0):
+        ctl.unreachable(t)
+    assert ctl.state.engine_down and ctl.state.scale == pytest.approx(0.8)
+    back = ctl.observe(0.0, 0, newest_sample_at=31.0, now=31.0)
+    assert not back.engine_down and back.down_since is None and not back.stale
+    # Recovery runs from the return at the usual rate, not from before the outage (no 29 s credit).
+    assert back.scale == pytest.approx(0.8 + 0.05 * 1.0)
+    # A new outage starts its own grace.
+    assert not ctl.unreachable(32.0).engine_down
+    assert ctl.unreachable(33.0).down_since == 32.0
+
+
+def test_a_stale_feed_after_an_outage_falls_to_the_stale_scale() -> None:
+    """The exporter gone too (its down samples age out): the sidecar is blind again, not told of an outage."""
+    ctl = fresh_controller()
+    ctl.unreachable(1.0)
+    ctl.unreachable(3.0)
+    stale = ctl.observe(None, 0, newest_sample_at=None, now=10.0)
+    assert stale.stale and not stale.engine_down and stale.scale == pytest.approx(0.6)

@@ -27,6 +27,7 @@ def s(
     cap: int | None = 1000,
     t: float = 1.0,
     rejections: float | None = None,
+    error: str = "",
 ) -> FeedSample:
     return FeedSample(
         "node",
@@ -40,8 +41,18 @@ def s(
         cap,
         t,
         up,
+        error=error,
         admission_rejections_total=rejections,
     )
+
+
+REFUSED = "connect: ClientConnectorError: Cannot connect to host 127.0.0.1:8000 [Connection refused]"
+"""A down sample's error when the engine's port refuses connections (extproc/kvfeed/scraper.py `_down`)."""
+
+
+def gone(endpoint: str, t: float, error: str = REFUSED) -> FeedSample:
+    """A down sample of `endpoint`, its scrape failed with `error`."""
+    return s(endpoint, None, t=t, up=False, cap=None, error=error)
 
 
 class Clock:
@@ -220,3 +231,54 @@ def test_an_engines_rejection_counter_growing_in_the_feed_drops_the_scale() -> N
     loop.subscriber.ingest(s("a:1", 0.3, t=4.0, rejections=0.0))  # restarted: no drop
     assert loop.states()["m"].scale == pytest.approx(1.0)
     assert grown.labels("m")._value.get() == 3.0
+
+
+def test_a_pool_has_no_live_endpoint_only_when_every_endpoint_recently_refused_connections() -> None:
+    both = [StoredSample(gone("a:1", 1.0), 100.0), StoredSample(gone("b:1", 1.0), 99.0)]
+    m = aggregate(both, 100.0, five)["m"]
+    assert m.no_live_endpoint and m.stale and (m.endpoints_unreachable, m.endpoints_known) == (2, 2)
+    one_up = [*both[:1], StoredSample(s("b:1", 0.2), 100.0)]
+    assert not aggregate(one_up, 100.0, five)["m"].no_live_endpoint
+    # A scrape that timed out says nothing about whether the engine serves (a busy engine answers late).
+    slow = [*both[:1], StoredSample(gone("b:1", 1.0, "timeout: no answer within 0.8s"), 100.0)]
+    assert not aggregate(slow, 100.0, five)["m"].no_live_endpoint
+    # An endpoint not heard from within the window (its exporter gone) may be serving: stale, not down.
+    quiet = [*both[:1], StoredSample(gone("b:1", 1.0), 90.0)]
+    snap = aggregate(quiet, 100.0, five)["m"]
+    assert snap.stale and not snap.no_live_endpoint
+
+
+def test_loop_holds_the_scale_while_the_engines_are_down_and_admits_again_on_the_first_up_sample() -> None:
+    clock = Clock()
+    updates: list[tuple[str, ControllerState]] = []
+    loop = make_loop(clock, updates)
+    registry = loop._metrics
+    assert registry is not None
+    loop.subscriber.ingest(s("a:1", 0.1, t=1.0))
+    clock.now += 10.0  # recovered from the start's stale scale
+    loop.subscriber.ingest(s("a:1", 0.1, t=2.0))
+    assert loop.states()["m"].scale == 1.0
+
+    clock.now += 1.0
+    loop.subscriber.ingest(gone("a:1", 3.0))  # the engine's port refuses connections
+    state = loop.states()["m"]
+    assert (state.scale, state.stale, state.engine_down) == (1.0, False, False)
+    assert loop.engine_down_for("m") is None  # within the grace: the proxy's own 503s meanwhile
+    clock.now += 1.0
+    loop.subscriber.ingest(gone("a:1", 4.0))
+    assert loop.states()["m"].engine_down and loop.engine_down_for("m") == pytest.approx(1.0)
+    assert registry.engine_down.labels("m")._value.get() == 1.0
+    assert registry.stale.labels("m")._value.get() == 0.0  # not a stale feed
+    for t in range(5, 25):  # long past stale_after_seconds, the exporter still reporting it down
+        clock.now += 1.0
+        loop.subscriber.ingest(gone("a:1", float(t)))
+    assert loop.engine_down_for("m") == pytest.approx(21.0)
+    assert loop.states()["m"].scale == 1.0  # no fall to the stale scale: nothing to recover from after
+
+    clock.now += 0.5
+    loop.subscriber.ingest(s("a:1", 0.0, t=25.0))  # the engine answers again
+    state = loop.states()["m"]
+    assert (state.engine_down, state.stale, state.scale) == (False, False, 1.0)
+    assert loop.engine_down_for("m") is None
+    assert registry.engine_down.labels("m")._value.get() == 0.0
+    assert updates[-1] == ("m", state)
