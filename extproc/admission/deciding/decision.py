@@ -37,6 +37,7 @@ from extproc.admission.replies.verdicts import Forward, Hold, Refusal
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.core.limiter import Lease, Rejection
+from extproc.core.ports import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class Decision:
         acquisition = Acquisition(service, request, self.limit_pool, rules)
         waits = acquisition.may_wait(shadow) and not candidate.on_bound
         if not fits and not waits:
-            yield self._deny(self._kv_refusal(candidate, headroom), shadow)
+            yield self._deny(await self._kv_refusal(candidate, headroom, acquisition.keys()), shadow)
             return
         # Only a request that may wait holds a place in the deadlines' layout of its queue.
         run_s = self._run_seconds(candidate) if waits else 0.0
@@ -202,12 +203,18 @@ class Decision:
             yield None
         else:
             assert result is not None
-            yield self._not_admitted(result, candidate, gate, fits, shadow)
+            yield await self._not_admitted(result, candidate, gate, fits, shadow, acquisition.keys())
 
-    def _not_admitted(
-        self, result: Rejection | Refusal, candidate: Candidate, gate: KvGate, fits: bool, shadow: bool
+    async def _not_admitted(
+        self,
+        result: Rejection | Refusal,
+        candidate: Candidate,
+        gate: KvGate,
+        fits: bool,
+        shadow: bool,
+        keys: list[str],
     ) -> Refusal | Shadowed:
-        """The outcome of a try the limiter rejected, or whose wait ended refused."""
+        """The outcome of a try the limiter rejected, or whose wait ended refused (on `keys`)."""
         if isinstance(result, Rejection):
             refusal = refusals.rate_limited(
                 self.service.retry_hint(result), candidate.parsed.model, gate.plan.total
@@ -215,7 +222,8 @@ class Decision:
             return self._deny(refusal, shadow)
         if not fits and result.reason == "queue_timeout":
             # Waited its whole bound for KV: the budget's forecast says when to try again.
-            result = self._kv_refusal(candidate, gate.booking.fits(gate.request, gate.plan)[1])
+            headroom = gate.booking.fits(gate.request, gate.plan)[1]
+            result = await self._kv_refusal(candidate, headroom, keys)
         return self.refuse(result)
 
     def _run_seconds(self, candidate: Candidate) -> float:
@@ -227,8 +235,17 @@ class Decision:
             candidate.pool
         )
 
-    def _kv_refusal(self, candidate: Candidate, headroom: int | None) -> Refusal:
+    async def _kv_refusal(self, candidate: Candidate, headroom: int | None, keys: list[str]) -> Refusal:
+        """The KV budget's 429, with its forecast `retry-after` (taken before any await: the budget's plan
+        of places is as of this decision) and the limiter's view of the request's `keys` as its
+        `x-ratelimit-*` headers, as a slot refusal carries them: OpenAI sends them on every 429 and clients
+        read them off whichever they get. Where the store cannot say now (`StoreUnavailable`), the refusal
+        goes without them rather than wait or fail."""
         budget = candidate.booking.budget
         assert budget is not None
         wait = refusals.kv_retry_after(budget, self.service.clock())
-        return refusals.kv_budget(candidate.parsed.model, candidate.plan.total, headroom or 0, wait)
+        try:
+            status = await self.service.deps.store.status(keys, self.request.klass.name)
+        except StoreUnavailable:
+            status = None
+        return refusals.kv_budget(candidate.parsed.model, candidate.plan.total, headroom or 0, wait, status)
