@@ -138,6 +138,22 @@ class _Lease:
         return (self.own_prompt + self.slack + done, float(self.sequences), (final - done) / self.sequences)
 
 
+def _check_ratios(target: float, share: float, floor: float, prior: float, unconfirmed: float) -> None:
+    """`KvBudget`'s ratios in range, each error naming its config key."""
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"kv_budget.target_utilization: must be in (0, 1], got {target}")
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"kv_budget.capacity_share: must be in (0, 1], got {share}")
+    if not 0.0 < floor <= 1.0:
+        raise ValueError(f"kv_budget.min_completion_ratio: must be in (0, 1], got {floor}")
+    if not floor <= prior <= 1.0:
+        raise ValueError(
+            f"kv_budget.initial_completion_ratio: must be in [min_completion_ratio, 1], got {prior}"
+        )
+    if not 0.0 <= unconfirmed <= 1.0:
+        raise ValueError(f"kv_budget.unconfirmed_share: must be in [0, 1], got {unconfirmed}")
+
+
 class KvBudget:
     """Admitted KV demand of one pool against its capacity in tokens.
 
@@ -162,19 +178,13 @@ class KvBudget:
         fairness: FairShare | None = None,
         unconfirmed_share: float = 0.1,
     ) -> None:
-        if not 0.0 < target_utilization <= 1.0:
-            raise ValueError(f"kv_budget.target_utilization: must be in (0, 1], got {target_utilization}")
-        if not 0.0 < capacity_share <= 1.0:
-            raise ValueError(f"kv_budget.capacity_share: must be in (0, 1], got {capacity_share}")
-        if not 0.0 < min_completion_ratio <= 1.0:
-            raise ValueError(f"kv_budget.min_completion_ratio: must be in (0, 1], got {min_completion_ratio}")
-        if not min_completion_ratio <= initial_completion_ratio <= 1.0:
-            raise ValueError(
-                "kv_budget.initial_completion_ratio: must be in [min_completion_ratio, 1], "
-                f"got {initial_completion_ratio}"
-            )
-        if not 0.0 <= unconfirmed_share <= 1.0:
-            raise ValueError(f"kv_budget.unconfirmed_share: must be in [0, 1], got {unconfirmed_share}")
+        _check_ratios(
+            target_utilization,
+            capacity_share,
+            min_completion_ratio,
+            initial_completion_ratio,
+            unconfirmed_share,
+        )
         self._target = target_utilization
         # The most of the capacity one tenant's requests may be booked below their allowances (`kv_credit`):
         # by default the margin the default target (0.9) keeps.

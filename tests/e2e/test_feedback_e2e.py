@@ -298,9 +298,12 @@ def test_a_class_that_queues_waits_for_kv_and_is_admitted_when_it_frees() -> Non
 def test_forty_early_stops_do_not_train_the_next_booking_below_its_floor(profile: str) -> None:
     """Forty answers that stop after 1 of 1,500 allowed tokens teach the tenant's expected completion down,
     never below the floor: the next 1,500-token request is booked its prompt plus a tenth of its allowance
-    (`KvBudget(min_completion_ratio=0.1)`), not nothing. Before the forty it is booked its whole allowance."""
+    (`KvBudget(min_completion_ratio=0.1)`), not nothing. Before the forty it is booked its whole allowance.
+    The tenant's credit below its allowances is unbounded here (`unconfirmed_share` 1): its bound, which
+    would book this request at 1,500 less a tenth of the 4,096-token cache, is test_poison_e2e.py's."""
+    config = {**BUDGET_CONFIG, "kv_budget": {**BUDGET_CONFIG["kv_budget"], "unconfirmed_share": 1.0}}
     local = start_stack(
-        config=BUDGET_CONFIG, sim_args=SIM_ARGS, with_exporter=True, profile=profile, envoy_patch=None
+        config=config, sim_args=SIM_ARGS, with_exporter=True, profile=profile, envoy_patch=None
     )
     stack = Stack(local)
     body = {"model": MODEL, "max_tokens": 1500, "messages": [{"role": "user", "content": "go"}]}
