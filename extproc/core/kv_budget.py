@@ -56,7 +56,7 @@ from extproc.core.decode_rate import usable_rate
 from extproc.core.engine_done import EngineDone
 from extproc.core.kv_credit import UnconfirmedCredit
 from extproc.core.kv_fairness import ClaimId, FairShare
-from extproc.core.kv_fleet import Fleet, Peers, ReplicaShare
+from extproc.core.kv_fleet import WANT_WINDOW_S, Fleet, Peers, ReplicaShare
 from extproc.core.kv_forecast import DecodeRate, Steps, forecast_peaks
 from extproc.core.kv_schedule import RetrySchedule
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
@@ -218,6 +218,7 @@ class KvBudget:
         self.fleet = Fleet()
         self._engine_shares = True  # the pool's engines share prompt prefixes (`set_engine_shares_prefixes`)
         self._seen_at: float | None = None  # the latest `now` a caller passed: the others' figures' age
+        self._wanting_until: float | None = None  # a request did not fit lately (`kv_fleet.WANT_WINDOW_S`)
         self.set_capacity(capacity_tokens)
 
     # -- read-only views ---------------------------------------------------------------------------------
@@ -233,7 +234,8 @@ class KvBudget:
         replicas have booked where a shared store says, at most `capacity_share` of it (`Fleet.budget`)."""
         if self._capacity is None:
             return None
-        return self.fleet.budget(self._capacity * self._target, self._share, self._seen_at)
+        target = self._capacity * self._target
+        return self.fleet.budget(target, self._share, self._seen_at, self._unexplained)
 
     @property
     def demand_tokens(self) -> int:
@@ -507,11 +509,12 @@ class KvBudget:
         self.fleet.share_through_store(fallback_share)
         self._set_credit_limit()
 
-    def observe_peers(self, peers: Peers | None, now: float) -> None:
-        """The other replicas' figures of this pool, as the shared store answered at `now` (None: it did not
-        answer; the last answer is trusted `kv_fleet.PEERS_FRESH_S`)."""
+    def observe_peers(self, peers: Peers | None, now: float, own_booked: int = 0) -> None:
+        """The other replicas' figures of this pool, as the shared store answered at `now` to an exchange in
+        which this replica had booked `own_booked` (None: it did not answer; the last answer is trusted
+        `kv_fleet.PEERS_FRESH_S`)."""
         self._seen(now)
-        self.fleet.observe(peers, now)
+        self.fleet.observe(peers, now, own_booked)
         self._last_fit = None
 
     def replica_share(self, now: float) -> ReplicaShare:
@@ -533,7 +536,8 @@ class KvBudget:
             booked = math.ceil(forecast_peaks(self._trajectories(now))[0])
         else:
             booked = self._demand
-        return ReplicaShare(booked, math.ceil(held), math.floor(floor), settled, candidates)
+        wanting = 1 if self._wanting_until is not None and now < self._wanting_until else 0
+        return ReplicaShare(booked, math.ceil(held), math.floor(floor), settled, candidates, wanting)
 
     def _may_be_finished(self, lease: _Lease, now: float) -> bool:
         """Whether the engine may have finished `lease` unseen (`_engine_finished`'s candidates): a stream
@@ -729,6 +733,8 @@ class KvBudget:
         else:
             fits = self._fits_fairly(fair, claimant, candidate, booked_with, now, claim)
         if not fits:
+            if now is not None:  # the other replicas leave this one its part of the free room a while
+                self._wanting_until = now + WANT_WINDOW_S
             # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
             self._refused = (
                 claimant,

@@ -9,15 +9,20 @@ replicas and the running count scaled by one half, the busy one counted 6 runnin
 leases for finished and gave their slots back while they ran.
 
 So each replica publishes its figures of each pool (`ReplicaShare`) through the shared store, and reads the
-sum of the others' (`Peers`, the store's `KvBoard`): a replica's budget is the pool's target less what the
-others have booked, so the cache is divided by demand; and the engine's counts are read against the leases of
-every replica. Where the others are unknown (a store that is not shared, or one that cannot be reached) a
-budget falls back to a fixed share, and reads the engine's counts as if every running sequence could be
-another replica's: it finds fewer of its own leases finished, never more (`Fleet`).
+sum of the others' (`Peers`, the store's `KvBoard`): a replica's budget is what it had booked at its last
+exchange plus its part of the room nobody had booked, so the cache is divided by demand; and the engine's
+counts are read against the leases of every replica. Where the others are unknown (a store that is not shared,
+or one that cannot be reached) a budget falls back to a fixed share, and reads the engine's counts as if every
+running sequence could be another replica's: it finds fewer of its own leases finished, never more (`Fleet`).
 
 The figures are published after each change of a budget (at most every `PUBLISH_EVERY_S`) and at each feed
-sample, so two replicas admitting in the same instant can both take the same room once: the race is bounded by
-the admissions of one publication interval, inside `target_utilization`'s margin. Pure: no I/O, no clock.
+sample, so between two exchanges a replica does not see what the others admit. Taking all the free room each
+time, two replicas with queues that both woke at a release took the same room: on the simulator, two gateways
+at 50/50 preempted 9 times in a minute (KV peak 1.0). So the free room is divided between the replicas that
+want KV now (`wanting`: refused or queued for it within `WANT_WINDOW_S`): alone, a replica takes all of it;
+with another one wanting, half; together they never take more than there was.
+
+Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ is published once per interval, not once per decision."""
 PEERS_FRESH_S = 3.0
 """How long the others' figures, as last read from the store, are trusted: past that (the store unreachable)
 a budget books on its fallback share again. Three feed samples."""
+
+WANT_WINDOW_S = 1.0
+"""How long after one of its requests did not fit its KV budget a replica counts as wanting KV: the others
+leave it its part of the free room (`Fleet.budget`) that long."""
 
 REPLICA_TTL_S = 5.0
 """How long a replica's published figures count after their publication: a replica that died, or lost the
@@ -48,7 +57,8 @@ class ReplicaShare:
     - `floor`: the prompts and streamed tokens of its settled leases (those admitted long enough ago to be in
       the engine's gauges), a floor of what they hold while they run;
     - `settled`: those leases' sequences, which the engine runs unless it has finished them;
-    - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees).
+    - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees);
+    - `wanting`: 1 while one of its requests did not fit lately (`WANT_WINDOW_S`), else 0 (summed: how many).
     """
 
     booked: int = 0
@@ -56,18 +66,13 @@ class ReplicaShare:
     floor: int = 0
     settled: int = 0
     candidates: int = 0
+    wanting: int = 0
 
     def plus(self, other: ReplicaShare) -> ReplicaShare:
-        return ReplicaShare(
-            self.booked + other.booked,
-            self.held + other.held,
-            self.floor + other.floor,
-            self.settled + other.settled,
-            self.candidates + other.candidates,
-        )
+        return ReplicaShare(*(a + b for a, b in zip(self.fields(), other.fields(), strict=True)))
 
-    def fields(self) -> tuple[int, int, int, int, int]:
-        return (self.booked, self.held, self.floor, self.settled, self.candidates)
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return (self.booked, self.held, self.floor, self.settled, self.candidates, self.wanting)
 
 
 NOBODY = ReplicaShare()
@@ -91,6 +96,7 @@ class Fleet:
         self.fallback_share = 1.0
         self._peers: Peers | None = None
         self._read_at: float | None = None
+        self._own_at_read = 0  # what this replica had booked at the exchange the peers came with
 
     def share_through_store(self, fallback_share: float) -> None:
         """Replicas share this pool through a store; `fallback_share` of the pool is this replica's while the
@@ -100,10 +106,11 @@ class Fleet:
         self.shared = True
         self.fallback_share = fallback_share
 
-    def observe(self, peers: Peers | None, now: float) -> None:
-        """The store's answer at `now` (None: it did not answer)."""
+    def observe(self, peers: Peers | None, now: float, own_booked: int = 0) -> None:
+        """The store's answer at `now` (None: it did not answer) to an exchange in which this replica had
+        booked `own_booked`."""
         if peers is not None:
-            self._peers, self._read_at = peers, now
+            self._peers, self._read_at, self._own_at_read = peers, now, own_booked
 
     def peers(self, now: float | None) -> Peers | None:
         """The others' figures; None while unknown: not shared, never read, or last read too long ago."""
@@ -113,16 +120,24 @@ class Fleet:
             return None
         return self._peers
 
-    def budget(self, target_tokens: float, ceiling: float, now: float | None) -> int:
-        """Tokens this replica may book of the pool's `target_tokens` (capacity x target_utilization):
+    def budget(
+        self, target_tokens: float, ceiling: float, now: float | None, unexplained: float = 0.0
+    ) -> int:
+        """Tokens this replica may book of the pool's `target_tokens` (capacity x target_utilization), the
+        pool's `unexplained` KV included (the engine correction every replica adds alike):
 
-        - shared, the others known: what they have not booked, at most `ceiling` (`capacity_share`) of it;
+        - shared, the others known: what it had booked at the exchange, plus its part of the room nobody had
+          booked then, divided between the replicas that want KV (this one and the others `wanting`), at
+          most `ceiling` (`capacity_share`) of the target;
         - shared, the others unknown: the fallback share (and never above the ceiling);
         - alone: the ceiling, the configured fixed share, as before there was a fleet.
         """
         peers = self.peers(now)
         if peers is not None:
-            return math.floor(min(target_tokens * ceiling, target_tokens - peers.share.booked))
+            held = self._own_at_read + unexplained
+            free = target_tokens - held - peers.share.booked
+            part = held + free / (1 + peers.share.wanting)
+            return math.floor(min(target_tokens * ceiling, part))
         share = min(ceiling, self.fallback_share) if self.shared else ceiling
         return math.floor(target_tokens * share)
 

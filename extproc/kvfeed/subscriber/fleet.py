@@ -64,8 +64,9 @@ class FleetExchange:
 
     async def _exchange(self, pool: str, budget: KvBudget) -> None:
         peers: Peers | None = None
+        share = budget.replica_share(self._clock())
         try:
-            peers = await self._board.exchange(pool, budget.replica_share(self._clock()))
+            peers = await self._board.exchange(pool, share)
             self.exchanges += 1
         except StoreUnavailable:
             self.failures += 1
@@ -74,7 +75,7 @@ class FleetExchange:
             log.exception("kv fleet: exchange failed", extra={"pool": pool})
         finally:
             self._tasks.pop(pool, None)
-        budget.observe_peers(peers, self._clock())
+        budget.observe_peers(peers, self._clock(), share.booked)
         self._on_peers(pool)
         if pool in self._dirty:
             self.changed(pool, budget)

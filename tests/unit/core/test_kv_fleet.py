@@ -28,8 +28,8 @@ def budget(capacity: int = 10_000, share: float = 1.0) -> KvBudget:
 def exchange(a: KvBudget, b: KvBudget, now: float) -> None:
     """What the store carries at `now`: each replica's figures to the other."""
     a_share, b_share = a.replica_share(now), b.replica_share(now)
-    a.observe_peers(Peers(b_share, 1), now)
-    b.observe_peers(Peers(a_share, 1), now)
+    a.observe_peers(Peers(b_share, 1), now, a_share.booked)
+    b.observe_peers(Peers(a_share, 1), now, b_share.booked)
 
 
 def test_one_replica_with_all_the_traffic_fills_the_whole_target() -> None:
@@ -148,3 +148,37 @@ def test_a_replica_publishes_its_booking_without_the_pools_correction() -> None:
     share = r.replica_share(3.0)
     assert r.booked_tokens > 40_000  # the pool's unexplained KV is in this replica's own booking
     assert share.booked == 2_000 and share.settled == 1 and share.floor == 1_000
+
+
+def test_replicas_that_both_want_kv_take_half_of_the_free_room_each_between_exchanges() -> None:
+    """Between two exchanges a replica does not see what the other admits: both waking at once to the same
+    free room took it twice (two gateways at 50/50 preempted). Wanting together, each takes its half."""
+    a, b = budget(), budget()
+    for r in (a, b):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    exchange(a, b, 0.0)
+    assert a.budget_tokens == b.budget_tokens == 10_000  # nobody wants yet: all of it, each
+    a.admit("a0", 500, 500, now=0.1)
+    b.admit("b0", 500, 500, now=0.1)
+    for r in (a, b):
+        assert not r.would_fit(9_500, 0, now=0.2)[0]  # refused: each now wants KV
+    exchange(a, b, 0.3)
+    # 8,000 free, two wanting: 4,000 more each, not 8,000 each before the next exchange.
+    assert a.budget_tokens == b.budget_tokens == 1_000 + 4_000
+    admitted = {"a": 0, "b": 0}
+    for i in range(8):
+        for name, r in (("a", a), ("b", b)):
+            if r.would_fit(500, 500, now=0.4)[0]:
+                r.admit(f"{name}{i + 1}", 500, 500, now=0.4)
+                admitted[name] += 1
+    assert admitted == {"a": 4, "b": 4}
+    assert a.demand_tokens + b.demand_tokens <= 10_000
+
+
+def test_a_replica_wants_kv_only_a_while_after_a_refusal() -> None:
+    r = budget()
+    r.admit("a", 500, 500, now=0.0)
+    assert not r.would_fit(20_000, 0, now=1.0)[0]
+    assert r.replica_share(1.5).wanting == 1
+    assert r.replica_share(2.1).wanting == 0
