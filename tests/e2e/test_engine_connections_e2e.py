@@ -26,8 +26,8 @@ import yaml
 
 from devstack.envoy import remove_ext_proc, render_envoy_config
 from devstack.processes import Ports, Process, envoy_command, free_port, wait_http
+from tests.support.keepalive import ENGINE_KEEP_ALIVE_S
 from tests.support.stack import Reply, http
-from tests.unit.envoyconf.test_engine_connections import ENGINE_KEEP_ALIVE_S
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking.reading import ResponseReading
 from extproc.core.kv_budget import KvBudget
 from extproc.protocol.messages import EXT_PROC_ATTRIBUTES, engine_unreachable
-from tests.unit.admission.test_exchange import CONFIG, Rig, chat
+from tests.unit.admission.exchange_rig import CONFIG, Rig, chat
 
 
 class DownRig(Rig):

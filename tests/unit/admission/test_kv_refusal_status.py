@@ -12,7 +12,7 @@ from extproc.admission.replies.verdicts import Refusal
 from extproc.core.kv_budget import KvBudget
 from extproc.core.limiter import RateLimitStatus
 from extproc.core.ports import StoreUnavailable
-from tests.unit.admission.test_exchange import Rig, chat
+from tests.unit.admission.exchange_rig import Rig, chat
 
 
 class KvRig(Rig):

@@ -24,14 +24,8 @@ from devstack.processes import Ports
 from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE, PROFILES
 from extproc.envoyconf.upstream import EngineAddress, clusters_of, upstream_cluster
+from tests.support.keepalive import ENGINE_KEEP_ALIVE_S
 from tests.unit.kustomize_build import K8S, REPO, built, envoy_files, roots
-
-ENGINE_KEEP_ALIVE_S = 5.0
-"""How long the engine's HTTP server keeps an idle keep-alive connection open. vLLM 0.32.0 runs uvicorn with
-`timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE` (vllm/entrypoints/launchers/api_server/entry.py), whose
-default is 5 ("Timeout in seconds for keeping HTTP connections alive in API server", vllm/envs.py); uvicorn's
-own default is 5 as well (uvicorn 0.55.0, uvicorn/config.py: `timeout_keep_alive: int = 5`), and SGLang passes
-`timeout_keep_alive=5` (sgl-project/sglang python/sglang/srt/entrypoints/http_server.py @ 0025436e)."""
 
 RETRY_ON = "reset-before-request"
 """The one retry condition: Envoy retries a reset only while no request byte went upstream (router.cc,
