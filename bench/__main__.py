@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.common import REPO, RESULTS, machine, write_json
 
 PARTS = ("protection", "overhead", "micro")
-OPTIONAL_PARTS = ("soak",)
+OPTIONAL_PARTS = ("soak", "fleet")
 
 
 def run_micro(short: bool) -> int:
@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.soak.main import run as run_soak
 
             status |= run_soak(args.requests or (5_000 if short else 100_000))
+        elif part == "fleet":  # issue 39: gateway replicas sharing one pool's KV cache, ~6 min
+            from bench.fleet import main as run_fleet
+
+            status |= run_fleet([])
         durations[part] = round(time.monotonic() - t0, 1)
         print(f"bench: {part} took {durations[part]:.0f} s", flush=True)
     write_json(
