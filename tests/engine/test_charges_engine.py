@@ -404,7 +404,7 @@ def test_a_flood_of_streams_left_early_is_charged_what_the_engine_generated(gate
             return
         if attempt == 2 and flood.missed:
             return  # the engine's doing, twice: what holds whatever the engine does is asserted above
-    raise AssertionError(f"out of {FLOOD_BOUNDS} twice in a row with every abort in time: {flood}")
+    raise AssertionError(f"run again, with every abort in time, the flood is out of {FLOOD_BOUNDS}: {flood}")
 
 
 BODY_FLOOD_BOUNDS = (0.95, 1.05)
