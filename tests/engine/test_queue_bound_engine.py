@@ -16,6 +16,7 @@ earlier module, stays up beside it, idle: two engines' memory (about 2 GiB each)
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,14 +26,15 @@ from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.parse import parse_metrics
 from tests.engine.stacks import Ledger, engine_config, start_gateway
 from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine, running_engine
-from tests.support.stack import Reply, Stack, http
+from tests.support.stack import Reply, Stack, http, metric
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 QUEUE = 2
-BURST = 6
-OUTPUT_TOKENS = 256
-"""Long enough that the first requests are still decoding when the last of the burst arrives."""
+BURST = QUEUE + 4
+OUTPUT_TOKENS = 1536
+"""The first `QUEUE` requests' answers (`ignore_eos`): long enough that they are still decoding when the rest
+of the burst arrives on any host (about 10 s for two sequences on the loaded CI host)."""
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +56,31 @@ def complete(gateway: Stack, index: int) -> Reply:
     body = {
         "model": MODEL,
         "prompt": f"request {index}: count the stars",
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": OUTPUT_TOKENS if index < QUEUE else 16,
         "ignore_eos": True,
     }
     return http("POST", f"{gateway.url}/v1/completions", body, timeout_s=300)
 
 
-def test_a_full_vllm_queue_is_refunded_and_retryable(gateway: Stack) -> None:
+def wait_unfinished(engine: Engine, count: int, limit_s: float = 60.0) -> None:
+    """Until the engine holds `count` unfinished requests (running or waiting): its bound is reached."""
+    deadline = time.monotonic() + limit_s
+    url = f"{engine.url}/metrics"
+    while metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting") < count:
+        assert time.monotonic() < deadline, f"the engine never held {count} requests"
+        time.sleep(0.05)
+
+
+def test_a_full_vllm_queue_is_refunded_and_retryable(bounded_engine: Engine, gateway: Stack) -> None:
+    """The burst's first `QUEUE` requests fill the engine's bound, and the rest are sent once the engine
+    reports them unfinished: those meet a full queue whatever the host's pace (a burst sent all at once
+    meets none where the host answers each request before the gateway has passed on the next)."""
     before = Ledger.read(gateway)
     with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
-        replies = list(pool.map(lambda i: complete(gateway, i), range(BURST)))
+        held = [pool.submit(complete, gateway, i) for i in range(QUEUE)]
+        wait_unfinished(bounded_engine, QUEUE)
+        rest = [pool.submit(complete, gateway, i) for i in range(QUEUE, BURST)]
+        replies = [f.result() for f in held + rest]
     answered = [r for r in replies if r.status == 200]
     refused = [r for r in replies if r.status == 503]
     assert len(answered) + len(refused) == BURST, [(r.status, r.body[:200]) for r in replies]
