@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class PromptChunks:
-    """A prompt's leading chunks as chained hashes: `chunk_chars` characters each, of `text_chars` in all;
-    and, once the prompt is counted, where each of its texts ends in that text and the tokens of the texts up
-    to there (`text_ends`, `text_tokens`: cumulative)."""
+    """A prompt's leading chunks as chained hashes: at most `chunk_chars` characters each (each text of the
+    prompt cut on its own), of `text_chars` in all; `text_ends`, how many chunks each text ends after; and,
+    once the prompt is counted, the tokens of its texts up to each one's end (`text_tokens`, cumulative)."""
 
     hashes: tuple[int, ...] = ()
     chunk_chars: int = 1
@@ -65,7 +65,7 @@ class PromptChunks:
         """
         if chunks <= 0 or prompt <= 1 or not self.text_tokens:
             return 0
-        covered = bisect.bisect_right(self.text_ends, chunks * self.chunk_chars)
+        covered = bisect.bisect_right(self.text_ends, chunks)
         if covered == 0:
             return 0
         return max(0, min(prompt - 1, self.text_tokens[covered - 1] - margin))

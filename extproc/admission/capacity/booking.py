@@ -29,7 +29,7 @@ _BUDGET_IDS = itertools.count()
 class KvBooking:
     """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op)."""
 
-    __slots__ = ("_chunks", "_texts", "budget", "changed", "clock", "held", "id", "pool", "rank", "tenant")
+    __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "pool", "rank", "tenant")
 
     def __init__(
         self,
@@ -49,7 +49,6 @@ class KvBooking:
         self.id = f"x{next(_BUDGET_IDS)}"
         self.held = False
         self._chunks: PromptChunks | None = None
-        self._texts: tuple[str, ...] = ()  # the one prompt's texts, to credit its chunks in tokens later
 
     def chunks(self, request: ParsedRequest, plan: Reservation | None = None) -> PromptChunks:
         """The request's prompt chunks for the budget's prefix sharing, hashed once per request (none when
@@ -58,8 +57,6 @@ class KvBooking:
             sharing = self.budget is not None and self.budget.prefix_sharing
             text_tokens = plan.text_tokens if plan is not None else ()
             self._chunks = prompt_chunks(request, text_tokens) if sharing else NO_CHUNKS
-            if self._chunks.hashes:
-                self._texts = request.prompts[0].texts
         elif plan is not None:
             self._counted(plan.text_tokens)
         return self._chunks
@@ -69,7 +66,7 @@ class KvBooking:
         chunks = self._chunks
         if chunks is None or not chunks.hashes or chunks.text_tokens or not text_tokens:
             return False
-        self._chunks = with_text_tokens(chunks, self._texts, text_tokens)
+        self._chunks = with_text_tokens(chunks, text_tokens)
         return bool(self._chunks.text_tokens)
 
     def fits(

@@ -20,6 +20,7 @@ Cost: one `hash` per `CHUNK_CHARS` of text (SipHash over the slice) plus the see
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from typing import Any
@@ -34,8 +35,6 @@ keeps (`PromptChunks.credit`) is about half a GPU engine block of 16 tokens x 8.
 MAX_CHUNKS = 4096
 """Chunks hashed at most (1 MiB of text); a longer prompt's tail is booked as its own."""
 
-SEPARATOR = "\x1e"
-"""Between two texts of a prompt (ASCII record separator), so ("ab", "c") and ("a", "bc") differ."""
 
 UNRENDERED = frozenset(
     {
@@ -86,8 +85,12 @@ def _truncating(body: dict[str, Any]) -> bool:
 
 def prompt_chunks(request: ParsedRequest, text_tokens: tuple[int, ...] = ()) -> PromptChunks:
     """The request's leading chunks, or none where sharing cannot be told from its text; with each text's
-    tokens (`Reservation.text_tokens`, from the exact count), where each text ends and the tokens up to
-    there, so a shared run is credited the tokens of the whole texts it covers (`PromptChunks.credit`)."""
+    tokens (`Reservation.text_tokens`, from the exact count), the tokens up to the end of each text, so a
+    shared run is credited the tokens of the whole texts it covers (`PromptChunks.credit`).
+
+    Each text is cut into chunks of its own (its last one short), so a shared text ends a chunk: cut across
+    the joined texts, the run two prompts share stopped at the last whole chunk before they differed, most
+    often inside the shared system prompt, which then counted as not covered."""
     if request.prompt_count != 1:
         return NO_CHUNKS
     if _truncating(request.body):
@@ -95,36 +98,31 @@ def prompt_chunks(request: ParsedRequest, text_tokens: tuple[int, ...] = ()) -> 
     prompt = request.prompts[0]
     if prompt.media or prompt.opaque or prompt.fixed_tokens or not prompt.texts:
         return NO_CHUNKS
-    text = SEPARATOR.join(prompt.texts)
     parent = hash((request.api, request.model, _seed(request.body, request.prompt_param)))
-    hashes = []
-    for start in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS), CHUNK_CHARS):
-        parent = hash((parent, text[start : start + CHUNK_CHARS]))
-        hashes.append(parent)
-    ends, tokens = _text_ends(prompt.texts, text_tokens)
-    return PromptChunks(tuple(hashes), CHUNK_CHARS, len(text), ends, tokens)
-
-
-def with_text_tokens(chunks: PromptChunks, texts: tuple[str, ...], counts: tuple[int, ...]) -> PromptChunks:
-    """`chunks`, hashed before the prompt was counted, with where its texts end and their tokens."""
-    ends, tokens = _text_ends(texts, counts)
-    return replace(chunks, text_ends=ends, text_tokens=tokens) if tokens else chunks
-
-
-def _text_ends(texts: tuple[str, ...], counts: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Where each text ends in the joined prompt text, and the tokens of the texts up to there: none
-    without one count per text (a prompt booked on its bound is credited nothing until its exact count)."""
-    if len(counts) != len(texts):
-        return (), ()
+    hashes: list[int] = []
     ends: list[int] = []
-    tokens: list[int] = []
-    end = total = 0
-    for i, (text, count) in enumerate(zip(texts, counts, strict=True)):
-        end += len(text) + (1 if i else 0)  # the separator before every text but the first
-        total += count
-        ends.append(end)
-        tokens.append(total)
-    return tuple(ends), tuple(tokens)
+    for text in prompt.texts:
+        for start in range(0, len(text), CHUNK_CHARS):
+            if len(hashes) == MAX_CHUNKS:
+                break
+            # Whether the piece starts a text: ("x" * 256, "y") and ("x" * 256 + "y",) differ.
+            parent = hash((parent, text[start : start + CHUNK_CHARS], start == 0))
+            hashes.append(parent)
+        else:
+            ends.append(len(hashes))
+            continue
+        break
+    chars = sum(len(text) for text in prompt.texts)
+    chunks = PromptChunks(tuple(hashes), CHUNK_CHARS, max(1, chars), tuple(ends))
+    return with_text_tokens(chunks, text_tokens)
+
+
+def with_text_tokens(chunks: PromptChunks, counts: tuple[int, ...]) -> PromptChunks:
+    """`chunks` with the tokens of its texts up to each one's end, from one count per text of the prompt
+    (none without them: a prompt booked on its bound is credited nothing until its exact count)."""
+    if not counts or len(counts) < len(chunks.text_ends) or chunks.text_tokens:
+        return chunks
+    return replace(chunks, text_tokens=tuple(itertools.accumulate(counts[: len(chunks.text_ends)])))
 
 
 def _seed(body: dict[str, Any], prompt_field: str) -> str:

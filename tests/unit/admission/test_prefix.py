@@ -4,6 +4,7 @@ nothing."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -34,10 +35,12 @@ def shared(a: dict[str, Any], b: dict[str, Any], api: Api = CHAT) -> int:
 
 
 def test_a_shared_system_prompt_shares_its_whole_chunks() -> None:
+    """Each text is cut on its own, so the shared system prompt ends a chunk: the run covers it whole, its
+    role and the next role too, and stops at the first text that differs."""
     run = shared(chat("first question"), chat("another question entirely"))
-    assert run == len("system" + "\x1e" + SYSTEM + "\x1e" + "user") // CHUNK_CHARS
+    assert run == 1 + math.ceil(len(SYSTEM) / CHUNK_CHARS) + 1  # "system", its text, "user"
     chunks = prompt_chunks(parse(CHAT, chat("first question")))
-    assert chunks.text_chars > run * CHUNK_CHARS and len(chunks.hashes) == run + 1
+    assert chunks.text_ends == (1, run - 1, run, run + 1) and len(chunks.hashes) == run + 1
 
 
 def test_sampling_fields_do_not_split_a_prefix() -> None:
@@ -51,10 +54,10 @@ def test_what_renders_ahead_of_the_messages_splits_it() -> None:
     assert shared(chat("q"), {**chat("q"), "model": "other"}) == 0
 
 
-def test_a_different_first_message_shares_nothing() -> None:
+def test_a_different_first_message_shares_nothing_but_its_role() -> None:
     body = chat("q")
     other = {**body, "messages": [{"role": "system", "content": "X" + SYSTEM}, body["messages"][1]]}
-    assert shared(body, other) == 0
+    assert shared(body, other) == 1  # the role text "system": credited its one token less a block, none
 
 
 def test_media_and_batches_bring_no_chunks() -> None:
@@ -120,3 +123,19 @@ def test_a_padded_prefix_is_not_credited_past_its_tokens() -> None:
 
     booked, own_tokens = own_booked(CHAT, body("q"), body("7" * 4_000))
     assert booked >= own_tokens > 0
+
+
+def test_the_shared_system_prompt_is_credited_its_tokens_less_a_block() -> None:
+    """The shared-prefix overload's shape (a long system prompt, a short question of each request's own):
+    the run covers the system prompt whatever its length, so nearly all of its tokens are credited. Cut
+    across the joined texts, the run stopped inside it and nothing was credited (KV peak 0.28 where sharing
+    reached 0.76 on the simulator's overload)."""
+    for system in (SYSTEM, SYSTEM + "padding " * 7, SYSTEM[:-9]):
+        first = {
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "a"}],
+        }
+        second = {**first, "messages": [first["messages"][0], {"role": "user", "content": "question two"}]}
+        booked, own = own_booked(CHAT, first, second)
+        system_tokens = plan(CHAT, second, POLICY).text_tokens[1]
+        assert own <= booked <= plan(CHAT, second, POLICY).prompt_tokens - system_tokens + 16, system

@@ -24,7 +24,7 @@ def chunks(own: int = 1, *, shared: tuple[int, ...] = SYSTEM) -> PromptChunks:
     text of its own of 100 tokens, counted."""
     tail = tuple(next(_OWN) for _ in range(own))
     n = len(shared) + own
-    ends = tuple(400 * (i + 1) for i in range(n))
+    ends = tuple(range(1, n + 1))
     tokens = tuple(100 * (i + 1) for i in range(n))
     return PromptChunks(
         shared + tail, chunk_chars=400, text_chars=400 * n, text_ends=ends, text_tokens=tokens
@@ -151,10 +151,11 @@ def test_a_prompt_booked_on_its_bound_is_credited_once_counted_in_tokens() -> No
 def test_a_shared_run_is_credited_the_tokens_of_the_whole_texts_it_covers() -> None:
     """An English system prompt (1,161 tokens in 5,000 characters) before 1,500 Chinese characters of the
     request's own (1,507 tokens): by the character share the own part was booked 665 tokens."""
-    prompt = PromptChunks(tuple(range(26)), 256, 6_501, text_ends=(5_000, 6_501), text_tokens=(1_161, 2_668))
-    assert prompt.credit(19, 2_668) == 0  # 4,864 characters: the system prompt not whole
+    # The system prompt's 5,000 characters are 20 chunks of 256 (its last one short), the tail's 6 more.
+    prompt = PromptChunks(tuple(range(26)), 256, 6_500, text_ends=(20, 26), text_tokens=(1_161, 2_668))
+    assert prompt.credit(19, 2_668) == 0  # the system prompt not whole
     assert prompt.credit(20, 2_668, margin=16) == 1_161 - 16
-    assert 2_668 - prompt.credit(25, 2_668, margin=16) >= 1_507  # 6,400 characters: the own text not whole
+    assert 2_668 - prompt.credit(25, 2_668, margin=16) >= 1_507  # the own text not whole
     assert prompt.credit(26, 2_668) == 2_667  # every text shared: never the whole prompt
 
 
@@ -264,9 +265,7 @@ def test_an_engine_that_does_not_share_prefixes_credits_none() -> None:
     """vLLM with --no-enable-prefix-caching holds every prompt whole: the credit of the leases in flight is
     booked again at once, and no new request is credited."""
     b = KvBudget(100_000, target_utilization=1.0)
-    chunks = PromptChunks(
-        tuple(range(10)), 100, 1_000, tuple(range(100, 1_001, 100)), tuple(range(100, 1_001, 100))
-    )
+    chunks = PromptChunks(tuple(range(10)), 100, 1_000, tuple(range(1, 11)), tuple(range(100, 1_001, 100)))
     b.admit("a", 1_000, 0, chunks=chunks)
     b.admit("b", 1_000, 0, chunks=chunks)
     assert b.demand_tokens < 2_000
