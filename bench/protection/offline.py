@@ -164,7 +164,10 @@ class Prefixes:
         for h in self.ids[index]:
             parent = hash((parent, h))
             hashes.append(parent)
-        return PromptChunks(tuple(hashes), self.id_tokens, max(prompt, 1))
+        # Each id is a block of `id_tokens` known tokens: a "text" the budget credits whole once shared.
+        ends = tuple(range(1, len(hashes) + 1))
+        tokens = tuple(min(prompt, self.id_tokens * n) for n in ends)
+        return PromptChunks(tuple(hashes), self.id_tokens, max(prompt, 1), ends, tokens)
 
 
 class Replay:

@@ -132,7 +132,8 @@ def test_budget_books_what_it_booked_on_the_reference(
     live: list[str] = []
     for step, (op, hashes, pick, tokens) in enumerate(ops):
         now = float(step) if forecast else None
-        chunks = PromptChunks(hashes, chunk_chars=100, text_chars=100 * len(hashes) + 40)
+        ends = tuple(range(1, len(hashes) + 1))  # a text per chunk, 25 tokens each, counted
+        chunks = PromptChunks(hashes, 100, 100 * len(hashes) + 40, ends, tuple(25 * n for n in ends))
         prompt = 25 * len(hashes) + 10
         if op in ("admit", "fit"):
             fits = [kv.would_fit(prompt, tokens, now=now, chunks=chunks) for kv in budgets]
