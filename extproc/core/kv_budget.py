@@ -235,7 +235,8 @@ class KvBudget:
         if self._capacity is None:
             return None
         target = self._capacity * self._target
-        return self.fleet.budget(target, self._share, self._seen_at, self._unexplained)
+        own = max(0.0, self._booked - self._unexplained)  # as of the last decision or sample
+        return self.fleet.budget(target, self._share, self._seen_at, self._unexplained, own)
 
     @property
     def demand_tokens(self) -> int:
@@ -704,13 +705,13 @@ class KvBudget:
         check on a bound, which the exact count decides again).
         """
         self._seen(now)
-        budget = self.budget_tokens
-        if budget is None:
+        if self._capacity is None:
             return True, None
         chunks = chunks if self._engine_shares else NO_CHUNKS
         candidate = self._new_lease(prompt_tokens, max_completion, learner_key, now, sequences, committed)
         candidate.chunks = chunks
         self._booked, booked_with = self._book_candidate(now, candidate)
+        budget = self.budget_tokens or 0  # after the booking: a fleet's budget reads what is booked now
         headroom = budget - self._booked
         # admit() right after this decision books the same request: it reuses the sum just computed.
         self._last_fit = (

@@ -97,6 +97,7 @@ class Fleet:
         self._peers: Peers | None = None
         self._read_at: float | None = None
         self._own_at_read = 0  # what this replica had booked at the exchange the peers came with
+        self._own_low = 0  # the least it has booked since (`budget`): what it released meanwhile
 
     def share_through_store(self, fallback_share: float) -> None:
         """Replicas share this pool through a store; `fallback_share` of the pool is this replica's while the
@@ -111,6 +112,7 @@ class Fleet:
         booked `own_booked`."""
         if peers is not None:
             self._peers, self._read_at, self._own_at_read = peers, now, own_booked
+            self._own_low = own_booked
 
     def peers(self, now: float | None) -> Peers | None:
         """The others' figures; None while unknown: not shared, never read, or last read too long ago."""
@@ -121,22 +123,32 @@ class Fleet:
         return self._peers
 
     def budget(
-        self, target_tokens: float, ceiling: float, now: float | None, unexplained: float = 0.0
+        self,
+        target_tokens: float,
+        ceiling: float,
+        now: float | None,
+        unexplained: float = 0.0,
+        own_now: float | None = None,
     ) -> int:
         """Tokens this replica may book of the pool's `target_tokens` (capacity x target_utilization), the
         pool's `unexplained` KV included (the engine correction every replica adds alike):
 
         - shared, the others known: what it had booked at the exchange, plus its part of the room nobody had
           booked then, divided between the replicas that want KV (this one and the others `wanting`), at
-          most `ceiling` (`capacity_share`) of the target;
+          most `ceiling` (`capacity_share`) of the target. What it released since (the least of `own_now`,
+          what it books at each decision, since the exchange) is free room too, its part only: a replica
+          whose queue wakes at its own release would otherwise take all of it back before the others hear of
+          it, and starve them;
         - shared, the others unknown: the fallback share (and never above the ceiling);
         - alone: the ceiling, the configured fixed share, as before there was a fleet.
         """
         peers = self.peers(now)
         if peers is not None:
-            held = self._own_at_read + unexplained
-            free = target_tokens - held - peers.share.booked
-            part = held + free / (1 + peers.share.wanting)
+            if own_now is not None:
+                self._own_low = min(self._own_low, math.ceil(own_now))
+            free = target_tokens - self._own_at_read - unexplained - peers.share.booked
+            released = self._own_at_read - self._own_low
+            part = self._own_low + unexplained + (free + released) / (1 + peers.share.wanting)
             return math.floor(min(target_tokens * ceiling, part))
         share = min(ceiling, self.fallback_share) if self.shared else ceiling
         return math.floor(target_tokens * share)

@@ -182,3 +182,25 @@ def test_a_replica_wants_kv_only_a_while_after_a_refusal() -> None:
     assert not r.would_fit(20_000, 0, now=1.0)[0]
     assert r.replica_share(1.5).wanting == 1
     assert r.replica_share(2.1).wanting == 0
+
+
+def test_a_replica_that_releases_keeps_only_its_part_of_the_room_while_another_wants_it() -> None:
+    """Its queue woken by its own release, a busy replica took all of the freed room back before the other
+    replica heard of it, and the other replica's waiters starved."""
+    busy, other = budget(), budget()
+    for r in (busy, other):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    for i in range(9):
+        busy.admit(f"a{i}", 500, 500, now=0.0)
+    other.admit("b0", 500, 500, now=0.0)
+    exchange(busy, other, 0.001)
+    assert not other.would_fit(500, 500, now=0.002)[0]  # the cache is full: the other replica wants KV
+    exchange(busy, other, 0.003)
+    busy.release("a0", 500)
+    busy.release("a1", 500)  # 2,000 freed while the other replica wants KV: 1,000 of it is busy's
+    assert busy.would_fit(500, 500, now=0.004)[0]
+    busy.admit("a9", 500, 500, now=0.004)
+    assert busy.budget_tokens == 8_000  # its half of what it released, however often it asks
+    exchange(busy, other, 0.005)
+    assert other.would_fit(500, 500, now=0.006)[0]  # the other half is the other replica's
