@@ -1,10 +1,11 @@
 """The docs an operator follows hold as written: the README stays a short page of quickstarts, the operator
 guide walks its path in order, every link and anchor resolves, every command the README and the guide show
 names a make target, a module, an option and a file that exist (the cheap ones run as written, the others in
-their `--help` form, which parses every word before it), and the pages an operator reads carry no project
-history. The commands that need a running stack are run elsewhere: the README's `make run UPSTREAM=` by the
-real-engine tier (tests/engine/test_quickstart_engine.py), `make run`'s load loop by
-tests/e2e/test_make_run_e2e.py, the `kubectl apply -k` builds by test_kustomize.py."""
+their `--help` form, which parses every word before it), the pages an operator reads carry no project
+history, and docs/ stays a reference within a word budget. The commands that need a running stack are run
+elsewhere: the README's `make run UPSTREAM=` by the real-engine tier (tests/engine/test_quickstart_engine.py),
+`make run`'s load loop by tests/e2e/test_make_run_e2e.py, the `kubectl apply -k` builds by
+test_kustomize.py."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ from tests.support.docs import (
 )
 
 README_WORDS = 1500
+DOCS_WORDS = 25_000
+"""The whole of docs/ (README.md aside), in words split on whitespace: under half of what the lab-notebook
+pages held, the size of the references this project follows (envoyproxy/ratelimit's one 8,100-word README)."""
+PAGE_WORDS = 5_000
+"""One page of docs/: past it a page is two topics."""
 OPERATOR_PATH = ("Install", "Point it at your engine", "Size the limits", "Watch", "Tune", "Troubleshoot")
 ALL_DOCS = (README, *sorted((REPO / "docs").rglob("*.md")))
 USER_DOCS = (
@@ -74,6 +80,15 @@ def test_the_readme_is_a_short_page_of_quickstarts() -> None:
         assert f"\n## {quickstart}\n" in text
 
 
+def test_the_docs_stay_within_their_word_budget() -> None:
+    words = {doc_id(path): len(path.read_text().split()) for path in sorted((REPO / "docs").rglob("*.md"))}
+    largest = sorted(words.items(), key=lambda item: -item[1])[:5]
+    total = sum(words.values())
+    assert total <= DOCS_WORDS, f"docs/: {total} words, over {DOCS_WORDS}; the largest pages: {largest}"
+    over = {doc: count for doc, count in words.items() if count > PAGE_WORDS}
+    assert not over, f"pages over {PAGE_WORDS} words: {over}"
+
+
 def test_the_operator_guide_walks_the_path_in_order() -> None:
     headings = re.findall(r"^## (\d+)\. (.+)$", OPERATOR_GUIDE.read_text(), re.MULTILINE)
     assert headings == [(str(n), title) for n, title in enumerate(OPERATOR_PATH, 1)]
@@ -96,8 +111,8 @@ def test_every_link_and_anchor_resolves(doc: Path) -> None:
 
 @pytest.mark.parametrize("doc", USER_DOCS, ids=doc_id)
 def test_the_operator_pages_carry_no_project_history(doc: Path) -> None:
-    """History and its figures belong in docs/internals/history.md; sources of other projects cited at a
-    commit (vLLM, Grafana, llm-d) are sources, not history."""
+    """Figures belong in docs/internals/measurements.md and bench/RESULTS.md; sources of other projects cited
+    at a commit (vLLM, Grafana, llm-d) are sources, not history."""
     found = [m.group(0) for line in doc.read_text().splitlines() for m in [HISTORY.search(line)] if m]
     assert not found, f"{doc_id(doc)}: {found}"
 
