@@ -537,8 +537,9 @@ class KvBudget:
             booked = math.ceil(forecast_peaks(self._trajectories(now))[0])
         else:
             booked = self._demand
-        wanting = 1 if self._wanting_until is not None and now < self._wanting_until else 0
-        return ReplicaShare(booked, math.ceil(held), math.floor(floor), settled, candidates, wanting)
+        wanted = self._wanting_until is not None and now < self._wanting_until
+        active = 1 if self._leases or wanted else 0
+        return ReplicaShare(booked, math.ceil(held), math.floor(floor), settled, candidates, active)
 
     def _may_be_finished(self, lease: _Lease, now: float) -> bool:
         """Whether the engine may have finished `lease` unseen (`_engine_finished`'s candidates): a stream

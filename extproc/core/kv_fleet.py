@@ -19,8 +19,10 @@ The figures are published after each change of a budget (at most every `PUBLISH_
 sample, so between two exchanges a replica does not see what the others admit. Taking all the free room each
 time, two replicas with queues that both woke at a release took the same room: on the simulator, two gateways
 at 50/50 preempted 9 times in a minute (KV peak 1.0). So the free room is divided between the replicas that
-want KV now (`wanting`: refused or queued for it within `WANT_WINDOW_S`): alone, a replica takes all of it;
-with another one wanting, half; together they never take more than there was.
+are active (`active`: holding leases, or refused or queued for KV within `WANT_WINDOW_S`): alone, a replica
+takes all of it; with another one active, half; together they never take more than there was. Counting only
+the replicas refused lately was not enough (2-3 preemptions a minute at 50/50: a replica is heard to want KV
+only at its next publication); a replica with leases is one that admits, and may at any moment.
 
 Pure: no I/O, no clock.
 """
@@ -39,8 +41,8 @@ PEERS_FRESH_S = 3.0
 a budget books on its fallback share again. Three feed samples."""
 
 WANT_WINDOW_S = 1.0
-"""How long after one of its requests did not fit its KV budget a replica counts as wanting KV: the others
-leave it its part of the free room (`Fleet.budget`) that long."""
+"""How long after one of its requests did not fit its KV budget a replica with no lease counts as active: the
+others leave it its part of the free room (`Fleet.budget`) that long."""
 
 REPLICA_TTL_S = 5.0
 """How long a replica's published figures count after their publication: a replica that died, or lost the
@@ -58,7 +60,8 @@ class ReplicaShare:
       the engine's gauges), a floor of what they hold while they run;
     - `settled`: those leases' sequences, which the engine runs unless it has finished them;
     - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees);
-    - `wanting`: 1 while one of its requests did not fit lately (`WANT_WINDOW_S`), else 0 (summed: how many).
+    - `active`: 1 while it holds leases, or one of its requests did not fit lately (`WANT_WINDOW_S`), else 0
+      (summed: how many are).
     """
 
     booked: int = 0
@@ -66,13 +69,13 @@ class ReplicaShare:
     floor: int = 0
     settled: int = 0
     candidates: int = 0
-    wanting: int = 0
+    active: int = 0
 
     def plus(self, other: ReplicaShare) -> ReplicaShare:
         return ReplicaShare(*(a + b for a, b in zip(self.fields(), other.fields(), strict=True)))
 
     def fields(self) -> tuple[int, int, int, int, int, int]:
-        return (self.booked, self.held, self.floor, self.settled, self.candidates, self.wanting)
+        return (self.booked, self.held, self.floor, self.settled, self.candidates, self.active)
 
 
 NOBODY = ReplicaShare()
@@ -134,7 +137,7 @@ class Fleet:
         pool's `unexplained` KV included (the engine correction every replica adds alike):
 
         - shared, the others known: what it had booked at the exchange, plus its part of the room nobody had
-          booked then, divided between the replicas that want KV (this one and the others `wanting`), at
+          booked then, divided between the replicas that are active (this one and the others `active`), at
           most `ceiling` (`capacity_share`) of the target. What it released since (the least of `own_now`,
           what it books at each decision, since the exchange) is free room too, its part only: a replica
           whose queue wakes at its own release would otherwise take all of it back before the others hear of
@@ -148,7 +151,7 @@ class Fleet:
                 self._own_low = min(self._own_low, math.ceil(own_now))
             free = target_tokens - self._own_at_read - unexplained - peers.share.booked
             released = self._own_at_read - self._own_low
-            part = self._own_low + unexplained + (free + released) / (1 + peers.share.wanting)
+            part = self._own_low + unexplained + (free + released) / (1 + peers.share.active)
             return math.floor(min(target_tokens * ceiling, part))
         share = min(ceiling, self.fallback_share) if self.shared else ceiling
         return math.floor(target_tokens * share)

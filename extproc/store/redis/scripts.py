@@ -27,7 +27,7 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
   of the fresh proposals (1 when none), recomputed only by the SCALE script; the hash expires a proposal TTL
   after the last proposal, and then the scale is 1 again.
 - `P kv:#p:p` (hash): the KV-budget figures of pool `p` (`extproc.core.kv_fleet`), one field `r:<replica>`
-  per replica, `<expiry ms> <booked> <held> <floor> <settled> <candidates> <wanting>`; a field past its
+  per replica, `<expiry ms> <booked> <held> <floor> <settled> <candidates> <active>`; a field past its
   expiry is dropped by the next KV_POOL call, the hash itself a TTL after the last one.
 - `P wq` (string): present while some replica has requests waiting in its queue; a release then publishes
   on the channel `P wake` so that the other replicas try their waiters at once.
@@ -663,7 +663,7 @@ return {id, fmt(left)}
 
 KV_POOL = r"""
 -- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's figures of the pool: booked, held,
--- floor, settled, candidates, wanting (integers). Stores them as this replica's, good for ttl ms of server
+-- floor, settled, candidates, active (integers). Stores them as this replica's, good for ttl ms of server
 -- time, and replies the number of other replicas whose figures are still good and the sums of their
 -- figures (`P kv` above); figures past their expiry (a replica that died or lost the store) are dropped.
 local key = KEYS[1] .. 'kv:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]

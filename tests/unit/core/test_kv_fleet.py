@@ -43,10 +43,11 @@ def test_one_replica_with_all_the_traffic_fills_the_whole_target() -> None:
         busy.admit(f"a{i}", 500, 500, now=0.0)
     assert busy.budget_tokens == 10_000
     exchange(busy, idle, 0.1)
-    # The idle replica now sees the busy one's 8,000: 2,000 left for it, not its half.
-    assert idle.budget_tokens == 2_000
-    assert not idle.would_fit(1_500, 1_000, now=0.1)[0]
-    assert idle.would_fit(1_000, 1_000, now=0.1)[0]
+    # The idle replica now sees the busy one's 8,000 and that it admits: of the 2,000 left, half is its own
+    # (the busy one may take the other half before the next exchange), not its fixed half of the cache.
+    assert idle.budget_tokens == 1_000
+    assert not idle.would_fit(500, 1_000, now=0.1)[0]
+    assert idle.would_fit(500, 500, now=0.1)[0]
 
 
 def test_even_traffic_divides_the_pool_about_in_half() -> None:
@@ -164,7 +165,7 @@ def test_replicas_that_both_want_kv_take_half_of_the_free_room_each_between_exch
     for r in (a, b):
         assert not r.would_fit(9_500, 0, now=0.2)[0]  # refused: each now wants KV
     exchange(a, b, 0.3)
-    # 8,000 free, two wanting: 4,000 more each, not 8,000 each before the next exchange.
+    # 8,000 free, two active: 4,000 more each, not 8,000 each before the next exchange.
     assert a.budget_tokens == b.budget_tokens == 1_000 + 4_000
     admitted = {"a": 0, "b": 0}
     for i in range(8):
@@ -176,12 +177,15 @@ def test_replicas_that_both_want_kv_take_half_of_the_free_room_each_between_exch
     assert a.demand_tokens + b.demand_tokens <= 10_000
 
 
-def test_a_replica_wants_kv_only_a_while_after_a_refusal() -> None:
+def test_a_replica_is_active_while_it_holds_leases_or_a_while_after_a_refusal() -> None:
     r = budget()
+    assert r.replica_share(0.0).active == 0
     r.admit("a", 500, 500, now=0.0)
+    assert r.replica_share(0.5).active == 1
     assert not r.would_fit(20_000, 0, now=1.0)[0]
-    assert r.replica_share(1.5).wanting == 1
-    assert r.replica_share(2.1).wanting == 0
+    r.release("a", 500)
+    assert r.replica_share(1.5).active == 1
+    assert r.replica_share(2.1).active == 0
 
 
 def test_a_replica_that_releases_keeps_only_its_part_of_the_room_while_another_wants_it() -> None:
@@ -203,4 +207,5 @@ def test_a_replica_that_releases_keeps_only_its_part_of_the_room_while_another_w
     busy.admit("a9", 500, 500, now=0.004)
     assert busy.budget_tokens == 8_000  # its half of what it released, however often it asks
     exchange(busy, other, 0.005)
-    assert other.would_fit(500, 500, now=0.006)[0]  # the other half is the other replica's
+    assert other.budget_tokens == 1_000 + 500  # the other half free, and the busy one may take half of it
+    assert other.would_fit(250, 250, now=0.006)[0]
