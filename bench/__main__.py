@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench.soak.main import run as run_soak
 
             status |= run_soak(args.requests or (5_000 if short else 100_000))
-        elif part == "fleet":  # issue 39: gateway replicas sharing one pool's KV cache, ~6 min
+        elif part == "fleet":  # issue 39: gateway replicas sharing one pool's KV cache, ~12 min
             from bench.fleet import main as run_fleet
 
             status |= run_fleet([])
