@@ -219,6 +219,7 @@ class KvBudget:
         self._engine_shares = True  # the pool's engines share prompt prefixes (`set_engine_shares_prefixes`)
         self._seen_at: float | None = None  # the latest `now` a caller passed: the others' figures' age
         self._wanting_until: float | None = None  # a request did not fit lately (`kv_fleet.WANT_WINDOW_S`)
+        self._sent_booked = 0  # what it had booked when its figures were last taken (`replica_share`)
         self.set_capacity(capacity_tokens)
 
     # -- read-only views ---------------------------------------------------------------------------------
@@ -490,10 +491,10 @@ class KvBudget:
             if lease.settled_by(settled_before):
                 settled += lease.own_prompt + lease.streamed
         others = self.fleet.used_by_others(now)
-        if others is None:
-            mine, room = used * (self.budget_share()), used
-        else:
-            mine, room = used - others[0], used - others[1]
+        # Downward, the whole gauge: the others' floor is one exchange old, and one they have released since
+        # would leave this replica's leases less room than they hold (an idle replica booked -2,903 tokens).
+        room = used
+        mine = used * self.budget_share() if others is None else used - others[0]
         if mine > explained:
             return mine - explained
         if waiting == 0 and settled > room:
@@ -510,12 +511,12 @@ class KvBudget:
         self.fleet.share_through_store(fallback_share)
         self._set_credit_limit()
 
-    def observe_peers(self, peers: Peers | None, now: float, own_booked: int = 0) -> None:
+    def observe_peers(self, peers: Peers | None, now: float, own_booked: int | None = None) -> None:
         """The other replicas' figures of this pool, as the shared store answered at `now` to an exchange in
-        which this replica had booked `own_booked` (None: it did not answer; the last answer is trusted
-        `kv_fleet.PEERS_FRESH_S`)."""
+        which this replica had booked `own_booked` (default: what it had when its figures were last taken,
+        `replica_share`) (None: it did not answer; the last answer is trusted `kv_fleet.PEERS_FRESH_S`)."""
         self._seen(now)
-        self.fleet.observe(peers, now, own_booked)
+        self.fleet.observe(peers, now, self._sent_booked if own_booked is None else own_booked)
         self._last_fit = None
 
     def replica_share(self, now: float) -> ReplicaShare:
@@ -537,6 +538,7 @@ class KvBudget:
             booked = math.ceil(forecast_peaks(self._trajectories(now))[0])
         else:
             booked = self._demand
+        self._sent_booked = booked
         wanted = self._wanting_until is not None and now < self._wanting_until
         active = 1 if self._leases or wanted else 0
         return ReplicaShare(booked, math.ceil(held), math.floor(floor), settled, candidates, active)

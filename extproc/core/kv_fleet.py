@@ -44,6 +44,11 @@ WANT_WINDOW_S = 1.0
 """How long after one of its requests did not fit its KV budget a replica with no lease counts as active: the
 others leave it its part of the free room (`Fleet.budget`) that long."""
 
+COUNTS_FRESH_S = 0.25
+"""How recent the others' figures must be for the engine's running count to be read against their leases
+(`Fleet.finished_allowance`): a replica publishes within `PUBLISH_EVERY_S` of a change, so a read this recent
+has what they ended."""
+
 REPLICA_TTL_S = 5.0
 """How long a replica's published figures count after their publication: a replica that died, or lost the
 store, stops holding KV in the others' budgets after this."""
@@ -170,10 +175,14 @@ class Fleet:
     def finished_allowance(self, settled: int, candidates: int, running: float, now: float | None) -> int:
         """How many of this replica's candidate sequences the engine may be taken to have finished: the pool's
         settled sequences beyond its running ones, divided between the replicas by their candidates (so the
-        replicas together never find more finished than the engine's count says), or, with the others
-        unknown, this replica's settled sequences beyond every running one."""
+        replicas together never find more finished than the engine's count says), where the others' figures
+        were read within `COUNTS_FRESH_S`; else this replica's settled sequences beyond every running one
+        (any of them may be another replica's). An older read is not enough: where the others ended
+        requests since, their settled count left the pool's excess too high, and a replica took leases the
+        engine still ran for finished."""
         peers = self.peers(now)
-        if peers is None:
+        read_at = self._read_at
+        if peers is None or now is None or read_at is None or now - read_at > COUNTS_FRESH_S:
             return max(0, math.floor(settled - running))
         excess = settled + peers.share.settled - running
         everyone = candidates + peers.share.candidates

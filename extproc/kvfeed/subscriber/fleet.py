@@ -75,7 +75,7 @@ class FleetExchange:
             log.exception("kv fleet: exchange failed", extra={"pool": pool})
         finally:
             self._tasks.pop(pool, None)
-        budget.observe_peers(peers, self._clock(), share.booked)
+        budget.observe_peers(peers, self._clock())
         self._on_peers(pool)
         if pool in self._dirty:
             self.changed(pool, budget)

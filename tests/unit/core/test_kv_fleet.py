@@ -28,41 +28,8 @@ def budget(capacity: int = 10_000, share: float = 1.0) -> KvBudget:
 def exchange(a: KvBudget, b: KvBudget, now: float) -> None:
     """What the store carries at `now`: each replica's figures to the other."""
     a_share, b_share = a.replica_share(now), b.replica_share(now)
-    a.observe_peers(Peers(b_share, 1), now, a_share.booked)
-    b.observe_peers(Peers(a_share, 1), now, b_share.booked)
-
-
-def test_one_replica_with_all_the_traffic_fills_the_whole_target() -> None:
-    busy, idle = budget(), budget()
-    for r in (busy, idle):
-        r.share_through_store(fallback_share=0.5)
-        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
-    exchange(busy, idle, 0.0)
-    for i in range(8):  # 8 x 1,000 = 8,000 of 10,000: past the half a fixed share would allow
-        assert busy.would_fit(500, 500, now=0.0)[0]
-        busy.admit(f"a{i}", 500, 500, now=0.0)
-    assert busy.budget_tokens == 10_000
-    exchange(busy, idle, 0.1)
-    # The idle replica now sees the busy one's 8,000 and that it admits: of the 2,000 left, half is its own
-    # (the busy one may take the other half before the next exchange), not its fixed half of the cache.
-    assert idle.budget_tokens == 1_000
-    assert not idle.would_fit(500, 1_000, now=0.1)[0]
-    assert idle.would_fit(500, 500, now=0.1)[0]
-
-
-def test_even_traffic_divides_the_pool_about_in_half() -> None:
-    a, b = budget(), budget()
-    for r in (a, b):
-        r.share_through_store(fallback_share=0.5)
-        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
-    admitted = {"a": 0, "b": 0}
-    for i in range(20):
-        exchange(a, b, i * 0.01)
-        for name, r in (("a", a), ("b", b)):
-            if r.would_fit(500, 500, now=i * 0.01)[0]:
-                r.admit(f"{name}{i}", 500, 500, now=i * 0.01)
-                admitted[name] += 1
-    assert admitted == {"a": 5, "b": 5}
+    a.observe_peers(Peers(b_share, 1), now)
+    b.observe_peers(Peers(a_share, 1), now)
 
 
 def test_the_store_unreachable_books_on_the_fallback_share_and_capacity_share_stays_a_ceiling() -> None:
@@ -112,7 +79,7 @@ def test_with_the_others_figures_the_pools_excess_is_divided_by_candidates() -> 
     for r in (a, b):
         r.observe_engine(2_000, now=4.0, fresh_for=100.0, waiting=0, running=12)
     assert (a.engine_finished, b.engine_finished) == (0, 0)  # 12 settled, 12 running: none done
-    exchange(a, b, 4.0)
+    exchange(a, b, 5.0)  # read just before the sample: the others' figures are fresh
     for r in (a, b):  # three of the twelve done
         r.observe_engine(2_000, now=5.0, fresh_for=100.0, waiting=0, running=9)
     # 10 and 2 candidates share an excess of 3: 2 and 0 (rounded down), never more than 3 together.
@@ -127,9 +94,9 @@ def test_the_engine_correction_reads_the_others_kv_as_theirs() -> None:
     a.observe_peers(Peers(ReplicaShare(booked=3_000, held=3_000, floor=3_000, settled=3), 1), now=3.0)
     a.observe_engine(4_500, now=3.0, fresh_for=100.0, waiting=1, running=4)
     assert a.unexplained_tokens == 500  # 4,500 in use, 1,000 and 3,000 explained
-    a.observe_engine(3_500, now=4.0, fresh_for=100.0, waiting=0, running=4)
-    # The others hold at least their 3,000: this replica's settled prompt of 1,000 holds at most 500.
-    assert a.unexplained_tokens == -500
+    a.observe_engine(800, now=4.0, fresh_for=100.0, waiting=0, running=4)
+    # Downward the whole gauge counts: the others' floor is one exchange old, and may have been released.
+    assert a.unexplained_tokens == -200
 
 
 def test_without_the_others_figures_the_downward_correction_reads_the_whole_gauge() -> None:
@@ -149,32 +116,6 @@ def test_a_replica_publishes_its_booking_without_the_pools_correction() -> None:
     share = r.replica_share(3.0)
     assert r.booked_tokens > 40_000  # the pool's unexplained KV is in this replica's own booking
     assert share.booked == 2_000 and share.settled == 1 and share.floor == 1_000
-
-
-def test_replicas_that_both_want_kv_take_half_of_the_free_room_each_between_exchanges() -> None:
-    """Between two exchanges a replica does not see what the other admits: both waking at once to the same
-    free room took it twice (two gateways at 50/50 preempted). Wanting together, each takes its half."""
-    a, b = budget(), budget()
-    for r in (a, b):
-        r.share_through_store(fallback_share=0.5)
-        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
-    exchange(a, b, 0.0)
-    assert a.budget_tokens == b.budget_tokens == 10_000  # nobody wants yet: all of it, each
-    a.admit("a0", 500, 500, now=0.1)
-    b.admit("b0", 500, 500, now=0.1)
-    for r in (a, b):
-        assert not r.would_fit(9_500, 0, now=0.2)[0]  # refused: each now wants KV
-    exchange(a, b, 0.3)
-    # 8,000 free, two active: 4,000 more each, not 8,000 each before the next exchange.
-    assert a.budget_tokens == b.budget_tokens == 1_000 + 4_000
-    admitted = {"a": 0, "b": 0}
-    for i in range(8):
-        for name, r in (("a", a), ("b", b)):
-            if r.would_fit(500, 500, now=0.4)[0]:
-                r.admit(f"{name}{i + 1}", 500, 500, now=0.4)
-                admitted[name] += 1
-    assert admitted == {"a": 4, "b": 4}
-    assert a.demand_tokens + b.demand_tokens <= 10_000
 
 
 def test_a_replica_is_active_while_it_holds_leases_or_a_while_after_a_refusal() -> None:
@@ -209,3 +150,38 @@ def test_a_replica_that_releases_keeps_only_its_part_of_the_room_while_another_w
     exchange(busy, other, 0.005)
     assert other.budget_tokens == 1_000 + 500  # the other half free, and the busy one may take half of it
     assert other.would_fit(250, 250, now=0.006)[0]
+
+
+def test_one_replica_with_all_the_traffic_fills_the_whole_target() -> None:
+    busy, idle = budget(), budget()
+    for r in (busy, idle):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    exchange(busy, idle, 0.0)
+    for i in range(9):  # 9 x 1,000 of 10,000: past the half a fixed share would allow
+        assert busy.would_fit(500, 500, now=0.0)[0]
+        busy.admit(f"a{i}", 500, 500, now=0.0)
+    assert busy.budget_tokens == 10_000
+    exchange(busy, idle, 0.1)
+    # The idle replica sees the busy one's 9,000 and that it admits: of the 1,000 left, half is the idle
+    # one's (the busy one may take the other half before the next exchange), not a fixed half of the cache.
+    assert idle.budget_tokens == 500
+    assert not idle.would_fit(300, 300, now=0.2)[0]
+    assert idle.would_fit(200, 200, now=0.2)[0]
+
+
+def test_even_traffic_never_books_past_the_pool_together() -> None:
+    a, b = budget(), budget()
+    for r in (a, b):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    admitted = {"a": 0, "b": 0}
+    for i in range(40):
+        now = i * 0.01
+        exchange(a, b, now)
+        for name, r in (("a", a), ("b", b)):
+            if r.would_fit(500, 500, now=now)[0]:
+                r.admit(f"{name}{i}", 500, 500, now=now)
+                admitted[name] += 1
+        assert a.demand_tokens + b.demand_tokens <= 10_000
+    assert admitted["a"] >= 3 and admitted["b"] >= 3, admitted
