@@ -516,7 +516,8 @@ class KvBudget:
         which this replica had booked `own_booked` (default: what it had when its figures were last taken,
         `replica_share`) (None: it did not answer; the last answer is trusted `kv_fleet.PEERS_FRESH_S`)."""
         self._seen(now)
-        self.fleet.observe(peers, now, self._sent_booked if own_booked is None else own_booked)
+        own = self._sent_booked if own_booked is None else own_booked
+        self.fleet.observe(peers, now, own)
         self._last_fit = None
 
     def replica_share(self, now: float) -> ReplicaShare:

@@ -98,17 +98,18 @@ async def test_two_replicas_divide_a_pool_by_demand_through_redis(redis_url: str
     idle = FleetExchange(stores[1].kv_board(), clock=lambda: clock[0])
     try:
         await exchanged(idle, idle_budget)
-        await exchanged(busy, busy_budget)
-        assert busy_budget.budget_tokens == 10_000  # the idle replica books nothing: all of it
-        for i in range(8):
-            assert busy_budget.would_fit(500, 500, now=0.0)[0]
-            busy_budget.admit(f"a{i}", 500, 500, now=0.0)
+        admitted = 0
+        for step in range(6):  # half of the free room at each exchange: the idle replica may admit too
+            await exchanged(busy, busy_budget)
+            while busy_budget.would_fit(500, 500, now=step * 0.1)[0]:
+                busy_budget.admit(f"a{admitted}", 500, 500, now=step * 0.1)
+                admitted += 1
+        assert admitted >= 7  # past the 5 of a fixed half (its leases progress: the forecast frees some)
         clock[0] = 1.0
         await exchanged(busy, busy_budget)
         await exchanged(idle, idle_budget)
-        # Of the 2,000 the busy replica left, half: it admits, and may take the other half meanwhile.
-        assert idle_budget.budget_tokens == 1_000
-        assert not idle_budget.would_fit(1_500, 1_000, now=1.0)[0]
+        assert 0 < idle_budget.budget_tokens <= 2_500  # half of what the busy one left
+        assert not idle_budget.would_fit(2_000, 1_000, now=1.0)[0]
     finally:
         await busy.close()
         await idle.close()

@@ -38,7 +38,9 @@ def test_the_store_unreachable_books_on_the_fallback_share_and_capacity_share_st
     r.share_through_store(fallback_share=0.5)
     assert r.budget_tokens == 5_000  # shared, the others not known yet
     r.observe_peers(Peers(ReplicaShare(booked=1_000), 1), now=10.0)
-    assert r.budget_tokens == 8_000  # 9,000 unbooked, at most the 0.8 ceiling
+    assert r.budget_tokens == 4_500  # half of the 9,000 unbooked: the other replica may take the rest
+    r.observe_peers(Peers(ReplicaShare(), 0), now=10.0)
+    assert r.budget_tokens == 8_000  # alone: all of it, at most the 0.8 ceiling
     r.observe_peers(None, now=10.0 + PEERS_FRESH_S + 0.1)  # the store did not answer since
     assert r.budget_tokens == 5_000
     with pytest.raises(ValueError, match="fallback_share"):
@@ -152,22 +154,23 @@ def test_a_replica_that_releases_keeps_only_its_part_of_the_room_while_another_w
     assert other.would_fit(250, 250, now=0.006)[0]
 
 
-def test_one_replica_with_all_the_traffic_fills_the_whole_target() -> None:
+def test_one_replica_with_all_the_traffic_fills_nearly_the_whole_target() -> None:
+    """Beside a live replica a busy one takes half of the free room at each exchange (the other may admit
+    at any moment): over a few exchanges it holds nearly all of it, not a fixed half."""
     busy, idle = budget(), budget()
     for r in (busy, idle):
         r.share_through_store(fallback_share=0.5)
         r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
-    exchange(busy, idle, 0.0)
-    for i in range(9):  # 9 x 1,000 of 10,000: past the half a fixed share would allow
-        assert busy.would_fit(500, 500, now=0.0)[0]
-        busy.admit(f"a{i}", 500, 500, now=0.0)
-    assert busy.budget_tokens == 10_000
+    admitted = 0
+    for step in range(6):
+        exchange(busy, idle, step * 0.01)
+        while busy.would_fit(500, 500, now=step * 0.01)[0]:
+            busy.admit(f"a{admitted}", 500, 500, now=step * 0.01)
+            admitted += 1
+    assert admitted >= 8  # 8,000-9,000 of 10,000, past the fixed half of 5,000
     exchange(busy, idle, 0.1)
-    # The idle replica sees the busy one's 9,000 and that it admits: of the 1,000 left, half is the idle
-    # one's (the busy one may take the other half before the next exchange), not a fixed half of the cache.
-    assert idle.budget_tokens == 500
-    assert not idle.would_fit(300, 300, now=0.2)[0]
-    assert idle.would_fit(200, 200, now=0.2)[0]
+    assert 400 <= idle.budget_tokens <= 1_000  # half of what is left
+    assert idle.would_fit(200, 200, now=0.1)[0]
 
 
 def test_even_traffic_never_books_past_the_pool_together() -> None:
