@@ -56,7 +56,7 @@ from extproc.core.decode_rate import usable_rate
 from extproc.core.engine_done import EngineDone
 from extproc.core.kv_credit import UnconfirmedCredit
 from extproc.core.kv_fairness import ClaimId, FairShare
-from extproc.core.kv_fleet import WANT_WINDOW_S, Fleet, Peers, ReplicaShare
+from extproc.core.kv_fleet import Fleet, Peers, ReplicaShare
 from extproc.core.kv_forecast import DecodeRate, Steps, forecast_peaks
 from extproc.core.kv_schedule import RetrySchedule
 from extproc.core.prefix_index import NO_CHUNKS, PrefixIndex, PromptChunks
@@ -218,7 +218,6 @@ class KvBudget:
         self.fleet = Fleet()
         self._engine_shares = True  # the pool's engines share prompt prefixes (`set_engine_shares_prefixes`)
         self._seen_at: float | None = None  # the latest `now` a caller passed: the others' figures' age
-        self._wanting_until: float | None = None  # a request did not fit lately (`kv_fleet.WANT_WINDOW_S`)
         self._sent_booked = 0  # what it had booked when its figures were last taken (`replica_share`)
         self.set_capacity(capacity_tokens)
 
@@ -490,15 +489,15 @@ class KvBudget:
             explained += lease.trajectory(now, rate, delay)[0]
             if lease.settled_by(settled_before):
                 settled += lease.own_prompt + lease.streamed
-        others = self.fleet.used_by_others(now)
-        # Downward, the whole gauge: the others' floor is one exchange old, and one they have released since
-        # would leave this replica's leases less room than they hold (an idle replica booked -2,903 tokens).
-        room = used
-        mine = used * self.budget_share() if others is None else used - others[0]
+        # Downward, the whole gauge: what the others' leases held is one exchange old, and taken off `used`
+        # after they released it, left this replica's leases less room than they hold (an idle replica booked
+        # -2,903 tokens).
+        others = self.fleet.held_by_others(now)
+        mine = used * self.budget_share() if others is None else used - others
         if mine > explained:
             return mine - explained
-        if waiting == 0 and settled > room:
-            return room - settled
+        if waiting == 0 and settled > used:
+            return used - settled
         return 0.0
 
     def budget_share(self) -> float:
@@ -511,18 +510,17 @@ class KvBudget:
         self.fleet.share_through_store(fallback_share)
         self._set_credit_limit()
 
-    def observe_peers(self, peers: Peers | None, now: float, own_booked: int | None = None) -> None:
-        """The other replicas' figures of this pool, as the shared store answered at `now` to an exchange in
-        which this replica had booked `own_booked` (default: what it had when its figures were last taken,
-        `replica_share`) (None: it did not answer; the last answer is trusted `kv_fleet.PEERS_FRESH_S`)."""
+    def observe_peers(self, peers: Peers | None, now: float) -> None:
+        """The other replicas' figures of this pool, as the shared store answered at `now` to the exchange of
+        this replica's last figures (`replica_share`) (None: it did not answer; the last answer is trusted
+        `kv_fleet.PEERS_FRESH_S`)."""
         self._seen(now)
-        own = self._sent_booked if own_booked is None else own_booked
-        self.fleet.observe(peers, now, own)
+        self.fleet.observe(peers, now, self._sent_booked)
         self._last_fit = None
 
     def replica_share(self, now: float) -> ReplicaShare:
         """This replica's figures of the pool for the others (`kv_fleet.ReplicaShare`)."""
-        held = floor = 0.0
+        held = 0.0
         settled = candidates = 0
         settled_before = now - self.settle_after()
         rate, delay = self.decode_rate(), self.pace.first_token_delay
@@ -531,7 +529,6 @@ class KvBudget:
                 continue
             held += lease.trajectory(now, rate, delay)[0]
             if lease.settled_by(settled_before):
-                floor += lease.own_prompt + lease.streamed
                 settled += lease.sequences
                 if self._may_be_finished(lease, now):
                     candidates += lease.sequences
@@ -540,9 +537,7 @@ class KvBudget:
         else:
             booked = self._demand
         self._sent_booked = booked
-        wanted = self._wanting_until is not None and now < self._wanting_until
-        active = 1 if self._leases or wanted else 0
-        return ReplicaShare(booked, math.ceil(held), math.floor(floor), settled, candidates, active)
+        return ReplicaShare(booked, math.ceil(held), settled, candidates)
 
     def _may_be_finished(self, lease: _Lease, now: float) -> bool:
         """Whether the engine may have finished `lease` unseen (`_engine_finished`'s candidates): a stream
@@ -738,8 +733,6 @@ class KvBudget:
         else:
             fits = self._fits_fairly(fair, claimant, candidate, booked_with, now, claim)
         if not fits:
-            if now is not None:  # the other replicas leave this one its part of the free room a while
-                self._wanting_until = now + WANT_WINDOW_S
             # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
             self._refused = (
                 claimant,

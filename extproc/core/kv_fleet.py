@@ -21,8 +21,8 @@ time, two replicas with queues that both woke at a release took the same room: o
 at 50/50 preempted 9 times in a minute (KV peak 1.0). So the free room is divided between the live replicas:
 alone, a replica takes all of it; beside another, half at each exchange (the rest at the next ones, where the
 other does not take it); together they never take more than there was. Counting only the replicas heard to
-want KV, or to hold leases (`active`, still published), was not enough: a replica is heard only at its next
-publication, and two gateways whose bursts began at once each took the whole cache.
+want KV, or to hold leases, was not enough: a replica is heard only at its next publication, and two gateways
+whose bursts began at once each took the whole cache.
 
 Pure: no I/O, no clock.
 """
@@ -39,10 +39,6 @@ is published once per interval, not once per decision."""
 PEERS_FRESH_S = 3.0
 """How long the others' figures, as last read from the store, are trusted: past that (the store unreachable)
 a budget books on its fallback share again. Three feed samples."""
-
-WANT_WINDOW_S = 1.0
-"""How long after one of its requests did not fit its KV budget a replica with no lease counts as active: the
-others leave it its part of the free room (`Fleet.budget`) that long."""
 
 COUNTS_FRESH_S = 0.25
 """How recent the others' figures must be for the engine's running count to be read against their leases
@@ -61,26 +57,21 @@ class ReplicaShare:
     - `booked`: the forecast peak of its leases (or their lifetime footprints), without the engine correction
       (the pool's own, which every replica computes alike);
     - `held`: the KV its leases explain now (prompt less shared chunks, plus tokens generated);
-    - `floor`: the prompts and streamed tokens of its settled leases (those admitted long enough ago to be in
-      the engine's gauges), a floor of what they hold while they run;
-    - `settled`: those leases' sequences, which the engine runs unless it has finished them;
-    - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees);
-    - `active`: 1 while it holds leases, or one of its requests did not fit lately (`WANT_WINDOW_S`), else 0
-      (summed: how many are).
+    - `settled`: the sequences of its leases admitted long enough ago to be in the engine's gauges, which the
+      engine runs unless it has finished them;
+    - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees).
     """
 
     booked: int = 0
     held: int = 0
-    floor: int = 0
     settled: int = 0
     candidates: int = 0
-    active: int = 0
 
     def plus(self, other: ReplicaShare) -> ReplicaShare:
         return ReplicaShare(*(a + b for a, b in zip(self.fields(), other.fields(), strict=True)))
 
-    def fields(self) -> tuple[int, int, int, int, int, int]:
-        return (self.booked, self.held, self.floor, self.settled, self.candidates, self.active)
+    def fields(self) -> tuple[int, int, int, int]:
+        return (self.booked, self.held, self.settled, self.candidates)
 
 
 NOBODY = ReplicaShare()
@@ -193,9 +184,7 @@ class Fleet:
             return 0
         return math.floor(excess * candidates / everyone)
 
-    def used_by_others(self, now: float | None) -> tuple[float, float] | None:
-        """The KV the others' leases explain now and the floor of their settled leases; None when unknown."""
+    def held_by_others(self, now: float | None) -> float | None:
+        """The KV the others' leases explain now; None when unknown."""
         peers = self.peers(now)
-        if peers is None:
-            return None
-        return float(peers.share.held), float(peers.share.floor)
+        return None if peers is None else float(peers.share.held)

@@ -29,4 +29,4 @@ class RedisKvBoard:
             self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
         )
         values = [int(v) for v in raw]
-        return Peers(ReplicaShare(*values[1:7]), values[0])
+        return Peers(ReplicaShare(*values[1:5]), values[0])

@@ -27,7 +27,7 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
   of the fresh proposals (1 when none), recomputed only by the SCALE script; the hash expires a proposal TTL
   after the last proposal, and then the scale is 1 again.
 - `P kv:#p:p` (hash): the KV-budget figures of pool `p` (`extproc.core.kv_fleet`), one field `r:<replica>`
-  per replica, `<expiry ms> <booked> <held> <floor> <settled> <candidates> <active>`; a field past its
+  per replica, `<expiry ms> <booked> <held> <settled> <candidates>`; a field past its
   expiry is dropped by the next KV_POOL call, the hash itself a TTL after the last one.
 - `P wq` (string): present while some replica has requests waiting in its queue; a release then publishes
   on the channel `P wake` so that the other replicas try their waiters at once.
@@ -663,7 +663,7 @@ return {id, fmt(left)}
 
 KV_POOL = r"""
 -- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's figures of the pool: booked, held,
--- floor, settled, candidates, active (integers). Stores them as this replica's, good for ttl ms of server
+-- settled, candidates (integers). Stores them as this replica's, good for ttl ms of server
 -- time, and replies the number of other replicas whose figures are still good and the sums of their
 -- figures (`P kv` above); figures past their expiry (a replica that died or lost the store) are dropped.
 local key = KEYS[1] .. 'kv:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
@@ -671,23 +671,23 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
 local own = 'r:' .. ARGV[2]
-local figures = {now + ttl, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}
+local figures = {now + ttl, ARGV[4], ARGV[5], ARGV[6], ARGV[7]}
 redis.call('HSET', key, own, table.concat(figures, ' '))
 redis.call('PEXPIRE', key, ttl)
-local sums, replicas = {0, 0, 0, 0, 0, 0}, 0
+local sums, replicas = {0, 0, 0, 0}, 0
 local entries = redis.call('HGETALL', key)
 for j = 1, #entries, 2 do
   local name = entries[j]
   if name ~= own then
     local v = {}
     for word in string.gmatch(entries[j + 1], '%S+') do v[#v + 1] = tonumber(word) end
-    if #v < 7 or v[1] <= now then
+    if #v < 5 or v[1] <= now then
       redis.call('HDEL', key, name)
     else
       replicas = replicas + 1
-      for i = 1, 6 do sums[i] = sums[i] + v[i + 1] end
+      for i = 1, 4 do sums[i] = sums[i] + v[i + 1] end
     end
   end
 end
-return {replicas, sums[1], sums[2], sums[3], sums[4], sums[5], sums[6]}
+return {replicas, sums[1], sums[2], sums[3], sums[4]}
 """

@@ -17,8 +17,8 @@ from extproc.store.redis import RedisStore
 from extproc.store.redis import kvboard as kvboard_module
 from tests.component.store.redis_cluster import RedisClusterNodes
 
-A = ReplicaShare(booked=8_000, held=6_000, floor=5_000, settled=8, candidates=2)
-B = ReplicaShare(booked=1_000, held=900, floor=800, settled=1, candidates=0)
+A = ReplicaShare(booked=8_000, held=6_000, settled=8, candidates=2)
+B = ReplicaShare(booked=1_000, held=900, settled=1, candidates=0)
 
 
 async def test_each_replica_reads_the_sum_of_the_others(redis_url: str) -> None:
