@@ -31,6 +31,7 @@ from extproc.config.load import load_isolated
 from extproc.metrics import MAX_TENANT_KEYS, Metrics
 from extproc.store.local import LocalStore
 from tests.support.servicer import body_msg, chat, headers_msg
+from tests.support.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG: dict[str, Any] = {
@@ -263,7 +264,11 @@ async def test_a_reload_to_many_tenants_keeps_admission_and_metrics_within_envoy
     assert set(admission.replies) == {"request_body"}, admission.replies  # each admitted, none timed out
     assert max(admission.latencies) < ENVOY_MESSAGE_TIMEOUT_S, max(admission.latencies)
     assert isinstance(sidecar.store, LocalStore)
-    (judged,) = sidecar.store.limiter.snapshot([f"tenant:{admission.tenant}"])
+    limiter = sidecar.store.limiter
+    key = f"tenant:{admission.tenant}"
+    # The probe's last cancel reaches the server after the probe returns; its settlement follows.
+    await until(lambda: limiter.snapshot([key])[0].active == 0, limit_s=5.0)
+    (judged,) = limiter.snapshot([key])
     assert judged.max_concurrency == 4 and judged.active == 0  # under its own limits; nothing leaked
 
     start = time.perf_counter()
