@@ -65,7 +65,7 @@ class Sidecar:
         self.settle_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="settle")
         assert self.store is not None
         self.feedback = FeedbackRuntime(self.metrics.registry, self._set_scale, clock=self.clock)
-        # Replicas sharing a store divide each pool's KV budget by demand through it (core/kv_fleet.py).
+        # Replicas sharing a store divide each pool's KV budget by demand through it (core/kv/fleet.py).
         self.feedback.share_through(self.store.kv_board(), self.config.store.fallback_share)
         self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
         self.store.on_wake(self.queue.kick)  # a shared store: capacity freed on other replicas

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.core.limiter import SNAPSHOT_BUSIEST_KEYS, KeySnapshot
+from extproc.core.limiter.limiter import SNAPSHOT_BUSIEST_KEYS, KeySnapshot
 from extproc.core.ports import StoreHealth
 
 DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

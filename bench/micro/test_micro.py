@@ -19,7 +19,7 @@ from extproc.admission.intake.request import Api, parse_request
 from extproc.admission.intake.reservation import count_prompt_tokens
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.tokens import count_text
-from extproc.core.limiter import JointLimiter, LimitSpec
+from extproc.core.limiter.limiter import JointLimiter, LimitSpec
 from extproc.sim.textgen import vocabulary
 from extproc.store.local import LocalStore
 

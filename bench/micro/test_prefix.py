@@ -3,7 +3,7 @@ replicas with 1,000 leases in flight, each holding a prompt of 2,000 chunks whos
 share (a long common prefix: a system prompt, an agent's tools, a resent conversation) and 400 of its own.
 
 Run with `python -m pytest bench/micro -k prefix --benchmark-only`. `counted` is the index of
-extproc/core/prefix_index.py; `list` the one it replaced (a list of holders per chunk, scanned; a candidate
+extproc/core/kv/prefix.py; `list` the one it replaced (a list of holders per chunk, scanned; a candidate
 inserted and removed; every lease re-added on a change of replicas: tests/support/prefix_reference.py), in the
 same run. Lifetime booking (no clock), so the decision's cost is the index's, not the forecast's.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from extproc.core.kv_budget import KvBudget
-from extproc.core.prefix_index import PromptChunks
+from extproc.core.kv.budget import KvBudget
+from extproc.core.kv.prefix import PromptChunks
 from tests.support.prefix_reference import ListBudget
 
 LEASES, CHUNKS, SHARED = 1_000, 2_000, 1_600

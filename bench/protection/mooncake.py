@@ -28,7 +28,7 @@ from bench.common import write_json
 from bench.protection import trace as tr
 from bench.protection.offline import Policy, Prefixes, Replay, oracle_budget, policy_for
 from bench.protection.run import Deployment, size_limits
-from extproc.core.kv_budget import BookingMode, KvBudget
+from extproc.core.kv.budget import BookingMode, KvBudget
 
 TRACES = {"conversation": "mooncake_conversation_trace.jsonl", "synthetic": "mooncake_synthetic_trace.jsonl"}
 ID_TOKENS = 64

@@ -32,12 +32,12 @@ from bench.common import percentile, write_json
 from bench.protection import trace as tr
 from bench.protection.run import MODEL, Deployment, Sizing, shape, sidecar_config, size_limits
 from extproc.config import parse_config
-from extproc.core.adaptive import AdaptiveConfig, AdaptiveController
 from extproc.core.clock import FakeClock
-from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_budget import BookingMode, KvBudget
-from extproc.core.limiter import JointLimiter, Lease, LimitSpec, Rejection
-from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
+from extproc.core.engine.adaptive import AdaptiveConfig, AdaptiveController
+from extproc.core.kv.budget import BookingMode, KvBudget
+from extproc.core.kv.completion import CompletionLearner
+from extproc.core.kv.prefix import NO_CHUNKS, PromptChunks
+from extproc.core.limiter.limiter import JointLimiter, Lease, LimitSpec, Rejection
 from extproc.sim.kvcache import BlockPool, PrefixCachingBlockPool, hash_blocks
 from extproc.sim.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepTiming
 from extproc.sim.scheduler import Sequence as SimSequence

@@ -20,8 +20,8 @@ from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.service import AdmissionService, Deps, Holder
 from extproc.admission.tracking.unseen import UnseenStreams
 from extproc.core.clock import Clock
-from extproc.core.engine_tally import EngineTally
-from extproc.core.kv_budget import KvBudget
+from extproc.core.engine.tally import EngineTally
+from extproc.core.kv.budget import KvBudget
 from extproc.core.ports import LimiterStore
 from extproc.metrics import Metrics
 

@@ -31,14 +31,14 @@ from extproc.admission.intake.reservation import count_prompt_tokens
 from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prompt import Count
-from extproc.core.adaptive import never_down
 from extproc.core.clock import Clock, monotonic
-from extproc.core.decode_rate import DecodeRates
-from extproc.core.engine_tally import EngineTally, no_tally
-from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Lease, Rejection
+from extproc.core.engine.adaptive import never_down
+from extproc.core.engine.pace import DecodeRates
+from extproc.core.engine.tally import EngineTally, no_tally
+from extproc.core.kv.budget import KvBudget
+from extproc.core.limiter.limiter import Lease, Rejection
 from extproc.core.ports import LimiterStore
-from extproc.core.slot_eta import OpenLease, hint_within
+from extproc.core.queue.slot_eta import OpenLease, hint_within
 from extproc.metrics import LabelledChildren, Metrics
 
 log = logging.getLogger(__name__)

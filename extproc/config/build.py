@@ -47,8 +47,8 @@ from extproc.config.runtime import (
     tenant_source,
 )
 from extproc.config.walk import nulls_absent
-from extproc.core.adaptive import AdaptiveConfig, AdaptiveConfigError, watermarks_above
-from extproc.core.limiter import LimitSpec
+from extproc.core.engine.adaptive import AdaptiveConfig, AdaptiveConfigError, watermarks_above
+from extproc.core.limiter.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import (
     FeedbackConfig,
     KvBudgetConfig,

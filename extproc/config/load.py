@@ -42,7 +42,7 @@ import extproc
 from extproc.config.build import collector_paused, parse_config
 from extproc.config.errors import ConfigError
 from extproc.config.runtime import Config
-from extproc.core.limiter import LimitSpec
+from extproc.core.limiter.limiter import LimitSpec
 
 MAX_CONFIG_BYTES = 16 << 20
 """Largest config file read (16 MiB: about 2.5 x 10^5 tenants with their own limits)."""

@@ -24,8 +24,8 @@ from extproc.admission.intake.rules import (
 )
 from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy, StepBounds
 from extproc.config import schema
-from extproc.core import split
-from extproc.core.limiter import LimitSpec
+from extproc.core.limiter import split
+from extproc.core.limiter.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import FeedbackConfig
 from extproc.store.backends import backend_settings
 from extproc.store.settings import StoreSettings
@@ -168,7 +168,7 @@ class Config:
 
     def limit_specs(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:
         """Keys with explicit limits, and per-prefix defaults for keys first seen at run time, with the
-        derived keys of split input/output limits (extproc/core/split.py)."""
+        derived keys of split input/output limits (extproc/core/limiter/split.py)."""
         return split.expand(*self.configured_limits())
 
     def configured_limits(self) -> tuple[dict[str, LimitSpec], dict[str, LimitSpec]]:

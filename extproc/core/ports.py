@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from extproc.core.kv_fleet import Peers, ReplicaShare
-from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
+from extproc.core.kv.fleet import Peers, ReplicaShare
+from extproc.core.limiter.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 
 
 class StoreUnavailable(Exception):
@@ -88,7 +88,7 @@ class LimiterStore(Protocol):
     ) -> Lease | Rejection:
         """Take one slot on every key and `tokens` from every bucket, all or nothing, as class `holder`;
         of them `output_tokens` are completion, which is all an `output:` key's bucket holds (and an
-        `input:` key's the rest: extproc/core/split.py `key_tokens`).
+        `input:` key's the rest: extproc/core/limiter/split.py `key_tokens`).
 
         With `use_pool=False` only the class's own guarantee may be used, not the burstable pool.
         """

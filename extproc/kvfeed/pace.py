@@ -5,7 +5,7 @@ An engine's generation-token counter (vLLM `vllm:generation_tokens_total`, SGLan
 two scrapes (at least `min_window_s` apart), its growth over the interval over the mean number of running
 requests at the interval's two ends is what each running sequence generated per second. The sidecar charges
 a request whose end it never heard of with that pace when it has learned none from its own streams
-(`extproc.core.decode_rate`), instead of a configured assumption that can be five times off.
+(`extproc.core.engine.pace`), instead of a configured assumption that can be five times off.
 
 No pace (None) rather than a wrong one on an endpoint's first scrape, after a counter that went down (the
 engine restarted: the new value becomes the baseline) and after a value that is not a finite non-negative

@@ -25,7 +25,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from extproc.core.adaptive import AdaptiveConfig, watermarks_above
+from extproc.core.engine.adaptive import AdaptiveConfig, watermarks_above
 from extproc.geometry.capacity import Capacity, footprint_tokens
 from extproc.geometry.presets import GpuSpec
 from extproc.plan.timing import requests_per_second, timing_for

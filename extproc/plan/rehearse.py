@@ -26,10 +26,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from extproc.core.adaptive import AdaptiveConfig, AdaptiveController
 from extproc.core.clock import FakeClock
-from extproc.core.kv_budget import BookingMode, KvBudget
-from extproc.core.limiter import JointLimiter, Lease, LimitSpec, Rejection
+from extproc.core.engine.adaptive import AdaptiveConfig, AdaptiveController
+from extproc.core.kv.budget import BookingMode, KvBudget
+from extproc.core.limiter.limiter import JointLimiter, Lease, LimitSpec, Rejection
 from extproc.plan.traffic import TraceRequest
 from extproc.sim.kvcache import BlockPool
 from extproc.sim.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepTiming

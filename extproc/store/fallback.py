@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
+from extproc.core.limiter.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 from extproc.core.ports import KvBoard, LimiterStore, Mailbox, StoreHealth, StoreUnavailable
 from extproc.store.local import LocalStore
 

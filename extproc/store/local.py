@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from extproc.core.clock import Clock, monotonic
-from extproc.core.limiter import JointLimiter, KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
+from extproc.core.limiter.limiter import (
+    JointLimiter,
+    KeySnapshot,
+    Lease,
+    LimitSpec,
+    RateLimitStatus,
+    Rejection,
+)
 from extproc.core.ports import KvBoard, Mailbox, StoreHealth
 
 

@@ -15,7 +15,7 @@ from extproc.admission.intake.request import Api
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import monotonic
-from extproc.core.limiter import Lease, LimitSpec
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 from tests.support.classes import CONFIG as CLASS_CONFIG
@@ -198,7 +198,7 @@ async def test_a_feed_that_never_delivers_holds_model_pools_at_the_stale_scale()
 async def test_lease_granted_after_the_rpc_ended_is_settled_at_once() -> None:
     """A wait that swallowed the RPC's cancellation must not leave a lease or a KV-budget entry behind."""
     from extproc.admission.exchange import Exchange, Phase, RequestHead
-    from extproc.core.kv_budget import KvBudget
+    from extproc.core.kv.budget import KvBudget
 
     store = LocalStore()
     await store.apply_limits({"global": LimitSpec(max_concurrency=1)})

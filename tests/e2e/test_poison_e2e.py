@@ -5,7 +5,7 @@ Forty requests with `max_tokens: 4000` that stop after one token teach the tenan
 (0.1): each later request of the tenant is expected to use 400 of its 4,000 tokens. Then twelve streams with
 `max_tokens: 4000` that run to their end arrive at once. Booked 420 tokens each, all twelve were admitted and
 their answers outgrew the cache (13 preemptions, KV peak 1.00). The credit a tenant's requests may take below
-their allowances is bounded (`extproc/core/kv_credit.py`): the burst must preempt nothing.
+their allowances is bounded (`extproc/core/kv/credit.py`): the burst must preempt nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shared prompt prefixes on the real engine: forty-eight streamed chats that share one long system prompt
 overflow vLLM's 16,384-token cache straight to it (its prefix cache holds the system prompt once, so all of
 them start and their answers outgrow the cache), and through the gateway preempt nothing while the KV budget
-lets the cache fill: it books the shared prompt once, as the engine holds it (extproc/core/prefix_index.py).
+lets the cache fill: it books the shared prompt once, as the engine holds it (extproc/core/kv/prefix.py).
 
 The workload (tests/support/prefix_load.py) is the one that showed the budget refusing while two thirds of
 the cache stood empty: a system prompt of ~1,550 tokens (12 of the engine's 128-token blocks), ~30 tokens of

@@ -148,6 +148,6 @@ def test_gateway_overload_preempts_nothing(engine: Engine, gateway: Stack) -> No
     # The refusals' retry-after is the forecast of when booked KV frees, never under a second: a pace
     # learned from one short stream is faster than the overloaded batch's, and a forecast of "now" for a
     # refused request once sent clients back within 50 ms. Admitted answers run for seconds, so most runs
-    # also see hints well past the second (tests/unit/core/test_kv_retry_after.py pins the arithmetic).
+    # also see hints well past the second (tests/unit/core/kv/test_retry_after.py pins the arithmetic).
     assert min(hints) >= 1.0, hints
     wait_idle(gateway)

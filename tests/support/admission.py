@@ -8,7 +8,7 @@ from typing import Any, Self
 from extproc.admission.capacity.queueing import AdmissionQueue
 from extproc.admission.compose import Admission, build_admission
 from extproc.core.clock import FakeClock
-from extproc.core.limiter import LimitSpec
+from extproc.core.limiter.limiter import LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 from tests.support.rules import admission_rules

@@ -1,7 +1,8 @@
 """The limiter's behaviour cases, written once over a `Harness` and run for every store: the in-process
-store on a fake clock by tests/unit/core/test_limiter.py and test_shares.py, one Redis and a Redis Cluster
-on real time by tests/component/store/test_parity.py. Rates are chosen for short waits, and token amounts
-and waits are compared with the slack real time refills (`h.tokens`, `h.seconds`; exact on a fake clock).
+store on a fake clock by tests/unit/core/limiter/ (test_limiter.py, test_shares.py), one Redis and a Redis
+Cluster on real time by tests/component/store/test_parity.py. Rates are chosen for short waits, and token
+amounts and waits are compared with the slack real time refills
+(`h.tokens`, `h.seconds`; exact on a fake clock).
 
 A case is an `async def` taking the harness; `limiter_case` and `share_case` register it under its name,
 the id its parametrized tests carry."""
@@ -12,18 +13,18 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from extproc.core.limiter import Lease, LimitSpec, Reason, Rejection
-from extproc.core.shares import SHARED
-from extproc.core.split import expand
+from extproc.core.limiter.limiter import Lease, LimitSpec, Reason, Rejection
+from extproc.core.limiter.shares import SHARED
+from extproc.core.limiter.split import expand
 from tests.support.store_harness import Harness
 
 Case = Callable[[Harness], Awaitable[None]]
 
 LIMITER_CASES: list[Case] = []
-"""Keys, slots, buckets, settlement, scale and status (the unit cases of tests/unit/core/test_limiter.py)."""
+"""Keys, slots, buckets, settlement, scale and status (tests/unit/core/limiter/test_limiter.py)."""
 
 SHARE_CASES: list[Case] = []
-"""Guarantees, the shared pool and pressure (the unit cases of tests/unit/core/test_shares.py)."""
+"""Guarantees, the shared pool and pressure (the unit cases of tests/unit/core/limiter/test_shares.py)."""
 
 
 def limiter_case(case: Case) -> Case:
@@ -222,7 +223,7 @@ async def a_slot_given_back_on_several_keys_frees_each_once(h: Harness) -> None:
     assert await h.store.release(other, 0)
 
 
-# -- split input/output limits (extproc/core/split.py) ---------------------------------------------------
+# -- split input/output limits (extproc/core/limiter/split.py) ----------------------------------------------
 
 SPLIT = LimitSpec(tokens_per_minute=6000, input_tokens_per_minute=600, output_tokens_per_minute=300)
 SPLIT_KEYS = ["model:m", "input:model:m", "output:model:m"]

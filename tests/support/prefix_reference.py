@@ -1,8 +1,8 @@
 """The prefix index as it was before issue 40, kept as a reference: a list of holders per chunk, scanned, and
 a budget that checks a candidate by inserting and removing it, and rebuilds every lease when replicas change.
 
-It is the oracle the counted index (extproc/core/prefix_index.py) is tested against
-(tests/unit/core/test_prefix_index.py), and the baseline `bench/micro` measures it against. Straightforward on
+It is the oracle the counted index (extproc/core/kv/prefix.py) is tested against
+(tests/unit/core/kv/test_prefix.py), and the baseline `bench/micro` measures it against. Straightforward on
 purpose: the last `replicas` entries of a chunk's list pay, the others are credited.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from extproc.core.kv_budget import KvBudget, _Lease
+from extproc.core.kv.budget import KvBudget, _Lease
 
 
 class ListPrefixIndex:

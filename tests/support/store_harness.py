@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from extproc.core.clock import FakeClock
-from extproc.core.limiter import KeySnapshot, Lease, LimitSpec, Rejection
+from extproc.core.limiter.limiter import KeySnapshot, Lease, LimitSpec, Rejection
 from extproc.core.ports import LimiterStore
 from extproc.store.local import LocalStore
 

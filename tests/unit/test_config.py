@@ -20,7 +20,7 @@ from extproc.config import (
     load_config,
     parse_config,
 )
-from extproc.core.limiter import LimitSpec
+from extproc.core.limiter.limiter import LimitSpec
 from extproc.store.settings import RedisSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -956,7 +956,7 @@ def test_the_cached_prompt_token_weight_reaches_the_settlement_rules() -> None:
 
 def test_split_limits_reach_the_stores_and_the_request_keys() -> None:
     """`input_tokens_per_minute` / `output_tokens_per_minute` become the derived keys of
-    extproc/core/split.py:
+    extproc/core/limiter/split.py:
     in the stores' tables, and in the keys a request of that model or tenant names."""
     config = parse_config(
         {

@@ -30,7 +30,7 @@ from extproc.admission.vocabulary.names import (
     tenant_attribute,
 )
 from extproc.config import AdmissionConfig, parse_config
-from extproc.core.limiter import RateLimitStatus
+from extproc.core.limiter.limiter import RateLimitStatus
 from extproc.envoyconf.lean import (
     BODY_MODE,
     DRAIN_BODY_BYTES,

@@ -328,12 +328,12 @@ def test_the_known_cycles_are_still_there() -> None:
 
 def test_a_rule_breach_is_caught() -> None:
     """Guard against a vacuous pass: an import the rules forbid is reported."""
-    assert not allowed("extproc.core.limiter", "extproc.admission.exchange")
+    assert not allowed("extproc.core.limiter.limiter", "extproc.admission.exchange")
     assert not allowed("extproc.store.local", "extproc.config")
     assert not allowed("extproc.sim.server", "extproc.admission.exchange")
     assert allowed("extproc.sim.server", "extproc.admission.vocabulary.tokens")
     assert not allowed("extproc.protocol.lean", "extproc.config")
-    assert allowed("extproc.core.limiter", "extproc.logs")  # every row may import it
+    assert allowed("extproc.core.limiter.limiter", "extproc.logs")  # every row may import it
     assert not allowed("extproc.logs", "extproc.core.clock")
     # A file's own row holds over its folder's: the relay may reach the store's port, the translators may not;
     # and nothing of the protocol reaches a store's own modules.

@@ -9,8 +9,8 @@ from extproc.admission.capacity.booking import KvBooking
 from extproc.admission.intake.request import ParsedRequest
 from extproc.admission.intake.reservation import Reservation
 from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy
-from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Lease
+from extproc.core.kv.budget import KvBudget
+from extproc.core.limiter.limiter import Lease
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from extproc.admission.intake.request import ParsedRequest
 from extproc.admission.intake.reservation import Reservation
 from extproc.admission.vocabulary.prefix import prompt_chunks, with_text_tokens
 from extproc.core.clock import Clock
-from extproc.core.kv_budget import KvBudget
-from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
+from extproc.core.kv.budget import KvBudget
+from extproc.core.kv.prefix import NO_CHUNKS, PromptChunks
 
 _BUDGET_IDS = itertools.count()
 """KV-budget lease ids: a request is booked before the limiter grants (and numbers) its lease."""

@@ -2,8 +2,8 @@
 
 The store's estimate is an average; the open requests say better when a slot frees: each one's expected
 length (the KV budget's learned completion, else its whole allowance), what it has streamed, and its pool's
-decode rate (`core/slot_eta.py`). Leases held by other replicas of a shared store are not seen here, so the
-store's estimate stays when this replica holds none on the key.
+decode rate (`core/queue/slot_eta.py`). Leases held by other replicas of a shared store are not seen
+here, so the store's estimate stays when this replica holds none on the key.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from extproc.core.limiter import Reason, Rejection
-from extproc.core.slot_eta import MIN_REMAINING_S, OpenLease, RetryHints, remaining_times
+from extproc.core.limiter.limiter import Reason, Rejection
+from extproc.core.queue.slot_eta import MIN_REMAINING_S, OpenLease, RetryHints, remaining_times
 
 ETA_CACHE_S = 0.05
 """How long a key's open-lease remaining times are reused for retry hints."""

@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from extproc.core.clock import Clock
-from extproc.core.limiter import TOKEN_REASONS, Lease, Reason, Rejection
+from extproc.core.limiter.limiter import TOKEN_REASONS, Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
-from extproc.core.slip import ForecastSlip
-from extproc.core.waitqueue import Waiter, WaitQueue
+from extproc.core.queue.slip import ForecastSlip
+from extproc.core.queue.waitqueue import Waiter, WaitQueue
 from extproc.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ in docs/architecture.md) hold whichever path delivered them:
 |                                                     |                | estimate of generation            |
 
 The engines' count (`counted_completion`) is what their generation counters, read by the KV feed, grew by
-for the request (extproc/core/engine_tally.py), at least what certainly passed: where it is had, it is
+for the request (extproc/core/engine/tally.py), at least what certainly passed: where it is had, it is
 the completion charged. The caller drops a count that falls far below what passed (a missed reading) for
 the rules above.
 

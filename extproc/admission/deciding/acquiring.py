@@ -20,7 +20,7 @@ from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Hold, Refusal
 from extproc.admission.service import AdmissionService
-from extproc.core.limiter import Lease, Rejection
+from extproc.core.limiter.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
 
 
@@ -54,7 +54,7 @@ class Acquisition:
         it queues at once, which only a class that queues is let do), given back while it waits, and booked
         again the moment it fits; `run_s`: how long it will hold the lease, weighed by the deadlines of the
         requests behind it. The reserved completion is what an `output:` key's bucket holds (split limits:
-        extproc/core/split.py)."""
+        extproc/core/limiter/split.py)."""
         klass, service, plan = self.request.klass, self.service, gate.plan
         queue = service.deps.queue
         behind = queue is not None and queue.must_queue(klass.name)

@@ -20,7 +20,7 @@ from extproc.admission.intake.reservation import Reservation
 from extproc.admission.replies.verdicts import FORWARD, Forward
 from extproc.admission.vocabulary.names import PRIORITY_HEADER
 from extproc.admission.vocabulary.policy import ClassPolicy, ModelPolicy
-from extproc.core.limiter import Lease
+from extproc.core.limiter.limiter import Lease
 
 
 @dataclass(frozen=True, slots=True)

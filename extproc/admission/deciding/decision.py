@@ -36,7 +36,7 @@ from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Forward, Hold, Refusal
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
-from extproc.core.limiter import Lease, Rejection
+from extproc.core.limiter.limiter import Lease, Rejection
 from extproc.core.ports import StoreUnavailable
 
 log = logging.getLogger(__name__)

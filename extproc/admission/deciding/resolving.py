@@ -21,7 +21,7 @@ from extproc.admission.intake.rules import DEFAULT_MODEL, AdmissionRules
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.policy import ModelPolicy
-from extproc.core.kv_budget import KvBudget
+from extproc.core.kv.budget import KvBudget
 
 OFF_LOOP_PARSE_BYTES = 64 * 1024
 """A request body larger than this is parsed in a worker thread (with its tokenizing), not on the loop."""

@@ -13,8 +13,8 @@ sees the request, its headers in the inline profile, its body in the lean one):
   @ ebab687), so a request that an llm-d stack accepts is accepted here too.
 
 Where both are valid the nearer deadline holds. A deadline never makes a request wait longer than its
-class would, and never moves it ahead of another tenant (extproc/core/waitqueue.py): it can only cost its
-own request a wait, so it needs no trust.
+class would, and never moves it ahead of another tenant (extproc/core/queue/waitqueue.py): it can only
+cost its own request a wait, so it needs no trust.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class Tokenizing:
 
 
 class LimitKeys(Protocol):
-    """Names the derived limiter keys of a request's keys (extproc/core/split.py `SplitIndex`, given by the
+    """Names the derived limiter keys of a request's keys (core/limiter/split.py `SplitIndex`, given by the
     config: intake does not import the limiter)."""
 
     def keys_for(self, keys: list[str]) -> list[str]: ...
@@ -107,7 +107,7 @@ class AdmissionRules:
     cached_prompt_token_weight: float = 1.0  # a prefix-cache hit's share of a prompt token's charge
     # `admission.proxy_buffer_bytes`: below it a stream left was not held back by its reader (inflight.py).
     proxy_buffer_bytes: int = 2 << 20
-    # Adds the keys of split input/output limits to a request's (extproc/core/split.py).
+    # Adds the keys of split input/output limits to a request's (extproc/core/limiter/split.py).
     split_keys: LimitKeys = field(default_factory=lambda: NO_SPLIT)
     # `admission.max_queue_wait_seconds`: the longest any request waits in a queue, whatever its class says.
     max_queue_wait_seconds: float | None = None

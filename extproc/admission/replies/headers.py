@@ -11,7 +11,7 @@ import math
 
 from extproc.admission.replies.verdicts import Header
 from extproc.admission.vocabulary.names import RATELIMIT_REQUEST_HEADERS, RATELIMIT_TOKEN_HEADERS
-from extproc.core.limiter import RateLimitStatus
+from extproc.core.limiter.limiter import RateLimitStatus
 
 
 def format_duration(seconds: float) -> str:

@@ -20,10 +20,10 @@ from extproc.admission.vocabulary.errors import (
     error_body,
 )
 from extproc.admission.vocabulary.names import DETAILS_PREFIX
-from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import RateLimitStatus, Reason, Rejection
-from extproc.core.slot_eta import hint_within
-from extproc.core.split import INPUT_PREFIX, base_key
+from extproc.core.kv.budget import KvBudget
+from extproc.core.limiter.limiter import RateLimitStatus, Reason, Rejection
+from extproc.core.limiter.split import INPUT_PREFIX, base_key
+from extproc.core.queue.slot_eta import hint_within
 
 KV_RETRY_AFTER_S = 1.0
 """Retry hint for a KV-budget refusal while the pool's decode pace is unknown (no forecast of when the
@@ -158,7 +158,7 @@ def rate_limited(rejection: Rejection, model: str, requested: int) -> Refusal:
 def kv_retry_after(budget: KvBudget, now: float) -> float:
     """A KV-budget refusal's `retry-after`: when the request just refused is expected to fit, after the
     releases the forecast sees and the places promised to the clients refused before it
-    (`KvBudget.retry_after`, extproc/core/kv_schedule.py), so a burst comes back in waves the cache holds;
+    (`KvBudget.retry_after`, extproc/core/kv/schedule.py), so a burst comes back in waves the cache holds;
     at least the fixed second, at most what SDKs honour. A fixed second alone would spend an SDK's two
     default retries within two seconds while the admitted answers run for ten."""
     eta = budget.retry_after(now)

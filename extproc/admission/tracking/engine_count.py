@@ -1,6 +1,6 @@
 """An admitted request's run in its pool's engine tally, and the engines' count of an answer not seen whole.
 
-`InFlight` holds one `EngineRun` from admission: it tells the pool's `EngineTally` (core/engine_tally.py)
+`InFlight` holds one `EngineRun` from admission: it tells the pool's `EngineTally` (core/engine/tally.py)
 when the request began and when the engine was done with it, so that the others counted beside it are
 split by the time each ran as this sidecar saw them; and, where its answer was not seen to its end (nothing
 of it came back, or a stream was left or cut), `count` waits for the feed to read the engines past its end
@@ -15,7 +15,7 @@ import functools
 from collections.abc import Awaitable, Hashable
 
 from extproc.admission.vocabulary.usage import Usage
-from extproc.core.engine_tally import EngineTally
+from extproc.core.engine.tally import EngineTally
 
 ENGINE_STOP_S = 1.5
 """How long after a request ended on the proxy its engine may still run it, and its counter grow for it: the

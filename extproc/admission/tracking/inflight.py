@@ -36,8 +36,8 @@ from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
 from extproc.admission.tracking.engine_count import EngineRun
-from extproc.core.decode_rate import STEPS_PAST_ABORT, DecodeRates, lockstep_floor
-from extproc.core.slot_eta import OpenLease
+from extproc.core.engine.pace import STEPS_PAST_ABORT, DecodeRates, lockstep_floor
+from extproc.core.queue.slot_eta import OpenLease
 
 log = logging.getLogger(__name__)
 

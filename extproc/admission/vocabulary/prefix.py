@@ -1,4 +1,4 @@
-"""A request's prompt as leading chunks the engine's prefix cache can share (`core/prefix_index.py`).
+"""A request's prompt as leading chunks the engine's prefix cache can share (`core/kv/prefix.py`).
 
 The engine hashes a prompt's token blocks, each hash chained over its parent's (vLLM 0.32.0
 `v1/core/kv_cache_utils.py` `hash_block_tokens`: the parent's hash, the block's token ids, extra keys such as
@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from extproc.admission.vocabulary.parsed import ParsedRequest
-from extproc.core.prefix_index import NO_CHUNKS, PromptChunks
+from extproc.core.kv.prefix import NO_CHUNKS, PromptChunks
 
 CHUNK_CHARS = 256
 """Characters of prompt text per chunk: about 64 tokens of English, so the one chunk of margin the budget

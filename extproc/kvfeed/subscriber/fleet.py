@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from extproc.core.kv_budget import KvBudget
-from extproc.core.kv_fleet import PUBLISH_EVERY_S, Peers
+from extproc.core.kv.budget import KvBudget
+from extproc.core.kv.fleet import PUBLISH_EVERY_S, Peers
 from extproc.core.ports import KvBoard, StoreUnavailable
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
-from extproc.core.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
-from extproc.core.engine_tally import EngineTally
+from extproc.core.engine.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
+from extproc.core.engine.tally import EngineTally
 from extproc.kvfeed.sample import FeedSample, SampleKey
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
 from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from extproc.core.adaptive import ControllerState
-from extproc.core.kv_budget import KvBudget
+from extproc.core.engine.adaptive import ControllerState
+from extproc.core.kv.budget import KvBudget
 
 TENANT_SERIES = 20
 """Tenants shown by name in `extproc_kv_attained_service_share`, per pool: those who received most lately;

@@ -25,10 +25,10 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
-from extproc.core.adaptive import ControllerState
-from extproc.core.engine_tally import EngineTally
-from extproc.core.kv_budget import BookingMode, KvBudget
-from extproc.core.kv_fairness import FairShare
+from extproc.core.engine.adaptive import ControllerState
+from extproc.core.engine.tally import EngineTally
+from extproc.core.kv.budget import BookingMode, KvBudget
+from extproc.core.kv.fairness import FairShare
 from extproc.core.ports import KvBoard
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
 from extproc.kvfeed.subscriber.fleet import FleetExchange

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.core.adaptive import AdaptiveConfig
+from extproc.core.engine.adaptive import AdaptiveConfig
 from extproc.kvfeed.targets import Target
 
 KvMode = Literal["max", "mean"]
@@ -86,18 +86,18 @@ class KvBudgetConfig:
     enabled: bool = False
     target_utilization: float = 0.9
     capacity_share: float = 1.0
-    booking: Literal["forecast", "lifetime"] = "forecast"  # extproc.core.kv_budget.BookingMode
+    booking: Literal["forecast", "lifetime"] = "forecast"  # extproc.core.kv.budget.BookingMode
     # Book a prompt prefix shared by requests in flight once per replica, as the engine's prefix cache holds
-    # it (extproc.core.prefix_index); off: every prompt is booked whole.
+    # it (extproc.core.kv.prefix); off: every prompt is booked whole.
     prefix_sharing: bool = True
     # The least share of its completion allowance a request is booked for whatever its tenant's history
-    # (extproc.core.completion_learner): forty answers that stop after one token cannot book the next at 0.
+    # (extproc.core.kv.completion): forty answers that stop after one token cannot book the next at 0.
     min_completion_ratio: float = 0.1
     # The most of the capacity one tenant's requests in flight may be booked below their completion
-    # allowances, in all (extproc.core.kv_credit): a tenant that trained its learned share down cannot burst
+    # allowances, in all (extproc.core.kv.credit): a tenant that trained its learned share down cannot burst
     # past the margin the budget keeps; 0 books every request at its whole allowance.
     unconfirmed_share: float = 0.1
-    # Fair shares of the cache between tenants (extproc.core.kv_fairness): attained service halves every
+    # Fair shares of the cache between tenants (extproc.core.kv.fairness): attained service halves every
     # `service_half_life_seconds`, divided by the tenant's weight (default 1); a refused request claims its
     # KV from later requests of other tenants until it comes back, at most `claim_seconds` after its refusal.
     fair_shares: bool = True

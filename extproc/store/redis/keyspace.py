@@ -5,7 +5,7 @@ an acquire's refusal from it, `refusal`).
 Each replica reads the same config, so each computes the same effective shares (slots and token capacity per
 class guarantee and for the burstable pool); only the counts live in Redis. The state a script returns is
 rebuilt into the core's `KeyState`, the very object the in-process limiter holds, so refusals, retry hints
-and statuses come from one implementation (`extproc.core.state`).
+and statuses come from one implementation (`extproc.core.limiter.state`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from extproc.core.bucket import TokenBucket
-from extproc.core.limiter import EAGER_KEYS, Reason, Rejection, token_reason
-from extproc.core.state import KeyState, LimitSpec, RateLimitStatus, Share
+from extproc.core.limiter.bucket import TokenBucket
+from extproc.core.limiter.limiter import EAGER_KEYS, Reason, Rejection, token_reason
+from extproc.core.limiter.state import KeyState, LimitSpec, RateLimitStatus, Share
 
 CACHE_MAX_KEYS = 4096
 """Bound on the keys whose KEYSPEC block and metrics view are kept (unconfigured tenants come and go)."""

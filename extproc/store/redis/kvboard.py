@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from extproc.core.kv_fleet import REPLICA_TTL_S, Peers, ReplicaShare
+from extproc.core.kv.fleet import REPLICA_TTL_S, Peers, ReplicaShare
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
 
 

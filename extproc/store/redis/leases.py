@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.core.limiter import Lease, Placement, Rejection
+from extproc.core.limiter.limiter import Lease, Placement, Rejection
+from extproc.core.limiter.shares import SHARED
+from extproc.core.limiter.split import key_tokens
+from extproc.core.limiter.state import DEFAULT_HOLD_S, SHRUNK_RETRY_S, RateLimitStatus, tightest_status
 from extproc.core.ports import StoreUnavailable
-from extproc.core.shares import SHARED
-from extproc.core.split import key_tokens
-from extproc.core.state import DEFAULT_HOLD_S, SHRUNK_RETRY_S, RateLimitStatus, tightest_status
 from extproc.store.redis.breaker import CLIENT_ERRORS, RedisUnavailable, RedisUnsafe
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Background, Calls
 from extproc.store.redis.guard import StateGuard
@@ -108,7 +108,7 @@ class Leases:
         output_tokens: int = 0,
     ) -> Lease | Rejection:
         """Take one slot on every key and each key's part of `tokens` (`output_tokens` of them completion:
-        extproc/core/split.py `key_tokens`), all or nothing, in one script call.
+        extproc/core/limiter/split.py `key_tokens`), all or nothing, in one script call.
 
         Raises `StoreUnavailable` when Redis does not answer within `timeout_s`, or cannot be trusted now.
         """

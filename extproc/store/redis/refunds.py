@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from extproc.core.limiter import Lease
+from extproc.core.limiter.limiter import Lease
+from extproc.core.limiter.split import key_tokens
 from extproc.core.ports import StoreUnavailable
-from extproc.core.split import key_tokens
 from extproc.store.redis.breaker import RedisUnavailable
 from extproc.store.redis.calls import Calls
 from extproc.store.redis.keyspace import Keyspace
@@ -18,7 +18,7 @@ from extproc.store.redis.views import Views
 
 async def refund(calls: Calls, keyspace: Keyspace, lease: Lease, tokens: int, timeout_s: float) -> bool:
     """Give `tokens` prompt tokens of an open lease's reservation back to its buckets now (each key its part:
-    extproc/core/split.py `key_tokens`), in one script call.
+    extproc/core/limiter/split.py `key_tokens`), in one script call.
 
     False when the lease is settled, or found removed or expired in Redis. When Redis does not answer the
     refund may or may not have run: the lease is then taken as refunded (its release refunds that much

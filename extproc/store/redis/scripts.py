@@ -26,7 +26,7 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
   field `r:<replica>` per replica, `<scale> <expiry>`, its proposal from its own KV feed. `e` is the minimum
   of the fresh proposals (1 when none), recomputed only by the SCALE script; the hash expires a proposal TTL
   after the last proposal, and then the scale is 1 again.
-- `P kv:#p:p` (hash): the KV-budget figures of pool `p` (`extproc.core.kv_fleet`), one field `r:<replica>`
+- `P kv:#p:p` (hash): the KV-budget figures of pool `p` (`extproc.core.kv.fleet`), one field `r:<replica>`
   per replica, `<expiry ms> <booked> <held> <settled> <candidates>`; a field past its
   expiry is dropped by the next KV_POOL call, the hash itself a TTL after the last one.
 - `P wq` (string): present while some replica has requests waiting in its queue; a release then publishes
@@ -235,7 +235,7 @@ ACQUIRE = (
 -- ARGV: member, lease ttl s, lease key ttl ms, tokens, holder ('' none), use_pool ('1'/'0'),
 --       wait hint when only the pool could ever hold the tokens, the epoch id the caller knows ('' none),
 --       the recovery time after a loss (ms), KEYSPEC, then per key: the tokens its bucket must hold (its
---       part of `tokens`: extproc/core/split.py `key_tokens`)
+--       part of `tokens`: extproc/core/limiter/split.py `key_tokens`)
 -- Reply: `epoch` with the stored id and the recovery time left when the caller knows another id;
 --        `recovering` with the time left while replicas re-assert their leases after a loss; `stale`;
 --        or code (0 admitted, 1 concurrency, 2 tokens, 3 too large), refusing key index, server now,

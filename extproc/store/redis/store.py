@@ -4,7 +4,7 @@ Several gateway replicas enforce one set of global limits through it. Every acqu
 status read is one Lua script call (one round trip, atomic across all of a request's keys, `scripts`), using
 Redis server time, so replica clock skew cannot mint tokens. Which key refused and the retry hints are then
 derived in Python from the state the script returns, with the very code the in-process `JointLimiter` uses
-(`extproc.core.state`), so both stores answer alike.
+(`extproc.core.limiter.state`), so both stores answer alike.
 
 The parts: `connection` (client, TLS, ACL), `calls` (script calls, retries on `stale`/`epoch` replies,
 background tasks), `breaker` (failures and fail-fast), `keyspace` (limits, scales, KEYSPEC, state rebuilt
@@ -24,9 +24,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from extproc.core.limiter import Lease, Rejection
+from extproc.core.limiter.limiter import Lease, Rejection
+from extproc.core.limiter.state import KeySnapshot, LimitSpec, RateLimitStatus, tightest_status
 from extproc.core.ports import StoreHealth, StoreUnavailable
-from extproc.core.state import KeySnapshot, LimitSpec, RateLimitStatus, tightest_status
 from extproc.store.redis.breaker import RAW_CLIENT_ERRORS, Breaker
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Background, Calls
 from extproc.store.redis.connection import (

@@ -14,9 +14,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from extproc.core.limiter import EAGER_KEYS, SNAPSHOT_BUSIEST_KEYS
+from extproc.core.limiter.limiter import EAGER_KEYS, SNAPSHOT_BUSIEST_KEYS
+from extproc.core.limiter.state import KeySnapshot, KeyState
 from extproc.core.ports import StoreUnavailable
-from extproc.core.state import KeySnapshot, KeyState
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
 from extproc.store.redis.keyspace import CACHE_MAX_KEYS, Keyspace
 

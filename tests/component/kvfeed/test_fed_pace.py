@@ -18,8 +18,8 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from extproc.core.adaptive import AdaptiveConfig
-from extproc.core.decode_rate import DecodeRates, RateSource
+from extproc.core.engine.adaptive import AdaptiveConfig
+from extproc.core.engine.pace import DecodeRates, RateSource
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.settings import SubscriberConfig
 from extproc.kvfeed.targets import Target

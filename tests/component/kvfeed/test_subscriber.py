@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from devstack.processes import free_port
-from extproc.core.adaptive import AdaptiveConfig, ControllerState
+from extproc.core.engine.adaptive import AdaptiveConfig, ControllerState
 from extproc.kvfeed.exporter.app import Exporter, ExporterConfig
 from extproc.kvfeed.subscriber.client import FeedSubscriber
 from extproc.kvfeed.subscriber.loop import FeedbackLoop

@@ -10,7 +10,7 @@ import asyncio
 import statistics
 import time
 
-from extproc.core.limiter import Lease, LimitSpec
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.store.redis import RedisStore
 from tests.component.store.redis_server import RedisServer
 

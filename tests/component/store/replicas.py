@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from extproc.admission.capacity.queueing import AdmissionQueue
-from extproc.core.limiter import Lease, LimitSpec
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.redis import RedisStore
 from tests.component.store.redis_server import RedisServer

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import pytest
 
-from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
 from extproc.core.ports import LimiterStore, StoreUnavailable
 from extproc.store.fallback import FallbackStore
 from extproc.store.local import LocalStore

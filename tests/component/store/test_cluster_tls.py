@@ -19,7 +19,7 @@ import pytest
 
 from extproc.config import parse_config
 from extproc.core.clock import monotonic
-from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
 from extproc.core.ports import StoreUnavailable
 from extproc.store.factory import build_store
 from extproc.store.redis import RedisStore

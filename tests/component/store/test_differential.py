@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from extproc.core.clock import FakeClock
-from extproc.core.limiter import Lease, LimitSpec, Rejection
-from extproc.core.split import SplitIndex, expand
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
+from extproc.core.limiter.split import SplitIndex, expand
 from extproc.store.local import LocalStore
 from extproc.store.redis import RedisStore
 
@@ -45,7 +45,7 @@ CONFIG_B = {
 }
 DEFAULTS_A = {"tenant:": LimitSpec(max_concurrency=2, output_tokens_per_minute=600)}
 DEFAULTS_B = {"tenant:": LimitSpec(max_concurrency=1, tokens_per_minute=300)}
-"""CONFIG_A and DEFAULTS_A carry split input/output limits (extproc/core/split.py): the derived keys are named
+"""CONFIG_A and DEFAULTS_A carry split input/output limits (core/limiter/split.py): the derived keys are named
 and charged alike by both stores, and drop back to unlimited under CONFIG_B."""
 
 

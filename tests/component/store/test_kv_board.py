@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_budget import BookingMode, KvBudget
-from extproc.core.kv_fleet import Peers, ReplicaShare
+from extproc.core.kv.budget import BookingMode, KvBudget
+from extproc.core.kv.completion import CompletionLearner
+from extproc.core.kv.fleet import Peers, ReplicaShare
 from extproc.core.ports import StoreUnavailable
 from extproc.kvfeed.subscriber.fleet import FleetExchange
 from extproc.store.redis import RedisStore

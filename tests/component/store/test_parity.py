@@ -1,6 +1,6 @@
 """The limiter's behaviour, proven the same for the in-process store and the Redis store.
 
-The cases are written once in tests/support/limiter_cases.py; tests/unit/core/test_limiter.py and
+The cases are written once in tests/support/limiter_cases.py; tests/unit/core/limiter/test_limiter.py and
 test_shares.py run them on the in-process store on a fake clock, and this module runs each on one Redis and
 on a Redis Cluster (`redis_h`), on real time.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
 from extproc.store.redis import RedisStore
 from extproc.store.redis.views import SYNC_BATCH_KEYS
 

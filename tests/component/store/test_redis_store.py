@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
-from extproc.core.limiter import Lease, LimitSpec, Reason, Rejection
+from extproc.core.limiter.limiter import Lease, LimitSpec, Reason, Rejection
 from extproc.store.redis import BREAKER_OPEN_S, RedisStore, StoreUnavailable
 from tests.component.store.redis_server import RedisServer
 

@@ -13,7 +13,7 @@ from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward
 from extproc.app import Sidecar
 from extproc.config import parse_config
-from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
 from extproc.metrics import Metrics
 from tests.support.store_harness import Harness
 

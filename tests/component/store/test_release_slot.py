@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
 from extproc.store.fallback import FallbackStore
 from extproc.store.local import LocalStore
 from extproc.store.redis import RedisStore

@@ -11,7 +11,7 @@ import pytest
 
 from extproc.admission.capacity import queueing
 from extproc.admission.capacity.queueing import AdmissionQueue
-from extproc.core.limiter import Lease, LimitSpec
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.redis import RedisStore
 from extproc.store.redis import scales as redis_scales

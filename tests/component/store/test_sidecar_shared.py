@@ -112,7 +112,7 @@ async def test_redis_down_fails_closed_when_configured(redis_server: RedisServer
 
 
 def test_fallback_share_cuts_every_limit_and_guarantee() -> None:
-    from extproc.core.limiter import LimitSpec
+    from extproc.core.limiter.limiter import LimitSpec
 
     spec = LimitSpec(
         max_concurrency=10,
@@ -130,7 +130,7 @@ async def test_fallback_counts_the_shared_leases_this_replica_runs(
     redis_server: RedisServer, redis_url: str
 ) -> None:
     """Redis away: a replica's share covers what it already runs, not only what it admits from now on."""
-    from extproc.core.limiter import Lease, LimitSpec, Rejection
+    from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
     from extproc.store.local import LocalStore
 
     store = FallbackStore(RedisStore.from_url(redis_url, timeout_s=0.1), LocalStore(), 0.5)
@@ -160,7 +160,7 @@ async def test_back_from_fallback_the_share_holds_until_fallback_leases_end(
     redis_server: RedisServer, redis_url: str
 ) -> None:
     """Leases taken in the fallback are not in Redis: until they end, the replica keeps to its share."""
-    from extproc.core.limiter import Lease, LimitSpec, Rejection
+    from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
     from extproc.store.local import LocalStore
 
     store = FallbackStore(RedisStore.from_url(redis_url, timeout_s=0.1), LocalStore(), 0.5)

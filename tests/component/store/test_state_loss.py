@@ -15,7 +15,7 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
-from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
 from extproc.core.ports import StoreUnavailable
 from extproc.metrics import Metrics
 from extproc.store.redis import RedisStore

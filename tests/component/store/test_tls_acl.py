@@ -13,7 +13,7 @@ import pytest
 
 from extproc.config import parse_config
 from extproc.core.clock import monotonic
-from extproc.core.limiter import Lease, LimitSpec
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.core.ports import StoreUnavailable
 from extproc.store.factory import build_store
 from extproc.store.redis import RedisStore

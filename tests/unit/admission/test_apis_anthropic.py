@@ -15,7 +15,7 @@ from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
-from extproc.core.limiter import RateLimitStatus, Reason, Rejection
+from extproc.core.limiter.limiter import RateLimitStatus, Reason, Rejection
 from tests.unit.admission.apis_helpers import counts, edited, parse, plan, refused, sse, tk, track
 
 M = Api("messages")

@@ -15,7 +15,7 @@ from extproc.admission.intake.request import Api, BodyEdits, StepWork
 from extproc.admission.intake.reservation import Reservation
 from extproc.admission.replies import refusals
 from extproc.admission.vocabulary.policy import MediaCosts, ModelPolicy, TemplateCosts
-from extproc.core.limiter import RateLimitStatus, Reason, Rejection
+from extproc.core.limiter.limiter import RateLimitStatus, Reason, Rejection
 from tests.unit.admission.apis_helpers import compact, counts, edited, parse, plan, refused, sse, tk, track
 
 C = Api("cohere_chat")

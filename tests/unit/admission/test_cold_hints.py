@@ -12,8 +12,8 @@ from extproc.admission.compose import build_admission
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward, Hold, Refusal
 from extproc.core.clock import FakeClock
-from extproc.core.engine_tally import EngineTally
-from extproc.core.kv_budget import KvBudget
+from extproc.core.engine.tally import EngineTally
+from extproc.core.kv.budget import KvBudget
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 from tests.support.admission import AdmissionRig

@@ -19,8 +19,8 @@ import pytest
 from extproc.admission.capacity.queueing import FIRST_TOKEN_S, AdmissionQueue
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import BodyVerdict, Forward, Hold, Refusal
-from extproc.core.limiter import Reason, Rejection
-from extproc.core.slip import ForecastSlip
+from extproc.core.limiter.limiter import Reason, Rejection
+from extproc.core.queue.slip import ForecastSlip
 from tests.support.admission import AdmissionRig
 
 OWN = "x-extproc-ttft-deadline-ms"

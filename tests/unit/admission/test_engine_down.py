@@ -14,7 +14,7 @@ from google.protobuf import struct_pb2
 from extproc.admission.exchange import Exchange
 from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking.reading import ResponseReading
-from extproc.core.kv_budget import KvBudget
+from extproc.core.kv.budget import KvBudget
 from extproc.protocol.messages import EXT_PROC_ATTRIBUTES, engine_unreachable
 from tests.unit.admission.exchange_rig import CONFIG, Rig, chat
 

@@ -6,7 +6,7 @@ import json
 
 from extproc.admission.replies import refusals
 from extproc.admission.vocabulary.errors import AdmissionError, error_body
-from extproc.core.limiter import RateLimitStatus, Reason, Rejection
+from extproc.core.limiter.limiter import RateLimitStatus, Reason, Rejection
 
 
 def test_error_body_has_all_four_keys_with_nulls() -> None:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from extproc.admission.replies.verdicts import Refusal
-from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import RateLimitStatus
+from extproc.core.kv.budget import KvBudget
+from extproc.core.limiter.limiter import RateLimitStatus
 from extproc.core.ports import StoreUnavailable
 from tests.unit.admission.exchange_rig import Rig, chat
 

@@ -28,8 +28,8 @@ from extproc.admission.vocabulary.tokens import DEFAULT_ENCODING, count_text, ge
 from extproc.app import Sidecar
 from extproc.config import parse_config
 from extproc.core.clock import FakeClock
-from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Lease, LimitSpec
+from extproc.core.kv.budget import KvBudget
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 from tests.support.rules import admission_rules

@@ -16,7 +16,7 @@ from extproc.admission.replies import refusals
 from extproc.admission.replies.headers import ratelimit_headers
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.vocabulary.names import RATELIMIT_REQUEST_HEADERS, RATELIMIT_TOKEN_HEADERS
-from extproc.core.limiter import RateLimitStatus, Reason, Rejection
+from extproc.core.limiter.limiter import RateLimitStatus, Reason, Rejection
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "admission.md"
 STATUS = RateLimitStatus(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from extproc.admission.capacity.hints import SlotHints
-from extproc.core.limiter import RateLimitStatus, Reason, Rejection
-from extproc.core.slot_eta import OpenLease
+from extproc.core.limiter.limiter import RateLimitStatus, Reason, Rejection
+from extproc.core.queue.slot_eta import OpenLease
 
 STATUS = RateLimitStatus(2, 0, None, None, None, 1.0)
 

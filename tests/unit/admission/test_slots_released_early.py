@@ -11,9 +11,9 @@ from typing import Any
 from extproc.admission.exchange import Exchange, Phase, RequestHead
 from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking.reading import ReportedTiming, ResponseReading
-from extproc.core.completion_learner import CompletionLearner
-from extproc.core.kv_budget import BookingMode, KvBudget
-from extproc.core.limiter import Lease, LimitSpec
+from extproc.core.kv.budget import BookingMode, KvBudget
+from extproc.core.kv.completion import CompletionLearner
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from tests.support.admission import AdmissionRig
 
 CONFIG: dict[str, Any] = {

@@ -16,7 +16,7 @@ from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking import engine_count
 from extproc.admission.tracking.reading import ReportedTiming, ResponseReading
-from extproc.core.engine_tally import EngineTally
+from extproc.core.engine.tally import EngineTally
 from tests.support.admission import AdmissionRig
 
 CONFIG = {"models": {"*": {"context_window": 8000, "default_max_tokens": 100}}}

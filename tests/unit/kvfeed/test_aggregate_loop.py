@@ -7,7 +7,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.core.adaptive import AdaptiveConfig, ControllerState
+from extproc.core.engine.adaptive import AdaptiveConfig, ControllerState
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.aggregate import StoredSample, aggregate

@@ -10,8 +10,8 @@ from extproc.admission.exchange import Exchange, Phase, RequestHead
 from extproc.admission.replies.verdicts import Forward, Hold, Refusal
 from extproc.app import Sidecar
 from extproc.config import parse_config
-from extproc.core.kv_budget import KvBudget
-from extproc.core.limiter import Lease, LimitSpec, Rejection
+from extproc.core.kv.budget import KvBudget
+from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
 from extproc.metrics import Metrics
 from extproc.store.local import LocalStore
 from tests.support.servicer import chat

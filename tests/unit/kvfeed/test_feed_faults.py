@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.config import parse_config
-from extproc.core.adaptive import AdaptiveConfig
+from extproc.core.engine.adaptive import AdaptiveConfig
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.parse import MetricsParseError, PageFilter, parse_metrics
 from extproc.kvfeed.proto import feedback_pb2

@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.core.adaptive import AdaptiveConfig
+from extproc.core.engine.adaptive import AdaptiveConfig
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.pace import MAX_DECODE_TOKENS_PER_SECOND, DecodeRateMeter, plausible_pace
 from extproc.kvfeed.parse import parse_metrics

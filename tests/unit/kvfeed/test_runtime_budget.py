@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, parse_config
-from extproc.core.adaptive import AdaptiveConfig, ControllerState
-from extproc.core.kv_budget import BookingMode
+from extproc.core.engine.adaptive import AdaptiveConfig, ControllerState
+from extproc.core.kv.budget import BookingMode
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core.adaptive import AdaptiveConfig
-from extproc.core.kv_budget import BookingMode
+from extproc.core.engine.adaptive import AdaptiveConfig
+from extproc.core.kv.budget import BookingMode
 from extproc.plan.rehearse import (
     EngineSetup,
     RehearsalLimits,

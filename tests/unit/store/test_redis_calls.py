@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from extproc.core.limiter import Lease, Placement
-from extproc.core.state import RateLimitStatus
+from extproc.core.limiter.limiter import Lease, Placement
+from extproc.core.limiter.state import RateLimitStatus
 from extproc.store.redis.breaker import BREAKER_FAILURES, Breaker, RedisUnavailable
 from extproc.store.redis.calls import BACKGROUND_SHARE, Background, Calls
 from extproc.store.redis.keyspace import Keyspace

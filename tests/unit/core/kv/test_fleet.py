@@ -1,0 +1,179 @@
+"""One pool's KV budget across gateway replicas (`kv_fleet`): divided by demand through the others' figures,
+a fixed share while they are unknown, and the engine's pool-wide counts read against every replica's
+leases."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.core.kv.budget import BookingMode, KvBudget
+from extproc.core.kv.completion import CompletionLearner
+from extproc.core.kv.fleet import PEERS_FRESH_S, Fleet, Peers, ReplicaShare
+
+
+def budget(capacity: int = 10_000, share: float = 1.0) -> KvBudget:
+    """A forecast budget whose completion estimate is the whole allowance, its pace known (100 tok/s)."""
+    learner = CompletionLearner(min_samples=10**6)
+    b = KvBudget(
+        capacity,
+        target_utilization=1.0,
+        capacity_share=share,
+        booking=BookingMode.FORECAST,
+        learner=learner,
+    )
+    b.pace.observe_stream(100, 1.0)
+    return b
+
+
+def exchange(a: KvBudget, b: KvBudget, now: float) -> None:
+    """What the store carries at `now`: each replica's figures to the other."""
+    a_share, b_share = a.replica_share(now), b.replica_share(now)
+    a.observe_peers(Peers(b_share, 1), now)
+    b.observe_peers(Peers(a_share, 1), now)
+
+
+def test_the_store_unreachable_books_on_the_fallback_share_and_capacity_share_stays_a_ceiling() -> None:
+    r = budget(share=0.8)
+    assert r.budget_tokens == 8_000  # alone: the configured share, as before there was a fleet
+    r.share_through_store(fallback_share=0.5)
+    assert r.budget_tokens == 5_000  # shared, the others not known yet
+    r.observe_peers(Peers(ReplicaShare(booked=1_000), 1), now=10.0)
+    assert r.budget_tokens == 4_500  # half of the 9,000 unbooked: the other replica may take the rest
+    r.observe_peers(Peers(ReplicaShare(), 0), now=10.0)
+    assert r.budget_tokens == 8_000  # alone: all of it, at most the 0.8 ceiling
+    r.observe_peers(None, now=10.0 + PEERS_FRESH_S + 0.1)  # the store did not answer since
+    assert r.budget_tokens == 5_000
+    with pytest.raises(ValueError, match="fallback_share"):
+        Fleet().share_through_store(0.0)
+
+
+def test_an_empty_replica_does_not_admit_past_a_pool_the_others_filled() -> None:
+    r = budget()
+    r.share_through_store(fallback_share=0.5)
+    r.observe_peers(Peers(ReplicaShare(booked=9_900), 1), now=0.0)
+    assert not r.would_fit(500, 500, now=0.0)[0]  # not the "empty pool admits" of a replica alone
+
+
+def unseen_leases(r: KvBudget, prefix: str, count: int) -> None:
+    """`count` answers nobody sees (lean), admitted at 0, counted running by a sample at 3 s."""
+    r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    for i in range(count):
+        r.admit(f"{prefix}{i}", 100, 10_000, now=0.0)
+
+
+def test_a_replicas_running_leases_are_not_found_finished_for_the_others_count() -> None:
+    """Two replicas without shared figures holding 10 and 2 running requests: the busy one scaled the
+    pool's 12 running by its 0.5 share, counted 6, and took 4 of its running leases for finished."""
+    busy = budget(capacity=100_000, share=0.5)
+    unseen_leases(busy, "a", 10)
+    busy.observe_engine(2_000, now=3.0, fresh_for=100.0, waiting=0, running=12)
+    busy.observe_engine(2_000, now=6.0, fresh_for=100.0, waiting=0, running=12)
+    assert busy.engine_finished == 0
+
+
+def test_with_the_others_figures_the_pools_excess_is_divided_by_candidates() -> None:
+    a, b = budget(capacity=100_000), budget(capacity=100_000)
+    for r, prefix, count in ((a, "a", 10), (b, "b", 2)):
+        r.share_through_store(fallback_share=0.5)
+        unseen_leases(r, prefix, count)
+        r.observe_engine(2_000, now=3.0, fresh_for=100.0, waiting=0, running=12)
+    exchange(a, b, 3.0)
+    for r in (a, b):
+        r.observe_engine(2_000, now=4.0, fresh_for=100.0, waiting=0, running=12)
+    assert (a.engine_finished, b.engine_finished) == (0, 0)  # 12 settled, 12 running: none done
+    exchange(a, b, 5.0)  # read just before the sample: the others' figures are fresh
+    for r in (a, b):  # three of the twelve done
+        r.observe_engine(2_000, now=5.0, fresh_for=100.0, waiting=0, running=9)
+    # 10 and 2 candidates share an excess of 3: 2 and 0 (rounded down), never more than 3 together.
+    assert (a.engine_finished, b.engine_finished) == (2, 0)
+
+
+def test_the_engine_correction_reads_the_others_kv_as_theirs() -> None:
+    a = budget(capacity=100_000)
+    a.share_through_store(fallback_share=0.5)
+    a.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    a.admit("a", 1_000, 0, now=0.0)
+    a.observe_peers(Peers(ReplicaShare(booked=3_000, held=3_000, settled=3), 1), now=3.0)
+    a.observe_engine(4_500, now=3.0, fresh_for=100.0, waiting=1, running=4)
+    assert a.unexplained_tokens == 500  # 4,500 in use, 1,000 and 3,000 explained
+    a.observe_engine(800, now=4.0, fresh_for=100.0, waiting=0, running=4)
+    # Downward the whole gauge counts: the others' floor is one exchange old, and may have been released.
+    assert a.unexplained_tokens == -200
+
+
+def test_without_the_others_figures_the_downward_correction_reads_the_whole_gauge() -> None:
+    r = budget(capacity=100_000, share=0.5)
+    r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    r.admit("a", 1_000, 0, now=0.0)
+    # 1,500 in use in the pool: half of it is not proof that this replica's 1,000 holds only 750.
+    r.observe_engine(1_500, now=3.0, fresh_for=100.0, waiting=0, running=2)
+    assert r.unexplained_tokens == 0
+
+
+def test_a_replica_publishes_its_booking_without_the_pools_correction() -> None:
+    r = budget(capacity=100_000)
+    r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    r.admit("a", 1_000, 1_000, now=0.0)
+    r.observe_engine(50_000, now=3.0, fresh_for=100.0, waiting=0, running=1)
+    share = r.replica_share(3.0)
+    assert r.booked_tokens > 40_000  # the pool's unexplained KV is in this replica's own booking
+    assert share.booked == 2_000 and share.settled == 1
+
+
+def test_a_replica_that_releases_keeps_only_its_part_of_the_room_while_another_wants_it() -> None:
+    """Its queue woken by its own release, a busy replica took all of the freed room back before the other
+    replica heard of it, and the other replica's waiters starved."""
+    busy, other = budget(), budget()
+    for r in (busy, other):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    for i in range(9):
+        busy.admit(f"a{i}", 500, 500, now=0.0)
+    other.admit("b0", 500, 500, now=0.0)
+    exchange(busy, other, 0.001)
+    assert not other.would_fit(500, 500, now=0.002)[0]  # the cache is full: the other replica wants KV
+    exchange(busy, other, 0.003)
+    busy.release("a0", 500)
+    busy.release("a1", 500)  # 2,000 freed while the other replica wants KV: 1,000 of it is busy's
+    assert busy.would_fit(500, 500, now=0.004)[0]
+    busy.admit("a9", 500, 500, now=0.004)
+    assert busy.budget_tokens == 8_000  # its half of what it released, however often it asks
+    exchange(busy, other, 0.005)
+    assert other.budget_tokens == 1_000 + 500  # the other half free, and the busy one may take half of it
+    assert other.would_fit(250, 250, now=0.006)[0]
+
+
+def test_one_replica_with_all_the_traffic_fills_nearly_the_whole_target() -> None:
+    """Beside a live replica a busy one takes half of the free room at each exchange (the other may admit
+    at any moment): over a few exchanges it holds nearly all of it, not a fixed half."""
+    busy, idle = budget(), budget()
+    for r in (busy, idle):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    admitted = 0
+    for step in range(6):
+        exchange(busy, idle, step * 0.01)
+        while busy.would_fit(500, 500, now=step * 0.01)[0]:
+            busy.admit(f"a{admitted}", 500, 500, now=step * 0.01)
+            admitted += 1
+    assert admitted >= 8  # 8,000-9,000 of 10,000, past the fixed half of 5,000
+    exchange(busy, idle, 0.1)
+    assert 400 <= (idle.budget_tokens or 0) <= 1_000  # half of what is left
+    assert idle.would_fit(200, 200, now=0.1)[0]
+
+
+def test_even_traffic_never_books_past_the_pool_together() -> None:
+    a, b = budget(), budget()
+    for r in (a, b):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    admitted = {"a": 0, "b": 0}
+    for i in range(40):
+        now = i * 0.01
+        exchange(a, b, now)
+        for name, r in (("a", a), ("b", b)):
+            if r.would_fit(500, 500, now=now)[0]:
+                r.admit(f"{name}{i}", 500, 500, now=now)
+                admitted[name] += 1
+        assert a.demand_tokens + b.demand_tokens <= 10_000
+    assert admitted["a"] >= 3 and admitted["b"] >= 3, admitted

@@ -1,0 +1,120 @@
+"""Forecast peak of request trajectories and the decode pace learned from streams."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.core.kv.forecast import DecodeRate, Trajectory, forecast_peak, forecast_peaks
+
+
+def test_peak_of_nothing_is_zero() -> None:
+    assert forecast_peak([]) == 0.0
+
+
+def test_one_request_peaks_at_its_last_token() -> None:
+    assert forecast_peak([Trajectory(1_000, 1, 200)]) == 1_200
+
+
+def test_an_early_end_frees_before_the_others_peak() -> None:
+    # A: 1,000 now, growing to 1,050 at step 50, then gone. B: 100 now, growing to 400 at step 300.
+    a, b = Trajectory(1_000, 1, 50), Trajectory(100, 1, 300)
+    # At step 50 both are present: 1,050 + 150; at step 300 only B: 400.
+    assert forecast_peak([a, b]) == 1_200
+    # Booking both at their final size for their whole lives would say 1,450.
+
+
+def test_flat_bookings_and_requests_past_their_end() -> None:
+    flat = Trajectory(500, 0, math.inf)
+    assert forecast_peak([flat]) == 500
+    assert forecast_peak([flat, Trajectory(100, 1, 10)]) == 610
+    # A negative end (past its expected last token, not yet released) still counts now.
+    assert forecast_peak([Trajectory(300, 1, -5)]) == 300
+    assert forecast_peak([Trajectory(300, 1, -5), Trajectory(10, 1, 2)]) == 310  # both now; 12 at step 2
+
+
+def test_requests_ending_at_the_same_step_are_all_present_at_it() -> None:
+    assert forecast_peak([Trajectory(10, 1, 5), Trajectory(20, 2, 5)]) == 10 + 5 + 20 + 10
+
+
+trajectories = st.lists(
+    st.builds(
+        Trajectory,
+        st.integers(0, 5_000).map(float),
+        st.integers(0, 4).map(float),
+        st.integers(-3, 400).map(float),
+    ),
+    max_size=30,
+)
+
+
+@given(trajectories)
+def test_peak_equals_the_maximum_over_every_step(items: list[Trajectory]) -> None:
+    """The sweep over ends agrees with evaluating every integer step (all ends are integers here)."""
+    horizon = max((int(t.end) for t in items), default=0)
+    horizon = max(0, horizon)
+
+    def total(k: int) -> float:
+        return sum(t.base + t.slope * k for t in items if max(0.0, t.end) >= k)
+
+    brute = max((total(k) for k in range(0, horizon + 1)), default=0.0)
+    assert forecast_peak(items) == pytest.approx(brute)
+
+
+def test_pace_is_unknown_until_a_stream_is_seen() -> None:
+    pace = DecodeRate()
+    assert pace.tokens_per_second is None
+    assert pace.tokens_since(0.0, 10.0, 1) is None
+    pace.observe_stream(10, 1.0)  # too short to time
+    assert pace.tokens_per_second is None
+    pace.observe_stream(100, 2.0)
+    assert pace.tokens_per_second == 50.0
+    pace.observe_stream(200, 2.0)
+    assert pace.tokens_per_second == pytest.approx(0.8 * 50 + 0.2 * 100)
+
+
+def test_pace_estimates_progress_after_the_first_token_delay() -> None:
+    pace = DecodeRate(alpha=1.0)
+    pace.observe_stream(100, 1.0)
+    pace.observe_first_token(0.5)
+    assert pace.first_token_delay == 0.5
+    assert pace.tokens_since(10.0, 10.4, 1) == 0.0  # still waiting for its first token
+    assert pace.tokens_since(10.0, 12.5, 1) == pytest.approx(200.0)
+    assert pace.tokens_since(10.0, 12.5, 3) == pytest.approx(600.0)  # three sequences in parallel
+
+
+def test_pace_ignores_bad_timings_and_validates() -> None:
+    pace = DecodeRate()
+    pace.observe_stream(100, 0.0)
+    pace.observe_stream(100, math.inf)
+    pace.observe_first_token(-1.0)
+    pace.observe_first_token(math.nan)
+    assert pace.tokens_per_second is None and pace.first_token_delay == 0.0
+    with pytest.raises(ValueError, match="alpha"):
+        DecodeRate(alpha=0.0)
+
+
+@given(
+    trajectories,
+    st.builds(
+        Trajectory,
+        st.integers(0, 5_000).map(float),
+        st.integers(0, 4).map(float),
+        st.integers(-3, 400).map(float),
+    ),
+)
+def test_peaks_with_an_extra_request_in_one_sweep(items: list[Trajectory], extra: Trajectory) -> None:
+    alone, together = forecast_peaks(items, extra)
+    assert alone == pytest.approx(forecast_peak(items))
+    assert together == pytest.approx(forecast_peak([*items, extra]))
+    assert forecast_peaks(items) == (alone, alone)
+
+
+def test_peaks_with_flat_and_unbounded_bookings() -> None:
+    flat = Trajectory(500, 0, math.inf)
+    assert forecast_peaks([flat], Trajectory(100, 1, 10)) == (500, 610)
+    assert forecast_peaks([Trajectory(100, 1, 10)], flat) == (110, 610)
+    assert forecast_peaks([], flat) == (0, 500)
