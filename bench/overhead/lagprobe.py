@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.admission.capacity.settling import Settler
+from extproc.admission.capacity.settler import Settler
 from extproc.app import serve
 from extproc.config import load_config
 from extproc.logs import setup_logging

@@ -2,7 +2,7 @@
 
 `AdmissionService` holds the rules, the limiter store, the KV budgets, the wait queue, the metrics and the
 tokenizer threads, and the few operations that need them together: acquiring a lease so that a cancelled
-caller can never leak one, settling through its `Settler` (capacity/settling.py), retry hints from the
+caller can never leak one, settling through its `Settler` (capacity/settler.py), retry hints from the
 leases held here (their holders registered by those who keep them: the open protocol streams by
 compose.py's `OpenStreams`, the lean profile's requests awaiting their end report by `UnseenStreams`,
 tracking/unseen.py). It decides nothing: a request's decision is `Decision`
@@ -25,7 +25,7 @@ from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.hints import SlotHints
 from extproc.admission.capacity.lanes import Lanes
 from extproc.admission.capacity.queueing import AdmissionQueue
-from extproc.admission.capacity.settling import Settler
+from extproc.admission.capacity.settler import Settler
 from extproc.admission.intake.request import ParsedRequest
 from extproc.admission.intake.reservation import count_prompt_tokens
 from extproc.admission.intake.rules import AdmissionRules

@@ -23,7 +23,7 @@ key, extproc/admission/vocabulary/names.py), so each entry names one waiting lea
 * `common_properties.response_flags`: why a request ended early (downstream disconnect, upstream reset...),
   logged for diagnosis; settlement reads only `upstream_connection_failure` (UF) and `no_healthy_upstream`
   (UH): Envoy could not connect to any engine, so the request settles as `engine_unreachable`, refunded in
-  full (extproc/admission/capacity/settlement.py), not as a filter's `not_forwarded`.
+  full (extproc/admission/capacity/charging.py), not as a filter's `not_forwarded`.
 
 Entries are dropped by Envoy while this service is unreachable: the lease then expires by the bounded
 rule (extproc/admission/tracking/unseen.py). An entry without a report key is a refusal Envoy answered itself

@@ -306,7 +306,7 @@ def ignored_the_reset(delta: Ledger) -> bool:
 def test_upstream_error_charges_the_prompt_only(stack: Stack) -> None:
     """vLLM refuses `top_p` outside (0, 1] with a 400 after admission (SamplingParams._verify_args,
     sampling_params.py, vLLM 0.32.0); the gateway does not check it. The engine ran nothing; the sidecar
-    keeps the prompt (its rule for any upstream error, extproc/admission/capacity/settlement.py: it cannot
+    keeps the prompt (its rule for any upstream error, extproc/admission/capacity/charging.py: it cannot
     tell a refusal from a failure mid-prefill) and refunds the whole output reservation. (`logprobs` past
     vLLM's `max_logprobs` is refused by the gateway itself: admission.per_step.logprobs.)"""
     before = Ledger.read(stack)

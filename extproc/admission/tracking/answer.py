@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from extproc.admission.apis import dialect_for
 from extproc.admission.capacity.admitted import Admitted
-from extproc.admission.capacity.settlement import ResponseFacts
+from extproc.admission.capacity.charging import ResponseFacts
 from extproc.admission.tracking.inflight import Seen
 from extproc.admission.vocabulary.usage import ResponseUsageTracker
 

@@ -2,13 +2,13 @@
 
 Each profile hands over what it saw as a `Seen` through one call, `observe`: the inline profile after every
 response message, the lean profile once, from the proxy's end report. `settle()` charges the lease from the
-last observation (extproc/admission/capacity/settlement.py), exactly once, however many paths reach it; a
+last observation (extproc/admission/capacity/charging.py), exactly once, however many paths reach it; a
 request admitted on its prompt's bound (`correction`, provisional.py) is charged once its exact count is in.
 Where the answer was not seen to its end (nothing of it seen: a client gone before the first byte, a lost
 end report; a stream left mid-answer, or cut), the engine ran it at its own pace, whatever its reader, and
 the engines' own count is the charge where the feed carries their generation counters (`core.engine_tally`,
 through the request's `EngineRun`): the lease gives its slots and KV booking back at once, and settles once
-the feed has read the engines past its end (`engine_count.ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S`
+the feed has read the engines past its end (`engine_run.ENGINE_STOP_S`), at most `ENGINE_COUNT_WAIT_S`
 later. Where it has no count, the charge is what passed where nothing can have been held back from the
 client (`_unheld`), else it includes the pool's decode-rate estimate of what the engine generated; a
 completed stream teaches that rate (`learn_pace`, the one place it is learned).
@@ -30,12 +30,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from extproc.admission.capacity.admitted import Admitted
-from extproc.admission.capacity.settlement import Ending, ResponseFacts, ending_of, settle_charge
+from extproc.admission.capacity.charging import Ending, ResponseFacts, ending_of, settle_charge
 from extproc.admission.deciding import provisional
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
-from extproc.admission.tracking.engine_count import EngineRun
+from extproc.admission.tracking.engine_run import EngineRun
 from extproc.core.engine.pace import STEPS_PAST_ABORT, DecodeRates, lockstep_floor
 from extproc.core.queue.slot_eta import OpenLease
 
@@ -281,7 +281,7 @@ class InFlight:
 
     def _charge_counted(self, facts: ResponseFacts, estimate: Callable[[], int]) -> None:
         """Charge an answer not seen to its end what the engines counted for it where the feed carries
-        their counters and reaches back to its admission (`engine_count.EngineRun`), else `estimate()`
+        their counters and reaches back to its admission (`engine_run.EngineRun`), else `estimate()`
         (the pace, or what passed by the rules of `_final_facts`). Counted: its slots and KV booking go back
         now (the engine stops within a step of the end), the charge once the feed has read past the end."""
         admitted = self.admitted

@@ -33,7 +33,7 @@ from typing import Any
 
 from extproc.admission.apis import dialect_for, spec_of
 from extproc.admission.apis.openai import OPENAI_SPEC
-from extproc.admission.capacity.settlement import ResponseFacts
+from extproc.admission.capacity.charging import ResponseFacts
 from extproc.admission.vocabulary.parsed import Api
 from extproc.admission.vocabulary.readspec import ReadSpec
 from extproc.admission.vocabulary.usage import Observed, ResponseUsageTracker, Usage

@@ -1,6 +1,6 @@
 """What a response says it used: usage read from SSE and JSON answers, in each API's dialect (`Dialect`),
 and the inline profile's tracker of a response's usage as it streams. Settlement charges from it
-(extproc/admission/capacity/settlement.py).
+(extproc/admission/capacity/charging.py).
 
 A `ResponseUsageTracker` sees every response body chunk, in order, and keeps the best knowledge of the
 request's usage at every moment, so settlement works however the response ends.

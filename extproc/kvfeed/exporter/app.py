@@ -26,10 +26,10 @@ from extproc.kvfeed.exporter.hub import SampleHub
 from extproc.kvfeed.exporter.metrics import ExporterMetrics
 from extproc.kvfeed.exporter.service import KvFeedService
 from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.kvfeed.ratelimit import RateLimitedLog
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.scraper import Scraper, ScrapeResult
 from extproc.kvfeed.targets import Target
+from extproc.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ import aiohttp
 import grpc
 
 from extproc.kvfeed.proto import feedback_pb2, feedback_pb2_grpc
-from extproc.kvfeed.ratelimit import RateLimitedLog
 from extproc.kvfeed.sample import FeedSample, SampleKey, checked, from_proto
 from extproc.kvfeed.scraper import Scraper
 from extproc.kvfeed.subscriber.aggregate import StoredSample
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
 from extproc.kvfeed.subscriber.settings import SubscriberConfig, split_hostport
+from extproc.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from extproc.admission.apis import REGISTRY
-from extproc.admission.capacity.settlement import (
+from extproc.admission.capacity.charging import (
     Ending,
     ResponseFacts,
     cached_discount,

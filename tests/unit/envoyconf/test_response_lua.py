@@ -28,7 +28,7 @@ import lupa.luajit21 as lupa  # type: ignore[import-untyped]  # LuaJIT 2.1, as i
 import pytest
 from google.protobuf import struct_pb2
 
-from extproc.admission.capacity.settlement import Ending, settle_charge
+from extproc.admission.capacity.charging import Ending, settle_charge
 from extproc.admission.intake.request import Api
 from extproc.admission.tracking.reading import facts_of, spec_for
 from extproc.protocol.accesslog import reading_of

@@ -15,9 +15,9 @@ from extproc.kvfeed.exporter.cli import build_parser, config_from_args
 from extproc.kvfeed.exporter.discovery import KubeDiscovery, KubeDiscoveryConfig
 from extproc.kvfeed.exporter.hub import SampleHub
 from extproc.kvfeed.proto import feedback_pb2
-from extproc.kvfeed.ratelimit import RateLimitedLog
 from extproc.kvfeed.sample import FeedSample, from_proto, to_proto
 from extproc.kvfeed.targets import Target, load_targets_file, parse_target_spec
+from extproc.logs import RateLimitedLog
 
 
 def sample(endpoint: str = "10.0.0.1:8000", model: str = "m", kv: float = 0.5, t: float = 1.0) -> FeedSample:

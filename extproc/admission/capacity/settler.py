@@ -1,5 +1,5 @@
 """Settling a lease, exactly once per lease, and counting what it cost: the store releases the lease to what
-was charged (`settlement.py` says what), the KV budget gives back the request's entry, and the settlement
+was charged (`charging.py` says what), the KV budget gives back the request's entry, and the settlement
 metrics record the outcome, the tokens settled, refunded and overrun. A lease whose engine is done before
 its client has read the answer gives its slots back first (`release_slot`), counted and logged. An
 engine's refusal (its queue full) also tells the pool's adaptive scale at once.
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from extproc.admission.capacity.admitted import Admitted
+from extproc.admission.capacity.charging import Charge, Ending
 from extproc.admission.capacity.queueing import AdmissionQueue
-from extproc.admission.capacity.settlement import Charge, Ending
 from extproc.core.ports import LimiterStore
 from extproc.metrics import LabelledChildren, Metrics
 
