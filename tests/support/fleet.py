@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,10 +43,15 @@ KEY_PREFIX = "extproc:"
 
 
 def fleet_config(
-    config: dict[str, Any], sim_url: str, redis_url: str, scrape_interval_s: float | None = None
+    config: dict[str, Any],
+    sim_url: str,
+    redis_url: str,
+    scrape_interval_s: float | None = None,
+    direct: bool = True,
 ) -> dict[str, Any]:
     """`config` for one gateway of the fleet: its store on the shared Redis (other `store` keys kept) and its
-    KV feed scraping the simulator's page directly, in place of any exporter or Service."""
+    KV feed scraping the engine's page directly (`direct`; else its own exporter does, which the stack
+    names), in place of any exporter or Service the config names."""
     out = copy.deepcopy(config)
     store = dict(out.get("store") or {})
     store["backend"] = "redis"
@@ -55,7 +60,8 @@ def fleet_config(
     feedback: dict[str, Any] = {
         k: v for k, v in (out.get("feedback") or {}).items() if k not in ("exporters", "service")
     }
-    feedback["direct_targets"] = [{"url": f"{sim_url}/metrics", "kind": "vllm", "model": MODEL}]
+    if direct:
+        feedback["direct_targets"] = [{"url": f"{sim_url}/metrics", "kind": "vllm", "model": MODEL}]
     if scrape_interval_s is not None:
         feedback["scrape_interval_seconds"] = scrape_interval_s
     out["feedback"] = feedback
@@ -65,15 +71,24 @@ def fleet_config(
 @dataclass
 class Fleet:
     """One simulator, one Redis, `gateways` Envoy + sidecar pairs. `start()`, then always `stop()` (also a
-    context manager); a start that fails stops what it started."""
+    context manager); a start that fails stops what it started.
+
+    With `engine_port` the gateways front an engine already running there (the real-engine tier's vLLM)
+    and no simulator starts; with `exporter_args` each gateway's feed comes from its own exporter started
+    with them (a slow engine page outlasts a direct scrape's timeout) instead of a direct scrape."""
 
     config: dict[str, Any]
     gateways: int = 2
     sim_args: Sequence[str] = LOCAL_SIM_ARGS
     profile: str = DEFAULT_PROFILE
     scrape_interval_s: float | None = None
+    engine_port: int | None = None
+    exporter_args: Sequence[str] | None = None
+    envoy_patch: Callable[[dict[str, Any]], None] | None = None
+    """None: the shipped Envoy, the tenant header stripped from clients."""
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="extproc-fleet-")))
     sim_port: int = field(default_factory=free_port)
+    """The engine's port: the simulator's own, or `engine_port`."""
     sim: Process | None = None
     redis: RedisServer | None = None
     stacks: list[LocalStack] = field(default_factory=list)
@@ -103,17 +118,24 @@ class Fleet:
     def _start(self) -> None:
         self.redis = RedisServer()
         self.redis.start()
-        argv = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(self.sim_port)]
-        self.sim = Process.start("simulator", [*argv, "--model", MODEL, *self.sim_args], self.workdir)
-        wait_http(f"{self.sim_url}/health", proc=self.sim)
-        config = fleet_config(self.config, self.sim_url, self.redis.url, self.scrape_interval_s)
+        if self.engine_port is not None:
+            self.sim_port = self.engine_port
+        else:
+            argv = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(self.sim_port)]
+            self.sim = Process.start("simulator", [*argv, "--model", MODEL, *self.sim_args], self.workdir)
+            wait_http(f"{self.sim_url}/health", proc=self.sim)
+        exporter = self.exporter_args is not None
+        config = fleet_config(self.config, self.sim_url, self.redis.url, self.scrape_interval_s, not exporter)
         for index in range(self.gateways):
             stack = build_stack(
                 config,
                 profile=self.profile,
                 ports=replace(Ports.free(), upstream=self.sim_port),
                 with_simulator=False,
-                envoy_patch=None,  # the shipped Envoy: the tenant header is stripped from clients
+                with_exporter=exporter,
+                exporter_args=tuple(self.exporter_args or ()),
+                envoy_patch=self.envoy_patch,
+                model=MODEL,
                 workdir=self.workdir / f"gateway-{index}",
             )
             self.stacks.append(stack)
