@@ -55,6 +55,7 @@ from extproc.admission.tracking.reading import spec_for
 from extproc.admission.tracking.unseen import UnseenStreams
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.names import (
+    CONTENT_TYPE_HEADER,
     FAIRNESS_ID_HEADERS,
     FORWARDED_REQUEST_HEADERS,
     OBJECTIVE_HEADERS,
@@ -162,7 +163,8 @@ class Exchange:
         self.request_id = head.request_id
         tenant = claimed if _TENANT_RE.fullmatch(claimed) else rules.tenant.default
         klass = rules.class_for(tenant, objective or None)
-        self.request = request = RequestFacts(rule.api, tenant, klass, head.client)
+        content_type = head.headers.get(CONTENT_TYPE_HEADER)
+        self.request = request = RequestFacts(rule.api, tenant, klass, head.client, content_type=content_type)
         try:
             deadline = deadline_ms(head.headers)
         except AdmissionError as exc:

@@ -1,10 +1,11 @@
 """The metered APIs: one `ApiSpec` per API (`spec.py`), each at the end of its API's module as `SPEC`, and
 the registry, which finds those modules itself.
 
-An API's spec holds everything the gateway knows about it: its adapter (how a body is validated into a
-`ParsedRequest` and how it may be edited, and the API's name), its response dialect (inline profile) and
-Lua read spec (lean profile), the error envelope its clients parse, whether its streams report usage only
-when asked, and the paths it is served on. Every per-API lookup (`spec_of`, `dialect_for`,
+An API's spec holds everything the gateway knows about it: its body format (how the raw bytes and their
+content type are decoded, JSON unless it says otherwise), its adapter (how the decoded body is validated
+into a `ParsedRequest` and how it may be edited, and the API's name), its response dialect (inline
+profile) and Lua read spec (lean profile), the error envelope its clients parse, whether its streams report
+usage only when asked, and the paths it is served on. Every per-API lookup (`spec_of`, `dialect_for`,
 `render_refusal`, the metered rows of `extproc/admission/intake/paths.py`) reads the registry; nothing else
 keeps a table by API.
 
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 
 from extproc.admission.apis.spec import ApiSpec
 from extproc.admission.replies.verdicts import Refusal
-from extproc.admission.vocabulary.parsed import Adapter, Api
+from extproc.admission.vocabulary.parsed import Api
 from extproc.admission.vocabulary.usage import Dialect
 
 
@@ -64,11 +65,6 @@ _BY_API: dict[Api, ApiSpec] = {spec.api: spec for spec in REGISTRY}
 def spec_of(api: Api) -> ApiSpec:
     """The spec of a metered API (every name a request carries comes from a registered adapter)."""
     return _BY_API[api]
-
-
-def adapter_for(api: Api) -> Adapter:
-    """How the API's bodies are validated and edited."""
-    return _BY_API[api].adapter
 
 
 def dialect_for(api: Api) -> Dialect:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from extproc.admission.replies.verdicts import Refusal
+from extproc.admission.vocabulary.body import JSON_BODY, BodyFormat
 from extproc.admission.vocabulary.parsed import Adapter, Api
 from extproc.admission.vocabulary.readspec import ReadSpec
 from extproc.admission.vocabulary.usage import Dialect
@@ -69,11 +70,12 @@ def reenveloped(refusal: Refusal, payload: object) -> Refusal:
 
 @dataclass(frozen=True, slots=True)
 class ApiSpec:
-    """One API: how its request is validated and edited (`adapter`, which declares the API's name), how its
-    responses carry text and usage inline (`dialect`, a fresh reader per response) and in the lean profile
-    (`read`), the error envelope its clients parse (`render_refusal`), whether its streams report usage only
-    when asked (`usage_option`: `stream_options.include_usage`, which the sidecar may set and strip), and
-    the paths it is served on."""
+    """One API: how its request body is decoded from its bytes and content type and written back after
+    edits (`body`: JSON unless the API says otherwise), how it is validated and edited (`adapter`, which
+    declares the API's name), how its responses carry text and usage inline (`dialect`, a fresh reader per
+    response) and in the lean profile (`read`), the error envelope its clients parse (`render_refusal`),
+    whether its streams report usage only when asked (`usage_option`: `stream_options.include_usage`, which
+    the sidecar may set and strip), and the paths it is served on."""
 
     adapter: Adapter
     dialect: Callable[[], Dialect]
@@ -81,6 +83,7 @@ class ApiSpec:
     paths: tuple[ApiPath, ...]
     render_refusal: Callable[[Refusal], Refusal] = keep_openai_envelope
     usage_option: bool = False
+    body: BodyFormat = JSON_BODY
 
     @property
     def api(self) -> Api:

@@ -25,7 +25,8 @@ from extproc.core.limiter.limiter import Lease
 
 @dataclass(frozen=True, slots=True)
 class RequestFacts:
-    """What the request line and headers settled: the API, the tenant and its class, the client."""
+    """What the request line and headers settled: the API, the tenant and its class, the client, and the
+    body's content type (its API's body format reads it)."""
 
     api: Api
     tenant: str
@@ -35,6 +36,7 @@ class RequestFacts:
     # from arrival, extproc/admission/intake/deadline.py); None without one.
     deadline: float | None = None
     deadline_ms: int | None = None
+    content_type: str | None = None  # the request's `content-type` header, None without one
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,7 +116,7 @@ class Decision:
         default = request.tenant == rules.tenant.default and request.client
         lane = self.tokenizer_lane = f"client:{request.client}" if default else f"tenant:{request.tenant}"
         try:
-            resolved = await resolving.resolve(service, request.api, raw, rules, lane)
+            resolved = await resolving.resolve(service, request.api, raw, rules, lane, request.content_type)
             self.limit_pool, self.model_label = resolved.limit_pool, resolved.model_label
             resolving.check(resolved, rules)
         except (AdmissionError, LaneFull) as exc:

@@ -42,21 +42,31 @@ class Resolved:
 
 
 async def resolve(
-    service: AdmissionService, api: Api, raw: bytes, rules: AdmissionRules, lane: str
+    service: AdmissionService,
+    api: Api,
+    raw: bytes,
+    rules: AdmissionRules,
+    lane: str,
+    content_type: str | None = None,
 ) -> Resolved:
-    """Parse `raw`, and resolve the requested model to its policy, pools and KV budget (404 for a model
-    nobody serves), under the one `rules` the decision reads. The engines' pool is the limits' pool, except
-    for a name the config does not know, which shares the `models."*"` limits (a client must not mint limits
-    by inventing names) but whose engines the feed reports by that name: their budget applies to it (else a
-    config that names no model would run without any KV budget)."""
-    stored, bounds = rules.allow_stored_context, rules.per_step
+    """Parse `raw` (in its API's format, which reads the request's `content_type`), and resolve the requested
+    model to its policy, pools and KV budget (404 for a model nobody serves), under the one `rules` the
+    decision reads. The engines' pool is the limits' pool, except for a name the config does not know, which
+    shares the `models."*"` limits (a client must not mint limits by inventing names) but whose engines the
+    feed reports by that name: their budget applies to it (else a config that names no model would run
+    without any KV budget)."""
+    parse = functools.partial(
+        parse_request,
+        content_type=content_type,
+        allow_stored_context=rules.allow_stored_context,
+        bounds=rules.per_step,
+    )
     if len(raw) > OFF_LOOP_PARSE_BYTES:
         # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
         # worker thread, through the client's lane like its counting.
-        parse = functools.partial(parse_request, allow_stored_context=stored, bounds=bounds)
         parsed = await service.lanes.run(lane, parse, api, raw)
     else:
-        parsed = parse_request(api, raw, allow_stored_context=stored, bounds=bounds)
+        parsed = parse(api, raw)
     deps = service.deps
     served_as = deps.served_as(parsed.model, rules)
     policy = rules.model_policy(served_as) if served_as is not None else None

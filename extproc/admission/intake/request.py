@@ -3,24 +3,25 @@
 The work is split by cost so admission can decide as early and as cheaply as possible. The first step is
 here; what the request costs, its prompt's bounds and count and its reservation, is `reservation.py`'s:
 
-1. `parse_request` decodes JSON and validates the fields that drive admission, through the API's adapter
-   (its `ApiSpec` in `extproc/admission/apis/`; the types it fills are in
-   `extproc/admission/vocabulary/parsed.py`). It never tokenizes, so it is safe to run on the event loop. A
-   malformed request is refused here with the 400 the backend would have returned.
+1. `parse_request` hands the raw body and its content type to the API's body format (`ApiSpec.body`: JSON
+   for every API so far, `extproc/admission/vocabulary/body.py`) and validates the fields that drive
+   admission through the API's adapter (its `ApiSpec` in `extproc/admission/apis/`; the types it fills are
+   in `extproc/admission/vocabulary/parsed.py`). Nothing here assumes an encoding, so an API with another
+   one is its own module alone. It never tokenizes, so it is safe to run on the event loop. A malformed
+   request is refused here with the 400 the backend would have returned.
 
-`edit_body` rewrites a request before it goes upstream: ask for usage in a stream (so settlement is exact),
-write an output bound (under `missing_max_tokens: inject`), and strip or set the scheduling priority.
+`edit_body` rewrites a request before it goes upstream, in its API's format: ask for usage in a stream (so
+settlement is exact), write an output bound (under `missing_max_tokens: inject`), and strip or set the
+scheduling priority.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
-from extproc.admission.apis import USAGE_OPTION_APIS, adapter_for
+from extproc.admission.apis import USAGE_OPTION_APIS, spec_of
 from extproc.admission.vocabulary.errors import AdmissionError
-from extproc.admission.vocabulary.fields import load_object
 from extproc.admission.vocabulary.parsed import NO_STEP_WORK, Adapter, Api, BodyEdits, ParsedRequest, StepWork
 from extproc.admission.vocabulary.policy import StepBounds
 
@@ -53,17 +54,21 @@ def parse_request(
     api: Api,
     raw: bytes,
     *,
+    content_type: str | None = None,
     allow_stored_context: bool = ALLOW_STORED_CONTEXT,
     bounds: StepBounds = DEFAULT_STEP_BOUNDS,
 ) -> ParsedRequest:
-    """Decode and validate a request body; cheap (JSON and field checks only, no tokenizing).
+    """Decode and validate a request body; cheap (decoding and field checks only, no tokenizing).
 
-    Raises AdmissionError(400) naming the offending field. Unknown fields pass through untouched. A request
-    that prepends a stored conversation is refused unless `allow_stored_context` (see
-    `ALLOW_STORED_CONTEXT`); one that asks for more per-step work than `bounds` allow is refused.
+    `raw` is decoded by the API's body format with the request's `content_type` (None: no header), then
+    validated by its adapter. Raises AdmissionError(400) naming the offending field. Unknown fields pass
+    through untouched. A request that prepends a stored conversation is refused unless
+    `allow_stored_context` (see `ALLOW_STORED_CONTEXT`); one that asks for more per-step work than `bounds`
+    allow is refused.
     """
+    spec = spec_of(api)
     try:
-        parsed = adapter_for(api).parse(load_object(raw))
+        parsed = spec.adapter.parse(spec.body.decode(raw, content_type))
     except RecursionError:  # validation never recurses deeply, but be certain no body can crash the caller
         raise AdmissionError(
             400, "Request body nests too deeply to be parsed.", code="invalid_json", param=None
@@ -126,19 +131,16 @@ def check_step_work(work: StepWork, bounds: StepBounds) -> None:
 
 
 def edit_body(req: ParsedRequest, edits: BodyEdits) -> bytes | None:
-    """The body re-serialised with `edits` applied, or None when nothing needs to change.
+    """The body re-encoded in its API's format with `edits` applied, or None when nothing needs to change.
 
-    Other fields are kept as they were; UTF-8 stays unescaped unless a lone surrogate forces escaping. The
-    caller must update Content-Length (and, when usage was asked for on the client's behalf, strip the
-    usage-only event from the response).
+    Other fields are kept as they were (JSON: UTF-8 stays unescaped unless a lone surrogate forces
+    escaping). The caller must update Content-Length (and, when usage was asked for on the client's behalf,
+    strip the usage-only event from the response).
     """
     if not edits:
         return None
+    spec = spec_of(req.api)
     body = dict(req.body)
-    if not adapter_for(req.api).edit(req, body, edits):
+    if not spec.adapter.edit(req, body, edits):
         return None
-    try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError:
-        # A lone surrogate (legal as a JSON escape) cannot be written as UTF-8; keep it escaped instead.
-        return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+    return spec.body.encode(body)

@@ -159,6 +159,10 @@ pkg/epp/handlers/request.go @ 1748e829)."""
 FAIRNESS_ID_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 """The flow-control fairness id, in the same order (`FlowFairnessIDKey`, `OldFlowFairnessIDKey`)."""
 
+CONTENT_TYPE_HEADER = "content-type"
+"""The request header an API's body format reads with the body (admission/vocabulary/body.py `BodyFormat`):
+a multipart form's boundary is in it."""
+
 ATTRIBUTE_HEADERS = (*DEADLINE_HEADERS, *OBJECTIVE_HEADERS, *FAIRNESS_ID_HEADERS)
 """Request headers the lean profile's ext_proc filter sends as attributes (`header_attribute`) beside the
 tenant's, so that admission reads them without the header phase."""
