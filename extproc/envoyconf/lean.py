@@ -11,10 +11,11 @@ What changes, and why:
 
 * ext_proc (`ExternalProcessor`): request body BUFFERED only; request headers, response headers and
   response body SKIP/NONE. The request's method, path, client address, tenant header and the headers
-  admission reads (names.py `ATTRIBUTE_HEADERS`: deadlines, an inference pool's objective and fairness id)
-  come as `request_attributes` with the body (Envoy 1.40 evaluates each entry as a CEL expression, so
-  `request.headers['x-tenant-id']` gives one header). `metadata_options.receiving_namespaces` lets the
-  sidecar write the `extproc` namespace (extproc/admission/vocabulary/names.py).
+  admission reads (names.py `ATTRIBUTE_HEADERS`: deadlines, an inference pool's objective and fairness id,
+  the `content-type` an API's body format reads) come as `request_attributes` with the body (Envoy 1.40
+  evaluates each entry as a CEL expression, so `request.headers['x-tenant-id']` gives one header).
+  `metadata_options.receiving_namespaces` lets the sidecar write the `extproc` namespace
+  (extproc/admission/vocabulary/names.py).
 * Routes: one per metered path and method (`path` is exact after Envoy's own path normalization; the query
   string is not part of it), split in two: with a `content-length` of at least one byte, the body-only
   mode; without one (HTTP/2 or chunked bodies, or no body at all) a per-route override that also sends the

@@ -2,9 +2,9 @@
 
 In the lean profile Envoy sends the sidecar one message per request: the BUFFERED request body, with the
 request's method, path, client address, tenant and the headers admission reads (a client's deadline, an
-inference pool's objective and fairness id: `ATTRIBUTE_HEADERS`) as attributes (`request_attributes`), its
-route having already done path routing and the body cap (envoy/envoy-lean.yaml, rendered by
-extproc/envoyconf/lean.py).
+inference pool's objective and fairness id, the body's content type: `ATTRIBUTE_HEADERS`) as attributes
+(`request_attributes`), its route having already done path routing and the body cap (envoy/envoy-lean.yaml,
+rendered by extproc/envoyconf/lean.py).
 Requests without a `content-length` (an HTTP/2 body of unknown length, a chunked upload) take a route that
 also sends the request headers, so a request with no body at all still reaches the sidecar and is refused.
 

@@ -163,6 +163,6 @@ CONTENT_TYPE_HEADER = "content-type"
 """The request header an API's body format reads with the body (admission/vocabulary/body.py `BodyFormat`):
 a multipart form's boundary is in it."""
 
-ATTRIBUTE_HEADERS = (*DEADLINE_HEADERS, *OBJECTIVE_HEADERS, *FAIRNESS_ID_HEADERS)
+ATTRIBUTE_HEADERS = (*DEADLINE_HEADERS, *OBJECTIVE_HEADERS, *FAIRNESS_ID_HEADERS, CONTENT_TYPE_HEADER)
 """Request headers the lean profile's ext_proc filter sends as attributes (`header_attribute`) beside the
 tenant's, so that admission reads them without the header phase."""

@@ -1,7 +1,8 @@
 """An API owns its body: admission hands the raw bytes and the request's `content-type` to the API's body
 format (`ApiSpec.body`), never decoding JSON itself. Every shipped API keeps the shared JSON format; a
 test-only multipart API, one `ApiSpec` registered here, shows that an API with another encoding needs nothing
-outside its own module. The content type reaches the format from the request's headers."""
+outside its own module. The content type reaches the format from the inline profile's headers and from the
+lean profile's attributes alike."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.admission import apis
 from extproc.admission.apis.openai import OPENAI_DIALECT, OPENAI_SPEC
@@ -21,9 +24,11 @@ from extproc.admission.replies.verdicts import Forward
 from extproc.admission.vocabulary import fields as f
 from extproc.admission.vocabulary.body import JSON_BODY, BodyFormat
 from extproc.admission.vocabulary.errors import AdmissionError
-from extproc.admission.vocabulary.names import CONTENT_TYPE_HEADER
+from extproc.admission.vocabulary.names import CONTENT_TYPE_HEADER, header_attribute
 from extproc.admission.vocabulary.parsed import Api, BodyEdits, ParsedRequest
 from extproc.admission.vocabulary.prompt import Prompt
+from extproc.protocol.lean import LeanRuntime, LeanTranslator
+from extproc.protocol.messages import EXT_PROC_ATTRIBUTES
 from tests.unit.admission.exchange_rig import Rig, chat
 
 FORM = "multipart/form-data; boundary=XyZ"
@@ -163,3 +168,18 @@ async def test_the_inline_profile_hands_the_header_to_the_format(recording: Reco
     assert isinstance(await rig.decide(rig.admission.exchange(), body, head), Forward)
     await rig.decide(rig.admission.exchange(), body)
     assert recording.seen == [(body, "application/json"), (body, None)]
+
+
+async def test_the_lean_profile_hands_the_attribute_to_the_format(recording: Recording) -> None:
+    rig = await Rig().start()
+    body = chat()
+    request = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    request.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
+    attributes = request.attributes[EXT_PROC_ATTRIBUTES].fields
+    attributes["request.method"].string_value = "POST"
+    attributes["request.path"].string_value = "/v1/chat/completions"
+    attributes[header_attribute(CONTENT_TYPE_HEADER)].string_value = "application/json; charset=utf-8"
+    translator = LeanTranslator(rig.admission.exchange(), LeanRuntime(rig.admission.unseen))
+    replies = [reply async for reply in translator.handle(request)]
+    assert replies[-1].HasField("request_body")
+    assert recording.seen == [(body, "application/json; charset=utf-8")]
