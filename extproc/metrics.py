@@ -233,7 +233,8 @@ class Metrics:
             "extproc_end_report_channel_up",
             "Lean profile: 1 while Envoy's access-log end reports reach the sidecar, 0 once the channel is "
             "found lost (no access-log stream open, or 3 ended requests in a row without a report): "
-            "leases are then released when their request ends, charged by estimate.",
+            "leases are then released when their request ends, charged the engines' count where the feed has "
+            "it, else the decode-rate estimate (extproc_unfinished_answers_total{basis}).",
             registry=r,
         )
         self.end_report_channel.set(1)

@@ -3,8 +3,9 @@ one's end, admission follows them here.
 
 * The end report settles a request (`report`): what Envoy's Lua reader saw, and when the tokens came.
 * A request whose ext_proc stream ended waits for its report at most `admission.end_report_wait_seconds`
-  (`ended`), then settles as `expired` with the decode-rate estimate; at once where the report channel is
-  known lost (`ReportChannel`).
+  (`ended`), then settles as `expired`, charged its share of what the engines generated over its life where
+  the feed counts them, else the decode-rate estimate (`InFlight.expire`); at once where the report channel
+  is known lost (`ReportChannel`): the channel's death is one event, reported as such, not a miss per lease.
 * A request the proxy never forwarded gets no report: Envoy answered 504 when its ext_proc message timer
   fired before the admitting reply landed, so the report key was never applied. Its reply was seen not to
   reach the transport (`InFlight.never_forwarded`), or Envoy's access log says that its ext_proc exchange
@@ -117,13 +118,15 @@ class ReportChannel:
         metrics.end_report_channel.set(0)
         self.service.child(metrics.end_report_channel_losses, cause).inc()
         log.warning(
-            "end-report channel down: leases are released when their request ends and charged by the "
-            "decode-rate estimate (is Envoy's access log reaching the sidecar's gRPC port?)"
+            "end-report channel down: leases are released when their request ends and charged what the "
+            "engines counted for them (the decode-rate estimate where the feed has no count; "
+            "extproc_unfinished_answers_total{basis}); is Envoy's access log reaching the sidecar's gRPC "
+            "port?"
             if cause != "never_connected"
             else "end-report channel never came up: no access-log stream has connected since the sidecar "
             "started and requests end without reports; leases are released when their request ends and "
-            "charged by the decode-rate estimate (check the access logger's cluster in Envoy's config: it "
-            "must reach the sidecar's gRPC port)",
+            "charged what the engines counted for them, else the decode-rate estimate (check the access "
+            "logger's cluster in Envoy's config: it must reach the sidecar's gRPC port)",
             extra={"cause": cause, "misses": self._misses, "access_log_streams": self.streams},
         )
         self._on_lost()
