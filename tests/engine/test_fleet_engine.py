@@ -70,6 +70,11 @@ def test_two_gateways_serve_the_overload_and_preempt_nothing(engine: Engine, fle
     with Sampler(engine.url, fleet.redis.url, interval_s=SAMPLE_INTERVAL_S) as sampler:
         results = overload(fleet.urls, 3000)
     samples = sampler.samples
+    print(
+        f"fleet of two: KV peak {max((s.kv for s in samples), default=0):.2f}, "
+        f"running at most {max((s.running for s in samples), default=0):.0f}, "
+        f"{sum(len(given) for _, given in results)} refusals, {len(samples)} samples"
+    )
     assert [status for status, _ in results] == [200] * REQUESTS
     assert any(given for _, given in results), "the overload never reached the KV budget"
     assert preemptions(engine) - before == 0
