@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from extproc.core.kv.budget import KvBudget, _Lease
+from extproc.core.kv.budget import KvBudget
+from extproc.core.kv.lease import Lease
+from extproc.core.kv.prefix_credit import Booking, PrefixCredit
 
 
 class ListPrefixIndex:
@@ -81,33 +83,44 @@ class ListPrefixIndex:
         )
 
 
-class ListBudget(KvBudget):
-    """`KvBudget` on `ListPrefixIndex`, with the candidate's check and the change of replicas as they were."""
+class ListPrefixCredit(PrefixCredit):
+    """`PrefixCredit` on `ListPrefixIndex`: the candidate's check and the change of replicas as they were."""
+
+    _index: ListPrefixIndex  # type: ignore[assignment]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._prefixes = ListPrefixIndex()  # type: ignore[assignment]
+        self._index = ListPrefixIndex()
 
-    def set_replicas(self, replicas: int) -> None:
+    def set_replicas(self, replicas: int) -> bool:
         replicas = max(1, int(replicas))
-        if replicas == self._prefixes.replicas:
-            return
+        if replicas == self._index.replicas:
+            return False
         index = ListPrefixIndex(replicas)
-        self._prefixes = index  # type: ignore[assignment]
-        self._last_fit = None
-        for lease_id, lease in self._leases.items():
+        self._index = index
+        leases = self._ledger.leases
+        for lease_id, lease in leases.items():
             index.add(lease_id, lease.chunks.hashes)
-        for lease_id, lease in self._leases.items():
+        for lease_id, lease in leases.items():
             self._set_credit(lease, index.credited(lease_id, lease.chunks.hashes))
+        return True
 
-    def _book_candidate(self, now: float | None, candidate: _Lease) -> tuple[int, int]:
+    def book_with(self, candidate: Lease, book: Booking) -> tuple[int, int]:
         hashes = candidate.chunks.hashes
-        if not hashes or not self._prefixes.shared_run(hashes):
-            return self._book(now, candidate)
-        alone = self._book(now)[0]
-        self._credit(self._prefixes.add("", hashes), 1)
+        if not hashes or not self._index.shared_run(hashes):
+            return book(candidate)
+        alone = book(None)[0]
+        self._credit(self._index.add("", hashes), 1)
         try:
-            together = self._book(now, candidate)[1]
+            together = book(candidate)[1]
         finally:
-            self._credit(self._prefixes.remove("", hashes), -1)
+            self._credit(self._index.remove("", hashes), -1)
         return alone, together
+
+
+class ListBudget(KvBudget):
+    """`KvBudget` on `ListPrefixCredit`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._prefix = ListPrefixCredit(self._ledger)

@@ -154,7 +154,7 @@ def test_budget_books_what_it_booked_on_the_reference(
         assert new.booked_tokens == old.booked_tokens
         assert new.shared_prompt_tokens == old.shared_prompt_tokens
         assert new.replicas == old.replicas
-        credits = [{k: v.credited for k, v in kv._leases.items()} for kv in budgets]
+        credits = [{k: v.credited for k, v in kv._ledger.leases.items()} for kv in budgets]
         assert credits[0] == credits[1]
 
 

@@ -1,0 +1,160 @@
+"""The KV budget's fair shares and claims (`KvBudget`, with a `FairShare`, `kv_fairness`): each admission
+counts as its tenant's attained KV service, and a refused request claims the KV it needs from later requests
+of other tenants in its class (and of less important ones), its tenant having received less; its retry then
+fits. A refusal's `retry-after` is its place in the schedule of refused requests (`kv_schedule`), or, refused
+for its tenant's share, when that tenant's first lease ends. Without a `now` (no clock) or a `FairShare` the
+budget admits whatever fits.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from extproc.core.kv.fairness import ClaimId, FairShare
+from extproc.core.kv.lease import Lease
+from extproc.core.kv.ledger import Ledger
+from extproc.core.kv.pacing import PoolPace
+from extproc.core.kv.schedule import RetrySchedule
+
+
+def claim_id(lease: Lease, rank: int) -> ClaimId:
+    """How the request of `lease` is known on its retries (`kv_fairness`): a client retries one body."""
+    chunks = lease.chunks
+    if chunks.hashes:
+        return ClaimId(rank, lease.learner_key, lease.sequences, (chunks.hashes[-1], chunks.text_chars))
+    return ClaimId(rank, lease.learner_key, lease.sequences, (lease.prompt, lease.allowance))
+
+
+class FairClaims:
+    """One pool's refusals and their claims, against its tenants' fair shares where it has them."""
+
+    def __init__(self, ledger: Ledger, fairness: FairShare | None) -> None:
+        self._ledger = ledger
+        self.fairness = fairness
+        self.schedule = RetrySchedule()
+        self._refused: tuple[ClaimId, int, float] | None = None  # the last refusal's (id, footprint, run)
+        self._over_share = False  # whether the last refusal was for its tenant's share (`kv_fairness`)
+
+    def fits(
+        self, candidate: Lease, rank: int, booked_with: int, budget: int, now: float | None, claim: bool
+    ) -> bool:
+        """Whether `candidate`, booked to `booked_with` with it, fits `budget` (`KvBudget.would_fit`); a
+        refusal is remembered for its `retry_after`."""
+        claimant = claim_id(candidate, rank)
+        fair = self.fairness
+        if fair is None or now is None:
+            fits = booked_with <= budget
+        else:
+            fits = self._fits_fairly(fair, claimant, candidate, booked_with, budget, now, claim)
+        if not fits:
+            # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
+            self._refused = (
+                claimant,
+                candidate.footprint,
+                candidate.expected_completion / candidate.sequences,
+            )
+        return fits
+
+    def unrefused(self) -> None:
+        """A new decision: not refused for its tenant's share unless it says so."""
+        self._over_share = False
+
+    def _fits_fairly(
+        self,
+        fair: FairShare,
+        claimant: ClaimId,
+        candidate: Lease,
+        booked_with: int,
+        budget: int,
+        now: float,
+        claim: bool,
+    ) -> bool:
+        """`fits` with fair shares: the candidate fits beside another tenant's claim, and its tenant is not
+        over its share while another tenant waits (`kv_fairness`). A refusal claims only for a tenant
+        within its share (not on a bound's check, nor beyond the whole budget), and its tenant waits."""
+        footprint = candidate.footprint
+        over = fair.others_wait(claimant, now) and fair.over_share(
+            claimant, self._ledger.held_by_tenant(), footprint, now
+        )
+        fits = not over and booked_with + fair.withheld(claimant, now) <= budget
+        self._over_share = over
+        if not fits and claim:
+            if over:
+                fair.waits(claimant, now + fair.claim_ttl_s)
+            elif footprint <= budget:  # one larger fits only an empty pool: it neither claims nor waits
+                fair.refused(claimant, footprint, now)
+        return fits
+
+    def admitted(self, lease: Lease, rank: int, now: float | None) -> None:
+        """An admitted request keeps its promised place no more, and counts as its tenant's service."""
+        claimant = claim_id(lease, rank)
+        self.schedule.kept(claimant)
+        if self.fairness is not None and now is not None:
+            self.fairness.admitted(claimant, lease.footprint, now)
+
+    def served(self, tenant: str, tokens: int, now: float | None) -> None:
+        """`tenant`'s attained service changed by `tokens`: a prompt booked on its bound, corrected to its
+        exact count, is lowered by as much. Counted at the bound's footprint, a tenant of short prompts (whose
+        byte bound is about twice their count) had received twice its due by that measure, so a tenant of long
+        prompts won every rounding past its share and held 54-63 % of the cache per window."""
+        if self.fairness is not None and now is not None:
+            self.fairness.served(tenant, tokens, now)
+
+    def retry_after(
+        self, now: float | None, budget: int | None, pace: PoolPace, booked_with: int
+    ) -> float | None:
+        """`KvBudget.retry_after`, at the pace hints take (`PoolPace.hint_rate`), the refused request having
+        been compared with `booked_with` against `budget`.
+
+        Leases end at their forecast ends (`trajectory`: expected completion less tokens done, in steps
+        of one token per sequence) at the pace, plus the first-token delay still ahead of a lease with no
+        progress yet; each end frees its lifetime footprint from the booking the refused request was
+        compared with. The refused request is expected to run its own expected completion at that pace.
+        """
+        rate = pace.hint_rate()
+        refused = self._refused
+        leases = self._ledger.leases
+        if budget is None or now is None or rate is None or rate <= 0 or not leases or refused is None:
+            return None
+        owner, footprint, completion = refused
+        fair = self.fairness
+        delay = pace.rate.first_token_delay
+        if fair is not None and self._over_share:
+            return self._share_eta(fair, owner, now, rate, delay)
+        first = fair is not None and fair.holds(owner, now)
+        served = fair.standing(owner.tenant, now) if fair is not None else 0.0
+        releases = [(lease.seconds_left(now, rate, delay), lease.footprint) for lease in leases.values()]
+        duration = delay + completion / rate
+        priority = (float(owner.rank), served)
+        standing = None if fair is None else (lambda tenant: fair.standing(tenant, now))
+        eta = self.schedule.eta(
+            owner,
+            now,
+            booked_with,
+            budget,
+            releases,
+            duration,
+            footprint,
+            first,
+            priority,
+            owner.tenant,
+            standing,
+        )
+        if fair is not None:
+            fair.waits(owner, now + eta + fair.claim_ttl_s)  # its tenant waits until it is due back
+            if first:
+                fair.keep_until(owner, now + eta)  # the claim waits for its owner's return
+        return eta
+
+    def _share_eta(self, fair: FairShare, owner: ClaimId, now: float, rate: float, delay: float) -> float:
+        """A request refused for its tenant's share: back when the tenant's first lease ends and its share
+        falls. It takes no place in the schedule: the places are the waiting tenants' (module docstring
+        of `kv_fairness`), and a flood's refusals would push them later."""
+        ends = [
+            lease.seconds_left(now, rate, delay)
+            for lease in self._ledger.leases.values()
+            if lease.learner_key == owner.tenant
+        ]
+        eta = min(ends, default=0.0)
+        fair.waits(owner, now + eta + fair.claim_ttl_s)
+        return eta
