@@ -21,7 +21,7 @@ Adding a key: a field on its section's class below, typed from extproc/config/fi
 default written here only; the same field on the runtime type in extproc/config/runtime.py, defaulting to
 this class's value (`AdmissionConfig`, `ServerConfig`, `KvBudgetConfig` copy their section's fields by
 name; `StoreConfig` and nested sections are mapped in extproc/config/build.py); checks that span keys in
-build.py; a row in docs/configuration.md (tests/unit/test_config.py fails until it is there).
+build.py; a row in docs/configuration.md (tests/unit/config/test_config.py fails until it is there).
 """
 
 from __future__ import annotations

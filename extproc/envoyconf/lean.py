@@ -1,8 +1,8 @@
 """The lean profile's Envoy config, rendered from the inline one and the path table (one source of truth).
 
 `python -m extproc envoy-config --profile lean` prints it; envoy/envoy-lean.yaml and
-k8s/gateway/lean/envoy.yaml are its output for the shipped inline configs, and tests/unit/test_edge_config.py
-checks that they are current.
+k8s/gateway/lean/envoy.yaml are its output for the shipped inline configs, and
+tests/unit/envoyconf/test_edge_config.py checks that they are current.
 Everything not listed below is the inline config unchanged: listener, edge hardening, local replies,
 clusters. Field names are those of the Envoy API protos (envoyproxy/data-plane-api @ 84e84367); every
 rendered config passes `envoy --mode validate` on 1.40 (tests/e2e/test_shipped_configs.py).

@@ -36,7 +36,7 @@ from extproc.envoyconf.upstream import (
     upstream_cluster,
 )
 from tests.support.envoy_validate import validate
-from tests.unit.kustomize_build import K8S, built, envoy_files
+from tests.unit.k8s.kustomize_build import K8S, built, envoy_files
 
 PROFILES = {"lean": K8S, "inline": K8S / "inline"}
 BOOTSTRAP = "/etc/envoy/envoy.yaml"

@@ -100,7 +100,7 @@ def main(crd_file: str, kind: str, version: str, source: str, directories: list[
         },
     }
     header = (
-        f"{kind} {group}/{version}, as a JSON Schema (draft 2020-12) for tests/unit/test_manifests.py. "
+        f"{kind} {group}/{version}, as a JSON Schema (draft 2020-12) for tests/unit/k8s/test_manifests.py. "
         f"Derived from the CRD's openAPIV3Schema ({version}) in {source}, by tests/data/schemas/derive.py "
         f"for the objects of `kubectl kustomize {' '.join(directories)}`. "
         "The CRD's CEL rules are not restated."

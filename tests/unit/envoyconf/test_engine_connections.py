@@ -25,7 +25,7 @@ from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE, PROFILES
 from extproc.envoyconf.upstream import EngineAddress, clusters_of, upstream_cluster
 from tests.support.keepalive import ENGINE_KEEP_ALIVE_S
-from tests.unit.kustomize_build import K8S, REPO, built, envoy_files, roots
+from tests.unit.k8s.kustomize_build import K8S, REPO, built, envoy_files, roots
 
 RETRY_ON = "reset-before-request"
 """The one retry condition: Envoy retries a reset only while no request byte went upstream (router.cc,

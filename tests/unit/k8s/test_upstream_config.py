@@ -1,6 +1,6 @@
 """In Kubernetes the engine the gateway forwards to is set in one place, the extproc-upstream ConfigMap, and
 both profiles' Envoy take it from there; an overlay that replaces that ConfigMap changes the engine and
-nothing else. The builds are `kubectl kustomize`'s (tests/unit/kustomize_build.py); that a real Envoy
+nothing else. The builds are `kubectl kustomize`'s (tests/unit/k8s/kustomize_build.py); that a real Envoy
 accepts and uses the built files is tests/e2e/test_shipped_configs.py."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from extproc.envoyconf.upstream import (
     render_upstream_yaml,
     upstream_cluster,
 )
-from tests.unit import kustomize_build
-from tests.unit.kustomize_build import K8S, REPO, built, envoy_files, named
+from tests.unit.k8s import kustomize_build
+from tests.unit.k8s.kustomize_build import K8S, REPO, built, envoy_files, named
 
 EXAMPLE = K8S / "examples" / "my-vllm"
 PROFILES = {"lean": K8S, "inline": K8S / "inline"}

@@ -10,7 +10,7 @@ means after the picker, and its per-route config would reach the picker too. The
 rendered here from envoy/istio/envoyfilter-lean.yaml, names the sidecar's filter apart, inserts it before
 the picker's, and selects the gateway by its Gateway API label (Istio attaches the picker only there).
 
-Regenerate the shipped file with `python -m tests.unit.test_inference_pool`.
+Regenerate the shipped file with `python -m tests.unit.k8s.test_inference_pool`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from tests.unit.kustomize_build import K8S, REPO, built, named
+from tests.unit.k8s.kustomize_build import K8S, REPO, built, named
 
 LEAN_FILTER = REPO / "envoy" / "istio" / "envoyfilter-lean.yaml"
 ISTIO_VARIANT = K8S / "inference-pool" / "istio" / "envoyfilter.yaml"
@@ -31,9 +31,10 @@ filter's per-route config (keyed by filter name) reaches the other."""
 GATEWAY_LABEL = "gateway.networking.k8s.io/gateway-name"
 GATEWAY = "llm-gateway"
 HEADER = """\
-# Rendered from envoy/istio/envoyfilter-lean.yaml by tests/unit/test_inference_pool.py (`python -m
-# tests.unit.test_inference_pool`): do not edit. The lean Istio EnvoyFilter for a Gateway API gateway with an
-# InferencePool attached (docs/gateways.md, "In front of an inference pool"). Differences from the source:
+# Rendered from envoy/istio/envoyfilter-lean.yaml by tests/unit/k8s/test_inference_pool.py (`python -m
+# tests.unit.k8s.test_inference_pool`): do not edit. The lean Istio EnvoyFilter for a Gateway API gateway
+# with an InferencePool attached (docs/gateways.md, "In front of an inference pool"). Differences from the
+# source:
 #   - the sidecar's ext_proc filter is named extproc.admission and inserted before Istio's picker filter
 #     (envoy.filters.http.ext_proc), so the sidecar admits before the picker picks, and the route-level
 #     config Istio writes for its picker reaches the picker only;

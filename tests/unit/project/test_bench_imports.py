@@ -16,7 +16,7 @@ import pytest
 import bench
 
 MODULES = sorted(info.name for info in pkgutil.walk_packages(bench.__path__, "bench."))
-SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
+SCRIPTS = sorted((Path(__file__).resolve().parents[3] / "scripts").glob("*.py"))
 
 
 def test_the_benchmarks_are_found() -> None:

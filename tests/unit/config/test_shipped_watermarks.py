@@ -15,7 +15,7 @@ import pytest
 
 from extproc.config.load import load_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MONITORING_DOC = REPO / "docs" / "monitoring.md"
 DASHBOARD = REPO / "k8s" / "monitoring" / "extproc-dashboard.json"
 SHIPPED = sorted([*(REPO / "config").glob("*.yaml"), *(REPO / "k8s").rglob("config.yaml")])

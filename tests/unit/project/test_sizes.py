@@ -10,7 +10,7 @@ import functools
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "architecture.md"
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60

@@ -23,7 +23,7 @@ from extproc.admission.intake.paths import (
 )
 from extproc.config import ConfigError, parse_config
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "admission.md"
+DOC = Path(__file__).resolve().parents[4] / "docs" / "admission.md"
 KIND_WORDS = {RouteKind.METERED: "metered", RouteKind.FREE: "free", RouteKind.DENIED: "refused"}
 ALL_ROWS = (*DEFAULT_RULES, *KNOWN_REFUSED)
 

@@ -18,7 +18,7 @@ from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.vocabulary.names import RATELIMIT_REQUEST_HEADERS, RATELIMIT_TOKEN_HEADERS
 from extproc.core.limiter.limiter import RateLimitStatus, Reason, Rejection
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "admission.md"
+DOC = Path(__file__).resolve().parents[4] / "docs" / "admission.md"
 STATUS = RateLimitStatus(
     limit_requests=8,
     remaining_requests=0,

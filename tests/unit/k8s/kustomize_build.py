@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 K8S = REPO / "k8s"
 MIN_KUSTOMIZE_MAJOR = 5
 INSTALL = (

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tests.support.imports import external_imports, find_cycle, import_graph, module_name
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "architecture.md"
 NOTHING = ("none", "\u2013")  # "none" and an en dash both say a cell lists nothing
 EVERYWHERE = re.compile(r"Every row may also import ((?:`[^`]+`(?:, | and )?)+)\.")

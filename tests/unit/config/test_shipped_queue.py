@@ -14,7 +14,7 @@ import yaml
 from extproc.config import load_config
 from extproc.envoyconf.bootstrap import http_connection_managers
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def envoy_ext_proc_timeouts(path: Path) -> list[tuple[float, float]]:

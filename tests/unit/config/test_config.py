@@ -23,7 +23,7 @@ from extproc.config import (
 from extproc.core.limiter.limiter import LimitSpec
 from extproc.store.settings import RedisSettings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_defaults_are_usable() -> None:

@@ -41,7 +41,7 @@ from extproc.envoyconf.lean import (
 )
 from extproc.envoyconf.profiles import ENVOY_TEMPLATE
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 K8S_ENVOY = REPO / "k8s" / "gateway" / "envoy.yaml"
 ISTIO = REPO / "envoy" / "istio" / "envoyfilter.yaml"
 HARDENING = (

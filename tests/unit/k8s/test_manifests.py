@@ -1,7 +1,7 @@
 """The Kubernetes manifests are valid for the API server, as `kubectl apply -k` sends them.
 
 The objects checked are the output of `kubectl kustomize` on every shipped kustomization
-(tests/unit/kustomize_build.py), plus the Istio EnvoyFilter, which is applied on its own. Built-in objects
+(tests/unit/k8s/kustomize_build.py), plus the Istio EnvoyFilter, which is applied on its own. Built-in objects
 validate against the Kubernetes OpenAPI schemas for KUBERNETES_VERSION shipped in the `kubernetes-validate`
 package (strict: unknown fields are errors). Custom resources (Envoy Gateway policies, the Istio EnvoyFilter,
 Prometheus Operator objects) validate against our own JSON Schemas in tests/data/schemas/, one per group,
@@ -28,7 +28,7 @@ from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
 from extproc.config import load_config
-from tests.unit.kustomize_build import K8S, REPO, built, built_objects
+from tests.unit.k8s.kustomize_build import K8S, REPO, built, built_objects
 
 ISTIO_FILTER = REPO / "envoy" / "istio" / "envoyfilter.yaml"
 KUBERNETES_VERSION = "1.33.0"

@@ -24,8 +24,8 @@ from extproc.cli import main
 from extproc.config import config_warnings, parse_config
 from extproc.envoyconf.lean import lua_source
 from extproc.store.settings import RedisSettings
-from tests.unit import kustomize_build
-from tests.unit.kustomize_build import K8S, REPO, built, built_objects, named, roots, sidecar_deployments
+from tests.unit.k8s import kustomize_build
+from tests.unit.k8s.kustomize_build import K8S, REPO, built, built_objects, named, roots, sidecar_deployments
 
 NOT_OBJECTS = {"config.yaml", "envoy.yaml", "kustomization.yaml", "upstream.yaml"}
 NAMESPACE = "extproc"
