@@ -48,10 +48,10 @@ from extproc.config.runtime import (
 )
 from extproc.config.walk import nulls_absent
 from extproc.core.engine.adaptive import AdaptiveConfig, AdaptiveConfigError, watermarks_above
+from extproc.core.kv.config import KvBudgetConfig
 from extproc.core.limiter.limiter import LimitSpec
 from extproc.kvfeed.subscriber.settings import (
     FeedbackConfig,
-    KvBudgetConfig,
     SubscriberConfig,
     SubscriberConfigError,
 )

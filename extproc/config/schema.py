@@ -186,6 +186,7 @@ class Template(Section):
     per_message: NonNegInt | None = None
     per_request: NonNegInt | None = None
     bos: NonNegInt | None = None
+    in_order: Flag | None = None
 
 
 class Media(Section):

@@ -251,7 +251,7 @@ def test_a_slow_reader_of_n_sequences_is_released_by_the_engine_and_charged_its_
     """The engine decodes the whole answer while the client reads 10 KiB/s of it. The lean profile's lease
     ends with Envoy's report, at the client's close; the inline profile sees the answer only as Envoy passes
     it on, at the client's pace, its progress stalled behind Envoy's full buffers. In both, once the engine
-    runs nothing the sidecar books nothing for it (`KvBudget._engine_finished`; the inline profile kept
+    runs nothing the sidecar books nothing for it (`EngineCorrection._engine_finished`; the inline profile kept
     3,467 tokens booked before stalled streams counted), and once that holds over the feed's samples its
     slot goes back (`InFlight.engine_done`) while the lease waits for its charge. The close is charged about
     what the engine generated: the answer ran to `max_tokens`, and the learned pace to the close mostly

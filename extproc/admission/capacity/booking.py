@@ -29,7 +29,7 @@ _BUDGET_IDS = itertools.count()
 class KvBooking:
     """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op)."""
 
-    __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "pool", "rank", "tenant")
+    __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "in_order", "pool", "rank", "tenant")
 
     def __init__(
         self,
@@ -39,8 +39,10 @@ class KvBooking:
         changed: Callable[[str], None],
         clock: Clock,
         rank: int = 0,
+        in_order: bool = True,
     ) -> None:
         self.budget = budget
+        self.in_order = in_order  # the model's template keeps the messages in order (`TemplateCosts`)
         self.pool = pool
         self.tenant = tenant
         self.rank = rank  # the request's class's order (0: the most important), for fair shares
@@ -56,7 +58,7 @@ class KvBooking:
         if self._chunks is None:
             sharing = self.budget is not None and self.budget.prefix_sharing
             text_tokens = plan.text_tokens if plan is not None else ()
-            self._chunks = prompt_chunks(request, text_tokens) if sharing else NO_CHUNKS
+            self._chunks = prompt_chunks(request, text_tokens, self.in_order) if sharing else NO_CHUNKS
         elif plan is not None:
             self._counted(plan.text_tokens)
         return self._chunks

@@ -130,7 +130,15 @@ class Decision:
             yield self._deny(refusal, rules.shadow or request.klass.shadow)
             return
         rank = rules.rank_of(request.klass)
-        booking = KvBooking(resolved.budget, pool, request.tenant, deps.budget_changed, deps.clock, rank)
+        booking = KvBooking(
+            resolved.budget,
+            pool,
+            request.tenant,
+            deps.budget_changed,
+            deps.clock,
+            rank,
+            in_order=policy.template.in_order,
+        )
         bound = provisional.on_bound(service, request.klass, resolved, booking, rules, lane)
         if bound is not None:
             # No count yet (provisional.py): a bucket or a slot that says no sends it to be counted.

@@ -36,6 +36,13 @@ class TemplateCosts:
     # embeddings): Llama and Mistral tokenizers prepend BOS, vLLM's completions path keeps it
     # (add_special_tokens=True); Qwen's adds none. Token-id prompts are passed as given, so none there.
     bos: int = 0
+    # Whether the template renders the messages in their order, each where it stands, so two conversations
+    # with the same leading messages render the same leading tokens the engine's prefix cache shares. Not
+    # so for Mistral-7B-Instruct-v0.3's: it renders the system message inside the last user turn
+    # (tokenizer_config.json `chat_template`: `loop.last and system_message is defined`), so a system
+    # prompt many requests share is shared by none in the engine. False: no prefix credit for templated
+    # prompts of the model (the KV budget books each whole).
+    in_order: bool = True
 
 
 @dataclass(frozen=True, slots=True)

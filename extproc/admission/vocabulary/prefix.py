@@ -83,17 +83,31 @@ def _truncating(body: dict[str, Any]) -> bool:
     return body.get("truncate_prompt_tokens") is not None or body.get("truncation") not in (None, "disabled")
 
 
-def prompt_chunks(request: ParsedRequest, text_tokens: tuple[int, ...] = ()) -> PromptChunks:
+def _reordered(request: ParsedRequest, in_order: bool) -> bool:
+    """Whether the rendered prompt may not start with the texts in their order: a chat template of the
+    client's own (`custom_template`, where the operator allows one) can put a shared system prompt last, and
+    a model whose template moves a message (`TemplateCosts.in_order` False) does so for every templated
+    prompt. A client that could pick the order would otherwise be credited a prefix the engine never
+    shares."""
+    return request.custom_template is not None or (not in_order and request.prompts[0].templated)
+
+
+def prompt_chunks(
+    request: ParsedRequest, text_tokens: tuple[int, ...] = (), in_order: bool = True
+) -> PromptChunks:
     """The request's leading chunks, or none where sharing cannot be told from its text; with each text's
     tokens (`Reservation.text_tokens`, from the exact count), the tokens up to the end of each text, so a
     shared run is credited the tokens of the whole texts it covers (`PromptChunks.credit`).
+
+    None either where the template may not render the texts in order (`_reordered`): the sidecar hashes the
+    texts as given, the engine shares what the template put first.
 
     Each text is cut into chunks of its own (its last one short), so a shared text ends a chunk: cut across
     the joined texts, the run two prompts share stopped at the last whole chunk before they differed, most
     often inside the shared system prompt, which then counted as not covered."""
     if request.prompt_count != 1:
         return NO_CHUNKS
-    if _truncating(request.body):
+    if _truncating(request.body) or _reordered(request, in_order):
         return NO_CHUNKS
     prompt = request.prompts[0]
     if prompt.media or prompt.opaque or prompt.fixed_tokens or not prompt.texts:

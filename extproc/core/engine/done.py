@@ -1,7 +1,7 @@
 """Which admitted requests the engine has finished, confirmed before anything irreversible follows.
 
 The KV budget infers at each feed sample which of its leases the engine has finished while their clients
-still read (`KvBudget._engine_finished`: by the engine's running count, taken from the streams stalled
+still read (`EngineCorrection._engine_finished`: by the engine's running count, taken from the streams stalled
 longest, then from those nobody sees). Booking such a lease nothing until the next sample is cheap to get
 wrong: the next sample books it again. Giving its concurrency slot back is not: a slot freed for a stream
 that then resumes lets one more request onto the engine than its limit. So a lease is confirmed finished

@@ -28,13 +28,14 @@ from prometheus_client import CollectorRegistry
 from extproc.core.engine.adaptive import ControllerState
 from extproc.core.engine.tally import EngineTally
 from extproc.core.kv.budget import BookingMode, KvBudget
+from extproc.core.kv.config import KvBudgetConfig
 from extproc.core.kv.fairness import FairShare
 from extproc.core.ports import KvBoard
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
 from extproc.kvfeed.subscriber.fleet import FleetExchange
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics, register_feedback_metrics
-from extproc.kvfeed.subscriber.settings import FeedbackConfig, KvBudgetConfig
+from extproc.kvfeed.subscriber.settings import FeedbackConfig
 
 log = logging.getLogger(__name__)
 

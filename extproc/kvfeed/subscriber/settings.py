@@ -1,7 +1,8 @@
 """Plain-data settings of the sidecar's side of the feed, importable without any network library.
 
 These are the runtime types the subscriber takes: `extproc.config` converts the YAML file's `feedback`,
-`adaptive` and `kv_budget` sections into a `FeedbackConfig` (with its `SubscriberConfig`) while loading it,
+`adaptive` and `kv_budget` sections into a `FeedbackConfig` (with its `SubscriberConfig`, and the budget's
+`KvBudgetConfig`, which lives beside the budget in `extproc.core.kv.config`) while loading it,
 and the schema's defaults are these classes' own. Keeping them here (and not beside the gRPC/aiohttp code
 in `client.py`) lets the config layer load and validate without importing I/O packages, and this package
 never imports the config's classes. A bad field raises `SubscriberConfigError`, whose `key` the config
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from extproc.core.engine.adaptive import AdaptiveConfig
+from extproc.core.kv.config import KvBudgetConfig
 from extproc.kvfeed.targets import Target
 
 KvMode = Literal["max", "mean"]
@@ -77,33 +79,6 @@ def split_hostport(addr: str) -> tuple[str, int]:
     if parsed is None:
         raise ValueError(f"subscriber: expected host:port, got {addr!r}")
     return parsed
-
-
-@dataclass(frozen=True)
-class KvBudgetConfig:
-    """The KV-token budget of each pool (`kv_budget` in the config file; docs/feedback.md)."""
-
-    enabled: bool = False
-    target_utilization: float = 0.9
-    capacity_share: float = 1.0
-    booking: Literal["forecast", "lifetime"] = "forecast"  # extproc.core.kv.budget.BookingMode
-    # Book a prompt prefix shared by requests in flight once per replica, as the engine's prefix cache holds
-    # it (extproc.core.kv.prefix); off: every prompt is booked whole.
-    prefix_sharing: bool = True
-    # The least share of its completion allowance a request is booked for whatever its tenant's history
-    # (extproc.core.kv.completion): forty answers that stop after one token cannot book the next at 0.
-    min_completion_ratio: float = 0.1
-    # The most of the capacity one tenant's requests in flight may be booked below their completion
-    # allowances, in all (extproc.core.kv.credit): a tenant that trained its learned share down cannot burst
-    # past the margin the budget keeps; 0 books every request at its whole allowance.
-    unconfirmed_share: float = 0.1
-    # Fair shares of the cache between tenants (extproc.core.kv.fairness): attained service halves every
-    # `service_half_life_seconds`, divided by the tenant's weight (default 1); a refused request claims its
-    # KV from later requests of other tenants until it comes back, at most `claim_seconds` after its refusal.
-    fair_shares: bool = True
-    claim_seconds: float = 10.0
-    service_half_life_seconds: float = 30.0
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

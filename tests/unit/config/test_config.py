@@ -311,12 +311,14 @@ def test_model_costs_pools_and_output_bound_policy() -> None:
                 "*": {"context_window": 4096, "template": {"per_message": 4}, "pool": "llama"},
                 "llama": {"missing_max_tokens": "inject", "media": {"image_tokens": 576}},
                 "llama-lora-sql": {"pool": "llama"},
+                "mistral": {"template": {"in_order": False}},
             },
             "limits": {"models": {"llama": {"max_concurrency": 8}, "qwen": {"max_concurrency": 2}}},
         }
     )
     llama = config.models["llama"]
     assert llama.template.per_message == 4 and llama.template.per_request == 32  # inherited, then default
+    assert llama.template.in_order and not config.models["mistral"].template.in_order
     assert llama.media.image_tokens == 576 and llama.missing_max_tokens == "inject"
     assert config.models["*"].missing_max_tokens == "reserve_window"
     rules = config.admission_rules

@@ -82,6 +82,22 @@ def test_a_prompt_the_engine_may_cut_brings_no_chunks() -> None:
     assert prompt_chunks(parse(Api("responses"), {**responses, "truncation": "disabled"})).hashes != ()
 
 
+def test_a_template_that_may_reorder_brings_no_chunks() -> None:
+    """The sidecar hashes the texts in order; the engine shares what the template renders first. A client's
+    own chat template (where the operator allows one) may put the shared system prompt last, and a model
+    whose template moves a message (Mistral-7B-Instruct-v0.3 renders the system message in the last user
+    turn: `template.in_order: false`) does it for every conversation: a credit there is a prefix the engine
+    never shares, so none is given. An untemplated prompt (completions) keeps its chunks."""
+    reorder = "{% for m in messages|reverse %}{{ m.content }}{% endfor %}"
+    assert prompt_chunks(parse(CHAT, chat("q"))).hashes != ()
+    assert prompt_chunks(parse(CHAT, chat("q", chat_template=reorder))).hashes == ()
+    kwargs = {"chat_template": reorder}
+    assert prompt_chunks(parse(CHAT, chat("q", chat_template_kwargs=kwargs))).hashes == ()
+    assert prompt_chunks(parse(CHAT, chat("q")), in_order=False).hashes == ()
+    single = {"model": "m", "prompt": SYSTEM + "a"}
+    assert prompt_chunks(parse(Api("completions"), single), in_order=False).hashes != ()
+
+
 def own_booked(api: Api, shared: dict[str, Any], own: dict[str, Any]) -> tuple[int, int]:
     """(tokens booked for `own`'s prompt beside `shared` in flight, its tokens past the shared text)."""
     plan_shared, plan_own = plan(api, shared, POLICY), plan(api, own, POLICY)
