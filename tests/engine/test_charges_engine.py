@@ -6,7 +6,7 @@ Each test diffs the sidecar's counters and vLLM's own around what a client does:
 child requests, v1/engine/parallel_sampling.py).
 
 * Streams of `n` sequences the client leaves before Envoy's buffer filled: the tokens that passed, rounded up
-  to whole steps of all sequences (`decode_rate.lockstep_floor`), and the step the abort lets finish; a
+  to whole steps of all sequences (`pace.lockstep_floor`), and the step the abort lets finish; a
   non-streamed one left: the engines' own count from the feed's generation counters (`core.engine_tally`).
 * A slow reader of `n` sequences: once the engine has finished, its KV booking is released and its slot
   given back while the client still reads (`extproc_kv_engine_finished_requests`,
@@ -251,8 +251,8 @@ def test_a_slow_reader_of_n_sequences_is_released_by_the_engine_and_charged_its_
     """The engine decodes the whole answer while the client reads 10 KiB/s of it. The lean profile's lease
     ends with Envoy's report, at the client's close; the inline profile sees the answer only as Envoy passes
     it on, at the client's pace, its progress stalled behind Envoy's full buffers. In both, once the engine
-    runs nothing the sidecar books nothing for it (`EngineCorrection._engine_finished`; the inline profile kept
-    3,467 tokens booked before stalled streams counted), and once that holds over the feed's samples its
+    runs nothing the sidecar books nothing for it (`EngineCorrection._engine_finished`; the inline profile
+    kept 3,467 tokens booked before stalled streams counted), and once that holds over the feed's samples its
     slot goes back (`InFlight.engine_done`) while the lease waits for its charge. The close is charged about
     what the engine generated: the answer ran to `max_tokens`, and the learned pace to the close mostly
     reaches the reservation, its cap."""
