@@ -125,7 +125,7 @@ class Sidecar:
         self._limit_keys = specs.keys()
         self.config = config
         admission = config.admission
-        self.admission.decode_rates.default_tokens_per_second = admission.assumed_decode_tokens_per_second
+        self.admission.paces.default_tokens_per_second = admission.assumed_decode_tokens_per_second
         self.admission.lanes.configure(
             admission.tokenizer_per_client,
             admission.tokenizer_backlog_per_client,

@@ -147,7 +147,7 @@ def build_admission(
     if queue is not None:
         queue.starts = service.capacity_starts  # waiters' deadlines, weighed against the open leases here
     if signals is not None:
-        service.decode_rates.fed = signals.decode_rate  # the engines' pace: until one is learned, and a floor
+        service.paces.fed = signals.decode_rate  # the engines' pace: until one is learned, and a floor
         deps.kv_budget = _assuming_pace(signals.budget, service)
     streams = OpenStreams()
     service.holders.append(streams.holders)  # before the unseen requests': the open streams are read first
@@ -164,7 +164,7 @@ def _assuming_pace(
     def budget(pool: str) -> KvBudget | None:
         found = budgets(pool)
         if found is not None:
-            found.assume_pace(service.decode_rates.default_tokens_per_second)
+            found.assume_pace(service.paces.default_tokens_per_second)
         return found
 
     return budget

@@ -33,7 +33,7 @@ from extproc.admission.vocabulary.policy import ModelPolicy
 from extproc.admission.vocabulary.prompt import Count
 from extproc.core.clock import Clock, monotonic
 from extproc.core.engine.adaptive import never_down
-from extproc.core.engine.pace import DecodeRates
+from extproc.core.engine.pace import PoolPaces
 from extproc.core.engine.tally import EngineTally, no_tally
 from extproc.core.kv.budget import KvBudget
 from extproc.core.limiter.limiter import Lease, Rejection
@@ -87,7 +87,7 @@ class AdmissionService:
 
     deps: Deps
     _pending: set[asyncio.Future[Any]] = field(default_factory=set)
-    decode_rates: DecodeRates = field(default_factory=DecodeRates)
+    paces: PoolPaces = field(default_factory=PoolPaces)
     slot_hints: SlotHints = field(default_factory=SlotHints)
     lanes: Lanes = field(init=False)
     # Holders of leases here: the open streams' requests (compose.py `OpenStreams`), and the lean profile's

@@ -1,4 +1,6 @@
-"""The decode pace of one endpoint, per running sequence, from two scrapes of its metrics page.
+"""The decode pace of one endpoint, per running sequence, from two scrapes of its metrics page: the
+engines' measured pace (`EnginePaceMeter`), as against the pace the sidecar learns from the streams it
+sees (`extproc.core.engine.pace.LearnedPace`).
 
 An engine's generation-token counter (vLLM `vllm:generation_tokens_total`, SGLang
 `sglang:realtime_tokens_total{mode="decode"}`: see `engines.py`) grows by every token it generates. Between
@@ -49,7 +51,12 @@ class _Window:
 
 
 def plausible_pace(value: float | None) -> float | None:
-    """The pace if it can be one (finite, above 0, at most `MAX_DECODE_TOKENS_PER_SECOND`), else None."""
+    """The pace if it can be one (finite, above 0, at most `MAX_DECODE_TOKENS_PER_SECOND`), else None.
+
+    The feed's own bound, on what the meter reads and what the wire carries (`sample.checked`): this
+    package imports nothing of the core, so it cannot share the sidecar's rule
+    (`extproc.core.engine.pace.usable_rate`: finite and above 0), which reads every pace that arrives. This
+    one adds the ceiling, as the wire must refuse a reading no engine can have whoever sends it."""
     if value is None or not math.isfinite(value) or not 0.0 < value <= MAX_DECODE_TOKENS_PER_SECOND:
         return None
     return value
@@ -59,9 +66,9 @@ def _usable(value: float | None) -> bool:
     return value is not None and math.isfinite(value) and value >= 0.0
 
 
-class DecodeRateMeter:
-    """An engine's decode rate per running sequence (its pace), per endpoint and model: the counter reading a
-    window started at; `observe` gives the pace.
+class EnginePaceMeter:
+    """An engine's measured decode rate per running sequence (its pace), per endpoint and model: the
+    counter reading a window started at; `observe` gives the pace.
 
     A window closes at the first reading at least `min_window_s` after its start: a scrape's own latency
     varies by tens of milliseconds, which over a 200 ms interval is a 10 % error in the pace. While a window

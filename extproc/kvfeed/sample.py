@@ -183,7 +183,7 @@ def checked(sample: FeedSample) -> FeedSample:
     if sample.kv_usage is not None and sample.kv_usage > 1.0:
         sample = replace(sample, kv_usage=1.0)
     pace = sample.decode_tokens_per_second
-    if pace is not None and plausible_pace(pace) is None:
+    if pace is not None and plausible_pace(pace) is None:  # the wire's own bound (see `plausible_pace`)
         sample = replace(sample, decode_tokens_per_second=None)  # advisory: dropped alone, the rest stands
     block = sample.kv_block_tokens
     if block is not None and not 0 < block <= MAX_KV_BLOCK_TOKENS:

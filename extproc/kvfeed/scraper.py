@@ -38,7 +38,7 @@ import aiohttp
 
 from extproc.kvfeed.engines import PROFILES, EngineProfile, ServerKind
 from extproc.kvfeed.listing import names_by_pool, parse_model_list
-from extproc.kvfeed.pace import DecodeRateMeter
+from extproc.kvfeed.pace import EnginePaceMeter
 from extproc.kvfeed.parse import MetricsParseError, ModelNameMissing, ModelSignals, PageFilter, parse_metrics
 from extproc.kvfeed.sample import MAX_MODEL_NAME, FeedSample, checked
 from extproc.kvfeed.targets import Target
@@ -85,7 +85,7 @@ class Scraper:
         self._models: dict[str, tuple[str, ...]] = {}
         self._api_models: dict[str, str] = {}
         self._listings: dict[str, tuple[float, dict[str, tuple[str, ...]]]] = {}  # endpoint: (read at, names)
-        self._pace = DecodeRateMeter()
+        self._pace = EnginePaceMeter()
 
     def forget(self, target: Target) -> None:
         self._models.pop(target.endpoint, None)

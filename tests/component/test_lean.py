@@ -335,7 +335,7 @@ async def test_reported_streams_teach_the_decode_rate_from_the_first_token(harne
     timed(log, first_byte_s=0.0, last_byte_s=3.0)
     await report(harness, log)
     await harness.settled()
-    assert harness.sidecar.admission.decode_rates.rate("*") == pytest.approx(40.0)
+    assert harness.sidecar.admission.paces.rate("*") == pytest.approx(40.0)
     await s.close()
 
 

@@ -253,7 +253,7 @@ async def test_abort_before_response_headers_is_charged_what_the_backend_generat
     s.cancel()
     await harness.settled()
     assert harness.metric("extproc_settlements_total", outcome="aborted") == 1
-    rate = harness.sidecar.admission.decode_rates.rate("*")
+    rate = harness.sidecar.admission.paces.rate("*")
     assert harness.metric("extproc_tokens_settled_total", kind="completion", model="other") == min(
         100, math.ceil(0.5 * rate)
     )
@@ -272,7 +272,7 @@ async def test_completed_streams_teach_the_pool_its_decode_rate(harness: Harness
     await s.send(resp_body_msg(usage + b"data: [DONE]\n\n", eos=True))
     await s.close()
     await harness.settled()
-    assert harness.sidecar.admission.decode_rates.rate("*") == pytest.approx(40.0)  # 80 tokens in 2 s
+    assert harness.sidecar.admission.paces.rate("*") == pytest.approx(40.0)  # 80 tokens in 2 s
 
 
 async def test_the_lease_ends_with_the_upstream_answer_not_the_clients_reading(harness: Harness) -> None:

@@ -239,9 +239,7 @@ class Decision:
         pool's decode rate, as an open lease's remaining time is reckoned (`InFlight.open_lease`)."""
         parsed = candidate.parsed
         allowance = candidate.plan.completion_tokens / max(1, parsed.sequences * parsed.prompt_count)
-        return candidate.booking.expected_completion(allowance) / self.service.decode_rates.rate(
-            candidate.pool
-        )
+        return candidate.booking.expected_completion(allowance) / self.service.paces.rate(candidate.pool)
 
     async def _kv_refusal(self, candidate: Candidate, headroom: int | None, keys: list[str]) -> Refusal:
         """The KV budget's 429, with its forecast `retry-after` (taken before any await: the budget's plan

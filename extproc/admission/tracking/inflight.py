@@ -36,7 +36,7 @@ from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Refusal
 from extproc.admission.service import AdmissionService
 from extproc.admission.tracking.engine_run import EngineRun
-from extproc.core.engine.pace import STEPS_PAST_ABORT, DecodeRates, lockstep_floor
+from extproc.core.engine.pace import STEPS_PAST_ABORT, PoolPaces, lockstep_floor
 from extproc.core.queue.slot_eta import OpenLease
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ learning it would make every later disconnect of the pool charge its whole reser
 
 
 def learn_pace(
-    rates: DecodeRates,
+    rates: PoolPaces,
     admitted: Admitted,
     completion_tokens: int,
     decode_s: float,
@@ -105,8 +105,8 @@ def learn_pace(
 
 def lockstep(admitted: Admitted, seen: Seen, steps_after: int = 0) -> int:
     """The tokens that passed, as a whole number of steps of all the request's sequences
-    (`decode_rate.lockstep_floor`): an answer left or cut mid-way generated each sequence as far; plus
-    `steps_after` more of each (`decode_rate.STEPS_PAST_ABORT`), at most the reservation."""
+    (`pace.lockstep_floor`): an answer left or cut mid-way generated each sequence as far; plus
+    `steps_after` more of each (`pace.STEPS_PAST_ABORT`), at most the reservation."""
     usage = seen.facts.usage
     request = admitted.request
     sequences = request.sequences * request.prompt_count
@@ -185,7 +185,7 @@ class InFlight:
             and usage is not None
         ):
             learn_pace(
-                self.service.decode_rates,
+                self.service.paces,
                 self.admitted,
                 usage.completion_tokens,
                 seen.decode_s,
@@ -211,7 +211,7 @@ class InFlight:
         self.slot_given_back = True
         self._end_run()
         service = self.service
-        self.finish_pace = service.decode_rates.fed_rate(self.admitted.pool)
+        self.finish_pace = service.paces.fed_rate(self.admitted.pool)
         service.settler.release_slot(self.admitted)
 
     def cut(self) -> Refusal | None:
@@ -379,7 +379,7 @@ class InFlight:
         from admission to the end of the request (or to now), capped by the reservation."""
         admitted = self.admitted
         request = admitted.request
-        return self.service.decode_rates.estimate(
+        return self.service.paces.estimate(
             admitted.pool,
             self._until() - admitted.admitted_at,
             request.sequences * request.prompt_count,
@@ -390,11 +390,11 @@ class InFlight:
         """What the engine generated for an answer seen streaming but not to its end: its pace over
         `decoding_s` since the first token (one token each before it), capped by the reservation. The pace
         is the larger of the learned one and the feed's, kept from when the feed found the engine done with
-        this request where it did (`DecodeRates.streamed_pace`): the learned one is a delivery pace, the
+        this request where it did (`PoolPaces.streamed_pace`): the learned one is a delivery pace, the
         inline profile timing chunks as the proxy hands them over, below the engine's on a busy host (a
         third of it in one CI run). None without a pace: the tokens that passed are then the only
         evidence."""
-        rates = self.service.decode_rates
+        rates = self.service.paces
         admitted = self.admitted
         pace = rates.streamed_pace(admitted.pool, self.finish_pace)
         if decoding_s is None or pace is None:
@@ -419,7 +419,7 @@ def open_lease_of(inflight: InFlight, key: str) -> OpenLease | None:
     sequences = max(1, request.sequences * request.prompt_count)
     allowance = admitted.plan.completion_tokens / sequences
     service = inflight.service
-    rate = service.decode_rates.hint_rate(admitted.pool)
+    rate = service.paces.hint_rate(admitted.pool)
     if usage is not None:
         streamed = usage.completion_tokens / sequences
     else:

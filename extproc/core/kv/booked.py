@@ -18,7 +18,7 @@ import math
 from extproc.core.kv.forecast import Steps, forecast_peaks
 from extproc.core.kv.lease import Lease
 from extproc.core.kv.ledger import Ledger
-from extproc.core.kv.pacing import PoolPace
+from extproc.core.kv.pacing import BudgetPace
 from extproc.core.kv.prefix import PromptChunks
 
 Fit = tuple[float | None, int, int, int, str, int, PromptChunks]
@@ -35,7 +35,7 @@ class BookingMode(enum.StrEnum):
 class Booker:
     """The tokens one pool's leases are booked for, and the engine's corrections the forecast takes."""
 
-    def __init__(self, ledger: Ledger, pace: PoolPace, mode: BookingMode) -> None:
+    def __init__(self, ledger: Ledger, pace: BudgetPace, mode: BookingMode) -> None:
         self._ledger = ledger
         self._pace = pace
         self.mode = BookingMode(mode)

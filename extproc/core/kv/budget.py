@@ -16,11 +16,11 @@ estimate. Two ways to book it (`BookingMode`):
 * `lifetime`: every lease counts prompt + expected completion (never less than prompt + streamed) from
   admission to release. Safe, but a request holds that much KV only at its very end: it starts with its
   prompt and grows one token per engine step, so a full pool booked this way is 15-30 % empty.
-* `forecast`: every lease is a trajectory (`kv_forecast`): prompt + tokens generated so far now, growing
+* `forecast`: every lease is a trajectory (`forecast.py`): prompt + tokens generated so far now, growing
   one token per step per sequence until its expected final completion, then gone. A request fits when
   the highest total the trajectories reach from now on, with its own added, stays within the budget.
   Tokens generated so far are the streamed count where the response streams, else an estimate from the
-  time since admission and the pool's decode pace learned from streams (`DecodeRate`). The engine's own
+  time since admission and the pool's decode pace learned from streams (`LearnedPace`). The engine's own
   KV gauge corrects the sum in both directions (`observe_engine`): at each feed sample, KV in use that
   the leases do not explain (other traffic, progress under-estimated) is added to every forecast until the
   next sample, and, while nothing waits in the engine, what running leases are provably booked for beyond
@@ -54,16 +54,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from extproc.core.engine.pace import LearnedPace
 from extproc.core.kv.booked import Booker, BookingMode
 from extproc.core.kv.claims import FairClaims
 from extproc.core.kv.completion import CompletionLearner
 from extproc.core.kv.correction import EngineCorrection
 from extproc.core.kv.fairness import FairShare
 from extproc.core.kv.fleet import Fleet, Peers, ReplicaShare
-from extproc.core.kv.forecast import DecodeRate
 from extproc.core.kv.lease import PREFIX_MARGIN_TOKENS
 from extproc.core.kv.ledger import Ledger
-from extproc.core.kv.pacing import SETTLE_AFTER_S, PoolPace
+from extproc.core.kv.pacing import SETTLE_AFTER_S, BudgetPace
 from extproc.core.kv.pool_share import PoolShare
 from extproc.core.kv.prefix import NO_CHUNKS, PromptChunks
 from extproc.core.kv.prefix_credit import PrefixCredit
@@ -106,7 +106,7 @@ class KvBudget:
         min_completion_ratio: float = 0.1,
         learner: CompletionLearner | None = None,
         booking: BookingMode = BookingMode.LIFETIME,
-        pace: DecodeRate | None = None,
+        pace: LearnedPace | None = None,
         prefix_sharing: bool = True,
         fairness: FairShare | None = None,
         unconfirmed_share: float = 0.1,
@@ -120,7 +120,7 @@ class KvBudget:
         )
         self.prefix_sharing = prefix_sharing
         learner = learner or CompletionLearner(prior=initial_completion_ratio, floor=min_completion_ratio)
-        self._pace = PoolPace(pace)
+        self._pace = BudgetPace(pace)
         self._ledger = Ledger(learner, unconfirmed_share, self._pace)
         self._booker = Booker(self._ledger, self._pace, booking)
         self._prefix = PrefixCredit(self._ledger)
@@ -130,7 +130,7 @@ class KvBudget:
         # The parts callers read, each created once (never replaced, so these name them for good).
         self.booking = self._booker.mode
         self.learner, self.credit = self._ledger.learner, self._ledger.credit
-        self.pace: DecodeRate = self._pace.rate
+        self.pace: LearnedPace = self._pace.learned
         self.fairness, self.schedule = self._claims.fairness, self._claims.schedule
         self.fleet: Fleet = self._share.fleet
         self.set_capacity(capacity_tokens)
@@ -257,23 +257,23 @@ class KvBudget:
         self._engine.on_engine_done(lease_id, callback)
 
     def observe_fed_pace(self, tokens_per_second: float | None) -> None:
-        """The engine's own decode pace per sequence at the last sample (`PoolPace.observe_fed_pace`)."""
+        """The engine's own decode pace per sequence at the last sample (`BudgetPace.observe_fed_pace`)."""
         self._pace.observe_fed_pace(tokens_per_second)
 
     def decode_rate(self) -> float | None:
-        """The pace the forecast takes unseen answers to progress at (`PoolPace.decode_rate`)."""
+        """The pace the forecast takes unseen answers to progress at (`BudgetPace.decode_rate`)."""
         return self._pace.decode_rate()
 
     def assume_pace(self, tokens_per_second: float | None) -> None:
-        """The pace hints take where none is learned or fed (`PoolPace.assume_pace`)."""
+        """The pace hints take where none is learned or fed (`BudgetPace.assume_pace`)."""
         self._pace.assume_pace(tokens_per_second)
 
     def hint_rate(self) -> float | None:
-        """The pace a refusal's `retry-after` is forecast at (`PoolPace.hint_rate`)."""
+        """The pace a refusal's `retry-after` is forecast at (`BudgetPace.hint_rate`)."""
         return self._pace.hint_rate()
 
     def settle_after(self) -> float:
-        """Seconds after admission past which a lease is in the engine's gauge (`PoolPace.settle_after`)."""
+        """Seconds after admission past which a lease is in the engine's gauge (`BudgetPace.settle_after`)."""
         return self._pace.settle_after()
 
     def expected_completion(self, allowance: int, learner_key: str = "", committed: int = 0) -> int:
@@ -378,7 +378,7 @@ class KvBudget:
     def observe_unseen_stream(
         self, first_token_after_s: float, tokens_per_sequence: float, seconds: float
     ) -> None:
-        """A completed stream this budget did not watch teaches the pool's pace (`PoolPace`)."""
+        """A completed stream this budget did not watch teaches the pool's pace (`BudgetPace`)."""
         self._pace.observe_unseen_stream(first_token_after_s, tokens_per_sequence, seconds)
 
     def release(self, lease_id: str, actual_completion: int | None = None) -> bool:

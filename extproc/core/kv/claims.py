@@ -13,7 +13,7 @@ from __future__ import annotations
 from extproc.core.kv.fairness import ClaimId, FairShare
 from extproc.core.kv.lease import Lease
 from extproc.core.kv.ledger import Ledger
-from extproc.core.kv.pacing import PoolPace
+from extproc.core.kv.pacing import BudgetPace
 from extproc.core.kv.schedule import RetrySchedule
 
 
@@ -101,9 +101,9 @@ class FairClaims:
             self.fairness.served(tenant, tokens, now)
 
     def retry_after(
-        self, now: float | None, budget: int | None, pace: PoolPace, booked_with: int
+        self, now: float | None, budget: int | None, pace: BudgetPace, booked_with: int
     ) -> float | None:
-        """`KvBudget.retry_after`, at the pace hints take (`PoolPace.hint_rate`), the refused request having
+        """`KvBudget.retry_after`, at the pace hints take (`BudgetPace.hint_rate`), the refused request having
         been compared with `booked_with` against `budget`.
 
         Leases end at their forecast ends (`trajectory`: expected completion less tokens done, in steps
@@ -118,7 +118,7 @@ class FairClaims:
             return None
         owner, footprint, completion = refused
         fair = self.fairness
-        delay = pace.rate.first_token_delay
+        delay = pace.learned.first_token_delay
         if fair is not None and self._over_share:
             return self._share_eta(fair, owner, now, rate, delay)
         first = fair is not None and fair.holds(owner, now)

@@ -19,14 +19,14 @@ from extproc.core.kv.booked import Booker
 from extproc.core.kv.fleet import ReplicaShare
 from extproc.core.kv.lease import Lease
 from extproc.core.kv.ledger import Ledger
-from extproc.core.kv.pacing import PoolPace
+from extproc.core.kv.pacing import BudgetPace
 from extproc.core.kv.pool_share import PoolShare
 
 
 class EngineCorrection:
     """What the engine's samples correct in one pool's booking (`KvBudget.observe_engine`)."""
 
-    def __init__(self, ledger: Ledger, booker: Booker, pace: PoolPace, share: PoolShare) -> None:
+    def __init__(self, ledger: Ledger, booker: Booker, pace: BudgetPace, share: PoolShare) -> None:
         self._ledger = ledger
         self._booker = booker
         self._pace = pace

@@ -57,7 +57,7 @@ class Lease:
 
     def generated(self, now: float, rate: float | None, delay: float) -> float | None:
         """Completion tokens so far: streamed, else estimated at `rate` tokens per second per sequence
-        after `delay` (the pool's pace, see `DecodeRate`); None when unknowable."""
+        after `delay` (the pool's pace, see `LearnedPace`); None when unknowable."""
         if self.first_progress is not None:
             return float(self.streamed)
         if self.admitted_at is None or rate is None:
@@ -69,7 +69,7 @@ class Lease:
         return guess if guess < self.allowance else float(self.allowance)
 
     def trajectory(self, now: float, rate: float | None, delay: float) -> Steps:
-        """This lease's KV from now on, in engine steps: (base, slope, end) as `kv_forecast.Trajectory`."""
+        """This lease's KV from now on, in engine steps: (base, slope, end) as `forecast.Trajectory`."""
         done = self.generated(now, rate, delay)
         if done is None:
             # Nobody knows how far it is: its expected final size, for as long as it may still run.

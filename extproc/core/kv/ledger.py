@@ -17,14 +17,14 @@ import math
 from extproc.core.kv.completion import CompletionLearner
 from extproc.core.kv.credit import UnconfirmedCredit
 from extproc.core.kv.lease import PREFIX_MARGIN_TOKENS, Lease
-from extproc.core.kv.pacing import PoolPace
+from extproc.core.kv.pacing import BudgetPace
 from extproc.core.kv.prefix import PromptChunks
 
 
 class Ledger:
     """The leases of one pool's budget by id, their demand, and what each is expected to generate."""
 
-    def __init__(self, learner: CompletionLearner, unconfirmed_share: float, pace: PoolPace) -> None:
+    def __init__(self, learner: CompletionLearner, unconfirmed_share: float, pace: BudgetPace) -> None:
         self.leases: dict[str, Lease] = {}
         self.demand = 0  # the sum of the leases' lifetime footprints
         self.learner = learner

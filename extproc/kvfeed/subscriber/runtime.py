@@ -239,7 +239,7 @@ class FeedbackRuntime:
 
     def decode_rate(self, pool: str) -> float | None:
         """The pool's decode pace per sequence from the engines' counters (`kvfeed.pace`), None without a
-        fresh one: the fallback of `DecodeRates` while the pool has no pace learned from its streams."""
+        fresh one: the fallback of `PoolPaces` while the pool has no pace learned from its streams."""
         return self.loop.decode_tokens_per_second(pool) if self.loop is not None else None
 
     def engine_tally(self, pool: str) -> EngineTally | None:

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from extproc.core.engine.adaptive import AdaptiveConfig
-from extproc.core.engine.pace import DecodeRates, RateSource
+from extproc.core.engine.pace import PoolPaces, RateSource
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.settings import SubscriberConfig
 from extproc.kvfeed.targets import Target
@@ -69,7 +69,7 @@ async def test_a_lease_whose_end_report_never_came_is_charged_at_the_fed_pace(si
         {POOL: AdaptiveConfig()},
         time.monotonic,
     )
-    rates = DecodeRates(default_tokens_per_second=100.0, fed=loop.decode_tokens_per_second)
+    rates = PoolPaces(default_tokens_per_second=100.0, fed=loop.decode_tokens_per_second)
     await loop.start()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -80,7 +80,7 @@ async def test_a_lease_whose_end_report_never_came_is_charged_at_the_fed_pace(si
         for elapsed, tokens in ended:
             assert tokens == ANSWER
             charged = rates.estimate(POOL, elapsed, 1, RESERVED)
-            assumed = DecodeRates(default_tokens_per_second=100.0).estimate(POOL, elapsed, 1, RESERVED)
+            assumed = PoolPaces(default_tokens_per_second=100.0).estimate(POOL, elapsed, 1, RESERVED)
             assert tokens / 1.5 <= charged <= tokens * 1.5, (charged, tokens, fed, elapsed)
             assert assumed > tokens * 1.5, (assumed, tokens)  # without the feed: the overcharge guarded
     finally:

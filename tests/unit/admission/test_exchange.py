@@ -37,9 +37,7 @@ async def test_inline_a_streamed_answer_settles_at_its_end_and_teaches_the_decod
     await rig.settled()
     assert rig.active == 0
     assert rig.metric("extproc_settlements_total", outcome="completed") == 1
-    assert rig.admission.service.decode_rates.rate("*") == pytest.approx(
-        40.0
-    )  # 80 tokens after the first, 2 s
+    assert rig.admission.service.paces.rate("*") == pytest.approx(40.0)  # 80 tokens after the first, 2 s
 
 
 async def test_inline_an_answer_delivered_in_a_burst_teaches_no_decode_rate() -> None:
@@ -55,7 +53,7 @@ async def test_inline_an_answer_delivered_in_a_burst_teaches_no_decode_rate() ->
     await exchange.response_body(USAGE_81 + b"data: [DONE]\n\n", True)
     await rig.settled()
     assert rig.metric("extproc_settlements_total", outcome="completed") == 1
-    assert not rig.admission.service.decode_rates.learned("*")
+    assert not rig.admission.service.paces.learned("*")
 
 
 async def test_lean_the_forward_verdict_carries_the_report_ticket_and_metadata() -> None:
@@ -79,7 +77,7 @@ async def test_lean_the_forward_verdict_carries_the_report_ticket_and_metadata()
     assert rig.active == 0 and phase(exchange) is Phase.SETTLED
     assert rig.metric("extproc_settlements_total", outcome="completed") == 1
     # The same function learned the pace as the inline profile's: 80 tokens after the first over 2 s.
-    assert rig.admission.service.decode_rates.rate("*") == pytest.approx(40.0)
+    assert rig.admission.service.paces.rate("*") == pytest.approx(40.0)
 
 
 async def test_lean_a_lost_report_channel_expires_an_ended_request_at_once() -> None:
@@ -189,7 +187,7 @@ stream back from then on."""
 async def left_after_two_seconds(rig: Rig, learned: float | None) -> float:
     """Two sequences, one token each passed, then 2 s to the client's leaving; the feed's pace is 20 tokens
     a second, the learned one `learned`. The completion charged."""
-    rates = rig.admission.service.decode_rates
+    rates = rig.admission.service.paces
     rates.fed = lambda _pool: 20.0
     if learned is not None:
         rates.observe("*", learned * 100, 100.0)
@@ -231,7 +229,7 @@ async def test_lean_a_stream_left_is_charged_what_passed_under_the_buffer_and_th
     charged = []
     for passed_bytes in (32, 120, None):
         rig = await Rig(HELD_CONFIG).start()
-        rig.admission.service.decode_rates.fed = lambda _pool: 20.0
+        rig.admission.service.paces.fed = lambda _pool: 20.0
         exchange = rig.admission.exchange(reported=True)
         verdict = await rig.decide(exchange, sampled(2, 200))
         assert isinstance(verdict, Forward) and verdict.report is not None
@@ -315,7 +313,7 @@ async def test_a_slot_refusal_hints_from_the_request_held_open_here() -> None:
     assert isinstance(refused, Refusal) and refused.reason == "concurrency"
     retry_after = dict(refused.headers)["retry-after-ms"]
     # 100 tokens at the assumed decode rate: the holder's expected remaining time, not the store's average.
-    rate = service.decode_rates.rate("*")
+    rate = service.paces.rate("*")
     assert int(retry_after) == pytest.approx(100 / rate * 1000, rel=0.2)
     holder.close()
     await rig.settled()

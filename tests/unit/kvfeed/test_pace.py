@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.core.engine.adaptive import AdaptiveConfig
 from extproc.kvfeed.engines import ServerKind
-from extproc.kvfeed.pace import MAX_DECODE_TOKENS_PER_SECOND, DecodeRateMeter, plausible_pace
+from extproc.kvfeed.pace import MAX_DECODE_TOKENS_PER_SECOND, EnginePaceMeter, plausible_pace
 from extproc.kvfeed.parse import parse_metrics
 from extproc.kvfeed.sample import FeedSample, checked, from_proto, to_proto
 from extproc.kvfeed.subscriber.aggregate import StoredSample, aggregate
@@ -22,7 +22,7 @@ KEY = ("10.0.0.1:8000", "m")
 
 
 def test_pace_is_counter_growth_per_second_per_mean_running_sequence() -> None:
-    meter = DecodeRateMeter()
+    meter = EnginePaceMeter()
     assert meter.observe(KEY, 1000.0, 4.0, at=10.0) is None  # the first reading is the baseline
     # 240 tokens in 2 s over (4 + 8) / 2 = 6 sequences: 20 tokens/s each
     assert meter.observe(KEY, 1240.0, 8.0, at=12.0) == pytest.approx(20.0)
@@ -31,7 +31,7 @@ def test_pace_is_counter_growth_per_second_per_mean_running_sequence() -> None:
 
 
 def test_a_counter_reset_gives_no_reading_and_becomes_the_baseline() -> None:
-    meter = DecodeRateMeter()
+    meter = EnginePaceMeter()
     meter.observe(KEY, 50_000.0, 4.0, at=0.0)
     assert meter.observe(KEY, 30.0, 4.0, at=1.0) is None  # the engine restarted: its counter began again
     assert meter.observe(KEY, 110.0, 4.0, at=2.0) == pytest.approx(20.0)  # measured from the new baseline
@@ -52,13 +52,13 @@ def test_a_counter_reset_gives_no_reading_and_becomes_the_baseline() -> None:
 def test_a_window_without_sequences_tokens_or_time_gives_no_new_pace(
     generated: float, running: float, at: float
 ) -> None:
-    meter = DecodeRateMeter()
+    meter = EnginePaceMeter()
     meter.observe(KEY, 1000.0, 4.0, at=1.0)
     assert meter.observe(KEY, generated, running, at=at) is None  # nothing read before: nothing to give
 
 
 def test_the_last_pace_is_held_while_a_window_fills_and_through_idle_windows() -> None:
-    meter = DecodeRateMeter()
+    meter = EnginePaceMeter()
     meter.observe(KEY, 0.0, 4.0, at=0.0)
     assert meter.observe(KEY, 80.0, 4.0, at=1.0) == pytest.approx(20.0)
     assert meter.observe(KEY, 90.0, 4.0, at=1.25) == pytest.approx(20.0)  # the window fills: held
@@ -70,7 +70,7 @@ def test_the_last_pace_is_held_while_a_window_fills_and_through_idle_windows() -
 
 
 def test_the_window_is_the_configured_length() -> None:
-    meter = DecodeRateMeter(min_window_s=0.2)
+    meter = EnginePaceMeter(min_window_s=0.2)
     meter.observe(KEY, 0.0, 1.0, at=0.0)
     assert meter.observe(KEY, 5.0, 1.0, at=0.25) == pytest.approx(20.0)
 
@@ -90,7 +90,7 @@ def test_the_window_is_the_configured_length() -> None:
 def test_a_value_no_counter_can_have_breaks_the_series(
     generated: float | None, running: float | None
 ) -> None:
-    meter = DecodeRateMeter()
+    meter = EnginePaceMeter()
     meter.observe(KEY, 0.0, 4.0, at=0.0)
     assert meter.observe(KEY, 80.0, 4.0, at=1.0) == pytest.approx(20.0)
     assert meter.observe(KEY, generated, running, at=2.0) is None  # the pace read before is not held
@@ -100,7 +100,7 @@ def test_a_value_no_counter_can_have_breaks_the_series(
 
 
 def test_a_pace_beyond_any_engine_is_no_reading() -> None:
-    meter = DecodeRateMeter()
+    meter = EnginePaceMeter()
     meter.observe(KEY, 0.0, 1.0, at=0.0)
     assert meter.observe(KEY, MAX_DECODE_TOKENS_PER_SECOND * 10, 1.0, at=1.0) is None
     assert [plausible_pace(v) for v in (math.nan, math.inf, -1.0, 0.0, 20.0)] == [
@@ -113,7 +113,7 @@ def test_a_pace_beyond_any_engine_is_no_reading() -> None:
 
 
 def test_forget_drops_the_endpoints_baselines() -> None:
-    meter = DecodeRateMeter()
+    meter = EnginePaceMeter()
     meter.observe(KEY, 1000.0, 4.0, at=0.0)
     meter.observe(("10.0.0.1:8000", "lora"), 10.0, 1.0, at=0.0)
     meter.forget("10.0.0.1:8000")

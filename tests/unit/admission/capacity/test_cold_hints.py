@@ -52,7 +52,7 @@ async def test_a_cold_slot_refusal_is_told_when_the_full_batch_ends() -> None:
     warm-up answer decoded alone; at that pace the hint said 2.5 s, and an SDK following it spent its
     retries before any slot freed. The hint takes the slower of the learned and the fed pace."""
     rig = await AdmissionRig(CONFIG, concurrency=SLOTS).start()
-    rates = rig.admission.service.decode_rates
+    rates = rig.admission.service.paces
     rates.fed = lambda _pool: ENGINE_PACE
     rates.observe("*", WARM_PACE, 1.0)
     assert rates.rate("*") == WARM_PACE
@@ -114,7 +114,7 @@ def test_every_budget_admission_reads_knows_the_assumed_pace() -> None:
     admission = build_admission(
         lambda: admission_rules(CONFIG), LocalStore(clock=clock), clock, Metrics(), signals=signals
     )
-    admission.service.decode_rates.default_tokens_per_second = 25.0
+    admission.service.paces.default_tokens_per_second = 25.0
     assert signals.pool.hint_rate() is None
     assert admission.service.deps.kv_budget("m") is signals.pool
     assert signals.pool.hint_rate() == 25.0

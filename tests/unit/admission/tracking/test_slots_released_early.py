@@ -147,7 +147,7 @@ async def slow_reader_closed(rig: Rig, learned: float | None) -> float:
     from 10 s, confirmed at 12 s, when the feed's pace is the one it ran at; the feed then has none (other
     traffic, or none); the client leaves at 20 s having read one token. What its close charged as
     completion, with the pool's pace `learned` from its streams (None: none learned)."""
-    rates = rig.admission.service.decode_rates
+    rates = rig.admission.service.paces
     paces: dict[str, float | None] = {"now": FED_PACE}
     rates.fed = lambda _pool: paces["now"]
     slow = rig.admission.exchange()

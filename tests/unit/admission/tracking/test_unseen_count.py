@@ -41,7 +41,7 @@ class Rig(AdmissionRig):
     def __init__(self, tally: EngineTally | None, config: dict[str, Any] = CONFIG) -> None:
         super().__init__(config)
         self.admission.service.deps.engine_tally = lambda _pool: tally
-        self.admission.service.decode_rates.observe("*", LEARNED * 100, 100.0)
+        self.admission.service.paces.observe("*", LEARNED * 100, 100.0)
 
     async def decide(self, exchange: Exchange, body: bytes | None = None) -> Forward | Refusal:
         exchange.request_headers(HEAD)

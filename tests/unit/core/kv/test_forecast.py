@@ -1,4 +1,4 @@
-"""Forecast peak of request trajectories and the decode pace learned from streams."""
+"""Forecast peak of request trajectories."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.kv.forecast import DecodeRate, Trajectory, forecast_peak, forecast_peaks
+from extproc.core.kv.forecast import Trajectory, forecast_peak, forecast_peaks
 
 
 def test_peak_of_nothing_is_zero() -> None:
@@ -62,39 +62,6 @@ def test_peak_equals_the_maximum_over_every_step(items: list[Trajectory]) -> Non
 
     brute = max((total(k) for k in range(0, horizon + 1)), default=0.0)
     assert forecast_peak(items) == pytest.approx(brute)
-
-
-def test_pace_is_unknown_until_a_stream_is_seen() -> None:
-    pace = DecodeRate()
-    assert pace.tokens_per_second is None
-    assert pace.tokens_since(0.0, 10.0, 1) is None
-    pace.observe_stream(10, 1.0)  # too short to time
-    assert pace.tokens_per_second is None
-    pace.observe_stream(100, 2.0)
-    assert pace.tokens_per_second == 50.0
-    pace.observe_stream(200, 2.0)
-    assert pace.tokens_per_second == pytest.approx(0.8 * 50 + 0.2 * 100)
-
-
-def test_pace_estimates_progress_after_the_first_token_delay() -> None:
-    pace = DecodeRate(alpha=1.0)
-    pace.observe_stream(100, 1.0)
-    pace.observe_first_token(0.5)
-    assert pace.first_token_delay == 0.5
-    assert pace.tokens_since(10.0, 10.4, 1) == 0.0  # still waiting for its first token
-    assert pace.tokens_since(10.0, 12.5, 1) == pytest.approx(200.0)
-    assert pace.tokens_since(10.0, 12.5, 3) == pytest.approx(600.0)  # three sequences in parallel
-
-
-def test_pace_ignores_bad_timings_and_validates() -> None:
-    pace = DecodeRate()
-    pace.observe_stream(100, 0.0)
-    pace.observe_stream(100, math.inf)
-    pace.observe_first_token(-1.0)
-    pace.observe_first_token(math.nan)
-    assert pace.tokens_per_second is None and pace.first_token_delay == 0.0
-    with pytest.raises(ValueError, match="alpha"):
-        DecodeRate(alpha=0.0)
 
 
 @given(
