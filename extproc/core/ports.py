@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from extproc.core.engine.tally import RunFigures
 from extproc.core.kv.fleet import Peers, ReplicaShare
 from extproc.core.limiter.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 
@@ -73,6 +74,13 @@ class KvBoard(Protocol):
 
     async def exchange(self, pool: str, share: ReplicaShare) -> Peers:
         """Store this replica's figures of `pool` and read the sum of the other live replicas' in one call;
+        raises `StoreUnavailable` when the store cannot answer in time."""
+        ...
+
+    async def exchange_runs(self, pool: str, figures: RunFigures) -> dict[str, RunFigures]:
+        """Store this replica's runs of `pool` as its engine tally sums them (`EngineTally.figures`) and read
+        each other live replica's, by its name (their sequence-seconds carried to now at the sequences they
+        ran when they published), so each tally splits the pool's growth against every replica's runs;
         raises `StoreUnavailable` when the store cannot answer in time."""
         ...
 

@@ -39,6 +39,15 @@ restart) starts a new baseline; one gone from the feed (`forget`) leaves the sum
 request in flight here, and the last `MAX_ENDED_RUNS` ended (20,000: older ones count among the unknown),
 none begun over `MAX_RUN_S` (two hours) before the newest.
 
+Beside other gateway replicas, each with a tally of its own, the pool's running count holds their requests
+too: taken for unknown ones they are only the running count's room, which this sidecar's runs stopped in the
+last `SHOWN_AFTER_STOP_S` fill in a flood, and every replica then takes the whole growth for its own (two
+gateways charged a flood 2.00 times what vLLM counted). So each replica publishes its runs' figures through
+the shared store (`figures`: the sequence-seconds its runs ran, a counter, and its sequences running and
+shown), and `observe_peers` keeps the others' over time (`PeerRuns`): in each interval their sequence-seconds
+count beside the known runs and their shown sequences among those the running count holds, so the
+replicas' shares of an interval sum to its growth, the steps an engine ran after a client left included.
+
 A share is noisy (a fifth either way for one request of a flood) while the tokens that passed a stream are
 certain: `charge` lifts a share to them and takes what it lifted off the next shares above theirs, so the
 charges still sum to the count.
@@ -54,7 +63,7 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -70,6 +79,11 @@ two seconds and more on a saturated host (vLLM's API server notices a client gon
 replica's, the tokens it generated then are charged to nobody. Beside another replica's requests, a run
 taken for running that the engine had stopped hides one of theirs: the requests counted then are charged a
 little of its tokens."""
+PEER_STALE_S = 3.0
+"""How long past the last reading of the other replicas' runs their figures are carried forward (their
+sequence-seconds growing at the sequences they then ran): the store publishes them every
+`kv_fleet.PUBLISH_EVERY_S` while a pool changes and at each feed sample, and a budget trusts the last answer
+as long (`kv_fleet.PEERS_FRESH_S`); past it, a store gone says nothing of them."""
 MAX_LIFTED = 100_000.0
 """The most tokens of shares lifted to their floors the pool holds to be paid back (`EngineTally.charge`):
 past a flood's worth, so a split that errs low for long (beside another replica's requests) cannot take
@@ -88,6 +102,77 @@ class TallyPoint:
     at: float
     generated: float
     running: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunFigures:
+    """One replica's runs of a pool as the other replicas' tallies need them: `seconds`, the sequence-seconds
+    they ran since its tally began (a counter: only its growth between two readings means anything);
+    `running`, the sequences running now; `shown`, those and the ones stopped within `SHOWN_AFTER_STOP_S`
+    (what a reading's running count may still hold of them)."""
+
+    seconds: float = 0.0
+    running: float = 0.0
+    shown: float = 0.0
+
+
+class PeerRuns:
+    """The other replicas' runs of one pool over time, read from the store: their sequence-seconds summed as
+    a counter (each replica's own a baseline of its first reading, one gone and back a new one, as an
+    endpoint's generation counter is), and the sequences they ran and showed at each reading. Bounded as
+    the tally's points are."""
+
+    def __init__(self, max_points: int = MAX_POINTS, min_spacing_s: float = MIN_SPACING_S) -> None:
+        self.max_points = max_points
+        self.min_spacing_s = min_spacing_s
+        self._last: dict[str, float] = {}  # replica -> its seconds last read
+        self._seconds = 0.0
+        self._times: list[float] = []
+        self._readings: list[tuple[float, RunFigures]] = []  # (seconds summed, the sums of the figures)
+
+    def observe(self, replicas: Mapping[str, RunFigures], at: float) -> None:
+        """The figures of every other live replica, read at `at`; a replica not among them is gone."""
+        for name, figures in replicas.items():
+            before = self._last.get(name)
+            if before is not None and figures.seconds >= before:
+                self._seconds += figures.seconds - before
+        self._last = {name: figures.seconds for name, figures in replicas.items()}
+        running = sum(f.running for f in replicas.values())
+        shown = sum(f.shown for f in replicas.values())
+        at = max(at, self._times[-1]) if self._times else at
+        reading = (self._seconds, RunFigures(self._seconds, running, shown))
+        times = self._times
+        if len(times) > 1 and times[-1] - times[-2] < self.min_spacing_s:
+            self._readings[-1], times[-1] = reading, at
+        else:
+            self._readings.append(reading)
+            times.append(at)
+        if len(times) > self.max_points:
+            drop = len(times) - self.max_points * 3 // 4
+            del self._readings[:drop], self._times[:drop]
+
+    def seconds_at(self, at: float) -> float:
+        """Their sequence-seconds by `at`: between two readings, along the line between them; before the
+        first, its value; past the last, grown at the sequences then running, for `PEER_STALE_S` at most."""
+        times = self._times
+        if not times:
+            return 0.0
+        i = bisect.bisect_right(times, at)
+        if i == 0:
+            return self._readings[0][0]
+        t0, (s0, figures) = times[i - 1], self._readings[i - 1]
+        if i == len(times):
+            return s0 + figures.running * min(at - t0, PEER_STALE_S)
+        t1, s1 = times[i], self._readings[i][0]
+        return s0 + (s1 - s0) * (at - t0) / (t1 - t0) if t1 > t0 else s1
+
+    def shown_at(self, at: float) -> float:
+        """Their sequences that may be running at `at`: those the last reading at or before it showed, none
+        where that reading is over `PEER_STALE_S` older (or none is)."""
+        i = bisect.bisect_right(self._times, at) - 1
+        if i < 0 or at - self._times[i] > PEER_STALE_S:
+            return 0.0
+        return self._readings[i][1].shown
 
 
 @dataclass(slots=True)
@@ -123,6 +208,12 @@ class EngineTally:
         self._lifted = 0.0  # shares lifted to their floors, not yet paid back by later shares
         self._runs: dict[Hashable, _Run] = {}  # this sidecar's requests in the pool, by lease
         self._ended: deque[Hashable] = deque()  # the ended ones, oldest first, at most `MAX_ENDED_RUNS`
+        self.peers = PeerRuns(max_points, min_spacing_s)  # the other replicas' runs (`observe_peers`)
+        # This sidecar's runs summed for `figures`: the sequence-seconds of the ended ones, and the running
+        # ones' sequences and sequences times start (their seconds by `now`: sequences x now less that).
+        self._ended_seconds = 0.0
+        self._running = 0
+        self._running_starts = 0.0
 
     def begin(self, key: Hashable, start: float, sequences: int) -> None:
         """This sidecar admitted a request of `sequences` into the pool at `start` (`key`: its lease). Runs
@@ -134,8 +225,17 @@ class EngineTally:
                 break
             stale.append(old_key)
         for old_key in stale:
-            del self._runs[old_key]
-        self._runs[key] = _Run(start, max(1, sequences))
+            self._not_running(self._runs.pop(old_key))
+        self._not_running(self._runs.pop(key, None))
+        run = self._runs[key] = _Run(start, max(1, sequences))
+        self._running += run.sequences
+        self._running_starts += run.sequences * start
+
+    def _not_running(self, run: _Run | None) -> None:
+        """A run forgotten: if it was running, out of the running sums (its seconds go uncounted)."""
+        if run is not None and run.stop is None:
+            self._running -= run.sequences
+            self._running_starts -= run.sequences * run.start
 
     def end(self, key: Hashable, stop: float) -> None:
         """The request `key` ended at `stop` (the engine is done with it); once."""
@@ -143,6 +243,9 @@ class EngineTally:
         if run is None or run.stop is not None:
             return
         run.stop = max(stop, run.start)
+        self._running -= run.sequences
+        self._running_starts -= run.sequences * run.start
+        self._ended_seconds += run.sequences * (run.stop - run.start)
         self._ended.append(key)
         while len(self._ended) > MAX_ENDED_RUNS:
             self._runs.pop(self._ended.popleft(), None)
@@ -156,12 +259,30 @@ class EngineTally:
         if run.stop is None:
             self.end(key, stop)
         elif stop > run.stop:
+            self._ended_seconds += run.sequences * (stop - run.stop)
             run.stop = stop
 
     def stop_of(self, key: Hashable) -> float | None:
         """The stop of the request `key` as told (`end`, `ran_until`); None while it runs, or forgotten."""
         run = self._runs.get(key)
         return None if run is None else run.stop
+
+    def figures(self, now: float) -> RunFigures:
+        """This sidecar's runs as the other replicas' tallies need them (`RunFigures`), at `now`: what it
+        publishes through the shared store."""
+        seconds = self._ended_seconds + self._running * now - self._running_starts
+        shown, since = float(self._running), now - SHOWN_AFTER_STOP_S
+        for key in reversed(self._ended):  # ended in order; a stop moved later by `ran_until` is rare
+            run = self._runs.get(key)
+            if run is None or run.until <= since - SHOWN_AFTER_STOP_S:
+                break
+            if run.until > since:
+                shown += run.sequences
+        return RunFigures(max(0.0, seconds), float(self._running), shown)
+
+    def observe_peers(self, replicas: Mapping[str, RunFigures], at: float) -> None:
+        """The other live replicas' figures of the pool, read from the store at `at` (`PeerRuns`)."""
+        self.peers.observe(replicas, at)
 
     def observe(self, endpoint: str, counter: float, running: float, at: float) -> None:
         """One endpoint's generation counter and running requests, read at `at`: a new point of the pool,
@@ -249,8 +370,13 @@ class EngineTally:
     def _known(self, times: list[float], key: Hashable | None, shown_s: float) -> list[_Known]:
         """For each interval between `times`, this sidecar's other requests: the sequences that may be
         running at its start and end points (up to `shown_s` past their stop: the engine runs an aborted
-        request on until the abort reaches it), and their sequence-seconds in it."""
-        known = [_Known() for _ in range(len(times) - 1)]
+        request on until the abort reaches it), and their sequence-seconds in it; the other replicas'
+        runs (`PeerRuns`) among them."""
+        peers = self.peers
+        known = [
+            _Known(peers.shown_at(t0), peers.shown_at(t1), peers.seconds_at(t1) - peers.seconds_at(t0))
+            for t0, t1 in itertools.pairwise(times)
+        ]
         lo_t, hi_t = times[0], times[-1]
         for run_key, run in self._runs.items():
             shown = run.until + shown_s

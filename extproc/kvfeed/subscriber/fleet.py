@@ -5,6 +5,10 @@ at most once per `PUBLISH_EVERY_S` and one call in flight per pool: a burst of d
 change made while a call is in flight is sent once it returns. The answer, the other replicas' figures, goes
 to the budget at once; no answer (the store unreachable) leaves the last one, which the budget trusts for
 `PEERS_FRESH_S` before it books on its fallback share.
+
+The same call carries the pool's engine-tally figures (`EngineTally.figures`, `KvBoard.exchange_runs`) and
+hands the others' to the tally: the charge of an answer not seen whole is its share of the pool's growth
+against every replica's runs, which no replica sees alone.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from extproc.core.engine.tally import EngineTally, no_tally
 from extproc.core.kv.budget import KvBudget
 from extproc.core.kv.fleet import PUBLISH_EVERY_S, Peers
 from extproc.core.ports import KvBoard, StoreUnavailable
@@ -30,8 +35,10 @@ class FleetExchange:
         board: KvBoard,
         clock: Callable[[], float] = time.monotonic,
         on_peers: Callable[[str], None] = lambda _pool: None,
+        tally_of: Callable[[str], EngineTally | None] = no_tally,
     ) -> None:
         self._board = board
+        self._tally_of = tally_of  # the pool's engine tally, whose runs go out with its budget's figures
         self._clock = clock
         self._on_peers = on_peers  # told after a pool's budget took the others' figures (metrics, waiters)
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -68,6 +75,7 @@ class FleetExchange:
         try:
             peers = await self._board.exchange(pool, share)
             self.exchanges += 1
+            await self._exchange_runs(pool)
         except StoreUnavailable:
             self.failures += 1
         except Exception:  # a bug here must not stop publishing: the budget falls back to its share
@@ -79,6 +87,13 @@ class FleetExchange:
         self._on_peers(pool)
         if pool in self._dirty:
             self.changed(pool, budget)
+
+    async def _exchange_runs(self, pool: str) -> None:
+        """The pool's tally's runs out, the other replicas' in (none without a tally: no feed yet)."""
+        tally = self._tally_of(pool)
+        if tally is not None:
+            replicas = await self._board.exchange_runs(pool, tally.figures(self._clock()))
+            tally.observe_peers(replicas, self._clock())
 
     async def close(self) -> None:
         """Stop publishing: pending publications dropped, calls in flight cancelled (the figures expire in

@@ -85,7 +85,9 @@ class FeedbackRuntime:
         its configured share alone), each booking `fallback_share` of a pool while the board cannot say
         what the others hold (`core.kv_fleet`). Called once, before the feed starts."""
         self._fallback_share = fallback_share
-        self._fleet = None if board is None else FleetExchange(board, self._clock, self._peers_seen)
+        self._fleet = (
+            None if board is None else FleetExchange(board, self._clock, self._peers_seen, self.engine_tally)
+        )
         for budget in self._budgets.values():
             if board is not None:
                 budget.share_through_store(fallback_share)

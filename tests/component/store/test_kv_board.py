@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from extproc.core.engine.tally import RunFigures
 from extproc.core.kv.budget import BookingMode, KvBudget
 from extproc.core.kv.completion import CompletionLearner
 from extproc.core.kv.fleet import Peers, ReplicaShare
@@ -113,5 +114,27 @@ async def test_two_replicas_divide_a_pool_by_demand_through_redis(redis_url: str
     finally:
         await busy.close()
         await idle.close()
+        for store in stores:
+            await store.close()
+
+
+async def test_each_replica_reads_the_others_runs_carried_to_now(redis_url: str) -> None:
+    """The engine tally's figures (`RUNS_POOL`): each other live replica's by name, its sequence-seconds
+    grown at its running sequences since it published (Redis's clock), its own figures left out."""
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
+    try:
+        a, b = (store.kv_board() for store in stores)
+        assert await a.exchange_runs("llama", RunFigures(10.0, 4.0, 6.0)) == {}
+        await asyncio.sleep(0.25)
+        others = await b.exchange_runs("llama", RunFigures(1.5, 0.0, 1.0))
+        ((name, figures),) = others.items()
+        assert name == f"r:{stores[0].calls.replica}"
+        assert (figures.running, figures.shown) == (4.0, 6.0)
+        assert 10.0 + 4 * 0.2 <= figures.seconds <= 10.0 + 4 * 1.0  # 0.25 s of four sequences, Redis's time
+        assert await a.exchange_runs("llama", RunFigures(11.0, 0.0, 0.0)) == {
+            f"r:{stores[1].calls.replica}": RunFigures(1.5, 0.0, 1.0)
+        }
+        assert await a.exchange_runs("mistral", RunFigures()) == {}  # pools apart
+    finally:
         for store in stores:
             await store.close()

@@ -223,3 +223,97 @@ def test_a_run_told_it_ran_longer_moves_its_stop_later_never_earlier() -> None:
     tally.ran_until("y", 4.0)  # not ended yet: it ends there
     tally.ran_until("gone", 4.0)  # not kept: nothing
     assert tally.count(0.0, 4.0, 1, key="y") == pytest.approx(40.0)  # each ran the whole 4 s: half
+
+
+# -- beside other gateway replicas ---------------------------------------------------------------------------
+
+
+def closed_loop_runs(clients: str) -> list[tuple[str, float, float, float]]:
+    """Each client in a closed loop of streams it leaves after 0.4-1.3 s, the engine running each on for
+    0.3-1.2 s after (a saturated host): (key, start, the client's stop, the engine's stop)."""
+    lags, waits = (0.3, 0.8, 1.2, 0.5), (0.4, 1.3, 0.7, 1.0, 0.9)
+    runs: list[tuple[str, float, float, float]] = []
+    for n, client in enumerate(clients):
+        at = 0.05 + 0.25 * n
+        for i in range(12):
+            stop = at + waits[(i + n + len(str(i))) % len(waits)]
+            runs.append((f"{client}{i}", at, stop, stop + lags[(i + n) % len(lags)]))
+            at = stop
+    return runs
+
+
+def fleet_counts(exchange: bool) -> tuple[float, float]:
+    """Clients x and z through replica A, y through replica B, one engine at 20 tokens/s a sequence read
+    every second by both; each replica's tally tells the other its runs every 0.05 s (`exchange`), as the
+    store's exchange does, in time order with the runs' begins and ends. (the counts summed, generated)."""
+    pace = 20.0
+    runs = closed_loop_runs("xyz")
+    end = max(engine_stop for *_, engine_stop in runs)
+    replicas = {"A": EngineTally(), "B": EngineTally()}
+    home = {key: replicas["B" if key[0] == "y" else "A"] for key, *_ in runs}
+    events = [(start, 0, key) for key, start, _, _ in runs] + [(stop, 1, key) for key, _, stop, _ in runs]
+    events += [(tick * 0.05, 2, "") for tick in range(int((end + 4) / 0.05))]
+    for at, kind, key in sorted(events):
+        if kind == 0:
+            home[key].begin(key, at, 1)
+        elif kind == 1:
+            home[key].end(key, at)
+        else:
+            if exchange:
+                replicas["A"].observe_peers({"b": replicas["B"].figures(at)}, at)
+                replicas["B"].observe_peers({"a": replicas["A"].figures(at)}, at)
+            if at == round(at):
+                generated = sum(pace * max(0.0, min(at, e) - s) for _, s, _, e in runs)
+                running = sum(1.0 for _, s, _, e in runs if s < at < e)
+                for tally in replicas.values():
+                    tally.observe("engine", generated, running, at)
+    counts = [home[key].count(start, stop, 1, tail=1.5, key=key) for key, start, stop, _ in runs]
+    assert all(c is not None for c in counts)
+    return sum(c or 0.0 for c in counts), sum(pace * (e - s) for _, s, _, e in runs)
+
+
+def test_beside_another_replica_each_charges_only_its_share_of_the_late_steps() -> None:
+    """Three clients, two through one gateway and one through another, whose streams the engine runs on
+    after each client left. Alone, a replica takes the running count's room for its own stopped runs, so
+    each took most of the growth (the sum 1.70 times what was generated here; two gateways in front of vLLM
+    charged a flood 2.00 times): told each other's runs, 0.994, late steps included."""
+    charged, generated = fleet_counts(exchange=True)
+    assert charged == pytest.approx(generated, rel=0.03)
+    alone, _ = fleet_counts(exchange=False)
+    assert alone > 1.5 * generated
+
+
+def test_the_figures_a_replica_publishes_sum_its_runs() -> None:
+    tally = EngineTally()
+    tally.begin("a", 0.0, 2)
+    tally.begin("b", 1.0, 1)
+    assert tally.figures(2.0) == engine_tally.RunFigures(seconds=5.0, running=3.0, shown=3.0)
+    tally.end("a", 2.0)
+    tally.ran_until("a", 2.5)  # Envoy read its upstream on: two sequences 0.5 s more
+    assert tally.figures(3.0) == engine_tally.RunFigures(seconds=7.0, running=1.0, shown=3.0)
+    shown_until = 2.5 + engine_tally.SHOWN_AFTER_STOP_S
+    assert tally.figures(shown_until + 0.1).shown == 1.0  # a's stop is past showing
+    tally.begin("b", 4.0, 1)  # a key begun again replaces its run: b's first stint is not counted twice
+    assert tally.figures(5.0).running == 1.0
+
+
+def test_the_other_replicas_figures_are_a_counter_each_and_carried_forward_a_while() -> None:
+    peers = engine_tally.PeerRuns()
+    peers.observe({"b": engine_tally.RunFigures(100.0, 2.0, 3.0)}, at=0.0)
+    peers.observe(
+        {"b": engine_tally.RunFigures(104.0, 2.0, 2.0), "c": engine_tally.RunFigures(50.0, 1.0, 1.0)}, 2.0
+    )
+    # c joined with 50 s of its own before: a baseline, not 50 s in this interval.
+    assert peers.seconds_at(2.0) - peers.seconds_at(0.0) == pytest.approx(4.0)
+    assert peers.seconds_at(1.0) - peers.seconds_at(0.0) == pytest.approx(2.0)  # along the line
+    peers.observe(
+        {"c": engine_tally.RunFigures(51.0, 0.0, 0.0), "b": engine_tally.RunFigures(1.0, 1.0, 1.0)}, 3.0
+    )
+    # b restarted (its counter went back): a new baseline; c ran 1 s more.
+    assert peers.seconds_at(3.0) - peers.seconds_at(2.0) == pytest.approx(1.0)
+    assert peers.shown_at(2.5) == 3.0 and peers.shown_at(-1.0) == 0.0
+    # Past the last reading: grown at the sequences then running (one), for `PEER_STALE_S` at most.
+    assert peers.seconds_at(4.0) - peers.seconds_at(3.0) == pytest.approx(1.0)
+    stale = engine_tally.PEER_STALE_S
+    assert peers.seconds_at(3.0 + stale + 10) - peers.seconds_at(3.0) == pytest.approx(stale)
+    assert peers.shown_at(3.0 + stale + 0.1) == 0.0
