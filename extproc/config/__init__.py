@@ -13,6 +13,17 @@ falls back to a default is worse than a refused reload.
 - `load`: reading a file within bounds (bytes, nesting, nodes after alias expansion), and loading it in a
   child process, off the event loop.
 - `watch`: `load_config` and `ConfigWatcher`, over `load`.
+
+Modules, by their path from this folder: the YAML config, on pydantic: `schema.py` (one class per YAML
+section, its fields the section's keys), `fields.py` (the schema's scalar types, each with the error an
+operator reads), `build.py` (`parse_config`: parsed YAML → validated schema → the runtime `Config`),
+`runtime.py` (the runtime `Config` and its one conversion to the types the packages take: admission's rules,
+the store's settings (a backend's own section read by the parser it registers), the feed subscriber's
+settings), `problems.py` (validation errors as `key.path: sentence`, unknown keys with the closest known one),
+`errors.py` (`ConfigError`, its quotes bounded), `warnings.py` (valid settings that work against each other),
+`walk.py` (walks over the schema: the keys a file may set, how its `null`s are read), `load.py` (reading a
+config file within bounds: bytes, nesting, nodes after alias expansion; reloading it in a child process, off
+the event loop), `watch.py` (the polling watcher over it).
 """
 
 from __future__ import annotations

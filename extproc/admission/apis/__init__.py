@@ -12,6 +12,18 @@ keeps a table by API.
 Adding an API is adding its module here, ending with `SPEC = ApiSpec(...)`: the registry imports every
 module of this package in name order and lists the `SPEC` of each that has one (the others, `common.py`,
 `openai.py`, `spec.py`, hold rules several APIs share). docs/architecture.md walks through it.
+
+Modules, by their path from this folder: one `ApiSpec` module per API, its last line `SPEC = ApiSpec(...)`;
+the registry, `__init__.py`, discovers them: `spec.py` (`ApiSpec`: an API's body format, adapter, dialect,
+reading spec, refusal renderer, usage option and paths), `chat.py` (OpenAI chat completions), `chat_batch.py`
+(vLLM's batch chat completions), `completions.py` (OpenAI completions), `responses.py` (OpenAI Responses),
+`embeddings.py` (OpenAI embeddings), `pooling.py` (pooling APIs on OpenAI's input shapes), `score.py` (score
+and rerank), `anthropic.py` (Anthropic Messages), `cohere_chat.py` (Cohere chat v2), `cohere_embed.py` (Cohere
+embed), `invocations.py` (SageMaker, the API chosen by the body), `token_io.py` (vLLM token-in/token-out
+generation), `tokenize.py` and `detokenize.py` (vLLM's tokenizer endpoints), `sglang.py` (SGLang's native
+`/generate`), `sglang_encode.py` (SGLang's `/encode` and `/classify`); the rules several share: `openai.py`
+(OpenAI's request schema, response dialect and reading spec), `common.py` (small rules of the non-OpenAI
+adapters).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ one and a type-only one (under `if TYPE_CHECKING:`) alike (tests/support/imports
 
 The rules are read from the doc's table, so the doc is the one place they are written: a row added, a module
 moved or a rule changed there is what this test checks the code against. Each row's first cell names the
-files or folders it covers (a file's own row holds over its folder's); its "holds" cell names each module
-by its path from the row's folder (`redis/` followed by a parenthesis names the modules inside it from
-`redis/`); its "may import" cell lists rows by their path, or single modules of a row. Dependencies point
+files or folders it covers (a file's own row holds over its folder's); its "holds" cell, with the docstring
+of a folder's `__init__.py` (a package lists its modules there, beside them), names each module by its path
+from the row's folder (`redis/` followed by a parenthesis names the modules inside it from `redis/`); its
+"may import" cell lists rows by their path, or single modules of a row. Dependencies point
 inward: the core imports nothing of the project, the admission core and the stores only the core, the
 protocol layers the admission core, and the composition (app, cli) everything. The local stack (devstack/),
 the benchmarks and the tests sit outside the product: they import extproc, never the reverse. Where code
@@ -47,6 +48,15 @@ def _words(cell: str) -> frozenset[str]:
     return frozenset(word.strip() for word in cell.split(",")) - set(NOTHING)
 
 
+def package_docstring(path: str) -> str:
+    """The docstring of a folder's `__init__.py` ("" for a file or a package without one): a package's own
+    list of its modules lives there, beside the code, and counts as its row's "holds" text."""
+    init = ROOT / path / "__init__.py"
+    if not path.endswith("/") or not init.is_file():
+        return ""
+    return ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+
+
 def doc_layers(text: str) -> dict[str, Layer]:
     """The rows of the table under `## Layers`, by their first cell."""
     section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
@@ -58,10 +68,11 @@ def doc_layers(text: str) -> dict[str, Layer]:
         assert len(cells) == 4, f"a layer row has 4 cells (no `|` inside one): {line[:80]}"
         if cells[0] in ("package", "---"):
             continue
+        paths = tuple(re.findall(r"`(extproc/[^`]*)`", cells[0]))
         layers[cells[0]] = Layer(
             row=cells[0],
-            paths=tuple(re.findall(r"`(extproc/[^`]*)`", cells[0])),
-            holds=cells[1],
+            paths=paths,
+            holds=" ".join([cells[1], *(package_docstring(path) for path in paths)]),
             io=_words(cells[2]),
             may_import=tuple(re.findall(r"`([^`]+)`", cells[3])),
         )
