@@ -11,9 +11,12 @@ of the leases in Redis, tests/support/fleet.py `Sample`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+import openai
 import pytest
 
 from tests.engine.overload import REQUESTS, overload, preemptions, protected_config
@@ -83,3 +86,154 @@ def test_two_gateways_serve_the_overload_and_preempt_nothing(engine: Engine, fle
     # No slot given back while the engine runs its request: the engine never ran more than the fleet held.
     assert running_over_held(samples) <= 0, [(s.running, s.held) for s in samples if s.running > s.held]
     wait_fleet_idle(fleet)
+
+
+# -- a flood of streams left after three chunks, through both gateways ---------------------------------------
+
+FLOOD_BOUNDS = (0.95, 1.05)
+"""Issue 39's target: the fleet's charge of a flood of streams left after three chunks (the engine tier's
+charges flood, tests/engine/test_charges_engine.py, half its clients through each gateway) within 5 % of
+what vLLM counted, runs where the engine decoded on after a client left included."""
+FLOOD_S, FLOOD_CLIENTS, LONG_ANSWER = 12.0, 4, 1000
+"""The charges flood's (tests/engine/test_charges_engine.py): four clients for 12 s, each answer allowed
+1,000 tokens, so every client leaves before the engine would end it."""
+FEED_INTERVAL_S = 2.0
+"""The exporters' interval here (the fixture's `exporter_args`): the flood starts one, and a little, idle."""
+
+
+def leave_after_three(url: str, deadline: float) -> tuple[int, int]:
+    """Streams left after three chunks, one after another until `deadline`, as the charges flood's clients
+    do (a test module's own helper there, so repeated here): how many were answered, and how many chunks
+    with text the client read (a token or more each)."""
+    answered = passed = 0
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        while time.monotonic() < deadline:
+            try:
+                stream = c.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Complete line {answered}."}],
+                    max_tokens=LONG_ANSWER,
+                    stream=True,
+                )
+            except openai.RateLimitError:
+                time.sleep(0.5)
+                continue
+            for i, chunk in enumerate(stream):
+                passed += sum(1 for choice in chunk.choices if choice.delta.content)
+                if i == 3:
+                    break
+            stream.close()
+            answered += 1
+    return answered, passed
+
+
+@dataclass(frozen=True)
+class FleetLedger:
+    """Each sidecar's completion charged and answers charged by estimate, and the engine's own counters, to
+    diff around a flood."""
+
+    charged: tuple[float, ...]
+    estimated: float
+    """Answers not seen whole charged the decode-rate estimate (no reading of the engine in time), both
+    sidecars: a host so saturated that its exporters' scrapes lag."""
+    generated: float
+    finished: float
+    """Requests the engine finished (its per-request generation histogram's count)."""
+    short: float
+    """Of them, those finished within 100 tokens: a stream the engine aborted in time."""
+
+    @classmethod
+    def read(cls, engine: Engine, fleet: Fleet) -> FleetLedger:
+        wait_fleet_idle(fleet)
+        pages = [f"{url}/metrics" for url in fleet.admin_urls]
+        page = f"{engine.url}/metrics"
+        return cls(
+            charged=tuple(metric(p, "extproc_tokens_settled_total", kind="completion") for p in pages),
+            estimated=sum(metric(p, "extproc_unfinished_answers_total", basis="estimate") for p in pages),
+            generated=metric(page, "vllm:generation_tokens_total"),
+            finished=metric(page, "vllm:request_generation_tokens_count"),
+            short=metric(page, "vllm:request_generation_tokens_bucket", le="100.0"),
+        )
+
+
+@dataclass(frozen=True)
+class FleetFlood:
+    answered: int
+    passed: int
+    """Tokens the clients read, at least (chunks with text)."""
+    charged: tuple[float, ...]
+    """Completion charged by each sidecar."""
+    generated: float
+    missed: float
+    """Streams the engine ran past 100 tokens: it missed their abort."""
+    estimated: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.charged)
+
+    @property
+    def ratio(self) -> float:
+        return self.total / self.generated
+
+    def __str__(self) -> str:
+        each = " + ".join(f"{c:.0f}" for c in self.charged)
+        return (
+            f"fleet of two, flood of {self.answered} streams ({self.missed:.0f} aborts missed by the engine, "
+            f"{self.estimated:.0f} charged by estimate): {each} = {self.total:.0f} charged of "
+            f"{self.generated:.0f} generated ({self.ratio:.3f}), {self.passed} passed"
+        )
+
+
+def flood_through_both(engine: Engine, fleet: Fleet) -> FleetFlood:
+    """`FLOOD_CLIENTS` clients leaving streams after three chunks for `FLOOD_S`, client i through gateway
+    i % 2."""
+    time.sleep(FEED_INTERVAL_S + 0.5)
+    before = FleetLedger.read(engine, fleet)
+    deadline = time.monotonic() + FLOOD_S
+    urls = fleet.urls
+    with concurrent.futures.ThreadPoolExecutor(FLOOD_CLIENTS) as pool:
+        runs = list(
+            pool.map(lambda i: leave_after_three(urls[i % len(urls)], deadline), range(FLOOD_CLIENTS))
+        )
+    after = FleetLedger.read(engine, fleet)
+    return FleetFlood(
+        answered=sum(answered for answered, _ in runs),
+        passed=sum(passed for _, passed in runs),
+        charged=tuple(a - b for a, b in zip(after.charged, before.charged, strict=True)),
+        generated=after.generated - before.generated,
+        missed=(after.finished - before.finished) - (after.short - before.short),
+        estimated=after.estimated - before.estimated,
+    )
+
+
+FLOOD_CEILING = 1.4
+"""The most the fleet may charge of what the engine generated whatever the engine and the host do (the
+charges flood's ceiling with one gateway, `FLOOD_BOUNDS` there). Before the replicas told each other their
+runs, each took the running count's room for its own stopped runs and charged the whole growth: 1.849,
+2.002, 2.000 and 2.001 times vLLM's count (318-361 streams, every abort in time)."""
+
+
+def test_two_gateways_charge_a_flood_of_streams_left_what_the_engine_generated(
+    engine: Engine, fleet: Fleet
+) -> None:
+    """Both sidecars' charges of the flood sum to vLLM's count within `FLOOD_BOUNDS`, each replica's tally
+    splitting the pool's growth against both replicas' runs (`EngineTally.observe_peers`).
+
+    Whatever the engine does, the flood is charged at least what passed, at most the reservations and
+    `FLOOD_CEILING` of the engine's count. Where the engine missed an abort (an answer decoded past 100
+    tokens after its client left) or a sidecar charged an estimate (no reading of the engine in time: a
+    saturated host), the flood is run again once; twice so, the guarantees alone are asserted. Measured
+    on the tier's two-core host, saturated by other suites beside it: see the commit that added this."""
+    for attempt in (1, 2):
+        flood = flood_through_both(engine, fleet)
+        print(flood)
+        assert flood.answered >= FLOOD_CLIENTS and flood.passed >= flood.answered, flood
+        assert flood.passed <= flood.total <= flood.answered * LONG_ANSWER, flood
+        assert flood.total <= FLOOD_CEILING * flood.generated, flood
+        disturbed = flood.missed or flood.estimated
+        if not disturbed and FLOOD_BOUNDS[0] <= flood.ratio <= FLOOD_BOUNDS[1]:
+            return
+        if attempt == 2 and disturbed:
+            return
+    raise AssertionError(f"with every abort in time and every answer counted, out of {FLOOD_BOUNDS}: {flood}")
