@@ -73,27 +73,39 @@ class FleetExchange:
         peers: Peers | None = None
         share = budget.replica_share(self._clock())
         try:
-            peers = await self._board.exchange(pool, share)
-            self.exchanges += 1
-            await self._exchange_runs(pool)
-        except StoreUnavailable:
-            self.failures += 1
-        except Exception:  # a bug here must not stop publishing: the budget falls back to its share
-            self.failures += 1
-            log.exception("kv fleet: exchange failed", extra={"pool": pool})
+            try:
+                peers = await self._board.exchange(pool, share)
+                self.exchanges += 1
+            except StoreUnavailable:
+                self.failures += 1
+            except Exception:  # a bug here must not stop publishing: the budget falls back to its share
+                self.failures += 1
+                log.exception("kv fleet: exchange failed", extra={"pool": pool})
+            budget.observe_peers(peers, self._clock())
+            self._on_peers(pool)
+            if peers is not None:  # the store answers: the runs go second, the budget waits on nothing
+                await self._exchange_runs(pool)
         finally:
             self._tasks.pop(pool, None)
-        budget.observe_peers(peers, self._clock())
-        self._on_peers(pool)
         if pool in self._dirty:
             self.changed(pool, budget)
 
     async def _exchange_runs(self, pool: str) -> None:
-        """The pool's tally's runs out, the other replicas' in (none without a tally: no feed yet)."""
+        """The pool's tally's runs out, the other replicas' in (none without a tally: no feed yet); a store
+        that does not answer leaves the tally its last reading, which it carries a while (`PEER_STALE_S`)."""
         tally = self._tally_of(pool)
-        if tally is not None:
+        if tally is None:
+            return
+        try:
             replicas = await self._board.exchange_runs(pool, tally.figures(self._clock()))
-            tally.observe_peers(replicas, self._clock())
+        except StoreUnavailable:
+            self.failures += 1
+            return
+        except Exception:
+            self.failures += 1
+            log.exception("kv fleet: runs exchange failed", extra={"pool": pool})
+            return
+        tally.observe_peers(replicas, self._clock())
 
     async def close(self) -> None:
         """Stop publishing: pending publications dropped, calls in flight cancelled (the figures expire in

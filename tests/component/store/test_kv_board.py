@@ -5,10 +5,11 @@ port's `StoreUnavailable`, and two replicas' budgets divide one pool by demand t
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 
-from extproc.core.engine.tally import RunFigures
+from extproc.core.engine.tally import EngineTally, RunFigures
 from extproc.core.kv.budget import BookingMode, KvBudget
 from extproc.core.kv.completion import CompletionLearner
 from extproc.core.kv.fleet import Peers, ReplicaShare
@@ -136,5 +137,37 @@ async def test_each_replica_reads_the_others_runs_carried_to_now(redis_url: str)
         }
         assert await a.exchange_runs("mistral", RunFigures()) == {}  # pools apart
     finally:
+        for store in stores:
+            await store.close()
+
+
+def tally_of(tally: EngineTally, pool: str) -> EngineTally:
+    return tally
+
+
+async def test_the_exchange_carries_each_pools_tally_runs_to_the_other_replicas(redis_url: str) -> None:
+    """`FleetExchange` with a tally per replica: after both exchanged, each tally holds the other's runs
+    (`PeerRuns`), so its split counts them beside its own."""
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
+    clock = [5.0]
+    tallies = [EngineTally(), EngineTally()]
+    tallies[0].begin("a", 0.0, 2)  # two sequences running since 0: 10 sequence-seconds by 5
+    exchanges = [
+        FleetExchange(store.kv_board(), clock=lambda: clock[0], tally_of=functools.partial(tally_of, tally))
+        for store, tally in zip(stores, tallies, strict=True)
+    ]
+    try:
+        await exchanged(exchanges[0], budget())
+        await exchanged(exchanges[1], budget())
+        assert tallies[1].peers.shown_at(5.0) == 2.0
+        assert tallies[0].peers.shown_at(5.0) == 0.0  # the second replica had not published then
+        clock[0] = 6.0  # one second more of the first replica's two sequences
+        await exchanged(exchanges[0], budget())
+        await exchanged(exchanges[1], budget())
+        peers = tallies[1].peers
+        assert peers.seconds_at(6.0) - peers.seconds_at(5.0) == pytest.approx(2.0, abs=0.1)
+    finally:
+        for fleet in exchanges:
+            await fleet.close()
         for store in stores:
             await store.close()
