@@ -8,7 +8,8 @@ stores compute with: free slots, where tokens fit, retry hints, the tightest sta
 input and output TPM limits as derived keys `input:<key>` / `output:<key>`), `shares.py` (a key's capacity
 split between guaranteed class shares and the burstable pool)); `kv/` (the KV-token budget: `budget.py`
 (`KvBudget`, a facade over its parts, each with the state it changes), `config.py` (`KvBudgetConfig`: the
-budget's settings, which the config package fills), `lease.py` (one admitted request as the budget books it:
+budget's settings, which the config package fills), `metrics.py` (`KvBudgetMetrics`: the budget's
+`extproc_kv_*` series, which the feed's metrics own), `lease.py` (one admitted request as the budget books it:
 footprint, trajectory), `ledger.py` (the leases and the sum of their footprints, what a new one is expected to
 generate, what a released one teaches), `booked.py` (what the leases are booked for: lifetime demand or
 forecast peak, with the engine's corrections), `pacing.py` (`BudgetPace`: the paces the forecast and the hints
