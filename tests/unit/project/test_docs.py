@@ -36,7 +36,7 @@ pages held, the size of the references this project follows (envoyproxy/ratelimi
 PAGE_WORDS = 5_000
 """One page of docs/: past it a page is two topics."""
 OPERATOR_PATH = ("Install", "Point it at your engine", "Size the limits", "Watch", "Tune", "Troubleshoot")
-ALL_DOCS = (README, *sorted((REPO / "docs").rglob("*.md")))
+ALL_DOCS = (README, *sorted((REPO / "docs").rglob("*.md")), REPO / "bench" / "RESULTS.md")
 USER_DOCS = (
     README,
     OPERATOR_GUIDE,
