@@ -43,16 +43,17 @@ just over, and in one run of seven the engine alone, its arrivals spread by the 
 the others grew and preempted nothing. Forty-eight need 157 (`overload_demand`), 1.24 times the cache."""
 
 KV_PEAK_FLOOR = 0.5
-"""How full the gateway lets the engine's cache get at the peak: 0.59-0.98 measured (the gauge is sampled
-every second or so, and one CI run's sample peaked at 0.59 with throughput at 95 % of the engine alone),
-0.27-0.35 with every prompt booked whole; the budget's target (0.9) and the half block per sequence it
-books for the engine's whole-block rounding keep it below the engine's own peak (1.0, with preemptions)."""
-THROUGHPUT_FLOOR = 0.65
-"""The gateway's output tokens per second against the engine alone in the same run: 0.76 to 1.05 measured
-(bench/RESULTS.md section 6), 0.57-0.59 with every prompt booked whole. The burst is forty requests at once,
-of which the budget admits about thirty: the rest start when those end, a second wave the engine alone
-(preempting) does not wait for. This host's two cores, shared by the engine, Envoy, the sidecar and the forty
-clients, make one run's ratio noisy, so the test holds a bar that booking whole prompts cannot pass."""
+"""How full the gateway lets the engine's cache get at the peak, the credit's measure: 0.59-0.98 measured (the
+gauge is sampled every second or so), 0.27-0.35 with every prompt booked whole (0.27 again on a host twice as
+fast, beside 0.67-0.69 with the credit); the budget's target (0.9) and the half block per sequence it books
+for the engine's whole-block rounding keep it below the engine's own peak (1.0, with preemptions)."""
+THROUGHPUT_FLOOR = 0.45
+"""The gateway's output tokens per second against the engine alone in the same run: a guard against a gateway
+that stalls, not the credit's measure. The share depends on the host: 0.76-1.05 where the engine alone gave
+467 tok/s (bench/RESULTS.md section 6); 0.56-0.77 on a host twice as fast (935-970 tok/s), where the engine
+alone recomputes its preempted requests from its prefix cache at little cost while the budget's second wave
+waits a forecast of the first's end, and booking whole gave 0.62 beside it: the throughput ratio no longer
+tells a working credit from none there, the KV peak does."""
 
 
 @pytest.fixture(scope="module")
