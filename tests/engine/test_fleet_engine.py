@@ -234,10 +234,11 @@ def test_two_gateways_charge_a_flood_of_streams_left_what_the_engine_generated(
     splitting the pool's growth against both replicas' runs (`EngineTally.observe_peers`).
 
     Whatever the engine does, the flood is charged at least what passed and at most the reservations; with
-    every abort in time, at most `FLOOD_CEILING` of the engine's count. Where the engine missed an abort (an answer decoded past 100
-    tokens after its client left) or a sidecar charged an estimate (no reading of the engine in time: a
-    saturated host), the flood is run again once; twice so, the guarantees alone are asserted. Measured
-    on the tier's two-core host, saturated by other suites beside it: see the commit that added this."""
+    every abort in time, at most `FLOOD_CEILING` of the engine's count. Where the engine missed an abort
+    (an answer decoded past 100 tokens after its client left) or a sidecar charged an estimate (no reading
+    of the engine in time: a saturated host), the flood is run again once; twice so, the guarantees alone
+    are asserted. Measured on the tier's two-core host, saturated by other suites beside it: see the commit
+    that added this."""
     for attempt in (1, 2):
         flood = flood_through_both(engine, fleet)
         print(flood)
