@@ -36,6 +36,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.engine.flood import FLOOD_CLIENTS, FLOOD_S, LONG_ANSWER, leave_after_three
 from tests.engine.stacks import Ledger, engine_config, engine_host_envoy, start_gateway, warm_up
 from tests.support.engine import ENGINE_TEST_TIMEOUT_S, MODEL, Engine
 from tests.support.stack import Reply, Stack, http, slow_reader_post
@@ -46,9 +47,6 @@ WEIGHT = 0.25
 """`admission.cached_prompt_token_weight`: a cached prompt token costs a quarter of an uncached one."""
 SPLIT_TENANT = "split"
 INPUT_TPM, OUTPUT_TPM = 600, 300
-LONG_ANSWER = 1000
-"""An answer long enough that every client here leaves before the engine would end it, short enough that
-eight of them fit the KV budget (a warm-up answered in full teaches it to book the whole allowance)."""
 
 
 SMALL_BUFFER = 65536
@@ -276,7 +274,6 @@ def test_a_slow_reader_of_n_sequences_is_released_by_the_engine_and_charged_its_
 
 # -- a flood of streams left after three chunks ----------------------------------------------------------
 
-FLOOD_S, FLOOD_CLIENTS = 12.0, 4
 FLOOD_BOUNDS = (0.6, 1.4)
 """The flood's total charge against the engine's count, as charged now: 7 of 12 runs within issue 29's 5 %
 (lean 0.992, 1.001, 1.009; inline 0.997, 1.003, 1.003, 1.046), the rest with the host saturated (inline
@@ -299,31 +296,6 @@ decoded whole, 0.79), inline 0.999, 0.995 and once 0.82 (180 streams, not diagno
 bounds, or one where the engine decoded a whole answer (`long_answers`), is run again once; out of bounds
 twice in a row with every abort in time fails; a second flood with an abort missed is held to what the
 product guarantees whatever the engine does (see the test)."""
-
-
-def leave_after_three(url: str, deadline: float) -> tuple[int, int]:
-    """Streams left after three chunks, one after another until `deadline`: how many were answered, and how
-    many chunks with text the client read (a token or more each)."""
-    answered = passed = 0
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        while time.monotonic() < deadline:
-            try:
-                stream = c.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": f"Complete line {answered}."}],
-                    max_tokens=LONG_ANSWER,
-                    stream=True,
-                )
-            except openai.RateLimitError:
-                time.sleep(0.5)
-                continue
-            for i, chunk in enumerate(stream):
-                passed += sum(1 for choice in chunk.choices if choice.delta.content)
-                if i == 3:
-                    break
-            stream.close()
-            answered += 1
-    return answered, passed
 
 
 def within(delta: Ledger, bounds: tuple[float, float]) -> bool:

@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import openai
 import pytest
 
+from tests.engine.flood import FLOOD_CLIENTS, FLOOD_S, LONG_ANSWER, leave_after_three
 from tests.engine.overload import REQUESTS, overload, preemptions, protected_config
 from tests.engine.stacks import engine_host_envoy
 from tests.support.engine import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine
@@ -106,37 +106,8 @@ FLOOD_BOUNDS = (0.95, 1.05)
 """Issue 39's target: the fleet's charge of a flood of streams left after three chunks (the engine tier's
 charges flood, tests/engine/test_charges_engine.py, half its clients through each gateway) within 5 % of
 what vLLM counted, runs where the engine decoded on after a client left included."""
-FLOOD_S, FLOOD_CLIENTS, LONG_ANSWER = 12.0, 4, 1000
-"""The charges flood's (tests/engine/test_charges_engine.py): four clients for 12 s, each answer allowed
-1,000 tokens, so every client leaves before the engine would end it."""
 FEED_INTERVAL_S = 2.0
 """The exporters' interval here (the fixture's `exporter_args`): the flood starts one, and a little, idle."""
-
-
-def leave_after_three(url: str, deadline: float) -> tuple[int, int]:
-    """Streams left after three chunks, one after another until `deadline`, as the charges flood's clients
-    do (a test module's own helper there, so repeated here): how many were answered, and how many chunks
-    with text the client read (a token or more each)."""
-    answered = passed = 0
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        while time.monotonic() < deadline:
-            try:
-                stream = c.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": f"Complete line {answered}."}],
-                    max_tokens=LONG_ANSWER,
-                    stream=True,
-                )
-            except openai.RateLimitError:
-                time.sleep(0.5)
-                continue
-            for i, chunk in enumerate(stream):
-                passed += sum(1 for choice in chunk.choices if choice.delta.content)
-                if i == 3:
-                    break
-            stream.close()
-            answered += 1
-    return answered, passed
 
 
 @dataclass(frozen=True)
