@@ -39,6 +39,7 @@ from extproc.store.redis.scripts import (
     RELEASE,
     RELEASE_SLOT,
     RENEW,
+    RUNS_POOL,
     SCALE,
     WAITING,
 )
@@ -103,6 +104,7 @@ class Scripts:
         self.waiting = client.register_script(WAITING)
         self.guard = client.register_script(GUARD)
         self.kv_pool = client.register_script(KV_POOL)
+        self.runs_pool = client.register_script(RUNS_POOL)
 
     @property
     def all(self) -> tuple[AsyncScript, ...]:
@@ -118,6 +120,7 @@ class Scripts:
             self.waiting,
             self.guard,
             self.kv_pool,
+            self.runs_pool,
         )
 
 

@@ -6,8 +6,8 @@ replica that dies stops holding KV in the others' budgets `REPLICA_TTL_S` after 
 replica's clock decides it. Background work: the call runs in the background lane, never on a request's path.
 
 Beside them, each replica's runs of a pool as its engine tally sums them (`EngineTally.figures`), exchanged
-the same way in a hash of their own (`RUNS_POOL`): the charge tally splits the pool's generated tokens
-against every replica's runs, not its own alone.
+the same way in a hash of their own (`RUNS_POOL`, `scripts`): the charge tally splits the pool's generated
+tokens against every replica's runs, not its own alone.
 """
 
 from __future__ import annotations
@@ -18,48 +18,12 @@ from extproc.core.engine.tally import RunFigures
 from extproc.core.kv.fleet import REPLICA_TTL_S, Peers, ReplicaShare
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
 
-RUNS_POOL = r"""
--- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's runs of the pool: sequence-seconds
--- (a counter), sequences running, sequences shown (`RunFigures`). `P runs:#p:p` (hash): one field
--- `r:<replica>` per replica, `<expiry ms> <published ms> <seconds> <running> <shown>`, expiring as the
--- KV_POOL figures do. Replies, for each other replica whose figures are still good: its field name, its
--- seconds carried to now at its running sequences, its running and its shown sequences (as strings: Redis
--- would truncate Lua numbers to integers).
-local key = KEYS[1] .. 'runs:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[3])
-local own = 'r:' .. ARGV[2]
-redis.call('HSET', key, own, table.concat({now + ttl, now, ARGV[4], ARGV[5], ARGV[6]}, ' '))
-redis.call('PEXPIRE', key, ttl)
-local out = {}
-local entries = redis.call('HGETALL', key)
-for j = 1, #entries, 2 do
-  local name = entries[j]
-  if name ~= own then
-    local v = {}
-    for word in string.gmatch(entries[j + 1], '%S+') do v[#v + 1] = tonumber(word) end
-    if #v < 5 or v[1] <= now then
-      redis.call('HDEL', key, name)
-    else
-      local seconds = v[3] + v[4] * math.max(0, now - v[2]) / 1000
-      out[#out + 1] = name
-      out[#out + 1] = string.format('%.6f', seconds)
-      out[#out + 1] = string.format('%.6f', v[4])
-      out[#out + 1] = string.format('%.6f', v[5])
-    end
-  end
-end
-return out
-"""
-
 
 class RedisKvBoard:
     """`KvBoard` on the store's Redis and key prefix."""
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
-        self._runs_pool = calls.client.register_script(RUNS_POOL)  # loaded by redis-py on NOSCRIPT
 
     async def exchange(self, pool: str, share: ReplicaShare) -> Peers:
         """One KV_POOL call; raises the store's `StoreUnavailable` (`RedisUnavailable`) when Redis does not
@@ -77,7 +41,9 @@ class RedisKvBoard:
         ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
         own = (figures.seconds, figures.running, figures.shown)
         args = [pool, str(self.calls.replica), ttl_ms, *(repr(max(0.0, float(v))) for v in own)]
-        raw = await self.calls.run(self._runs_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False)
+        raw = await self.calls.run(
+            self.calls.scripts.runs_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
+        )
         values = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
         return {
             values[i]: RunFigures(float(values[i + 1]), float(values[i + 2]), float(values[i + 3]))

@@ -661,33 +661,78 @@ return {id, fmt(left)}
 """
 )
 
-KV_POOL = r"""
+REPLICA_FIGURES = r"""
+-- A pool's figures of every replica in one hash, `P <kind>:#p:p`: one field `r:<replica>` per replica, its
+-- expiry (ms of server time) first, then its figures; the key expires with the newest. `exchange` stores
+-- this replica's (`figures`, its expiry prepended) and returns the others' still good, each {name, numbers},
+-- dropping those past their expiry (a replica that died or lost the store) or malformed (under `width`).
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function exchange(key, replica, ttl, now, figures, width)
+  local own = 'r:' .. replica
+  table.insert(figures, 1, now + ttl)
+  redis.call('HSET', key, own, table.concat(figures, ' '))
+  redis.call('PEXPIRE', key, ttl)
+  local others = {}
+  local entries = redis.call('HGETALL', key)
+  for j = 1, #entries, 2 do
+    local name = entries[j]
+    if name ~= own then
+      local v = {}
+      for word in string.gmatch(entries[j + 1], '%S+') do v[#v + 1] = tonumber(word) end
+      if #v < width or v[1] <= now then
+        redis.call('HDEL', key, name)
+      else
+        others[#others + 1] = {name, v}
+      end
+    end
+  end
+  return others
+end
+"""
+
+KV_POOL = (
+    REPLICA_FIGURES
+    + r"""
 -- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's figures of the pool: booked, held,
 -- settled, candidates (integers). Stores them as this replica's, good for ttl ms of server
 -- time, and replies the number of other replicas whose figures are still good and the sums of their
--- figures (`P kv` above); figures past their expiry (a replica that died or lost the store) are dropped.
+-- figures (`P kv` above).
 local key = KEYS[1] .. 'kv:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[3])
-local own = 'r:' .. ARGV[2]
-local figures = {now + ttl, ARGV[4], ARGV[5], ARGV[6], ARGV[7]}
-redis.call('HSET', key, own, table.concat(figures, ' '))
-redis.call('PEXPIRE', key, ttl)
-local sums, replicas = {0, 0, 0, 0}, 0
-local entries = redis.call('HGETALL', key)
-for j = 1, #entries, 2 do
-  local name = entries[j]
-  if name ~= own then
-    local v = {}
-    for word in string.gmatch(entries[j + 1], '%S+') do v[#v + 1] = tonumber(word) end
-    if #v < 5 or v[1] <= now then
-      redis.call('HDEL', key, name)
-    else
-      replicas = replicas + 1
-      for i = 1, 4 do sums[i] = sums[i] + v[i + 1] end
-    end
-  end
+local now = now_ms()
+local others = exchange(key, ARGV[2], tonumber(ARGV[3]), now, {ARGV[4], ARGV[5], ARGV[6], ARGV[7]}, 5)
+local sums = {0, 0, 0, 0}
+for _, other in ipairs(others) do
+  for i = 1, 4 do sums[i] = sums[i] + other[2][i + 1] end
 end
-return {replicas, sums[1], sums[2], sums[3], sums[4]}
+return {#others, sums[1], sums[2], sums[3], sums[4]}
 """
+)
+
+RUNS_POOL = (
+    REPLICA_FIGURES
+    + r"""
+-- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's runs of the pool: sequence-seconds
+-- (a counter), sequences running, sequences shown (`RunFigures`). `P runs:#p:p` (hash): one field
+-- `r:<replica>` per replica, `<expiry ms> <published ms> <seconds> <running> <shown>`, expiring as the
+-- KV_POOL figures do. Replies, for each other replica whose figures are still good: its field name, its
+-- seconds carried to now at its running sequences, its running and its shown sequences (as strings: Redis
+-- would truncate Lua numbers to integers).
+local key = KEYS[1] .. 'runs:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
+local now = now_ms()
+local others = exchange(key, ARGV[2], tonumber(ARGV[3]), now, {now, ARGV[4], ARGV[5], ARGV[6]}, 5)
+local out = {}
+for _, other in ipairs(others) do
+  local v = other[2]
+  local seconds = v[3] + v[4] * math.max(0, now - v[2]) / 1000
+  out[#out + 1] = other[1]
+  out[#out + 1] = string.format('%.6f', seconds)
+  out[#out + 1] = string.format('%.6f', v[4])
+  out[#out + 1] = string.format('%.6f', v[5])
+end
+return out
+"""
+)
