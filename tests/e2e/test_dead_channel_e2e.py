@@ -15,14 +15,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 import yaml
 
 from devstack.processes import free_port
 from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import REPO
-from tests.support.stack import build_stack, end_reports_to, fixed_step_sim, metric
+from tests.support.stack import build_stack, dead_end_reports, fixed_step_sim, metric, stream_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -47,7 +46,7 @@ def dead_channel() -> Iterator[LocalStack]:
     stack = build_stack(
         config=make_run_config(),
         sim_args=fixed_step_sim(MODEL, STEP_MS),
-        envoy_patch=end_reports_to(free_port(), "end_report_nowhere"),  # nothing listens there
+        envoy_patch=dead_end_reports(free_port()),  # nothing listens there
         profile="lean",
         with_exporter=True,
     )
@@ -58,21 +57,6 @@ def dead_channel() -> Iterator[LocalStack]:
         stack.stop()
 
 
-def stream_chat(url: str, out: list[int]) -> None:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
-        stream = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=1000,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"sim_output_tokens": ANSWER},
-        )
-        for chunk in stream:
-            if chunk.usage is not None:
-                out.append(chunk.usage.completion_tokens)
-
-
 def test_a_dead_access_log_charges_what_the_engine_generated_and_says_the_channel_is_down(
     dead_channel: LocalStack,
 ) -> None:
@@ -81,7 +65,10 @@ def test_a_dead_access_log_charges_what_the_engine_generated_and_says_the_channe
     engine = f"{stack.upstream_url}/metrics"
     before = metric(engine, "vllm:generation_tokens_total")
     usages: list[int] = []
-    threads = [threading.Thread(target=stream_chat, args=(stack.envoy_url, usages)) for _ in range(REQUESTS)]
+    threads = [
+        threading.Thread(target=stream_chat, args=(stack.envoy_url, MODEL, 1000, ANSWER, usages))
+        for _ in range(REQUESTS)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 
 from devstack.processes import free_port
 from devstack.stack import LocalStack
-from tests.support.stack import build_stack, end_reports_to, fixed_step_sim, metric
+from tests.support.stack import build_stack, dead_end_reports, fixed_step_sim, metric, stream_chat
 
 MODEL = "llama-3-8b"
 STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine
@@ -35,11 +34,6 @@ CONFIG: dict[str, Any] = {
     "limits": {"global": {"tokens_per_minute": 10_000_000, "max_concurrency": 8}},
     "admission": {"end_report_wait_seconds": 5, "assumed_decode_tokens_per_second": 100},
 }
-
-
-def dead_end_reports(port: int) -> Callable[[dict[str, Any]], None]:
-    """An Envoy patch: the end-report logger talks to `port`, where nothing listens; ext_proc is intact."""
-    return end_reports_to(port, "end_report_nowhere")
 
 
 @pytest.fixture
@@ -58,22 +52,6 @@ def no_reports() -> Iterator[LocalStack]:
         stack.stop()
 
 
-def stream_chat(url: str, out: list[int]) -> None:
-    """One streamed answer of ANSWER tokens under a reservation of RESERVED; its usage appended to `out`."""
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
-        stream = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=RESERVED,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"sim_output_tokens": ANSWER},  # the simulator's answer length
-        )
-        for chunk in stream:
-            if chunk.usage is not None:
-                out.append(chunk.usage.completion_tokens)
-
-
 def test_leases_without_any_end_report_are_charged_the_engines_count(no_reports: LocalStack) -> None:
     stack = no_reports
     sidecar = f"{stack.admin_url}/metrics"
@@ -81,7 +59,10 @@ def test_leases_without_any_end_report_are_charged_the_engines_count(no_reports:
     before_generated = metric(generated, "vllm:generation_tokens_total")
     before_charged = metric(sidecar, "extproc_tokens_settled_total", kind="completion")
     usages: list[int] = []
-    threads = [threading.Thread(target=stream_chat, args=(stack.envoy_url, usages)) for _ in range(STREAMS)]
+    threads = [
+        threading.Thread(target=stream_chat, args=(stack.envoy_url, MODEL, RESERVED, ANSWER, usages))
+        for _ in range(STREAMS)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.envoy import trust_client_tenant_header
@@ -203,3 +204,25 @@ def end_reports_to(port: int, cluster: str) -> Callable[[dict[str, Any]], None]:
                     service["envoy_grpc"]["cluster_name"] = cluster
 
     return patch
+
+
+def dead_end_reports(port: int) -> Callable[[dict[str, Any]], None]:
+    """An Envoy patch: the end-report logger talks to `port`, where nothing listens; ext_proc is intact."""
+    return end_reports_to(port, "end_report_nowhere")
+
+
+def stream_chat(url: str, model: str, max_tokens: int, answer: int, out: list[int]) -> None:
+    """One streamed chat through the gateway at `url`, the simulator answering `answer` tokens under a
+    reservation of `max_tokens`; its reported completion tokens appended to `out`."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Tell me a long story."}],
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"sim_output_tokens": answer},  # the simulator's answer length
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                out.append(chunk.usage.completion_tokens)
