@@ -6,9 +6,9 @@ change made while a call is in flight is sent once it returns. The answer, the o
 to the budget at once; no answer (the store unreachable) leaves the last one, which the budget trusts for
 `PEERS_FRESH_S` before it books on its fallback share.
 
-The same call carries the pool's engine-tally figures (`EngineTally.figures`, `KvBoard.exchange_runs`) and
-hands the others' to the tally: the charge of an answer not seen whole is its share of the pool's growth
-against every replica's runs, which no replica sees alone.
+Once the store answered, a second call carries the pool's engine-tally figures (`EngineTally.figures`,
+`KvBoard.exchange_runs`) and hands the others' to the tally: the charge of an answer not seen whole is its
+share of the pool's growth against every replica's runs, which no replica sees alone.
 """
 
 from __future__ import annotations
@@ -17,14 +17,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from extproc.core.engine.tally import EngineTally, no_tally
 from extproc.core.kv.budget import KvBudget
-from extproc.core.kv.fleet import PUBLISH_EVERY_S, Peers
+from extproc.core.kv.fleet import PUBLISH_EVERY_S
 from extproc.core.ports import KvBoard, StoreUnavailable
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class FleetExchange:
@@ -70,17 +73,11 @@ class FleetExchange:
         self._tasks[pool] = asyncio.get_running_loop().create_task(self._exchange(pool, budget))
 
     async def _exchange(self, pool: str, budget: KvBudget) -> None:
-        peers: Peers | None = None
         share = budget.replica_share(self._clock())
         try:
-            try:
-                peers = await self._board.exchange(pool, share)
+            peers = await self._ask(pool, "kv fleet: exchange failed", self._board.exchange(pool, share))
+            if peers is not None:
                 self.exchanges += 1
-            except StoreUnavailable:
-                self.failures += 1
-            except Exception:  # a bug here must not stop publishing: the budget falls back to its share
-                self.failures += 1
-                log.exception("kv fleet: exchange failed", extra={"pool": pool})
             budget.observe_peers(peers, self._clock())
             self._on_peers(pool)
             if peers is not None:  # the store answers: the runs go second, the budget waits on nothing
@@ -96,16 +93,23 @@ class FleetExchange:
         tally = self._tally_of(pool)
         if tally is None:
             return
+        runs = self._board.exchange_runs(pool, tally.figures(self._clock()))
+        replicas = await self._ask(pool, "kv fleet: runs exchange failed", runs)
+        if replicas is not None:
+            tally.observe_peers(replicas, self._clock())
+
+    async def _ask(self, pool: str, failed: str, call: Awaitable[T]) -> T | None:
+        """One call to the board, None where it gives no answer: a store that does not answer, or a bug
+        (logged as `failed`), counts as a failure and must not stop publishing (the budget falls back to its
+        share, the tally keeps its last reading)."""
         try:
-            replicas = await self._board.exchange_runs(pool, tally.figures(self._clock()))
+            return await call
         except StoreUnavailable:
             self.failures += 1
-            return
         except Exception:
             self.failures += 1
-            log.exception("kv fleet: runs exchange failed", extra={"pool": pool})
-            return
-        tally.observe_peers(replicas, self._clock())
+            log.exception(failed, extra={"pool": pool})
+        return None
 
     async def close(self) -> None:
         """Stop publishing: pending publications dropped, calls in flight cancelled (the figures expire in
