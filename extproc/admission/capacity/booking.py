@@ -79,7 +79,7 @@ class KvBooking:
         is False (a check on the prompt's bound, decided again on the exact count)."""
         if self.budget is None:
             return True, None
-        return self.budget.would_fit(
+        fits = self.budget.would_fit(
             plan.prompt_tokens,
             plan.completion_tokens,
             self.tenant,
@@ -90,6 +90,9 @@ class KvBooking:
             rank=self.rank,
             claim=claim,
         )
+        if self.budget.fleet.must_publish:  # a replica that had yielded asks for its part of the pool back
+            self.changed(self.pool)
+        return fits
 
     def hold(self, request: ParsedRequest, plan: Reservation) -> None:
         """Book the request under an id of its own, before the limiter grants (and numbers) its lease."""

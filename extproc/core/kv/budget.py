@@ -199,7 +199,8 @@ class KvBudget:
     def retry_after(self, now: float | None) -> float | None:
         """After a refusal by `would_fit` at `now`: in how many seconds that request is expected to fit, and
         a promise of that place (`kv_schedule`); None with no pace or nothing admitted (`FairClaims`)."""
-        return self._claims.retry_after(now, self.budget_tokens, self._pace, self._booker.booked_with)
+        eta = self._claims.retry_after(now, self.budget_tokens, self._pace, self._booker.booked_with)
+        return self.fleet.told(eta, now)
 
     # -- updates -----------------------------------------------------------------------------------------
 
@@ -300,6 +301,7 @@ class KvBudget:
         refused request claims (`rank`: its class's order, 0 first), and a refusal may make it the
         claimant (not with `claim` False: a check on a bound, which the exact count decides again)."""
         self._share.seen(now)
+        self.fleet.decided(now)
         if self._share.capacity is None:
             return True, None
         candidate = self._ledger.new_lease(
@@ -336,6 +338,7 @@ class KvBudget:
         if lease_id in self._ledger.leases:
             raise ValueError(f"kv_budget: lease {lease_id!r} already admitted")
         self._share.seen(now)
+        self.fleet.decided(now)
         lease = self._ledger.new_lease(
             prompt_tokens, expected_completion, learner_key, now, sequences, committed
         )

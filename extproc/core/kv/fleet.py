@@ -24,13 +24,23 @@ other does not take it); together they never take more than there was. Counting 
 want KV, or to hold leases, was not enough: a replica is heard only at its next publication, and two gateways
 whose bursts began at once each took the whole cache.
 
+Half of each exchange's free room left to a replica that admits nothing cost the busy one the room of about
+two requests (90 % of one gateway's throughput with every client on one of two gateways). So a replica quiet
+for `YIELD_AFTER_S` yields (`Claim`): it publishes that it takes only a sliver (`YIELDED_PART`) of the free
+room, and the others divide the rest. Yielding is safe at once (it takes less); taking its part back is not,
+so a yielded replica that meets a request asks first: it publishes that it no longer yields and keeps to its
+sliver until every other replica has published after that, in the store's own time (`Peers.oldest_ms`), and so
+has read the ask and stopped counting on the room. However the exchanges interleave, the parts the replicas
+take of the room they saw sum to at most one.
+
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 
 PUBLISH_EVERY_S = 0.05
 """The shortest interval between two publications of one pool's figures by one replica: a burst of decisions
@@ -44,6 +54,18 @@ COUNTS_FRESH_S = 0.25
 """How recent the others' figures must be for the engine's running count to be read against their leases
 (`Fleet.finished_allowance`): a replica publishes within `PUBLISH_EVERY_S` of a change, so a read this recent
 has what they ended."""
+
+YIELD_AFTER_S = 2.0
+"""How long a replica has made no KV decision (no request checked against its budget) before it yields its
+part of the free room to the others: two feed samples, longer than the gap between a few clients' requests."""
+
+YIELDED_PART = 0.05
+"""The part of the free room a yielded (or asking) replica may still take at each exchange: enough for a small
+request without asking, and little enough that the busy replicas beside it take nearly all of the room."""
+
+ASKING_HINT_S = 1.0
+"""The most a request refused while its replica asks for its part is told to wait (`KvBudget.retry_after`):
+the others answer an ask at their next publication, at the latest their next feed sample."""
 
 REPLICA_TTL_S = 5.0
 """How long a replica's published figures count after their publication: a replica that died, or lost the
@@ -59,19 +81,21 @@ class ReplicaShare:
     - `held`: the KV its leases explain now (prompt less shared chunks, plus tokens generated);
     - `settled`: the sequences of its leases admitted long enough ago to be in the engine's gauges, which the
       engine runs unless it has finished them;
-    - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees).
+    - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees);
+    - `yielding`: 1 while it yields its part of the free room (`Claim.YIELDED`), else 0 (summed: how many).
     """
 
     booked: int = 0
     held: int = 0
     settled: int = 0
     candidates: int = 0
+    yielding: int = 0
 
     def plus(self, other: ReplicaShare) -> ReplicaShare:
         return ReplicaShare(*(a + b for a, b in zip(self.fields(), other.fields(), strict=True)))
 
-    def fields(self) -> tuple[int, int, int, int]:
-        return (self.booked, self.held, self.settled, self.candidates)
+    def fields(self) -> tuple[int, int, int, int, int]:
+        return (self.booked, self.held, self.settled, self.candidates, self.yielding)
 
 
 NOBODY = ReplicaShare()
@@ -80,10 +104,28 @@ NOBODY = ReplicaShare()
 
 @dataclass(frozen=True, slots=True)
 class Peers:
-    """The sum of the other live replicas' figures of a pool, as the store last answered, and how many."""
+    """The sum of the other live replicas' figures of a pool, as the store last answered, and how many; and,
+    in the store's clock (ms), when it answered (`now_ms`) and the oldest last publication of the others that
+    do not yield (`oldest_ms`, -1 where every other yields): an ask is heard once that is later than the
+    ask's own exchange. A replica that says it yields takes only its sliver until it has heard this one
+    again, so it need not have read the ask. The two times are when, not what: left out of equality."""
 
     share: ReplicaShare = NOBODY
     replicas: int = 0
+    now_ms: int = field(default=0, compare=False)
+    oldest_ms: int = field(default=0, compare=False)
+
+
+class Claim(Enum):
+    """What a replica takes of the free room at each exchange (`Fleet.budget`)."""
+
+    FULL = "full"
+    """Its part: the room less the yielded replicas' slivers, divided between those that do not yield."""
+    YIELDED = "yielded"
+    """Quiet for `YIELD_AFTER_S`: a sliver (`YIELDED_PART`); the others count on the rest."""
+    ASKING = "asking"
+    """It wants its part again (or has just started): the sliver until every other replica has published
+    after its ask, and so stopped counting on the room it yielded."""
 
 
 class Fleet:
@@ -97,6 +139,11 @@ class Fleet:
         self._read_at: float | None = None
         self._own_at_read = 0  # what this replica had booked at the exchange the peers came with
         self._own_low = 0  # the least it has booked since (`budget`): what it released meanwhile
+        self.claim = Claim.ASKING  # a replica that starts takes its part once the others have heard of it
+        self._asked_ms: int | None = None  # the store's time of the exchange that carried the ask
+        self._sent_yielding = False  # what its last published figures said
+        self._decided_at: float | None = None  # its latest KV decision (`decided`)
+        self._owes_ack = False  # another replica asked (or joined) since this one last published
 
     def share_through_store(self, fallback_share: float) -> None:
         """Replicas share this pool through a store; `fallback_share` of the pool is this replica's while the
@@ -110,8 +157,62 @@ class Fleet:
         """The store's answer at `now` (None: it did not answer) to an exchange in which this replica had
         booked `own_booked`."""
         if peers is not None:
+            before = self._peers
+            if before is not None and (
+                peers.share.yielding < before.share.yielding or peers.replicas > before.replicas
+            ):
+                self._owes_ack = True  # the asker waits for this replica's next publication
             self._peers, self._read_at, self._own_at_read = peers, now, own_booked
             self._own_low = own_booked
+            self._heard(peers)
+
+    @property
+    def must_publish(self) -> bool:
+        """Whether this replica's figures should go out now rather than at its next change: while it asks (the
+        ask, then again until the others have heard it), or another replica's ask it has not yet answered."""
+        return self._owes_ack or self.claim is Claim.ASKING
+
+    def asking(self, now: float | None) -> bool:
+        """Whether this replica books on its sliver while the others it knows hear its ask."""
+        return self.claim is Claim.ASKING and self.peers(now) is not None
+
+    def told(self, eta: float | None, now: float | None) -> float | None:
+        """The `retry-after` of a request refused at `now`, expected to fit in `eta` seconds: refused on its
+        sliver while the others hear the ask, it need wait only until then (`ASKING_HINT_S`); and a replica
+        that told a client when to come back is not quiet before then."""
+        if self.asking(now):
+            eta = ASKING_HINT_S if eta is None else min(eta, ASKING_HINT_S)
+        if now is not None and eta is not None:
+            self.decided(now + eta)
+        return eta
+
+    def _heard(self, peers: Peers) -> None:
+        """An asking replica's ask went out with the first exchange that did not say it yields; it takes its
+        part once every other replica that does not yield has published since (or there is none)."""
+        if self.claim is not Claim.ASKING:
+            return
+        if self._asked_ms is None and not self._sent_yielding:
+            self._asked_ms = peers.now_ms
+        if self._asked_ms is not None and (peers.oldest_ms < 0 or peers.oldest_ms > self._asked_ms):
+            self.claim, self._asked_ms = Claim.FULL, None
+
+    def decided(self, now: float | None) -> None:
+        """A request was checked against this replica's budget at `now`: a yielded replica asks for its part
+        (it keeps to its sliver until the others have heard)."""
+        if now is not None and (self._decided_at is None or now > self._decided_at):
+            self._decided_at = now
+        if self.claim is Claim.YIELDED:
+            self.claim, self._asked_ms = Claim.ASKING, None
+
+    def publishing(self, now: float) -> int:
+        """This replica's figures are taken at `now` for the others: a replica with no KV decision for
+        `YIELD_AFTER_S` yields from now on (safe at once: it takes less). Returns `ReplicaShare.yielding`."""
+        quiet = self._decided_at is None or now - self._decided_at >= YIELD_AFTER_S
+        if self.claim is Claim.FULL and self.shared and quiet:
+            self.claim = Claim.YIELDED
+        self._sent_yielding = self.claim is Claim.YIELDED
+        self._owes_ack = False
+        return int(self._sent_yielding)
 
     def peers(self, now: float | None) -> Peers | None:
         """The others' figures; None while unknown: not shared, never read, or last read too long ago."""
@@ -133,8 +234,8 @@ class Fleet:
         pool's `unexplained` KV included (the engine correction every replica adds alike):
 
         - shared, the others known: what it had booked at the exchange, plus its part of the room nobody had
-          booked then, divided between the live replicas (this one and the others that published lately), at
-          most `ceiling` (`capacity_share`) of the target. What it released since (the least of `own_now`,
+          booked then (its `Claim`'s part: divided between the live replicas that do not yield), at most
+          `ceiling` (`capacity_share`) of the target. What it released since (the least of `own_now`,
           what it books at each decision, since the exchange) is free room too, its part only: a replica
           whose queue wakes at its own release would otherwise take all of it back before the others hear of
           it, and starve them;
@@ -147,13 +248,20 @@ class Fleet:
                 self._own_low = min(self._own_low, math.ceil(own_now))
             free = target_tokens - self._own_at_read - unexplained - peers.share.booked
             released = self._own_at_read - self._own_low
-            # Every live replica may admit at any moment: counting only those heard to be active, two
-            # gateways whose bursts came at once each took the whole cache (booked 28,504 tokens of 14,745
-            # together, and the engine preempted) before either had heard of the other's.
-            part = self._own_low + unexplained + (free + released) / (1 + peers.replicas)
+            part = self._own_low + unexplained + (free + released) * self._part(peers)
             return math.floor(min(target_tokens * ceiling, part))
         share = min(ceiling, self.fallback_share) if self.shared else ceiling
         return math.floor(target_tokens * share)
+
+    def _part(self, peers: Peers) -> float:
+        """This replica's part of the free room (`Claim`). Every live replica that does not yield may admit at
+        any moment: counting only those heard to be active, two gateways whose bursts came at once each took
+        the whole cache (booked 28,504 tokens of 14,745 together, and the engine preempted) before either had
+        heard of the other's; so a replica leaves its part only by saying so."""
+        if self.claim is not Claim.FULL:
+            return YIELDED_PART
+        yielded = min(peers.share.yielding, peers.replicas)
+        return (1.0 - YIELDED_PART * yielded) / (1 + peers.replicas - yielded)
 
     def others_booked(self, now: float | None) -> int:
         peers = self.peers(now)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge
 
 from extproc.core.kv.budget import KvBudget
+from extproc.core.kv.fleet import Claim
 
 TENANT_SERIES = 20
 """Tenants shown by name in `extproc_kv_attained_service_share`, per pool: those who received most lately;
@@ -93,6 +94,14 @@ class KvBudgetMetrics:
             ["pool"],
             registry=registry,
         )
+        self.claim = Gauge(
+            "extproc_kv_fleet_claim",
+            "1 for what this replica takes of the pool's free room now (state: full, its part; yielded, a "
+            "sliver, quiet a while; asking, a sliver until the other replicas have heard it wants its part), "
+            "0 for the other states. Only read where replicas share a store.",
+            ["pool", "state"],
+            registry=registry,
+        )
 
     def _fairness_series(self, registry: CollectorRegistry) -> None:
         self.fairness = Gauge(
@@ -152,3 +161,5 @@ class KvBudgetMetrics:
         peers = budget.fleet.peers(now)
         self.peers_booked.labels(pool).set(peers.share.booked if peers is not None else 0)
         self.peers_known.labels(pool).set(1.0 if peers is not None else 0.0)
+        for claim in Claim:
+            self.claim.labels(pool, claim.value).set(1.0 if budget.fleet.claim is claim else 0.0)

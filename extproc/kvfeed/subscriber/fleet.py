@@ -79,6 +79,8 @@ class FleetExchange:
             if peers is not None:
                 self.exchanges += 1
             budget.observe_peers(peers, self._clock())
+            if peers is not None and budget.fleet.must_publish:  # an ask, this one's or another's, waits
+                self._dirty.add(pool)
             self._on_peers(pool)
             if peers is not None:  # the store answers: the runs go second, the budget waits on nothing
                 await self._exchange_runs(pool)

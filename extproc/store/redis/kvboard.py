@@ -34,7 +34,7 @@ class RedisKvBoard:
             self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
         )
         values = [int(v) for v in raw]
-        return Peers(ReplicaShare(*values[1:5]), values[0])
+        return Peers(ReplicaShare(*values[1:6]), values[0], now_ms=values[6], oldest_ms=values[7])
 
     async def exchange_runs(self, pool: str, figures: RunFigures) -> dict[str, RunFigures]:
         """One RUNS_POOL call; raises `RedisUnavailable` as `exchange` does."""

@@ -37,6 +37,26 @@ async def test_each_replica_reads_the_sum_of_the_others(redis_url: str) -> None:
             await store.close()
 
 
+async def test_the_answer_says_when_the_others_last_published_in_the_stores_clock(redis_url: str) -> None:
+    """An asking replica takes its part once every other that does not yield published after its ask
+    (`Claim.ASKING`): the answer carries the server's time and the oldest of those publications, and sums
+    who yields."""
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(3)]
+    try:
+        a, b, c = (store.kv_board() for store in stores)
+        first = await a.exchange("llama", A)
+        assert first.oldest_ms == -1  # nobody else: the ask is heard at once
+        second = await b.exchange("llama", ReplicaShare(booked=10, yielding=1))
+        assert second.oldest_ms == first.now_ms <= second.now_ms
+        third = await c.exchange("llama", B)
+        assert third.share.yielding == 1 and third.oldest_ms == first.now_ms
+        again = await a.exchange("llama", A)  # b yields: only c's publication counts
+        assert again.oldest_ms == third.now_ms
+    finally:
+        for store in stores:
+            await store.close()
+
+
 async def test_a_replica_that_stops_publishing_stops_counting(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -84,10 +104,12 @@ def budget() -> KvBudget:
 
 
 async def exchanged(fleet: FleetExchange, budget: KvBudget) -> None:
+    """One more exchange of `budget`'s figures (the interval between two may delay it), and any it owes."""
+    before = fleet.exchanges + fleet.failures
     fleet.changed("llama", budget)
     for _ in range(100):
         await asyncio.sleep(0.01)
-        if fleet.exchanges + fleet.failures and not fleet._tasks:
+        if fleet.exchanges + fleet.failures > before and not fleet._tasks:
             return
     raise AssertionError("no exchange")
 
@@ -100,17 +122,23 @@ async def test_two_replicas_divide_a_pool_by_demand_through_redis(redis_url: str
     idle = FleetExchange(stores[1].kv_board(), clock=lambda: clock[0])
     try:
         await exchanged(idle, idle_budget)
+        await exchanged(busy, busy_budget)  # the busy replica's ask
+        await exchanged(idle, idle_budget)  # heard: the idle one, which never decided, yields meanwhile
         admitted = 0
-        for step in range(6):  # half of the free room at each exchange: the idle replica may admit too
+        for step in range(6):  # all the free room but the idle replica's sliver at each exchange
             await exchanged(busy, busy_budget)
             while busy_budget.would_fit(500, 500, now=step * 0.1)[0]:
                 busy_budget.admit(f"a{admitted}", 500, 500, now=step * 0.1)
                 admitted += 1
-        assert admitted >= 7  # past the 5 of a fixed half (its leases progress: the forecast frees some)
+        assert admitted >= 9  # past the 5 of a fixed half
         clock[0] = 1.0
         await exchanged(busy, busy_budget)
         await exchanged(idle, idle_budget)
-        assert 0 < (idle_budget.budget_tokens or 0) <= 2_500  # half of what the busy one left
+        assert not idle_budget.would_fit(500, 500, now=1.0)[0]  # its sliver; now it asks
+        await exchanged(idle, idle_budget)
+        await exchanged(busy, busy_budget)
+        await exchanged(idle, idle_budget)
+        assert 0 < (idle_budget.budget_tokens or 0) <= 1_000  # half of what the busy one left
         assert not idle_budget.would_fit(2_000, 1_000, now=1.0)[0]
     finally:
         await busy.close()
