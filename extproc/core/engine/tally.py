@@ -31,10 +31,11 @@ pace (nearly so on a GPU; on a CPU engine a sequence among eight runs at a fract
 
 A count needs a point at or before `start` and one at or after `stop + tail`: the caller waits for the latter
 (`after(t, callback)`, called at the first point at or after `t`). Points are read at the sidecar's clock
-when the sample arrived less the scrape's duration (the counters were read no earlier). Memory is bounded:
-at most `max_points` per pool, one per `min_spacing_s` (a newer one replaces a last one that came
-sooner), 20,000 at 0.1 s, over half an hour at ten samples a second: a request older than the points kept
-gets no count (None), and the caller charges its pace estimate. An endpoint whose counter goes back (a
+when the sample arrived less the scrape's duration (the counters were read no earlier). Memory is bounded
+(`series.Series`, as for the other replicas' runs below): at most `max_points` per pool, one per
+`min_spacing_s` (a newer one replaces a last one that came sooner), 20,000 at 0.1 s, over half an hour
+at ten samples a second: a request older than the points kept gets no count (None), and the caller charges
+its pace estimate. An endpoint whose counter goes back (a
 restart) starts a new baseline; one gone from the feed (`forget`) leaves the sum as it was. Runs: every
 request in flight here, and the last `MAX_ENDED_RUNS` ended (20,000: older ones count among the unknown),
 none begun over `MAX_RUN_S` (two hours) before the newest.
@@ -69,6 +70,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
+from extproc.core.engine.series import Series
+
 log = logging.getLogger(__name__)
 
 MAX_POINTS = 20_000
@@ -100,9 +103,9 @@ def no_tally(pool: str) -> EngineTally | None:
 
 @dataclass(frozen=True, slots=True)
 class TallyPoint:
-    """The pool at one reading: `generated` tokens since the tally began, `running` sequences then."""
+    """The pool at one reading (its time kept by the `Series`): `generated` tokens since the tally began,
+    `running` sequences then."""
 
-    at: float
     generated: float
     running: float
 
@@ -120,18 +123,15 @@ class RunFigures:
 
 
 class PeerRuns:
-    """The other replicas' runs of one pool over time, read from the store: their sequence-seconds summed as
-    a counter (each replica's own a baseline of its first reading, one gone and back a new one, as an
-    endpoint's generation counter is), and the sequences they ran and showed at each reading. Bounded as
-    the tally's points are."""
+    """The other replicas' runs of one pool over time, read from the store: their figures summed at each
+    reading, the sequence-seconds as a counter (each replica's own a baseline of its first reading, one gone
+    and back a new one, as an endpoint's generation counter is). Bounded as the tally's points are
+    (`series.Series`)."""
 
     def __init__(self, max_points: int = MAX_POINTS, min_spacing_s: float = MIN_SPACING_S) -> None:
-        self.max_points = max_points
-        self.min_spacing_s = min_spacing_s
         self._last: dict[str, float] = {}  # replica -> its seconds last read
         self._seconds = 0.0
-        self._times: list[float] = []
-        self._readings: list[tuple[float, RunFigures]] = []  # (seconds summed, the sums of the figures)
+        self._readings: Series[RunFigures] = Series(max_points, min_spacing_s)
 
     def observe(self, replicas: Mapping[str, RunFigures], at: float) -> None:
         """The figures of every other live replica, read at `at`; a replica not among them is gone."""
@@ -142,40 +142,32 @@ class PeerRuns:
         self._last = {name: figures.seconds for name, figures in replicas.items()}
         running = sum(f.running for f in replicas.values())
         shown = sum(f.shown for f in replicas.values())
-        at = max(at, self._times[-1]) if self._times else at
-        reading = (self._seconds, RunFigures(self._seconds, running, shown))
-        times = self._times
-        if len(times) > 1 and times[-1] - times[-2] < self.min_spacing_s:
-            self._readings[-1], times[-1] = reading, at
-        else:
-            self._readings.append(reading)
-            times.append(at)
-        if len(times) > self.max_points:
-            drop = len(times) - self.max_points * 3 // 4
-            del self._readings[:drop], self._times[:drop]
+        self._readings.add(at, RunFigures(self._seconds, running, shown))
 
     def seconds_at(self, at: float) -> float:
         """Their sequence-seconds by `at`: between two readings, along the line between them; before the
         first, its value; past the last, grown at the sequences then running, for `PEER_STALE_S` at most."""
-        times = self._times
+        readings = self._readings
+        times, items = readings.times, readings.items
         if not times:
             return 0.0
-        i = bisect.bisect_right(times, at)
+        i = readings.at_or_before(at) + 1
         if i == 0:
-            return self._readings[0][0]
-        t0, (s0, figures) = times[i - 1], self._readings[i - 1]
+            return items[0].seconds
+        t0, s0 = times[i - 1], items[i - 1].seconds
         if i == len(times):
-            return s0 + figures.running * min(at - t0, PEER_STALE_S)
-        t1, s1 = times[i], self._readings[i][0]
+            return s0 + items[i - 1].running * min(at - t0, PEER_STALE_S)
+        t1, s1 = times[i], items[i].seconds
         return s0 + (s1 - s0) * (at - t0) / (t1 - t0) if t1 > t0 else s1
 
     def shown_at(self, at: float) -> float:
         """Their sequences that may be running at `at`: those the last reading at or before it showed, none
         where that reading is over `PEER_STALE_S` older (or none is)."""
-        i = bisect.bisect_right(self._times, at) - 1
-        if i < 0 or at - self._times[i] > PEER_STALE_S:
+        readings = self._readings
+        i = readings.at_or_before(at)
+        if i < 0 or at - readings.times[i] > PEER_STALE_S:
             return 0.0
-        return self._readings[i][1].shown
+        return readings.items[i].shown
 
 
 @dataclass(slots=True)
@@ -199,10 +191,7 @@ class EngineTally:
     """One pool's generation counters over time (see the module docstring)."""
 
     def __init__(self, max_points: int = MAX_POINTS, min_spacing_s: float = MIN_SPACING_S) -> None:
-        self.max_points = max_points
-        self.min_spacing_s = min_spacing_s
-        self._points: list[TallyPoint] = []
-        self._times: list[float] = []  # `at` of each point, for bisect
+        self._points: Series[TallyPoint] = Series(max_points, min_spacing_s)
         self._endpoints: dict[str, tuple[float, float]] = {}  # endpoint -> (counter, running) last read
         self._generated = 0.0
         self._waiters: list[tuple[float, int, Callable[[], None]]] = []
@@ -295,18 +284,7 @@ class EngineTally:
         if before is not None and counter >= before[0]:
             self._generated += counter - before[0]
         running_now = sum(r for _, r in self._endpoints.values())
-        at = max(at, self._times[-1]) if self._times else at  # samples arrive in order; their scrapes vary
-        point = TallyPoint(at, self._generated, running_now)
-        times = self._times
-        if len(times) > 1 and times[-1] - times[-2] < self.min_spacing_s:
-            self._points[-1], times[-1] = point, at  # the last one came too soon after its predecessor
-        else:
-            self._points.append(point)
-            times.append(at)
-        if len(self._points) > self.max_points:
-            drop = len(self._points) - self.max_points * 3 // 4
-            del self._points[:drop], self._times[:drop]
-        self._wake(self._times[-1])
+        self._wake(self._points.add(at, TallyPoint(self._generated, running_now)))
 
     def forget(self, endpoint: str) -> None:
         """An endpoint left the feed (or its scrape failed): its next reading starts a new baseline."""
@@ -319,7 +297,7 @@ class EngineTally:
 
     def after(self, at: float, callback: Callable[[], None]) -> None:
         """Call `callback` once a point at or after `at` exists (at once if one does)."""
-        if self._closed or (self._times and self._times[-1] >= at):
+        if self._closed or self.covers(at):
             callback()
             return
         heapq.heappush(self._waiters, (at, next(self._order), callback))
@@ -347,11 +325,12 @@ class EngineTally:
 
     def covers(self, at: float) -> bool:
         """Whether a point at or after `at` exists."""
-        return bool(self._times) and self._times[-1] >= at
+        last = self._points.last_at()
+        return last is not None and last >= at
 
     def reaches_back(self, at: float) -> bool:
         """Whether a point at or before `at` is kept: a request that started then can be counted."""
-        return bool(self._times) and self._times[0] <= at
+        return self._points.at_or_before(at) >= 0
 
     def count(
         self, start: float, stop: float, sequences: int, tail: float = 0.0, key: Hashable | None = None
@@ -360,15 +339,17 @@ class EngineTally:
         run `tail` seconds more (the engine finishing the step the abort found), per the module docstring;
         `key`, its own run among this sidecar's. None where the points kept do not reach from before
         `start` to `stop + tail`."""
-        times = self._times
-        first = bisect.bisect_right(times, start) - 1
-        last = bisect.bisect_left(times, stop + tail)
-        if first < 0 or last >= len(times) or stop < start:
+        series = self._points
+        first, last = series.at_or_before(start), series.at_or_after(stop + tail)
+        if first < 0 or last >= len(series) or stop < start:
             return None
         window = _Window(start, stop, stop + tail, max(1, sequences))
-        points = self._points[first : last + 1]
-        known = self._known(times[first : last + 1], key, max(tail, SHOWN_AFTER_STOP_S))
-        return sum(window.share(points[i], points[i + 1], known[i]) for i in range(len(points) - 1))
+        times, points = series.times[first : last + 1], series.items[first : last + 1]
+        known = self._known(times, key, max(tail, SHOWN_AFTER_STOP_S))
+        return sum(
+            window.share(times[i], points[i], times[i + 1], points[i + 1], known[i])
+            for i in range(len(points) - 1)
+        )
 
     def _known(self, times: list[float], key: Hashable | None, shown_s: float) -> list[_Known]:
         """For each interval between `times`, this sidecar's other requests: the sequences that may be
@@ -431,7 +412,7 @@ class _Window:
     tail_end: float
     ours: int
 
-    def share(self, p0: TallyPoint, p1: TallyPoint, known: _Known) -> float:
+    def share(self, t0: float, p0: TallyPoint, t1: float, p1: TallyPoint, known: _Known) -> float:
         """Our part of the tokens generated between two points: in proportion to the sequence-seconds we
         ran in it against the others'. The others this sidecar admitted ran as it saw them (`known`); the
         rest, the running count at each end less ours where we may have run then and the known ones,
@@ -439,25 +420,27 @@ class _Window:
         generated = p1.generated - p0.generated
         if generated <= 0.0:
             return 0.0
-        if p0.at >= self.stop:
-            return self._tail(p0, p1, known, generated)
-        ran = min(p1.at, self.stop) - max(p0.at, self.start)
+        if t0 >= self.stop:
+            return self._tail(t0, p0, t1, p1, known, generated)
+        ran = min(t1, self.stop) - max(t0, self.start)
         if ran <= 0.0:
             return 0.0
-        unknown = (self._unknown(p0, known.at_start) + self._unknown(p1, known.at_end)) / 2
+        unknown = (self._unknown(t0, p0, known.at_start) + self._unknown(t1, p1, known.at_end)) / 2
         ours_s = self.ours * ran
-        return generated * ours_s / (known.seconds + unknown * (p1.at - p0.at) + ours_s)
+        return generated * ours_s / (known.seconds + unknown * (t1 - t0) + ours_s)
 
-    def _tail(self, p0: TallyPoint, p1: TallyPoint, known: _Known, generated: float) -> float:
+    def _tail(
+        self, t0: float, p0: TallyPoint, t1: float, p1: TallyPoint, known: _Known, generated: float
+    ) -> float:
         """An interval after `stop`, starting before `tail_end`: ours where the reading at its start shows
         our sequences still running (no more running than ours beside the known others) and the one at its
         end the engine idle, in proportion to the known others' time in it; else nothing."""
         unknown = p0.running - known.at_start
-        if p0.at >= self.tail_end or p1.running != 0 or not 0 < unknown <= self.ours:
+        if t0 >= self.tail_end or p1.running != 0 or not 0 < unknown <= self.ours:
             return 0.0
-        ours_s = self.ours * (p1.at - p0.at) / 2
+        ours_s = self.ours * (t1 - t0) / 2
         return generated * ours_s / (known.seconds + ours_s)
 
-    def _unknown(self, point: TallyPoint, known: float) -> float:
-        ours_then = self.start < point.at < self.tail_end
+    def _unknown(self, at: float, point: TallyPoint, known: float) -> float:
+        ours_then = self.start < at < self.tail_end
         return max(0.0, point.running - (self.ours if ours_then else 0) - known)
