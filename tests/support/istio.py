@@ -87,6 +87,13 @@ def apply_envoy_filter(bootstrap: dict[str, Any], patches: list[dict[str, Any]])
         elif (kind, op) == ("NETWORK_FILTER", "MERGE"):
             assert value["name"] == HCM
             merge(hcm_filter, value)
+        elif (kind, op) == ("HTTP_ROUTE", "MERGE"):
+            name = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+            vhosts = hcm_filter["typed_config"]["route_config"]["virtual_hosts"]
+            routes = [r for vhost in vhosts for r in vhost["routes"] if r.get("name") == name]
+            assert routes, f"no route named {name}"
+            for route in routes:
+                merge(route, value)
         elif (kind, op) == ("VIRTUAL_HOST", "MERGE"):
             for vhost in hcm_filter["typed_config"]["route_config"]["virtual_hosts"]:
                 merge(vhost, value)

@@ -3,12 +3,12 @@
 The objects checked are the output of `kubectl kustomize` on every shipped kustomization
 (tests/unit/k8s/kustomize_build.py), plus the Istio EnvoyFilter, which is applied on its own. Built-in objects
 validate against the Kubernetes OpenAPI schemas for KUBERNETES_VERSION shipped in the `kubernetes-validate`
-package (strict: unknown fields are errors). Custom resources (Envoy Gateway policies, the Istio EnvoyFilter,
-Prometheus Operator objects) validate against our own JSON Schemas in tests/data/schemas/, one per group,
-version and kind: each states the part of the published CRD's openAPIV3Schema that our manifests touch (every
-allowed field name at the levels we use, so a misspelt field is refused as by `kubectl apply`; types, enums,
-patterns, required fields; the CEL rules of those levels as JSON Schema conditions) and names the CRD release
-it was derived from.
+package (strict: unknown fields are errors). Custom resources (Envoy Gateway policies, Istio's EnvoyFilters
+and DestinationRule, Prometheus Operator objects) validate against our own JSON Schemas in
+tests/data/schemas/, one per group, version and kind: each states the part of the published CRD's
+openAPIV3Schema that our manifests touch (every allowed field name at the levels we use, so a misspelt field
+is refused as by `kubectl apply`; types, enums, patterns, required fields; the CEL rules of those levels as
+JSON Schema conditions) and names the CRD release it was derived from.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ CUSTOM_RESOURCES = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("networking.istio.io/v1alpha3", "EnvoyFilter"),
+    ("networking.istio.io/v1", "DestinationRule"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
 }
@@ -113,9 +114,20 @@ def parsed_objects() -> tuple[tuple[str, dict[str, Any]], ...]:
     return tuple(objects())
 
 
+BROKEN_NAMES = {"EnvoyFilter": "extproc-admission"}
+"""The object a kind's cases below break, where it ships more than one: the patches they index are its."""
+
+
 def shipped(kind: str) -> dict[str, Any]:
-    """A deep copy of the first shipped object of this kind, to break."""
-    return copy.deepcopy(next(doc for _, doc in parsed_objects() if doc["kind"] == kind))
+    """A deep copy of the first shipped object of this kind (of BROKEN_NAMES' name, if any), to break."""
+    name = BROKEN_NAMES.get(kind)
+    return copy.deepcopy(
+        next(
+            doc
+            for _, doc in parsed_objects()
+            if doc["kind"] == kind and name in (None, doc["metadata"]["name"])
+        )
+    )
 
 
 def test_builtin_objects_validate_against_the_kubernetes_schema() -> None:
@@ -481,6 +493,28 @@ BROKEN: list[Any] = [
         ("spec", "configPatches", 2, "match"),
         "not",
         id="ef-two-match-kinds",
+    ),
+    pytest.param(
+        "EnvoyFilter",
+        lambda d: patch(d)["match"].update(routeConfiguration={"vhost": {"route": {"nam": "x"}}}),
+        ("spec", "configPatches", 0, "match", "routeConfiguration", "vhost", "route"),
+        "additionalProperties",
+        id="ef-misspelt-route-name-match",
+    ),
+    # DestinationRule
+    pytest.param(
+        "DestinationRule",
+        lambda d: rename(d["spec"]["trafficPolicy"]["connectionPool"]["http"], "idleTimeout", "idleTimout"),
+        ("spec", "trafficPolicy", "connectionPool", "http"),
+        "additionalProperties",
+        id="dr-misspelt-idleTimeout",
+    ),
+    pytest.param(
+        "DestinationRule",
+        lambda d: d["spec"].pop("host"),
+        ("spec",),
+        "required",
+        id="dr-without-host",
     ),
     # ServiceMonitor
     pytest.param(
