@@ -87,3 +87,14 @@ def test_the_engine_tier_installs_its_own_lock() -> None:
         assert match, f'scripts/engine-env.sh: no {variable}="name==version"'
         name, version = canonicalize_name(match["name"]), match["version"]
         assert pins.get(name) == version, f"{name}: the script asks {version}, the lock pins {pins.get(name)}"
+
+
+def test_the_locks_header_names_this_test_where_it_is() -> None:
+    """requirements.lock's header is what scripts/lock.sh writes, and the test it names to a reader is this
+    one, at its path: both went on naming tests/unit/ after the test moved to tests/unit/project/."""
+    here = Path(__file__).resolve().relative_to(REPO).as_posix()
+    header = [line for line in LOCK.read_text().splitlines() if line.startswith("#")]
+    script = (REPO / "scripts" / "lock.sh").read_text()
+    written = re.findall(r'^\s*echo "(#[^"]*)"$', script, re.MULTILINE)
+    assert header == written, "requirements.lock's header is not what scripts/lock.sh writes"
+    assert [path for line in header for path in re.findall(r"tests/\S+\.py", line)] == [here]
