@@ -11,7 +11,7 @@ outcome. It takes nothing it does not give back: the KV booking is given back wi
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from extproc.admission.capacity.booking import KvGate
 from extproc.admission.capacity.queueing import WAITABLE, AdmissionQueue, DeadlineUnmet, QueueFull
@@ -20,8 +20,11 @@ from extproc.admission.intake.rules import AdmissionRules
 from extproc.admission.replies import refusals
 from extproc.admission.replies.verdicts import Hold, Refusal
 from extproc.admission.service import AdmissionService
-from extproc.core.limiter.limiter import Lease, Rejection
+from extproc.core.limiter.limiter import Lease, RateLimitStatus, Rejection
 from extproc.core.ports import StoreUnavailable
+
+Refuse = Callable[[RateLimitStatus | None], Refusal]
+"""A refusal decided, awaiting the limiter's view of the request's keys for its `x-ratelimit-*` headers."""
 
 
 class Acquisition:
@@ -36,10 +39,11 @@ class Acquisition:
         self.limit_pool = limit_pool
         self.rules = rules
 
-    def keys(self) -> list[str]:
-        """The limiter keys of this request, and the derived keys of those with split input/output limits."""
+    def keys(self, model: bool = True) -> list[str]:
+        """The limiter keys of this request, and the derived keys of those with split input/output limits;
+        without its model's (`model` False) where which model it asks is not known yet."""
         keys = ["global", f"model:{self.limit_pool}", f"tenant:{self.request.tenant}"]
-        return self.rules.split_keys.keys_for(keys)
+        return self.rules.split_keys.keys_for(keys if model else [keys[0], keys[2]])
 
     def may_wait(self, shadow: bool) -> bool:
         """Whether this request may wait in its class's queue (not in shadow mode: it would delay it)."""
@@ -85,12 +89,13 @@ class Acquisition:
         self, queue: AdmissionQueue, keys: list[str], gate: KvGate, run_s: float, refused: Rejection | None
     ) -> AsyncIterator[Lease | Rejection | Refusal | Hold]:
         """Wait in the class's queue, `refused` so by the try now (None: it did not fit the KV or queued
-        behind others): `Hold` first, then the lease, or the rejection or refusal that ended the wait."""
-        unmet = self._deadline_unmet(queue, keys, run_s, refused)
-        if unmet is not None:
-            yield unmet  # its deadline is out of reach: refused now, not when it passes
-            return
+        behind others): `Hold` first, then the lease, or the rejection or refusal that ended the wait. Each
+        refusal carries the limiter's view of the request's keys (`status`)."""
         max_wait, by_deadline = self._max_wait()
+        refuse = self._deadline_unmet(queue, keys, run_s, refused)
+        if refuse is not None:
+            yield refuse(await self.status())  # its deadline is out of reach: refused now, not when it passes
+            return
         # The proxy's per-message timer must not fire while the request waits for capacity.
         yield Hold(math.ceil(max_wait) + 1)
         request, plan = self.request, gate.plan
@@ -109,19 +114,31 @@ class Acquisition:
                 plan.completion_tokens,
             )
         except QueueFull:
-            yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds)
+            status = await self.status()
+            yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds, status=status)
             return
         except DeadlineUnmet as exc:
-            yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta)
+            yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta, await self.status())
             return
         if result is None:
-            yield (
-                self._deadline_passed()
-                if by_deadline
-                else refusals.queue_refused("queue_timeout", klass.name, max_wait)
-            )
+            if by_deadline:
+                yield self._deadline_passed()(await self.status())
+            else:
+                status = await self.status()
+                yield refusals.queue_refused("queue_timeout", klass.name, max_wait, status=status)
             return
         yield result
+
+    async def status(self, keys: list[str] | None = None) -> RateLimitStatus | None:
+        """The limiter's view of this request's `keys` (default: all of them) for its class, for a 429's
+        `x-ratelimit-*` headers: OpenAI sends them on every 429 and SDK users read them off whichever 429
+        they get. None where the store cannot say now (`StoreUnavailable`): the refusal goes without them
+        rather than fail."""
+        asked = self.keys() if keys is None else keys
+        try:
+            return await self.service.deps.store.status(asked, self.request.klass.name)
+        except StoreUnavailable:
+            return None
 
     def _max_wait(self) -> tuple[float, bool]:
         """How long this request may wait in its class's queue (`AdmissionRules.queue_wait`: the smallest
@@ -134,7 +151,7 @@ class Acquisition:
 
     def _deadline_unmet(
         self, queue: AdmissionQueue, keys: list[str], run_s: float, result: Rejection | None
-    ) -> Refusal | None:
+    ) -> Refuse | None:
         """A refusal when this request's deadline is out of reach before it waits: already passed, or
         earlier than its capacity is expected, or met only by pushing a request already waiting in time
         out of its own (`AdmissionQueue.deadline_refusal`, on the refusal it met trying, else its class's
@@ -145,13 +162,14 @@ class Acquisition:
             return None
         klass, ms = request.klass.name, request.deadline_ms or 0
         if request.deadline <= self.service.clock():
-            return refusals.deadline_unmet(klass, ms, None)
+            return self._deadline_passed()
         blocked = result if isinstance(result, Rejection) else queue.blocked(klass)
         if blocked is None or blocked.key not in keys:
             return None  # another tenant's or pool's own limit says nothing of this request's wait
         eta = queue.deadline_refusal(klass, request.tenant, keys, request.deadline, run_s, blocked)
-        return None if eta is None else refusals.deadline_unmet(klass, ms, eta)
+        return None if eta is None else lambda status: refusals.deadline_unmet(klass, ms, eta, status)
 
-    def _deadline_passed(self) -> Refusal:
-        """The request's own deadline ended its wait."""
-        return refusals.deadline_unmet(self.request.klass.name, self.request.deadline_ms or 0, None)
+    def _deadline_passed(self) -> Refuse:
+        """The request's own deadline ended its wait (or had passed before it began)."""
+        klass, ms = self.request.klass.name, self.request.deadline_ms or 0
+        return lambda status: refusals.deadline_unmet(klass, ms, None, status)

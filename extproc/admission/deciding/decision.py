@@ -37,7 +37,6 @@ from extproc.admission.replies.verdicts import Forward, Hold, Refusal
 from extproc.admission.service import AdmissionService
 from extproc.admission.vocabulary.errors import AdmissionError
 from extproc.core.limiter.limiter import Lease, Rejection
-from extproc.core.ports import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +119,7 @@ class Decision:
             self.limit_pool, self.model_label = resolved.limit_pool, resolved.model_label
             resolving.check(resolved, rules)
         except (AdmissionError, LaneFull) as exc:
-            yield self._invalid(exc)
+            yield await self._invalid(exc, rules, resolved=False)
             return
         deps, pool, parsed, policy = service.deps, resolved.pool, resolved.parsed, resolved.policy
         down_for = deps.engine_down_for(pool)
@@ -157,15 +156,22 @@ class Decision:
             service.metrics.tokenize_seconds.observe(service.clock() - started)
             plan = plan_reservation(parsed, counts, policy, rules.per_step)
         except (AdmissionError, LaneFull) as exc:
-            yield self._invalid(exc)
+            yield await self._invalid(exc, rules, resolved=True)
             return
         async for outcome in self.admit(Candidate(parsed, policy, pool, plan, booking), rules):
             assert outcome is not None  # only a try on the bound is sent to be counted
             yield outcome
 
-    def _invalid(self, exc: AdmissionError | LaneFull) -> Refusal:
+    async def _invalid(
+        self, exc: AdmissionError | LaneFull, rules: AdmissionRules, resolved: bool
+    ) -> Refusal:
+        """A request refused before any limit was asked: invalid, or 429 `tokenizer_busy` with the
+        `x-ratelimit-*` of its keys as every 429 carries them (its model's only once its body was read and
+        `resolved`: before, which model it asks is not known)."""
         if isinstance(exc, LaneFull):
-            return self.refuse(refusals.tokenizer_busy())
+            acquisition = Acquisition(self.service, self.request, self.limit_pool, rules)
+            status = await acquisition.status(acquisition.keys(model=resolved))
+            return self.refuse(refusals.tokenizer_busy(status))
         return self.refuse(refusals.invalid(exc))
 
     async def admit(
@@ -182,7 +188,7 @@ class Decision:
         acquisition = Acquisition(service, request, self.limit_pool, rules)
         waits = acquisition.may_wait(shadow) and not candidate.on_bound
         if not fits and not waits:
-            yield self._deny(await self._kv_refusal(candidate, headroom, acquisition.keys()), shadow)
+            yield self._deny(await self._kv_refusal(candidate, headroom, acquisition), shadow)
             return
         # Only a request that may wait holds a place in the deadlines' layout of its queue.
         run_s = self._run_seconds(candidate) if waits else 0.0
@@ -211,7 +217,7 @@ class Decision:
             yield None
         else:
             assert result is not None
-            yield await self._not_admitted(result, candidate, gate, fits, shadow, acquisition.keys())
+            yield await self._not_admitted(result, candidate, gate, fits, shadow, acquisition)
 
     async def _not_admitted(
         self,
@@ -220,9 +226,9 @@ class Decision:
         gate: KvGate,
         fits: bool,
         shadow: bool,
-        keys: list[str],
+        acquisition: Acquisition,
     ) -> Refusal | Shadowed:
-        """The outcome of a try the limiter rejected, or whose wait ended refused (on `keys`)."""
+        """The outcome of `acquisition`, a try the limiter rejected, or whose wait ended refused."""
         if isinstance(result, Rejection):
             refusal = refusals.rate_limited(
                 self.service.retry_hint(result), candidate.parsed.model, gate.plan.total
@@ -231,7 +237,7 @@ class Decision:
         if not fits and result.reason == "queue_timeout":
             # Waited its whole bound for KV: the budget's forecast says when to try again.
             headroom = gate.booking.fits(gate.request, gate.plan)[1]
-            result = await self._kv_refusal(candidate, headroom, keys)
+            result = await self._kv_refusal(candidate, headroom, acquisition)
         return self.refuse(result)
 
     def _run_seconds(self, candidate: Candidate) -> float:
@@ -241,17 +247,15 @@ class Decision:
         allowance = candidate.plan.completion_tokens / max(1, parsed.sequences * parsed.prompt_count)
         return candidate.booking.expected_completion(allowance) / self.service.paces.rate(candidate.pool)
 
-    async def _kv_refusal(self, candidate: Candidate, headroom: int | None, keys: list[str]) -> Refusal:
+    async def _kv_refusal(
+        self, candidate: Candidate, headroom: int | None, acquisition: Acquisition
+    ) -> Refusal:
         """The KV budget's 429, with its forecast `retry-after` (taken before any await: the budget's plan
-        of places is as of this decision) and the limiter's view of the request's `keys` as its
-        `x-ratelimit-*` headers, as a slot refusal carries them: OpenAI sends them on every 429 and clients
-        read them off whichever they get. Where the store cannot say now (`StoreUnavailable`), the refusal
-        goes without them rather than wait or fail."""
+        of places is as of this decision) and the limiter's view of the request's keys as its
+        `x-ratelimit-*` headers, as a slot refusal carries them (`Acquisition.status`: none where the store
+        cannot say now, rather than wait or fail)."""
         budget = candidate.booking.budget
         assert budget is not None
         wait = refusals.kv_retry_after(budget, self.service.clock())
-        try:
-            status = await self.service.deps.store.status(keys, self.request.klass.name)
-        except StoreUnavailable:
-            status = None
+        status = await acquisition.status()
         return refusals.kv_budget(candidate.parsed.model, candidate.plan.total, headroom or 0, wait, status)

@@ -3,8 +3,10 @@
 A client sees the same error envelope whatever refused it (validation, a limit, the KV budget, a queue, the
 store), with the headers its SDK reads to back off. A 429's `type` says which kind of limit refused it, as
 OpenAI's do: `requests` (a slot, a queue, a deadline), `tokens` (tokens per minute) or `kv_cache` (the KV
-budget). Messages say which limit was hit (requests or tokens, gateway, model or tenant) but never name an
-internal limiter key or a tenant id: a client learns nothing about other tenants or how limits are keyed.
+budget). Every 429 carries the `x-ratelimit-*` headers of the request's keys where the limiter's view of
+them is at hand, as OpenAI sends them on each. Messages say which limit was hit (requests or tokens, gateway,
+model or tenant) but never name an internal limiter key or a tenant id: a client learns nothing about other
+tenants or how limits are keyed.
 """
 
 from __future__ import annotations
@@ -187,17 +189,26 @@ def kv_budget(
         f"Please try again in {format_duration(retry_after_s)}."
     )
     body = error_body(message, type=KV_CACHE_LIMIT, code=RATE_LIMIT_EXCEEDED)
-    limits = ratelimit_headers(status) if status is not None else ()
-    headers = _reason("kv_budget", (*retry_headers(retry_after_s), *limits))
+    headers = _reason("kv_budget", (*retry_headers(retry_after_s), *_limits(status)))
     return Refusal(429, body, "kv_budget", headers, DETAILS_PREFIX + "rate_limited_kv_budget")
 
 
-def queue_refused(reason: str, class_name: str, max_wait_s: float) -> Refusal:
-    """A class that queues found its queue full, or waited until its deadline."""
+def _limits(status: RateLimitStatus | None) -> tuple[Header, ...]:
+    """A 429's `x-ratelimit-*` headers from the limiter's view of the request's keys (`status`), on every
+    429 as OpenAI sends them, since clients read them off whichever 429 they get; none where there is no
+    view at hand (the store could not say)."""
+    return ratelimit_headers(status) if status is not None else ()
+
+
+def queue_refused(
+    reason: str, class_name: str, max_wait_s: float, status: RateLimitStatus | None = None
+) -> Refusal:
+    """A class that queues found its queue full, or waited until its deadline. `status`: the limiter's view
+    of its keys (`x-ratelimit-*`)."""
     why = "the wait queue is full" if reason == "queue_full" else "waited until the deadline"
     message = f"No capacity for class {class_name} within {max_wait_s:g}s ({why}). Please try again later."
     body = error_body(message, type=REQUESTS_LIMIT, code=RATE_LIMIT_EXCEEDED)
-    headers = _reason(reason, retry_headers(max(1.0, max_wait_s / 2)))
+    headers = _reason(reason, (*retry_headers(max(1.0, max_wait_s / 2)), *_limits(status)))
     return Refusal(429, body, reason, headers, f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 
@@ -205,28 +216,32 @@ DEADLINE_UNMET = "deadline_unmet"
 """The reason of every refusal a client's own deadline caused (metric label, `x-extproc-reject-reason`)."""
 
 
-def deadline_unmet(class_name: str, deadline_ms: int, retry_after_s: float | None) -> Refusal:
+def deadline_unmet(
+    class_name: str, deadline_ms: int, retry_after_s: float | None, status: RateLimitStatus | None = None
+) -> Refusal:
     """A request whose deadline for its first token the queue cannot meet: refused at once when the
     capacity it waits for is not expected to free in time, or when its deadline passes while it waits.
-    Retryable: the same request without (or with a later) deadline may wait, or fit later."""
+    Retryable: the same request without (or with a later) deadline may wait, or fit later. `status`: the
+    limiter's view of its keys (`x-ratelimit-*`)."""
     wait = hint_within(retry_after_s, 1.0)
     message = (
         f"No capacity for class {class_name} within this request's deadline of {deadline_ms} ms for its "
         f"first token: the deadline could not be met. Please try again in {format_duration(wait)}."
     )
     body = error_body(message, type=REQUESTS_LIMIT, code=RATE_LIMIT_EXCEEDED)
-    headers = _reason(DEADLINE_UNMET, retry_headers(wait))
+    headers = _reason(DEADLINE_UNMET, (*retry_headers(wait), *_limits(status)))
     return Refusal(429, body, DEADLINE_UNMET, headers, f"{DETAILS_PREFIX}rate_limited_{DEADLINE_UNMET}")
 
 
-def tokenizer_busy() -> Refusal:
-    """The client already has its share of large prompts being counted and waiting: come back shortly."""
+def tokenizer_busy(status: RateLimitStatus | None = None) -> Refusal:
+    """The client already has its share of large prompts being counted and waiting: come back shortly.
+    `status`: the limiter's view of its keys (`x-ratelimit-*`)."""
     body = error_body(
         "Too many large prompts from this client are being processed. Please try again shortly.",
         type=REQUESTS_LIMIT,
         code=RATE_LIMIT_EXCEEDED,
     )
-    headers = _reason("tokenizer_busy", retry_headers(1.0))
+    headers = _reason("tokenizer_busy", (*retry_headers(1.0), *_limits(status)))
     return Refusal(429, body, "tokenizer_busy", headers, DETAILS_PREFIX + "rate_limited_tokenizer_busy")
 
 

@@ -1,7 +1,7 @@
 """Each refusal for capacity or service is what docs/admission.md's refusal table says: its status, its
 OpenAI `type` and `code`, and the headers clients back off by. A KV-budget 429 is typed `kv_cache` (not the
-`tokens` of a TPM limit that did not refuse it) and carries the `x-ratelimit-*` headers a slot refusal
-does, since OpenAI sends them on every 429."""
+`tokens` of a TPM limit that did not refuse it), and every 429 carries the `x-ratelimit-*` headers a slot
+refusal does, since OpenAI sends them on every 429."""
 
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ BUILDERS: dict[str, Callable[[], Refusal]] = {
     "output_tokens": lambda: limited(Reason.OUTPUT_TOKENS, "output:tenant:a", 30.0),
     "request_exceeds_token_limit": lambda: limited(Reason.TOO_LARGE, "global", None),
     "kv_budget": lambda: refusals.kv_budget("m", 4000, 100, 3.0, STATUS),
-    "queue_full": lambda: refusals.queue_refused("queue_full", "batch", 10.0),
-    "queue_timeout": lambda: refusals.queue_refused("queue_timeout", "batch", 10.0),
-    "deadline_unmet": lambda: refusals.deadline_unmet("interactive", 500, 2.0),
-    "tokenizer_busy": refusals.tokenizer_busy,
+    "queue_full": lambda: refusals.queue_refused("queue_full", "batch", 10.0, status=STATUS),
+    "queue_timeout": lambda: refusals.queue_refused("queue_timeout", "batch", 10.0, status=STATUS),
+    "deadline_unmet": lambda: refusals.deadline_unmet("interactive", 500, 2.0, STATUS),
+    "tokenizer_busy": lambda: refusals.tokenizer_busy(STATUS),
     "store_unavailable": refusals.store_unavailable,
     "engine_busy": lambda: refusals.engine_busy(2.0, ratelimit_headers(STATUS)),
     "engine_down": lambda: refusals.engine_down("m", refusals.engine_down_retry_after(12.0)),
