@@ -13,6 +13,13 @@ Envoy's `max_message_timeout` is raised to let it: `admission.envoy_max_message_
 
 Prints one line per mode and writes bench/results/burst-engine.json. Needs the engine venv
 (`make engine-env`).
+
+`--chats` runs issue 41's burst instead (tests/support/burst.py): forty streamed chats of about 1,500
+prompt and 300 output tokens at once, straight to vLLM, then through a gateway started cold (no pace
+learned, no warm-up) with the config `make run UPSTREAM=` writes for this engine (config/local.yaml fitted
+by devstack/upstream.py: the shipped `interactive` class queues 25 s), once per SDK `max_retries` in
+`--retries`; TTFT is from a request's first attempt to its first token. Writes
+bench/results/burst-engine-chats.json.
 """
 
 from __future__ import annotations
@@ -30,11 +37,15 @@ from typing import Any
 
 import httpx2 as httpx
 import openai
+import yaml
 
 from bench.common import write_json
+from devstack.stack import LOCAL_CONFIG
+from devstack.upstream import Upstream
 from extproc.envoyconf.bootstrap import http_connection_managers
 from tests.engine.stacks import engine_config, engine_host_envoy, start_gateway, wait_idle
-from tests.support.engine import CACHE_TOKENS, MODEL, Engine, running_engine
+from tests.support import burst as chat_burst
+from tests.support.engine import CACHE_TOKENS, MAX_MODEL_LEN, MODEL, Engine, running_engine
 from tests.support.stack import Stack, http, metric
 
 REQUESTS = 40
@@ -184,6 +195,76 @@ def through_gateway(engine: Engine, profile: str, seed: int, queue_s: float) -> 
         local.stop()
 
 
+def shipped_config(engine: Engine) -> dict[str, Any]:
+    """config/local.yaml as `make run UPSTREAM=` fits it to this engine (devstack/upstream.py)."""
+    upstream = Upstream(engine.url, "127.0.0.1", engine.port, MODEL, MAX_MODEL_LEN)
+    return upstream.sidecar_config(yaml.safe_load(LOCAL_CONFIG.read_text()))
+
+
+@dataclass
+class ChatOutcome:
+    mode: str
+    retries: int
+    answered: int
+    refusals: int
+    ttft_p99_s: float
+    wall_s: float
+    preemptions: float
+
+
+def _chats(mode: str, engine: Engine, url: str, retries: int, seed: int) -> ChatOutcome:
+    before = preemptions(engine)
+    result = chat_burst.burst(url, retries, seed, MODEL)
+    row = ChatOutcome(
+        mode,
+        retries,
+        result.answered,
+        result.refusals,
+        round(result.ttft_p99_s, 2),
+        round(result.wall_s, 1),
+        preemptions(engine) - before,
+    )
+    print(f"{result.row(f'{mode} (max_retries={retries})')}, preemptions {row.preemptions:g}", flush=True)
+    return row
+
+
+def chats_through_shipped(engine: Engine, retries: int, seed: int) -> ChatOutcome:
+    """Issue 41's burst through a gateway started cold with the shipped config fitted to the engine."""
+    local = start_gateway(engine, shipped_config(engine), "lean", with_exporter=True)
+    try:
+        gateway = Stack(local)
+        deadline = time.monotonic() + 60
+        while gateway.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the KV feed never reported the engine's capacity")
+            time.sleep(0.2)
+        return _chats("gateway, shipped config", engine, gateway.url, retries, seed)
+    finally:
+        local.stop()
+
+
+def chat_rows(engine: Engine, retries: list[int], direct: bool) -> None:
+    rows: list[ChatOutcome] = []
+    if direct:
+        rows.append(_chats("straight to vLLM", engine, engine.url, chat_burst.SDK_DEFAULT_RETRIES, 5_000))
+        wait_engine_idle(engine)
+    for index, count in enumerate(retries):
+        rows.append(chats_through_shipped(engine, count, 6_000 + 100 * index))
+        wait_engine_idle(engine)
+    results = {"requests": chat_burst.REQUESTS, "rows": [asdict(r) for r in rows]}
+    write_json("burst-engine-chats.json", results)
+
+
+def wait_engine_idle(engine: Engine) -> None:
+    """Until vLLM runs and queues nothing (an earlier burst's last answers), at most 120 s."""
+    deadline = time.monotonic() + 120
+    page = f"{engine.url}/metrics"
+    while metric(page, "vllm:num_requests_running") + metric(page, "vllm:num_requests_waiting") > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the engine never went idle")
+        time.sleep(0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", nargs="+", default=["lean"], choices=["lean", "inline"])
@@ -195,9 +276,14 @@ def main() -> None:
         default=[0.0, 90.0],
         help="class queue waits to run the gateway with (0: no queue, KV refusals at once)",
     )
+    parser.add_argument("--chats", action="store_true", help="issue 41's streamed chats, shipped config")
+    parser.add_argument("--retries", type=int, nargs="+", default=[2, 0], help="with --chats: max_retries")
     args = parser.parse_args()
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="burst-") as tmp, running_engine(Path(tmp)) as engine:
+        if args.chats:
+            chat_rows(engine, args.retries, not args.no_direct)
+            return
         if not args.no_direct:
             outcomes.append(run("direct", engine, engine.url, 5_000))
             time.sleep(5)

@@ -4,7 +4,8 @@ Forty chats of about 1,500 prompt and 300 output tokens, each from its own SDK c
 given (the SDK's default is 2; it honours `retry-after` up to two minutes). What a run counts: the answers,
 the 429s the clients met on the way (every attempt, retried or not), each answered request's time to its
 first token from its first attempt (retries and queueing included), and the wall time of the whole burst.
-Used by tests/e2e/test_burst_e2e.py and bench/burst_sim.py.
+Used by tests/e2e/test_burst_e2e.py, tests/engine/test_burst_engine.py, bench/burst_sim.py and
+bench/protection/burst.py.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ class BurstResult:
 
 
 class _Burst:
-    def __init__(self, url: str, retries: int, seed: int) -> None:
+    def __init__(self, url: str, retries: int, seed: int, model: str) -> None:
         self.url = url
         self.retries = retries
         self.seed = seed
+        self.model = model
         self.started = 0.0
         self.lock = threading.Lock()
         self.attempts: list[Attempt] = []
@@ -105,7 +107,7 @@ class _Burst:
             first: float | None = None
             try:
                 stream = client.chat.completions.create(
-                    model=MODEL,
+                    model=self.model,
                     messages=[{"role": "user", "content": prompt(self.seed + index)}],
                     max_tokens=OUTPUT_TOKENS,
                     stream=True,
@@ -137,6 +139,6 @@ class _Burst:
         )
 
 
-def burst(url: str, retries: int = SDK_DEFAULT_RETRIES, seed: int = 0) -> BurstResult:
+def burst(url: str, retries: int = SDK_DEFAULT_RETRIES, seed: int = 0, model: str = MODEL) -> BurstResult:
     """Send the burst to `url` (Envoy's, or the engine's own) at once and wait for every client to finish."""
-    return _Burst(url, retries, seed).run()
+    return _Burst(url, retries, seed, model).run()
