@@ -25,9 +25,7 @@ completion per tenant)); `engine/` (what the feed says of the engine: `adaptive.
 usage and queue depth to a scale), `pace.py` (the decode pace per sequence: `LearnedPace`, learned from
 streams; `PoolPaces`, each pool's learned, fed or assumed pace that charges and hints read; `usable_rate`, the
 one validity rule), `tally.py` (a pool's generation counters over time: a request's share of what its engines
-generated), `run_on.py` (which stopped runs the engine still runs, reading by reading: the steps after a
-client left are theirs), `peers.py` (the other gateway replicas' runs, read from the shared store),
-`series.py` (readings over time, bounded: the tally's counters and the other replicas' runs),
+generated), `series.py` (readings over time, bounded: the tally's counters and the other replicas' runs),
 `done.py` (the requests the engine is done with, confirmed over feed samples)); `queue/` (waiting
 for capacity: `waitqueue.py` (`WaitQueue`, the admission order), `slot_eta.py` (when a slot frees), `slip.py`
 (`ForecastSlip`: how late capacity comes against the forecast)); and on top `ports.py` (the `LimiterStore`

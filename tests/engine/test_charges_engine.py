@@ -280,10 +280,9 @@ FLOOD_BOUNDS = (0.6, 1.4)
 0.926, 0.805, 0.645; lean 0.646 and 1.33, each with an answer the engine decoded whole after its client
 left); 117 to 369 streams a run. Each stream is charged its share of the engine's count over its time, at
 least the tokens that certainly passed, what that lifts taken off later shares (`EngineTally.charge`); the
-runs ended are taken for still running, newest first, where the feed's running count has room for them
-(`core.engine.run_on`; measured while that held 5 s after a stop only). The engine runs on past what
-passed until the abort reaches it, 0.2 to 9 tokens a stream here, which nothing in front of it sees:
-charged what passed and one step more, as before,
+runs ended within `engine_tally.SHOWN_AFTER_STOP_S` (5 s) are taken for still running where the feed's
+running count has room for them. The engine runs on past what passed until the abort reaches it, 0.2 to 9
+tokens a stream here, which nothing in front of it sees: charged what passed and one step more, as before,
 the flood gave 0.58 to 1.23. On these two saturated cores the split errs more: it takes every running
 sequence at one pace (one in its prefill generates nothing), and tokens of sequences the engine runs
 beyond the allowance (vLLM's API server noticing clients gone late: it counts a request's tokens until its

@@ -1,11 +1,10 @@
 """An admitted request's run in its pool's engine tally, and the engines' count of an answer not seen whole.
 
 `InFlight` holds one `EngineRun` from admission: it tells the pool's `EngineTally` (core/engine/tally.py)
-when the request began, what it may generate at most, and when it ended here, so that the others counted
-beside it are split by the time each ran as this sidecar saw them; and, where its answer was not seen to
-its end (nothing of it came back, or a stream was left or cut), `count` waits for the feed to read the
-engines past its end, and on while they may still run it (`core.engine.run_on`: the steps after a missed
-abort are its own), and gives its share of what they generated.
+when the request began and when the engine was done with it, so that the others counted beside it are
+split by the time each ran as this sidecar saw them; and, where its answer was not seen to its end (nothing
+of it came back, or a stream was left or cut), `count` waits for the feed to read the engines past its end
+and gives its share of what they generated.
 """
 
 from __future__ import annotations
@@ -13,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import math
 from collections.abc import Awaitable, Hashable
 
 from extproc.admission.vocabulary.usage import Usage
-from extproc.core.engine.run_on import RUN_ON_MAX_S
 from extproc.core.engine.tally import EngineTally
 
 ENGINE_STOP_S = 1.5
@@ -27,15 +24,14 @@ client's reset must reach vLLM's API server, its abort the engine core between t
 (vllm 0.32.0 vllm/v1/engine/async_llm.py, `output_handler`, which records each batch of outputs into
 `vllm:generation_tokens_total`): tens of milliseconds on a GPU; on the real-engine tier's two busy cores up to
 a second (a flood of streams left after three chunks, 13 tokens generated a stream where four passed). A
-count waits for a reading this long after the end, and on while the readings find the engine may still
-run it (`EngineTally.when_done`)."""
+count waits for a reading this long after the end; its own steps read after the end with the engine idle
+then count as its own (`EngineTally.count`'s `tail`), and the runs ended before it are taken for still
+running for longer where the feed's running count has room (`engine_tally.SHOWN_AFTER_STOP_S`)."""
 
 ENGINE_COUNT_WAIT_S = 8.0
 """The longest a lease whose answer was not seen whole waits for that reading before it is charged by the
 rules without a count: past `ENGINE_STOP_S`, the exporter's interval (1 s shipped, 2 s in the real-engine
-tier) and a scrape slowed by a saturated host. Where that reading finds the engine may still run it, the
-wait goes on as long as the tally holds it open (`run_on.RUN_ON_MAX_S`), and as long again for readings
-that stop coming: then it is counted to the last reading."""
+tier) and a scrape slowed by a saturated host."""
 
 
 MISSED_READING_SHARE = 0.5
@@ -48,23 +44,15 @@ under what passed is lifted to it (`EngineRun.charge`)."""
 
 
 class EngineRun:
-    """One request's `sequences` in its pool's tally from `start` (None: the pool has no tally), which may
-    generate `allowance` tokens at most (its reservation)."""
+    """One request's `sequences` in its pool's tally from `start` (None: the pool has no tally)."""
 
-    def __init__(
-        self,
-        tally: EngineTally | None,
-        key: Hashable,
-        start: float,
-        sequences: int,
-        allowance: float = math.inf,
-    ) -> None:
+    def __init__(self, tally: EngineTally | None, key: Hashable, start: float, sequences: int) -> None:
         self.tally = tally
         self.key = key
         self.start = start
         self.sequences = sequences
         if tally is not None:
-            tally.begin(key, start, sequences, allowance)
+            tally.begin(key, start, sequences)
 
     def end(self, at: float) -> None:
         """The engine is done with the request (it ended on the proxy, settled, or the feed found it done);
@@ -103,31 +91,22 @@ class EngineRun:
 
     def count(self, stop: float) -> Awaitable[float | None]:
         """The tokens the engines generated for the request, which ended on the proxy at `stop`: once the
-        feed has read them `ENGINE_STOP_S` past it, at most `ENGINE_COUNT_WAIT_S` later, and found them done
-        with it (see `ENGINE_COUNT_WAIT_S`); None where no such reading came (the feed stopped, or is slower
-        than that). The waits are registered now."""
-        loop = asyncio.get_running_loop()
-        read: asyncio.Future[None] = loop.create_future()
-        done: asyncio.Future[None] = loop.create_future()
+        feed has read them `ENGINE_STOP_S` past it, at most `ENGINE_COUNT_WAIT_S` later; None where no such
+        reading came (the feed stopped, or is slower than that). The wait is registered now."""
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.tally is not None:
-            self.tally.after(stop + ENGINE_STOP_S, functools.partial(_resolve, read))
-            self.tally.when_done(self.key, stop + ENGINE_STOP_S, functools.partial(_resolve, done))
-        return self._counted(stop, read, done)
+            self.tally.after(stop + ENGINE_STOP_S, functools.partial(_resolve, ready))
+        return self._counted(stop, ready)
 
-    async def _counted(
-        self, stop: float, read: asyncio.Future[None], done: asyncio.Future[None]
-    ) -> float | None:
+    async def _counted(self, stop: float, ready: asyncio.Future[None]) -> float | None:
         tally = self.tally
         if tally is None:
             return None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(read, ENGINE_COUNT_WAIT_S)
+            await asyncio.wait_for(ready, ENGINE_COUNT_WAIT_S)
         if not tally.covers(stop + ENGINE_STOP_S):
-            done.cancel()
             return None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done, RUN_ON_MAX_S + ENGINE_COUNT_WAIT_S)
-        return tally.count(self.key)
+        return tally.count(self.start, stop, self.sequences, ENGINE_STOP_S, self.key)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -140,9 +140,7 @@ class InFlight:
         request = admitted.request
         sequences = request.sequences * request.prompt_count
         tally = service.deps.engine_tally(admitted.pool)
-        self.run = EngineRun(
-            tally, admitted.lease.lease_id, admitted.admitted_at, sequences, admitted.plan.completion_tokens
-        )
+        self.run = EngineRun(tally, admitted.lease.lease_id, admitted.admitted_at, sequences)
 
     def await_report(self, key: str, forget: Callable[[str], None]) -> None:
         """Lean: the proxy will report this request's end under `key`; `forget` takes it off the registry

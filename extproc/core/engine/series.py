@@ -1,5 +1,5 @@
 """Readings of one pool over time, bounded in memory: the engines' counters a charge tally keeps
-(`tally.TallyPoint`) and the other replicas' runs it reads from the store (`peers.PeerRuns`) follow one rule,
+(`tally.TallyPoint`) and the other replicas' runs it reads from the store (`tally.PeerRuns`) follow one rule,
 so one type keeps both.
 
 At most `max_points` readings, one per `min_spacing_s` (a newer one replaces a last one that came sooner
@@ -30,7 +30,7 @@ class Series(Generic[T]):
         """A reading at `at`; the time it is kept at (never before the last one's)."""
         times, items = self.times, self.items
         at = max(at, times[-1]) if times else at
-        if self.replaces_last():
+        if len(times) > 1 and times[-1] - times[-2] < self.min_spacing_s:
             items[-1], times[-1] = item, at  # the last one came too soon after its predecessor
         else:
             items.append(item)
@@ -39,11 +39,6 @@ class Series(Generic[T]):
             drop = len(times) - self.max_points * 3 // 4
             del items[:drop], times[:drop]
         return at
-
-    def replaces_last(self) -> bool:
-        """Whether the next reading takes the last one's place (it came too soon after its predecessor)."""
-        times = self.times
-        return len(times) > 1 and times[-1] - times[-2] < self.min_spacing_s
 
     def at_or_before(self, at: float) -> int:
         """The index of the last reading at or before `at`; -1 where none is."""
