@@ -105,7 +105,9 @@ class EngineCorrection:
                     candidates += lease.sequences
         booked = self._booker.own_booking(now)
         self._share.sent(booked)
-        return ReplicaShare(booked, math.ceil(held), settled, candidates, self._share.fleet.publishing(now))
+        fleet = self._share.fleet
+        yielding = fleet.publishing(now)
+        return ReplicaShare(booked, math.ceil(held), settled, candidates, yielding, fleet.heard_ms)
 
     def _correction(self, used: float, now: float, waiting: float | None) -> float:
         """`observe`'s correction of the forecasts from the KV in use (`used`, the pool's): upward by what no

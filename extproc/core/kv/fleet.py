@@ -29,9 +29,12 @@ two requests (90 % of one gateway's throughput with every client on one of two g
 for `YIELD_AFTER_S` yields (`Claim`): it publishes that it takes only a sliver (`YIELDED_PART`) of the free
 room, and the others divide the rest. Yielding is safe at once (it takes less); taking its part back is not,
 so a yielded replica that meets a request asks first: it publishes that it no longer yields and keeps to its
-sliver until every other replica has published after that, in the store's own time (`Peers.oldest_ms`), and so
-has read the ask and stopped counting on the room. However the exchanges interleave, the parts the replicas
-take of the room they saw sum to at most one.
+sliver until every other replica that does not yield has published figures taken after it had read the ask
+(`ReplicaShare.heard_ms`: the store's time of the last answer it had taken in; `Peers.oldest_ms`). Published
+after the ask is not enough: a replica whose answer was lost, or still on its way, counts on the yielded room
+still, and may have booked on it since it took its figures. However the exchanges interleave, the parts the
+replicas take of the room they saw sum to at most one. A replica short of its full part that loses the store
+keeps to its sliver while the others may still count on the room it left (`REPLICA_TTL_S`).
 
 Pure: no I/O, no clock.
 """
@@ -82,7 +85,9 @@ class ReplicaShare:
     - `settled`: the sequences of its leases admitted long enough ago to be in the engine's gauges, which the
       engine runs unless it has finished them;
     - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees);
-    - `yielding`: 1 while it yields its part of the free room (`Claim.YIELDED`), else 0 (summed: how many).
+    - `yielding`: 1 while it yields its part of the free room (`Claim.YIELDED`), else 0 (summed: how many);
+    - `heard_ms`: the store's time (ms) of the last answer it had taken in when these were taken: what asks it
+      has read (not summed: `Peers.oldest_ms` is the least over the others that do not yield).
     """
 
     booked: int = 0
@@ -90,8 +95,10 @@ class ReplicaShare:
     settled: int = 0
     candidates: int = 0
     yielding: int = 0
+    heard_ms: int = field(default=0, compare=False)
 
     def plus(self, other: ReplicaShare) -> ReplicaShare:
+        """The sum of two replicas' figures (`heard_ms` is not a sum: left out)."""
         return ReplicaShare(*(a + b for a, b in zip(self.fields(), other.fields(), strict=True)))
 
     def fields(self) -> tuple[int, int, int, int, int]:
@@ -105,10 +112,11 @@ NOBODY = ReplicaShare()
 @dataclass(frozen=True, slots=True)
 class Peers:
     """The sum of the other live replicas' figures of a pool, as the store last answered, and how many; and,
-    in the store's clock (ms), when it answered (`now_ms`) and the oldest last publication of the others that
-    do not yield (`oldest_ms`, -1 where every other yields): an ask is heard once that is later than the
-    ask's own exchange. A replica that says it yields takes only its sliver until it has heard this one
-    again, so it need not have read the ask. The two times are when, not what: left out of equality."""
+    in the store's clock (ms), when it answered (`now_ms`) and the least `heard_ms` of the others that do
+    not yield (`oldest_ms`, -1 where none does): an ask is heard once that is later than the ask's own
+    exchange. A replica that says it yields takes only its sliver until it has heard this one again, so it
+    need not have read the ask; nor need one of a version before yielding (it never counts on a yielded
+    part). The two times are when, not what: left out of equality."""
 
     share: ReplicaShare = NOBODY
     replicas: int = 0
@@ -144,6 +152,7 @@ class Fleet:
         self._sent_yielding = False  # what its last published figures said
         self._decided_at: float | None = None  # its latest KV decision (`decided`)
         self._owes_ack = False  # another replica asked (or joined) since this one last published
+        self.heard_ms = 0  # the store's time of the last answer taken in (`ReplicaShare.heard_ms`)
 
     def share_through_store(self, fallback_share: float) -> None:
         """Replicas share this pool through a store; `fallback_share` of the pool is this replica's while the
@@ -164,13 +173,14 @@ class Fleet:
                 self._owes_ack = True  # the asker waits for this replica's next publication
             self._peers, self._read_at, self._own_at_read = peers, now, own_booked
             self._own_low = own_booked
+            self.heard_ms = max(self.heard_ms, peers.now_ms)
             self._heard(peers)
 
     @property
     def must_publish(self) -> bool:
         """Whether this replica's figures should go out now rather than at its next change: while it asks (the
         ask, then again until the others have heard it), or another replica's ask it has not yet answered."""
-        return self._owes_ack or self.claim is Claim.ASKING
+        return self.shared and (self._owes_ack or self.claim is Claim.ASKING)
 
     def asking(self, now: float | None) -> bool:
         """Whether this replica books on its sliver while the others it knows hear its ask."""
@@ -208,17 +218,22 @@ class Fleet:
         """This replica's figures are taken at `now` for the others: a replica with no KV decision for
         `YIELD_AFTER_S` yields from now on (safe at once: it takes less). Returns `ReplicaShare.yielding`."""
         quiet = self._decided_at is None or now - self._decided_at >= YIELD_AFTER_S
-        if self.claim is Claim.FULL and self.shared and quiet:
+        others = self._peers is not None and self._peers.replicas > 0  # alone, it yields to nobody
+        if self.claim is Claim.FULL and self.shared and quiet and others:
             self.claim = Claim.YIELDED
         self._sent_yielding = self.claim is Claim.YIELDED
         self._owes_ack = False
         return int(self._sent_yielding)
 
     def peers(self, now: float | None) -> Peers | None:
-        """The others' figures; None while unknown: not shared, never read, or last read too long ago."""
+        """The others' figures; None while unknown: not shared, never read, or last read too long ago. A
+        replica short of its full part trusts its last read until its own figures expire in the others'
+        budgets (`REPLICA_TTL_S`): until then they may count on the room it left, so its fallback share
+        would take that room twice."""
         if not self.shared or self._read_at is None:
             return None
-        if now is not None and now - self._read_at > PEERS_FRESH_S:
+        fresh_for = PEERS_FRESH_S if self.claim is Claim.FULL else REPLICA_TTL_S
+        if now is not None and now - self._read_at > fresh_for:
             return None
         return self._peers
 

@@ -162,4 +162,5 @@ class KvBudgetMetrics:
         self.peers_booked.labels(pool).set(peers.share.booked if peers is not None else 0)
         self.peers_known.labels(pool).set(1.0 if peers is not None else 0.0)
         for claim in Claim:
-            self.claim.labels(pool, claim.value).set(1.0 if budget.fleet.claim is claim else 0.0)
+            held = budget.fleet.shared and budget.fleet.claim is claim
+            self.claim.labels(pool, claim.value).set(1.0 if held else 0.0)

@@ -29,7 +29,8 @@ class RedisKvBoard:
         """One KV_POOL call; raises the store's `StoreUnavailable` (`RedisUnavailable`) when Redis does not
         answer within the background bound."""
         ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
-        args = [pool, str(self.calls.replica), ttl_ms, *(str(max(0, int(v))) for v in share.fields())]
+        figures = (*share.fields(), share.heard_ms)
+        args = [pool, str(self.calls.replica), ttl_ms, *(str(max(0, int(v))) for v in figures)]
         raw = await self.calls.run(
             self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
         )

@@ -698,21 +698,23 @@ KV_POOL = (
     REPLICA_FIGURES
     + r"""
 -- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's figures of the pool: booked, held,
--- settled, candidates, yielding (integers). Stores them as this replica's, good for ttl ms of server
--- time, and replies the number of other replicas whose figures are still good, the sums of their
--- figures (`P kv` above), the server's time and the oldest publication of those that do not yield (its
--- expiry less the ttl, which every replica sets alike; -1 with none), in ms. A field written before
--- `yielding` existed (four figures) counts as not yielding.
+-- settled, candidates, yielding, heard (integers; heard: the server's time of the last answer the replica
+-- had taken in). Stores them as this replica's, good for ttl ms of server time, and replies the number of
+-- other replicas whose figures are still good, the sums of their first five figures (`P kv` above), the
+-- server's time and the least `heard` of those that do not yield (-1 with none), in ms. A field written
+-- before `yielding` existed (four figures) sums as not yielding and is left out of the least `heard`: such
+-- a replica never counts on a yielded part.
 local key = KEYS[1] .. 'kv:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
 local now = now_ms()
-local ttl = tonumber(ARGV[3])
-local others = exchange(key, ARGV[2], ttl, now, {ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]}, 5)
+local figures = {ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}
+local others = exchange(key, ARGV[2], tonumber(ARGV[3]), now, figures, 5)
 local sums = {0, 0, 0, 0, 0}
 local oldest = -1
 for _, other in ipairs(others) do
-  for i = 1, 5 do sums[i] = sums[i] + (other[2][i + 1] or 0) end
-  if (other[2][6] or 0) == 0 and (oldest < 0 or other[2][1] - ttl < oldest) then
-    oldest = other[2][1] - ttl
+  local v = other[2]
+  for i = 1, 5 do sums[i] = sums[i] + (v[i + 1] or 0) end
+  if (v[6] or 0) == 0 and v[7] ~= nil and (oldest < 0 or v[7] < oldest) then
+    oldest = v[7]
   end
 end
 return {#others, sums[1], sums[2], sums[3], sums[4], sums[5], now, oldest}

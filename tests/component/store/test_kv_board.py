@@ -37,21 +37,25 @@ async def test_each_replica_reads_the_sum_of_the_others(redis_url: str) -> None:
             await store.close()
 
 
-async def test_the_answer_says_when_the_others_last_published_in_the_stores_clock(redis_url: str) -> None:
-    """An asking replica takes its part once every other that does not yield published after its ask
-    (`Claim.ASKING`): the answer carries the server's time and the oldest of those publications, and sums
-    who yields."""
+async def test_the_answer_says_what_the_others_that_do_not_yield_have_heard(redis_url: str) -> None:
+    """An asking replica takes its part once every other that does not yield has taken in an answer later
+    than its ask (`Claim.ASKING`): the answer carries the server's time and the least of what those had
+    heard, sums who yields, and leaves out a replica of a version before yielding (four figures)."""
     stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(3)]
     try:
         a, b, c = (store.kv_board() for store in stores)
         first = await a.exchange("llama", A)
         assert first.oldest_ms == -1  # nobody else: the ask is heard at once
-        second = await b.exchange("llama", ReplicaShare(booked=10, yielding=1))
-        assert second.oldest_ms == first.now_ms <= second.now_ms
-        third = await c.exchange("llama", B)
-        assert third.share.yielding == 1 and third.oldest_ms == first.now_ms
-        again = await a.exchange("llama", A)  # b yields: only c's publication counts
-        assert again.oldest_ms == third.now_ms
+        second = await b.exchange("llama", ReplicaShare(booked=10, yielding=1, heard_ms=first.now_ms))
+        assert second.oldest_ms == 0 and second.now_ms >= first.now_ms  # a had heard nothing yet
+        third = await c.exchange("llama", ReplicaShare(booked=20, heard_ms=77))
+        assert third.share.yielding == 1 and third.oldest_ms == 0
+        again = await a.exchange("llama", ReplicaShare(booked=8_000, heard_ms=third.now_ms))
+        assert again.oldest_ms == 77  # b yields: only c's counts
+        raw = stores[0].calls.client  # a replica of the version before yielding: four figures
+        key = f"{stores[0].calls.base}kv:5:llama"
+        await raw.hset(key, "r:old", f"{again.now_ms + 60_000} 5 5 1 0")
+        assert (await a.exchange("llama", A)).oldest_ms == 77
     finally:
         for store in stores:
             await store.close()

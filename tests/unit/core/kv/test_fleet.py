@@ -11,6 +11,7 @@ from extproc.core.kv.completion import CompletionLearner
 from extproc.core.kv.fleet import (
     ASKING_HINT_S,
     PEERS_FRESH_S,
+    REPLICA_TTL_S,
     YIELD_AFTER_S,
     YIELDED_PART,
     Claim,
@@ -35,12 +36,17 @@ def budget(capacity: int = 10_000, share: float = 1.0) -> KvBudget:
 
 
 def exchange(a: KvBudget, b: KvBudget, now: float) -> None:
-    """What the store carries at `now`: each replica's figures to the other, `a` first (its call reads what
-    `b` published at the last exchange, 1 ms later than its own then; `b`'s reads `a`'s of this one)."""
+    """What the store carries at `now`: each replica's figures to the other, `a`'s call first (store time 2k
+    ms, `b`'s 2k + 1), each with what the other had heard when its figures were taken."""
     a_share, b_share = a.replica_share(now), b.replica_share(now)
     ms = round(now * 1000) * 2
-    a.observe_peers(Peers(b_share, 1, now_ms=ms, oldest_ms=ms - 1), now)
-    b.observe_peers(Peers(a_share, 1, now_ms=ms + 1, oldest_ms=ms), now)
+    a.observe_peers(Peers(b_share, 1, now_ms=ms, oldest_ms=heard_of(b_share)), now)
+    b.observe_peers(Peers(a_share, 1, now_ms=ms + 1, oldest_ms=heard_of(a_share)), now)
+
+
+def heard_of(share: ReplicaShare) -> int:
+    """`Peers.oldest_ms` of one other replica: what it had heard, or -1 where it yields."""
+    return -1 if share.yielding else share.heard_ms
 
 
 def state(fleet: Fleet) -> Claim:
@@ -191,9 +197,11 @@ def test_one_replica_with_all_the_traffic_fills_nearly_the_whole_target() -> Non
     assert state(idle.fleet) is Claim.ASKING and idle.fleet.must_publish
     exchange(busy, idle, now)  # the ask goes out; the busy replica's figures in that answer predate it
     assert state(idle.fleet) is Claim.ASKING and busy.fleet.must_publish  # it owes the asker a publication
-    exchange(busy, idle, now + 0.01)  # it published since: the asker takes its half of what is free
+    exchange(busy, idle, now + 0.01)  # its figures were taken before it took in an answer after the ask
+    assert state(idle.fleet) is Claim.ASKING
+    exchange(busy, idle, now + 0.02)  # now they were: the asker takes its half of what is free
     assert state(idle.fleet) is Claim.FULL
-    assert 450 <= (idle.budget_tokens or 0) <= 550 and idle.would_fit(200, 200, now=now + 0.01)[0]
+    assert 450 <= (idle.budget_tokens or 0) <= 550 and idle.would_fit(200, 200, now=now + 0.02)[0]
 
 
 def test_a_replica_that_decided_lately_does_not_yield() -> None:
@@ -222,6 +230,40 @@ def test_an_asking_replica_keeps_to_its_sliver_until_every_other_has_published_s
     assert state(fleet) is Claim.FULL
     # One of the two others yields: this one and the other busy one divide what its sliver leaves.
     assert fleet.budget(10_000, 1.0, 0.2) == int(8_000 * (1 - YIELDED_PART) / 2)
+
+
+def test_a_peer_that_published_after_the_ask_without_having_read_it_is_waited_for() -> None:
+    """Published after the ask is not read it: a peer whose answer was lost counts on the yielded room still.
+    The asker waits for figures taken after the peer had taken in an answer later than the ask."""
+    fleet = Fleet()
+    fleet.share_through_store(0.5)
+    fleet.observe(Peers(ReplicaShare(), 1, now_ms=100, oldest_ms=50), now=0.0)  # the ask, at 100
+    fleet.observe(Peers(ReplicaShare(), 1, now_ms=150, oldest_ms=90), now=0.1)  # it published at 120, say
+    assert state(fleet) is Claim.ASKING
+    fleet.observe(Peers(ReplicaShare(), 1, now_ms=200, oldest_ms=130), now=0.2)  # it took in an answer of 130
+    assert state(fleet) is Claim.FULL
+
+
+def test_a_lone_replica_yields_to_nobody_and_an_unshared_one_publishes_nothing() -> None:
+    fleet = Fleet()
+    fleet.share_through_store(0.5)
+    fleet.observe(Peers(ReplicaShare(), 0, now_ms=100, oldest_ms=-1), now=0.0)
+    assert state(fleet) is Claim.FULL
+    assert fleet.publishing(YIELD_AFTER_S * 10) == 0  # quiet, but nobody else could take the room
+    alone = Fleet()
+    alone.decided(0.0)
+    assert not alone.must_publish
+
+
+def test_a_replica_short_of_its_part_keeps_to_its_sliver_while_the_others_may_count_on_it() -> None:
+    """The store lost, a yielded replica that fell back to its fixed share at once would take the room the
+    others count on until its figures expire there (`REPLICA_TTL_S`)."""
+    fleet = Fleet()
+    fleet.share_through_store(0.5)
+    fleet.observe(Peers(ReplicaShare(), 1, now_ms=100, oldest_ms=50), now=0.0)  # asking
+    assert state(fleet) is Claim.ASKING
+    assert fleet.budget(10_000, 1.0, PEERS_FRESH_S + 1.0) == int(10_000 * YIELDED_PART)
+    assert fleet.budget(10_000, 1.0, REPLICA_TTL_S + 0.1) == 5_000  # its figures gone: the fallback share
 
 
 def test_an_ask_among_replicas_that_all_yield_is_heard_at_once() -> None:
