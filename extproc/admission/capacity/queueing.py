@@ -16,12 +16,7 @@ requests with later or no deadlines (`Waiter.due`). The pump keeps the last refu
 deadline is out of reach. Letting it wait is a promise (`deadline_refusal`): made only where the layout of
 the line expects its capacity a margin before its deadline (its first token's delay and the slip the
 forecast has shown, `ForecastSlip`, which each grant teaches), and kept: a waiter is not refused because
-the layout later says it is late, only once a grant could no longer bring its first token in time. A
-request whose wait ends at its class's bound instead (no deadline, or a later one) is laid out the same way
-(`expected_start`), where it would queue, and refused at once where that start is past its wait even if
-capacity came as much earlier than forecast as it lately has (`cannot_drain`, the early side of
-`ForecastSlip`): a queue longer than its wait sends it away with the forecast as its retry-after instead of
-after the whole wait, and a pessimistic forecast never turns away a request the wait would serve. A waiter
+the layout later says it is late, only once a grant could no longer bring its first token in time. A waiter
 whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the very moment
 it left is given straight back, so nothing leaks.
 """
@@ -109,8 +104,6 @@ class AdmissionQueue:
         # forecasts is the margin newcomers' promises keep (`ForecastSlip`).
         self._forecast: dict[Waiter, tuple[float, float]] = {}
         self.slip = ForecastSlip()
-        # How much earlier than forecast capacity came: a line is judged unable to drain only past it.
-        self.early = ForecastSlip(early=True)
         # Wired by the admission service (compose.py): when refused waiters' capacity is expected.
         self.starts: Schedule = _no_schedule
 
@@ -137,7 +130,7 @@ class AdmissionQueue:
         margin. The margin: its first token's delay after the grant (`FIRST_TOKEN_S`) and how late capacity
         has come against this forecast lately (`ForecastSlip`). None where nothing tells (`Schedule`)."""
         now = self.clock()
-        newcomer = _newcomer(holder, tenant, keys, now, due, due, run_s)
+        newcomer = Waiter(holder, tenant, now, due, (tuple(keys), 0, None), sys.maxsize, due, run_s)
         after = self._schedule(holder, refused, newcomer)
         if after is None:
             return None
@@ -156,38 +149,6 @@ class AdmissionQueue:
             if noted is not None and start > before[waiter]:
                 self._forecast[waiter] = (noted[0], noted[1] + start - before[waiter])
         return None
-
-    def expected_start(
-        self,
-        holder: str,
-        tenant: str,
-        keys: Sequence[str],
-        run_s: float,
-        refused: Rejection,
-        due: float | None = None,
-    ) -> float | None:
-        """Seconds until a newcomer, which will hold its capacity `run_s` seconds, is expected to have the
-        capacity `refused` refused it, queued where it would queue (in its tenant's line by its own deadline
-        `due`, at the back without one; its tenant's turn among the others): when its wait would end
-        admitted, and so its retry-after where it is refused. None where nothing tells (`Schedule`)."""
-        now = self.clock()
-        newcomer = _newcomer(holder, tenant, keys, now, now, due, run_s)
-        after = self._schedule(holder, refused, newcomer)
-        return None if after is None else after[newcomer]
-
-    def cannot_drain(self, start: float, max_wait_s: float) -> bool:
-        """Whether a request expected to have its capacity in `start` seconds (`expected_start`) cannot have
-        it within its wait of `max_wait_s`, even if it came as much earlier than forecast as capacity lately
-        has (the early `ForecastSlip`; before it saw enough grants, never): refused at once, it is spared a
-        wait that ends in `queue_timeout`. The margin is the opposite of a deadline's (`deadline_refusal`),
-        which refuses what may be late: here only what cannot be in time is refused, so that a burst the
-        engine could serve within the wait still waits for it."""
-        return start - self.early.margin(start) > max_wait_s
-
-    def last_refused(self, holder: str) -> Rejection | None:
-        """The refusal the last pump met for a waiter of this class, whether or not any still waits: what a
-        waiter whose wait just ran out was refused (`blocked` is for newcomers behind those waiting)."""
-        return self._blocked.get(holder)
 
     def _margin(self, start: float) -> float:
         """How far before its deadline a start `start` seconds away must be expected to be promised: the
@@ -312,7 +273,6 @@ class AdmissionQueue:
                     noted = self._forecast.pop(waiter, None)
                     if noted is not None:
                         self.slip.observe(*noted, self.clock())
-                        self.early.observe(*noted, self.clock())
                     admitted = True
                 elif result.reason in WAITABLE:
                     self._blocked[waiter.holder] = result
@@ -366,14 +326,6 @@ class AdmissionQueue:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-
-
-def _newcomer(
-    holder: str, tenant: str, keys: Sequence[str], now: float, end: float, due: float | None, run_s: float
-) -> Waiter:
-    """A request not queued, as the layout places it: behind every waiter of its tenant whose order
-    (`Waiter.order`) is not later than its own."""
-    return Waiter(holder, tenant, now, end, (tuple(keys), 0, None), sys.maxsize, due, run_s)
 
 
 def _wait_end(bound: float, due: float | None) -> tuple[float, bool]:

@@ -1,9 +1,8 @@
 """A request's way to a lease: taken at once, or waited for in its class's queue.
 
     try now (its KV booked where it fits) ─▶ lease, or the limiter's rejection
-        ─▶ where the request may wait and the refusal is one waiting cures: its deadline, else its class's
-           wait, checked against the queue's layout ─▶ Hold ─▶ the queue's wait ─▶ lease, or the refusal
-           that ended the wait
+        ─▶ where the request may wait and the refusal is one waiting cures: its deadline checked against
+           the queue's layout ─▶ Hold ─▶ the queue's wait ─▶ lease, or the refusal that ended the wait
 
 `Acquisition` is one request's; the decision (decision.py) makes one per try and turns its result into the
 outcome. It takes nothing it does not give back: the KV booking is given back with a refused try.
@@ -93,9 +92,9 @@ class Acquisition:
         behind others): `Hold` first, then the lease, or the rejection or refusal that ended the wait. Each
         refusal carries the limiter's view of the request's keys (`status`)."""
         max_wait, by_deadline = self._max_wait()
-        refuse = self._refused_now(queue, keys, gate.fitted, run_s, refused, max_wait, by_deadline)
+        refuse = self._deadline_unmet(queue, keys, run_s, refused)
         if refuse is not None:
-            yield refuse(await self.status())  # no wait can end in its capacity: refused now, not at its end
+            yield refuse(await self.status())  # its deadline is out of reach: refused now, not when it passes
             return
         # The proxy's per-message timer must not fire while the request waits for capacity.
         yield Hold(math.ceil(max_wait) + 1)
@@ -122,8 +121,11 @@ class Acquisition:
             yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta, await self.status())
             return
         if result is None:
-            ended = self._deadline_passed() if by_deadline else self._timed_out(queue, keys, run_s, max_wait)
-            yield ended(await self.status())
+            if by_deadline:
+                yield self._deadline_passed()(await self.status())
+            else:
+                status = await self.status()
+                yield refusals.queue_refused("queue_timeout", klass.name, max_wait, status=status)
             return
         yield result
 
@@ -146,40 +148,6 @@ class Acquisition:
         others = rules.queue_wait(request.klass, None)
         wait = rules.queue_wait(request.klass, left)
         return wait, left is not None and left <= others
-
-    def _refused_now(
-        self,
-        queue: AdmissionQueue,
-        keys: list[str],
-        fitted: bool,
-        run_s: float,
-        result: Rejection | None,
-        max_wait: float,
-        by_deadline: bool,
-    ) -> Refuse | None:
-        """The refusal of a request no wait can bring its capacity, before it waits: its own deadline out of
-        reach (`_deadline_unmet`), or, where its class's bound ends its wait (`max_wait` seconds), a line
-        the forecast says cannot drain before that end even if capacity came as early as it lately has
-        (`AdmissionQueue.cannot_drain`): `queue_full` at once, its retry-after the forecast start, instead
-        of `queue_timeout` after the whole wait. The line is read only for a request the limiter refused
-        (`result`) or that lines up behind waiters while its KV `fitted`: one the KV budget refused waits
-        for KV, which the slots' layout does not foresee (and the KV budget's forecast promises each
-        refused request a place as it answers, so it is not asked just to decide)."""
-        unmet = self._deadline_unmet(queue, keys, run_s, result)
-        if unmet is not None or by_deadline:
-            return unmet
-        request = self.request
-        klass = request.klass.name
-        blocked = result
-        if blocked is None and fitted:
-            blocked = queue.blocked(klass)  # behind waiters: what the heads of its class last met
-        if blocked is None or blocked.key not in keys:
-            return None  # nothing foreseen, or another tenant's or pool's own limit: it waits
-        start = queue.expected_start(klass, request.tenant, keys, run_s, blocked, request.deadline)
-        if start is None or not queue.cannot_drain(start, max_wait):
-            return None
-        why = "the wait queue cannot drain in time"
-        return lambda status: refusals.queue_refused("queue_full", klass, max_wait, start, status, why)
 
     def _deadline_unmet(
         self, queue: AdmissionQueue, keys: list[str], run_s: float, result: Rejection | None
@@ -205,16 +173,3 @@ class Acquisition:
         """The request's own deadline ended its wait (or had passed before it began)."""
         klass, ms = self.request.klass.name, self.request.deadline_ms or 0
         return lambda status: refusals.deadline_unmet(klass, ms, None, status)
-
-    def _timed_out(self, queue: AdmissionQueue, keys: list[str], run_s: float, max_wait: float) -> Refuse:
-        """`queue_timeout`, its retry-after when the same request queued again now is expected to have its
-        capacity (`AdmissionQueue.expected_start`, on the refusal its class's waiters last met), where
-        the forecast tells; else half the wait. Half the wait alone told a client to come back while the
-        line that had kept it waiting was still there, or long after its slot had freed."""
-        request = self.request
-        klass = request.klass.name
-        blocked = queue.last_refused(klass)
-        start = None
-        if blocked is not None and blocked.key in keys:
-            start = queue.expected_start(klass, request.tenant, keys, run_s, blocked)
-        return lambda status: refusals.queue_refused("queue_timeout", klass, max_wait, start, status)

@@ -201,23 +201,14 @@ def _limits(status: RateLimitStatus | None) -> tuple[Header, ...]:
 
 
 def queue_refused(
-    reason: str,
-    class_name: str,
-    max_wait_s: float,
-    retry_after_s: float | None = None,
-    status: RateLimitStatus | None = None,
-    why: str | None = None,
+    reason: str, class_name: str, max_wait_s: float, status: RateLimitStatus | None = None
 ) -> Refusal:
-    """A class that queues found its queue full (or one that cannot drain within its wait: `why` says
-    so), or waited until its wait's end. `retry_after_s`: when its capacity is expected, the queue's
-    forecast, where it has one (at least a second: a client told "now" spends its retries at once); else
-    half the wait, a guess. `status`: the limiter's view of its keys (`x-ratelimit-*`)."""
-    if why is None:
-        why = "the wait queue is full" if reason == "queue_full" else "waited until the deadline"
+    """A class that queues found its queue full, or waited until its deadline. `status`: the limiter's view
+    of its keys (`x-ratelimit-*`)."""
+    why = "the wait queue is full" if reason == "queue_full" else "waited until the deadline"
     message = f"No capacity for class {class_name} within {max_wait_s:g}s ({why}). Please try again later."
     body = error_body(message, type=REQUESTS_LIMIT, code=RATE_LIMIT_EXCEEDED)
-    wait = max(1.0, max_wait_s / 2) if retry_after_s is None else hint_within(retry_after_s, 1.0)
-    headers = _reason(reason, (*retry_headers(wait), *_limits(status)))
+    headers = _reason(reason, (*retry_headers(max(1.0, max_wait_s / 2)), *_limits(status)))
     return Refusal(429, body, reason, headers, f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 

@@ -15,13 +15,6 @@ Until `min_samples` grants were seen, `prior` stands (a cold engine, a rate stil
 
 The margin is asked of newcomers only; a waiter once promised is never refused on it. Pure and
 synchronous: callers pass the times.
-
-The other side (`early=True`) measures how much *earlier* capacity came than forecast (leases that end before
-their expected completion, waiters ahead that leave). It is the margin of the opposite judgement: a newcomer
-is refused at once because its line cannot drain within its class's wait only where its start, that much
-earlier, would still be past the wait, so a forecast that tends to be pessimistic never turns away a request
-that would have been served. Its prior is trusted least the other way round: 1.0, a start that could come at
-once, so nothing is refused so before `min_samples` grants were compared with their forecast.
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ class ForecastSlip:
     min_samples: int = 8
     prior: float = 1.0
     floor_s: float = 0.5
-    early: bool = False  # which side it measures: later than forecast (False) or earlier (True)
     _rates: deque[float] = field(default_factory=deque, init=False)
     _rate: float | None = field(default=None, init=False)
 
@@ -53,14 +45,13 @@ class ForecastSlip:
     def observe(self, noted: float, forecast: float, granted: float) -> None:
         """Capacity expected (as of `noted`) at `forecast` came at `granted`, all on one clock."""
         horizon = max(self.floor_s, forecast - noted)
-        gap = forecast - granted if self.early else granted - forecast
-        self._rates.append(max(0.0, gap) / horizon)
+        self._rates.append(max(0.0, granted - forecast) / horizon)
         if len(self._rates) > self.window:
             self._rates.popleft()
         self._rate = None
 
     def rate(self) -> float:
-        """Slip per second of horizon a judgement allows for: `prior` until `min_samples` were seen."""
+        """Slip per second of horizon a promise allows for: `prior` until `min_samples` were seen."""
         if len(self._rates) < self.min_samples:
             return self.prior
         if self._rate is None:
@@ -70,6 +61,5 @@ class ForecastSlip:
         return self._rate
 
     def margin(self, horizon: float) -> float:
-        """Seconds a start expected `horizon` seconds from now should keep clear of its deadline (`early`:
-        how much sooner it may come)."""
+        """Seconds a start expected `horizon` seconds from now should keep clear of its deadline."""
         return self.rate() * max(self.floor_s, horizon)

@@ -27,13 +27,11 @@ def config(max_wait_s: float, max_queued: int = 100) -> dict[str, Any]:
 
 class QueueRig(AdmissionRig):
     """Admission with a wait queue over an in-process store of `slots` slots on `global`, on a fake clock.
-    Both sides of the forecast's slip are trusted as measured from the start (priors 0): a test about the
-    priors sets them itself."""
+    The forecast's slip is trusted as measured from the start (prior 0): a test about the prior sets it."""
 
     def __init__(self, cfg: dict[str, Any], slots: int = 1) -> None:
         super().__init__(cfg, slots, queues=True)
         self.waits.slip = ForecastSlip(prior=0.0)
-        self.waits.early = ForecastSlip(prior=0.0, early=True)
 
     @property
     def waits(self) -> AdmissionQueue:

@@ -15,7 +15,6 @@ from extproc.admission.deciding.resolving import OFF_LOOP_PARSE_BYTES
 from extproc.admission.replies.verdicts import Hold, Refusal
 from extproc.core.limiter.limiter import LimitSpec, RateLimitStatus
 from extproc.core.ports import StoreUnavailable
-from extproc.core.queue.slip import ForecastSlip
 from tests.unit.admission.queue_rig import QueueRig, chat, config, refusal_of, turns
 
 DEADLINE = "x-extproc-ttft-deadline-ms"
@@ -36,10 +35,8 @@ def one_slot_taken(refusal: Refusal) -> None:
 
 
 async def cold(cfg: dict[str, Any]) -> QueueRig:
-    """A rig whose queue judges no line undrainable yet (the shipped prior): requests wait."""
-    rig = await QueueRig(cfg).start()
-    rig.waits.early = ForecastSlip(early=True)
-    return rig
+    """A rig whose requests wait for the slot."""
+    return await QueueRig(cfg).start()
 
 
 async def test_a_full_queue_refusal_carries_them() -> None:
@@ -56,15 +53,6 @@ async def test_a_full_queue_refusal_carries_them() -> None:
     await task
     await rig.settle(waiter)
     assert rig.active == 0
-
-
-async def test_a_queue_that_cannot_drain_refuses_with_them() -> None:
-    rig = await QueueRig(config(max_wait_s=2)).start()  # the forecast trusted as it is
-    holder = await rig.hold_the_slot(max_tokens=1000)
-    refusal = refusal_of(await rig.send(rig.exchange()))
-    assert refusal.reason == "queue_full"
-    one_slot_taken(refusal)
-    await rig.settle(holder)
 
 
 async def test_a_wait_that_runs_out_ends_with_them() -> None:

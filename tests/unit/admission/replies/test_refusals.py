@@ -45,7 +45,7 @@ BUILDERS: dict[str, Callable[[], Refusal]] = {
     "request_exceeds_token_limit": lambda: limited(Reason.TOO_LARGE, "global", None),
     "kv_budget": lambda: refusals.kv_budget("m", 4000, 100, 3.0, STATUS),
     "queue_full": lambda: refusals.queue_refused("queue_full", "batch", 10.0, status=STATUS),
-    "queue_timeout": lambda: refusals.queue_refused("queue_timeout", "batch", 10.0, 3.0, STATUS),
+    "queue_timeout": lambda: refusals.queue_refused("queue_timeout", "batch", 10.0, status=STATUS),
     "deadline_unmet": lambda: refusals.deadline_unmet("interactive", 500, 2.0, STATUS),
     "tokenizer_busy": lambda: refusals.tokenizer_busy(STATUS),
     "store_unavailable": refusals.store_unavailable,
@@ -117,16 +117,6 @@ def test_a_kv_budget_refusal_carries_the_rate_limit_headers_a_slot_refusal_does(
 def test_a_kv_budget_refusal_without_a_status_sends_its_retry_headers_alone() -> None:
     headers = dict(refusals.kv_budget("m", 4000, 100, 3.0).headers)
     assert set(headers) == {"retry-after", "retry-after-ms", refusals.REASON_HEADER}
-
-
-@pytest.mark.parametrize("reason", ["queue_full", "queue_timeout"])
-def test_a_queue_refusal_tells_the_queues_forecast_where_it_has_one(reason: str) -> None:
-    """When the request's capacity is expected behind the line, not half the wait; a forecast of "now" is
-    told a second, as every hint (a client told "now" spends its retries at once)."""
-    forecast = dict(refusals.queue_refused(reason, "interactive", 25.0, 7.5).headers)
-    assert (forecast["retry-after"], forecast["retry-after-ms"]) == ("8", "7500")
-    assert dict(refusals.queue_refused(reason, "interactive", 25.0).headers)["retry-after"] == "13"
-    assert dict(refusals.queue_refused(reason, "interactive", 25.0, 0.2).headers)["retry-after"] == "1"
 
 
 @pytest.mark.parametrize(
