@@ -175,17 +175,22 @@ def envoy_for(queue_s: float) -> Callable[[dict[str, Any]], None]:
     return patch
 
 
+def wait_fed(gateway: Stack) -> None:
+    """Until the gateway's KV feed reports the engine's capacity, at most 60 s."""
+    deadline = time.monotonic() + 60
+    while gateway.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the KV feed never reported the engine's capacity")
+        time.sleep(0.2)
+
+
 def through_gateway(engine: Engine, profile: str, seed: int, queue_s: float) -> Outcome:
     local = start_gateway(
         engine, protected_config(queue_s), profile, with_exporter=True, envoy_patch=envoy_for(queue_s)
     )
     try:
         gateway = Stack(local)
-        deadline = time.monotonic() + 60
-        while gateway.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the KV feed never reported the engine's capacity")
-            time.sleep(0.2)
+        wait_fed(gateway)
         warm = {"model": MODEL, "prompt": prompt(1), "max_tokens": 64, "stream": True}
         assert http("POST", f"{gateway.url}/v1/completions", warm).status == 200
         wait_idle(gateway)
@@ -233,11 +238,7 @@ def chats_through_shipped(engine: Engine, retries: int, seed: int) -> ChatOutcom
     local = start_gateway(engine, shipped_config(engine), "lean", with_exporter=True)
     try:
         gateway = Stack(local)
-        deadline = time.monotonic() + 60
-        while gateway.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the KV feed never reported the engine's capacity")
-            time.sleep(0.2)
+        wait_fed(gateway)
         return _chats("gateway, shipped config", engine, gateway.url, retries, seed)
     finally:
         local.stop()
