@@ -22,6 +22,7 @@ from extproc.admission.replies.verdicts import BodyVerdict, Forward, Hold, Refus
 from extproc.core.limiter.limiter import Reason, Rejection
 from extproc.core.queue.slip import ForecastSlip
 from tests.support.admission import AdmissionRig
+from tests.unit.admission.queue_rig import chat, refusal_of, turns
 
 OWN = "x-extproc-ttft-deadline-ms"
 LLMD = "x-llm-d-slo-ttft-ms"
@@ -80,23 +81,6 @@ class Rig(AdmissionRig):
     async def settle(self, exchange: Exchange) -> None:
         exchange.close()
         await self.admission.service.drain()
-
-
-def chat(max_tokens: int) -> bytes:
-    body = {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]}
-    return json.dumps(body).encode()
-
-
-async def turns(n: int = 20) -> None:
-    """Let the event loop run queued callbacks (the queue's pump), without any time passing."""
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
-def refusal_of(verdicts: list[BodyVerdict]) -> Refusal:
-    last = verdicts[-1]
-    assert isinstance(last, Refusal), last
-    return last
 
 
 async def test_a_deadline_shorter_than_the_earliest_free_slot_is_refused_at_once() -> None:
