@@ -13,23 +13,34 @@ its limit while Redis is away (the soak benchmark saw this whenever a Redis call
 it a replica in fallback admits only up to its share minus what it already runs, so the fleet stays at its
 limit as long as the replicas held about equal parts of it.
 
-The way back has the mirror problem: requests admitted in the fallback are not counted in Redis. While any
-of them still runs, a replica admits a request only if the shared store admits it and its shadow finds a
-local slot, so it stays within its share until they have ended.
+The way back has the mirror problem: requests admitted in the fallback are not counted in Redis, so the other
+replicas would admit beside them as if they were not running, for as long as they run (minutes, for a long
+answer; the engine tier's fleet saw the engine run one more request than Redis held, for 5 s, after one
+acquire timed out under load). So once Redis answers again, each of them is adopted: placed in Redis as a
+shared lease whatever is free there (`Adopting.adopt`; it already runs), its local lease kept as its shadow
+and settled with it. Until every one is adopted, a replica admits a request only if the shared store admits
+it and its shadow finds a local slot, so it stays within its share meanwhile. An adoption that fails is tried
+again every second until each is adopted or has ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 from extproc.core.limiter.limiter import KeySnapshot, Lease, LimitSpec, RateLimitStatus, Rejection
 from extproc.core.ports import KvBoard, LimiterStore, Mailbox, StoreHealth, StoreUnavailable
 from extproc.store.local import LocalStore
 
 log = logging.getLogger(__name__)
+
+ADOPT_RETRY_S = 1.0
+"""How often a replica tries again to hand the leases it took in the fallback to the shared store: twice the
+breaker's fail-fast window, so a store that is back is found within about a second."""
 
 
 def share_of(spec: LimitSpec, share: float) -> LimitSpec:
@@ -52,6 +63,16 @@ def share_of(spec: LimitSpec, share: float) -> LimitSpec:
         return out
 
 
+@runtime_checkable
+class Adopting(Protocol):
+    """A shared store that can take over a lease admitted elsewhere (`RedisStore`)."""
+
+    async def adopt(self, lease: Lease) -> Lease:
+        """The shared lease that now counts `lease` (same keys, tokens and holder), placed whatever is
+        free; raises `StoreUnavailable` when the store cannot answer."""
+        ...
+
+
 class FallbackStore:
     """`LimiterStore` that prefers `primary` and uses `fallback` (local, cut to a share) when it fails."""
 
@@ -63,7 +84,10 @@ class FallbackStore:
         self.share = share
         self._local: dict[int, Lease] = {}  # leases taken in the fallback, by id
         self._shadows: dict[int, Lease] = {}  # local slot held for a shared lease, by the shared lease's id
+        self._adopted: dict[int, Lease] = {}  # the shared lease that took over a fallback lease, by its id
+        self._adopting: asyncio.Task[None] | None = None
         self.fallback_acquires = 0
+        self.adoptions = 0
         self.degraded = False
 
     async def acquire(
@@ -86,6 +110,7 @@ class FallbackStore:
             result = await self.fallback.acquire(keys, tokens, holder, use_pool, output_tokens)
             if isinstance(result, Lease):
                 self._local[id(result)] = result
+                self._adopt_soon()
             return result
         if self.degraded:
             log.info("shared store answering again: back to shared limits")
@@ -99,7 +124,52 @@ class FallbackStore:
                 return shadow
         return result
 
+    def _adopt_soon(self) -> None:
+        """Adopt the fallback's leases into the shared store, in the background, until none is left (one
+        task at a time)."""
+        if not isinstance(self.primary, Adopting) or (self._adopting and not self._adopting.done()):
+            return
+        self._adopting = asyncio.ensure_future(self._adopt(self.primary))
+
+    async def _adopt(self, primary: Adopting) -> None:
+        """Passes over the fallback's open leases, `ADOPT_RETRY_S` apart, until each is adopted or has
+        ended: the first pass runs at once, and finds the store back already where it lost one answer."""
+        while self._local:
+            before = self.adoptions
+            await self._adopt_each(primary)
+            if self.adoptions > before:
+                log.info(
+                    "leases admitted in the fallback now counted in the shared store",
+                    extra={"adopted": self.adoptions - before, "left": len(self._local)},
+                )
+            if self._local:
+                await asyncio.sleep(ADOPT_RETRY_S)
+
+    async def _adopt_each(self, primary: Adopting) -> None:
+        """Each lease taken in the fallback and still open becomes a shared one; the local lease stays as
+        its shadow slot. One settled while its adoption was in flight gives the shared lease straight
+        back, uncharged: its tokens were charged in the fallback. Stops at the first failure."""
+        for key, lease in list(self._local.items()):
+            try:
+                shared = await primary.adopt(lease)
+            except StoreUnavailable:
+                return
+            except Exception:
+                log.exception("adopting a fallback lease into the shared store failed")
+                return
+            if self._local.pop(key, None) is None:
+                await self.primary.release(shared, 0)
+                continue
+            self._adopted[key] = shared
+            self.adoptions += 1
+            if lease.slot_released:
+                await self.primary.release_slot(shared)
+
     async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
+        shared = self._adopted.pop(id(lease), None)
+        if shared is not None:  # the shadow's local slot and tokens back; the shared lease is charged
+            await self.fallback.release(lease, 0)
+            return await self.primary.release(shared, actual_tokens, actual_output)
         if self._local.pop(id(lease), None) is not None:
             return await self.fallback.release(lease, actual_tokens, actual_output)
         shadow = self._shadows.pop(id(lease), None)
@@ -112,6 +182,11 @@ class FallbackStore:
         ones (only once those are back: a shared store that cannot answer keeps both)."""
         if id(lease) in self._local:
             return await self.fallback.release_slot(lease)
+        shared = self._adopted.get(id(lease))
+        if shared is not None:
+            if not await self.primary.release_slot(shared):
+                return False
+            return await self.fallback.release_slot(lease)
         if not await self.primary.release_slot(lease):
             return False
         shadow = self._shadows.pop(id(lease), None)
@@ -122,6 +197,9 @@ class FallbackStore:
     async def refund(self, lease: Lease, tokens: int) -> bool:
         if id(lease) in self._local:
             return await self.fallback.refund(lease, tokens)
+        shared = self._adopted.get(id(lease))
+        if shared is not None:  # its shadow's tokens go back whole at its release
+            return await self.primary.refund(shared, tokens)
         return await self.primary.refund(lease, tokens)  # the local shadow holds a slot, no tokens
 
     async def status(self, keys: Sequence[str], holder: str | None = None) -> RateLimitStatus:
@@ -162,6 +240,8 @@ class FallbackStore:
         await self.primary.start()
 
     async def close(self) -> None:
+        if self._adopting is not None:
+            self._adopting.cancel()
         await self.primary.close()
 
     def prune(self) -> int:

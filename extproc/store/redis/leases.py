@@ -13,7 +13,6 @@ A release that fails is retried in the background (bounded) and otherwise left t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -23,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from extproc.core.limiter.limiter import Lease, Placement, Rejection
-from extproc.core.limiter.shares import SHARED
 from extproc.core.limiter.split import key_tokens
 from extproc.core.limiter.state import DEFAULT_HOLD_S, SHRUNK_RETRY_S, RateLimitStatus, tightest_status
 from extproc.core.ports import StoreUnavailable
 from extproc.store.redis.breaker import CLIENT_ERRORS, RedisUnavailable, RedisUnsafe
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Background, Calls
+from extproc.store.redis.forget import RELEASE_RETRY_DELAYS_S, forget_lease, forget_placed
 from extproc.store.redis.guard import StateGuard
 from extproc.store.redis.keyspace import Keyspace, refusal
 from extproc.store.redis.views import Views
@@ -37,9 +36,6 @@ log = logging.getLogger("extproc.store.redis")
 
 LEASE_KEY_MARGIN_S = 10.0
 """Lease sets outlive their newest member by this much, then Redis drops the key."""
-
-RELEASE_RETRY_DELAYS_S = (0.1, 0.5, 1.0, 2.0, 4.0, 8.0)
-"""Backoff of a failed release; after the last one the lease is left to expire."""
 
 MAX_PENDING_RETRIES = 10_000
 """Bound on releases waiting for Redis; beyond it they are left to lease expiry."""
@@ -106,9 +102,13 @@ class Leases:
         holder: str | None = None,
         use_pool: bool = True,
         output_tokens: int = 0,
+        adoption: bool = False,
     ) -> Lease | Rejection:
         """Take one slot on every key and each key's part of `tokens` (`output_tokens` of them completion:
-        extproc/core/limiter/split.py `key_tokens`), all or nothing, in one script call.
+        extproc/core/limiter/split.py `key_tokens`), all or nothing, in one script call. `adoption`: for a
+        request admitted in the local fallback while Redis could not answer, which runs (`adopt`): placed
+        in the first share it may use whatever is free there, a bucket going below zero where it must, off
+        the request path (the background bound).
 
         Raises `StoreUnavailable` when Redis does not answer within `timeout_s`, or cannot be trusted now.
         """
@@ -129,12 +129,13 @@ class Leases:
             str(self.key_ttl_ms()),
             str(tokens),
             holder or "",
-            "1" if use_pool else "0",
+            "a" if adoption else "1" if use_pool else "0",
             repr(SHRUNK_RETRY_S if use_pool else DEFAULT_HOLD_S),
         ]
         parts = [str(key_tokens(key, tokens, output_tokens)) for key in unique]
         sent_at = time.monotonic()
-        raw = await self._run_acquire(member, unique, holder, head, parts)
+        limit_s = BACKGROUND_TIMEOUT_S if adoption else self.timeout_s
+        raw = await self._run_acquire(member, unique, holder, head, parts, limit_s)
         code, index, now = int(raw[0]), int(raw[1]), float(raw[2])
         places, views = self.views.parse(unique, raw[3:], now, with_places=True)
         if code:
@@ -158,46 +159,42 @@ class Leases:
         self.open[lease_id] = Open(lease, member, sent_at)
         return lease
 
+    async def adopt(self, lease: Lease) -> Lease:
+        """Count in Redis a lease of the local fallback (`acquire`'s `adoption`), under a new member."""
+        keys, tokens, output = lease.keys, lease.reserved_tokens, lease.reserved_output
+        placed = await self.acquire(keys, tokens, lease.holder, True, output, adoption=True)
+        if not isinstance(placed, Lease):  # the script places an adoption whatever is free: a bug
+            raise RuntimeError(f"redis store: adoption refused ({placed.reason.value})")
+        return placed
+
     async def _run_acquire(
-        self, member: str, unique: tuple[str, ...], holder: str | None, head: list[str], parts: list[str]
+        self,
+        member: str,
+        unique: tuple[str, ...],
+        holder: str | None,
+        head: list[str],
+        parts: list[str],
+        limit_s: float,
     ) -> list[Any]:
-        """The acquire script's reply; what it placed without its reply arriving is taken back later."""
+        """The acquire script's reply within `limit_s`; what it placed without its reply arriving is taken
+        back later."""
         try:
             raw: list[Any] = await self.calls.run(
                 self.calls.scripts.acquire,
                 lambda: [*head, *self.guard.admission_args(), *self.keyspace.keyspec(unique), *parts],
                 unique,
-                self.timeout_s,
+                limit_s,
             )
         except RedisUnsafe:
             raise  # the script refused before placing anything
         except RedisUnavailable as exc:
             if exc.sent:  # the script may have run before the answer was lost: take back what it placed
-                self.background.spawn(self._forget_lease(member, unique, holder))
+                self.background.spawn(forget_lease(self.calls, member, unique, holder))
             raise
         except asyncio.CancelledError:  # cancelled while the script may be running
-            self.background.spawn(self._forget_lease(member, unique, holder))
+            self.background.spawn(forget_lease(self.calls, member, unique, holder))
             raise
         return raw
-
-    async def _forget_lease(self, member: str, keys: Sequence[str], holder: str | None) -> None:
-        pairs: list[str] = []
-        for key in keys:
-            for share in dict.fromkeys([holder or SHARED, SHARED]):
-                pairs += [key, share]
-        for delay in RELEASE_RETRY_DELAYS_S:
-            await asyncio.sleep(delay)
-            try:
-                await self.calls.run(
-                    self.calls.scripts.forget,
-                    lambda: [member, *pairs],
-                    (),
-                    BACKGROUND_TIMEOUT_S,
-                    fail_fast=False,
-                )
-                return
-            except StoreUnavailable:
-                continue
 
     # -- release -------------------------------------------------------------------------------------------
 
@@ -339,12 +336,5 @@ class Leases:
             if entry.lease.lease_id in self.open:
                 restored += 1
             else:  # settled while the renewal was on its way: its release ran first, undo the re-add
-                self.background.spawn(self._forget_placed(entry.member, entry.lease.placements))
+                self.background.spawn(forget_placed(self.calls, entry.member, entry.lease.placements))
         return restored
-
-    async def _forget_placed(self, member: str, placements: Sequence[Placement]) -> None:
-        pairs = [part for p in placements for part in (p.key, p.slot)]
-        with contextlib.suppress(StoreUnavailable):
-            await self.calls.run(
-                self.calls.scripts.forget, lambda: [member, *pairs], (), BACKGROUND_TIMEOUT_S, fail_fast=False
-            )

@@ -232,7 +232,9 @@ end
 ACQUIRE = (
     COMMON
     + r"""
--- ARGV: member, lease ttl s, lease key ttl ms, tokens, holder ('' none), use_pool ('1'/'0'),
+-- ARGV: member, lease ttl s, lease key ttl ms, tokens, holder ('' none), use_pool ('1'/'0'; 'a': an
+--       adoption, placed in the first candidate share whatever its free slots and tokens, its bucket going
+--       below zero where it must: a request already running, admitted while this store could not answer),
 --       wait hint when only the pool could ever hold the tokens, the epoch id the caller knows ('' none),
 --       the recovery time after a loss (ms), KEYSPEC, then per key: the tokens its bucket must hold (its
 --       part of `tokens`: extproc/core/limiter/split.py `key_tokens`)
@@ -241,7 +243,8 @@ ACQUIRE = (
 --        or code (0 admitted, 1 concurrency, 2 tokens, 3 too large), refusing key index, server now,
 --        then per key: slot share, token share ('' none), hold, share count, (name, active, tokens)...
 local member, ttl, key_ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local holder, use_pool = ARGV[5], ARGV[6] == '1'  -- ARGV[4]: the whole reservation, each key's part below
+local holder, use_pool = ARGV[5], ARGV[6] ~= '0'  -- ARGV[4]: the whole reservation, each key's part below
+local adopt = ARGV[6] == 'a'
 local fallback_wait = tonumber(ARGV[7])
 local keys, at = parse_keys(10)
 for _, k in ipairs(keys) do k.need = tonumber(ARGV[at]); at = at + 1 end
@@ -266,6 +269,13 @@ end
 local function place_tokens(k)
   if not k.has_tpm then return nil, 0 end
   local tokens = k.need
+  if adopt then
+    for _, s in ipairs(candidates(k, holder, true)) do
+      local sh = k.shares[s]
+      if sh.tokens ~= nil and sh.cap ~= nil then return s, 0 end
+    end
+    return nil, 0
+  end
   local fits = false
   for _, s in ipairs(candidates(k, holder, true)) do
     if tokens <= k.shares[s].base then fits = true end
@@ -295,6 +305,7 @@ for i, k in ipairs(keys) do
   for _, s in ipairs(candidates(k, holder, use_pool)) do
     if free_slots(k, s) >= 1 then slots[i] = s; break end
   end
+  if adopt and not slots[i] then slots[i] = candidates(k, holder, true)[1] end
   if not slots[i] then return reply(1, i) end
 end
 

@@ -2,19 +2,18 @@
 
 Several gateway replicas enforce one set of global limits through it. Every acquire, release, renewal and
 status read is one Lua script call (one round trip, atomic across all of a request's keys, `scripts`), using
-Redis server time, so replica clock skew cannot mint tokens. Which key refused and the retry hints are then
-derived in Python from the state the script returns, with the very code the in-process `JointLimiter` uses
-(`extproc.core.limiter.state`), so both stores answer alike.
+Redis server time, so replica clock skew cannot mint tokens. Which key refused and the retry hints come from
+the state the script returns, by the in-process `JointLimiter`'s own code (`extproc.core.limiter.state`).
 
 The parts: `connection` (client, TLS, ACL), `calls` (script calls, retries on `stale`/`epoch` replies,
 background tasks), `breaker` (failures and fail-fast), `keyspace` (limits, scales, KEYSPEC, state rebuilt
-from replies), `views` (the metrics cache), `leases` (acquire, release, renewal), `refunds` (parts of a
-lease given back early), `scales` (the shared adaptive scale), `wake` (wake-ups across replicas),
-`mailbox` (messages between replicas), `guard` (a Redis that lost its state or may evict).
+from replies), `views` (the metrics cache), `leases` (acquire, adoption, release, renewal), `forget` (what
+a lost answer placed, taken back), `refunds` (parts of a lease given back early), `scales` (the shared
+adaptive scale), `wake` (wake-ups across replicas), `mailbox` (messages between replicas), `guard` (a Redis
+that lost its state or may evict).
 
-Concurrency model: all methods run on one event loop; local state (config, open leases, the metrics cache)
-is only touched between awaits. `snapshot()` does no I/O: it serves a cache refreshed after every call and
-every `refresh_s` by a background task.
+All methods run on one event loop; local state is only touched between awaits. `snapshot()` does no I/O: it
+serves a cache refreshed after every call and every `refresh_s` by a background task.
 """
 
 from __future__ import annotations
@@ -156,12 +155,9 @@ class RedisStore:
             self._tasks.append(loop.create_task(self.wake.loop(), name="redis-store-wake"))
 
     async def close(self) -> None:
-        """Stop renewing and close the connections. Leases still open expire after the lease TTL.
-
-        Bounded: a task that does not end when cancelled (the pub/sub client can hold on to a cancellation
-        while its server is unreachable) is left behind after `BACKGROUND_TIMEOUT_S` rather than hanging
-        the sidecar's shutdown.
-        """
+        """Stop renewing and close the connections. Leases still open expire after the lease TTL. Bounded:
+        a task that does not end when cancelled (the pub/sub client can hold on to a cancellation while its
+        server is unreachable) is left behind after `BACKGROUND_TIMEOUT_S` rather than hang the shutdown."""
         self.wake.closed = True
         self.calls.closed = True
         tasks = [*self._tasks, *self.background.tasks]
@@ -211,6 +207,9 @@ class RedisStore:
         output_tokens: int = 0,
     ) -> Lease | Rejection:
         return await self.leases.acquire(keys, tokens, holder, use_pool, output_tokens)
+
+    async def adopt(self, lease: Lease) -> Lease:  # a lease of the local fallback, counted here from now on
+        return await self.leases.adopt(lease)
 
     async def release(self, lease: Lease, actual_tokens: int, actual_output: int = 0) -> bool:
         return await self.leases.release(lease, actual_tokens, actual_output)

@@ -156,30 +156,47 @@ async def test_fallback_counts_the_shared_leases_this_replica_runs(
         await store.close()
 
 
-async def test_back_from_fallback_the_share_holds_until_fallback_leases_end(
+async def test_back_from_fallback_its_leases_are_adopted_and_every_replica_counts_them(
     redis_server: RedisServer, redis_url: str
 ) -> None:
-    """Leases taken in the fallback are not in Redis: until they end, the replica keeps to its share."""
+    """Leases taken in the fallback are not in Redis: once it answers again they are placed there (their
+    requests run), so another replica admits beside them no more than the limit leaves, and they settle
+    there. Without the adoption the other replica took all 4 slots beside the 2 running: 6 on a limit of 4
+    (the engine tier's fleet saw it as one request more on the engine than Redis held, for 5 s)."""
     from extproc.core.limiter.limiter import Lease, LimitSpec, Rejection
     from extproc.store.local import LocalStore
 
-    store = FallbackStore(RedisStore.from_url(redis_url, timeout_s=0.1), LocalStore(), 0.5)
-    await store.start()
-    await store.apply_limits({"global": LimitSpec(max_concurrency=4)})
+    spec = {"global": LimitSpec(max_concurrency=4, tokens_per_minute=10_000)}
+    a, b = (FallbackStore(RedisStore.from_url(redis_url, timeout_s=0.1), LocalStore(), 0.5) for _ in "ab")
+    for store in (a, b):
+        await store.start()
+        await store.apply_limits(spec)
     try:
         redis_server.pause()
         try:
-            taken = [await store.acquire(["global"], 0) for _ in range(2)]  # the whole share, locally
+            taken = [await a.acquire(["global"], 1_000) for _ in range(2)]  # a's whole share, locally
         finally:
             redis_server.resume()
-        assert all(isinstance(lease, Lease) for lease in taken) and store.degraded
+        assert all(isinstance(lease, Lease) for lease in taken) and a.degraded
         await asyncio.sleep(BREAKER_OPEN_S + 0.1)
-        refused = await store.acquire(["global"], 0)  # Redis has room (0 of 4), the share has none
-        assert isinstance(refused, Rejection) and not store.degraded
-        assert (await store.primary.status(["global"])).remaining_requests == 4  # refused: nothing kept
+        assert isinstance(await a.acquire(["global"], 0), Rejection)  # its share still runs the two
+        await eventually(lambda: a.adoptions == 2)
+        before = await b.primary.status(["global"])
+        assert before.remaining_requests == 2
+        beside = [await b.acquire(["global"], 0) for _ in range(3)]
+        assert [isinstance(lease, Lease) for lease in beside] == [True, True, False]
         for lease in taken:
             assert isinstance(lease, Lease)
-            await store.release(lease, 0)
-        assert isinstance(await store.acquire(["global"], 0), Lease)  # fallback leases ended: shared again
+            assert await a.release(lease, 100)  # settled in Redis: 900 of its 1,000 back
+        after = await b.primary.status(["global"])
+        assert after.remaining_requests == 4 - 2
+        assert after.remaining_tokens is not None and before.remaining_tokens is not None
+        assert after.remaining_tokens >= before.remaining_tokens + 1_800
+        for lease in beside[:2]:
+            assert isinstance(lease, Lease)
+            await b.release(lease, 0)
+        assert a.fallback.snapshot()[0].active == 0  # no shadow left behind
+        assert isinstance(await a.acquire(["global"], 0), Lease)  # fallback leases ended: shared again
     finally:
-        await store.close()
+        for store in (a, b):
+            await store.close()
