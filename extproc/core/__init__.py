@@ -28,6 +28,7 @@ one validity rule), `tally.py` (a pool's generation counters over time: a reques
 generated), `series.py` (readings over time, bounded: the tally's counters and the other replicas' runs),
 `done.py` (the requests the engine is done with, confirmed over feed samples)); `queue/` (waiting
 for capacity: `waitqueue.py` (`WaitQueue`, the admission order), `slot_eta.py` (when a slot frees), `slip.py`
-(`ForecastSlip`: how late capacity comes against the forecast)); and on top `ports.py` (the `LimiterStore`
+(`ForecastSlip`: how late capacity comes against the forecast), `drain.py` (`DrainPace`: how fast a class's
+queue has lately drained)); and on top `ports.py` (the `LimiterStore`
 interface stores implement), `clock.py` (injected time).
 """

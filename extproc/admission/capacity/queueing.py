@@ -18,7 +18,9 @@ the line expects its capacity a margin before its deadline (its first token's de
 forecast has shown, `ForecastSlip`, which each grant teaches), and kept: a waiter is not refused because
 the layout later says it is late, only once a grant could no longer bring its first token in time. A waiter
 whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the very moment
-it left is given straight back, so nothing leaks.
+it left is given straight back, so nothing leaks. A newcomer whose own tenant's line ahead of it could not
+be served within its wait even at twice the pace the class has lately drained at (`DrainPace`) is refused
+at once, `QueueFull` with when the line is expected to have drained.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 from extproc.core.clock import Clock
 from extproc.core.limiter.limiter import TOKEN_REASONS, Lease, Reason, Rejection
 from extproc.core.ports import LimiterStore
+from extproc.core.queue.drain import DrainPace
 from extproc.core.queue.slip import ForecastSlip
 from extproc.core.queue.waitqueue import Waiter, WaitQueue
 from extproc.metrics import Metrics
@@ -63,7 +66,12 @@ class Gate(Protocol):
 
 
 class QueueFull(Exception):
-    """The class's queue is at its bound (or the class does not queue)."""
+    """The class's queue is at its bound (or the class does not queue), or its line ahead of the newcomer
+    cannot drain within its wait (`DrainPace`): then `eta`, when it is expected to have."""
+
+    def __init__(self, eta: float | None = None) -> None:
+        super().__init__("queue full" if eta is None else f"line drains in {eta:.3f} s")
+        self.eta = eta
 
 
 class DeadlineUnmet(Exception):
@@ -104,6 +112,7 @@ class AdmissionQueue:
         # forecasts is the margin newcomers' promises keep (`ForecastSlip`).
         self._forecast: dict[Waiter, tuple[float, float]] = {}
         self.slip = ForecastSlip()
+        self._drains: dict[str, DrainPace] = {}  # per class: how fast its line has lately drained
         # Wired by the admission service (compose.py): when refused waiters' capacity is expected.
         self.starts: Schedule = _no_schedule
 
@@ -196,9 +205,11 @@ class AdmissionQueue:
         end, by_due = _wait_end(now + max_wait_s, due)
         waiter = Waiter(holder, tenant, enqueued_at=now, deadline=end, due=due, run_s=run_s)
         waiter.payload = (tuple(keys), tokens, future, gate, output_tokens)
-        if not self.queue.push(waiter):
+        ahead = self.queue.ahead_in_line(holder, tenant, due)
+        eta = self._drain(holder).out_of_reach(now, ahead, end - now)
+        if eta is not None or not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
-            raise QueueFull
+            raise QueueFull(eta)
         self._depth(holder)
         self.kick()
         outcome = "deadline" if by_due else "timeout"
@@ -270,6 +281,7 @@ class AdmissionQueue:
                     self._depth(waiter.holder)
                     future.set_result(result)
                     self._granted.add(waiter)
+                    self._drain(waiter.holder).granted(self.clock())
                     noted = self._forecast.pop(waiter, None)
                     if noted is not None:
                         self.slip.observe(*noted, self.clock())
@@ -321,7 +333,13 @@ class AdmissionQueue:
         task.add_done_callback(self._background.discard)
 
     def _depth(self, holder: str) -> None:
-        self.metrics.queue_depth.labels(holder).set(self.queue.depth(holder))
+        depth = self.queue.depth(holder)
+        self.metrics.queue_depth.labels(holder).set(depth)
+        self._drain(holder).depth(self.clock(), depth)
+
+    def _drain(self, holder: str) -> DrainPace:
+        """The class's drain pace (one per class configured to queue: a bounded set)."""
+        return self._drains.setdefault(holder, DrainPace())
 
     def close(self) -> None:
         if self._timer is not None:

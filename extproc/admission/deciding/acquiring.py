@@ -113,9 +113,10 @@ class Acquisition:
                 gate,
                 plan.completion_tokens,
             )
-        except QueueFull:
+        except QueueFull as exc:
             status = await self.status()
-            yield refusals.queue_refused("queue_full", klass.name, klass.max_wait_seconds, status=status)
+            told = klass.max_wait_seconds if exc.eta is None else max_wait
+            yield refusals.queue_refused("queue_full", klass.name, told, status, exc.eta)
             return
         except DeadlineUnmet as exc:
             yield refusals.deadline_unmet(klass.name, request.deadline_ms or 0, exc.eta, await self.status())

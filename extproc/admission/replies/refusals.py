@@ -201,14 +201,23 @@ def _limits(status: RateLimitStatus | None) -> tuple[Header, ...]:
 
 
 def queue_refused(
-    reason: str, class_name: str, max_wait_s: float, status: RateLimitStatus | None = None
+    reason: str,
+    class_name: str,
+    max_wait_s: float,
+    status: RateLimitStatus | None = None,
+    drains_in_s: float | None = None,
 ) -> Refusal:
-    """A class that queues found its queue full, or waited until its deadline. `status`: the limiter's view
-    of its keys (`x-ratelimit-*`)."""
-    why = "the wait queue is full" if reason == "queue_full" else "waited until the deadline"
+    """A class that queues found its queue full, or its line ahead of the request too long to drain within
+    its wait (`drains_in_s`: when it is expected to have, the retry-after), or waited until its deadline.
+    `status`: the limiter's view of its keys (`x-ratelimit-*`)."""
+    if drains_in_s is not None:
+        why = f"the requests ahead are expected to take {format_duration(drains_in_s)}"
+    else:
+        why = "the wait queue is full" if reason == "queue_full" else "waited until the deadline"
     message = f"No capacity for class {class_name} within {max_wait_s:g}s ({why}). Please try again later."
     body = error_body(message, type=REQUESTS_LIMIT, code=RATE_LIMIT_EXCEEDED)
-    headers = _reason(reason, (*retry_headers(max(1.0, max_wait_s / 2)), *_limits(status)))
+    wait = max(1.0, max_wait_s / 2 if drains_in_s is None else drains_in_s)
+    headers = _reason(reason, (*retry_headers(wait), *_limits(status)))
     return Refusal(429, body, reason, headers, f"{DETAILS_PREFIX}rate_limited_{reason}")
 
 

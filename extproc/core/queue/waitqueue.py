@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,14 @@ class WaitQueue:
         if extra is not None and holder not in self._classes:
             out.append(extra)
         return out
+
+    def ahead_in_line(self, holder: str, tenant: str, due: float | None) -> int:
+        """How many of `tenant`'s waiters in class `holder` a newcomer due at `due` would queue behind: those
+        certainly admitted before it, whatever the other tenants' turns."""
+        queue = self._classes.get(holder)
+        line = queue.tenants.get(tenant, ()) if queue is not None else ()
+        order = (math.inf if due is None else due, sys.maxsize)
+        return sum(1 for waiter in line if waiter.order < order)
 
     def ahead_of(self, holder: str) -> bool:
         """Whether anyone of this class or a higher one is waiting (a newcomer must not overtake them)."""

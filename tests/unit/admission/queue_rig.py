@@ -56,17 +56,24 @@ class QueueRig(AdmissionRig):
         max_tokens: int = 10,
         headers: dict[str, str] | None = None,
         body: bytes | None = None,
+        tenant: str | None = None,
     ) -> list[BodyVerdict]:
-        """A chat of `max_tokens` (or `body`) through admission: every verdict, the last its outcome."""
-        first = exchange.request_headers(RequestHead("POST", "/v1/chat/completions", headers or {}))
+        """A chat of `max_tokens` (or `body`) through admission, from `tenant` (None: the default one): every
+        verdict, the last its outcome."""
+        head = RequestHead("POST", "/v1/chat/completions", headers or {}, tenant=tenant)
+        first = exchange.request_headers(head)
         if isinstance(first, Refusal):
             return [first]
         return [v async for v in exchange.request_body(chat(max_tokens) if body is None else body)]
 
     def waiting(
-        self, exchange: Exchange, max_tokens: int = 10, headers: dict[str, str] | None = None
+        self,
+        exchange: Exchange,
+        max_tokens: int = 10,
+        headers: dict[str, str] | None = None,
+        tenant: str | None = None,
     ) -> asyncio.Task[list[BodyVerdict]]:
-        return asyncio.ensure_future(self.send(exchange, max_tokens, headers))
+        return asyncio.ensure_future(self.send(exchange, max_tokens, headers, tenant=tenant))
 
     async def settle(self, exchange: Exchange) -> None:
         exchange.close()
