@@ -8,7 +8,9 @@ to the budget at once; no answer (the store unreachable) leaves the last one, wh
 
 Once the store answered, a second call carries the pool's engine-tally figures (`EngineTally.figures`,
 `KvBoard.exchange_runs`) and hands the others' to the tally: the charge of an answer not seen whole is its
-share of the pool's growth against every replica's runs, which no replica sees alone.
+share of the pool's growth against every replica's runs, which no replica sees alone. A pool without a KV
+budget exchanges its runs alone, at each feed sample (`runs_changed`): with `kv_budget` off, each replica
+would otherwise charge the pool's whole growth to its own runs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class FleetExchange:
         self._later: dict[str, asyncio.TimerHandle] = {}
         self._dirty: set[str] = set()
         self._sent_at: dict[str, float] = {}
+        self._runs_tasks: dict[str, asyncio.Task[None]] = {}  # runs-only exchanges (`runs_changed`)
         self.exchanges = 0
         self.failures = 0
 
@@ -89,6 +92,19 @@ class FleetExchange:
         if pool in self._dirty:
             self.changed(pool, budget)
 
+    def runs_changed(self, pool: str) -> None:
+        """A feed sample of a pool without a KV budget: its runs go out alone (one call in flight per pool,
+        at the feed's pace), so the charge tally still splits the pool's growth against every replica's."""
+        if pool in self._runs_tasks:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self._exchange_runs(pool))
+        self._runs_tasks[pool] = task
+        task.add_done_callback(lambda _done: self._runs_tasks.pop(pool, None))
+
     async def _exchange_runs(self, pool: str) -> None:
         """The pool's tally's runs out, the other replicas' in (none without a tally: no feed yet); a store
         that does not answer leaves the tally its last reading, which it carries a while (`PEER_STALE_S`)."""
@@ -119,10 +135,11 @@ class FleetExchange:
         for handle in self._later.values():
             handle.cancel()
         self._later.clear()
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._runs_tasks.values()]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self._runs_tasks.clear()

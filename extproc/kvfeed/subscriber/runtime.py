@@ -160,9 +160,12 @@ class FeedbackRuntime:
             log.warning("engine back: an endpoint of the pool is up", extra={"pool": pool})
 
     def _on_sample(self, pool: str, snapshot: PoolSnapshot, now: float) -> None:
-        """A fresh sample: the budget learns the engine's KV in use and trusts forecasts a while longer."""
+        """A fresh sample: the budget learns the engine's KV in use and trusts forecasts a while longer; a
+        pool without one still exchanges its runs with the other replicas (`FleetExchange.runs_changed`)."""
         budget = self.budget(pool)
         if budget is None:
+            if self._fleet is not None:
+                self._fleet.runs_changed(pool)
             return
         if snapshot.kv_capacity_tokens is not None:
             budget.set_capacity(snapshot.kv_capacity_tokens)

@@ -203,3 +203,31 @@ async def test_the_exchange_carries_each_pools_tally_runs_to_the_other_replicas(
             await fleet.close()
         for store in stores:
             await store.close()
+
+
+async def test_a_pool_without_a_kv_budget_exchanges_its_runs_alone(redis_url: str) -> None:
+    """With `kv_budget` off nothing else publishes: each feed sample sends the pool's runs by themselves
+    (`FleetExchange.runs_changed`), or each replica would charge the pool's whole growth to its own runs."""
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
+    clock = [5.0]
+    tallies = [EngineTally(), EngineTally()]
+    tallies[0].begin("a", 0.0, 2)
+    exchanges = [
+        FleetExchange(store.kv_board(), clock=lambda: clock[0], tally_of=functools.partial(tally_of, tally))
+        for store, tally in zip(stores, tallies, strict=True)
+    ]
+    try:
+        for fleet in exchanges:
+            fleet.runs_changed("llama")
+            fleet.runs_changed("llama")  # one call in flight per pool: the second is dropped
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not fleet._runs_tasks:
+                    break
+        assert tallies[1].peers.shown_at(5.0) == 2.0  # the first replica's two sequences
+        assert fleet.exchanges == 0  # no KV figures went out: the pool has no budget
+    finally:
+        for fleet in exchanges:
+            await fleet.close()
+        for store in stores:
+            await store.close()

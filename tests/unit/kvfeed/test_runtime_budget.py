@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -129,3 +130,41 @@ def test_min_completion_ratio_reaches_each_pools_budget_and_is_validated() -> No
     with pytest.raises(ConfigError) as err:
         parse_config({"feedback": FEED, "kv_budget": {"enabled": True, "min_completion_ratio": 0}})
     assert str(err.value).startswith("kv_budget.min_completion_ratio"), str(err.value)
+
+
+class RunsBoard:
+    """A `KvBoard` that records the pools whose runs it was handed, and has no other replica."""
+
+    def __init__(self) -> None:
+        self.kv: list[str] = []
+        self.runs: list[str] = []
+
+    async def exchange(self, pool: str, share: object) -> object:
+        self.kv.append(pool)
+        raise AssertionError("a pool without a KV budget has no KV figures to publish")
+
+    async def exchange_runs(self, pool: str, figures: object) -> dict[str, object]:
+        self.runs.append(pool)
+        return {}
+
+
+def test_a_pool_without_a_kv_budget_still_exchanges_its_runs_at_each_sample() -> None:
+    """With `kv_budget` off the runs rode nothing: each replica charged the pool's whole growth to its own
+    runs. Each sample now sends them alone."""
+
+    async def scenario() -> None:
+        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, Clock())
+        board = RunsBoard()
+        runtime.share_through(board, 0.5)  # type: ignore[arg-type]
+        await runtime.apply(parse_config({"feedback": FEED}).feedback, ["m"])
+        try:
+            assert runtime.loop is not None and runtime.budget("m") is None
+            counted = dataclasses.replace(sample(0.3, t=1.0), generation_tokens_total=100.0)
+            runtime.loop.subscriber.ingest(counted)  # a tally needs the engine's generation counter
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert board.runs == ["m"] and board.kv == []
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
