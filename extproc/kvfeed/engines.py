@@ -38,7 +38,14 @@ class ServerKind(StrEnum):
 
 
 Signal = Literal[
-    "kv_usage", "waiting", "running", "preemptions", "kv_reserved_tokens", "generated", "rejections"
+    "kv_usage",
+    "waiting",
+    "running",
+    "preemptions",
+    "kv_reserved_tokens",
+    "generated",
+    "rejections",
+    "prompted",
 ]
 Unit = Literal["ratio", "percent", "requests", "count", "tokens"]
 Match = tuple[tuple[str, str], ...]
@@ -199,6 +206,13 @@ _VLLM = EngineProfile(
             "vllm:generation_tokens_total",
             "count",
             note="counter, grown every engine step by the tokens it generated (the decode pace)",
+        ),
+        Reading(
+            "prompted",
+            "vllm:prompt_tokens_total",
+            "count",
+            note="counter, grown by a prompt's whole length (cached part included) when its prefill "
+            "completes: vllm 0.32.0 v1/metrics/stats.py IterationStats.update_from_output, loggers.py 1262",
         ),
         Reading(
             "rejections",

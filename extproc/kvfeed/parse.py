@@ -88,6 +88,7 @@ class ModelSignals:
     # counter: requests the engine refused for want of queue room (vLLM's 503 past its queue bounds)
     admission_rejections_total: float | None = None
     prefix_caching: bool | None = None  # whether the engine shares prompt prefixes; None: it does not say
+    prompt_tokens_total: float | None = None  # counter: prompt tokens prefilled, grown as each prefill ends
 
 
 def _unescape(value: str) -> str:
@@ -421,6 +422,7 @@ class _ModelView:
             kv_block_tokens=self.block_tokens(),
             admission_rejections_total=self.counted("rejections"),
             prefix_caching=self.prefix_caching(),
+            prompt_tokens_total=self.counted("prompted"),
         )
 
 

@@ -74,6 +74,8 @@ class FeedSample:
     # Counter of tokens the engine generated (what the pace is timed from); None unknown.
     generation_tokens_total: float | None = None
     prefix_caching: bool | None = None  # whether the engine shares prompt prefixes; None unknown
+    # Counter of prompt tokens the engine has prefilled (grown as each prefill completes); None unknown.
+    prompt_tokens_total: float | None = None
 
     @property
     def key(self) -> SampleKey:
@@ -109,6 +111,7 @@ class FeedSample:
             admission_rejections_total=signals.admission_rejections_total,
             generation_tokens_total=signals.generation_tokens_total,
             prefix_caching=signals.prefix_caching,
+            prompt_tokens_total=signals.prompt_tokens_total,
         )
 
     @classmethod
@@ -191,6 +194,9 @@ def checked(sample: FeedSample) -> FeedSample:
     generated = sample.generation_tokens_total
     if generated is not None and not _countable(generated):
         sample = replace(sample, generation_tokens_total=None)  # likewise
+    prompted = sample.prompt_tokens_total
+    if prompted is not None and not _countable(prompted):
+        sample = replace(sample, prompt_tokens_total=None)  # likewise
     names = plausible_names(sample.served_names)
     return sample if names == sample.served_names else replace(sample, served_names=names)
 
@@ -219,7 +225,13 @@ def to_proto(sample: FeedSample) -> feedback_pb2.KvSample:
         scrape_duration_seconds=sample.scrape_duration_seconds,
         served_names=list(sample.served_names),
     )
-    for field in ("kv_usage", *_COUNTS, "decode_tokens_per_second", "generation_tokens_total"):
+    for field in (
+        "kv_usage",
+        *_COUNTS,
+        "decode_tokens_per_second",
+        "generation_tokens_total",
+        "prompt_tokens_total",
+    ):
         value = getattr(sample, field)
         if value is not None:
             setattr(msg, field, value)
@@ -261,4 +273,5 @@ def from_proto(msg: feedback_pb2.KvSample) -> FeedSample:
         admission_rejections_total=opt("admission_rejections_total"),
         generation_tokens_total=opt("generation_tokens_total"),
         prefix_caching=bool(msg.prefix_caching) if msg.HasField("prefix_caching") else None,
+        prompt_tokens_total=opt("prompt_tokens_total"),
     )

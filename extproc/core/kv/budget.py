@@ -230,11 +230,12 @@ class KvBudget:
         fresh_for: float,
         waiting: float | None = None,
         running: float | None = None,
+        prompted: float | None = None,
     ) -> None:
-        """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s, the
-        requests waiting and running there; what it corrects is `EngineCorrection.observe`'s."""
+        """A fresh engine sample (KV tokens in use, trusted `fresh_for` s; requests waiting and running; the
+        prompt tokens prefilled, a counter): what it corrects is `EngineCorrection.observe`'s."""
         self._share.seen(now)
-        self._engine.observe(used_tokens, now, fresh_for, waiting, running)
+        self._engine.observe(used_tokens, now, fresh_for, waiting, running, prompted)
 
     def budget_share(self) -> float:
         """The fixed share of the pool this replica books against while the others are unknown."""

@@ -32,6 +32,8 @@ class EngineCorrection:
         self._pace = pace
         self._share = share
         self._engine_done = EngineDone()  # who is told once the engine is confirmed done with a lease
+        self._prompted: float | None = None  # the pool's prefilled prompt tokens at the last sample
+        self._prompted_since: dict[str, float] = {}  # per lease: the counter before its admission
 
     def observe(
         self,
@@ -40,25 +42,29 @@ class EngineCorrection:
         fresh_for: float,
         waiting: float | None,
         running: float | None,
+        prompted: float | None = None,
     ) -> None:
         """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s, the
-        requests waiting in the engine's queue and those running (None when not published).
+        requests waiting in the engine's queue and those running (None when not published), and the prompt
+        tokens the pool's engines have prefilled, a counter (None when not published: `_note_prompted`).
 
         The engine's gauge wins where the two disagree, in both directions, until the next sample:
 
         * KV in use (this sidecar's share of it) beyond what every lease's current KV explains (other
           traffic, progress under-estimated) is added to every forecast;
         * KV the settled leases provably do not hold is taken off: when nothing waits in the engine, every
-          lease admitted more than `settle_after` ago is running there and holds its blocks, so those
-          leases hold at most the KV in use. Their prompts (less shared prefixes) and the tokens seen
-          streamed are a floor of what they hold while they run, and of what they will hold until they
-          end; booked beyond the KV in use, that floor is over-booked for the rest of their lives (a
-          prefix shared that the chunks missed, prompts the engine's tokenizer makes shorter, an answer
-          the engine finished while its client still reads). Estimated progress and block rounding are
-          left out: taking an over-estimate of either off would lower the forecast of each lease's final
-          size, which does not depend on them. Leases admitted since may not be in the gauge yet (they
-          count as holding nothing); a request waiting (queued, or preempted and waiting to resume) holds
-          nothing now but needs its KV back, so with anything waiting nothing is taken off.
+          lease admitted more than `settle_after` ago is running there and holds its blocks, so those leases
+          hold at most the KV in use, once each is prefilled: where the engines count prefilled prompts, only
+          leases whose prompt the count has grown by since their admission count (a long prompt in chunked
+          prefill runs with only its first chunks in the cache). Their prompts (less shared prefixes) and the
+          tokens seen streamed are a floor of what they hold while they run, and of what they will hold until
+          they end; booked beyond the KV in use, that floor is over-booked for the rest of their lives (a
+          prefix shared that the chunks missed, prompts the engine's tokenizer makes shorter, an answer the
+          engine finished while its client still reads). Estimated progress and block rounding are left out:
+          taking an over-estimate of either off would lower the forecast of each lease's final size, which
+          does not depend on them. Leases admitted since may not be in the gauge yet (they count as holding
+          nothing); a request waiting (queued, or preempted and waiting to resume) holds nothing now but needs
+          its KV back, so with anything waiting nothing is taken off.
         * Leases the engine has finished are booked nothing until the next sample (`_engine_finished`): an
           answer the engine generated whole while its client still reads it (a slow reader in the lean
           profile, whose lease ends with the proxy's report) holds no KV there. Once that finding holds
@@ -67,6 +73,7 @@ class EngineCorrection:
         booker = self._booker
         booker.fresh_until = now + max(0.0, fresh_for)
         booker.unexplained = 0.0
+        self._note_prompted(prompted)
         self._mark_running(running, now)
         booker.finished = self._engine_finished(now, waiting, running)
         if used_tokens is not None and math.isfinite(used_tokens):
@@ -124,7 +131,7 @@ class EngineCorrection:
             if lease_id in self._booker.finished:
                 continue
             explained += lease.trajectory(now, rate, delay)[0]
-            if lease.settled_by(settled_before):
+            if lease.settled_by(settled_before) and self._prefilled(lease_id, lease):
                 settled += lease.own_prompt + lease.streamed
         # Downward, the whole gauge: what the others' leases held is one exchange old, and taken off `used`
         # after they released it, left this replica's leases less room than they hold (an idle replica booked
@@ -136,6 +143,31 @@ class EngineCorrection:
         if waiting == 0 and settled > used:
             return used - settled
         return 0.0
+
+    def _note_prompted(self, prompted: float | None) -> None:
+        """The pool's prompt-token counter (vLLM's `vllm:prompt_tokens_total`, grown by a prompt's whole
+        length, cached part included, when its prefill completes: vllm 0.32.0 v1/metrics/stats.py
+        `IterationStats.update_from_output`, loggers.py 1262). Each lease keeps the value read at the last
+        sample before it was first seen here, so the growth since is at least what was prefilled since its
+        admission; a lease booked before the counter was known starts from its first value (less: the
+        cautious side). Without a counter no lease has a baseline, and `_prefilled` says so."""
+        if prompted is None or not math.isfinite(prompted):
+            self._prompted = None
+            self._prompted_since.clear()
+            return
+        before = prompted if self._prompted is None else self._prompted
+        since = self._prompted_since
+        self._prompted_since = {lease_id: since.get(lease_id, before) for lease_id in self._ledger.leases}
+        self._prompted = prompted
+
+    def _prefilled(self, lease_id: str, lease: Lease) -> bool:
+        """Whether the engines' counts allow `lease` to be wholly prefilled: the pool's prompt counter grew by
+        its prompt since its admission (necessary, not sufficient: another's prefill grows it too). Where
+        the engines publish no such counter, admitted `settle_after` ago is all there is to go by."""
+        if self._prompted is None:
+            return True
+        since = self._prompted_since.get(lease_id)
+        return since is not None and self._prompted - since >= lease.prompt
 
     def _may_be_finished(self, lease: Lease, now: float) -> bool:
         """Whether the engine may have finished `lease` unseen (`_engine_finished`'s candidates): a stream

@@ -32,7 +32,7 @@ class WatchRequest(_message.Message):
     def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvSample(_message.Message):
-    __slots__ = ("node", "endpoint", "model", "server_kind", "kv_usage", "requests_waiting", "requests_running", "preemptions_total", "kv_capacity_tokens", "sample_time", "up", "error", "scrape_duration_seconds", "served_names", "decode_tokens_per_second", "kv_block_tokens", "admission_rejections_total", "generation_tokens_total", "prefix_caching")
+    __slots__ = ("node", "endpoint", "model", "server_kind", "kv_usage", "requests_waiting", "requests_running", "preemptions_total", "kv_capacity_tokens", "sample_time", "up", "error", "scrape_duration_seconds", "served_names", "decode_tokens_per_second", "kv_block_tokens", "admission_rejections_total", "generation_tokens_total", "prefix_caching", "prompt_tokens_total")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class KvSample(_message.Message):
     ADMISSION_REJECTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     model: str
@@ -71,4 +72,5 @@ class KvSample(_message.Message):
     admission_rejections_total: float
     generation_tokens_total: float
     prefix_caching: bool
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ..., server_kind: _Optional[_Union[ServerKind, str]] = ..., kv_usage: _Optional[float] = ..., requests_waiting: _Optional[float] = ..., requests_running: _Optional[float] = ..., preemptions_total: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., sample_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., up: _Optional[bool] = ..., error: _Optional[str] = ..., scrape_duration_seconds: _Optional[float] = ..., served_names: _Optional[_Iterable[str]] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_block_tokens: _Optional[int] = ..., admission_rejections_total: _Optional[float] = ..., generation_tokens_total: _Optional[float] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    prompt_tokens_total: float
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ..., server_kind: _Optional[_Union[ServerKind, str]] = ..., kv_usage: _Optional[float] = ..., requests_waiting: _Optional[float] = ..., requests_running: _Optional[float] = ..., preemptions_total: _Optional[float] = ..., kv_capacity_tokens: _Optional[int] = ..., sample_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., up: _Optional[bool] = ..., error: _Optional[str] = ..., scrape_duration_seconds: _Optional[float] = ..., served_names: _Optional[_Iterable[str]] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_block_tokens: _Optional[int] = ..., admission_rejections_total: _Optional[float] = ..., generation_tokens_total: _Optional[float] = ..., prefix_caching: _Optional[bool] = ..., prompt_tokens_total: _Optional[float] = ...) -> None: ...

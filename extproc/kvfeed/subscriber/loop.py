@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from extproc.core.engine.adaptive import AdaptiveConfig, AdaptiveController, ControllerState
+from extproc.core.engine.counter import PoolCounter
 from extproc.core.engine.tally import EngineTally
 from extproc.kvfeed.sample import FeedSample, SampleKey
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
@@ -88,6 +89,7 @@ class FeedbackLoop:
         self._snapshots: dict[str, PoolSnapshot] = {}
         self._rejections: dict[SampleKey, float] = {}  # each endpoint's admission-rejection counter
         self._tallies: dict[str, EngineTally] = {}  # per pool: its engines' generation counters
+        self._prompted: dict[str, PoolCounter] = {}  # per pool: its engines' prefilled prompt tokens
         self._tick_task: asyncio.Task[None] | None = None
         self.served = ServedNames(subscriber.forget_after)
         self.subscriber = FeedSubscriber(
@@ -134,6 +136,12 @@ class FeedbackLoop:
         """The decode pace per sequence the pool's fresh endpoints publish, None when none does or stale."""
         snap = self._snapshots.get(pool)
         return snap.decode_tokens_per_second if snap is not None and not snap.stale else None
+
+    def prompted(self, pool: str) -> float | None:
+        """The prompt tokens the pool's engines have prefilled since the feed first read them (the growth of
+        vLLM's `vllm:prompt_tokens_total`); None where no endpoint of the pool publishes it now."""
+        counter = self._prompted.get(pool)
+        return counter.total if counter is not None and counter.known else None
 
     def engine_tally(self, pool: str) -> EngineTally | None:
         """The pool's generation counters over time; None before a sample of the pool carried one."""
@@ -207,6 +215,7 @@ class FeedbackLoop:
         self.evaluate({sample.model})
         self._count_rejections(sample)
         self._tally(sample)
+        self._count_prompted(sample)
         snap = self._snapshots.get(sample.model)
         if self._on_fresh is None or snap is None or snap.stale or not sample.up:
             return
@@ -247,6 +256,19 @@ class FeedbackLoop:
         took = min(duration, MAX_SCRAPE_S) if math.isfinite(duration) and duration > 0 else 0.0
         tally.observe(_endpoint(sample.key), generated, running, self._clock() - took)
 
+    def _count_prompted(self, sample: FeedSample) -> None:
+        """An endpoint's prompt counter into its pool's sum; a sample without one, or a down one, makes its
+        next reading a new baseline."""
+        counter = self._prompted.get(sample.model)
+        value = sample.prompt_tokens_total
+        if not sample.up or value is None:
+            if counter is not None:
+                counter.forget(_endpoint(sample.key))
+            return
+        if counter is None:
+            counter = self._prompted[sample.model] = PoolCounter()
+        counter.observe(_endpoint(sample.key), value)
+
     def _forget_endpoints(self) -> None:
         """Rejection counters and tallied counters of endpoints the subscriber forgot: memory follows the
         fleet."""
@@ -256,6 +278,8 @@ class FeedbackLoop:
         endpoints = {_endpoint(key) for key in known}
         for tally in self._tallies.values():
             tally.keep(endpoints)
+        for counter in self._prompted.values():
+            counter.keep(endpoints)
 
     async def _tick_loop(self) -> None:
         while True:

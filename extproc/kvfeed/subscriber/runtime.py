@@ -176,7 +176,9 @@ class FeedbackRuntime:
         adaptive = self._config.adaptive_pools.get(pool, self._config.adaptive_default)
         waiting = snapshot.requests_waiting if snapshot.waiting_known else None
         running = snapshot.requests_running if snapshot.running_known else None
-        budget.observe_engine(snapshot.kv_used_tokens, now, adaptive.stale_after_seconds, waiting, running)
+        prompted = self.loop.prompted(pool) if self.loop is not None else None
+        stale_after = adaptive.stale_after_seconds
+        budget.observe_engine(snapshot.kv_used_tokens, now, stale_after, waiting, running, prompted)
         if self._fleet is not None:
             self._fleet.changed(pool, budget)
         self.metrics.observe_budget(pool, budget, now)

@@ -106,6 +106,13 @@ def test_fixture_signals(case: Case, explicit_kind: bool) -> None:
     assert s.kv_capacity_tokens == e.capacity
 
 
+def test_vllms_prefilled_prompt_tokens_are_summed_over_its_engines() -> None:
+    """`vllm:prompt_tokens_total`, one series per engine of a data-parallel server: the KV budget's evidence
+    that a lease's prompt was prefilled (docs/feedback.md, "How each guess errs")."""
+    signals = parse_metrics(page("vllm_0.33.0_dp2.txt"), ServerKind.VLLM)[LLAMA]
+    assert signals.prompt_tokens_total == pytest.approx(1_234_567 + 1_100_230)
+
+
 def test_every_engine_fixture_has_a_case_and_every_engine_a_fixture() -> None:
     assert sorted(c.fixture for c in CASES) == sorted(
         set(engine_fixtures()) - {"trtllm_serve_e7f7345_undefined.txt"}

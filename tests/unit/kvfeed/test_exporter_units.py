@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -51,6 +51,8 @@ async def test_new_subscription_is_primed_and_filtered() -> None:
 def test_proto_round_trip_keeps_unknowns_unknown() -> None:
     s = sample(t=1700000000.25)
     assert from_proto(to_proto(s)) == s
+    counted = replace(s, generation_tokens_total=300.0, prompt_tokens_total=12_000.0)
+    assert from_proto(to_proto(counted)) == counted
     down = FeedSample.down("n", "e:1", "m", None, "timeout: x", 5.5)
     back = from_proto(to_proto(down))
     assert back == down
@@ -175,17 +177,20 @@ def test_block_size_travels_and_an_impossible_one_is_dropped_alone() -> None:
         assert dropped.up and dropped.kv_block_tokens is None and dropped.kv_usage == s.kv_usage
 
 
-def test_the_generation_counter_travels_and_an_impossible_one_is_dropped_alone() -> None:
+@pytest.mark.parametrize("field", ["generation_tokens_total", "prompt_tokens_total"])
+def test_the_token_counters_travel_and_an_impossible_one_is_dropped_alone(field: str) -> None:
     from dataclasses import replace
 
     from extproc.kvfeed.sample import checked
 
-    s = replace(sample(t=5.0), generation_tokens_total=12345.0)
-    assert from_proto(to_proto(s)).generation_tokens_total == 12345.0
-    assert from_proto(to_proto(sample())).generation_tokens_total is None
+    counted: dict[str, Any] = {field: 12345.0}
+    s = replace(sample(t=5.0), **counted)
+    assert getattr(from_proto(to_proto(s)), field) == 12345.0
+    assert getattr(from_proto(to_proto(sample())), field) is None
     for bad in (-1.0, float("nan"), float("inf")):
-        dropped = checked(replace(s, generation_tokens_total=bad))
-        assert dropped.up and dropped.generation_tokens_total is None and dropped.kv_usage == s.kv_usage
+        impossible: dict[str, Any] = {field: bad}
+        dropped = checked(replace(s, **impossible))
+        assert dropped.up and getattr(dropped, field) is None and dropped.kv_usage == s.kv_usage
 
 
 def test_admission_rejections_travel_and_an_impossible_count_is_refused_as_any_count() -> None:

@@ -168,3 +168,17 @@ def test_a_pool_without_a_kv_budget_still_exchanges_its_runs_at_each_sample() ->
             await runtime.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_loop_sums_the_pools_prefilled_prompt_tokens_as_growth() -> None:
+    """vLLM's `vllm:prompt_tokens_total` per endpoint, summed as growth from each one's first reading: what
+    the KV budget takes as evidence that a lease was prefilled (`EngineCorrection._prefilled`)."""
+    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, Clock())
+    loop.subscriber.ingest(sample(0.1, t=1.0))
+    assert loop.prompted("m") is None  # the engine publishes no such counter
+    loop.subscriber.ingest(dataclasses.replace(sample(0.1, t=2.0), prompt_tokens_total=40_000.0))
+    assert loop.prompted("m") == 0.0  # a baseline
+    loop.subscriber.ingest(dataclasses.replace(sample(0.1, t=3.0), prompt_tokens_total=41_500.0))
+    assert loop.prompted("m") == 1_500.0
+    loop.subscriber.ingest(sample(None, t=4.0, up=False))
+    assert loop.prompted("m") is None
