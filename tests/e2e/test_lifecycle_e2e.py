@@ -45,6 +45,7 @@ from tests.support.stack import (
     metric,
     slow_reader_post,
     start_stack,
+    streamed_usage,
 )
 
 MODEL = "llama-3-8b"
@@ -181,20 +182,7 @@ def relayed() -> Iterator[tuple[LocalStack, Relay]]:
 
 def stream_chat(url: str, max_tokens: int) -> int:
     """One streamed chat completion read to its end; the completion tokens its usage reports."""
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
-        stream = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=max_tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        usage = 0
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage.completion_tokens
-        return usage
+    return streamed_usage(url, MODEL, max_tokens, {"ignore_eos": True}) or 0
 
 
 def sidecar_metric(stack: LocalStack, name: str, **labels: str) -> float:

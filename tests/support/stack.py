@@ -211,9 +211,10 @@ def dead_end_reports(port: int) -> Callable[[dict[str, Any]], None]:
     return end_reports_to(port, "end_report_nowhere")
 
 
-def stream_chat(url: str, model: str, max_tokens: int, answer: int, out: list[int]) -> None:
-    """One streamed chat through the gateway at `url`, the simulator answering `answer` tokens under a
-    reservation of `max_tokens`; its reported completion tokens appended to `out`."""
+def streamed_usage(url: str, model: str, max_tokens: int, extra_body: dict[str, Any]) -> int | None:
+    """One streamed chat completion through the gateway at `url`, read to its end with the `openai` SDK (no
+    retries), `extra_body` added to it: the completion tokens its usage reports (None: no usage came)."""
+    usage = None
     with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
         stream = client.chat.completions.create(
             model=model,
@@ -221,8 +222,17 @@ def stream_chat(url: str, model: str, max_tokens: int, answer: int, out: list[in
             max_tokens=max_tokens,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"sim_output_tokens": answer},  # the simulator's answer length
+            extra_body=extra_body,
         )
         for chunk in stream:
             if chunk.usage is not None:
-                out.append(chunk.usage.completion_tokens)
+                usage = chunk.usage.completion_tokens
+    return usage
+
+
+def stream_chat(url: str, model: str, max_tokens: int, answer: int, out: list[int]) -> None:
+    """`streamed_usage` with the simulator answering `answer` tokens under a reservation of `max_tokens`; its
+    reported completion tokens appended to `out`."""
+    usage = streamed_usage(url, model, max_tokens, {"sim_output_tokens": answer})
+    if usage is not None:
+        out.append(usage)
