@@ -55,6 +55,7 @@ class Answer:
     status: int
     refusals: int
     ttft: float | None  # seconds from the first attempt to the first streamed byte of the served one
+    resets: int = 0  # 503s of a connection reset, tried again as the `openai` SDK does
 
 
 def stream_once(url: str, body: dict[str, Any]) -> tuple[int, float | None, dict[str, str]]:
@@ -75,15 +76,27 @@ def stream_once(url: str, body: dict[str, Any]) -> tuple[int, float | None, dict
         conn.close()
 
 
+RESETS_RETRIED = 2
+"""A 503 that no gateway decided (no `x-extproc-reject-reason`: the proxy's connection to the engine reset) is
+tried again, at most this many times half a second apart, as the `openai` SDK retries a 5xx. On the engine
+tier's two-core host the CPU engine freezes the host for seconds, timers fire late, and once a request met a
+connection the engine had just closed (503 UC upstream_reset_before_response_started); the shipped configs
+already close idle engine connections first and retry a reset before the request was sent."""
+
+
 def call(url: str, body: dict[str, Any], deadline: float) -> Answer:
-    """One chat, retried after each 429's `retry-after-ms` until served."""
-    refusals = 0
+    """One chat, retried after each 429's `retry-after-ms` until served, and after a reset."""
+    refusals = resets = 0
     started = time.monotonic()
     while True:
         attempt = time.monotonic()
         status, first, headers = stream_once(url, body)
+        if status == 503 and "x-extproc-reject-reason" not in headers and resets < RESETS_RETRIED:
+            resets += 1
+            time.sleep(0.5)
+            continue
         if status != 429 or time.monotonic() > deadline:
-            return Answer(status, refusals, None if first is None else attempt - started + first)
+            return Answer(status, refusals, None if first is None else attempt - started + first, resets)
         refusals += 1
         time.sleep(min(float(headers.get("retry-after-ms", "1000")) / 1000, 10.0))
 
@@ -171,6 +184,7 @@ class Run:
             "prefix_hit_rate": round(self.hit_rate, 3),
             "booked_peak_of_capacity": round(booked, 3) if self.booked else None,
             "refusals": self.refusals,
+            "resets": sum(a.resets for a in self.answers),
         }
 
     def __str__(self) -> str:
@@ -179,7 +193,7 @@ class Run:
             f"{f['served']}/{f['requests']} in {f['seconds']}s, {f['output_tok_s']} output tok/s, "
             f"{f['preemptions']:.0f} preemptions, KV mean {f['kv_mean']} peak {f['kv_peak']}, "
             f"TTFT p50 {f['ttft_p50_s']}s p99 {f['ttft_p99_s']}s, prefix hits {f['prefix_hit_rate']:.0%}, "
-            f"booked peak {f['booked_peak_of_capacity']}, {f['refusals']} refusals"
+            f"booked peak {f['booked_peak_of_capacity']}, {f['refusals']} refusals, {f['resets']} resets"
         )
 
 
