@@ -15,30 +15,18 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import yaml
 
-from devstack.run import LOCAL_SIM_ARGS
-from devstack.stack import LOCAL_CONFIG
 from tests.support.burst import REQUESTS, SDK_DEFAULT_RETRIES, BurstResult, burst
-from tests.support.stack import Stack, start_stack
+from tests.support.make_run import make_run_stack
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.e2e
-CACHE_TOKENS = 1024 * 16
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    config = yaml.safe_load(LOCAL_CONFIG.read_text())
-    local = start_stack(config, LOCAL_SIM_ARGS, profile="lean", with_exporter=True, envoy_patch=None)
-    try:
-        stack = Stack(local)
-        deadline = time.monotonic() + 30
-        while stack.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
-            assert time.monotonic() < deadline, "the feed never reported the simulator's cache"
-            time.sleep(0.2)
-        yield stack
-    finally:
-        local.stop()
+    with make_run_stack() as started:
+        yield started
 
 
 def idle(stack: Stack) -> None:

@@ -21,33 +21,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import yaml
 
-from devstack.run import LOCAL_SIM_ARGS
-from devstack.stack import LOCAL_CONFIG
 from tests.support.burst import MODEL, OUTPUT_TOKENS, prompt
-from tests.support.stack import Stack, http, start_stack
+from tests.support.make_run import make_run_stack
+from tests.support.stack import Stack, http
 
 pytestmark = pytest.mark.e2e
-CACHE_TOKENS = 1024 * 16
 BURST = 12
 PROBE_EVERY_S = 0.2
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    config = yaml.safe_load(LOCAL_CONFIG.read_text())
-    config["default_class"] = "batch"  # the shipped class without a queue: its refusals come at once
-    local = start_stack(config, LOCAL_SIM_ARGS, profile="lean", with_exporter=True, envoy_patch=None)
-    try:
-        stack = Stack(local)
-        deadline = time.monotonic() + 30
-        while stack.sidecar("extproc_kv_capacity_tokens") != CACHE_TOKENS:
-            assert time.monotonic() < deadline, "the feed never reported the simulator's cache"
-            time.sleep(0.2)
-        yield stack
-    finally:
-        local.stop()
+    def without_queue(config: dict[str, Any]) -> None:
+        config["default_class"] = "batch"  # the shipped class without a queue: its refusals come at once
+
+    with make_run_stack(without_queue) as started:
+        yield started
 
 
 def chat(seed: int) -> dict[str, Any]:
