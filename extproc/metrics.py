@@ -134,6 +134,12 @@ class _StoreCollector(Collector):
             "Admission attempts decided on this replica's local share because the shared store failed.",
             value=health.fallback_acquires,
         )
+        yield GaugeMetricFamily(
+            "extproc_store_fallback_leases",
+            "Requests running on leases taken on this replica's local share while the shared store failed, "
+            "not yet counted in it (each is adopted into it once it answers).",
+            value=health.fallback_leases,
+        )
         yield CounterMetricFamily(
             "extproc_store_lost_leases",
             "Leases found expired at renewal: the shared store was unreachable for longer than their TTL.",

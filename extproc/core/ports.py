@@ -40,6 +40,9 @@ class StoreHealth:
     restored_leases: int = 0
     """Leases this replica re-added because the shared store had lost them before their expiry."""
     eviction: EvictionCheck = "safe"
+    fallback_leases: int = 0
+    """Requests running on leases this replica took in its local fallback, not yet counted in the shared
+    store (adopted into it once it answers: extproc/store/fallback.py)."""
 
 
 class Mailbox(Protocol):

@@ -261,6 +261,7 @@ class FallbackStore:
             shared,
             available=shared.available and not self.degraded,
             fallback_acquires=shared.fallback_acquires + self.fallback_acquires,
+            fallback_leases=len(self._local),
         )
 
     def snapshot(self) -> list[KeySnapshot]:

@@ -78,7 +78,8 @@ def test_two_gateways_serve_the_overload_and_preempt_nothing(engine: Engine, fle
     warm(fleet)
     assert fleet.redis is not None
     before = preemptions(engine)
-    with Sampler(engine.url, fleet.redis.url, interval_s=SAMPLE_INTERVAL_S) as sampler:
+    sampled = Sampler(engine.url, fleet.redis.url, interval_s=SAMPLE_INTERVAL_S, admin_urls=fleet.admin_urls)
+    with sampled as sampler:
         results = overload(fleet.urls, 3000)
     samples = sampler.samples
     print(
@@ -170,7 +171,9 @@ class FleetFlood:
 
 def flood_through_both(engine: Engine, fleet: Fleet) -> FleetFlood:
     """`FLOOD_CLIENTS` clients leaving streams after three chunks for `FLOOD_S`, client i through gateway
-    i % 2."""
+    i % 2, from an idle engine: the streams an earlier flood's clients left may still be decoding there (an
+    abort vLLM missed runs to the answer's end), and beside them a second flood once got only 3 streams in."""
+    wait_fleet_idle(fleet, limit_s=120.0)
     time.sleep(FEED_INTERVAL_S + 0.5)
     before = FleetLedger.read(engine, fleet)
     deadline = time.monotonic() + FLOOD_S

@@ -57,6 +57,7 @@ def store_series(sidecar: Sidecar) -> dict[str, float | None]:
     names = (
         "extproc_store_available",
         "extproc_store_fallback_acquires_total",
+        "extproc_store_fallback_leases",
         "extproc_store_lost_leases_total",
         "extproc_store_dropped_releases_total",
     )
@@ -68,6 +69,7 @@ def test_in_process_store_exports_healthy_zeros() -> None:
     assert store_series(sidecar) == {
         "extproc_store_available": 1.0,
         "extproc_store_fallback_acquires_total": 0.0,
+        "extproc_store_fallback_leases": 0.0,
         "extproc_store_lost_leases_total": 0.0,
         "extproc_store_dropped_releases_total": 0.0,
     }
@@ -85,6 +87,7 @@ async def test_unreachable_redis_shows_as_unavailable_with_fallback_admissions(t
     series = store_series(sidecar)
     assert series["extproc_store_available"] == 0.0
     assert series["extproc_store_fallback_acquires_total"] == 2.0
+    assert series["extproc_store_fallback_leases"] == 2.0  # running uncounted in Redis until it answers
     close = getattr(sidecar.store, "close", None)
     if close is not None:
         await close()

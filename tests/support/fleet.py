@@ -269,11 +269,18 @@ class Sample:
 
 
 class Sampler(threading.Thread):
-    """Samples every `interval_s` until `stop()`; a failed read (a process busy for seconds) is skipped."""
+    """Samples every `interval_s` until `stop()`; a failed read (a process busy for seconds) is skipped.
 
-    def __init__(self, sim_url: str, redis_url: str, interval_s: float = 0.05) -> None:
+    `admin_urls`: the sidecars whose requests running on their local fallback share, not yet in Redis
+    (`extproc_store_fallback_leases`: a Redis call timed out under load; each is adopted into Redis once it
+    answers, within a second or so), count as admitted and held too: the engine runs them."""
+
+    def __init__(
+        self, sim_url: str, redis_url: str, interval_s: float = 0.05, admin_urls: Sequence[str] = ()
+    ) -> None:
         super().__init__(daemon=True, name="fleet-sampler")
         self.sim_url = sim_url
+        self.admin_urls = tuple(admin_urls)
         self.leases = Leases(redis_url)
         self.interval_s = interval_s
         self.samples: list[Sample] = []
@@ -295,6 +302,7 @@ class Sampler(threading.Thread):
         held_before, admitted_before = self.leases.read()
         at = time.monotonic()
         page = engine_page(self.sim_url)
+        local = sum(metric(f"{url}/metrics", "extproc_store_fallback_leases") for url in self.admin_urls)
         held_after, admitted_after = self.leases.read()
         return Sample(
             at=at,
@@ -303,8 +311,8 @@ class Sampler(threading.Thread):
             kv=page.get("vllm:kv_cache_usage_perc", 0.0),
             generated=page.get("vllm:generation_tokens_total", 0.0),
             preemptions=page.get("vllm:num_preemptions_total", 0.0),
-            held=len(held_before | held_after),
-            admitted=len(admitted_before | admitted_after),
+            held=len(held_before | held_after) + round(local),
+            admitted=len(admitted_before | admitted_after) + round(local),
             held_max=max(len(held_before), len(held_after)),
             span_s=time.monotonic() - began,
         )
