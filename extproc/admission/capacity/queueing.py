@@ -206,7 +206,7 @@ class AdmissionQueue:
         waiter = Waiter(holder, tenant, enqueued_at=now, deadline=end, due=due, run_s=run_s)
         waiter.payload = (tuple(keys), tokens, future, gate, output_tokens)
         ahead = self.queue.ahead_in_line(holder, tenant, due)
-        eta = self._drain(holder).out_of_reach(now, ahead, end - now)
+        eta = self._drain(holder).out_of_reach(now, ahead, end)
         if eta is not None or not self.queue.push(waiter):
             self.metrics.queue_wait_seconds.labels(holder, "full").observe(0)
             raise QueueFull(eta)

@@ -7,15 +7,19 @@ what its capacity gave it, wherever that capacity came from (other replicas' rel
 nobody waiting tells nothing of it and is left out, so an idle hour does not make the queue look slow. The
 time since the last grant counts, so a queue that stopped draining reads slower at once.
 
-The judgement leans to waiting: a newcomer is refused only where the waiters certainly ahead of it (its own
-tenant's, in its order: tenants take turns, so others' waiters may or may not go first) could not be served
-within its wait even at `OPTIMISM` times the pace measured, and only once `MIN_GRANTS` grants were seen in
-the last `HORIZON_S`: from a cold start every request waits. Pure bookkeeping over an injected clock.
+The judgement leans to waiting: a newcomer is refused only where, even at `OPTIMISM` times the pace measured,
+its turn would not come within its wait behind the waiters certainly ahead of it (its own tenant's, in its
+order: tenants take turns, so others' waiters may or may not go first). Each of those takes a grant where
+its turn comes before its own wait ends, and otherwise leaves the line without one when its wait ends (a
+waiter about to time out does not hold the newcomer back). Nothing is refused before `MIN_GRANTS` grants
+were seen in the last `HORIZON_S`: from a cold start every request waits. Pure bookkeeping over an
+injected clock.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 MIN_GRANTS = 8
 """Grants that must have been seen (within `HORIZON_S`) before a pace is trusted to refuse anyone."""
@@ -59,14 +63,25 @@ class DrainPace:
             return None
         return (len(recent) - 1) / span
 
-    def out_of_reach(self, now: float, ahead: int, wait_s: float) -> float | None:
-        """Seconds until `ahead` waiters are expected served at the measured pace (a refused newcomer's
-        retry-after), where they could not be even at `OPTIMISM` times it within `wait_s`; else None."""
+    def out_of_reach(self, now: float, ahead: Sequence[float], end: float) -> float | None:
+        """Seconds until a newcomer whose wait ends at `end`, behind waiters whose waits end at `ahead` (in
+        their order), is expected to get its turn at the measured pace (its retry-after), where even at
+        `OPTIMISM` times that pace its turn would come after `end`; else None."""
         rate = self.rate(now)
-        if rate is None or ahead <= 0 or ahead / (OPTIMISM * rate) <= wait_s:
+        if rate is None or not ahead or now + _turn(now, ahead, OPTIMISM * rate) <= end:
             return None
-        return ahead / rate
+        return _turn(now, ahead, rate)
 
     def _clock(self, now: float) -> float:
         """Backlogged seconds so far."""
         return self._backlogged_s + (now - self._since if self._since is not None else 0.0)
+
+
+def _turn(now: float, ahead: Sequence[float], rate: float) -> float:
+    """Seconds from `now` until the grant after those the waiters `ahead` (each leaving when its wait ends
+    unless its grant comes first) take, grants coming `rate` a second."""
+    served = 0
+    for ends in ahead:
+        if now + (served + 1) / rate <= ends:
+            served += 1
+    return (served + 1) / rate

@@ -128,13 +128,14 @@ class WaitQueue:
             out.append(extra)
         return out
 
-    def ahead_in_line(self, holder: str, tenant: str, due: float | None) -> int:
-        """How many of `tenant`'s waiters in class `holder` a newcomer due at `due` would queue behind: those
-        certainly admitted before it, whatever the other tenants' turns."""
+    def ahead_in_line(self, holder: str, tenant: str, due: float | None) -> list[float]:
+        """When each of `tenant`'s waiters in class `holder` that a newcomer due at `due` would queue behind
+        stops waiting (`Waiter.deadline`), in their order: those certainly before it, whatever the other
+        tenants' turns."""
         queue = self._classes.get(holder)
         line = queue.tenants.get(tenant, ()) if queue is not None else ()
         order = (math.inf if due is None else due, sys.maxsize)
-        return sum(1 for waiter in line if waiter.order < order)
+        return [waiter.deadline for waiter in line if waiter.order < order]
 
     def ahead_of(self, holder: str) -> bool:
         """Whether anyone of this class or a higher one is waiting (a newcomer must not overtake them)."""

@@ -36,14 +36,17 @@ def line(rig: QueueRig, n: int, tenant: str = "a") -> list[asyncio.Task[list[Bod
 
 async def test_a_line_that_cannot_drain_within_the_wait_refuses_a_newcomer_at_once() -> None:
     rig, _ = await trained()
-    waiting = line(rig, 9)  # 9 ahead at one a second: 4.5 s even at twice the pace, past the 4 s wait
+    # 8 ahead, all waiting as long as the newcomer: at twice the pace (two a second) all are served within the
+    # 4 s, so the newcomer's turn would come at 4.5 s, past its wait (the eighth's came at 4.0 s: it waits).
+    waiting = line(rig, 8)
     await turns()
     newcomer = rig.waiting(rig.exchange(), tenant="a")
     await turns()
     refusal = refusal_of(await newcomer)
     assert refusal.reason == "queue_full"
     headers = dict(refusal.headers)
-    assert 8.5 <= float(headers["retry-after-ms"]) / 1000 <= 9.5  # the 9 ahead at the pace measured
+    # At the pace measured (one a second) 4 are served, the other 4 time out: its turn in 5 s.
+    assert 4.5 <= float(headers["retry-after-ms"]) / 1000 <= 5.5
     assert b"expected to take" in refusal.body
     other = rig.waiting(rig.exchange(), tenant="b")  # its tenant's turn comes next: it waits
     await turns()
@@ -57,6 +60,20 @@ async def test_a_line_twice_the_pace_can_drain_in_time_waits() -> None:
     rig, _ = await trained()
     waiting = line(rig, 7)  # 8 with the newcomer's own: 4 s at twice the pace
     await turns()
+    newcomer = rig.waiting(rig.exchange(), tenant="a")
+    await turns()
+    assert not newcomer.done()
+    await rig.run_out(MAX_WAIT_S + 1)
+    for task in (*waiting, newcomer):
+        assert refusal_of(await task).reason == "queue_timeout"
+
+
+async def test_a_line_about_to_time_out_holds_no_newcomer_back() -> None:
+    """The same eight, 3.5 s into their 4 s waits: they time out before a newcomer's turn would come."""
+    rig, _ = await trained()
+    waiting = line(rig, 8)
+    await turns()
+    rig.clock.advance(3.5)
     newcomer = rig.waiting(rig.exchange(), tenant="a")
     await turns()
     assert not newcomer.done()
