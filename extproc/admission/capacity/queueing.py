@@ -18,9 +18,9 @@ the line expects its capacity a margin before its deadline (its first token's de
 forecast has shown, `ForecastSlip`, which each grant teaches), and kept: a waiter is not refused because
 the layout later says it is late, only once a grant could no longer bring its first token in time. A waiter
 whose client leaves (Envoy cancels the stream) leaves the queue at once; a lease granted at the very moment
-it left is given straight back, so nothing leaks. A newcomer whose own tenant's line ahead of it could not
-be served within its wait even at twice the pace the class has lately drained at (`DrainPace`) is refused
-at once, `QueueFull` with when the line is expected to have drained.
+it left is given straight back, so nothing leaks. A newcomer whose turn behind its own tenant's line would
+not come within its wait even at twice the pace the class has lately drained at (`DrainPace`: a waiter whose
+wait ends first leaves without a grant) is refused at once, `QueueFull` with when its turn is expected.
 """
 
 from __future__ import annotations
