@@ -21,6 +21,7 @@ from extproc.core.kv.lease import Lease
 from extproc.core.kv.ledger import Ledger
 from extproc.core.kv.pacing import BudgetPace
 from extproc.core.kv.pool_share import PoolShare
+from extproc.core.kv.prefill import PrefillEvidence
 
 
 class EngineCorrection:
@@ -32,8 +33,7 @@ class EngineCorrection:
         self._pace = pace
         self._share = share
         self._engine_done = EngineDone()  # who is told once the engine is confirmed done with a lease
-        self._prompted: float | None = None  # the pool's prefilled prompt tokens at the last sample
-        self._prompted_since: dict[str, float] = {}  # per lease: the counter before its admission
+        self._prefill = PrefillEvidence()  # which leases the engines' prompt counter says are prefilled
 
     def observe(
         self,
@@ -46,7 +46,7 @@ class EngineCorrection:
     ) -> None:
         """A fresh engine sample: KV tokens in use now (None when not published), trusted `fresh_for` s, the
         requests waiting in the engine's queue and those running (None when not published), and the prompt
-        tokens the pool's engines have prefilled, a counter (None when not published: `_note_prompted`).
+        tokens the pool's engines have prefilled, a counter (None when not published: `PrefillEvidence`).
 
         The engine's gauge wins where the two disagree, in both directions, until the next sample:
 
@@ -73,7 +73,7 @@ class EngineCorrection:
         booker = self._booker
         booker.fresh_until = now + max(0.0, fresh_for)
         booker.unexplained = 0.0
-        self._note_prompted(prompted)
+        self._prefill.sample(prompted, self._ledger.leases)
         self._mark_running(running, now)
         booker.finished = self._engine_finished(now, waiting, running)
         if used_tokens is not None and math.isfinite(used_tokens):
@@ -131,7 +131,7 @@ class EngineCorrection:
             if lease_id in self._booker.finished:
                 continue
             explained += lease.trajectory(now, rate, delay)[0]
-            if lease.settled_by(settled_before) and self._prefilled(lease_id, lease):
+            if lease.settled_by(settled_before) and self._prefilled(lease_id):
                 settled += lease.own_prompt + lease.streamed
         # Downward, the whole gauge: what the others' leases held is one exchange old, and taken off `used`
         # after they released it, left this replica's leases less room than they hold (an idle replica booked
@@ -144,30 +144,11 @@ class EngineCorrection:
             return used - settled
         return 0.0
 
-    def _note_prompted(self, prompted: float | None) -> None:
-        """The pool's prompt-token counter (vLLM's `vllm:prompt_tokens_total`, grown by a prompt's whole
-        length, cached part included, when its prefill completes: vllm 0.32.0 v1/metrics/stats.py
-        `IterationStats.update_from_output`, loggers.py 1262). Each lease keeps the value read at the last
-        sample before it was first seen here, so the growth since is at least what was prefilled since its
-        admission; a lease booked before the counter was known starts from its first value (less: the
-        cautious side). Without a counter no lease has a baseline, and `_prefilled` says so."""
-        if prompted is None or not math.isfinite(prompted):
-            self._prompted = None
-            self._prompted_since.clear()
-            return
-        before = prompted if self._prompted is None else self._prompted
-        since = self._prompted_since
-        self._prompted_since = {lease_id: since.get(lease_id, before) for lease_id in self._ledger.leases}
-        self._prompted = prompted
-
-    def _prefilled(self, lease_id: str, lease: Lease) -> bool:
-        """Whether the engines' counts allow `lease` to be wholly prefilled: the pool's prompt counter grew by
-        its prompt since its admission (necessary, not sufficient: another's prefill grows it too). Where
-        the engines publish no such counter, admitted `settle_after` ago is all there is to go by."""
-        if self._prompted is None:
-            return True
-        since = self._prompted_since.get(lease_id)
-        return since is not None and self._prompted - since >= lease.prompt
+    def _prefilled(self, lease_id: str) -> bool:
+        """Whether the engines' counts allow the lease to be wholly prefilled (`PrefillEvidence`); where they
+        publish no prompt counter, admitted `settle_after` ago is all there is to go by."""
+        prefill = self._prefill
+        return prefill.prefilled(lease_id) if prefill.known else True
 
     def _may_be_finished(self, lease: Lease, now: float) -> bool:
         """Whether the engine may have finished `lease` unseen (`_engine_finished`'s candidates): a stream

@@ -11,9 +11,9 @@ from extproc.core.kv.budget import BookingMode, KvBudget
 PROMPT = 100_000
 
 
-def budget() -> KvBudget:
+def budget(prompted: float | None = 5_000.0) -> KvBudget:
     kv = KvBudget(180_000, target_utilization=1.0, booking=BookingMode.FORECAST)
-    kv.observe_engine(0.0, now=0.0, fresh_for=100.0, waiting=0, running=0, prompted=5_000.0)
+    kv.observe_engine(0.0, now=0.0, fresh_for=100.0, waiting=0, running=0, prompted=prompted)
     kv.admit("long", PROMPT, 100, now=0.0)
     return kv
 
@@ -29,7 +29,7 @@ def test_a_prompt_still_in_chunked_prefill_is_not_taken_off() -> None:
 def test_without_the_counter_the_old_rule_took_it_off() -> None:
     """The same sample without a prompt counter (an engine that publishes none): what the rule did before,
     and still does there."""
-    kv = budget()
+    kv = budget(prompted=None)
     kv.observe_engine(24_000.0, now=10.0, fresh_for=100.0, waiting=0, running=1)
     assert kv.unexplained_tokens == -76_000
     assert kv.would_fit(PROMPT, 100, now=10.0)[0]
@@ -52,3 +52,30 @@ def test_a_lease_counts_the_growth_from_the_sample_before_its_admission() -> Non
     kv.observe_engine(800.0, now=1.0, fresh_for=100.0, waiting=0, running=1, prompted=1_000.0)
     kv.observe_engine(800.0, now=10.0, fresh_for=100.0, waiting=0, running=1, prompted=1_000.0)
     assert kv.unexplained_tokens == -200
+
+
+def test_one_prefill_completing_does_not_vouch_for_another_beside_it() -> None:
+    """Two long prompts admitted in one interval, both in chunked prefill; the first completes and the counter
+    grows by its 100,000: against the 200,000 both need, neither is evidenced, and nothing comes off the
+    second's uncomputed part (found in review: checked one by one, both passed)."""
+    kv = budget()
+    kv.admit("second", PROMPT, 100, now=0.0)
+    kv.observe_engine(130_000.0, now=10.0, fresh_for=100.0, waiting=0, running=2, prompted=5_000.0 + PROMPT)
+    assert kv.unexplained_tokens == 0
+
+
+def test_a_prompt_the_engine_counts_a_little_shorter_is_still_evidenced() -> None:
+    """The engine's tokenizer makes the prompt 90,000 of the 100,000 booked: its prefill completing is still
+    evidence (`EVIDENCE_SHARE` of it), and what it does not hold comes off."""
+    kv = budget()
+    kv.observe_engine(90_000.0, now=10.0, fresh_for=100.0, waiting=0, running=1, prompted=5_000.0 + 90_000)
+    assert kv.unexplained_tokens == -10_000
+
+
+def test_a_sample_without_the_counter_keeps_the_evidence_it_had() -> None:
+    """One sample whose counter is missing (dropped as impossible, or a scrape without it) does not bring back
+    the older rule for the lease still in prefill."""
+    kv = budget()
+    kv.observe_engine(24_000.0, now=10.0, fresh_for=100.0, waiting=0, running=1, prompted=5_000.0)
+    kv.observe_engine(24_000.0, now=12.0, fresh_for=100.0, waiting=0, running=1, prompted=None)
+    assert kv.unexplained_tokens == 0
