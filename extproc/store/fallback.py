@@ -26,6 +26,7 @@ again every second until each is adopted or has ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +87,7 @@ class FallbackStore:
         self._shadows: dict[int, Lease] = {}  # local slot held for a shared lease, by the shared lease's id
         self._adopted: dict[int, Lease] = {}  # the shared lease that took over a fallback lease, by its id
         self._adopting: asyncio.Task[None] | None = None
+        self._closed = False
         self.fallback_acquires = 0
         self.adoptions = 0
         self.degraded = False
@@ -127,7 +129,8 @@ class FallbackStore:
     def _adopt_soon(self) -> None:
         """Adopt the fallback's leases into the shared store, in the background, until none is left (one
         task at a time)."""
-        if not isinstance(self.primary, Adopting) or (self._adopting and not self._adopting.done()):
+        busy = self._adopting is not None and not self._adopting.done()
+        if self._closed or busy or not isinstance(self.primary, Adopting):
             return
         self._adopting = asyncio.ensure_future(self._adopt(self.primary))
 
@@ -148,7 +151,7 @@ class FallbackStore:
     async def _adopt_each(self, primary: Adopting) -> None:
         """Each lease taken in the fallback and still open becomes a shared one; the local lease stays as
         its shadow slot. One settled while its adoption was in flight gives the shared lease straight
-        back, uncharged: its tokens were charged in the fallback. Stops at the first failure."""
+        back, charged what it used (the shared limits count the request). Stops at the first failure."""
         for key, lease in list(self._local.items()):
             try:
                 shared = await primary.adopt(lease)
@@ -158,7 +161,7 @@ class FallbackStore:
                 log.exception("adopting a fallback lease into the shared store failed")
                 return
             if self._local.pop(key, None) is None:
-                await self.primary.release(shared, 0)
+                await self.primary.release(shared, lease.actual_tokens or 0, lease.actual_output)
                 continue
             self._adopted[key] = shared
             self.adoptions += 1
@@ -240,8 +243,13 @@ class FallbackStore:
         await self.primary.start()
 
     async def close(self) -> None:
-        if self._adopting is not None:
-            self._adopting.cancel()
+        """Stop adopting (the leases left to their TTL in the fallback), then close the shared store."""
+        self._closed = True
+        task = self._adopting
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.primary.close()
 
     def prune(self) -> int:

@@ -108,7 +108,7 @@ class Leases:
         extproc/core/limiter/split.py `key_tokens`), all or nothing, in one script call. `adoption`: for a
         request admitted in the local fallback while Redis could not answer, which runs (`adopt`): placed
         in the first share it may use whatever is free there, a bucket going below zero where it must, off
-        the request path (the background bound).
+        the request path (the background bound and lane, sent while the breaker fails fast).
 
         Raises `StoreUnavailable` when Redis does not answer within `timeout_s`, or cannot be trusted now.
         """
@@ -135,7 +135,7 @@ class Leases:
         parts = [str(key_tokens(key, tokens, output_tokens)) for key in unique]
         sent_at = time.monotonic()
         limit_s = BACKGROUND_TIMEOUT_S if adoption else self.timeout_s
-        raw = await self._run_acquire(member, unique, holder, head, parts, limit_s)
+        raw = await self._run_acquire(member, unique, holder, head, parts, limit_s, not adoption)
         code, index, now = int(raw[0]), int(raw[1]), float(raw[2])
         places, views = self.views.parse(unique, raw[3:], now, with_places=True)
         if code:
@@ -175,6 +175,7 @@ class Leases:
         head: list[str],
         parts: list[str],
         limit_s: float,
+        fail_fast: bool,
     ) -> list[Any]:
         """The acquire script's reply within `limit_s`; what it placed without its reply arriving is taken
         back later."""
@@ -184,6 +185,7 @@ class Leases:
                 lambda: [*head, *self.guard.admission_args(), *self.keyspace.keyspec(unique), *parts],
                 unique,
                 limit_s,
+                fail_fast,
             )
         except RedisUnsafe:
             raise  # the script refused before placing anything
