@@ -19,10 +19,10 @@ finished, this replica's figures for the others), `pool_share.py` (this replica'
 capacity, beside the other replicas'), `claims.py` (fair shares: a refusal's claim and its `retry-after`),
 `credit.py` (the bound on what one tenant's requests may be booked below their allowances), `fleet.py` (one
 pool's budget across the gateway replicas), `prefill.py` (evidence from the engines' prompt counter that a
-lease is prefilled, for the downward correction), `forecast.py` (forecast peak of decoding requests), `prefix.py`
-(the prompt prefixes in-flight requests share, booked once per replica), `fairness.py` (tenants' attained KV
-service and the one claim per pool), `schedule.py` (a KV refusal's `retry-after`), `completion.py` (expected
-completion per tenant)); `engine/` (what the feed says of the engine: `adaptive.py` (KV watermark controller:
+lease is prefilled, for the downward correction), `forecast.py` (forecast peak of decoding requests),
+`prefix.py` (the prompt prefixes in-flight requests share, booked once per replica), `fairness.py` (tenants'
+attained KV service and the one claim per pool), `schedule.py` (a KV refusal's `retry-after`),
+`completion.py` (expected completion per tenant)); `engine/` (what the feed says of the engine: `adaptive.py` (KV watermark controller:
 usage and queue depth to a scale), `pace.py` (the decode pace per sequence: `LearnedPace`, learned from
 streams; `PoolPaces`, each pool's learned, fed or assumed pace that charges and hints read; `usable_rate`, the
 one validity rule), `tally.py` (a pool's generation counters over time: a request's share of what its engines
