@@ -34,6 +34,22 @@ def line(rig: QueueRig, n: int, tenant: str = "a") -> list[asyncio.Task[list[Bod
     return [rig.waiting(rig.exchange(), tenant=tenant) for _ in range(n)]
 
 
+async def all_time_out(rig: QueueRig, tasks: list[asyncio.Task[list[BodyVerdict]]]) -> None:
+    """The slot stays held past every wait: each waiter ends in `queue_timeout`."""
+    await rig.run_out(MAX_WAIT_S + 1)
+    for task in tasks:
+        assert refusal_of(await task).reason == "queue_timeout"
+
+
+async def waits_with(rig: QueueRig, waiting: list[asyncio.Task[list[BodyVerdict]]]) -> None:
+    """A newcomer of tenant "a" behind `waiting` is let wait (not refused at once); it times out with them."""
+    await turns()  # the line is queued first
+    newcomer = rig.waiting(rig.exchange(), tenant="a")
+    await turns()
+    assert not newcomer.done()
+    await all_time_out(rig, [*waiting, newcomer])
+
+
 async def test_a_line_that_cannot_drain_within_the_wait_refuses_a_newcomer_at_once() -> None:
     rig, _ = await trained()
     # 8 ahead, all waiting as long as the newcomer: at twice the pace (two a second) all are served within the
@@ -51,21 +67,13 @@ async def test_a_line_that_cannot_drain_within_the_wait_refuses_a_newcomer_at_on
     other = rig.waiting(rig.exchange(), tenant="b")  # its tenant's turn comes next: it waits
     await turns()
     assert not other.done()
-    await rig.run_out(MAX_WAIT_S + 1)
-    for task in (*waiting, other):
-        assert refusal_of(await task).reason == "queue_timeout"
+    await all_time_out(rig, [*waiting, other])
 
 
 async def test_a_line_twice_the_pace_can_drain_in_time_waits() -> None:
     rig, _ = await trained()
     waiting = line(rig, 7)  # 8 with the newcomer's own: 4 s at twice the pace
-    await turns()
-    newcomer = rig.waiting(rig.exchange(), tenant="a")
-    await turns()
-    assert not newcomer.done()
-    await rig.run_out(MAX_WAIT_S + 1)
-    for task in (*waiting, newcomer):
-        assert refusal_of(await task).reason == "queue_timeout"
+    await waits_with(rig, waiting)
 
 
 async def test_a_line_about_to_time_out_holds_no_newcomer_back() -> None:
@@ -74,12 +82,7 @@ async def test_a_line_about_to_time_out_holds_no_newcomer_back() -> None:
     waiting = line(rig, 8)
     await turns()
     rig.clock.advance(3.5)
-    newcomer = rig.waiting(rig.exchange(), tenant="a")
-    await turns()
-    assert not newcomer.done()
-    await rig.run_out(MAX_WAIT_S + 1)
-    for task in (*waiting, newcomer):
-        assert refusal_of(await task).reason == "queue_timeout"
+    await waits_with(rig, waiting)
 
 
 async def test_a_cold_queue_holds_everyone_its_wait() -> None:
@@ -87,6 +90,4 @@ async def test_a_cold_queue_holds_everyone_its_wait() -> None:
     waiting = line(rig, 30)
     await turns()
     assert not any(task.done() for task in waiting)
-    await rig.run_out(MAX_WAIT_S + 1)
-    for task in waiting:
-        assert refusal_of(await task).reason == "queue_timeout"
+    await all_time_out(rig, waiting)
