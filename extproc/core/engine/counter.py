@@ -1,7 +1,8 @@
 """One counter of a pool's engines (a Prometheus counter each endpoint publishes), summed as its growth: an
 endpoint's first reading, and its first after its counter went back (a restart) or after it left the feed, is
-a baseline, never growth, so an endpoint joining with a large count adds nothing. What the KV budget reads
-the engines' prefilled prompt tokens from (`FeedbackLoop.prompted`). Pure: no clock, no I/O."""
+a baseline, never growth, so an endpoint joining with a large count adds nothing. What the charge tally reads
+the engines' generated tokens from (`EngineTally`), and the KV budget their prefilled prompt tokens
+(`FeedbackLoop.prompted`). Pure: no clock, no I/O."""
 
 from __future__ import annotations
 

@@ -70,6 +70,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
+from extproc.core.engine.counter import PoolCounter
 from extproc.core.engine.series import Series
 
 log = logging.getLogger(__name__)
@@ -192,8 +193,8 @@ class EngineTally:
 
     def __init__(self, max_points: int = MAX_POINTS, min_spacing_s: float = MIN_SPACING_S) -> None:
         self._points: Series[TallyPoint] = Series(max_points, min_spacing_s)
-        self._endpoints: dict[str, tuple[float, float]] = {}  # endpoint -> (counter, running) last read
-        self._generated = 0.0
+        self._generated = PoolCounter()  # the endpoints' generation counters, summed as growth
+        self._engine_running: dict[str, float] = {}  # endpoint -> its running requests last read
         self._waiters: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self._closed = False  # the feed stopped: waiters are called at once
@@ -279,21 +280,21 @@ class EngineTally:
     def observe(self, endpoint: str, counter: float, running: float, at: float) -> None:
         """One endpoint's generation counter and running requests, read at `at`: a new point of the pool,
         and the waiters it is past called."""
-        before = self._endpoints.get(endpoint)
-        self._endpoints[endpoint] = (counter, running)
-        if before is not None and counter >= before[0]:
-            self._generated += counter - before[0]
-        running_now = sum(r for _, r in self._endpoints.values())
-        self._wake(self._points.add(at, TallyPoint(self._generated, running_now)))
+        self._generated.observe(endpoint, counter)
+        self._engine_running[endpoint] = running
+        point = TallyPoint(self._generated.total, sum(self._engine_running.values()))
+        self._wake(self._points.add(at, point))
 
     def forget(self, endpoint: str) -> None:
         """An endpoint left the feed (or its scrape failed): its next reading starts a new baseline."""
-        self._endpoints.pop(endpoint, None)
+        self._generated.forget(endpoint)
+        self._engine_running.pop(endpoint, None)
 
     def keep(self, endpoints: set[str]) -> None:
         """Forget every endpoint not in `endpoints` (the feed forgot it)."""
-        for endpoint in [e for e in self._endpoints if e not in endpoints]:
-            del self._endpoints[endpoint]
+        self._generated.keep(endpoints)
+        for endpoint in [e for e in self._engine_running if e not in endpoints]:
+            del self._engine_running[endpoint]
 
     def after(self, at: float, callback: Callable[[], None]) -> None:
         """Call `callback` once a point at or after `at` exists (at once if one does)."""
