@@ -66,11 +66,11 @@ class Gate(Protocol):
 
 
 class QueueFull(Exception):
-    """The class's queue is at its bound (or the class does not queue), or its line ahead of the newcomer
-    cannot drain within its wait (`DrainPace`): then `eta`, when it is expected to have."""
+    """The class's queue is at its bound (or the class does not queue), or the newcomer's turn would not come
+    within its wait (`DrainPace`): then `eta`, the seconds until its turn is expected."""
 
     def __init__(self, eta: float | None = None) -> None:
-        super().__init__("queue full" if eta is None else f"line drains in {eta:.3f} s")
+        super().__init__("queue full" if eta is None else f"turn expected in {eta:.3f} s")
         self.eta = eta
 
 
