@@ -223,6 +223,14 @@ class Metrics:
             ["model", "basis"],
             registry=r,
         )
+        self.tokens_run_on = Counter(
+            "extproc_tokens_run_on",
+            "Completion tokens charged to answers not seen whole for steps their engines ran past the count "
+            "(an abort missed or seen seconds late: the pool's running count above every replica's runs), "
+            'by model; included in extproc_tokens_settled_total{kind="completion"}.',
+            ["model"],
+            registry=r,
+        )
         self.end_reports = Counter(
             "extproc_end_reports",
             "Lean profile: access-log entries received, by result (matched: settled a waiting lease; "
@@ -349,6 +357,7 @@ class Metrics:
             self.tokens_overrun,
             self.tokens_cached_prompt,
             self.slots_released_early,
+            self.tokens_run_on,
         ):
             counter.labels(model)
         for kind in ("prompt", "completion"):

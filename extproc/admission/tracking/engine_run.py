@@ -15,18 +15,8 @@ import functools
 from collections.abc import Awaitable, Hashable
 
 from extproc.admission.vocabulary.usage import Usage
-from extproc.core.engine.tally import EngineTally
-
-ENGINE_STOP_S = 1.5
-"""How long after a request ended on the proxy its engine may still run it, and its counter grow for it: the
-client's reset must reach vLLM's API server, its abort the engine core between two steps
-(`decode_rate.STEPS_PAST_ABORT`), and the server counts a step's tokens as it hands the step's outputs on
-(vllm 0.32.0 vllm/v1/engine/async_llm.py, `output_handler`, which records each batch of outputs into
-`vllm:generation_tokens_total`): tens of milliseconds on a GPU; on the real-engine tier's two busy cores up to
-a second (a flood of streams left after three chunks, 13 tokens generated a stream where four passed). A
-count waits for a reading this long after the end; its own steps read after the end with the engine idle
-then count as its own (`EngineTally.count`'s `tail`), and the runs ended before it are taken for still
-running for longer where the feed's running count has room (`engine_tally.SHOWN_AFTER_STOP_S`)."""
+from extproc.core.engine.runon import RUN_ON_WAIT_S
+from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally
 
 ENGINE_COUNT_WAIT_S = 8.0
 """The longest a lease whose answer was not seen whole waits for that reading before it is charged by the
@@ -51,6 +41,7 @@ class EngineRun:
         self.key = key
         self.start = start
         self.sequences = sequences
+        self.ran_on = 0.0  # what the engine ran on past the request's count (`count`), charged with it
         if tally is not None:
             tally.begin(key, start, sequences)
 
@@ -89,16 +80,19 @@ class EngineRun:
             return None
         return min(cap, round(tally.charge(counted, passed if certain is None else certain)))
 
-    def count(self, stop: float) -> Awaitable[float | None]:
+    def count(self, stop: float, allowance: int) -> Awaitable[float | None]:
         """The tokens the engines generated for the request, which ended on the proxy at `stop`: once the
         feed has read them `ENGINE_STOP_S` past it, at most `ENGINE_COUNT_WAIT_S` later; None where no such
-        reading came (the feed stopped, or is slower than that). The wait is registered now."""
+        reading came (the feed stopped, or is slower than that). Where the engine may be running it on past
+        that reading, what it generates then too, up to the request's `allowance` (its completion
+        reservation; `runon.py`), once it stops, at most `RUN_ON_WAIT_S` later: `ran_on` says how much. The
+        wait is registered now."""
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.tally is not None:
             self.tally.after(stop + ENGINE_STOP_S, functools.partial(_resolve, ready))
-        return self._counted(stop, ready)
+        return self._counted(stop, allowance, ready)
 
-    async def _counted(self, stop: float, ready: asyncio.Future[None]) -> float | None:
+    async def _counted(self, stop: float, allowance: int, ready: asyncio.Future[None]) -> float | None:
         tally = self.tally
         if tally is None:
             return None
@@ -106,7 +100,23 @@ class EngineRun:
             await asyncio.wait_for(ready, ENGINE_COUNT_WAIT_S)
         if not tally.covers(stop + ENGINE_STOP_S):
             return None
-        return tally.count(self.start, stop, self.sequences, ENGINE_STOP_S, self.key)
+        counted = tally.count(self.start, stop, self.sequences, ENGINE_STOP_S, self.key)
+        if counted is None:
+            return None
+        ran_on: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        tally.follow_run_on(
+            self.key, stop, self.sequences, allowance - counted, functools.partial(_resolve_with, ran_on)
+        )
+        try:
+            self.ran_on = await asyncio.wait_for(ran_on, RUN_ON_WAIT_S + ENGINE_COUNT_WAIT_S)
+        except TimeoutError:  # the feed stopped reading the pool: what it was given so far
+            self.ran_on = tally.run_ons.give_up(self.key)
+        return counted + self.ran_on
+
+
+def _resolve_with(future: asyncio.Future[float], tokens: float) -> None:
+    if not future.done():
+        future.set_result(tokens)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -293,8 +293,8 @@ class InFlight:
         self._close()
         admitted.booking.release(None)
         self.service.settler.release_slot(admitted, early=False)
-        counting = self._book_counted(facts, estimate, self.run.count(self.run.stopped_at(stop)))
-        self.service.track(asyncio.ensure_future(counting))
+        count = self.run.count(self.run.stopped_at(stop), admitted.plan.completion_tokens)
+        self.service.track(asyncio.ensure_future(self._book_counted(facts, estimate, count)))
 
     async def _book_counted(
         self, facts: ResponseFacts, estimate: Callable[[], int], count: Awaitable[float | None]
@@ -303,8 +303,11 @@ class InFlight:
         self._count_basis("estimate" if charge is None else "engine_count")
         if charge is None:
             self._book_or_correct(replace(facts, estimated_completion=estimate()))
-        else:
-            self._book_or_correct(replace(facts, counted_completion=charge))
+            return
+        if self.run.ran_on > 0:
+            metrics = self.service.metrics
+            self.service.settler.child(metrics.tokens_run_on, self.admitted.model_label).inc(self.run.ran_on)
+        self._book_or_correct(replace(facts, counted_completion=charge))
 
     def _count_basis(self, basis: str) -> None:
         service = self.service

@@ -157,12 +157,12 @@ async def test_each_replica_reads_the_others_runs_carried_to_now(redis_url: str)
     stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
     try:
         a, b = (store.kv_board() for store in stores)
-        assert await a.exchange_runs("llama", RunFigures(10.0, 4.0, 6.0)) == {}
+        assert await a.exchange_runs("llama", RunFigures(10.0, 4.0, 6.0, 2.0)) == {}
         await asyncio.sleep(0.25)
         others = await b.exchange_runs("llama", RunFigures(1.5, 0.0, 1.0))
         ((name, figures),) = others.items()
         assert name == f"r:{stores[0].calls.replica}"
-        assert (figures.running, figures.shown) == (4.0, 6.0)
+        assert (figures.running, figures.shown, figures.left) == (4.0, 6.0, 2.0)
         assert 10.0 + 4 * 0.2 <= figures.seconds <= 10.0 + 4 * 1.0  # 0.25 s of four sequences, Redis's time
         assert await a.exchange_runs("llama", RunFigures(11.0, 0.0, 0.0)) == {
             f"r:{stores[1].calls.replica}": RunFigures(1.5, 0.0, 1.0)

@@ -17,9 +17,8 @@ from typing import Any
 
 from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward
-from extproc.admission.tracking import engine_run
 from extproc.admission.tracking.inflight import InFlight
-from extproc.core.engine.tally import EngineTally
+from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally
 from tests.support.admission import AdmissionRig
 
 MODEL = "m"
@@ -72,7 +71,7 @@ async def wave(rig: AdmissionRig, engine: Engine, first: bool) -> None:
     rig.clock.advance(LIFE_S)
     for exchange in exchanges:
         exchange.stream_ended()
-    engine.run(start + LIFE_S, 0, engine_run.ENGINE_STOP_S + 1)  # idle, read past each end
+    engine.run(start + LIFE_S, 0, ENGINE_STOP_S + 1)  # idle, read past each end
     if first:
         wait = rig.admission.service.rules().end_report_wait_seconds
         rig.clock.advance(wait)
@@ -82,7 +81,7 @@ async def wave(rig: AdmissionRig, engine: Engine, first: bool) -> None:
     for _ in range(3):
         await asyncio.sleep(0)  # the store's release runs on the loop
     assert rig.active == 0 and waiting(rig) == []
-    rig.clock.advance(engine_run.ENGINE_STOP_S + 1)
+    rig.clock.advance(ENGINE_STOP_S + 1)
 
 
 async def test_leases_whose_reports_never_come_are_charged_what_the_engine_generated() -> None:

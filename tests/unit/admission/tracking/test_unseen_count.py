@@ -16,7 +16,7 @@ from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking import engine_run
 from extproc.admission.tracking.reading import ReportedTiming, ResponseReading
-from extproc.core.engine.tally import EngineTally
+from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally
 from tests.support.admission import AdmissionRig
 
 CONFIG = {"models": {"*": {"context_window": 8000, "default_max_tokens": 100}}}
@@ -84,9 +84,9 @@ async def test_inline_a_body_left_is_charged_the_engines_count_once_the_feed_is_
         await asyncio.sleep(0)  # the store's release runs on the loop
     assert rig.active == 0  # its slot is back at once: the engine stops within a step
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 0  # its count is not in yet
-    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + engine_run.ENGINE_STOP_S / 2)
+    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + ENGINE_STOP_S / 2)
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 0  # read too soon after the end
-    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + engine_run.ENGINE_STOP_S)
+    tally.observe("node ep", 1281.0, 0.0, start + 1.5 + ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 281  # what the engine generated, not 336 at the pace of single answers
     assert basis(rig, "engine_count") == 1 and basis(rig, "estimate") == 0
@@ -101,7 +101,7 @@ async def test_lean_an_expired_lease_is_charged_the_engines_count() -> None:
     tally.observe("node ep", 0.0, 0.0, start - 0.5)
     await left_after(rig, 2.0, reported=True)
     tally.observe("node ep", 150.0, 4.0, start + 1.0)
-    tally.observe("node ep", 240.0, 0.0, start + 2.0 + engine_run.ENGINE_STOP_S)
+    tally.observe("node ep", 240.0, 0.0, start + 2.0 + ENGINE_STOP_S)
     [waiting] = rig.admission.unseen.awaiting_reports()
     waiting.expire()
     await rig.settled()
@@ -122,7 +122,7 @@ async def test_lean_a_report_with_no_response_is_charged_the_engines_count() -> 
     exchange.stream_ended()
     rig.admission.unseen.report(verdict.report.key, None, ResponseReading())
     assert rig.admission.unseen.awaiting_reports() == []  # settled here: a second report finds nothing
-    tally.observe("node ep", 200.0, 0.0, start + 1.5 + engine_run.ENGINE_STOP_S)
+    tally.observe("node ep", 200.0, 0.0, start + 1.5 + ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 200
 
@@ -174,7 +174,7 @@ async def test_a_share_among_others_is_charged_to_the_nearest_token() -> None:
     start = rig.clock()
     tally.observe("node ep", 0.0, 6.0, start - 1.5)
     await left_after(rig, 1.5)
-    assert engine_run.ENGINE_STOP_S == 1.5  # the first reading it waits for is 3 s after its start
+    assert ENGINE_STOP_S == 1.5  # the first reading it waits for is 3 s after its start
     tally.observe("node ep", 414.0, 6.0, start + 3.0)
     await rig.settled()
     assert completion(rig) == 75
@@ -208,7 +208,7 @@ def fed_alone(tally: EngineTally, start: float, generated: float, seconds: float
     """After the feed read the engine idle before `start` (`idle_before`): running the stream's four
     sequences in it, and idle again `ENGINE_STOP_S` past its end, `generated` tokens later."""
     tally.observe("node ep", generated / 2, 4.0, start + seconds / 2)
-    tally.observe("node ep", generated, 0.0, start + seconds + engine_run.ENGINE_STOP_S)
+    tally.observe("node ep", generated, 0.0, start + seconds + ENGINE_STOP_S)
 
 
 async def test_inline_a_stream_left_is_charged_the_engines_count() -> None:
@@ -245,7 +245,7 @@ async def test_a_share_below_what_passed_is_lifted_to_it_and_the_next_share_pays
     tally.observe("node ep", 11.0, 0.0, start - 0.5)
     await stream_left(rig, steps=3, seconds=1.0)
     tally.observe("node ep", 26.0, 4.0, start + 0.5)
-    tally.observe("node ep", 41.0, 0.0, start + 1.0 + engine_run.ENGINE_STOP_S)
+    tally.observe("node ep", 41.0, 0.0, start + 1.0 + ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 12 + 29
     assert basis(rig, "engine_count") == 2
@@ -358,7 +358,7 @@ async def test_lean_a_stream_envoy_read_on_after_its_client_left_is_counted_to_i
     timing = ReportedTiming(first_token_after_s=0.2, decode_s=5.8, upstream_s=6.0)
     reading = ResponseReading(events=300)
     rig.admission.unseen.report(key, 200, reading, timing, passed_bytes=600)
-    tally.observe("node ep", 300.0, 0.0, start + 6.0 + engine_run.ENGINE_STOP_S)
+    tally.observe("node ep", 300.0, 0.0, start + 6.0 + ENGINE_STOP_S)
     await rig.settled()
     assert completion(rig) == 300 and basis(rig, "engine_count") == 1
     tally.begin("beside", start + 4.0, 1)  # another request of this sidecar's, at 4 s: ours still ran

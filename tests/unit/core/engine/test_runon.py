@@ -1,0 +1,181 @@
+"""Run-ons: the steps an engine ran past a request's count (it missed the abort), charged to the requests that
+stopped (`runon.RunOns` through `EngineTally.follow_run_on`), with one gateway replica and with two."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from extproc.core.engine import runon
+from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally
+
+PACE = 20.0  # tokens a second per running sequence
+ALLOWANCE = 1000  # each request's completion reservation
+
+
+@dataclass
+class Run:
+    key: str
+    replica: str
+    start: float
+    stop: float  # the client left
+    engine_stop: float  # the engine stopped it
+    counted: float | None = None  # its count, at the first reading `ENGINE_STOP_S` past its stop
+    charged: float | None = None  # count + run-on, once told
+
+
+@dataclass
+class Engine:
+    """One engine and the gateway replicas in front of it, on a 0.05 s tick: the replicas' tallies told
+    each run's begin and end, each other's figures (`exchange`), and the engine read every `read_every_s`;
+    each run counted at the first reading `ENGINE_STOP_S` past its stop, as `EngineRun.count` does."""
+
+    runs: list[Run]
+    exchange: bool = True
+    read_every_s: float = 1.0
+    foreign: float = 0.0  # sequences sent around the gateway, running throughout
+    tallies: dict[str, EngineTally] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tallies = {run.replica: EngineTally() for run in self.runs}
+
+    def generated(self, at: float) -> float:
+        ours = sum(PACE * max(0.0, min(at, r.engine_stop) - r.start) for r in self.runs)
+        return ours + PACE * self.foreign * at
+
+    def running(self, at: float) -> float:
+        return self.foreign + sum(1.0 for r in self.runs if r.start < at < r.engine_stop)
+
+    def play(self, until: float) -> None:
+        ticks = round(until / 0.05)
+        read_every = round(self.read_every_s / 0.05)
+        for tick in range(ticks + 1):
+            at = tick * 0.05
+            for run in self.runs:
+                tally = self.tallies[run.replica]
+                if abs(run.start - at) < 0.025:
+                    tally.begin(run.key, run.start, 1)
+                if abs(run.stop - at) < 0.025:
+                    tally.end(run.key, run.stop)
+            if self.exchange:
+                for name, tally in self.tallies.items():
+                    others = {o: t.figures(at) for o, t in self.tallies.items() if o != name}
+                    tally.observe_peers(others, at)
+            if tick % read_every == 0:
+                self.read(at)
+
+    def read(self, at: float) -> None:
+        for tally in self.tallies.values():
+            tally.observe("engine", self.generated(at), self.running(at), at)
+        for run in self.runs:
+            if run.counted is None and run.stop + ENGINE_STOP_S <= at:
+                self.count(run)
+
+    def count(self, run: Run) -> None:
+        tally = self.tallies[run.replica]
+        counted = run.counted = tally.count(run.start, run.stop, 1, ENGINE_STOP_S, run.key)
+        assert counted is not None
+
+        def done(tokens: float) -> None:
+            run.charged = min(ALLOWANCE, counted + tokens)
+
+        tally.follow_run_on(run.key, run.stop, 1, ALLOWANCE - counted, done)
+
+    @property
+    def charged(self) -> float:
+        assert all(run.charged is not None for run in self.runs), "a run still waits"
+        return sum(run.charged or 0.0 for run in self.runs)
+
+    @property
+    def counted(self) -> float:
+        return sum(run.counted or 0.0 for run in self.runs)
+
+
+def flood(replicas: str, missed: dict[str, float]) -> list[Run]:
+    """Each client (one per letter of `replicas`, through that replica) leaves streams after 0.4-1.3 s, one
+    after another for 12 s; the engine stops each 0.3 s later, or `missed[key]` seconds later."""
+    waits = (0.4, 1.3, 0.7, 1.0, 0.9)
+    runs: list[Run] = []
+    for n, replica in enumerate(replicas):
+        at = 0.05 * (n + 1)
+        for i in range(12):
+            stop = round((at + waits[(i + n) % len(waits)]) / 0.05) * 0.05
+            key = f"{replica}{n}-{i}"
+            runs.append(Run(key, replica, at, stop, stop + missed.get(key, 0.3)))
+            at = stop
+    return runs
+
+
+def test_alone_a_run_on_past_the_counts_is_charged_to_the_runs_that_stopped() -> None:
+    """Two of 24 streams run on 12 s after their clients left: their steps came after every count (the
+    counts summed to 0.80 of what the engine generated); charged as a run-on, the flood is charged what it
+    generated."""
+    engine = Engine(flood("AA", {"A0-3": 12.0, "A1-7": 12.0}))
+    engine.play(40.0)
+    generated = engine.generated(40.0)
+    assert engine.counted < 0.85 * generated
+    assert engine.charged == pytest.approx(generated, rel=0.03)
+
+
+def test_two_replicas_split_a_run_on_by_the_requests_each_has_waiting() -> None:
+    """The same flood through two gateways, told each other's runs: each takes its part of the run-on, not
+    all of it (0.80 counted; 1.2 if each took the whole run-on)."""
+    engine = Engine(flood("AB", {"A0-3": 12.0, "B1-7": 12.0}))
+    engine.play(40.0)
+    generated = engine.generated(40.0)
+    assert engine.counted < 0.85 * generated
+    assert engine.charged == pytest.approx(generated, rel=0.03)
+
+
+def test_aborts_in_time_are_charged_their_count_at_once() -> None:
+    """Nothing runs on: no request waits past its count (its settlement is not held)."""
+    engine = Engine(flood("A", {}))
+    engine.play(16.0)
+    assert engine.charged == pytest.approx(engine.counted)
+    assert engine.charged == pytest.approx(engine.generated(16.0), rel=0.03)
+
+
+def test_traffic_around_the_gateway_that_ran_throughout_is_not_a_run_on() -> None:
+    """Two sequences sent to the engine directly, running all along: each request's baseline holds them,
+    so none waits, and none is charged their tokens past its count."""
+    engine = Engine(flood("A", {}), foreign=2.0)
+    engine.play(16.0)
+    assert engine.charged == pytest.approx(engine.counted)
+
+
+def test_a_run_on_is_charged_at_most_the_allowance_and_a_wait_is_bounded() -> None:
+    tally = EngineTally()
+    tally.observe("engine", 0.0, 0.0, 0.0)
+    tally.begin("x", 0.5, 1)
+    tally.end("x", 1.0)
+    told: list[float] = []
+    tally.observe("engine", 20.0, 1.0, 3.0)  # past its count: one sequence runs on
+    tally.follow_run_on("x", 1.0, 1, 50.0, told.append)
+    assert told == [] and tally.figures(3.0).left == 1.0
+    tally.observe("engine", 100.0, 1.0, 7.0)  # 80 tokens of the orphan: 50 of room
+    assert told == [50.0]
+    tally.observe("engine", 120.0, 0.0, 8.0)  # x stopped
+    tally.begin("y", 8.2, 1)
+    tally.end("y", 8.5)
+    tally.observe("engine", 140.0, 1.0, 10.0)  # y runs on
+    tally.follow_run_on("y", 8.5, 1, 10_000.0, told.append)
+    tally.observe("engine", 140.0 + PACE * 50, 1.0, 60.0)
+    assert told == [50.0]
+    tally.observe("engine", 140.0 + PACE * 60, 1.0, 8.5 + runon.RUN_ON_WAIT_S)
+    assert told == [50.0, pytest.approx(PACE * 60)]  # told at the bound: all it took, the growth since 10 s
+
+
+def test_the_feed_stopping_tells_every_waiting_request_what_it_took() -> None:
+    tally = EngineTally()
+    tally.observe("engine", 0.0, 0.0, 0.0)
+    tally.begin("x", 0.5, 1)
+    tally.end("x", 1.0)
+    tally.observe("engine", 20.0, 1.0, 3.0)
+    told: list[float] = []
+    tally.follow_run_on("x", 1.0, 1, 500.0, told.append)
+    tally.observe("engine", 60.0, 1.0, 5.0)
+    tally.close()
+    assert told == [40.0]
+    tally.follow_run_on("x", 1.0, 1, 500.0, told.append)  # closed: at once, nothing
+    assert told == [40.0, 0.0]
