@@ -104,9 +104,8 @@ class EngineRun:
         if counted is None:
             return None
         ran_on: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        tally.follow_run_on(
-            self.key, stop, self.sequences, allowance - counted, functools.partial(_resolve_with, ran_on)
-        )
+        done = functools.partial(_resolve_with, ran_on)
+        tally.follow_run_on(self.key, (self.start, stop), self.sequences, allowance - counted, done)
         try:
             self.ran_on = await asyncio.wait_for(ran_on, RUN_ON_WAIT_S + ENGINE_COUNT_WAIT_S)
         except TimeoutError:  # the feed stopped reading the pool: what it was given so far

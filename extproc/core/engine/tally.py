@@ -330,17 +330,31 @@ class EngineTally:
         self._wake(at)
 
     def follow_run_on(
-        self, key: Hashable, stop: float, sequences: int, room: float, done: Callable[[float], None]
+        self,
+        key: Hashable,
+        span: tuple[float, float],
+        sequences: int,
+        room: float,
+        done: Callable[[float], None],
     ) -> None:
-        """The request `key`, stopped at `stop`, was counted: `done(tokens)` gets what the engine ran on
-        for it past its count, at most `room` (`runon.RunOns.follow`); its baseline is the last point at or
-        before its stop, while it ran."""
+        """The request `key`, which ran over `span` (start, stop), was counted: `done(tokens)` gets what the
+        engine ran on for it past its count, at most `room` (`runon.RunOns.follow`). Its baseline is the
+        least the points showed while it ran (from the last one at or before its start): whatever ran beside
+        every replica's runs then was not its own, and the least leaves out the steps an abort seen late
+        added to one reading."""
         if self._closed:
             _call_with(done, 0.0)
             return
-        i = self._points.at_or_before(stop)
-        before = self._points.items[i] if i >= 0 else TallyPoint(0.0, 0.0)
-        self.run_ons.follow(key, stop, sequences, room, Baseline(before.lingering, before.orphans), done)
+        points = self._points
+        start, stop = span
+        first, last = max(0, points.at_or_before(start)), points.at_or_before(stop)
+        during = points.items[first : last + 1]
+        baseline = (
+            Baseline(min(p.lingering for p in during), min(p.orphans for p in during))
+            if during
+            else Baseline()
+        )
+        self.run_ons.follow(key, stop, sequences, room, baseline, done)
 
     def forget(self, endpoint: str) -> None:
         """An endpoint left the feed (or its scrape failed): its next reading starts a new baseline."""
