@@ -120,6 +120,8 @@ class FleetLedger:
     estimated: float
     """Answers not seen whole charged the decode-rate estimate (no reading of the engine in time), both
     sidecars: a host so saturated that its exporters' scrapes lag."""
+    ran_on: tuple[float, ...]
+    """Of each sidecar's charge, the steps the engine ran past the counts (`extproc_tokens_run_on_total`)."""
     generated: float
     finished: float
     """Requests the engine finished (its per-request generation histogram's count)."""
@@ -134,6 +136,7 @@ class FleetLedger:
         return cls(
             charged=tuple(metric(p, "extproc_tokens_settled_total", kind="completion") for p in pages),
             estimated=sum(metric(p, "extproc_unfinished_answers_total", basis="estimate") for p in pages),
+            ran_on=tuple(metric(p, "extproc_tokens_run_on_total") for p in pages),
             generated=metric(page, "vllm:generation_tokens_total"),
             finished=metric(page, "vllm:request_generation_tokens_count"),
             short=metric(page, "vllm:request_generation_tokens_bucket", le="100.0"),
@@ -151,6 +154,7 @@ class FleetFlood:
     missed: float
     """Streams the engine ran past 100 tokens: it missed their abort."""
     estimated: float
+    ran_on: tuple[float, ...]
 
     @property
     def total(self) -> float:
@@ -162,10 +166,11 @@ class FleetFlood:
 
     def __str__(self) -> str:
         each = " + ".join(f"{c:.0f}" for c in self.charged)
+        ran_on = " + ".join(f"{c:.0f}" for c in self.ran_on)
         return (
             f"fleet of two, flood of {self.answered} streams ({self.missed:.0f} aborts missed by the engine, "
-            f"{self.estimated:.0f} charged by estimate): {each} = {self.total:.0f} charged of "
-            f"{self.generated:.0f} generated ({self.ratio:.3f}), {self.passed} passed"
+            f"{self.estimated:.0f} charged by estimate): {each} = {self.total:.0f} charged ({ran_on} as "
+            f"run-ons) of {self.generated:.0f} generated ({self.ratio:.3f}), {self.passed} passed"
         )
 
 
@@ -190,6 +195,7 @@ def flood_through_both(engine: Engine, fleet: Fleet) -> FleetFlood:
         generated=after.generated - before.generated,
         missed=(after.finished - before.finished) - (after.short - before.short),
         estimated=after.estimated - before.estimated,
+        ran_on=tuple(a - b for a, b in zip(after.ran_on, before.ran_on, strict=True)),
     )
 
 

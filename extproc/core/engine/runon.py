@@ -4,26 +4,29 @@ A request whose answer was not seen whole is charged its share of the pool's gen
 reading `ENGINE_STOP_S` past its end (`tally.EngineTally.count`): the engine stops within a step of the
 abort. An engine that misses the abort (vLLM issue #54947; the engine tier saw a 4,000-token answer decoded
 whole over 12 s after its client left) or sees it seconds late (a saturated host) decodes on, up to the
-answer's allowance, and those tokens came after every count: they were nobody's, so a flood whose streams
-ran on was charged 0.8 of what the engine generated, with one replica as with two.
+answer's allowance. While any replica runs a request in the pool, the counts of the requests running share
+those steps out among themselves (a run stopped within `SHOWN_AFTER_STOP_S` is taken for still running where
+the running count has room); once none does, they are nobody's: a flood whose streams ran on past its end was
+charged 0.75 of what the engine generated, with one replica as with two.
 
-The pool's readings show them: sequences running beyond what every gateway replica holds running, and the
-runs stopped within `ENGINE_STOP_S` (whose counts cover them) are *orphans* (`EngineTally._orphans`). A
-request counted while the newest reading shows more orphans than the last reading before its stop did (its
-*baseline*: another client's requests, earlier run-ons) may be one of them, and its settlement waits here
-(`follow`), holding its reservation a while longer: at each reading the tokens of the orphans above the
-lowest baseline waiting, `generated x orphans / running` over the interval, are split between the replicas
-by the sequences each has waiting (`RunFigures.left`, through the store) and, this replica's part, between
-its waiting requests by their sequences, none past its room (the allowance less its count). A request stops
-waiting at the first reading with no more orphans than its baseline (whatever ran on has stopped), its room
-used, or `RUN_ON_WAIT_S` past its stop; then it is charged its count and what it took here.
+The pool's readings show them: sequences running beyond what every gateway replica holds running are
+*lingering* (`TallyPoint.lingering`). A request counted while the newest reading shows more lingering than
+the least its readings showed while it ran (its *baseline*: traffic sent around the gateway that ran
+throughout, another stream's abort seen late) may be one of them, and its settlement waits here (`follow`),
+holding its reservation a while longer. At each reading where no replica held a request running at either
+end of the interval, the tokens of the lingering sequences above the lowest baseline waiting, at most as many
+as the replicas have waiting, `generated x lingering / running`, are split between the replicas by the
+sequences each has waiting (`RunFigures.left`, through the store) and, this replica's part, between its
+waiting requests by their sequences, none past its room (the allowance less its count). A request stops
+waiting at the first reading with no more lingering than its baseline (whatever ran on has stopped), its
+room used, or `RUN_ON_WAIT_S` past its stop; then it is charged its count and what it took here.
 
-Which of the waiting requests ran on is not known, only how many sequences did: each takes its part of
-the tokens, so a flood is charged what the engine generated while one request may pay a little of another's
+Which of the waiting requests ran on is not known, only how many sequences did: each takes its part of the
+tokens, so a flood is charged what the engine generated while one request may pay a little of another's
 run-on (never past its own allowance). Traffic sent to the engine around the gateway that starts while a
-request waits is taken for a run-on too, up to the waiting requests' rooms, for `RUN_ON_WAIT_S` at most:
-only requests that ended unseen while such traffic started pay it, and at most their allowance, what a
-reservation already holds.
+request waits is taken for a run-on too where nothing of the gateway's runs, up to the waiting requests'
+rooms, for `RUN_ON_WAIT_S` at most: only requests that ended unseen just before pay it, and at most their
+allowance, what their reservation already holds.
 
 Pure: the tally calls `observe` at each reading and `close` when the feed stops.
 """
@@ -46,33 +49,15 @@ ROOM_EPSILON = 0.5
 
 
 @dataclass(frozen=True, slots=True)
-class Baseline:
-    """A pool's `lingering` and `orphans` sequences (`Reading`) at the last reading before a request
-    stopped: whatever ran then beside every replica's runs was not this request's."""
-
-    lingering: float = 0.0
-    orphans: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class Reading:
     """The pool at one reading as the run-on split needs it: tokens generated so far, sequences running; of
-    them `lingering`, those no replica held running, and `orphans`, those no replica held running or showed
-    (`tally.SHOWN_AFTER_STOP_S`: the counts split the steps of the ones shown among the requests beside
-    them, and leave the orphans' to nobody)."""
+    them `lingering`, those no replica held running, and `live`, those every replica holds running."""
 
     at: float
     generated: float
     running: float
     lingering: float
-    orphans: float
-    live: float = 0.0  # the sequences every replica holds running
-
-    @property
-    def unshared(self) -> bool:
-        """Nothing runs that any replica holds running: no count shares the steps of this reading's
-        interval out, however many runs it shows."""
-        return self.live <= 0.0
+    live: float
 
 
 @dataclass(slots=True)
@@ -81,7 +66,7 @@ class _Waiting:
 
     sequences: int
     stop: float
-    baseline: Baseline
+    baseline: float
     room: float
     done: Callable[[float], None]
     taken: float = 0.0
@@ -109,19 +94,14 @@ class RunOns:
         stop: float,
         sequences: int,
         room: float,
-        baseline: Baseline,
+        baseline: float,
         done: Callable[[float], None],
     ) -> None:
         """The request `key` was counted; `done(tokens)` is called with what it ran on, at once (0) where
         the newest reading shows no more lingering sequences than `baseline` (nothing stopped still runs)
         or it has no `room`."""
         last = self._last
-        if (
-            room < ROOM_EPSILON
-            or last is None
-            or last.lingering <= baseline.lingering
-            or key in self._waiting
-        ):
+        if room < ROOM_EPSILON or last is None or last.lingering <= baseline or key in self._waiting:
             _call(done, 0.0)
             return
         self._waiting[key] = _Waiting(max(1, sequences), stop, baseline, room, done)
@@ -137,26 +117,24 @@ class RunOns:
         for key, waiting in list(self._waiting.items()):
             if (
                 waiting.left < ROOM_EPSILON
-                or reading.lingering <= waiting.baseline.lingering
+                or reading.lingering <= waiting.baseline
                 or reading.at - waiting.stop >= RUN_ON_WAIT_S
             ):
                 del self._waiting[key]
                 _call(waiting.done, waiting.taken)
 
     def _run_on(self, last: Reading, reading: Reading, peers_left: float) -> float:
-        """The tokens generated between two readings that no count takes, by the sequences above the
-        lowest baseline waiting, at most as many as the replicas have waiting, every running sequence taken
-        at one pace (as `tally.EngineTally.count` takes them): the orphans' while a run of any replica runs
-        (the counts of the runs beside them share the steps of the ones shown out among themselves), every
-        lingering one's where none does."""
+        """The tokens generated between two readings that no count takes: where no replica held a request
+        running at either end, those of the lingering sequences above the lowest baseline waiting, at most
+        as many as the replicas have waiting, every running sequence taken at one pace (as
+        `tally.EngineTally.count` takes them)."""
         grown = reading.generated - last.generated
-        baselines = [w.baseline for w in self._waiting.values()]
-        if last.unshared and reading.unshared:
-            excess = (last.lingering + reading.lingering) / 2 - min(b.lingering for b in baselines)
-        else:
-            excess = (last.orphans + reading.orphans) / 2 - min(b.orphans for b in baselines)
-        excess = min(self.sequences + max(0.0, peers_left), excess)
-        if grown <= 0.0 or excess <= 0.0:
+        if grown <= 0.0 or last.live > 0.0 or reading.live > 0.0:
+            return 0.0
+        floor = min(w.baseline for w in self._waiting.values())
+        lingering = (last.lingering + reading.lingering) / 2 - floor
+        excess = min(self.sequences + max(0.0, peers_left), lingering)
+        if excess <= 0.0:
             return 0.0
         return grown * excess / max(excess, (last.running + reading.running) / 2)
 

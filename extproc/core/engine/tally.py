@@ -73,7 +73,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 from extproc.core.engine.counter import PoolCounter
-from extproc.core.engine.runon import Baseline, Reading, RunOns
+from extproc.core.engine.runon import Reading, RunOns
 from extproc.core.engine.series import Series
 
 log = logging.getLogger(__name__)
@@ -119,14 +119,12 @@ def no_tally(pool: str) -> EngineTally | None:
 @dataclass(frozen=True, slots=True)
 class TallyPoint:
     """The pool at one reading (its time kept by the `Series`): `generated` tokens since the tally began,
-    `running` sequences then; of them, `lingering` no replica held running (stopped by the proxy, or sent
-    around the gateway), and `orphans` no replica held running or showed (`SHOWN_AFTER_STOP_S`): a count
-    leaves their steps to nobody (`runon.py`)."""
+    `running` sequences then, of which `lingering` no replica held running (stopped by the proxy but not
+    yet by the engine, or sent around the gateway: `runon.py`)."""
 
     generated: float
     running: float
     lingering: float = 0.0
-    orphans: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +199,15 @@ class PeerRuns:
         if i < 0 or at - readings.times[i] > PEER_STALE_S:
             return RunFigures()
         return readings.items[i]
+
+    def seen_at(self, at: float) -> bool:
+        """Whether their runs at `at` are known: the last exchange found no other replica, or the last
+        reading at or before `at` is under `PEER_STALE_S` old (a store slow or gone says nothing of them)."""
+        if not self._last:
+            return True
+        readings = self._readings
+        i = readings.at_or_before(at)
+        return i >= 0 and at - readings.times[i] <= PEER_STALE_S
 
 
 @dataclass(slots=True)
@@ -316,17 +323,12 @@ class EngineTally:
         self._generated.observe(endpoint, counter)
         self._engine_running[endpoint] = running
         running = sum(self._engine_running.values())
-        ours, peers = self.figures(at), self.peers.fresh_at(at)
-        point = TallyPoint(
-            self._generated.total,
-            running,
-            lingering=max(0.0, running - ours.running - peers.running),
-            orphans=max(0.0, running - ours.shown - peers.shown),
-        )
+        peers = self.peers.fresh_at(at)
+        # Other replicas not heard from lately may run anything: no interval is taken for unshared then.
+        live = self._running + peers.running if self.peers.seen_at(at) else math.inf
+        point = TallyPoint(self._generated.total, running, max(0.0, running - self._running - peers.running))
         at = self._points.add(at, point)
-        live = ours.running + peers.running
-        reading = Reading(at, point.generated, running, point.lingering, point.orphans, live)
-        self.run_ons.observe(reading, peers.left)
+        self.run_ons.observe(Reading(at, point.generated, running, point.lingering, live), peers.left)
         self._wake(at)
 
     def follow_run_on(
@@ -349,11 +351,7 @@ class EngineTally:
         start, stop = span
         first, last = max(0, points.at_or_before(start)), points.at_or_before(stop)
         during = points.items[first : last + 1]
-        baseline = (
-            Baseline(min(p.lingering for p in during), min(p.orphans for p in during))
-            if during
-            else Baseline()
-        )
+        baseline = min((p.lingering for p in during), default=0.0)
         self.run_ons.follow(key, stop, sequences, room, baseline, done)
 
     def forget(self, endpoint: str) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from extproc.core.engine import runon
-from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally
+from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally, RunFigures
 
 PACE = 20.0  # tokens a second per running sequence
 ALLOWANCE = 1000  # each request's completion reservation
@@ -193,3 +193,22 @@ def test_the_feed_stopping_tells_every_waiting_request_what_it_took() -> None:
     assert told == [40.0]
     tally.follow_run_on("x", (0.5, 1.0), 1, 500.0, told.append)  # closed: at once, nothing
     assert told == [40.0, 0.0]
+
+
+def test_while_the_other_replicas_are_not_heard_from_nothing_is_taken_for_a_run_on() -> None:
+    """A store slow or gone: the other replicas may be running anything, so no interval counts as one where
+    none runs a request (their counts may take its steps)."""
+    tally = EngineTally()
+    tally.observe_peers({"b": RunFigures(0.0, 1.0, 1.0)}, 0.0)
+    tally.observe("engine", 0.0, 1.0, 0.0)
+    tally.begin("x", 0.5, 1)
+    tally.end("x", 1.0)
+    tally.observe("engine", 20.0, 2.0, 3.0)  # b's figures 3 s old: not heard from
+    told: list[float] = []
+    tally.follow_run_on("x", (0.5, 1.0), 1, 500.0, told.append)
+    tally.observe("engine", 100.0, 2.0, 7.0)
+    tally.observe_peers({"b": RunFigures(0.0, 0.0, 0.0)}, 7.5)  # heard again: b runs nothing
+    tally.observe("engine", 120.0, 1.0, 8.5)  # one sequence lingers, none of any replica's
+    tally.observe("engine", 140.0, 0.0, 9.5)
+    # 3-7: b ran one; 7-8.5: b not heard from at 7 (13 more taken without that); 8.5-9.5: the 20 are x's.
+    assert told == [pytest.approx(20.0)]
