@@ -8,7 +8,8 @@ decoding.
 Streaming responses are prepared (headers sent) on the first token, not on arrival, so a request that
 fails while still queued (engine crash in oom mode) gets a clean HTTP 500 rather than a half-open SSE
 stream. A client that goes away is noticed two ways: aiohttp cancels the handler (the server runs with
-handler cancellation on) and writes raise ConnectionResetError; both abort the sequences at once.
+handler cancellation on) and writes raise ConnectionResetError; both abort the sequences at once, but for
+every `--missed-abort-every`-th disconnect, which the engine misses as vLLM #54947 reports.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def build_engine(config: SimConfig) -> Engine:
         config.time_scale,
         config.oom_restart_seconds,
         max_num_queued_reqs=config.max_num_queued_reqs,
+        missed_abort_every=config.missed_abort_every,
     )
 
 
@@ -290,8 +292,8 @@ async def _serve(request: web.Request, parser: Parser, fmt: Format) -> web.Strea
             return await _stream(request, reply, fmt, sink)
         return await _collect(reply, fmt, sink)
     except (asyncio.CancelledError, ConnectionResetError):
-        engine.abort(tracked)
-        log.info("request %s: client disconnected, sequences aborted", rid)
+        engine.disconnected(tracked)
+        log.info("request %s: client disconnected", rid)
         raise
     finally:
         # Any path that leaves early (errors included) must not leave sequences holding blocks.

@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: unbounded)",
     )
     b.add_argument(
+        "--missed-abort-every",
+        type=int,
+        default=d.missed_abort_every,
+        help="miss every n-th client disconnect, decoding the answer on to its end as vLLM issue #54947 "
+        "reports (default 0: abort every one)",
+    )
+    b.add_argument(
         "--overflow",
         choices=[o.value for o in Overflow],
         default=d.overflow.value,
@@ -208,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_queued_reqs=args.max_num_queued_reqs,
+        missed_abort_every=args.missed_abort_every,
         timing=StepTiming(
             base_s=args.step_base_ms / 1e3,
             per_seq_s=args.decode_per_seq_ms / 1e3,

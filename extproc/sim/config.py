@@ -52,6 +52,10 @@ class SimConfig:
     # vLLM's --enable-prompt-tokens-details (entrypoints/launchers/cli_args.py): usage carries
     # `prompt_tokens_details.cached_tokens`, the prompt tokens its prefix cache hit. Off by default, as vLLM.
     enable_prompt_tokens_details: bool = False
+    # vLLM issue #54947: an engine that misses a client's disconnect decodes the answer on to its end. Every
+    # n-th disconnect is missed here (0: none, vLLM's intended behaviour), so the gateway's charges can be
+    # tested against an engine that runs on after its client left.
+    missed_abort_every: int = 0
 
     def served_name(self, body: object) -> str:
         """The request's `model` when this server serves it (base name, alias, adapter), else `model`, so
@@ -115,3 +119,5 @@ class SimConfig:
             raise ValueError("max_num_queued_reqs must be >= 0")  # vLLM: Field(ge=0)
         if self.time_scale <= 0:
             raise ValueError("time_scale must be positive")
+        if self.missed_abort_every < 0:
+            raise ValueError("missed_abort_every must be >= 0")

@@ -59,6 +59,7 @@ class Tracked:
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    missed_abort: bool = False  # its client left and the engine missed it (`Engine.disconnected`)
 
 
 class Engine:
@@ -72,6 +73,7 @@ class Engine:
         oom_restart_s: float = 30.0,
         wall_clock: Callable[[], float] = time.monotonic,
         max_num_queued_reqs: int | None = None,
+        missed_abort_every: int = 0,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
@@ -80,6 +82,8 @@ class Engine:
         self.time_scale = time_scale
         self.oom_restart_s = oom_restart_s
         self.max_num_queued_reqs = max_num_queued_reqs
+        self.missed_abort_every = missed_abort_every
+        self._disconnects = 0
         self._wall = wall_clock
         self._virtual = 0.0
         self._anchor_wall = wall_clock()
@@ -197,8 +201,22 @@ class Engine:
         self.metrics.prompt_tokens.inc(sum(prompts))
         self.metrics.request_success["stop"].inc(len(prompts))
 
+    def disconnected(self, tracked: list[Tracked]) -> None:
+        """The client of `tracked` went away: aborted, unless this is a disconnect the engine misses
+        (`missed_abort_every`, vLLM #54947), whose sequences decode on to their end."""
+        self._disconnects += 1
+        every = self.missed_abort_every
+        if every and self._disconnects % every == 0:
+            for t in tracked:
+                t.missed_abort = True
+            log.info("missed the abort of %d sequences: they decode on", len(tracked))
+            return
+        self.abort(tracked)
+
     def abort(self, tracked: list[Tracked]) -> None:
-        """Client went away: drop its sequences and free their blocks now, not at the next step."""
+        """Client went away: drop its sequences and free their blocks now, not at the next step; not those
+        whose abort the engine missed (`disconnected`)."""
+        tracked = [t for t in tracked if not t.missed_abort]
         aborted = 0
         for t in tracked:
             if self._tracked.pop(t.seq.seq_id, None) is None:

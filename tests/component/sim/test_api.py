@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
 from extproc.admission.vocabulary.tokens import count_chat_prompt, count_text
 from extproc.sim.server import SimServer
-from tests.support.sim import SimFactory, chat_body, json_events, read_sse
+from tests.support.sim import SimFactory, chat_body, json_events, metrics, read_sse
 
 
 async def test_models_and_health(start_sim: SimFactory, http: aiohttp.ClientSession) -> None:
@@ -143,3 +145,24 @@ async def test_build_app_works_with_aiohttp_test_utilities() -> None:
         resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=3))
         assert resp.status == 200
         assert (await resp.json())["usage"]["completion_tokens"] == 3
+
+
+async def test_a_missed_abort_decodes_the_answer_to_its_end(
+    start_sim: SimFactory, http: aiohttp.ClientSession
+) -> None:
+    """`missed_abort_every=2`: the first client that leaves aborts its sequence, the second's decodes on to
+    its 300 tokens (vLLM #54947), as the engine's counters show."""
+    sim = await start_sim(missed_abort_every=2, time_scale=20.0)
+    body = chat_body(max_tokens=300, stream=True, sim_output_tokens=300)
+    for _ in range(2):
+        async with http.post(sim.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the first event, then the client leaves
+    for _ in range(200):
+        page = await metrics(http, sim)
+        if page.get("vllm:num_requests_running", 1.0) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert page["vllm:request_success_total{finished_reason=abort}"] == 1
+    assert page["vllm:request_success_total{finished_reason=length}"] == 1
+    assert 300 < page["vllm:generation_tokens_total"] < 600  # the whole second answer, part of the first
