@@ -42,6 +42,7 @@ class EngineRun:
         self.start = start
         self.sequences = sequences
         self.ran_on = 0.0  # what the engine ran on past the request's count (`count`), charged with it
+        self.ran_on_charged = 0  # what of it the charge holds (`charge`: within the reservation)
         if tally is not None:
             tally.begin(key, start, sequences)
 
@@ -76,9 +77,13 @@ class EngineRun:
         and rounding each up charged a flood more than the engines generated."""
         tally = self.tally
         passed, certain = (0, None) if usage is None else (usage.completion_tokens, usage.certain_completion)
-        if tally is None or counted is None or counted < passed * MISSED_READING_SHARE:
+        own = None if counted is None else counted - self.ran_on  # the count itself, without the run-on
+        if tally is None or counted is None or own is None or own < passed * MISSED_READING_SHARE:
             return None
-        return min(cap, round(tally.charge(counted, passed if certain is None else certain)))
+        floor = passed if certain is None else certain
+        charged = min(cap, round(tally.charge(counted, floor)))
+        self.ran_on_charged = max(0, charged - min(cap, round(max(own, floor))))
+        return charged
 
     def count(self, stop: float, allowance: int) -> Awaitable[float | None]:
         """The tokens the engines generated for the request, which ended on the proxy at `stop`: once the
@@ -110,6 +115,9 @@ class EngineRun:
             self.ran_on = await asyncio.wait_for(ran_on, RUN_ON_WAIT_S + ENGINE_COUNT_WAIT_S)
         except TimeoutError:  # the feed stopped reading the pool: what it was given so far
             self.ran_on = tally.run_ons.give_up(self.key)
+        finally:
+            if not ran_on.done():  # cancelled (shutdown): it waits no more
+                tally.run_ons.give_up(self.key)
         return counted + self.ran_on
 
 

@@ -304,9 +304,9 @@ class InFlight:
         if charge is None:
             self._book_or_correct(replace(facts, estimated_completion=estimate()))
             return
-        if self.run.ran_on > 0:
-            metrics = self.service.metrics
-            self.service.settler.child(metrics.tokens_run_on, self.admitted.model_label).inc(self.run.ran_on)
+        if self.run.ran_on_charged > 0:
+            metrics, ran_on = self.service.metrics, self.run.ran_on_charged
+            self.service.settler.child(metrics.tokens_run_on, self.admitted.model_label).inc(ran_on)
         self._book_or_correct(replace(facts, counted_completion=charge))
 
     def _count_basis(self, basis: str) -> None:

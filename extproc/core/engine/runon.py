@@ -11,22 +11,28 @@ charged 0.75 of what the engine generated, with one replica as with two.
 
 The pool's readings show them: sequences running beyond what every gateway replica holds running are
 *lingering* (`TallyPoint.lingering`). A request counted while the newest reading shows more lingering than
-the least its readings showed while it ran (its *baseline*: traffic sent around the gateway that ran
-throughout, another stream's abort seen late) may be one of them, and its settlement waits here (`follow`),
-holding its reservation a while longer. At each reading where no replica held a request running at either
-end of the interval, the tokens of the lingering sequences above the lowest baseline waiting, at most as many
-as the replicas have waiting, `generated x lingering / running`, are split between the replicas by the
-sequences each has waiting (`RunFigures.left`, through the store) and, this replica's part, between its
-waiting requests by their sequences, none past its room (the allowance less its count). A request stops
-waiting at the first reading with no more lingering than its baseline (whatever ran on has stopped), its
-room used, or `RUN_ON_WAIT_S` past its stop; then it is charged its count and what it took here.
+the least of the last `RECENT_S` before its stop (its *baseline*: traffic sent around the gateway that runs
+throughout, not a run-on that started lately nor an abort seen late at one reading) may be one of them, and
+its settlement waits here (`follow`), holding its reservation a while longer; at most `WAITING_PER_SEQUENCE`
+requests per lingering sequence wait, the longest waiting settling first. An interval between two readings
+is *unshared* where no replica held a request running at either end nor ran one inside it (their
+sequence-seconds did not grow): no count takes its steps. Of each, the tokens of the lingering sequences
+above the lowest baseline waiting, at most as many as the replicas have waiting, `generated x lingering /
+running`, are split between the replicas by the sequences each has waiting (`RunFigures.left`, through the
+store) and, this replica's part, between its waiting requests by their sequences, none past its room (the
+allowance less its count); a request counted after such intervals since its stop takes its part of what no
+request took of them (`_catch_up`). A request stops waiting at the first reading with no more lingering than
+its baseline (whatever ran on has stopped), its room used, or `RUN_ON_WAIT_S` past its stop; then it is
+charged its count and what it took here. Nothing is taken, nor waited for, while the other replicas go
+unheard (the store slow or gone): they may be running anything.
 
 Which of the waiting requests ran on is not known, only how many sequences did: each takes its part of the
 tokens, so a flood is charged what the engine generated while one request may pay a little of another's
-run-on (never past its own allowance). Traffic sent to the engine around the gateway that starts while a
-request waits is taken for a run-on too where nothing of the gateway's runs, up to the waiting requests'
-rooms, for `RUN_ON_WAIT_S` at most: only requests that ended unseen just before pay it, and at most their
-allowance, what their reservation already holds.
+run-on (never past its own allowance). The interval a request stopped in is its count's (a request of its
+own ran in it). Traffic sent to the engine around the gateway that starts while a request waits is taken for
+a run-on too where nothing of the gateway's runs, up to the waiting requests' rooms, for `RUN_ON_WAIT_S` at
+most: only requests that ended unseen just before pay it, and at most their allowance, what their
+reservation already holds.
 
 Pure: the tally calls `observe` at each reading and `close` when the feed stops.
 """
@@ -34,6 +40,8 @@ Pure: the tally calls `observe` at each reading and `close` when the feed stops.
 from __future__ import annotations
 
 import logging
+import math
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -47,17 +55,38 @@ takes what it was given so far, and the rest of a run-on goes uncharged."""
 ROOM_EPSILON = 0.5
 """Less room than this (tokens) is none: the request's allowance is used."""
 
+RAN_EPSILON_S = 1e-6
+"""Sequence-seconds below this are none (a run's seconds are sums of floats)."""
+
+WAITING_PER_SEQUENCE = 4
+"""At most this many requests wait here per sequence lingering above their baseline (and four at least): a
+run-on needs rooms for its tokens, not every request counted while it lasts, and each one waiting holds its
+reservation. Past it the one waiting longest settles with what it took."""
+
+RECENT_S = 30.0
+"""How far back the unshared intervals are kept for a request counted after them (`RunOns._catch_up`): past
+the longest a count waits for its reading (`engine_run.ENGINE_COUNT_WAIT_S`, 8 s) after `ENGINE_STOP_S`."""
+MAX_RECENT = 3000
+"""At most this many of them (ten readings a second over `RECENT_S`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Reading:
     """The pool at one reading as the run-on split needs it: tokens generated so far, sequences running; of
-    them `lingering`, those no replica held running, and `live`, those every replica holds running."""
+    them `lingering`, those no replica held running, and `live`, those every replica holds running
+    (`math.inf` while the other replicas go unheard); `ran`, the sequence-seconds every replica's runs ran so
+    far (a request that came and went between two readings ran in their interval)."""
 
     at: float
     generated: float
     running: float
     lingering: float
     live: float
+    ran: float = 0.0
+
+    def unshared_since(self, last: Reading) -> bool:
+        """Whether no replica ran a request at any time since `last`: no count takes this interval's steps."""
+        return last.live <= 0.0 and self.live <= 0.0 and self.ran - last.ran <= RAN_EPSILON_S
 
 
 @dataclass(slots=True)
@@ -75,6 +104,35 @@ class _Waiting:
     def left(self) -> float:
         return self.room - self.taken
 
+    def take(self, tokens: float) -> float:
+        """Up to `tokens` more, within its room: what it took."""
+        given = max(0.0, min(self.left, tokens))
+        self.taken += given
+        return given
+
+
+@dataclass(slots=True)
+class _Interval:
+    """The time between two readings where no replica held a request running at either end: its tokens, the
+    sequences running and lingering (the two readings' mean), the other replicas' sequences waiting then,
+    and what of it was given to waiting requests so far."""
+
+    start: float
+    grown: float
+    running: float
+    lingering: float
+    peers_left: float
+    given: float = 0.0
+
+    def run_on(self, floor: float, sequences: float) -> float:
+        """The tokens of `sequences` of the lingering sequences above `floor`, within what no request took
+        yet, every running sequence taken at one pace (as `tally.EngineTally.count` takes them)."""
+        excess = self.lingering - floor
+        if self.grown <= 0.0 or excess <= 0.0:
+            return 0.0
+        per_sequence = self.grown / max(excess, self.running)
+        return max(0.0, min(per_sequence * min(sequences, excess), per_sequence * excess - self.given))
+
 
 class RunOns:
     """One pool's counted requests waiting for the engine to stop running on (see the module docstring)."""
@@ -82,6 +140,8 @@ class RunOns:
     def __init__(self) -> None:
         self._waiting: dict[Hashable, _Waiting] = {}
         self._last: Reading | None = None
+        self._closed = False
+        self._recent: deque[_Interval] = deque()  # the unshared intervals of the last `RECENT_S`
 
     @property
     def sequences(self) -> float:
@@ -99,56 +159,75 @@ class RunOns:
     ) -> None:
         """The request `key` was counted; `done(tokens)` is called with what it ran on, at once (0) where
         the newest reading shows no more lingering sequences than `baseline` (nothing stopped still runs)
-        or it has no `room`."""
+        or the other replicas go unheard (nothing could be taken), or it has no `room`, or it waits already.
+        It takes its part of the unshared intervals since its stop at once (they came before it was counted:
+        `_catch_up`)."""
         last = self._last
-        if room < ROOM_EPSILON or last is None or last.lingering <= baseline or key in self._waiting:
-            _call(done, 0.0)
+        lingering = 0.0 if last is None or math.isinf(last.live) else last.lingering
+        if self._closed or room < ROOM_EPSILON or lingering <= baseline or key in self._waiting:
+            call_safely(done, 0.0)
             return
-        self._waiting[key] = _Waiting(max(1, sequences), stop, baseline, room, done)
+        waiting = self._waiting[key] = _Waiting(max(1, sequences), stop, baseline, room, done)
+        self._catch_up(waiting)
+        bound = WAITING_PER_SEQUENCE * max(1, math.ceil(lingering - baseline))
+        while len(self._waiting) > bound:
+            oldest = next(iter(self._waiting))
+            self._settle(oldest, self._waiting.pop(oldest))
+
+    def _catch_up(self, waiting: _Waiting) -> None:
+        """The unshared intervals from its stop to its count's reading: of each, its sequences' part beside
+        the other replicas' waiting then, of what no request took."""
+        for interval in self._recent:
+            if interval.start >= waiting.stop:
+                share = waiting.sequences / (waiting.sequences + interval.peers_left)
+                part = interval.run_on(waiting.baseline, waiting.sequences) * share
+                interval.given += waiting.take(part)
 
     def observe(self, reading: Reading, peers_left: float) -> None:
-        """A new reading of the pool: the interval since the last one split, the requests that stop waiting
-        told. `peers_left`: the other replicas' sequences waiting (their `RunFigures.left`)."""
+        """A new reading of the pool: the interval since the last one kept where unshared and split, the
+        requests that stop waiting told. `peers_left`: the other replicas' sequences waiting (their
+        `RunFigures.left`)."""
         last, self._last = self._last, reading
-        if not self._waiting:
-            return
-        if last is not None and reading.at > last.at:
-            self._split(self._run_on(last, reading, peers_left), peers_left)
+        if last is not None and reading.unshared_since(last):
+            interval = _Interval(
+                last.at,
+                reading.generated - last.generated,
+                (last.running + reading.running) / 2,
+                (last.lingering + reading.lingering) / 2,
+                max(0.0, peers_left),
+            )
+            self._recent.append(interval)
+            if self._waiting:
+                self._split(interval)
+        while self._recent and (
+            len(self._recent) > MAX_RECENT or reading.at - self._recent[0].start > RECENT_S
+        ):
+            self._recent.popleft()
         for key, waiting in list(self._waiting.items()):
             if (
                 waiting.left < ROOM_EPSILON
                 or reading.lingering <= waiting.baseline
                 or reading.at - waiting.stop >= RUN_ON_WAIT_S
             ):
-                del self._waiting[key]
-                _call(waiting.done, waiting.taken)
+                self._settle(key, self._waiting.pop(key))
 
-    def _run_on(self, last: Reading, reading: Reading, peers_left: float) -> float:
-        """The tokens generated between two readings that no count takes: where no replica held a request
-        running at either end, those of the lingering sequences above the lowest baseline waiting, at most
-        as many as the replicas have waiting, every running sequence taken at one pace (as
-        `tally.EngineTally.count` takes them)."""
-        grown = reading.generated - last.generated
-        if grown <= 0.0 or last.live > 0.0 or reading.live > 0.0:
-            return 0.0
-        floor = min(w.baseline for w in self._waiting.values())
-        lingering = (last.lingering + reading.lingering) / 2 - floor
-        excess = min(self.sequences + max(0.0, peers_left), lingering)
-        if excess <= 0.0:
-            return 0.0
-        return grown * excess / max(excess, (last.running + reading.running) / 2)
+    def _settle(self, key: Hashable, waiting: _Waiting) -> None:
+        """`key` waits no more: told what it took."""
+        call_safely(waiting.done, waiting.taken)
 
-    def _split(self, tokens: float, peers_left: float) -> None:
-        """This replica's part of `tokens`, between its waiting requests by their sequences, none past its
-        room; what one cannot take goes to the others."""
+    def _split(self, interval: _Interval) -> None:
+        """This replica's part of the interval's run-on (above the lowest baseline waiting, at most as many
+        sequences as the replicas have waiting), beside the other replicas' waiting, between its waiting
+        requests by their sequences, none past its room; what one cannot take goes to the others."""
         ours = self.sequences
-        tokens *= ours / (ours + max(0.0, peers_left))
+        floor = min(w.baseline for w in self._waiting.values())
+        tokens = interval.run_on(floor, ours + interval.peers_left) * ours / (ours + interval.peers_left)
         open_ = [w for w in self._waiting.values() if w.left >= ROOM_EPSILON]
         while tokens > 1e-9 and open_:
             each = tokens / sum(w.sequences for w in open_)
             for waiting in open_:
-                given = min(waiting.left, each * waiting.sequences)
-                waiting.taken += given
+                given = waiting.take(each * waiting.sequences)
+                interval.given += given
                 tokens -= given
             open_ = [w for w in open_ if w.left >= ROOM_EPSILON]
 
@@ -158,13 +237,16 @@ class RunOns:
         return 0.0 if waiting is None else waiting.taken
 
     def close(self) -> None:
-        """The feed stopped: every request waiting is charged what it has taken."""
+        """The feed stopped: every request waiting is charged what it has taken, and any later one at once
+        nothing."""
+        self._closed = True
         waiting, self._waiting = self._waiting, {}
         for item in waiting.values():
-            _call(item.done, item.taken)
+            call_safely(item.done, item.taken)
 
 
-def _call(done: Callable[[float], None], tokens: float) -> None:
+def call_safely(done: Callable[[float], None], tokens: float) -> None:
+    """`done(tokens)`; an exception in it is logged, never raised into the feed's loop."""
     try:
         done(tokens)
     except Exception:

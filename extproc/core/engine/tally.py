@@ -73,7 +73,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 from extproc.core.engine.counter import PoolCounter
-from extproc.core.engine.runon import Reading, RunOns
+from extproc.core.engine.runon import RECENT_S, Reading, RunOns
 from extproc.core.engine.series import Series
 
 log = logging.getLogger(__name__)
@@ -149,11 +149,13 @@ class PeerRuns:
 
     def __init__(self, max_points: int = MAX_POINTS, min_spacing_s: float = MIN_SPACING_S) -> None:
         self._last: dict[str, float] = {}  # replica -> its seconds last read
+        self._heard: float | None = None  # when the store last answered
         self._seconds = 0.0
         self._readings: Series[RunFigures] = Series(max_points, min_spacing_s)
 
     def observe(self, replicas: Mapping[str, RunFigures], at: float) -> None:
         """The figures of every other live replica, read at `at`; a replica not among them is gone."""
+        self._heard = at
         for name, figures in replicas.items():
             before = self._last.get(name)
             if before is not None and figures.seconds >= before:
@@ -201,13 +203,10 @@ class PeerRuns:
         return readings.items[i]
 
     def seen_at(self, at: float) -> bool:
-        """Whether their runs at `at` are known: the last exchange found no other replica, or the last
-        reading at or before `at` is under `PEER_STALE_S` old (a store slow or gone says nothing of them)."""
-        if not self._last:
-            return True
-        readings = self._readings
-        i = readings.at_or_before(at)
-        return i >= 0 and at - readings.times[i] <= PEER_STALE_S
+        """Whether their runs at `at` are known: never exchanged (no store: no other replica), or the last
+        exchange at most `PEER_STALE_S` before `at` (a store slow or gone says nothing of them, nor whether
+        one has come)."""
+        return self._heard is None or at - self._heard <= PEER_STALE_S
 
 
 @dataclass(slots=True)
@@ -303,7 +302,7 @@ class EngineTally:
     def figures(self, now: float) -> RunFigures:
         """This sidecar's runs as the other replicas' tallies need them (`RunFigures`), at `now`: what it
         publishes through the shared store."""
-        seconds = self._ended_seconds + self._running * now - self._running_starts
+        seconds = self._seconds(now)
         shown, since = float(self._running), now - SHOWN_AFTER_STOP_S
         for key in reversed(self._ended):  # ended in order; a stop moved later by `ran_until` is rare
             run = self._runs.get(key)
@@ -312,6 +311,10 @@ class EngineTally:
             if run.until > since:
                 shown += run.sequences
         return RunFigures(max(0.0, seconds), float(self._running), shown, self.run_ons.sequences)
+
+    def _seconds(self, now: float) -> float:
+        """The sequence-seconds this sidecar's runs ran by `now` (a counter)."""
+        return self._ended_seconds + self._running * now - self._running_starts
 
     def observe_peers(self, replicas: Mapping[str, RunFigures], at: float) -> None:
         """The other live replicas' figures of the pool, read from the store at `at` (`PeerRuns`)."""
@@ -328,7 +331,9 @@ class EngineTally:
         live = self._running + peers.running if self.peers.seen_at(at) else math.inf
         point = TallyPoint(self._generated.total, running, max(0.0, running - self._running - peers.running))
         at = self._points.add(at, point)
-        self.run_ons.observe(Reading(at, point.generated, running, point.lingering, live), peers.left)
+        ran = self._seconds(at) + self.peers.seconds_at(at)
+        reading = Reading(at, point.generated, running, point.lingering, live, ran)
+        self.run_ons.observe(reading, peers.left)
         self._wake(at)
 
     def follow_run_on(
@@ -341,16 +346,13 @@ class EngineTally:
     ) -> None:
         """The request `key`, which ran over `span` (start, stop), was counted: `done(tokens)` gets what the
         engine ran on for it past its count, at most `room` (`runon.RunOns.follow`). Its baseline is the
-        least the points showed while it ran (from the last one at or before its start): whatever ran beside
-        every replica's runs then was not its own, and the least leaves out the steps an abort seen late
-        added to one reading."""
-        if self._closed:
-            _call_with(done, 0.0)
-            return
+        least lingering the points showed over `runon.RECENT_S` before its stop, its own time included:
+        traffic sent around the gateway that runs throughout, never a run-on that started lately (nor an
+        abort seen late at one reading)."""
         points = self._points
         start, stop = span
-        first, last = max(0, points.at_or_before(start)), points.at_or_before(stop)
-        during = points.items[first : last + 1]
+        first = max(0, points.at_or_before(min(start, stop - RECENT_S)))
+        during = points.items[first : points.at_or_before(stop) + 1]
         baseline = min((p.lingering for p in during), default=0.0)
         self.run_ons.follow(key, stop, sequences, room, baseline, done)
 
@@ -460,13 +462,6 @@ class EngineTally:
 def _call(callback: Callable[[], None]) -> None:
     try:
         callback()
-    except Exception:
-        log.exception("engine tally waiter failed")
-
-
-def _call_with(callback: Callable[[float], None], tokens: float) -> None:
-    try:
-        callback(tokens)
     except Exception:
         log.exception("engine tally waiter failed")
 

@@ -52,6 +52,11 @@ class Rig(AdmissionRig):
     async def settled(self) -> None:
         await self.admission.service.drain()
 
+    async def settled_soon(self) -> None:
+        """What the loop settles without the feed reading on."""
+        for _ in range(5):
+            await asyncio.sleep(0)
+
 
 async def rig_with(tally: EngineTally | None) -> Rig:
     return await Rig(tally).start()
@@ -91,6 +96,30 @@ async def test_inline_a_body_left_is_charged_the_engines_count_once_the_feed_is_
     assert completion(rig) == 281  # what the engine generated, not 336 at the pace of single answers
     assert basis(rig, "engine_count") == 1 and basis(rig, "estimate") == 0
     assert rig.metric("extproc_slots_released_early_total", model="other") == 0  # the client did not read on
+
+
+async def test_a_body_the_engine_decoded_on_after_its_client_left_is_charged_the_run_on_too() -> None:
+    """The engine missed the abort (vLLM #54947): its four sequences run on past the reading the count waits
+    for; the lease settles once the engine stops, charged its count and the steps after it (the run-on,
+    `extproc_tokens_run_on_total`), within its reservation."""
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    tally.observe("node ep", 1000.0, 0.0, start - 0.7)
+    await left_after(rig, 1.5)
+    tally.observe("node ep", 1200.0, 4.0, start + 1.3)
+    tally.observe("node ep", 1400.0, 4.0, start + 1.5 + ENGINE_STOP_S)
+    await rig.settled_soon()
+    assert rig.metric("extproc_settlements_total", outcome="aborted") == 0  # it waits for the run-on
+    tally.observe("node ep", 1900.0, 4.0, start + 6.0)
+    tally.observe("node ep", 2000.0, 0.0, start + 7.0)  # the engine stopped
+    await rig.settled()
+    # Its count up to the reading it waits for (238: the 200 before it stopped, and of the interval it
+    # stopped in its share beside what ran on, unknown to the count), then every token generated after that
+    # reading, when nothing else ran (600): 838 of the 1,000 generated, the rest the interval's run-on.
+    assert completion(rig) == 838
+    assert rig.metric("extproc_tokens_run_on_total", model="other") == 600
+    assert basis(rig, "engine_count") == 1
 
 
 async def test_lean_an_expired_lease_is_charged_the_engines_count() -> None:

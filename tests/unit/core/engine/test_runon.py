@@ -23,6 +23,7 @@ class Run:
     engine_stop: float  # the engine stopped it
     counted: float | None = None  # its count, at the first reading `ENGINE_STOP_S` past its stop
     charged: float | None = None  # count + run-on, once told
+    waited: float = 0.0  # how long after its count it was told (it waited for a run-on)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Engine:
     exchange: bool = True
     read_every_s: float = 1.0
     foreign: float = 0.0  # sequences sent around the gateway, running throughout
+    now: float = 0.0
     tallies: dict[str, EngineTally] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,7 +53,7 @@ class Engine:
         ticks = round(until / 0.05)
         read_every = round(self.read_every_s / 0.05)
         for tick in range(ticks + 1):
-            at = tick * 0.05
+            at = self.now = tick * 0.05
             for run in self.runs:
                 tally = self.tallies[run.replica]
                 if abs(run.start - at) < 0.025:
@@ -77,8 +79,11 @@ class Engine:
         counted = run.counted = tally.count(run.start, run.stop, 1, ENGINE_STOP_S, run.key)
         assert counted is not None
 
+        counted_at = self.now
+
         def done(tokens: float) -> None:
             run.charged = min(ALLOWANCE, counted + tokens)
+            run.waited = self.now - counted_at
 
         tally.follow_run_on(run.key, (run.start, run.stop), 1, ALLOWANCE - counted, done)
 
@@ -143,9 +148,12 @@ def test_aborts_the_engine_saw_seconds_late_are_charged_too(lag: float) -> None:
 
 
 def test_aborts_in_time_are_charged_their_count_at_once() -> None:
-    """Nothing runs on: no request waits past its count (its settlement is not held)."""
+    """Nothing runs on past an abort's 0.3 s: a request counted while another's abort was still on its
+    way waits a reading or two (4 of 12 here), the others not at all."""
     engine = Engine(flood("A", {}))
     engine.play(16.0)
+    assert max(run.waited for run in engine.runs) <= 2 * engine.read_every_s + 1e-9
+    assert sum(1 for run in engine.runs if run.waited) <= len(engine.runs) // 2
     assert engine.charged == pytest.approx(engine.counted)
     assert engine.charged == pytest.approx(engine.generated(16.0), rel=0.03)
 
