@@ -10,21 +10,21 @@ the running count has room); once none does, they are nobody's: a flood whose st
 charged 0.75 of what the engine generated, with one replica as with two.
 
 The pool's readings show them: sequences running beyond what every gateway replica holds running are
-*lingering* (`TallyPoint.lingering`). A request counted while the newest reading shows more lingering than
-the least of the last `RECENT_S` before its stop (its *baseline*: traffic sent around the gateway that runs
+*lingering* (`TallyPoint.lingering`). A request counted while the newest reading shows more lingering than the
+least of the last `RECENT_S` before its stop (its *baseline*: traffic sent around the gateway that runs
 throughout, not a run-on that started lately nor an abort seen late at one reading) may be one of them, and
 its settlement waits here (`follow`), holding its reservation a while longer; at most `WAITING_PER_SEQUENCE`
-requests per lingering sequence wait, the longest waiting settling first. An interval between two readings
-is *unshared* where no replica held a request running at either end nor ran one inside it (their
-sequence-seconds did not grow): no count takes its steps. Of each, the tokens of the lingering sequences
-above the lowest baseline waiting, at most as many as the replicas have waiting, `generated x lingering /
-running`, are split between the replicas by the sequences each has waiting (`RunFigures.left`, through the
-store) and, this replica's part, between its waiting requests by their sequences, none past its room (the
-allowance less its count); a request counted after such intervals since its stop takes its part of what no
-request took of them (`_catch_up`). A request stops waiting at the first reading with no more lingering than
-its baseline (whatever ran on has stopped), its room used, or `RUN_ON_WAIT_S` past its stop; then it is
-charged its count and what it took here. Nothing is taken, nor waited for, while the other replicas go
-unheard (the store slow or gone): they may be running anything.
+requests per lingering sequence wait, the longest waiting settling first. An interval between two readings is
+*unshared* where no replica held a request running at either end nor ran one inside it (their sequence-seconds
+did not grow): no count takes its steps. Of each, the tokens of the lingering sequences above the lowest
+baseline waiting, `generated x lingering / running`, are split between the replicas by their runs stopped
+lately and their requests waiting (`Reading.share`, from `RunFigures.shown` and `left` through the store) and,
+this replica's part, between its waiting requests by their sequences, none past its room (the allowance less
+its count); a request counted after such intervals since its stop takes its part of what no request here took
+of them (`_catch_up`). A request stops waiting at the first reading with no more lingering than its baseline
+(whatever ran on has stopped), its room used, or `RUN_ON_WAIT_S` past its stop; then it is charged its count
+and what it took here. Nothing is taken, nor waited for, while the other replicas go unheard (the store slow
+or gone): they may be running anything.
 
 Which of the waiting requests ran on is not known, only how many sequences did: each takes its part of the
 tokens, so a flood is charged what the engine generated while one request may pay a little of another's
@@ -75,7 +75,10 @@ class Reading:
     """The pool at one reading as the run-on split needs it: tokens generated so far, sequences running; of
     them `lingering`, those no replica held running, and `live`, those every replica holds running
     (`math.inf` while the other replicas go unheard); `ran`, the sequence-seconds every replica's runs ran so
-    far (a request that came and went between two readings ran in their interval)."""
+    far (a request that came and went between two readings ran in their interval); `share`, this replica's
+    part of a run-on then: its runs stopped lately and its requests waiting, against every replica's
+    (`RunFigures.shown` and `left`: the replicas whose clients left are the ones whose runs ran on; each
+    takes its part whether or not its requests were counted yet, so two never both take all)."""
 
     at: float
     generated: float
@@ -83,6 +86,7 @@ class Reading:
     lingering: float
     live: float
     ran: float = 0.0
+    share: float = 1.0
 
     def unshared_since(self, last: Reading) -> bool:
         """Whether no replica ran a request at any time since `last`: no count takes this interval's steps."""
@@ -114,24 +118,26 @@ class _Waiting:
 @dataclass(slots=True)
 class _Interval:
     """The time between two readings where no replica held a request running at either end: its tokens, the
-    sequences running and lingering (the two readings' mean), the other replicas' sequences waiting then,
-    and what of it was given to waiting requests so far."""
+    sequences running and lingering (the two readings' mean), this replica's `share` of its run-on (`Reading.
+    share`), and what of it was given to waiting requests here so far."""
 
     start: float
     grown: float
     running: float
     lingering: float
-    peers_left: float
+    share: float
     given: float = 0.0
 
     def run_on(self, floor: float, sequences: float) -> float:
-        """The tokens of `sequences` of the lingering sequences above `floor`, within what no request took
-        yet, every running sequence taken at one pace (as `tally.EngineTally.count` takes them)."""
+        """The tokens of `sequences` of the lingering sequences above `floor`, within this replica's share of
+        them less what it gave already, every running sequence taken at one pace (as
+        `tally.EngineTally.count` takes them)."""
         excess = self.lingering - floor
         if self.grown <= 0.0 or excess <= 0.0:
             return 0.0
         per_sequence = self.grown / max(excess, self.running)
-        return max(0.0, min(per_sequence * min(sequences, excess), per_sequence * excess - self.given))
+        mine = per_sequence * excess * self.share - self.given
+        return max(0.0, min(per_sequence * min(sequences, excess), mine))
 
 
 class RunOns:
@@ -175,18 +181,15 @@ class RunOns:
             self._settle(oldest, self._waiting.pop(oldest))
 
     def _catch_up(self, waiting: _Waiting) -> None:
-        """The unshared intervals from its stop to its count's reading: of each, its sequences' part beside
-        the other replicas' waiting then, of what no request took."""
+        """The unshared intervals from its stop to its count's reading: of each, its sequences' part of this
+        replica's share, of what no request here took."""
         for interval in self._recent:
             if interval.start >= waiting.stop:
-                share = waiting.sequences / (waiting.sequences + interval.peers_left)
-                part = interval.run_on(waiting.baseline, waiting.sequences) * share
-                interval.given += waiting.take(part)
+                interval.given += waiting.take(interval.run_on(waiting.baseline, waiting.sequences))
 
-    def observe(self, reading: Reading, peers_left: float) -> None:
+    def observe(self, reading: Reading) -> None:
         """A new reading of the pool: the interval since the last one kept where unshared and split, the
-        requests that stop waiting told. `peers_left`: the other replicas' sequences waiting (their
-        `RunFigures.left`)."""
+        requests that stop waiting told."""
         last, self._last = self._last, reading
         if last is not None and reading.unshared_since(last):
             interval = _Interval(
@@ -194,7 +197,7 @@ class RunOns:
                 reading.generated - last.generated,
                 (last.running + reading.running) / 2,
                 (last.lingering + reading.lingering) / 2,
-                max(0.0, peers_left),
+                reading.share,
             )
             self._recent.append(interval)
             if self._waiting:
@@ -216,12 +219,10 @@ class RunOns:
         call_safely(waiting.done, waiting.taken)
 
     def _split(self, interval: _Interval) -> None:
-        """This replica's part of the interval's run-on (above the lowest baseline waiting, at most as many
-        sequences as the replicas have waiting), beside the other replicas' waiting, between its waiting
-        requests by their sequences, none past its room; what one cannot take goes to the others."""
-        ours = self.sequences
+        """This replica's share of the interval's run-on (above the lowest baseline waiting), between its
+        waiting requests by their sequences, none past its room; what one cannot take goes to the others."""
         floor = min(w.baseline for w in self._waiting.values())
-        tokens = interval.run_on(floor, ours + interval.peers_left) * ours / (ours + interval.peers_left)
+        tokens = interval.run_on(floor, math.inf)
         open_ = [w for w in self._waiting.values() if w.left >= ROOM_EPSILON]
         while tokens > 1e-9 and open_:
             each = tokens / sum(w.sequences for w in open_)

@@ -331,9 +331,11 @@ class EngineTally:
         live = self._running + peers.running if self.peers.seen_at(at) else math.inf
         point = TallyPoint(self._generated.total, running, max(0.0, running - self._running - peers.running))
         at = self._points.add(at, point)
-        ran = self._seconds(at) + self.peers.seconds_at(at)
-        reading = Reading(at, point.generated, running, point.lingering, live, ran)
-        self.run_ons.observe(reading, peers.left)
+        ours = self.figures(at)
+        ran = ours.seconds + self.peers.seconds_at(at)
+        mine, theirs = ours.shown + ours.left, peers.shown + peers.left
+        share = mine / (mine + theirs) if mine + theirs > 0 else 1.0
+        self.run_ons.observe(Reading(at, point.generated, running, point.lingering, live, ran, share))
         self._wake(at)
 
     def follow_run_on(
