@@ -115,9 +115,9 @@ class EngineRun:
             self.ran_on = await asyncio.wait_for(ran_on, RUN_ON_WAIT_S + ENGINE_COUNT_WAIT_S)
         except TimeoutError:  # the feed stopped reading the pool: what it was given so far
             self.ran_on = tally.run_ons.give_up(self.key)
-        finally:
-            if not ran_on.done():  # cancelled (shutdown): it waits no more
-                tally.run_ons.give_up(self.key)
+        except asyncio.CancelledError:  # shutdown: it waits no more (`wait_for` cancelled `ran_on` too)
+            tally.run_ons.give_up(self.key)
+            raise
         return counted + self.ran_on
 
 

@@ -329,6 +329,24 @@ def test_a_run_is_counted_to_where_the_engine_stopped_it() -> None:
     assert run.stopped_at(5.0) == 4.0
 
 
+async def test_a_count_cancelled_while_it_waits_for_a_run_on_waits_no_more() -> None:
+    """Shutdown cancels a count waiting for the engine to stop running on: the pool's run-ons forget it (it
+    is no longer published as waiting, nor told later)."""
+    tally = EngineTally()
+    tally.observe("node ep", 0.0, 0.0, 0.0)
+    run = engine_run.EngineRun(tally, "lease", 0.5, 1)
+    run.end(1.0)
+    tally.observe("node ep", 40.0, 1.0, 3.0)  # past its count, one sequence lingers: it waits
+    counting = asyncio.ensure_future(run.count(1.0, 1000))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert tally.run_ons.sequences == 1
+    counting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await counting
+    assert tally.run_ons.sequences == 0
+
+
 async def lean_stream_left(rig: Rig, tally: EngineTally, seconds: float) -> str:
     """Lean: after the feed read the engine idle (`idle_before`), a stream of four sequences whose client left
     `seconds` after its admission; the key its end report will name."""
