@@ -13,10 +13,13 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Awaitable, Hashable
+from typing import TypeVar
 
 from extproc.admission.vocabulary.usage import Usage
 from extproc.core.engine.runon import RUN_ON_WAIT_S
 from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally
+
+T = TypeVar("T")
 
 ENGINE_COUNT_WAIT_S = 8.0
 """The longest a lease whose answer was not seen whole waits for that reading before it is charged by the
@@ -77,8 +80,10 @@ class EngineRun:
         and rounding each up charged a flood more than the engines generated."""
         tally = self.tally
         passed, certain = (0, None) if usage is None else (usage.completion_tokens, usage.certain_completion)
-        own = None if counted is None else counted - self.ran_on  # the count itself, without the run-on
-        if tally is None or counted is None or own is None or own < passed * MISSED_READING_SHARE:
+        if tally is None or counted is None:
+            return None
+        own = counted - self.ran_on  # the count itself, without the run-on
+        if own < passed * MISSED_READING_SHARE:
             return None
         floor = passed if certain is None else certain
         charged = min(cap, round(tally.charge(counted, floor)))
@@ -94,7 +99,7 @@ class EngineRun:
         wait is registered now."""
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.tally is not None:
-            self.tally.after(stop + ENGINE_STOP_S, functools.partial(_resolve, ready))
+            self.tally.after(stop + ENGINE_STOP_S, functools.partial(_resolve, ready, None))
         return self._counted(stop, allowance, ready)
 
     async def _counted(self, stop: float, allowance: int, ready: asyncio.Future[None]) -> float | None:
@@ -109,7 +114,7 @@ class EngineRun:
         if counted is None:
             return None
         ran_on: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        done = functools.partial(_resolve_with, ran_on)
+        done = functools.partial(_resolve, ran_on)
         tally.follow_run_on(self.key, (self.start, stop), self.sequences, allowance - counted, done)
         try:
             self.ran_on = await asyncio.wait_for(ran_on, RUN_ON_WAIT_S + ENGINE_COUNT_WAIT_S)
@@ -121,11 +126,6 @@ class EngineRun:
         return counted + self.ran_on
 
 
-def _resolve_with(future: asyncio.Future[float], tokens: float) -> None:
+def _resolve(future: asyncio.Future[T], value: T) -> None:
     if not future.done():
-        future.set_result(tokens)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+        future.set_result(value)

@@ -177,8 +177,7 @@ class RunOns:
         self._catch_up(waiting)
         bound = WAITING_PER_SEQUENCE * max(1, math.ceil(lingering - baseline))
         while len(self._waiting) > bound:
-            oldest = next(iter(self._waiting))
-            self._settle(oldest, self._waiting.pop(oldest))
+            self._settle(self._waiting.pop(next(iter(self._waiting))))
 
     def _catch_up(self, waiting: _Waiting) -> None:
         """The unshared intervals from its stop to its count's reading: of each, its sequences' part of this
@@ -212,10 +211,11 @@ class RunOns:
                 or reading.lingering <= waiting.baseline
                 or reading.at - waiting.stop >= RUN_ON_WAIT_S
             ):
-                self._settle(key, self._waiting.pop(key))
+                self._settle(self._waiting.pop(key))
 
-    def _settle(self, key: Hashable, waiting: _Waiting) -> None:
-        """`key` waits no more: told what it took."""
+    @staticmethod
+    def _settle(waiting: _Waiting) -> None:
+        """It waits no more: told what it took."""
         call_safely(waiting.done, waiting.taken)
 
     def _split(self, interval: _Interval) -> None:
@@ -243,7 +243,7 @@ class RunOns:
         self._closed = True
         waiting, self._waiting = self._waiting, {}
         for item in waiting.values():
-            call_safely(item.done, item.taken)
+            self._settle(item)
 
 
 def call_safely(done: Callable[[float], None], tokens: float) -> None:

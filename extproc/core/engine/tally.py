@@ -327,9 +327,10 @@ class EngineTally:
         self._engine_running[endpoint] = running
         running = sum(self._engine_running.values())
         peers = self.peers.fresh_at(at)
+        held = self._running + peers.running
         # Other replicas not heard from lately may run anything: no interval is taken for unshared then.
-        live = self._running + peers.running if self.peers.seen_at(at) else math.inf
-        point = TallyPoint(self._generated.total, running, max(0.0, running - self._running - peers.running))
+        live = held if self.peers.seen_at(at) else math.inf
+        point = TallyPoint(self._generated.total, running, max(0.0, running - held))
         at = self._points.add(at, point)
         ours = self.figures(at)
         ran = ours.seconds + self.peers.seconds_at(at)
