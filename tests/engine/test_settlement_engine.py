@@ -32,6 +32,13 @@ ABORT_STEPS = 32
 """Decode steps (one token each here) the engine may run after a client leaves, before the abort reaches it
 through Envoy and vLLM's API server: measured 12 and 18 on this two-core host (docs/simulator.md,
 calibration), where the CPU engine also freezes the host for seconds (bench/RESULTS.md section 5)."""
+RAN_ON_TOKENS = 1000
+"""More than this generated for a client that read five chunks: the engine missed the abort (a timely one
+stops within `ABORT_STEPS`; a late one on this host, within the 1.5 s a count waits, a few hundred)."""
+RUN_ON_SHARE = 0.97
+"""What of an answer decoded on after its client left is charged at least: a clean-clone run charged 3,719
+of 3,759 while the feed's readings were timed at their scrapes' start and the interval the request stopped
+in gave the engine's steps past the stop to nobody (`tally._Window._after_stop`)."""
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": "Summarise the plot of a long novel in a few words, 9901 of them."},
@@ -263,23 +270,21 @@ def leave_after_five_chunks(stack: Stack) -> Left:
 
 def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> None:
     """The client leaves after a few chunks of a 4,000-token answer: the engine aborts the request a few
-    steps later, and the sidecar charges what the engine's own counter says it generated."""
+    steps later, and the sidecar charges what the engine's own counter says it generated. Where the engine
+    missed the abort and decoded on, its run-on is charged too (`core/engine/runon.py`)."""
     left = leave_after_five_chunks(stack)
     missed = stack.stack.profile == "lean" and ignored_the_reset(left.delta)
     if missed:
         # vLLM missed the reset once in a clean-clone run (Envoy logged the client gone after 67 ms and 21
-        # tokens; the engine decoded all 4,000 over 12 s; vLLM issue #54947 reports the same of v0.22):
-        # what it generated then never reached the proxy, so nothing in front of it could count it. Left
-        # once more for a measurement with the abort honoured; a second miss is the engine's again, and
-        # only what holds whatever the engine does is asserted of it.
+        # tokens; the engine decoded all 4,000 over 12 s; vLLM issue #54947 reports the same of v0.22). Left
+        # once more for a measurement with the abort honoured; a second miss is the engine's again, and its
+        # run-on is what is asserted of it.
         print(f"lean: the engine missed the reset: {left.delta}")
         left = leave_after_five_chunks(stack)
-        missed = ignored_the_reset(left.delta)
     delta = left.delta
-    seen = {"lean": "the engine missed the reset again" if missed else "the engine aborted in time"}
-    print(f"{stack.stack.profile}: left after five chunks ({seen.get(stack.stack.profile, '-')}): {delta}")
-    # The engine aborts once Envoy's reset reaches it; a tiny model on an idle host may finish the whole
-    # answer first. Either way the charge is what the engine's own counter says it generated.
+    missed = ignored_the_reset(delta)
+    seen = "the engine missed the reset" if missed else "the engine aborted in time"
+    print(f"{stack.stack.profile}: left after five chunks ({seen}): {delta}")
     assert 5 <= delta.engine_generated <= DISCONNECT_MAX_TOKENS
     assert delta.prompt == delta.engine_prompt
     assert delta.charged == delta.prompt + delta.completion
@@ -287,7 +292,10 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
     # Envoy's buffer is charged what passed and the step the abort lets finish (InFlight._unheld).
     assert len(left.texts) == 5
     assert left.floor(stack.stack.profile) <= delta.completion <= delta.engine_generated + ABORT_STEPS
-    if stack.stack.profile == "lean" and not missed:
+    if missed:
+        # Its count, then the steps the engine ran on after it, read while nothing else ran.
+        assert delta.completion >= RUN_ON_SHARE * delta.engine_generated
+    elif stack.stack.profile == "lean":
         # Envoy's Lua reader counts every chunk that reached Envoy: all but the steps the engine ran after
         # the close, before its abort landed.
         assert delta.completion >= delta.engine_generated - ABORT_STEPS
@@ -297,10 +305,9 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
 
 
 def ignored_the_reset(delta: Ledger) -> bool:
-    """The engine decoded the whole answer while the proxy saw only the stream's start: it never aborted."""
-    return delta.engine_generated >= DISCONNECT_MAX_TOKENS and (
-        delta.completion < delta.engine_generated - ABORT_STEPS
-    )
+    """The engine decoded on far past a timely abort (`RAN_ON_TOKENS`): it never saw one, or saw it late. A
+    random-weights model may still end its answer early: 3,759 of 4,000 in a clean-clone run."""
+    return delta.engine_generated > RAN_ON_TOKENS
 
 
 def test_upstream_error_charges_the_prompt_only(stack: Stack) -> None:

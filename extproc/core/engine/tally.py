@@ -31,14 +31,14 @@ pace (nearly so on a GPU; on a CPU engine a sequence among eight runs at a fract
 
 A count needs a point at or before `start` and one at or after `stop + tail`: the caller waits for the latter
 (`after(t, callback)`, called at the first point at or after `t`). Points are read at the sidecar's clock
-when the sample arrived less the scrape's duration (the counters were read no earlier). Memory is bounded
-(`series.Series`, as for the other replicas' runs below): at most `max_points` per pool, one per
-`min_spacing_s` (a newer one replaces a last one that came sooner), 20,000 at 0.1 s, over half an hour
-at ten samples a second: a request older than the points kept gets no count (None), and the caller charges
-its pace estimate. An endpoint whose counter goes back (a
-restart) starts a new baseline; one gone from the feed (`forget`) leaves the sum as it was. Runs: every
-request in flight here, and the last `MAX_ENDED_RUNS` ended (20,000: older ones count among the unknown),
-none begun over `MAX_RUN_S` (two hours) before the newest.
+when the sample arrived (a busy engine reads its counters as it sends the page: `FeedbackLoop._tally`). Memory
+is bounded (`series.Series`, as for the other replicas' runs below): at most `max_points` per pool, one per
+`min_spacing_s` (a newer one replaces a last one that came sooner), 20,000 at 0.1 s, over half an hour at ten
+samples a second: a request older than the points kept gets no count (None), and the caller charges its pace
+estimate. An endpoint whose counter goes back (a restart) starts a new baseline; one gone from the feed
+(`forget`) leaves the sum as it was; a failed scrape changes nothing (the next reading's growth counts).
+Runs: every request in flight here, and the last `MAX_ENDED_RUNS` ended (20,000: older ones count among the
+unknown), none begun over `MAX_RUN_S` (two hours) before the newest.
 
 Beside other gateway replicas, each with a tally of its own, the pool's running count holds their requests
 too: taken for unknown ones they are only the running count's room, which this sidecar's runs stopped in the
@@ -419,9 +419,10 @@ class EngineTally:
         first, last = series.at_or_before(start), series.at_or_after(stop + tail)
         if first < 0 or last >= len(series) or stop < start:
             return None
-        window = _Window(start, stop, stop + tail, max(1, sequences))
+        shown_s = max(tail, SHOWN_AFTER_STOP_S)
+        window = _Window(start, stop, stop + tail, stop + shown_s, max(1, sequences))
         times, points = series.times[first : last + 1], series.items[first : last + 1]
-        known = self._known(times, key, max(tail, SHOWN_AFTER_STOP_S))
+        known = self._known(times, key, shown_s)
         return sum(
             window.share(times[i], points[i], times[i + 1], points[i + 1], known[i])
             for i in range(len(points) - 1)
@@ -481,11 +482,14 @@ class _Known:
 
 @dataclass(frozen=True, slots=True)
 class _Window:
-    """One request's time on the pool: from `start` to `stop`, perhaps running until `tail_end`."""
+    """One request's time on the pool: from `start` to `stop`, perhaps running until `tail_end`, and perhaps
+    run on until `shown_end` (`SHOWN_AFTER_STOP_S` past its stop, as its neighbours' runs are taken for
+    running: `_after_stop`)."""
 
     start: float
     stop: float
     tail_end: float
+    shown_end: float
     ours: int
 
     def share(self, t0: float, p0: TallyPoint, t1: float, p1: TallyPoint, known: _Known) -> float:
@@ -501,9 +505,22 @@ class _Window:
         ran = min(t1, self.stop) - max(t0, self.start)
         if ran <= 0.0:
             return 0.0
-        unknown = (self._unknown(t0, p0, known.at_start) + self._unknown(t1, p1, known.at_end)) / 2
-        ours_s = self.ours * ran
+        unknown0 = self._unknown(t0, p0, known.at_start)
+        unknown1, ran_on = self._after_stop(t1, p1, known.at_end, unknown0)
+        ours_s = self.ours * ran + ran_on * (t1 - self.stop)
+        unknown = (unknown0 + unknown1) / 2
         return generated * ours_s / (known.seconds + unknown * (t1 - t0) + ours_s)
+
+    def _after_stop(self, t1: float, p1: TallyPoint, known: float, unknown0: float) -> tuple[float, float]:
+        """At the end of the interval our stop falls in, past `tail_end`: the unknown sequences running, and
+        of them those taken for ours run on (until `shown_end`): as many more unknown ones as were running
+        at its start, up to ours (the engine runs an aborted request on until the abort reaches it: on a
+        slow feed the interval ends seconds after the stop, and those steps went to nobody)."""
+        unknown1 = self._unknown(t1, p1, known)
+        if not self.tail_end <= t1 < self.shown_end:
+            return unknown1, 0.0
+        ran_on = min(float(self.ours), max(0.0, unknown1 - unknown0))
+        return unknown1 - ran_on, ran_on
 
     def _tail(
         self, t0: float, p0: TallyPoint, t1: float, p1: TallyPoint, known: _Known, generated: float

@@ -182,3 +182,31 @@ def test_the_loop_sums_the_pools_prefilled_prompt_tokens_as_growth() -> None:
     assert loop.prompted("m") == 1_500.0
     loop.subscriber.ingest(sample(None, t=4.0, up=False))
     assert loop.prompted("m") is None
+
+
+def test_the_tally_reads_a_sample_when_it_arrived_and_over_a_failed_scrape() -> None:
+    """A slow scrape's counter was read when the busy server got to the page, just before it came (measured:
+    at 0.93-0.99 of its duration), so its reading is stamped on arrival, never its start; a failed scrape
+    between two readings keeps the counter, so the growth over the gap counts at the next one."""
+    clock = Clock()
+    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock)
+
+    def read(counter: float, duration: float = 0.0, running: float = 1.0) -> FeedSample:
+        base = dataclasses.replace(sample(0.1, t=clock.now), generation_tokens_total=counter)
+        return dataclasses.replace(base, scrape_duration_seconds=duration, requests_running=running)
+
+    loop.subscriber.ingest(read(1_000.0, running=0.0))
+    clock.now += 2.0
+    loop.subscriber.ingest(read(1_500.0, duration=1.8))
+    tally = loop.engine_tally("m")
+    assert tally is not None
+    assert tally.covers(clock.now)
+    clock.now += 2.0
+    loop.subscriber.ingest(sample(None, t=clock.now, up=False))
+    clock.now += 2.0
+    loop.subscriber.ingest(read(2_300.0))
+    clock.now += 2.0
+    loop.subscriber.ingest(read(2_300.0, running=0.0))
+    tally.begin("x", 100.5, 1)  # alone on the engine from just after the first reading to 107
+    tally.end("x", 107.0)
+    assert tally.count(100.5, 107.0, 1, 0.5, key="x") == 1_300.0

@@ -114,10 +114,11 @@ async def test_a_body_the_engine_decoded_on_after_its_client_left_is_charged_the
     tally.observe("node ep", 1900.0, 4.0, start + 6.0)
     tally.observe("node ep", 2000.0, 0.0, start + 7.0)  # the engine stopped
     await rig.settled()
-    # Its count up to the reading it waits for (238: the 200 before it stopped, and of the interval it
-    # stopped in its share beside what ran on, unknown to the count), then every token generated after that
-    # reading, when nothing else ran (600): 838 of the 1,000 generated, the rest the interval's run-on.
-    assert completion(rig) == 838
+    # Its count up to the reading it waits for (400: the 200 before it stopped, and the interval it stopped
+    # in, its four sequences taken for still running where nothing else could be: `SHOWN_AFTER_STOP_S`;
+    # 238 when only its own time in it counted), then every token generated after that reading, when
+    # nothing else ran (600): the 1,000 generated.
+    assert completion(rig) == 1000
     assert rig.metric("extproc_tokens_run_on_total", model="other") == 600
     assert basis(rig, "engine_count") == 1
 

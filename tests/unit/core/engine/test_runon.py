@@ -220,3 +220,13 @@ def test_while_the_other_replicas_are_not_heard_from_nothing_is_taken_for_a_run_
     tally.observe("engine", 140.0, 0.0, 9.5)
     # 3-7: b ran one; 7-8.5: b not heard from at 7 (13 more taken without that); 8.5-9.5: the 20 are x's.
     assert told == [pytest.approx(20.0)]
+
+
+def test_a_request_that_stopped_early_in_a_long_interval_is_charged_its_run_on_there_too() -> None:
+    """A feed read every 2 s (a busy CPU engine's page): the reading after the stop comes past the 1.5 s its
+    count waits, and the engine ran the answer on through it. The sequence running then, where none but it
+    ran before, is its own run on (`tally._Window._after_stop`); taken for nobody's, the interval's steps
+    after the stop went uncharged: 0.87 of what was generated here."""
+    engine = Engine([Run("x", "A", 0.1, 0.3, 12.0)], read_every_s=2.0)
+    engine.play(20.0)
+    assert engine.charged == pytest.approx(engine.generated(20.0))
