@@ -9,22 +9,22 @@ those steps out among themselves (a run stopped within `SHOWN_AFTER_STOP_S` is t
 the running count has room); once none does, they are nobody's: a flood whose streams ran on past its end was
 charged 0.75 of what the engine generated, with one replica as with two.
 
-The pool's readings show them: sequences running beyond what every gateway replica holds running are
-*lingering* (`TallyPoint.lingering`). A request counted while the newest reading shows more lingering than the
-least of the last `RECENT_S` before its stop (its *baseline*: traffic sent around the gateway that runs
-throughout, not a run-on that started lately nor an abort seen late at one reading) may be one of them, and
-its settlement waits here (`follow`), holding its reservation a while longer; at most `WAITING_PER_SEQUENCE`
-requests per lingering sequence wait, the longest waiting settling first. An interval between two readings is
-*unshared* where no replica held a request running at either end nor ran one inside it (their sequence-seconds
-did not grow): no count takes its steps. Of each, the tokens of the lingering sequences above the lowest
-baseline waiting, `generated x lingering / running`, are split between the replicas by their runs stopped
-lately and their requests waiting (`Reading.share`, from `RunFigures.shown` and `left` through the store) and,
-this replica's part, between its waiting requests by their sequences, none past its room (the allowance less
-its count); a request counted after such intervals since its stop takes its part of what no request here took
-of them (`_catch_up`). A request stops waiting at the first reading with no more lingering than its baseline
-(whatever ran on has stopped), its room used, or `RUN_ON_WAIT_S` past its stop; then it is charged its count
-and what it took here. Nothing is taken, nor waited for, while the other replicas go unheard (the store slow
-or gone): they may be running anything.
+The pool's readings show them: sequences running beyond what every gateway replica holds (running, or in the
+engine's queue) are *lingering* (`TallyPoint.lingering`). A request counted while the newest reading shows
+more lingering than the least of the last `RECENT_S` before its stop (its *baseline*: traffic sent around the
+gateway that runs throughout, not a run-on that started lately nor an abort seen late at one reading) may be
+one of them, and its settlement waits here (`follow`), holding its reservation a while longer; at most
+`WAITING_PER_SEQUENCE` requests per lingering sequence wait, the longest waiting settling first. An interval
+between two readings is *unshared* where no replica held a request running at either end nor ran one inside it
+(their sequence-seconds did not grow): no count takes its steps. Of each, the tokens of the lingering
+sequences above the lowest baseline waiting, `generated x lingering / running`, are split between the replicas
+by their runs stopped lately and their requests waiting (`Reading.share`, from `RunFigures.shown` and `left`
+through the store) and, this replica's part, between its waiting requests by their sequences, none past its
+room (the allowance less its count); a request counted after such intervals since its stop takes its part of
+what no request here took of them (`_catch_up`). A request stops waiting at the first reading with no more
+lingering than its baseline (whatever ran on has stopped), its room used, or `RUN_ON_WAIT_S` past its stop;
+then it is charged its count and what it took here. Nothing is taken, nor waited for, while the other replicas
+go unheard (the store slow or gone): they may be running anything.
 
 Which of the waiting requests ran on is not known, only how many sequences did: each takes its part of the
 tokens, so a flood is charged what the engine generated while one request may pay a little of another's

@@ -233,6 +233,7 @@ class EngineTally:
         self._points: Series[TallyPoint] = Series(max_points, min_spacing_s)
         self._generated = PoolCounter()  # the endpoints' generation counters, summed as growth
         self._engine_running: dict[str, float] = {}  # endpoint -> its running requests last read
+        self._engine_waiting: dict[str, float] = {}  # endpoint -> its queued requests last read
         self._waiters: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self._closed = False  # the feed stopped: waiters are called at once
@@ -320,17 +321,22 @@ class EngineTally:
         """The other live replicas' figures of the pool, read from the store at `at` (`PeerRuns`)."""
         self.peers.observe(replicas, at)
 
-    def observe(self, endpoint: str, counter: float, running: float, at: float) -> None:
-        """One endpoint's generation counter and running requests, read at `at`: a new point of the pool,
-        and the waiters it is past called."""
+    def observe(self, endpoint: str, counter: float, running: float, at: float, waiting: float = 0.0) -> None:
+        """One endpoint's generation counter and running requests (and those `waiting` in its queue), read
+        at `at`: a new point of the pool, and the waiters it is past called. A request a replica holds may
+        wait in the engine's queue: the sequences no replica holds (`TallyPoint.lingering`) are those the
+        engine runs or queues beyond the held ones (by its running count alone, each queued request hid a
+        run-on)."""
         self._generated.observe(endpoint, counter)
         self._engine_running[endpoint] = running
+        self._engine_waiting[endpoint] = waiting
         running = sum(self._engine_running.values())
         peers = self.peers.fresh_at(at)
         held = self._running + peers.running
         # Other replicas not heard from lately may run anything: no interval is taken for unshared then.
         live = held if self.peers.seen_at(at) else math.inf
-        point = TallyPoint(self._generated.total, running, max(0.0, running - held))
+        in_engine = running + sum(self._engine_waiting.values())
+        point = TallyPoint(self._generated.total, running, max(0.0, min(running, in_engine - held)))
         at = self._points.add(at, point)
         ours = self.figures(at)
         ran = ours.seconds + self.peers.seconds_at(at)
@@ -363,12 +369,14 @@ class EngineTally:
         """An endpoint left the feed (or its scrape failed): its next reading starts a new baseline."""
         self._generated.forget(endpoint)
         self._engine_running.pop(endpoint, None)
+        self._engine_waiting.pop(endpoint, None)
 
     def keep(self, endpoints: set[str]) -> None:
         """Forget every endpoint not in `endpoints` (the feed forgot it)."""
         self._generated.keep(endpoints)
         for endpoint in [e for e in self._engine_running if e not in endpoints]:
             del self._engine_running[endpoint]
+            self._engine_waiting.pop(endpoint, None)
 
     def after(self, at: float, callback: Callable[[], None]) -> None:
         """Call `callback` once a point at or after `at` exists (at once if one does)."""

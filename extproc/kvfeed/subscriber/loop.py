@@ -254,7 +254,8 @@ class FeedbackLoop:
             return
         if tally is None:
             tally = self._tallies[sample.model] = EngineTally()
-        tally.observe(_endpoint(sample.key), generated, running, self._clock())
+        waiting = sample.requests_waiting if sample.requests_waiting is not None else 0.0
+        tally.observe(_endpoint(sample.key), generated, running, self._clock(), waiting)
 
     def _count_prompted(self, sample: FeedSample) -> None:
         """An endpoint's prompt counter into its pool's sum; a sample without one, or a down one, makes its

@@ -230,3 +230,25 @@ def test_a_request_that_stopped_early_in_a_long_interval_is_charged_its_run_on_t
     engine = Engine([Run("x", "A", 0.1, 0.3, 12.0)], read_every_s=2.0)
     engine.play(20.0)
     assert engine.charged == pytest.approx(engine.generated(20.0))
+
+
+def test_a_run_on_beside_requests_queued_in_the_engine_is_seen() -> None:
+    """Two requests held here wait in the engine's queue while a stopped one runs on: by the running count
+    alone (one running, two held) nothing lingered, and the stopped one was charged its count only."""
+    tally = EngineTally()
+    tally.observe("engine", 0.0, 0.0, 0.0)
+    tally.begin("x", 0.5, 1)
+    tally.end("x", 1.0)
+    tally.begin("q1", 1.2, 1)
+    tally.begin("q2", 1.2, 1)  # both queued behind x's run-on: the engine runs one sequence at a time
+    tally.observe("engine", 30.0, 1.0, 3.0, waiting=2.0)
+    told: list[float] = []
+    tally.follow_run_on("x", (0.5, 1.0), 1, 500.0, told.append)
+    assert told == [] and tally.figures(3.0).left == 1.0
+    tally.end("q1", 4.0)
+    tally.end("q2", 4.0)  # the clients gave up waiting
+    tally.observe("engine", 50.0, 1.0, 4.5)  # x still runs on, alone now
+    tally.observe("engine", 70.0, 0.0, 5.5)
+    # The growth while nothing here was held (the interval before, the queued ones held, is their counts',
+    # which take a queued request for running).
+    assert told == [pytest.approx(20.0)]
