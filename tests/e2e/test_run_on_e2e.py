@@ -7,11 +7,12 @@ each stream's count waits for. The counts alone leave those steps to nobody; the
 two gateways on one Redis, their clients split between them: each takes its part of a run-on by its runs
 stopped lately and its requests waiting, so the two do not both charge it.
 
-Measured here: one gateway 945-951 of 948 generated in twelve runs of fourteen (lean and inline; inline
-twice 795 and 821, not diagnosed), and once 649 (lean) in a clean-clone CI run; two gateways 821-910 in four
-runs (each replica's share of a run-on is read from the other's figures, one exchange late); the counts
-alone, before the run-ons, about 150. `BOUNDS` holds what every run met and what the counts alone miss by
-far; issue 39's 5 % is met by one gateway in most runs, not by the fleet (bench/RESULTS.md).
+Measured here: one gateway 945-951 of 948 generated in twelve runs of fourteen (lean and inline; inline twice
+795 and 821, not diagnosed), and once 649 (lean) in a clean-clone CI run; two gateways 821-910 in four runs
+(each replica's share of a run-on is read from the other's figures, one exchange late); the counts alone,
+before the run-ons, about 150. Since the feed's readings are timed when they arrive (3a2a1e4): lean 930-952 in
+26 runs, once 795; inline 948-949; two gateways 919-921. `BOUNDS` holds what every run met and what the counts
+alone miss by far; issue 39's 5 % is met by one gateway in most runs, not by the fleet (bench/RESULTS.md).
 """
 
 from __future__ import annotations
