@@ -38,7 +38,7 @@ stops within `ABORT_STEPS`; a late one on this host, within the 1.5 s a count wa
 RUN_ON_SHARE = 0.97
 """What of an answer decoded on after its client left is charged at least: a clean-clone run charged 3,719
 of 3,759 while the feed's readings were timed at their scrapes' start and the interval the request stopped
-in gave the engine's steps past the stop to nobody (`tally._Window._after_stop`)."""
+in gave the engine's steps past the stop to nobody (`tally._Window._unknown_at_end`)."""
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": "Summarise the plot of a long novel in a few words, 9901 of them."},
