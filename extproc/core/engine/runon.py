@@ -101,6 +101,7 @@ class Reading:
 
     @property
     def unclaimed(self) -> float:
+        """Sequences running beyond every replica's shown ones: no count takes their steps."""
         return max(0.0, self.running - self.shown)
 
     def interval_since(self, last: Reading) -> _Interval | None:
@@ -213,8 +214,9 @@ class RunOns:
                 interval.given += waiting.take(interval.run_on(waiting.baseline, waiting.sequences))
 
     def observe(self, reading: Reading) -> None:
-        """A new reading of the pool: the interval since the last one kept where unshared and split, the
-        requests that stop waiting told."""
+        """A new reading of the pool: the interval since the last one kept and split where some sequences
+        ran in it whose steps no count takes (`Reading.interval_since`), the requests that stop waiting
+        told."""
         last, self._last = self._last, reading
         interval = None if last is None else reading.interval_since(last)
         if interval is not None and interval.lingering > 0.0:

@@ -369,7 +369,8 @@ class EngineTally:
         self.run_ons.follow(key, stop, sequences, room, baseline, done)
 
     def forget(self, endpoint: str) -> None:
-        """An endpoint left the feed (or its scrape failed): its next reading starts a new baseline."""
+        """An endpoint left the feed (or its sample carries no counter): its next reading starts a new
+        baseline. A failed scrape is not this: its counter stays (`FeedbackLoop._tally`)."""
         self._generated.forget(endpoint)
         self._engine_running.pop(endpoint, None)
         self._engine_waiting.pop(endpoint, None)
