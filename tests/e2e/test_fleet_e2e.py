@@ -62,6 +62,10 @@ CONFIG: dict[str, Any] = {
     "log_level": "warning",
 }
 
+POLL_S = 0.25
+ASK_HEARD_POLLS = 4
+"""Polls (`POLL_S` apart) after a yielded gateway's first booking by which its ask has been heard: 1 s."""
+
 SIDECAR_SERIES = (
     "extproc_kv_budget_tokens",
     "extproc_kv_booked_tokens",
@@ -71,7 +75,7 @@ SIDECAR_SERIES = (
 
 
 class SidecarPoller(threading.Thread):
-    """Every 0.25 s, the pool's fleet series of each sidecar: `polls[gateway][series]` lists the values."""
+    """Every `POLL_S`, the pool's fleet series of each sidecar: `polls[gateway][series]` lists the values."""
 
     def __init__(self, fleet: Fleet) -> None:
         super().__init__(daemon=True, name="sidecar-poller")
@@ -80,7 +84,7 @@ class SidecarPoller(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        while not self._stop_event.wait(0.25):
+        while not self._stop_event.wait(POLL_S):
             for url, polls in zip(self.urls, self.polls, strict=True):
                 page = scrape(url)
                 for series in SIDECAR_SERIES:
@@ -154,8 +158,13 @@ def test_a_gateway_whose_peer_is_idle_books_past_half_the_cache(on_a_alone: Run)
     half = 0.5 * CACHE_TOKENS * TARGET
     assert on_a_alone.tally.answered[0] >= 12 and on_a_alone.tally.errors == [0, 0]
     assert a["extproc_kv_budget_tokens"], "no poll of the sidecars"
-    # B books nothing, so A may book the pool's whole target, not a fixed half of it.
-    assert min(a["extproc_kv_budget_tokens"]) > half, a["extproc_kv_budget_tokens"]
+    # B books nothing, so A may book the pool's whole target, not a fixed half of it: from its first
+    # booking, once its ask is heard. Quiet before the load (`kv.fleet.YIELD_AFTER_S`), A starts yielded to
+    # a sliver of the free room (`YIELDED_PART`: a clean-clone CI run polled 737 of 14,745 before the load's
+    # first decision) and asks for its part back with its first request (measured 0.5 s: bench/RESULTS.md).
+    budget, booked = a["extproc_kv_budget_tokens"], a["extproc_kv_booked_tokens"]
+    first = next(i for i, tokens in enumerate(booked) if tokens > 0)
+    assert min(budget[first + ASK_HEARD_POLLS :]) > half, (first, budget)
     # ... and does: its forecast passes half, and so does what the engine holds.
     assert max(a["extproc_kv_booked_tokens"]) > 1.2 * half, a["extproc_kv_booked_tokens"]
     assert max(s.kv for s in on_a_alone.samples) > 0.55
