@@ -3,6 +3,7 @@ logs of the processes a failed test ran on, attached to its report: a failure in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Generator, Iterator
 
 import pluggy
@@ -50,9 +51,21 @@ def pytest_runtest_makereport(
         if isinstance(value, Stack):
             for proc_name, proc in value.stack.processes.items():
                 report.sections.append((f"{name}: {proc_name} log (tail)", _tail(proc.log())))
+            envoy = value.stack.processes.get("envoy")
+            if envoy is not None:
+                report.sections.append((f"{name}: envoy's failed answers", _failed_answers(envoy.log())))
         elif isinstance(value, Engine):
             report.sections.append(("engine log (tail)", _tail(value.log())))
 
 
 def _tail(text: str) -> str:
     return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+
+
+FAILED_ANSWER = re.compile(r'^\[[^]]+\] "[A-Z]+ [^"]*" [45]\d\d ')
+"""An access-log line (the shipped format, `envoyconf`) of an answer Envoy gave with a 4xx or 5xx status: a
+flood's one 503 scrolls out of the tail, and its response flags say whose it was (a CI run met one)."""
+
+
+def _failed_answers(text: str) -> str:
+    return "\n".join([line for line in text.splitlines() if FAILED_ANSWER.match(line)][-LOG_TAIL_LINES:])
