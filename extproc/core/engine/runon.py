@@ -112,7 +112,7 @@ class Reading:
         grown, span = self.generated - last.generated, self.at - last.at
         if self.unshared_since(last):
             running, lingering = (last.running + self.running) / 2, (last.lingering + self.lingering) / 2
-            return _Interval(last.at, grown, grown / max(running, lingering, 1e-9), lingering, self.share)
+            return _Interval(last.at, grown, grown / max(running, 1e-9), lingering, self.share)
         if math.isinf(last.live) or math.isinf(self.live) or span <= 0.0:
             return None
         unclaimed = (last.unclaimed + self.unclaimed) / 2

@@ -244,9 +244,9 @@ class FeedbackLoop:
         loop busy) errs the other way, past a request's end: its run-on takes those steps (`runon.py`). A
         failed scrape (`up` false) keeps the endpoint's counter as last read, so the growth over the gap
         counts at its next reading; a sample without the counter makes its next reading a new baseline."""
-        tally = self._tallies.get(sample.model)
         if not sample.up:
             return
+        tally = self._tallies.get(sample.model)
         generated, running = sample.generation_tokens_total, sample.requests_running
         if generated is None or running is None:
             if tally is not None:
