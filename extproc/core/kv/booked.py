@@ -71,13 +71,15 @@ class Booker:
         return sum(1 for i in self.finished if i in self._ledger.leases)
 
     def trajectories(self, now: float) -> list[Steps]:
-        """Every lease's trajectory from `now` on, but those the engine has finished."""
+        """Every lease's trajectory from `now` on (in pieces: `Lease.pieces`), but those the engine has
+        finished."""
         rate, delay = self._pace.forecast()
         finished = self.finished
         return [
-            lease.trajectory(now, rate, delay)
+            piece
             for lease_id, lease in self._ledger.leases.items()
             if lease_id not in finished
+            for piece in lease.pieces(now, rate, delay)
         ]
 
     def book(self, now: float | None, extra: Lease | None = None) -> tuple[int, int]:
@@ -88,7 +90,7 @@ class Booker:
             return demand, demand + (extra.footprint if extra is not None else 0)
         assert now is not None
         rate, delay = self._pace.forecast()
-        added = extra.trajectory(now, rate, delay) if extra is not None else None
+        added = extra.pieces(now, rate, delay) if extra is not None else ()
         alone, together = forecast_peaks(self.trajectories(now), added)
         return math.ceil(alone + self.unexplained), math.ceil(together + self.unexplained)
 

@@ -17,7 +17,9 @@ estimate. Two ways to book it (`BookingMode`):
   admission to release. Safe, but a request holds that much KV only at its very end: it starts with its
   prompt and grows one token per engine step, so a full pool booked this way is 15-30 % empty.
 * `forecast`: every lease is a trajectory (`forecast.py`): prompt + tokens generated so far now, growing
-  one token per step per sequence until its expected final completion, then gone. A request fits when
+  one token per step per sequence until its expected final completion, then gone (held at that size until
+  its allowance's end where the expected completion is a learned guess below it: `Lease.pieces`, a tenant
+  can train its guess down). A request fits when
   the highest total the trajectories reach from now on, with its own added, stays within the budget.
   Tokens generated so far are the streamed count where the response streams, else an estimate from the
   time since admission and the pool's decode pace learned from streams (`LearnedPace`). The engine's own

@@ -15,7 +15,9 @@ is left, up to its whole allowance. With the limit at the cache's margin above t
 by no more than the margin the budget keeps free, whatever they were trained to look like: the burst
 above books four requests (the first with the credit left, three at their allowance), which end at 16,128
 tokens of 16,384. A tenant whose answers really are short keeps the credit of its requests up to the limit;
-past it, its requests are booked whole, and fewer run at once.
+past it, its requests are booked whole, and fewer run at once. The bound holds for forecast booking only
+because the forecast keeps a credited lease at its expected size until its allowance's end (`Lease.pieces`):
+freed at its expected end it would free all of its footprint there, not only its credit.
 
 Pure; memory is one integer per tenant with requests in flight.
 """

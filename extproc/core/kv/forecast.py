@@ -16,7 +16,10 @@ it cannot observe has come (`extproc.core.engine.pace.LearnedPace`).
 If every `end` is at least the request's real remaining length, the forecast peak bounds the real peak of
 those requests (each real trajectory lies under its forecast one), which is what lets an admission that
 keeps the forecast peak under a budget avoid preemption without booking every request's whole final
-footprint for its whole life.
+footprint for its whole life. Where a request's expected length is only a guess below the bound the server
+enforces, its forecast must not end there: its trajectory grows to the expected size, then holds it until
+the bound's end (`Lease.pieces`), so the real peak exceeds the forecast one by no more than the tokens the
+guesses left out (`kv_credit` bounds those per tenant).
 
 Pure and synchronous: no clock, no I/O; callers pass times in seconds from their own clock.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 
@@ -50,49 +53,60 @@ def forecast_peak(trajectories: Iterable[Steps]) -> float:
     return forecast_peaks(trajectories)[0]
 
 
-def forecast_peaks(trajectories: Iterable[Steps], extra: Steps | None = None) -> tuple[float, float]:
-    """The forecast peak of `trajectories`, and of `trajectories` plus `extra`, in one sort and one sweep.
+def forecast_peaks(trajectories: Iterable[Steps], extra: Sequence[Steps] = ()) -> tuple[float, float]:
+    """The forecast peak of `trajectories`, and of `trajectories` plus the pieces of `extra` (one request's
+    trajectory, in one or more pieces: `Lease.pieces`), in one sort and one sweep.
 
     Between two ends the total only rises, so the peak is at an end `e`: the sum over trajectories still
     present at `e` (those with `end >= e`) of `base + slope * e`. An infinite end contributes its base only
-    (a flat booking; an unbounded rise has no peak to report). The sweep visits ends from the latest down,
-    accumulating the trajectories present, and evaluates both totals at every end and at the extra's own
-    end (a point that is not an end is harmless: a total there is never above its next end). This runs on
-    every admission decision, hence the plain loop over plain tuples.
+    (a flat booking; an unbounded rise has no peak to report). A piece may have a negative base (a request
+    that grows, then holds its size, is a flat piece plus a rising one worth nothing at its end): the total
+    still only rises between ends and never rises at one, so the peak is still at an end. The sweep visits
+    ends from the latest down, accumulating the trajectories present, and evaluates both totals at every end
+    of either (an end of the extra's alone is harmless: a total there is never above its next end). This
+    runs on every admission decision, hence the plain loop over plain tuples.
     """
-    x_base, x_slope, x_end = extra if extra is not None else (0.0, 0.0, -1.0)
-    x_end = max(x_end, 0.0) if extra is not None else -1.0
-    x_slope = 0.0 if x_end == _INF else x_slope
-    pending = extra is not None  # the extra's own end is still to be evaluated
-    peak = together = bases = slopes = 0.0
+    extras = sorted(((b, s if e != _INF else 0.0, e if e > 0 else 0.0) for b, s, e in extra), key=_END)
+    peak = together = bases = slopes = x_bases = x_slopes = 0.0
     group = -1.0  # the end whose trajectories are being added; -1 before the first
 
-    def totals(e: float) -> tuple[float, float]:
-        """Total KV at step `e` of what was accumulated so far, without and with the extra."""
+    def evaluate(e: float) -> None:
+        """Both totals at step `e`, of what was accumulated so far."""
+        nonlocal peak, together
         if e == _INF:
-            return bases, bases + (x_base if x_end == _INF else 0.0)
-        value = bases + slopes * e
-        return value, value + (x_base + x_slope * e if x_end >= e else 0.0)
+            value, with_extra = bases, bases + x_bases
+        else:
+            value = bases + slopes * e
+            with_extra = value + x_bases + x_slopes * e
+        peak, together = max(peak, value), max(together, with_extra)
 
     for base, slope, end in sorted(trajectories, key=_END, reverse=True):
         end = end if end > 0 else 0.0
+        while extras and extras[-1][2] > end:  # the extra's pieces that end later come first
+            x_base, x_slope, x_end = extras.pop()
+            if x_end != group:
+                if group >= 0:
+                    evaluate(group)
+                group = x_end
+            x_bases += x_base
+            x_slopes += x_slope
         if end != group:
-            points: tuple[float, ...] = (group,) if group >= 0 else ()
-            if pending and end < x_end:  # the extra ends between the previous end and this one
-                points += (x_end,)
-                pending = False
-            for e in points:
-                value, with_extra = totals(e)
-                peak, together = max(peak, value), max(together, with_extra)
-            pending = pending and x_end != group
+            if group >= 0:
+                evaluate(group)
             group = end
         bases += base
         if end != _INF:
             slopes += slope
-    for e in ((group,) if group >= 0 else ()) + ((x_end,) if pending else ()):
-        value, with_extra = totals(e)
-        peak, together = max(peak, value), max(together, with_extra)
-    return peak, (together if extra is not None else peak)
+    for x_base, x_slope, x_end in reversed(extras):
+        if x_end != group:
+            if group >= 0:
+                evaluate(group)
+            group = x_end
+        x_bases += x_base
+        x_slopes += x_slope
+    if group >= 0:
+        evaluate(group)
+    return peak, (together if extra else peak)
 
 
 _INF = math.inf

@@ -514,6 +514,30 @@ def test_a_tenant_trained_short_cannot_burst_past_the_cache() -> None:
     assert b.credit.held("mallory") <= int(16_384 * 0.1)
 
 
+@pytest.mark.parametrize("pace_known", [True, False])
+def test_a_forecast_does_not_free_a_trained_down_request_before_its_allowance(pace_known: bool) -> None:
+    """The engine tier's burst (tests/engine/test_poison_engine.py): 1,500-token streams trained to stop at
+    150. Forecast to end at its learned 150 (and the next at 1,212, where the credit ran out), the first two
+    freed their footprints from the forecast before the others peaked, and eleven were admitted where ten
+    fit: run to their allowances, 16,720 tokens of 16,384, a preemption in CI. Held at their expected size
+    until their allowances' end, they leave room for eight more, as lifetime booking does. (Without a known
+    pace every lease is booked flat at its final size, and the peak is where all are present either way.)"""
+    b = KvBudget(16_384, target_utilization=0.9, booking=BookingMode.FORECAST)
+    for i in range(40):
+        b.admit(f"t{i}", 20, 1_500, "mallory")
+        b.release(f"t{i}", 1)
+    if pace_known:
+        b.pace.observe_stream(100, 1.0)
+    b.observe_engine(0, now=0.0, fresh_for=5.0, waiting=0, running=0)
+    admitted = 0
+    for i in range(12):
+        if b.would_fit(20, 1_500, "mallory", now=0.0)[0]:
+            b.admit(f"b{i}", 20, 1_500, "mallory", now=0.0)
+            admitted += 1
+    assert admitted == 10
+    assert admitted * (20 + 1_500) <= 16_384
+
+
 def test_credit_comes_back_with_the_release_and_an_honest_short_request_keeps_it() -> None:
     b = poisoned()
     b.admit("short", 20, 1_000, "mallory")  # credit 900 of the 1,638 a tenant may hold
