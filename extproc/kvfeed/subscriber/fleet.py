@@ -10,7 +10,11 @@ Once the store answered, a second call carries the pool's engine-tally figures (
 `KvBoard.exchange_runs`) and hands the others' to the tally: the charge of an answer not seen whole is its
 share of the pool's growth against every replica's runs, which no replica sees alone. A pool without a KV
 budget exchanges its runs alone, at each feed sample (`runs_changed`): with `kv_budget` off, each replica
-would otherwise charge the pool's whole growth to its own runs.
+would otherwise charge the pool's whole growth to its own runs. Either way a pool's runs go out at least every
+`RUNS_EVERY_S` once they went out once: a replica whose pool admits nothing new publishes only at its feed's
+samples, and on a saturated host those came over `REPLICA_TTL_S` apart: its figures expired from the store
+while its requests still ran, and the other replica's count of a stream then took their steps for its own
+(3,170 tokens for a stream that passed 607, in a fleet of two in front of the real engine).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from extproc.core.kv.fleet import PUBLISH_EVERY_S
 from extproc.core.ports import KvBoard, StoreUnavailable
 
 log = logging.getLogger(__name__)
+
+RUNS_EVERY_S = 1.0
+"""The longest a pool's runs go unpublished once they were (`FleetExchange`): well inside `REPLICA_TTL_S`
+(5 s) and the tally's `PEER_STALE_S` (3 s), whatever the feed's interval."""
 
 T = TypeVar("T")
 
@@ -51,6 +59,8 @@ class FleetExchange:
         self._dirty: set[str] = set()
         self._sent_at: dict[str, float] = {}
         self._runs_tasks: dict[str, asyncio.Task[None]] = {}  # runs-only exchanges (`runs_changed`)
+        self._runs_later: dict[str, asyncio.TimerHandle] = {}  # the next runs-only one (`RUNS_EVERY_S`)
+        self._closed = False
         self.exchanges = 0
         self.failures = 0
 
@@ -115,6 +125,16 @@ class FleetExchange:
         replicas = await self._ask(pool, "kv fleet: runs exchange failed", runs)
         if replicas is not None:
             tally.observe_peers(replicas, self._clock())
+        later = self._runs_later.pop(pool, None)
+        if later is not None:
+            later.cancel()
+        if not self._closed:
+            self._runs_later[pool] = asyncio.get_running_loop().call_later(RUNS_EVERY_S, self._runs_due, pool)
+
+    def _runs_due(self, pool: str) -> None:
+        """`RUNS_EVERY_S` without a runs exchange of `pool`: one now."""
+        self._runs_later.pop(pool, None)
+        self.runs_changed(pool)
 
     async def _ask(self, pool: str, failed: str, call: Awaitable[T]) -> T | None:
         """One call to the board, None where it gives no answer: a store that does not answer, or a bug
@@ -132,9 +152,11 @@ class FleetExchange:
     async def close(self) -> None:
         """Stop publishing: pending publications dropped, calls in flight cancelled (the figures expire in
         the store `REPLICA_TTL_S` after the last one)."""
-        for handle in self._later.values():
+        self._closed = True
+        for handle in [*self._later.values(), *self._runs_later.values()]:
             handle.cancel()
         self._later.clear()
+        self._runs_later.clear()
         tasks = [*self._tasks.values(), *self._runs_tasks.values()]
         for task in tasks:
             task.cancel()

@@ -14,6 +14,7 @@ from extproc.core.kv.budget import BookingMode, KvBudget
 from extproc.core.kv.completion import CompletionLearner
 from extproc.core.kv.fleet import Peers, ReplicaShare
 from extproc.core.ports import StoreUnavailable
+from extproc.kvfeed.subscriber import fleet as fleet_module
 from extproc.kvfeed.subscriber.fleet import FleetExchange
 from extproc.store.redis import RedisStore
 from extproc.store.redis import kvboard as kvboard_module
@@ -226,6 +227,37 @@ async def test_a_pool_without_a_kv_budget_exchanges_its_runs_alone(redis_url: st
                     break
         assert tallies[1].peers.shown_at(5.0) == 2.0  # the first replica's two sequences
         assert fleet.exchanges == 0  # no KV figures went out: the pool has no budget
+    finally:
+        for fleet in exchanges:
+            await fleet.close()
+        for store in stores:
+            await store.close()
+
+
+async def test_a_pool_whose_runs_went_out_once_keeps_them_fresh_without_a_feed_sample(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that admits nothing new publishes at its feed's samples only; on a saturated host those
+    came over `REPLICA_TTL_S` apart, its figures expired while its requests ran, and the other replica took
+    their steps for its own. Once out, a pool's runs go out every `RUNS_EVERY_S` by themselves."""
+    monkeypatch.setattr(fleet_module, "RUNS_EVERY_S", 0.05)
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
+    clock = [5.0]
+    tallies = [EngineTally(), EngineTally()]
+    tallies[0].begin("a", 0.0, 2)
+    exchanges = [
+        FleetExchange(store.kv_board(), clock=lambda: clock[0], tally_of=functools.partial(tally_of, tally))
+        for store, tally in zip(stores, tallies, strict=True)
+    ]
+    try:
+        for fleet in exchanges:
+            fleet.runs_changed("llama")
+        tallies[0].begin("b", 5.0, 1)  # a third sequence, and nothing told to publish it
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if tallies[1].peers.shown_at(5.0) == 3.0:
+                break
+        assert tallies[1].peers.shown_at(5.0) == 3.0
     finally:
         for fleet in exchanges:
             await fleet.close()
