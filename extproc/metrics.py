@@ -22,9 +22,9 @@ from extproc.core.ports import StoreHealth
 DECISION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 MAX_TENANT_KEYS = SNAPSHOT_BUSIEST_KEYS
+"""Tenant keys (`tenant:*`) with per-key gauges, the busiest (`_use`); other configured keys all have them."""
 UNFINISHED_BASES = ("engine_count", "estimate")
 """What an answer not seen to its end is charged from (`extproc_unfinished_answers_total{basis}`)."""
-"""Tenant keys (`tenant:*`) with per-key gauges, the busiest (`_use`); other configured keys all have them."""
 
 
 class LabelledChildren:
