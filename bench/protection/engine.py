@@ -299,7 +299,8 @@ def gateway_config(mode: str, engine_url: str, trace: list[Shaped]) -> dict[str,
     return config
 
 
-def start_engine(workdir: Path) -> tuple[Process, str]:
+def start_engine(workdir: Path, *extra: str) -> tuple[Process, str]:
+    """The tier's vLLM on the tiny model (`extra`: more serve flags, a block size)."""
     python = ENGINE_VENV / "bin" / "python"
     if not python.is_file():
         raise SystemExit(f"no engine venv at {ENGINE_VENV}: run `make engine-env`")
@@ -308,7 +309,7 @@ def start_engine(workdir: Path) -> tuple[Process, str]:
     subprocess.run([str(python), str(builder), str(model), str(cl100k_file())], check=True, timeout=300)
     port = free_port()
     env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    process = Process.start("vllm", engine_argv(python, model, port), workdir, env)
+    process = Process.start("vllm", engine_argv(python, model, port, *extra), workdir, env)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", timeout_s=600, proc=process)
     return process, url
