@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -37,23 +38,35 @@ ID_TOKENS = 64
 START_S = 600.0
 
 
+def records(path: Path, start_s: float) -> Iterator[tuple[float, int, int, list[int]]]:
+    """The trace's requests from `start_s` on: (seconds into the trace, input and output length in the
+    trace's tokens, block ids)."""
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            t = rec["timestamp"] / 1000
+            if t >= start_s:
+                yield t, rec["input_length"], rec["output_length"], rec["hash_ids"]
+
+
+def scaled_prompt(input_length: int, ids: list[int], id_tokens: int) -> int:
+    """A prompt's length with each 512-token block id scaled to `id_tokens`, never past its ids' (the last
+    block is partial)."""
+    return min(math.ceil(input_length * id_tokens / 512), len(ids) * id_tokens)
+
+
 def load(
     path: Path, start_s: float, count: int, max_model_len: int
 ) -> tuple[list[tr.TraceRequest], Prefixes]:
     """`count` requests from `start_s` on: scaled prompts, and their block ids."""
     rows = []
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            t = rec["timestamp"] / 1000
-            if t < start_s:
-                continue
-            prompt = min(math.ceil(rec["input_length"] * ID_TOKENS / 512), len(rec["hash_ids"]) * ID_TOKENS)
-            if prompt + rec["output_length"] >= max_model_len:
-                continue  # past the scaled window: the trace's longest prompts
-            rows.append((t, prompt, rec["output_length"], tuple(rec["hash_ids"])))
-            if len(rows) == count:
-                break
+    for t, input_length, output, ids in records(path, start_s):
+        prompt = scaled_prompt(input_length, ids, ID_TOKENS)
+        if prompt + output >= max_model_len:
+            continue  # past the scaled window: the trace's longest prompts
+        rows.append((t, prompt, output, tuple(ids)))
+        if len(rows) == count:
+            break
     t0 = rows[0][0]
     trace = [tr.TraceRequest(t - t0, prompt, out, "mooncake") for t, prompt, out, _ in rows]
     return trace, Prefixes([ids for *_, ids in rows], ID_TOKENS)

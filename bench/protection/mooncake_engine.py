@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
-import math
+import functools
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any
 from bench.common import write_json
 from bench.protection import trace as tr
 from bench.protection.engine import start_engine
-from bench.protection.mooncake import START_S, TRACES
+from bench.protection.mooncake import START_S, TRACES, records, scaled_prompt
 from tests.engine.stacks import prefix_config, start_gateway, wait_idle, warm_up
 from tests.support import prefix_load
 from tests.support.engine import BLOCK_TOKENS, CACHE_TOKENS, MAX_MODEL_LEN, MODEL, Engine
@@ -63,22 +62,16 @@ def load(path: Path, start_s: float, count: int) -> list[Request]:
     to the scaled prompt length, as the trace's last block is partial)."""
     rows: list[Request] = []
     first: float | None = None
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            t = rec["timestamp"] / 1000
-            if t < start_s:
-                continue
-            ids = rec["hash_ids"]
-            prompt = min(math.ceil(rec["input_length"] * ID_TOKENS / 512), len(ids) * ID_TOKENS)
-            output = max(1, min(MAX_OUTPUT, rec["output_length"]))
-            if prompt + output + 64 >= MAX_MODEL_LEN:  # the template's tokens beside the text
-                continue
-            first = t if first is None else first
-            text = " ".join([w for block in ids for w in id_words(block)][:prompt])
-            rows.append(Request(t - first, text, output))
-            if len(rows) == count:
-                break
+    for t, input_length, output_length, ids in records(path, start_s):
+        prompt = scaled_prompt(input_length, ids, ID_TOKENS)
+        output = max(1, min(MAX_OUTPUT, output_length))
+        if prompt + output + 64 >= MAX_MODEL_LEN:  # the template's tokens beside the text
+            continue
+        first = t if first is None else first
+        text = " ".join([w for block in ids for w in id_words(block)][:prompt])
+        rows.append(Request(t - first, text, output))
+        if len(rows) == count:
+            break
     return rows
 
 
@@ -97,40 +90,21 @@ def replay(
 ) -> prefix_load.Run:
     """Each request sent at its time (divided by `speed`) to `url`, retried on each 429's hint."""
 
-    def settle() -> None:
-        if gateway is not None:
-            wait_idle(gateway)
-        else:
-            prefix_load.engine_idle(engine.url)
+    def send() -> list[prefix_load.Answer]:
+        started = time.monotonic()
+        deadline = started + 600
 
-    settle()
-    before = prefix_load.counters(engine.url)
-    started = time.monotonic()
-    deadline = started + 600
+        def one(request: Request) -> prefix_load.Answer:
+            time.sleep(max(0.0, started + request.at / speed - time.monotonic()))
+            return prefix_load.call(url, body(request), deadline)
 
-    def send(request: Request) -> prefix_load.Answer:
-        time.sleep(max(0.0, started + request.at / speed - time.monotonic()))
-        return prefix_load.call(url, body(request), deadline)
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(one, requests))
 
-    admin = None if gateway is None else gateway.stack.admin_url
-    with (
-        prefix_load.Sampler(engine.url, admin) as sampler,
-        concurrent.futures.ThreadPoolExecutor(len(requests)) as pool,
-    ):
-        answers = list(pool.map(send, requests))
-    seconds = time.monotonic() - started
-    settle()
-    delta = {k: v - before[k] for k, v in prefix_load.counters(engine.url).items()}
-    return prefix_load.Run(
-        answers=answers,
-        seconds=seconds,
-        generated=delta["generation_tokens"],
-        preemptions=delta["num_preemptions"],
-        hit_rate=delta["prefix_cache_hits"] / max(1.0, delta["prefix_cache_queries"]),
-        kv=sampler.kv,
-        booked=sampler.booked,
-        capacity_tokens=CACHE_TOKENS,
-    )
+    if gateway is None:
+        return prefix_load.measured(engine.url, CACHE_TOKENS, send)
+    settle = functools.partial(wait_idle, gateway)
+    return prefix_load.measured(engine.url, CACHE_TOKENS, send, gateway.stack.admin_url, settle)
 
 
 def run_mode(mode: str, engine: Engine, requests: list[Request], speed: float) -> dict[str, Any]:

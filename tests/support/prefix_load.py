@@ -220,13 +220,30 @@ def overload(
     requests: int = REQUESTS,
 ) -> Run:
     """The chats at once against `url` (the engine itself, or a gateway in front of it)."""
+
+    def send() -> list[Answer]:
+        deadline = time.monotonic() + 300
+        with concurrent.futures.ThreadPoolExecutor(requests) as pool:
+            return list(pool.map(lambda i: call(url, chat_body(model, i), deadline), range(requests)))
+
+    return measured(engine_url, capacity_tokens, send, admin_url, settle)
+
+
+def measured(
+    engine_url: str,
+    capacity_tokens: int,
+    send: Callable[[], list[Answer]],
+    admin_url: str | None = None,
+    settle: Callable[[], None] | None = None,
+) -> Run:
+    """A load (`send`, its answers) measured from an idle engine (`settle`: until then) to an idle one: the
+    engine's counters around it, its KV and the sidecar's booking sampled while it runs."""
     settle = settle or (lambda: engine_idle(engine_url))
     settle()
     before = counters(engine_url)
-    deadline = time.monotonic() + 300
     started = time.monotonic()
-    with Sampler(engine_url, admin_url) as sampler, concurrent.futures.ThreadPoolExecutor(requests) as pool:
-        answers = list(pool.map(lambda i: call(url, chat_body(model, i), deadline), range(requests)))
+    with Sampler(engine_url, admin_url) as sampler:
+        answers = send()
     seconds = time.monotonic() - started
     settle()
     delta = {k: v - before[k] for k, v in counters(engine_url).items()}

@@ -80,16 +80,21 @@ def forecast_peaks(trajectories: Iterable[Steps], extra: Sequence[Steps] = ()) -
             with_extra = value + x_bases + x_slopes * e
         peak, together = max(peak, value), max(together, with_extra)
 
+    def take_extra() -> None:
+        """The extra's piece that ends latest of those left, added (its end evaluated first if new)."""
+        nonlocal group, x_bases, x_slopes
+        x_base, x_slope, x_end = extras.pop()
+        if x_end != group:
+            if group >= 0:
+                evaluate(group)
+            group = x_end
+        x_bases += x_base
+        x_slopes += x_slope
+
     for base, slope, end in sorted(trajectories, key=_END, reverse=True):
         end = end if end > 0 else 0.0
         while extras and extras[-1][2] > end:  # the extra's pieces that end later come first
-            x_base, x_slope, x_end = extras.pop()
-            if x_end != group:
-                if group >= 0:
-                    evaluate(group)
-                group = x_end
-            x_bases += x_base
-            x_slopes += x_slope
+            take_extra()
         if end != group:
             if group >= 0:
                 evaluate(group)
@@ -97,13 +102,8 @@ def forecast_peaks(trajectories: Iterable[Steps], extra: Sequence[Steps] = ()) -
         bases += base
         if end != _INF:
             slopes += slope
-    for x_base, x_slope, x_end in reversed(extras):
-        if x_end != group:
-            if group >= 0:
-                evaluate(group)
-            group = x_end
-        x_bases += x_base
-        x_slopes += x_slope
+    while extras:
+        take_extra()
     if group >= 0:
         evaluate(group)
     return peak, (together if extra else peak)

@@ -5,7 +5,9 @@ port's `StoreUnavailable`, and two replicas' budgets divide one pool by demand t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -178,18 +180,32 @@ def tally_of(tally: EngineTally, pool: str) -> EngineTally:
     return tally
 
 
-async def test_the_exchange_carries_each_pools_tally_runs_to_the_other_replicas(redis_url: str) -> None:
-    """`FleetExchange` with a tally per replica: after both exchanged, each tally holds the other's runs
-    (`PeerRuns`), so its split counts them beside its own."""
+@contextlib.asynccontextmanager
+async def two_replicas(
+    redis_url: str,
+) -> AsyncIterator[tuple[list[float], list[EngineTally], list[FleetExchange]]]:
+    """Two replicas on one Redis, each with a tally of the pool and its exchange, on one fake clock (at 5)."""
     stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
     clock = [5.0]
     tallies = [EngineTally(), EngineTally()]
-    tallies[0].begin("a", 0.0, 2)  # two sequences running since 0: 10 sequence-seconds by 5
     exchanges = [
         FleetExchange(store.kv_board(), clock=lambda: clock[0], tally_of=functools.partial(tally_of, tally))
         for store, tally in zip(stores, tallies, strict=True)
     ]
     try:
+        yield clock, tallies, exchanges
+    finally:
+        for fleet in exchanges:
+            await fleet.close()
+        for store in stores:
+            await store.close()
+
+
+async def test_the_exchange_carries_each_pools_tally_runs_to_the_other_replicas(redis_url: str) -> None:
+    """`FleetExchange` with a tally per replica: after both exchanged, each tally holds the other's runs
+    (`PeerRuns`), so its split counts them beside its own."""
+    async with two_replicas(redis_url) as (clock, tallies, exchanges):
+        tallies[0].begin("a", 0.0, 2)  # two sequences running since 0: 10 sequence-seconds by 5
         await exchanged(exchanges[0], budget())
         await exchanged(exchanges[1], budget())
         assert tallies[1].peers.shown_at(5.0) == 2.0
@@ -199,25 +215,13 @@ async def test_the_exchange_carries_each_pools_tally_runs_to_the_other_replicas(
         await exchanged(exchanges[1], budget())
         peers = tallies[1].peers
         assert peers.seconds_at(6.0) - peers.seconds_at(5.0) == pytest.approx(2.0, abs=0.1)
-    finally:
-        for fleet in exchanges:
-            await fleet.close()
-        for store in stores:
-            await store.close()
 
 
 async def test_a_pool_without_a_kv_budget_exchanges_its_runs_alone(redis_url: str) -> None:
     """With `kv_budget` off nothing else publishes: each feed sample sends the pool's runs by themselves
     (`FleetExchange.runs_changed`), or each replica would charge the pool's whole growth to its own runs."""
-    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
-    clock = [5.0]
-    tallies = [EngineTally(), EngineTally()]
-    tallies[0].begin("a", 0.0, 2)
-    exchanges = [
-        FleetExchange(store.kv_board(), clock=lambda: clock[0], tally_of=functools.partial(tally_of, tally))
-        for store, tally in zip(stores, tallies, strict=True)
-    ]
-    try:
+    async with two_replicas(redis_url) as (_clock, tallies, exchanges):
+        tallies[0].begin("a", 0.0, 2)
         for fleet in exchanges:
             fleet.runs_changed("llama")
             fleet.runs_changed("llama")  # one call in flight per pool: the second is dropped
@@ -227,11 +231,6 @@ async def test_a_pool_without_a_kv_budget_exchanges_its_runs_alone(redis_url: st
                     break
         assert tallies[1].peers.shown_at(5.0) == 2.0  # the first replica's two sequences
         assert fleet.exchanges == 0  # no KV figures went out: the pool has no budget
-    finally:
-        for fleet in exchanges:
-            await fleet.close()
-        for store in stores:
-            await store.close()
 
 
 async def test_a_pool_whose_runs_went_out_once_keeps_them_fresh_without_a_feed_sample(
@@ -241,15 +240,8 @@ async def test_a_pool_whose_runs_went_out_once_keeps_them_fresh_without_a_feed_s
     came over `REPLICA_TTL_S` apart, its figures expired while its requests ran, and the other replica took
     their steps for its own. Once out, a pool's runs go out every `RUNS_EVERY_S` by themselves."""
     monkeypatch.setattr(fleet_module, "RUNS_EVERY_S", 0.05)
-    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
-    clock = [5.0]
-    tallies = [EngineTally(), EngineTally()]
-    tallies[0].begin("a", 0.0, 2)
-    exchanges = [
-        FleetExchange(store.kv_board(), clock=lambda: clock[0], tally_of=functools.partial(tally_of, tally))
-        for store, tally in zip(stores, tallies, strict=True)
-    ]
-    try:
+    async with two_replicas(redis_url) as (_clock, tallies, exchanges):
+        tallies[0].begin("a", 0.0, 2)
         for fleet in exchanges:
             fleet.runs_changed("llama")
         tallies[0].begin("b", 5.0, 1)  # a third sequence, and nothing told to publish it
@@ -258,8 +250,3 @@ async def test_a_pool_whose_runs_went_out_once_keeps_them_fresh_without_a_feed_s
             if tallies[1].peers.shown_at(5.0) == 3.0:
                 break
         assert tallies[1].peers.shown_at(5.0) == 3.0
-    finally:
-        for fleet in exchanges:
-            await fleet.close()
-        for store in stores:
-            await store.close()
