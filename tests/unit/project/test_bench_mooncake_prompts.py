@@ -23,7 +23,7 @@ def test_prompts_share_their_leading_ids_words_and_keep_the_traces_times(tmp_pat
             {"timestamp": 1_000, "input_length": 1_024, "output_length": 10, "hash_ids": [1, 2]},
             {"timestamp": 600_000, "input_length": 1_500, "output_length": 5_000, "hash_ids": [1, 2, 3]},
             {"timestamp": 601_500, "input_length": 1_024, "output_length": 20, "hash_ids": [1, 4]},
-            {"timestamp": 602_000, "input_length": 512 * 300, "output_length": 1, "hash_ids": list(range(300))},
+            {"timestamp": 602_000, "input_length": 153_600, "output_length": 1, "hash_ids": list(range(300))},
             {"timestamp": 603_000, "input_length": 100, "output_length": 3, "hash_ids": [9]},
         ],
     )
