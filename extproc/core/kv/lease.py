@@ -70,7 +70,10 @@ class Lease:
 
     def trajectory(self, now: float, rate: float | None, delay: float) -> Steps:
         """This lease's KV from now on, in engine steps: (base, slope, end) as `forecast.Trajectory`."""
-        done = self.generated(now, rate, delay)
+        return self._steps(self.generated(now, rate, delay))
+
+    def _steps(self, done: float | None) -> Steps:
+        """`trajectory` with `done` completion tokens generated so far (None: unknowable)."""
         if done is None:
             # Nobody knows how far it is: its expected final size, for as long as it may still run.
             return (float(self.footprint), 0.0, self.expected_completion / self.sequences)
@@ -92,13 +95,13 @@ class Lease:
         end, it misses at most what it grows past the guess, the credit its tenant is bounded by. The
         forecast still frees it at its allowance's end, and its release frees it at once."""
         expected = self.expected_completion
-        if expected >= self.allowance:
-            return (self.trajectory(now, rate, delay),)
         done = self.generated(now, rate, delay)
+        if expected >= self.allowance:
+            return (self._steps(done),)
         if done is None:  # nobody knows how far it is: its expected size while the allowance may last
             return ((float(self.footprint), 0.0, self.allowance / self.sequences),)
         if done >= expected:  # past the guess: its trajectory runs to the allowance already
-            return (self.trajectory(now, rate, delay),)
+            return (self._steps(done),)
         held = float(self.own_prompt + self.slack + expected)
         grows = (done - expected, float(self.sequences), (expected - done) / self.sequences)  # 0 at its end
         return ((held, 0.0, (self.allowance - done) / self.sequences), grows)
