@@ -32,7 +32,8 @@ from bench.common import write_json
 from bench.protection import trace as tr
 from bench.protection.engine import start_engine
 from bench.protection.mooncake import START_S, TRACES, records, scaled_prompt
-from tests.engine.stacks import prefix_config, start_gateway, wait_idle, warm_up
+from bench.protection.prefix import MODES, through_gateway
+from tests.engine.stacks import wait_idle
 from tests.support import prefix_load
 from tests.support.engine import BLOCK_TOKENS, CACHE_TOKENS, MAX_MODEL_LEN, MODEL, Engine
 from tests.support.stack import Stack
@@ -42,7 +43,6 @@ ID_TOKENS = 32
 becomes about 750, so about fifteen requests with their answers fill the tier's 16,384-token cache."""
 MAX_OUTPUT = 1_000
 """Answers longer than this are cut to it: the trace's longest would hold the tiny engine for minutes."""
-MODES = ("direct", "gateway", "gateway-whole-prompts")
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,8 @@ def replay(
 def run_mode(mode: str, engine: Engine, requests: list[Request], speed: float) -> dict[str, Any]:
     if mode == "direct":
         return {"mode": mode, **replay(engine, engine.url, requests, speed).figures()}
-    stack = Stack(start_gateway(engine, prefix_config(sharing=mode == "gateway"), "lean", with_exporter=True))
-    try:
-        warm_up(stack)
-        return {"mode": mode, **replay(engine, stack.url, requests, speed, stack).figures()}
-    finally:
-        stack.stack.stop()
+    run = through_gateway(mode, engine, lambda stack: replay(engine, stack.url, requests, speed, stack))
+    return {"mode": mode, **run.figures()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,17 @@ def run_mode(mode: str, engine: Engine) -> dict[str, Any]:
     if mode == "direct":
         run = prefix_load.overload(MODEL, engine.url, engine.url, CACHE_TOKENS)
         return {"mode": mode, **run.figures()}
-    config = prefix_config(sharing=mode == "gateway")
-    stack = Stack(start_gateway(engine, config, "lean", with_exporter=True))
+    run = through_gateway(mode, engine, lambda stack: overload_through(engine, stack))
+    return {"mode": mode, **run.figures()}
+
+
+def through_gateway(mode: str, engine: Engine, load: Callable[[Stack], prefix_load.Run]) -> prefix_load.Run:
+    """`load` through a fresh lean gateway in front of `engine` (`gateway`: the shipped booking;
+    `gateway-whole-prompts`: prefix sharing off), warmed up first, stopped after."""
+    stack = Stack(start_gateway(engine, prefix_config(sharing=mode == "gateway"), "lean", with_exporter=True))
     try:
         warm_up(stack)
-        return {"mode": mode, **overload_through(engine, stack).figures()}
+        return load(stack)
     finally:
         stack.stack.stop()
 
