@@ -21,7 +21,14 @@ import yaml
 from devstack.processes import free_port
 from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import REPO
-from tests.support.stack import build_stack, dead_end_reports, fixed_step_sim, metric, stream_chat
+from tests.support.stack import (
+    build_stack,
+    dead_end_reports,
+    fixed_step_sim,
+    metric,
+    stream_chat,
+    wait_fed,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -63,6 +70,7 @@ def test_a_dead_access_log_charges_what_the_engine_generated_and_says_the_channe
     stack = dead_channel
     sidecar = f"{stack.admin_url}/metrics"
     engine = f"{stack.upstream_url}/metrics"
+    wait_fed(stack)
     before = metric(engine, "vllm:generation_tokens_total")
     usages: list[int] = []
     threads = [

@@ -20,7 +20,14 @@ import pytest
 
 from devstack.processes import free_port
 from devstack.stack import LocalStack
-from tests.support.stack import build_stack, dead_end_reports, fixed_step_sim, metric, stream_chat
+from tests.support.stack import (
+    build_stack,
+    dead_end_reports,
+    fixed_step_sim,
+    metric,
+    stream_chat,
+    wait_fed,
+)
 
 MODEL = "llama-3-8b"
 STEP_MS = 50  # 20 tokens/s per sequence, about the pace the fault suite measured on its engine
@@ -56,6 +63,7 @@ def test_leases_without_any_end_report_are_charged_the_engines_count(no_reports:
     stack = no_reports
     sidecar = f"{stack.admin_url}/metrics"
     generated = f"{stack.upstream_url}/metrics"
+    wait_fed(stack)
     before_generated = metric(generated, "vllm:generation_tokens_total")
     before_charged = metric(sidecar, "extproc_tokens_settled_total", kind="completion")
     usages: list[int] = []

@@ -29,7 +29,7 @@ import yaml
 from devstack.stack import LocalStack
 from extproc.envoyconf.profiles import REPO
 from tests.support.fleet import Fleet
-from tests.support.stack import build_stack, fixed_step_sim, metric
+from tests.support.stack import build_stack, fixed_step_sim, metric, wait_fed
 
 pytestmark = pytest.mark.e2e
 
@@ -106,10 +106,7 @@ def test_streams_the_engine_ran_on_after_their_clients_left_are_charged_what_it_
     stack: LocalStack,
 ) -> None:
     sidecar = f"{stack.admin_url}/metrics"
-    deadline = time.monotonic() + 30
-    while metric(sidecar, "extproc_kv_capacity_tokens") <= 0:  # the feed has read the engine
-        assert time.monotonic() < deadline, "the KV feed never reported the engine"
-        time.sleep(0.2)
+    wait_fed(stack)
     flood_of_streams_left(stack.profile, [stack.envoy_url], [sidecar], f"{stack.upstream_url}/metrics")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -99,6 +100,17 @@ def metric(url: str, name: str, **labels: str) -> float:
         if sample == name and all(dict(sample_labels).get(k) == v for k, v in labels.items()):
             total += value
     return total
+
+
+def wait_fed(stack: LocalStack, limit_s: float = 30.0) -> None:
+    """Until the sidecar has read the engine through the KV feed (its capacity known). A request admitted
+    before the feed's first sample starts before any engine reading, so the engines' count cannot reach back
+    to it and it is charged an estimate: a test about counted charges sends only after this."""
+    sidecar = f"{stack.admin_url}/metrics"
+    deadline = time.monotonic() + limit_s
+    while metric(sidecar, "extproc_kv_capacity_tokens") <= 0:
+        assert time.monotonic() < deadline, f"the KV feed never reported the engine within {limit_s}s"
+        time.sleep(0.1)
 
 
 class Stack:
