@@ -1,13 +1,15 @@
 """Per-model-pool aggregation of the newest samples (pure: the caller passes `now`).
 
-A pool is every endpoint serving the same model name. Its KV usage is the max over fresh endpoints by
-default (the fullest server preempts first, and the sidecar cannot steer requests away from it), the mean
-as an option; waiting, running, KV capacity and KV tokens in use (usage x capacity per endpoint) are
-summed; the decode pace per sequence is the mean of the endpoints' paces weighted by their running
-requests. Samples that are down (up=false) or older than the staleness window (by the sidecar's own receive
-time, so exporter clock skew cannot fake freshness) are excluded, and so is any sample holding a reading no
-server can have (`sample.problem`; the subscriber already stores those as down): one endpoint's NaN cannot
-make the pool's aggregate NaN. A pool with no fresh sample is stale.
+A pool is every endpoint serving the same model name. Its KV usage is the max over fresh endpoints by default
+(the fullest server preempts first, and the sidecar cannot steer requests away from it), the mean as an
+option; waiting, running, KV capacity and KV tokens in use (usage x capacity per endpoint) are summed, and by
+default (`max`) the KV budget reads the pool as that sum plus its spread (`spread_tokens`): as full as its
+fullest endpoint, whose share of what is admitted it cannot steer away. The decode pace per sequence is the
+mean of the endpoints' paces weighted by their running requests. Samples that are down (up=false) or older
+than the staleness window (by the sidecar's own receive time, so exporter clock skew cannot fake freshness)
+are excluded, and so is any sample holding a reading no server can have (`sample.problem`; the subscriber
+already stores those as down): one endpoint's NaN cannot make the pool's aggregate NaN. A pool with no fresh
+sample is stale.
 
 A pool has no live endpoint (`PoolSnapshot.no_live_endpoint`) when every endpoint the feed knows for it sent,
 within the staleness window, a down sample whose scrape could not connect (`UNREACHABLE_REASONS`): the
@@ -18,7 +20,7 @@ about whether the engine serves, and an exporter gone quiet says nothing at all 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from extproc.kvfeed.sample import FeedSample, problem
@@ -58,6 +60,7 @@ class PoolSnapshot:
     newest_at: float | None
     stale: bool
     kv_used_tokens: float | None = None  # summed usage x capacity of fresh endpoints publishing both
+    kv_spread_tokens: float = 0.0  # `spread_tokens` of those endpoints in `max` mode, else 0
     decode_tokens_per_second: float | None = None  # per sequence, over fresh endpoints publishing a pace
     kv_block_tokens: int | None = None  # the largest block of the fresh endpoints: the most one rounds
     waiting_known: bool = False  # every fresh endpoint published its queue (requests_waiting is then exact)
@@ -71,6 +74,19 @@ class PoolSnapshot:
     def no_live_endpoint(self) -> bool:
         """Every endpoint the feed knows for the pool recently failed to connect (module docstring)."""
         return self.endpoints_known > 0 and self.endpoints_unreachable == self.endpoints_known
+
+
+def spread_tokens(endpoints: Sequence[tuple[float, int]]) -> float:
+    """The KV tokens a pool would hold beyond its endpoints' (usage, capacity) readings were every endpoint as
+    full as the fullest. Behind a balancer that does not look at the cache (round robin, a Service's pick per
+    connection) every engine gets its share of what the sidecar admits, so the fullest must hold its share:
+    the budget books the pool as that full. Two 16,384-token engines at 0.9 and 0.3 read 0.9 x 32,768 in use,
+    not 0.6 x 32,768. Measured on engine time (bench/RESULTS.md section 12): two engines behind a per-
+    connection pick preempted 14 times on the conversation trace with the sum read, 0 with this."""
+    if not endpoints:
+        return 0.0
+    fullest = max(usage for usage, _ in endpoints)
+    return sum((fullest - usage) * capacity for usage, capacity in endpoints)
 
 
 def pool_prefix_caching(items: Iterable[StoredSample]) -> bool | None:
@@ -119,11 +135,12 @@ def aggregate(
         if usages:
             kv = max(usages) if kv_mode == "max" else sum(usages) / len(usages)
         caps = [s.sample.kv_capacity_tokens for s in items if s.sample.kv_capacity_tokens]
-        used = [
-            min(1.0, s.sample.kv_usage) * s.sample.kv_capacity_tokens
+        readings = [
+            (min(1.0, s.sample.kv_usage), s.sample.kv_capacity_tokens)
             for s in items
             if s.sample.kv_usage is not None and s.sample.kv_capacity_tokens
         ]
+        used = [usage * capacity for usage, capacity in readings]
         out[pool] = PoolSnapshot(
             pool=pool,
             kv_usage=kv,
@@ -135,6 +152,7 @@ def aggregate(
             newest_at=max((s.received_at for s in items), default=None),
             stale=not items,
             kv_used_tokens=sum(used) if used else None,
+            kv_spread_tokens=spread_tokens(readings) if kv_mode == "max" else 0.0,
             decode_tokens_per_second=pool_pace(items),
             kv_block_tokens=max((b for s in items if (b := s.sample.kv_block_tokens)), default=None),
             waiting_known=bool(items) and all(s.sample.requests_waiting is not None for s in items),

@@ -178,7 +178,9 @@ class FeedbackRuntime:
         running = snapshot.requests_running if snapshot.running_known else None
         prompted = self.loop.prompted(pool) if self.loop is not None else None
         stale_after = adaptive.stale_after_seconds
-        budget.observe_engine(snapshot.kv_used_tokens, now, stale_after, waiting, running, prompted)
+        used = snapshot.kv_used_tokens
+        used = None if used is None else used + snapshot.kv_spread_tokens  # as full as its fullest engine
+        budget.observe_engine(used, now, stale_after, waiting, running, prompted)
         if self._fleet is not None:
             self._fleet.changed(pool, budget)
         self.metrics.observe_budget(pool, budget, now)

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from extproc.core.engine.adaptive import AdaptiveConfig, ControllerState
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
-from extproc.kvfeed.subscriber.aggregate import StoredSample, aggregate
+from extproc.kvfeed.subscriber.aggregate import StoredSample, aggregate, spread_tokens
 from extproc.kvfeed.subscriber.client import FeedSubscriber, backoff_delay
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
@@ -84,6 +84,19 @@ def test_aggregate_max_sum_and_exclusions() -> None:
     assert (m.endpoints_fresh, m.endpoints_known, m.newest_at, m.stale) == (3, 5, 100.0, False)
     assert snaps["other"].stale and snaps["other"].kv_usage is None
     assert aggregate(stored, 100.0, five, "mean")["m"].kv_usage == pytest.approx(0.7)
+
+
+def test_a_pool_of_engines_reads_as_full_as_its_fullest_for_the_budget() -> None:
+    """Two 1,000-token engines at 0.9 and 0.3 (and one of 2,000 at 0.5): the sum in use, plus what the others
+    would hold were they as full as the fullest (`spread_tokens`), in `max` mode only; one engine has none."""
+    stored = [StoredSample(s("a:1", 0.9), 100.0), StoredSample(s("b:1", 0.3), 100.0)]
+    m = aggregate(stored, 100.0, five)["m"]
+    assert m.kv_used_tokens == pytest.approx(1200) and m.kv_spread_tokens == pytest.approx(600)
+    assert aggregate(stored, 100.0, five, "mean")["m"].kv_spread_tokens == 0
+    assert aggregate(stored[:1], 100.0, five)["m"].kv_spread_tokens == 0
+    bigger = [*stored, StoredSample(s("c:1", 0.5, cap=2000), 100.0)]
+    assert aggregate(bigger, 100.0, five)["m"].kv_spread_tokens == pytest.approx(600 + 0.4 * 2000)
+    assert spread_tokens([]) == 0
 
 
 def test_backoff_grows_caps_and_jitters() -> None:

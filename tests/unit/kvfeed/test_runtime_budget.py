@@ -107,6 +107,33 @@ def test_runtime_feeds_engine_readings_and_keeps_capacity_when_stale() -> None:
     asyncio.run(scenario())
 
 
+def test_the_budget_books_a_pool_of_engines_as_full_as_its_fullest() -> None:
+    """Two 1,000-token engines at 0.8 and 0.2, nothing admitted here: the budget reads 1,600 in use (0.8 of
+    2,000), not the 1,000 the sum holds: at target 0.9, 200 tokens of room (800 by the sum)."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, clock)
+        budget_config = {"enabled": True, "target_utilization": 0.9, "fair_shares": False}
+        config = parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback
+        await runtime.apply(config, ["m"])
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample(0.8, t=1.0))
+            runtime.loop.subscriber.ingest(dataclasses.replace(sample(0.2, t=1.0), endpoint="b:1"))
+            budget = runtime.budget("m")
+            assert budget is not None and budget.capacity_tokens == 2000
+            assert budget.unexplained_tokens == pytest.approx(1600)
+            assert budget.would_fit(150, 0, now=clock.now) == (True, 200)  # 800 by the sum
+            budget.admit("a", 150, 0, now=clock.now)
+            assert budget.would_fit(50, 0, now=clock.now)[0]
+            assert not budget.would_fit(51, 0, now=clock.now)[0]
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+
+
 def test_min_completion_ratio_reaches_each_pools_budget_and_is_validated() -> None:
     async def scenario() -> None:
         runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, Clock())
