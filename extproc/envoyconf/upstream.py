@@ -26,6 +26,12 @@ Envoy facts relied on (envoyproxy/data-plane-api @ 84e84367, the Envoy 1.40 API)
   (extensions.upstreams.http.v3.HttpProtocolOptions: common_http_protocol_options.idle_timeout;
   envoy/envoy.yaml explains the choice). That message needs the protocol stated: `explicit_http_config`
   HTTP/1.1, as before.
+* Balancing: `Cluster.load_balancing_policy` (cluster.proto; the `lb_policy` enum before it is deprecated)
+  with the `envoy.load_balancing_policies.least_request` extension (its `LeastRequest` message, two random
+  choices by default): with a name that resolves to every engine (a headless Service) a request goes to the
+  engine with fewer requests in flight, not the next in turn. The KV budget books the pool's sum, so how
+  evenly the engines fill is the balancer's: bench/RESULTS.md section 12 measured round robin, least request
+  and a Service's per-connection pick behind it.
 * TLS: the `envoy.transport_sockets.tls` socket with an UpstreamTlsContext (tls.proto: `sni`, field 2;
   `common_tls_context`, field 1), whose CertificateValidationContext (common.proto) trusts `trusted_ca`
   (field 1) and checks the server's DNS name (`match_typed_subject_alt_names`, field 15; SanType DNS).
@@ -56,6 +62,18 @@ IDLE_TIMEOUT = "4s"
 """How long an engine connection may sit idle before Envoy closes it: under the engine's own keep-alive (5 s).
 The same as envoy/envoy.yaml's llm_upstream (tests/unit/envoyconf/test_engine_connections.py)."""
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+LEAST_REQUEST = "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+BALANCING = {
+    "policies": [
+        {
+            "typed_extension_config": {
+                "name": "envoy.load_balancing_policies.least_request",
+                "typed_config": {"@type": f"type.googleapis.com/{LEAST_REQUEST}"},
+            }
+        }
+    ]
+}
+"""How Envoy picks among the engines the name resolves to: the one with fewer requests in flight (header)."""
 MAX_PER_GATEWAY = 100_000
 """The cluster's circuit breakers, far above any real load: the sidecar, not Envoy's defaults (1,024), is
 what bounds the requests an engine gets."""
@@ -113,6 +131,7 @@ def upstream_cluster(engine: EngineAddress) -> dict[str, Any]:
         "type": discovery_type(engine.host),
         "connect_timeout": CONNECT_TIMEOUT,
         "dns_lookup_family": "V4_ONLY",
+        "load_balancing_policy": BALANCING,
         "typed_extension_protocol_options": {
             HTTP_OPTIONS: {
                 "@type": f"type.googleapis.com/{HTTP_OPTIONS}",

@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from google.protobuf import json_format
 
 from extproc.cli import main
 from extproc.envoyconf.upstream import (
@@ -165,6 +168,17 @@ def test_an_ip_literal_is_static_and_a_name_is_resolved() -> None:
     assert upstream_cluster(EngineAddress.parse("http://10.0.0.7:8000"))["type"] == "STATIC"
     assert upstream_cluster(EngineAddress.parse("http://vllm:8000"))["type"] == "STRICT_DNS"
     assert "transport_socket" not in upstream_cluster(EngineAddress.parse("http://vllm:8000"))
+
+
+def test_engines_behind_one_name_are_balanced_by_requests_in_flight() -> None:
+    """A headless Service resolves to every engine: Envoy sends each request to the one with fewer requests
+    in flight (bench/RESULTS.md section 12), its policy a real Envoy message (the wire types' own parser)."""
+    cluster = upstream_cluster(EngineAddress.parse("http://vllm-headless:8000"))
+    assert "lb_policy" not in cluster  # the deprecated enum
+    parsed = json_format.ParseDict(cluster["load_balancing_policy"], cluster_pb2.LoadBalancingPolicy())
+    policy = parsed.policies[0].typed_extension_config
+    assert policy.name == "envoy.load_balancing_policies.least_request"
+    assert policy.typed_config.Is(least_request_pb2.LeastRequest.DESCRIPTOR)
 
 
 def test_tls_checks_the_certificate_against_the_given_name_and_ca() -> None:
