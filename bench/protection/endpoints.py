@@ -37,10 +37,12 @@ from extproc.sim.scheduler import Sequence as SimSequence
 
 ENGINES = 2
 RATE = 4.0  # per engine: the offline replay's overload rate
-BALANCERS = ("round_robin", "least_request", "random")
+SKEW = 0.8  # the `skewed` balancer's share of the first engine
+BALANCERS = ("round_robin", "least_request", "random", "skewed")
 """Envoy's ROUND_ROBIN over the engines a headless Service resolves to; its LEAST_REQUEST (the engine with
 fewest requests in it: with two engines Envoy's two random choices see both); `random`: a ClusterIP Service,
-where Envoy sees one address and kube-proxy picks an engine per new connection."""
+where Envoy sees one address and kube-proxy picks an engine per new connection; `skewed`: a picker that
+concentrates (`SKEW` of the requests on the first engine, as prefix-aware routing does with a hot prefix)."""
 
 
 class Engines:
@@ -68,6 +70,9 @@ class Engines:
             self.turn += 1
         elif self.balancer == "random":  # Envoy's RANDOM, or any sticky routing that ignores the cache
             index = self.random.randrange(len(self.engines))
+        elif self.balancer == "skewed":  # a picker that concentrates: SKEW of the requests on engine 0
+            others = self.random.randrange(1, len(self.engines)) if len(self.engines) > 1 else 0
+            index = 0 if self.random.random() < SKEW else others
         else:
             index = min(range(len(self.engines)), key=lambda i: self._requests(i))
         self.engines[index].add(seq)
