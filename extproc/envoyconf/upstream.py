@@ -29,9 +29,10 @@ Envoy facts relied on (envoyproxy/data-plane-api @ 84e84367, the Envoy 1.40 API)
 * Balancing: `Cluster.load_balancing_policy` (cluster.proto; the `lb_policy` enum before it is deprecated)
   with the `envoy.load_balancing_policies.least_request` extension (its `LeastRequest` message, two random
   choices by default): with a name that resolves to every engine (a headless Service) a request goes to the
-  engine with fewer requests in flight, not the next in turn. The KV budget books the pool's sum, so how
-  evenly the engines fill is the balancer's: bench/RESULTS.md section 12 measured round robin, least request
-  and a Service's per-connection pick behind it.
+  engine with fewer requests in flight, not the next in turn. The KV budget books the pool as full as its
+  fullest engine (`kvfeed.subscriber.aggregate.spread_tokens`), so how evenly the balancer fills them is how
+  much of the pool is used: bench/RESULTS.md section 12 measured round robin, least request and a Service's
+  per-connection pick.
 * TLS: the `envoy.transport_sockets.tls` socket with an UpstreamTlsContext (tls.proto: `sni`, field 2;
   `common_tls_context`, field 1), whose CertificateValidationContext (common.proto) trusts `trusted_ca`
   (field 1) and checks the server's DNS name (`match_typed_subject_alt_names`, field 15; SanType DNS).

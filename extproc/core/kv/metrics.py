@@ -36,8 +36,9 @@ class KvBudgetMetrics:
         )
         self.unexplained = Gauge(
             "extproc_kv_unexplained_tokens",
-            "The engine correction at the last sample: KV in use this sidecar's leases did not account for, "
-            "or (negative) what its settled leases were booked for beyond the KV in use.",
+            "The engine correction at the last sample: KV in use this sidecar's leases did not account for "
+            "(a pool of several engines read as full as its fullest), or (negative) what its settled leases "
+            "were booked for beyond the KV in use.",
             ["pool"],
             registry=registry,
         )
