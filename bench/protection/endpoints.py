@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.common import write_json
 from bench.protection import trace as tr
-from bench.protection.offline import KEY, Policy, Replay, policy_for
+from bench.protection.offline import Policy, Replay, policy_for
 from bench.protection.run import Deployment, size_limits
 from extproc.core.limiter.limiter import LimitSpec
 from extproc.kvfeed.subscriber.aggregate import spread_tokens
@@ -136,22 +136,11 @@ class PoolReplay(Replay):
         if self.budget is not None:
             self.budget.set_capacity(dep.kv_tokens * engines)
 
-    def _sample(self, now: float) -> None:
-        policy = self.policy
-        if policy is None or now < self.next_sample:
-            return
-        self.next_sample = now + policy.feed_interval_s
-        waiting = float(len(self.pool.waiting))
-        if self.controller is not None:
-            state = self.controller.observe(self.pool.kv_usage, waiting, newest_sample_at=now, now=now)
-            self.limiter.set_scale(KEY, state.scale)
-        if self.budget is not None:
-            capacity = self.dep.kv_tokens
-            endpoints = [(usage, capacity) for usage in self.pool.usages]
-            used = sum(usage * capacity for usage in self.pool.usages)
-            if self.fullest:
-                used += spread_tokens(endpoints)
-            self.budget.observe_engine(used, now, policy.fresh_for_s, waiting)
+    def _kv_used_tokens(self) -> float:
+        """The pool's summed use, and with `fullest` its spread (the feed's `kv_aggregation: max`)."""
+        endpoints = [(usage, self.dep.kv_tokens) for usage in self.pool.usages]
+        used = sum(usage * capacity for usage, capacity in endpoints)
+        return used + spread_tokens(endpoints) if self.fullest else used
 
 
 @dataclass(frozen=True)

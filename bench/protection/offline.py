@@ -274,7 +274,11 @@ class Replay:
             self.limiter.set_scale(KEY, state.scale)
         if self.budget is not None:
             waiting = float(len(self.sched.waiting))
-            self.budget.observe_engine(usage * self.dep.kv_tokens, now, policy.fresh_for_s, waiting)
+            self.budget.observe_engine(self._kv_used_tokens(), now, policy.fresh_for_s, waiting)
+
+    def _kv_used_tokens(self) -> float:
+        """The KV in use the feed gives the budget: the engine's."""
+        return self.sched.kv_usage * self.dep.kv_tokens
 
     # -- requests ------------------------------------------------------------------------------------------
 
