@@ -84,18 +84,11 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
     try:
         wait_http(f"{url}/health", proc=second)
         stack.start()
-        wait_fed(stack)
+        wait_fed(stack, capacity_tokens=2 * BLOCKS * 16)  # one pool of both engines
         yield EnginePool(stack, url)
     finally:
         stack.stop()
         second.stop()
-
-
-def wait_both_fed(pool: EnginePool, limit_s: float = 30.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while metric(pool.sidecar, "extproc_kv_capacity_tokens", pool=MODEL) < 2 * BLOCKS * 16:
-        assert time.monotonic() < deadline, "the feed never made one pool of both engines"
-        time.sleep(0.1)
 
 
 def chat(url: str, words: int, output: int, stream: bool = False) -> int:
@@ -110,7 +103,7 @@ def chat(url: str, words: int, output: int, stream: bool = False) -> int:
 
 
 def test_the_engines_are_one_pool_served_by_both_and_settled_exactly(pool: EnginePool) -> None:
-    wait_both_fed(pool)
+    assert metric(pool.sidecar, "extproc_kv_capacity_tokens", pool=MODEL) == 2 * BLOCKS * 16
     before = [pool.engine(i, "vllm:request_success_total") for i in range(2)]
     settled = (
         metric(pool.sidecar, "extproc_tokens_settled_total", kind="prompt"),
@@ -121,7 +114,7 @@ def test_the_engines_are_one_pool_served_by_both_and_settled_exactly(pool: Engin
         statuses = list(clients.map(lambda _: chat(pool.stack.envoy_url, 200, 100), range(16)))
     assert statuses == [200] * 16
     served = [pool.engine(i, "vllm:request_success_total") - before[i] for i in range(2)]
-    assert sum(served) == 16 and min(served) >= 4, served  # in flight, not in turn: both take a share
+    assert sum(served) == 16 and min(served) >= 2, served  # both take a share (two random choices each)
     deadline = time.monotonic() + 10
     while metric(pool.sidecar, "extproc_active_requests") > 0:
         assert time.monotonic() < deadline, "leases left after every answer came back"
@@ -135,23 +128,24 @@ def test_the_engines_are_one_pool_served_by_both_and_settled_exactly(pool: Engin
 def test_the_budget_reads_the_pool_as_full_as_its_fullest_engine(pool: EnginePool) -> None:
     """A request straight to the first engine (1,500 prompt words, 1,000 tokens at 10 ms a step) holds about
     a third of it while the second is empty: the budget's unexplained KV is twice that engine's use."""
-    wait_both_fed(pool)
     first = pool.engines[0]
     holder = threading.Thread(target=chat, args=(first, 1500, 1000, True))
     holder.start()
     try:
         capacity = BLOCKS * 16
         deadline = time.monotonic() + 15
-        while True:
-            assert time.monotonic() < deadline, "the first engine's use never reached the budget"
+        while True:  # until a feed sample taken with the prompt in the engine has reached the budget
             used_before = pool.engine(0, "vllm:kv_cache_usage_perc") * capacity
             unexplained = metric(pool.sidecar, "extproc_kv_unexplained_tokens", pool=MODEL)
             used_after = pool.engine(0, "vllm:kv_cache_usage_perc") * capacity
-            if used_before > 1000 and unexplained > 0:
+            # The feed's reading lags the engine's page by an interval and a scrape (1 s: 100 tokens at 10 ms
+            # a step; up to 4 s on a saturated host). The sum's reading is about once that use: 1,600 for
+            # 1,616, so it never gets here.
+            if used_before > 1000 and unexplained >= 2 * (used_before - 400):
                 break
+            assert time.monotonic() < deadline, ("not twice the busy engine's use", used_before, unexplained)
             time.sleep(0.2)
         assert pool.engine(1, "vllm:kv_cache_usage_perc") == 0
-        # The feed's reading lags the engine's page by up to an interval (1 s: 100 tokens at 10 ms a step).
-        assert 2 * (used_before - 200) <= unexplained <= 2 * (used_after + 50), (used_before, unexplained)
+        assert unexplained <= 2 * (used_after + 50), (used_after, unexplained)
     finally:
         holder.join(30)

@@ -102,14 +102,15 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def wait_fed(stack: LocalStack, limit_s: float = 30.0) -> None:
-    """Until the sidecar has read the engine through the KV feed (its capacity known). A request admitted
-    before the feed's first sample starts before any engine reading, so the engines' count cannot reach back
-    to it and it is charged an estimate: a test about counted charges sends only after this."""
+def wait_fed(stack: LocalStack, limit_s: float = 30.0, capacity_tokens: float = 1.0) -> None:
+    """Until the sidecar has read the engines through the KV feed (at least `capacity_tokens` of capacity
+    known: every engine of a pool, where a test runs several). A request admitted before the feed's first
+    sample starts before any engine reading, so the engines' count cannot reach back to it and it is charged
+    an estimate: a test about counted charges sends only after this."""
     sidecar = f"{stack.admin_url}/metrics"
     deadline = time.monotonic() + limit_s
-    while metric(sidecar, "extproc_kv_capacity_tokens") <= 0:
-        assert time.monotonic() < deadline, f"the KV feed never reported the engine within {limit_s}s"
+    while metric(sidecar, "extproc_kv_capacity_tokens") < capacity_tokens:
+        assert time.monotonic() < deadline, f"the KV feed never reported the engines within {limit_s}s"
         time.sleep(0.1)
 
 
