@@ -46,6 +46,7 @@ from tests.support.stack import (
     slow_reader_post,
     start_stack,
     streamed_usage,
+    wait_fed,
 )
 
 MODEL = "llama-3-8b"
@@ -393,7 +394,7 @@ def test_a_slow_readers_slot_follows_the_engine_and_its_charge_the_engines_count
     confirms it, and a second request is admitted into the one slot while the slow client still reads. When
     the client goes, the charge is what the engine generated, as before."""
     stack = followed_stack
-    wait_for(lambda: sidecar_metric(stack, "extproc_kv_capacity_tokens") > 0, 15)
+    wait_fed(stack, 15.0)
     teach_pace(stack)
     generated = functools.partial(metric, f"{stack.upstream_url}/metrics", "vllm:generation_tokens_total")
     completion = functools.partial(sidecar_metric, stack, "extproc_tokens_settled_total", kind="completion")
