@@ -31,12 +31,15 @@ the first reading with no more lingering than its baseline (whatever ran on has 
 waited for, while the other replicas go unheard (the store slow or gone): they may be running anything.
 
 Which of the waiting requests ran on is not known, only how many sequences did: each takes its part of the
-tokens, so a flood is charged what the engine generated while one request may pay a little of another's
-run-on (never past its own allowance). The interval a request stopped in is its count's (a request of its
-own ran in it). Traffic sent to the engine around the gateway that starts while a request waits is taken for
-a run-on too where nothing of the gateway's runs, up to the waiting requests' rooms, for `RUN_ON_WAIT_S` at
-most: only requests that ended unseen just before pay it, and at most their allowance, what their
-reservation already holds.
+tokens, so a flood is charged what the engine generated while one request may pay a little of another's run-on
+(never past its own allowance). The interval a request stopped in is its count's as far as the count takes the
+sequences running at its end for its own (a reading within `tally.SHOWN_AFTER_STOP_S` of the stop); one read
+later (a saturated engine answers its page in seconds) leaves the run-on's steps in it to the run-ons, as
+those of the intervals after it (an inline gateway on the real-engine tier charged a 4,000-token run-on 0.90
+of it while they went to nobody). Traffic sent to the engine around the gateway that starts while a request
+waits is taken for a run-on too where nothing of the gateway's runs, up to the waiting requests' rooms, for
+`RUN_ON_WAIT_S` at most: only requests that ended unseen just before pay it, and at most their allowance, what
+their reservation already holds.
 
 Pure: the tally calls `observe` at each reading and `close` when the feed stops.
 """
@@ -68,8 +71,9 @@ run-on needs rooms for its tokens, not every request counted while it lasts, and
 reservation. Past it the one waiting longest settles with what it took."""
 
 RECENT_S = 30.0
-"""How far back the unshared intervals are kept for a request counted after them (`RunOns._catch_up`): past
-the longest a count waits for its reading (`engine_run.ENGINE_COUNT_WAIT_S`, 8 s) after `ENGINE_STOP_S`."""
+"""How far back the intervals with a run-on are kept for a request counted after them (`RunOns._catch_up`):
+past the longest a count waits for its reading (`engine_run.ENGINE_COUNT_WAIT_S`, 8 s) after
+`ENGINE_STOP_S`."""
 MAX_RECENT = 3000
 """At most this many of them (ten readings a second over `RECENT_S`)."""
 
@@ -112,12 +116,12 @@ class Reading:
         grown, span = self.generated - last.generated, self.at - last.at
         if self.unshared_since(last):
             running, lingering = (last.running + self.running) / 2, (last.lingering + self.lingering) / 2
-            return _Interval(last.at, grown, grown / max(running, 1e-9), lingering, self.share)
+            return _Interval(last.at, self.at, grown, grown / max(running, 1e-9), lingering, self.share)
         if math.isinf(last.live) or math.isinf(self.live) or span <= 0.0:
             return None
         unclaimed = (last.unclaimed + self.unclaimed) / 2
         known = max(0.0, self.ran - last.ran) / span
-        return _Interval(last.at, grown, grown / max(known + unclaimed, 1e-9), unclaimed, self.share)
+        return _Interval(last.at, self.at, grown, grown / max(known + unclaimed, 1e-9), unclaimed, self.share)
 
 
 @dataclass(slots=True)
@@ -126,6 +130,7 @@ class _Waiting:
 
     sequences: int
     stop: float
+    counted_to: float
     baseline: float
     room: float
     done: Callable[[float], None]
@@ -150,6 +155,7 @@ class _Interval:
     waiting requests here so far."""
 
     start: float
+    end: float
     grown: float
     pace: float
     lingering: float
@@ -185,32 +191,36 @@ class RunOns:
         self,
         key: Hashable,
         stop: float,
+        counted_to: float,
         sequences: int,
         room: float,
         baseline: float,
         done: Callable[[float], None],
     ) -> None:
-        """The request `key` was counted; `done(tokens)` is called with what it ran on, at once (0) where
-        the newest reading shows no more lingering sequences than `baseline` (nothing stopped still runs)
-        or the other replicas go unheard (nothing could be taken), or it has no `room`, or it waits already.
-        It takes its part of the unshared intervals since its stop at once (they came before it was counted:
-        `_catch_up`)."""
+        """The request `key`, stopped at `stop`, was counted, its count taking the sequences running at a
+        reading before `counted_to` for its own where nothing else could be them (`tally._Window`);
+        `done(tokens)` is called with what it ran on, at once (0) where the newest reading shows no more
+        lingering sequences than `baseline` (nothing stopped still runs) or the other replicas go unheard
+        (nothing could be taken), or it has no `room`, or it waits already. It takes its part of the intervals
+        since its stop at once (they came before it was counted: `_catch_up`)."""
         last = self._last
         lingering = 0.0 if last is None or math.isinf(last.live) else last.lingering
         if self._closed or room < ROOM_EPSILON or lingering <= baseline or key in self._waiting:
             call_safely(done, 0.0)
             return
-        waiting = self._waiting[key] = _Waiting(max(1, sequences), stop, baseline, room, done)
+        waiting = self._waiting[key] = _Waiting(max(1, sequences), stop, counted_to, baseline, room, done)
         self._catch_up(waiting)
         bound = WAITING_PER_SEQUENCE * max(1, math.ceil(lingering - baseline))
         while len(self._waiting) > bound:
             self._settle(self._waiting.pop(next(iter(self._waiting))))
 
     def _catch_up(self, waiting: _Waiting) -> None:
-        """The unshared intervals from its stop to its count's reading: of each, its sequences' part of this
+        """The intervals kept from its stop to its count's reading, and the one it stopped in where that ends
+        at `counted_to` or later (its count took the sequences running then for another's: what it left of
+        the interval is the run-on's, `Reading.interval_since`): of each, its sequences' part of this
         replica's share, of what no request here took."""
         for interval in self._recent:
-            if interval.start >= waiting.stop:
+            if interval.start >= waiting.stop or interval.end >= waiting.counted_to:
                 interval.given += waiting.take(interval.run_on(waiting.baseline, waiting.sequences))
 
     def observe(self, reading: Reading) -> None:

@@ -366,7 +366,8 @@ class EngineTally:
         first = max(0, points.at_or_before(min(start, stop - RECENT_S)))
         during = points.items[first : points.at_or_before(stop) + 1]
         baseline = min((p.lingering for p in during), default=0.0)
-        self.run_ons.follow(key, stop, sequences, room, baseline, done)
+        counted_to = stop + max(ENGINE_STOP_S, SHOWN_AFTER_STOP_S)  # its count's `_Window.shown_end`
+        self.run_ons.follow(key, stop, counted_to, sequences, room, baseline, done)
 
     def forget(self, endpoint: str) -> None:
         """An endpoint left the feed (or its sample carries no counter): its next reading starts a new
