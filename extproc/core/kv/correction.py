@@ -101,7 +101,7 @@ class EngineCorrection:
         held = 0.0
         settled = candidates = 0
         settled_before = now - self._pace.settle_after()
-        rate, delay = self._pace.forecast()
+        rate, delay = self._pace.progress()
         for lease_id, lease in self._ledger.leases.items():
             if lease_id in self._booker.finished:
                 continue
@@ -126,7 +126,7 @@ class EngineCorrection:
         nothing, and a part of `used` taken for theirs would take off KV this replica's leases hold."""
         explained = settled = 0.0
         settled_before = now - self._pace.settle_after()
-        rate, delay = self._pace.forecast()
+        rate, delay = self._pace.progress()
         for lease_id, lease in self._ledger.leases.items():
             if lease_id in self._booker.finished:
                 continue
@@ -210,7 +210,7 @@ class EngineCorrection:
 
     def _candidates(self, settled: dict[str, Lease], now: float) -> list[tuple[str, Lease]]:
         """The settled leases the engine may have finished, in the order `_engine_finished` takes them."""
-        rate, delay = self._pace.forecast()
+        rate, delay = self._pace.progress()
 
         def progress(item: tuple[str, Lease]) -> tuple[float, float]:
             lease = item[1]

@@ -10,6 +10,9 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from extproc.core.engine.pace import LearnedPace, bounded_by_engines, hint_pace, usable_rate
 from extproc.core.kv.lease import Lease
 
@@ -20,14 +23,31 @@ SETTLE_AFTER_S = 2.0
 class BudgetPace:
     """One pool's paces, as its budget's forecast, corrections and hints read them."""
 
-    def __init__(self, pace: LearnedPace | None = None) -> None:
+    def __init__(
+        self, pace: LearnedPace | None = None, booked_sequences: Callable[[], int] | None = None
+    ) -> None:
         self.learned = pace or LearnedPace()
         self._fed_rate: float | None = None
+        self._fed_batch: float | None = None  # the engines' running sequences its reading was taken at
+        self._learned_batch: float | None = None  # the same for the learned pace, a mean as the pace is
+        self._running: float | None = None  # the engines' running sequences at the last sample
+        self._booked_sequences = booked_sequences or (lambda: 0)  # this replica's leases' sequences
         self._assumed_rate: float | None = None  # the pace hints take with no other (`assume_pace`)
 
     def forecast(self) -> tuple[float | None, float]:
-        """The pace and the first-token delay a lease's trajectory is forecast with (`Lease.trajectory`)."""
+        """The pace and the first-token delay a lease's trajectory is forecast with (`Lease.trajectory`):
+        when each lease ends, and so the peak (`decode_rate`)."""
         return self.decode_rate(), self.learned.first_token_delay
+
+    def progress(self) -> tuple[float | None, float]:
+        """The pace and the first-token delay the KV a lease holds now is estimated with, against the
+        engine's gauge (`correction.py`): the pace read, not taken down to the batch as the forecast's is.
+        What the engine holds beyond the leases' estimate is added to every forecast, so an estimate taken
+        slow there booked the answers' progress twice: a burst of thirty-one chats booked 1.33 of the cache
+        while the engine held 0.83."""
+        return bounded_by_engines(
+            self.learned.tokens_per_second, self._fed_rate
+        ), self.learned.first_token_delay
 
     def streamed(self, lease: Lease, now: float) -> None:
         """`lease` streamed at `now`: its first token teaches the first-token delay."""
@@ -42,7 +62,7 @@ class BudgetPace:
         if lease.first_progress is not None and lease.last_progress_at is not None:
             first_at, first_count = lease.first_progress
             tokens = (lease.streamed - first_count) / lease.sequences
-            self.learned.observe_stream(tokens, lease.last_progress_at - first_at)
+            self._learn_stream(tokens, lease.last_progress_at - first_at)
 
     def observe_unseen_stream(
         self, first_token_after_s: float, tokens_per_sequence: float, seconds: float
@@ -50,22 +70,67 @@ class BudgetPace:
         """A completed stream this budget did not watch (the lean profile reports it when it ends): its
         first-token delay and its decode rate teach the pool's pace, as a watched stream does on release."""
         self.learned.observe_first_token(first_token_after_s)
-        self.learned.observe_stream(tokens_per_sequence, seconds)
+        self._learn_stream(tokens_per_sequence, seconds)
 
-    def observe_fed_pace(self, tokens_per_second: float | None) -> None:
+    def _learn_stream(self, tokens_per_sequence: float, seconds: float) -> None:
+        """A stream's pace taught, with the batch it ran in: the engines' running sequences at the last
+        sample (at least its own), mixed as the pace is (`_at_batch` says why); unknown where the
+        engines publish no running count."""
+        before = self.learned.tokens_per_second
+        self.learned.observe_stream(tokens_per_sequence, seconds)
+        if self.learned.tokens_per_second == before or self._running is None:
+            return
+        batch, old = max(1.0, self._running), self._learned_batch
+        self._learned_batch = (
+            batch if old is None else (1 - self.learned.alpha) * old + self.learned.alpha * batch
+        )
+
+    def observe_fed_pace(self, tokens_per_second: float | None, running: float | None = None) -> None:
         """The engine's own decode pace per sequence at the last sample (measured from its counters on the
-        feed's side, `kvfeed.pace.EnginePaceMeter`), None when unknown: it bounds the learned pace from above
-        (`decode_rate`)."""
-        self._fed_rate = usable_rate(tokens_per_second)
+        feed's side, `kvfeed.pace.EnginePaceMeter`), None when unknown, and the sequences the engines ran
+        then: it bounds the learned pace from above (`decode_rate`). The feed sends its last reading again
+        until a new one closes, so a new value is a new reading, taken at about this running count."""
+        rate = usable_rate(tokens_per_second)
+        if rate != self._fed_rate:
+            usable = running is not None and math.isfinite(running) and running > 0.0
+            self._fed_batch = running if usable else None
+        self._fed_rate = rate
+        if running is not None and math.isfinite(running):
+            self._running = max(0.0, running)
 
     def decode_rate(self) -> float | None:
         """The pace the forecast takes unseen answers to progress at: the one learned from finished streams,
-        or the engine's current one where that is slower. A pace learned from a stream decoded at low load
-        runs fast under a full batch; taken as it is, it has admitted answers look further along, and so
-        ending sooner, than they are (a burst of forty let in on a pace learned from one warm-up stream
-        took the cache to 0.98). A slower pace only makes the forecast keep KV longer. None while none is
-        learned: such leases book their whole footprint, as before."""
-        return bounded_by_engines(self.learned.tokens_per_second, self._fed_rate)
+        or the engine's where that is slower. A pace learned from a stream decoded at low load runs fast
+        under a full batch; taken as it is, it has admitted answers look further along, and so ending
+        sooner, than they are (a burst of forty let in on a pace learned from one warm-up stream took the
+        cache to 0.98). A slower pace only makes the forecast keep KV longer. None while none is learned:
+        such leases book their whole footprint, as before.
+
+        The engines' pace is read at the batch the leases will run in (`_at_batch`), and so is the learned
+        one where the feed has read none: a burst admitted into an idle engine runs at a fraction of the
+        pace the engine showed alone, and the feed reads the new batch's pace only a window (a second or
+        more) after it formed. Meanwhile, at the pace read alone, thirty-seven chats admitted over two
+        seconds on the real-engine tier's vLLM were forecast to end in turn while they ran together: booked
+        1.11 of the cache at their peak, the engine's KV at 0.98; thirty-eight on the pace learned from one
+        warm-up stream (too short for the feed to read), 1 preemption. Once the feed has read the batch's
+        own pace, the learned one only bounds it from above, as before: scaled too, a pace learned alone
+        stayed a thirtieth of the batch's until streams of the batch had taught it."""
+        fed = self._at_batch(self._fed_rate, self._fed_batch)
+        learned = self.learned.tokens_per_second
+        if fed is None:
+            learned = self._at_batch(learned, self._learned_batch)
+        return bounded_by_engines(learned, fed)
+
+    def _at_batch(self, rate: float | None, read_at: float | None) -> float | None:
+        """A pace read at `read_at` running sequences, at the batch the leases will run in: the sequences
+        running at the last sample or, where more, those this replica's leases hold. Past the batch it was
+        read at, scaled down by the ratio, the least it can be where a step takes at most in proportion to
+        its batch (a decode step's time grows with its batch from a fixed part: on a GPU far less than in
+        proportion, so this errs slow, keeping KV longer, until the feed reads the new batch's pace)."""
+        if rate is None or read_at is None:
+            return rate
+        batch = max(self._running or 0.0, float(self._booked_sequences()))
+        return rate * read_at / batch if batch > read_at else rate
 
     def assume_pace(self, tokens_per_second: float | None) -> None:
         """The pace a refusal's `retry-after` is forecast at where neither a learned nor a fed one exists

@@ -172,10 +172,10 @@ class FeedbackRuntime:
         budget.set_replicas(snapshot.endpoints_known)
         budget.set_block_tokens(snapshot.kv_block_tokens)
         budget.set_engine_shares_prefixes(snapshot.prefix_caching is not False)
-        budget.observe_fed_pace(snapshot.decode_tokens_per_second)
         adaptive = self._config.adaptive_pools.get(pool, self._config.adaptive_default)
         waiting = snapshot.requests_waiting if snapshot.waiting_known else None
         running = snapshot.requests_running if snapshot.running_known else None
+        budget.observe_fed_pace(snapshot.decode_tokens_per_second, running)
         prompted = self.loop.prompted(pool) if self.loop is not None else None
         stale_after = adaptive.stale_after_seconds
         used = snapshot.kv_used_tokens

@@ -261,6 +261,37 @@ def test_the_engines_slower_pace_bounds_the_learned_one() -> None:
     assert unlearned.decode_rate() is None  # nothing learned: such leases book whole footprints, as before
 
 
+def test_the_engines_pace_is_read_at_the_batch_the_leases_run_in() -> None:
+    """The engine showed 100 tokens/s with one sequence running; a burst of four admitted since runs at a
+    quarter of that at the least (a step takes at most in proportion to its batch) until the feed reads
+    the new batch's pace. At the pace read alone the first of the four was taken for 300 tokens along 3 s
+    in, ending before the last one peaks, and a fifth answer fitted beside them (peak 1,600 of 2,000); at the
+    batch's it is 75 along, and the five would peak at 2,275: refused."""
+    kv = KvBudget(2000, target_utilization=1.0, booking=BookingMode.FORECAST)
+    kv.observe_engine(0.0, now=0.0, fresh_for=100.0)
+    kv.pace.observe_stream(100.0, 1.0)
+    kv.observe_fed_pace(100.0, running=1.0)
+    for i in range(4):
+        kv.admit(f"burst {i}", 100, 400, now=float(i))
+    assert kv.decode_rate() == 25.0  # 100 read at one sequence, four booked
+    assert kv.would_fit(100, 400, now=3.0)[0] is False
+    kv.observe_fed_pace(100.0, running=4.0)  # the same figure again: no new reading, still read alone
+    assert kv.decode_rate() == 25.0
+    # What they hold now is estimated at the pace read (400, 300, 200 and 100 tokens): an engine holding
+    # that much holds nothing unexplained; estimated at the batch's pace, their progress was booked twice.
+    kv.observe_engine(1000.0, now=3.0, fresh_for=100.0)
+    assert kv.unexplained_tokens == 0
+    kv.observe_fed_pace(40.0, running=4.0)  # the feed read the four's pace
+    assert kv.decode_rate() == 40.0
+    alone = KvBudget(2000, target_utilization=1.0, booking=BookingMode.FORECAST)
+    alone.observe_engine(0.0, now=0.0, fresh_for=100.0)
+    alone.pace.observe_stream(100.0, 1.0)
+    alone.observe_fed_pace(100.0)  # no running count with it: taken as it is, as before
+    for i in range(4):
+        alone.admit(f"burst {i}", 100, 400, now=float(i))
+    assert alone.decode_rate() == 100.0 and alone.would_fit(100, 400, now=3.0)[0] is True
+
+
 def test_an_engine_that_does_not_share_prefixes_credits_none() -> None:
     """vLLM with --no-enable-prefix-caching holds every prompt whole: the credit of the leases in flight is
     booked again at once, and no new request is credited."""
