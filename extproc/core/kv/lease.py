@@ -13,9 +13,9 @@ from extproc.core.kv.forecast import Steps
 from extproc.core.kv.prefix import NO_CHUNKS, PromptChunks
 
 PREFIX_MARGIN_TOKENS = 64
-"""What a shared run is credited less while the engine's block size is unknown (`PromptChunks.credit`): about
-the one 256-character chunk the credit kept back before it was counted in tokens; with the block size from the
-feed, one block (16 on a GPU's vLLM, 128 on its CPU build)."""
+"""The block a shared run's credit is cut to while the engine's block size is unknown (`PromptChunks.credit`):
+a multiple of a GPU vLLM's 16 and 32; with the block size from the feed, the engine's block (16 on a GPU's
+vLLM, 128 on its CPU build)."""
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class Lease:
     credited: int = 0  # leading chunks other leases pay for (`PrefixIndex`)
     # The engine's whole-block rounding of its sequences' last blocks (`KvBudget.set_block_tokens`).
     slack: int = 0
-    margin: int = PREFIX_MARGIN_TOKENS  # one engine block, kept back from a shared run's credit
+    block: int = PREFIX_MARGIN_TOKENS  # the engine's block: a shared run is credited in whole blocks
     # A sample since admission counted at least this lease's sequences running (`EngineCorrection`).
     engine_ran: bool = False
 
@@ -47,7 +47,7 @@ class Lease:
     @property
     def own_prompt(self) -> int:
         """The prompt's KV this lease is booked for: all of it, less the shared chunks others pay for."""
-        return self.prompt - self.chunks.credit(self.credited, self.prompt, self.margin)
+        return self.prompt - self.chunks.credit(self.credited, self.prompt, self.block)
 
     @property
     def footprint(self) -> int:

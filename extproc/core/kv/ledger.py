@@ -34,7 +34,7 @@ class Ledger:
         self._unconfirmed = unconfirmed_share
         self._pace = pace
         self._block_slack = 0
-        self._margin = PREFIX_MARGIN_TOKENS
+        self._block = PREFIX_MARGIN_TOKENS
 
     def expected_completion(self, allowance: int, learner_key: str = "", committed: int = 0) -> int:
         """Completion tokens a request of `learner_key` with this allowance is expected to produce: the
@@ -65,7 +65,7 @@ class Ledger:
             sequences=max(1, int(sequences)),
             admitted_at=now,
             slack=self._block_slack * max(1, int(sequences)),
-            margin=self._margin,
+            block=self._block,
         )
 
     def add(self, lease_id: str, lease: Lease) -> None:
@@ -150,15 +150,15 @@ class Ledger:
         would refuse a fifth of such a cache's requests for nothing. True when it changed (every lease
         re-booked)."""
         slack = max(0, int(block_tokens or 0) - 1) // 2
-        margin = int(block_tokens) if block_tokens and block_tokens > 0 else PREFIX_MARGIN_TOKENS
-        if slack == self._block_slack and margin == self._margin:
+        block = int(block_tokens) if block_tokens and block_tokens > 0 else PREFIX_MARGIN_TOKENS
+        if slack == self._block_slack and block == self._block:
             return False
         self._block_slack = slack
-        self._margin = margin
+        self._block = block
         for lease in self.leases.values():
             before = lease.footprint
             lease.slack = slack * lease.sequences
-            lease.margin = margin
+            lease.block = block
             self.resized(lease, before)
         return True
 

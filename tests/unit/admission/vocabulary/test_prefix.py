@@ -57,7 +57,7 @@ def test_what_renders_ahead_of_the_messages_splits_it() -> None:
 def test_a_different_first_message_shares_nothing_but_its_role() -> None:
     body = chat("q")
     other = {**body, "messages": [{"role": "system", "content": "X" + SYSTEM}, body["messages"][1]]}
-    assert shared(body, other) == 1  # the role text "system": credited its one token less a block, none
+    assert shared(body, other) == 1  # the role text "system": its one token, no whole block: none
 
 
 def test_media_and_batches_bring_no_chunks() -> None:
@@ -108,7 +108,7 @@ def own_booked(api: Api, shared: dict[str, Any], own: dict[str, Any]) -> tuple[i
         if x != y:
             break
         run += 1
-    credit = second.credit(run, plan_own.prompt_tokens, margin=16)
+    credit = second.credit(run, plan_own.prompt_tokens, block=16)
     return plan_own.prompt_tokens - credit, plan_own.prompt_tokens - plan_shared.prompt_tokens
 
 

@@ -15,8 +15,8 @@ _OWN = itertools.count(10_000)
 
 
 PROMPT = 1300  # tokens of a prompt of thirteen chunks: one chunk stands for 100 tokens
-SHARED = 12 * 100 - PREFIX_MARGIN_TOKENS
-"""What a prompt sharing the twelve chunks is credited: their tokens, less the margin of an engine block."""
+SHARED = 12 * 100 - 12 * 100 % PREFIX_MARGIN_TOKENS
+"""What a prompt sharing the twelve chunks is credited: their tokens, cut to whole engine blocks."""
 
 
 def chunks(own: int = 1, *, shared: tuple[int, ...] = SYSTEM) -> PromptChunks:
@@ -62,7 +62,7 @@ def test_shared_prompt_is_booked_once() -> None:
     kv.admit("a", prompt, 300, chunks=first)
     assert kv.demand_tokens == prompt + 300
     kv.admit("b", prompt, 300, chunks=second)
-    # One chunk of margin: 12 credited chunks of 13 stand for 11 x 100 tokens.
+    # 12 credited chunks of 13 stand for 1,200 tokens, 1,152 in whole blocks of 64 (the block size unknown).
     assert kv.shared_prompt_tokens == SHARED
     assert kv.demand_tokens == 2 * (prompt + 300) - SHARED
 
@@ -154,9 +154,10 @@ def test_a_shared_run_is_credited_the_tokens_of_the_whole_texts_it_covers() -> N
     # The system prompt's 5,000 characters are 20 chunks of 256 (its last one short), the tail's 6 more.
     prompt = PromptChunks(tuple(range(26)), 256, 6_500, text_ends=(20, 26), text_tokens=(1_161, 2_668))
     assert prompt.credit(19, 2_668) == 0  # the system prompt not whole
-    assert prompt.credit(20, 2_668, margin=16) == 1_161 - 16
-    assert 2_668 - prompt.credit(25, 2_668, margin=16) >= 1_507  # the own text not whole
+    assert prompt.credit(20, 2_668, block=16) == 1_152  # 72 whole blocks of its 1,161 tokens
+    assert 2_668 - prompt.credit(25, 2_668, block=16) >= 1_507  # the own text not whole
     assert prompt.credit(26, 2_668) == 2_667  # every text shared: never the whole prompt
+    assert prompt.credit(26, 2_668, block=16) == 2_656  # nor the block of its last token
 
 
 def test_block_rounding_is_booked_per_sequence() -> None:
