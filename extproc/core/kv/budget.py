@@ -122,7 +122,7 @@ class KvBudget:
         )
         self.prefix_sharing = prefix_sharing
         learner = learner or CompletionLearner(prior=initial_completion_ratio, floor=min_completion_ratio)
-        self._pace = BudgetPace(pace, booked_sequences=self._booked_sequences)
+        self._pace = BudgetPace(pace, booked_sequences=lambda: self._ledger.sequences)
         self._ledger = Ledger(learner, unconfirmed_share, self._pace)
         self._booker = Booker(self._ledger, self._pace, booking)
         self._prefix = PrefixCredit(self._ledger)
@@ -261,14 +261,8 @@ class KvBudget:
         self._engine.on_engine_done(lease_id, callback)
 
     def observe_fed_pace(self, tokens_per_second: float | None, running: float | None = None) -> None:
-        """The engine's own decode pace per sequence at the last sample, and the sequences running then
-        (`BudgetPace.observe_fed_pace`)."""
+        """The engines' pace per sequence, and their running sequences (`BudgetPace.observe_fed_pace`)."""
         self._pace.observe_fed_pace(tokens_per_second, running)
-
-    def _booked_sequences(self) -> int:
-        """The sequences of this replica's leases: the batch they run in is at least that
-        (`BudgetPace._at_batch`)."""
-        return sum(lease.sequences for lease in self._ledger.leases.values())
 
     def decode_rate(self) -> float | None:
         """The pace the forecast takes unseen answers to progress at (`BudgetPace.decode_rate`)."""

@@ -36,6 +36,11 @@ class Ledger:
         self._block_slack = 0
         self._block = PREFIX_MARGIN_TOKENS
 
+    @property
+    def sequences(self) -> int:
+        """The sequences of every lease: the batch they run in is at least that (`BudgetPace._at_batch`)."""
+        return sum(lease.sequences for lease in self.leases.values())
+
     def expected_completion(self, allowance: int, learner_key: str = "", committed: int = 0) -> int:
         """Completion tokens a request of `learner_key` with this allowance is expected to produce: the
         learned share of the allowance, never below what the request declares it will generate
