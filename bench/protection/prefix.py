@@ -3,9 +3,10 @@
 The shared-system-prompt overload of tests/support/prefix_load.py (forty streamed chats at once, one
 ~1,550-token system prompt, ~30 tokens each of their own, 300 output tokens with `ignore_eos`, clients that
 honour `retry-after`) against vLLM 0.32.0's CPU build serving the real-engine tier's tiny Llama (128 blocks
-of 128 tokens, prefix caching on as shipped), three ways in one run: straight to the engine, through the
-gateway with the shipped booking (lean profile, forecast, prefix sharing), and through the gateway with
-`kv_budget.prefix_sharing: false` (every prompt booked whole, as before). Slots are raised to 128 so only the
+of 128 tokens, prefix caching on as shipped), four ways in one run: straight to the engine, through the
+gateway with the shipped booking (lean profile, forecast, prefix sharing), the same with the shipped classes
+(config/local.yaml: `interactive` queues 25 s), and through the gateway with `kv_budget.prefix_sharing: false`
+(every prompt booked whole, as before). Slots are raised to 128 so only the
 KV budget decides. Reports preemptions, output tokens/s, KV mean and peak (the engine's gauge every 0.2 s),
 TTFT p50/p99, the engine's prefix hit rate (`vllm:prefix_cache_hits_total` / `..._queries_total`) and the
 sidecar's peak `extproc_kv_booked_tokens` as a share of the cache.
@@ -23,14 +24,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench.common import write_json
 from bench.protection.engine import SIM_TIMING, start_engine, start_simulator
+from devstack.stack import LOCAL_CONFIG
 from tests.engine.stacks import overload_through, prefix_config, start_gateway, warm_up
 from tests.support import prefix_load
 from tests.support.engine import CACHE_TOKENS, MODEL, Engine
 from tests.support.stack import Stack
 
-MODES = ("direct", "gateway", "gateway-whole-prompts")
+MODES = ("direct", "gateway", "gateway-whole-prompts", "gateway-queue")
+
+
+def shipped_classes() -> dict[str, Any]:
+    """The classes of config/local.yaml as shipped: `interactive`, everyone's by default, waits 25 s for the
+    KV it cannot get now instead of a 429 at once."""
+    shipped = yaml.safe_load(LOCAL_CONFIG.read_text())
+    return {"classes": shipped["classes"], "default_class": shipped["default_class"]}
 
 
 def run_mode(mode: str, engine: Engine) -> dict[str, Any]:
@@ -42,9 +53,14 @@ def run_mode(mode: str, engine: Engine) -> dict[str, Any]:
 
 
 def through_gateway(mode: str, engine: Engine, load: Callable[[Stack], prefix_load.Run]) -> prefix_load.Run:
-    """`load` through a fresh lean gateway in front of `engine` (`gateway`: the shipped booking;
-    `gateway-whole-prompts`: prefix sharing off), warmed up first, stopped after."""
-    stack = Stack(start_gateway(engine, prefix_config(sharing=mode == "gateway"), "lean", with_exporter=True))
+    """`load` through a fresh lean gateway in front of `engine` (`gateway`: the shipped booking, every
+    request the budget cannot take now refused with its `retry-after`; `gateway-queue`: the same with the
+    shipped classes, which queue; `gateway-whole-prompts`: prefix sharing off), warmed up first, stopped
+    after."""
+    config = prefix_config(sharing=mode != "gateway-whole-prompts")
+    if mode == "gateway-queue":
+        config.update(shipped_classes())
+    stack = Stack(start_gateway(engine, config, "lean", with_exporter=True))
     try:
         warm_up(stack)
         return load(stack)
