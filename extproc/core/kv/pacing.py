@@ -138,8 +138,10 @@ class BudgetPace:
         self._assumed_rate = usable_rate(tokens_per_second)
 
     def hint_rate(self) -> float | None:
-        """The pace a refusal's `retry-after` is forecast at: the forecast's own (`decode_rate`), else the
-        engines' pace from the feed, else the assumed one; None with none of them.
+        """The pace a refusal's `retry-after` is forecast at: the one the leases are taken to progress at
+        (`progress`: read, not taken down to the batch as the forecast's peak is, since a hint late by the
+        scaling costs every refused client that wait), else the engines' pace from the feed, else the
+        assumed one; None with none of them.
 
         Before a stream has shown a pace the forecast has none (its unseen leases book their whole footprint,
         the safe side), but a hint still needs one: without it the first burst after a start was told a flat
