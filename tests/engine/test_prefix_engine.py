@@ -45,8 +45,9 @@ the others grew and preempted nothing. Forty-eight need 157 (`overload_demand`),
 KV_PEAK_FLOOR = 0.5
 """How full the gateway lets the engine's cache get at the peak, the credit's measure: 0.59-0.98 measured (the
 gauge is sampled every second or so), 0.27-0.35 with every prompt booked whole (0.27 again on a host twice as
-fast, beside 0.67-0.69 with the credit); the budget's target (0.9) and the half block per sequence it books
-for the engine's whole-block rounding keep it below the engine's own peak (1.0, with preemptions)."""
+fast, beside 0.67-0.69 with the credit less a block, 0.84-0.88 with the credit cut to whole blocks); the
+budget's target (0.9) and the half block per sequence it books for the engine's whole-block rounding keep it
+below the engine's own peak (1.0, with preemptions)."""
 THROUGHPUT_FLOOR = 0.45
 """The gateway's output tokens per second against the engine alone in the same run: a guard against a gateway
 that stalls, not the credit's measure. The share depends on the host: 0.76-1.05 where the engine alone gave
