@@ -45,9 +45,8 @@ class BudgetPace:
         What the engine holds beyond the leases' estimate is added to every forecast, so an estimate taken
         slow there booked the answers' progress twice: a burst of thirty-one chats booked 1.33 of the cache
         while the engine held 0.83."""
-        return bounded_by_engines(
-            self.learned.tokens_per_second, self._fed_rate
-        ), self.learned.first_token_delay
+        rate = bounded_by_engines(self.learned.tokens_per_second, self._fed_rate)
+        return rate, self.learned.first_token_delay
 
     def streamed(self, lease: Lease, now: float) -> None:
         """`lease` streamed at `now`: its first token teaches the first-token delay."""
