@@ -237,3 +237,35 @@ def test_the_tally_reads_a_sample_when_it_arrived_and_over_a_failed_scrape() -> 
     tally.begin("x", 100.5, 1)  # alone on the engine from just after the first reading to 107
     tally.end("x", 107.0)
     assert tally.count(100.5, 107.0, 1, 0.5, key="x") == 1_300.0
+
+
+def test_the_feeds_pace_reaches_the_budget_with_the_running_count_it_was_read_at() -> None:
+    """A pace of 100 tokens/s read with one request running; four leases admitted since run at a quarter of
+    it at the least (`BudgetPace._at_batch`), until the feed reads their batch's own pace."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, clock)
+        budget_config = {"enabled": True, "target_utilization": 0.9, "fair_shares": False}
+        config = parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback
+        await runtime.apply(config, ["m"])
+        try:
+            assert runtime.loop is not None
+            alone = dataclasses.replace(sample(0.1, t=1.0), decode_tokens_per_second=100.0)
+            runtime.loop.subscriber.ingest(alone)  # one request running (`sample`)
+            budget = runtime.budget("m")
+            assert budget is not None
+            budget.pace.observe_stream(200.0, 1.0)  # a faster pace learned: the feed's bounds it
+            assert budget.decode_rate() == 100.0
+            for lease in range(4):
+                budget.admit(f"burst {lease}", 100, 100, now=clock.now)
+            assert budget.decode_rate() == 25.0
+            batch = dataclasses.replace(
+                alone, requests_running=4.0, decode_tokens_per_second=40.0, sample_time=2.0
+            )
+            runtime.loop.subscriber.ingest(batch)
+            assert budget.decode_rate() == 40.0
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
