@@ -73,7 +73,7 @@ class BudgetPace:
 
     def _learn_stream(self, tokens_per_sequence: float, seconds: float) -> None:
         """A stream's pace taught, with the batch it ran in: the engines' running sequences at the last
-        sample (at least its own), mixed as the pace is (`_at_batch` says why); unknown where the
+        sample (at least one), mixed as the pace is (`_at_batch` says why); unknown where the
         engines publish no running count."""
         before = self.learned.tokens_per_second
         self.learned.observe_stream(tokens_per_sequence, seconds)
