@@ -68,6 +68,15 @@ def test_on_sample_exceptions_do_not_escape() -> None:
     assert "m" in loop.states()
 
 
+async def budget_runtime(clock: Clock) -> FeedbackRuntime:
+    """A runtime fed by `FEED` whose budgets book against 0.9 of the cache, fair shares off (the booking's
+    arithmetic alone): the caller stops it."""
+    runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, clock)
+    budget_config = {"enabled": True, "target_utilization": 0.9, "fair_shares": False}
+    await runtime.apply(parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback, ["m"])
+    return runtime
+
+
 def test_runtime_feeds_engine_readings_and_keeps_capacity_when_stale() -> None:
     async def scenario() -> None:
         clock = Clock()
@@ -113,10 +122,7 @@ def test_the_budget_books_a_pool_of_engines_as_full_as_its_fullest() -> None:
 
     async def scenario() -> None:
         clock = Clock()
-        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, clock)
-        budget_config = {"enabled": True, "target_utilization": 0.9, "fair_shares": False}
-        config = parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback
-        await runtime.apply(config, ["m"])
+        runtime = await budget_runtime(clock)
         try:
             assert runtime.loop is not None
             runtime.loop.subscriber.ingest(sample(0.8, t=1.0))
@@ -245,10 +251,7 @@ def test_the_feeds_pace_reaches_the_budget_with_the_running_count_it_was_read_at
 
     async def scenario() -> None:
         clock = Clock()
-        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, clock)
-        budget_config = {"enabled": True, "target_utilization": 0.9, "fair_shares": False}
-        config = parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback
-        await runtime.apply(config, ["m"])
+        runtime = await budget_runtime(clock)
         try:
             assert runtime.loop is not None
             alone = dataclasses.replace(sample(0.1, t=1.0), decode_tokens_per_second=100.0)
