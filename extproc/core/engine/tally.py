@@ -111,6 +111,13 @@ past a flood's worth, so a split that errs low for long (beside another replica'
 more than that off later shares."""
 
 
+def shown_after(tail: float) -> float:
+    """How long past its stop a count takes its request's sequences for still running where the running
+    count grew by them (`_Window.shown_end`), its `tail` included: the run-ons take what it left of the
+    interval its request stopped in where the reading that ends it comes later (`runon.RunOns._catch_up`)."""
+    return max(tail, SHOWN_AFTER_STOP_S)
+
+
 def no_tally(pool: str) -> EngineTally | None:
     """No feed: no pool has a tally (what admission asks before the feed is wired)."""
     return None
@@ -366,7 +373,7 @@ class EngineTally:
         first = max(0, points.at_or_before(min(start, stop - RECENT_S)))
         during = points.items[first : points.at_or_before(stop) + 1]
         baseline = min((p.lingering for p in during), default=0.0)
-        counted_to = stop + max(ENGINE_STOP_S, SHOWN_AFTER_STOP_S)  # its count's `_Window.shown_end`
+        counted_to = stop + shown_after(ENGINE_STOP_S)  # its count's `_Window.shown_end`
         self.run_ons.follow(key, stop, counted_to, sequences, room, baseline, done)
 
     def forget(self, endpoint: str) -> None:
@@ -432,7 +439,7 @@ class EngineTally:
         first, last = series.at_or_before(start), series.at_or_after(stop + tail)
         if first < 0 or last >= len(series) or stop < start:
             return None
-        shown_s = max(tail, SHOWN_AFTER_STOP_S)
+        shown_s = shown_after(tail)
         window = _Window(start, stop, stop + tail, stop + shown_s, max(1, sequences))
         times, points = series.times[first : last + 1], series.items[first : last + 1]
         known = self._known(times, key, shown_s)
