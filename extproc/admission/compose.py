@@ -31,6 +31,8 @@ class KvSignals(Protocol):
 
     def budget(self, pool: str) -> KvBudget | None: ...
 
+    def endpoint_budget(self, pool: str, endpoint: str) -> tuple[str, KvBudget] | None: ...
+
     def budget_changed(self, pool: str) -> None: ...
 
     def kv_usage(self, pool: str) -> float | None: ...
@@ -135,6 +137,7 @@ def build_admission(
     )
     if signals is not None:
         deps.kv_budget = signals.budget
+        deps.endpoint_budget = signals.endpoint_budget
         deps.budget_changed = signals.budget_changed
         deps.kv_usage = signals.kv_usage
         deps.feeds_pool = signals.feeds_pool
@@ -149,6 +152,7 @@ def build_admission(
     if signals is not None:
         service.paces.fed = signals.decode_rate  # the engines' pace: until one is learned, and a floor
         deps.kv_budget = _assuming_pace(signals.budget, service)
+        deps.endpoint_budget = _engine_assuming_pace(signals.endpoint_budget, service)
     streams = OpenStreams()
     service.holders.append(streams.holders)  # before the unseen requests': the open streams are read first
     return Admission(service, streams, UnseenStreams(service))
@@ -165,6 +169,20 @@ def _assuming_pace(
         found = budgets(pool)
         if found is not None:
             found.assume_pace(service.paces.default_tokens_per_second)
+        return found
+
+    return budget
+
+
+def _engine_assuming_pace(
+    budgets: Callable[[str, str], tuple[str, KvBudget] | None], service: AdmissionService
+) -> Callable[[str, str], tuple[str, KvBudget] | None]:
+    """The engines' KV budgets (a picker named the engine), each told the assumed pace as a pool's is."""
+
+    def budget(pool: str, endpoint: str) -> tuple[str, KvBudget] | None:
+        found = budgets(pool, endpoint)
+        if found is not None:
+            found[1].assume_pace(service.paces.default_tokens_per_second)
         return found
 
     return budget

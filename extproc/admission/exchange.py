@@ -33,6 +33,7 @@ from extproc.admission.deciding.candidate import RequestFacts
 from extproc.admission.deciding.decision import Decision, Granted, Shadowed, refuse
 from extproc.admission.deciding.provisional import Correction
 from extproc.admission.intake.deadline import deadline_ms
+from extproc.admission.intake.endpoint import picked_endpoint
 from extproc.admission.intake.paths import BACKEND_CONTROL_HEADERS, RouteKind
 from extproc.admission.intake.rules import TenantSource
 from extproc.admission.replies import refusals
@@ -164,7 +165,10 @@ class Exchange:
         tenant = claimed if _TENANT_RE.fullmatch(claimed) else rules.tenant.default
         klass = rules.class_for(tenant, objective or None)
         content_type = head.headers.get(CONTENT_TYPE_HEADER)
-        self.request = request = RequestFacts(rule.api, tenant, klass, head.client, content_type=content_type)
+        endpoint = picked_endpoint(head.headers, rules.pool_headers.trust_destination_endpoint)
+        self.request = request = RequestFacts(
+            rule.api, tenant, klass, head.client, content_type=content_type, endpoint=endpoint
+        )
         try:
             deadline = deadline_ms(head.headers)
         except AdmissionError as exc:

@@ -58,6 +58,9 @@ class Deps:
     executor: Executor | None = None
     clock: Clock = monotonic
     kv_budget: Callable[[str], KvBudget | None] = lambda _pool: None
+    # The KV budget of one engine of the pool, under the key its changes are published with; None where the
+    # feed does not know that engine now (the pool's budget then books the request).
+    endpoint_budget: Callable[[str, str], tuple[str, KvBudget] | None] = lambda _pool, _endpoint: None
     budget_changed: Callable[[str], None] = lambda _pool: None
     kv_usage: Callable[[str], float | None] = lambda _pool: None
     engine_tally: Callable[[str], EngineTally | None] = no_tally  # the engines' own counts, from the feed

@@ -137,7 +137,12 @@ def _admission(adm: schema.Admission) -> AdmissionConfig:
     nested = ("tenant", "per_step", "inference_pool")
     fields = {k: v for k, v in adm.model_dump().items() if k not in nested}
     pool = adm.inference_pool
-    headers = PoolHeaders(pool.trust_fairness_id, pool.trust_objective, dict(pool.objectives))
+    headers = PoolHeaders(
+        pool.trust_fairness_id,
+        pool.trust_objective,
+        dict(pool.objectives),
+        pool.trust_destination_endpoint,
+    )
     return AdmissionConfig(
         **fields,
         tenant=tenant,

@@ -131,6 +131,8 @@ class InferencePool(Section):
     trust_fairness_id: Flag = False
     trust_objective: Flag = False
     objectives: dict[AnyKey, Text] = {}
+    # The picker runs before the sidecar: book each request on the KV budget of the engine it picked.
+    trust_destination_endpoint: Flag = False
 
 
 class Admission(Section):

@@ -27,7 +27,8 @@ _BUDGET_IDS = itertools.count()
 
 
 class KvBooking:
-    """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op)."""
+    """A request's footprint in `budget` (None: the pool has no KV budget, and every call is a no-op).
+    `pool` is the budget's key, which `changed` publishes: its pool's, or one engine's (`pool@endpoint`)."""
 
     __slots__ = ("_chunks", "budget", "changed", "clock", "held", "id", "in_order", "pool", "rank", "tenant")
 

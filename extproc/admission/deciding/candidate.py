@@ -37,6 +37,8 @@ class RequestFacts:
     deadline: float | None = None
     deadline_ms: int | None = None
     content_type: str | None = None  # the request's `content-type` header, None without one
+    # The engine the picker chose (`intake/endpoint.py`), where trusted: its KV budget books the request.
+    endpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

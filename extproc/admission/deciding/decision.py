@@ -115,7 +115,9 @@ class Decision:
         default = request.tenant == rules.tenant.default and request.client
         lane = self.tokenizer_lane = f"client:{request.client}" if default else f"tenant:{request.tenant}"
         try:
-            resolved = await resolving.resolve(service, request.api, raw, rules, lane, request.content_type)
+            resolved = await resolving.resolve(
+                service, request.api, raw, rules, lane, request.content_type, request.endpoint
+            )
             self.limit_pool, self.model_label = resolved.limit_pool, resolved.model_label
             resolving.check(resolved, rules)
         except (AdmissionError, LaneFull) as exc:
@@ -131,7 +133,7 @@ class Decision:
         rank = rules.rank_of(request.klass)
         booking = KvBooking(
             resolved.budget,
-            pool,
+            resolved.budget_key,
             request.tenant,
             deps.budget_changed,
             deps.clock,

@@ -30,8 +30,10 @@ OFF_LOOP_PARSE_BYTES = 64 * 1024
 @dataclass(frozen=True, slots=True)
 class Resolved:
     """A parsed request and the model it resolved to: its policy, the pool whose engines serve it (its KV
-    usage and decode pace) and that pool's KV budget (None: none), the pool whose `model:<pool>` limits
-    apply, and the label its metrics carry."""
+    usage and decode pace) and the KV budget that books it (None: none), the pool whose `model:<pool>`
+    limits apply, and the label its metrics carry. The budget is the engine's where the picker named one the
+    feed knows (`budget_key` then names that engine's, `pool@endpoint`), else the pool's (`budget_key` is
+    `pool`)."""
 
     parsed: ParsedRequest
     policy: ModelPolicy
@@ -39,6 +41,7 @@ class Resolved:
     budget: KvBudget | None
     limit_pool: str
     model_label: str
+    budget_key: str
 
 
 async def resolve(
@@ -48,13 +51,15 @@ async def resolve(
     rules: AdmissionRules,
     lane: str,
     content_type: str | None = None,
+    endpoint: str | None = None,
 ) -> Resolved:
     """Parse `raw` (in its API's format, which reads the request's `content_type`), and resolve the requested
     model to its policy, pools and KV budget (404 for a model nobody serves), under the one `rules` the
     decision reads. The engines' pool is the limits' pool, except for a name the config does not know, which
     shares the `models."*"` limits (a client must not mint limits by inventing names) but whose engines the
     feed reports by that name: their budget applies to it (else a config that names no model would run
-    without any KV budget)."""
+    without any KV budget). A request whose picker named its engine (`endpoint`) is booked on that engine's
+    budget where the feed knows it."""
     parse = functools.partial(
         parse_request,
         content_type=content_type,
@@ -78,8 +83,12 @@ async def resolve(
     pool = limit_pool
     if limit_pool == DEFAULT_MODEL and deps.feeds_pool(served_as):
         pool = served_as
-    budget = deps.kv_budget(pool)
-    return Resolved(parsed, policy, pool, budget, limit_pool, rules.model_label(limit_pool))
+    # The engine's budget where the picker named one the feed knows; else the pool's (no picker, or an
+    # engine the feed has not read: the pool's budget holds every engine's KV, so it is the safe reading).
+    key, budget = pool, deps.kv_budget(pool)
+    if endpoint is not None and budget is not None:
+        key, budget = deps.endpoint_budget(pool, endpoint) or (key, budget)
+    return Resolved(parsed, policy, pool, budget, limit_pool, rules.model_label(limit_pool), key)
 
 
 def check(resolved: Resolved, rules: AdmissionRules) -> None:

@@ -37,11 +37,14 @@ class PoolHeaders:
     the fairness id as the tenant and the objective as the class, each only where the operator trusts the
     header (an earlier filter sets it, or the edge strips it from clients), as the tenant header is trusted.
     `objectives` maps an objective's name to a class; an objective it does not name is the class of the same
-    name, if there is one."""
+    name, if there is one. `trust_destination_endpoint`: the picker runs before the sidecar and names the
+    engine (`x-gateway-destination-endpoint`, extproc/admission/intake/endpoint.py), whose KV budget books the
+    request."""
 
     trust_fairness_id: bool = False
     trust_objective: bool = False
     objectives: Mapping[str, str] = field(default_factory=dict)
+    trust_destination_endpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

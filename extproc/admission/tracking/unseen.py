@@ -336,14 +336,15 @@ class UnseenStreams:
     def tick(self) -> None:
         """Follow every admitted request still running: grow its KV-budget footprint at the decode rate (the
         budget cannot see tokens stream here), and cut it when its class's watermark is passed."""
-        pools: set[str] = set()
+        budgets: set[str] = set()  # the keys of the budgets followed: a pool's, or one engine's
         for inflight in self.awaiting_reports():
-            if inflight.admitted.booking.follow(inflight.estimate()):
-                pools.add(inflight.admitted.pool)
+            booking = inflight.admitted.booking
+            if booking.follow(inflight.estimate()):
+                budgets.add(booking.pool)
             cut = self._cuts.get(inflight)
             if cut is not None and not cut.done():
                 refusal = inflight.cut()
                 if refusal is not None:
                     cut.set_result(refusal)
-        for pool in pools:
-            self.service.deps.budget_changed(pool)
+        for key in budgets:
+            self.service.deps.budget_changed(key)

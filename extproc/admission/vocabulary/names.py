@@ -163,6 +163,19 @@ CONTENT_TYPE_HEADER = "content-type"
 """The request header an API's body format reads with the body (admission/vocabulary/body.py `BodyFormat`):
 a multipart form's boundary is in it."""
 
-ATTRIBUTE_HEADERS = (*DEADLINE_HEADERS, *OBJECTIVE_HEADERS, *FAIRNESS_ID_HEADERS, CONTENT_TYPE_HEADER)
+DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+"""The endpoint an inference pool's picker chose, `<ip:port>` or a list `<ip:port>,<ip:port>,...` whose first
+is the primary (kubernetes-sigs/gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol,
+protocol v1.0.0, "Destination Endpoint"). Read only where the sidecar runs after the picker and the operator
+trusts it (`admission.inference_pool.trust_destination_endpoint`): then the request is booked on that
+engine's KV budget (docs/gateways.md)."""
+
+ATTRIBUTE_HEADERS = (
+    *DEADLINE_HEADERS,
+    *OBJECTIVE_HEADERS,
+    *FAIRNESS_ID_HEADERS,
+    CONTENT_TYPE_HEADER,
+    DESTINATION_ENDPOINT_HEADER,
+)
 """Request headers the lean profile's ext_proc filter sends as attributes (`header_attribute`) beside the
 tenant's, so that admission reads them without the header phase."""

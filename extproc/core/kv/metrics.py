@@ -7,6 +7,8 @@ does I/O, the admin server exposes them.
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Gauge
 
 from extproc.core.kv.budget import KvBudget
@@ -146,6 +148,21 @@ class KvBudgetMetrics:
         for tenant, share in shown.items():
             self.attained.labels(pool, tenant).set(share)
         self._tenants_shown[pool] = set(shown)
+
+    def forget(self, pool: str) -> None:
+        """Remove every series of `pool` (a budget dropped: one engine's, gone from the feed)."""
+        single = [self.demand, self.booked, self.unexplained, self.forecasting, self.shared, self.finished]
+        single += [self.headroom, self.budget_tokens, self.peers_booked, self.peers_known]
+        single += [self.fairness, self.claimed]
+        for gauge in single:
+            with contextlib.suppress(KeyError):
+                gauge.remove(pool)
+        for claim in Claim:
+            with contextlib.suppress(KeyError):
+                self.claim.remove(pool, claim.value)
+        for tenant in self._tenants_shown.pop(pool, set()):
+            with contextlib.suppress(KeyError):
+                self.attained.remove(pool, tenant)
 
     def observe_budget(self, pool: str, budget: KvBudget, now: float | None = None) -> None:
         """The budget's gauges as of its last decision or engine sample (`now` says whether it forecasts)."""

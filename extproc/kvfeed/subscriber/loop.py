@@ -31,6 +31,7 @@ from extproc.core.engine.tally import EngineTally
 from extproc.kvfeed.sample import FeedSample, SampleKey
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
 from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper
+from extproc.kvfeed.subscriber.endpoints import EndpointReadings
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
 from extproc.kvfeed.subscriber.served import ServedNames
 from extproc.kvfeed.subscriber.settings import KvMode, SubscriberConfig
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 OnUpdate = Callable[[str, ControllerState], None]
 
 OnSample = Callable[[str, PoolSnapshot, float], None]
+
+OnEngineSample = Callable[[str, str, float], None]
 
 
 def _same(a: ControllerState, b: ControllerState) -> bool:
@@ -69,6 +72,7 @@ class FeedbackLoop:
         kv_aggregation: KvMode = "max",
         sleeper: Sleeper = asyncio.sleep,
         on_sample: OnSample | None = None,
+        on_engine_sample: OnEngineSample | None = None,
     ) -> None:
         if tick_interval <= 0:
             raise ValueError("feedback.tick_interval: must be > 0")
@@ -77,6 +81,7 @@ class FeedbackLoop:
         self._clock = clock
         self._on_update = on_update
         self._on_fresh = on_sample
+        self._on_engine = on_engine_sample
         self._metrics = metrics
         self._tick_interval = tick_interval
         self._kv_mode = kv_aggregation
@@ -85,6 +90,7 @@ class FeedbackLoop:
         self._rejections: dict[SampleKey, float] = {}  # each endpoint's admission-rejection counter
         self._tallies: dict[str, EngineTally] = {}  # per pool: its engines' generation counters
         self._prompted: dict[str, PoolCounter] = {}  # per pool: its engines' prefilled prompt tokens
+        self._engines = EndpointReadings()  # each engine read alone (a picker named it: `endpoints.py`)
         self._tick_task: asyncio.Task[None] | None = None
         self.served = ServedNames(subscriber.forget_after)
         self.subscriber = FeedSubscriber(
@@ -138,6 +144,15 @@ class FeedbackLoop:
         counter = self._prompted.get(pool)
         return counter.total if counter is not None and counter.known else None
 
+    def endpoint_snapshot(self, pool: str, endpoint: str) -> PoolSnapshot | None:
+        """One engine of `pool` read as a pool of one now (`EndpointReadings`); None before its first
+        sample."""
+        return self._engines.snapshot(pool, endpoint, self._clock(), self._stale_after, self._kv_mode)
+
+    def endpoint_prompted(self, pool: str, endpoint: str) -> float | None:
+        """`prompted` for one engine of `pool` alone."""
+        return self._engines.prompted(pool, endpoint)
+
     def engine_tally(self, pool: str) -> EngineTally | None:
         """The pool's generation counters over time; None before a sample of the pool carried one."""
         return self._tallies.get(pool)
@@ -159,6 +174,14 @@ class FeedbackLoop:
             else:
                 state = ctl.observe(snap.kv_usage, snap.requests_waiting, snap.newest_at, now)
             self._publish(pool, before, state)
+
+    def tick(self) -> None:
+        """What time alone moves, every `tick_interval`: endpoints not heard from are forgotten (and what
+        was kept for them), and every pool is evaluated again (staleness, recovery)."""
+        self.subscriber.prune(self._clock())
+        self._forget_endpoints()
+        self.served.prune(self._clock())
+        self.evaluate()
 
     def engine_down_for(self, pool: str) -> float | None:
         """Seconds since the feed first showed every endpoint of `pool` refusing connections, where it has
@@ -211,11 +234,14 @@ class FeedbackLoop:
         self._count_rejections(sample)
         self._tally(sample)
         self._count_prompted(sample)
+        self._engines.observe(sample, self._clock())
         snap = self._snapshots.get(sample.model)
         if self._on_fresh is None or snap is None or snap.stale or not sample.up:
             return
         try:
             self._on_fresh(sample.model, snap, self._clock())
+            if self._on_engine is not None:
+                self._on_engine(sample.model, sample.endpoint, self._clock())
         except Exception:
             log.exception("feedback on_sample failed", extra={"pool": sample.model})
 
@@ -277,6 +303,7 @@ class FeedbackLoop:
         for key in [k for k in self._rejections if k not in known]:
             del self._rejections[key]
         endpoints = {_endpoint(key) for key in known}
+        self._engines.keep({(key[2], key[1]) for key in known})
         for tally in self._tallies.values():
             tally.keep(endpoints)
         for counter in self._prompted.values():
@@ -286,10 +313,7 @@ class FeedbackLoop:
         while True:
             await asyncio.sleep(self._tick_interval)
             try:
-                self.subscriber.prune(self._clock())
-                self._forget_endpoints()
-                self.served.prune(self._clock())
-                self.evaluate()
+                self.tick()
             except Exception:
                 log.exception("feedback tick failed")
 

@@ -97,6 +97,10 @@ class FeedbackMetrics:
         """The budget's gauges as of its last decision or engine sample (`KvBudgetMetrics`)."""
         self.budget.observe_budget(pool, budget, now)
 
+    def forget_budget(self, pool: str) -> None:
+        """Remove a budget's series (an engine's budget the feed forgot: `KvBudgetMetrics.forget`)."""
+        self.budget.forget(pool)
+
     def observe_fairness(self, pool: str, budget: KvBudget, now: float) -> None:
         """The pool's fair-share series as of `now` (`KvBudgetMetrics`)."""
         self.budget.observe_fairness(pool, budget, now)

@@ -61,6 +61,12 @@ def pool_key(pool: str) -> str:
     return f"model:{pool}"
 
 
+def endpoint_key(pool: str, endpoint: str) -> str:
+    """The key of one engine's KV budget (a picker named the engine): its series' `pool` label, and what
+    the replicas sharing a store exchange its figures under."""
+    return f"{pool}@{endpoint}"
+
+
 class FeedbackRuntime:
     def __init__(
         self,
@@ -121,6 +127,7 @@ class FeedbackRuntime:
             metrics=self.metrics,
             kv_aggregation=config.kv_aggregation,
             on_sample=self._on_sample,
+            on_engine_sample=self._on_engine_sample,
         )
         await self.loop.start()
         # Controllers start stale; "no change" is never reported for them, so push their scale now.
@@ -167,6 +174,29 @@ class FeedbackRuntime:
             if self._fleet is not None:
                 self._fleet.runs_changed(pool)
             return
+        prompted = self.loop.prompted(pool) if self.loop is not None else None
+        self._observe(pool, pool, budget, snapshot, now, prompted)
+        self._forget_engines(pool)
+
+    def _on_engine_sample(self, pool: str, endpoint: str, now: float) -> None:
+        """A fresh sample of one engine whose budget books what a picker sent it: that budget reads it."""
+        key = endpoint_key(pool, endpoint)
+        budget = self._budgets.get(key)
+        snapshot = self.loop.endpoint_snapshot(pool, endpoint) if self.loop is not None else None
+        if budget is None or snapshot is None or snapshot.stale or self.loop is None:
+            return
+        self._observe(pool, key, budget, snapshot, now, self.loop.endpoint_prompted(pool, endpoint))
+
+    def _observe(
+        self,
+        pool: str,
+        key: str,
+        budget: KvBudget,
+        snapshot: PoolSnapshot,
+        now: float,
+        prompted: float | None,
+    ) -> None:
+        """`budget` (under `key`: its pool's, or one engine's) reads `snapshot`, its engines' state now."""
         if snapshot.kv_capacity_tokens is not None:
             budget.set_capacity(snapshot.kv_capacity_tokens)
         budget.set_replicas(snapshot.endpoints_known)
@@ -176,15 +206,41 @@ class FeedbackRuntime:
         waiting = snapshot.requests_waiting if snapshot.waiting_known else None
         running = snapshot.requests_running if snapshot.running_known else None
         budget.observe_fed_pace(snapshot.decode_tokens_per_second, running)
-        prompted = self.loop.prompted(pool) if self.loop is not None else None
         stale_after = adaptive.stale_after_seconds
         used = snapshot.kv_used_tokens
         used = None if used is None else used + snapshot.kv_spread_tokens  # as full as its fullest engine
         budget.observe_engine(used, now, stale_after, waiting, running, prompted)
         if self._fleet is not None:
-            self._fleet.changed(pool, budget)
-        self.metrics.observe_budget(pool, budget, now)
-        self.metrics.observe_fairness(pool, budget, now)
+            self._fleet.changed(key, budget)
+        self.metrics.observe_budget(key, budget, now)
+        self.metrics.observe_fairness(key, budget, now)
+
+    def _forget_engines(self, pool: str) -> None:
+        """Drop the budgets of `pool`'s engines the feed no longer knows and no request holds, with their
+        series: pod addresses change with every rollout, and the budgets and labels must not pile up."""
+        prefix = endpoint_key(pool, "")
+        for key in [k for k in self._budgets if k.startswith(prefix)]:
+            endpoint = key[len(prefix) :]
+            known = self.loop is not None and self.loop.endpoint_snapshot(pool, endpoint) is not None
+            if not known and self._budgets[key].leases == 0:
+                del self._budgets[key]
+                self.metrics.forget_budget(key)
+
+    def endpoint_budget(self, pool: str, endpoint: str) -> tuple[str, KvBudget] | None:
+        """The KV budget of one engine of `pool`, which books the requests a picker sent it, and its key
+        (`endpoint_key`); None where the pool has no budget or the feed has no fresh reading of that
+        engine (the pool's budget books the request then). Only engines the feed reads get one, so a header
+        value cannot grow memory or metric labels."""
+        if self.budget(pool) is None or self.loop is None:
+            return None
+        snapshot = self.loop.endpoint_snapshot(pool, endpoint)
+        if snapshot is None or snapshot.stale:
+            return None
+        key = endpoint_key(pool, endpoint)
+        budget = self._budgets.get(key)
+        if budget is None:
+            budget = self._budgets[key] = self._new_budget(snapshot.kv_capacity_tokens)
+        return key, budget
 
     def budget(self, pool: str) -> KvBudget | None:
         """The pool's KV-token budget; None when budgets are off or the feed does not know the pool.
@@ -199,20 +255,26 @@ class FeedbackRuntime:
         if budget is None and (self.loop is None or self.loop.state(pool) is None):
             return None
         if budget is None:
-            budget = KvBudget(
-                target_utilization=settings.target_utilization,
-                capacity_share=settings.capacity_share,
-                booking=BookingMode(settings.booking),
-                prefix_sharing=settings.prefix_sharing,
-                min_completion_ratio=settings.min_completion_ratio,
-                unconfirmed_share=settings.unconfirmed_share,
-                fairness=fair_share(settings),
-            )
-            if self.loop is not None:
-                budget.set_capacity(self.loop.capacity_tokens(pool))
-            if self._fleet is not None:
-                budget.share_through_store(self._fallback_share)
-            self._budgets[pool] = budget
+            capacity = self.loop.capacity_tokens(pool) if self.loop is not None else None
+            budget = self._budgets[pool] = self._new_budget(capacity)
+        return budget
+
+    def _new_budget(self, capacity: int | None) -> KvBudget:
+        """A budget as `kv_budget` sets it, of `capacity` tokens, shared with the other replicas where a
+        store is."""
+        settings = self._config.kv_budget
+        budget = KvBudget(
+            target_utilization=settings.target_utilization,
+            capacity_share=settings.capacity_share,
+            booking=BookingMode(settings.booking),
+            prefix_sharing=settings.prefix_sharing,
+            min_completion_ratio=settings.min_completion_ratio,
+            unconfirmed_share=settings.unconfirmed_share,
+            fairness=fair_share(settings),
+        )
+        budget.set_capacity(capacity)
+        if self._fleet is not None:
+            budget.share_through_store(self._fallback_share)
         return budget
 
     def served_as(self, model: str, rules: ServedPolicy) -> str | None:

@@ -76,13 +76,17 @@ async def test_a_cold_slot_refusal_is_told_when_the_full_batch_ends() -> None:
 
 
 class Signals:
-    """The KV feed's signals with one pool's budget and no pace from the engines yet."""
+    """The KV feed's signals with one pool's budget, one engine's, and no pace from the engines yet."""
 
     def __init__(self) -> None:
         self.pool = KvBudget(capacity_tokens=1000)
+        self.engine = KvBudget(capacity_tokens=500)
 
     def budget(self, pool: str) -> KvBudget | None:
         return self.pool
+
+    def endpoint_budget(self, pool: str, endpoint: str) -> tuple[str, KvBudget] | None:
+        return f"{pool}@{endpoint}", self.engine
 
     def budget_changed(self, pool: str) -> None:
         pass
@@ -115,6 +119,8 @@ def test_every_budget_admission_reads_knows_the_assumed_pace() -> None:
         lambda: admission_rules(CONFIG), LocalStore(clock=clock), clock, Metrics(), signals=signals
     )
     admission.service.paces.default_tokens_per_second = 25.0
-    assert signals.pool.hint_rate() is None
+    assert signals.pool.hint_rate() is None and signals.engine.hint_rate() is None
     assert admission.service.deps.kv_budget("m") is signals.pool
     assert signals.pool.hint_rate() == 25.0
+    assert admission.service.deps.endpoint_budget("m", "10.0.0.2:8000") == ("m@10.0.0.2:8000", signals.engine)
+    assert signals.engine.hint_rate() == 25.0

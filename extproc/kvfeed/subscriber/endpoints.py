@@ -1,0 +1,66 @@
+"""One engine of a pool read on its own: what a KV budget that books that engine alone is fed.
+
+Where an inference pool's picker runs before the sidecar and names the engine a request goes to
+(extproc/admission/intake/endpoint.py), the request is booked on that engine's KV budget, not the pool's:
+a picker that concentrates work on one engine (a popular prefix) fills that engine while the pool's sum has
+room. Such a budget reads its engine as a pool of one: the engine's newest sample aggregated alone (its
+capacity, KV in use, running and waiting, pace, block size) and its own prompt counter, the evidence the
+downward correction takes (`KvBudget.observe_engine`). Pure: the caller passes `now`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Set
+
+from extproc.core.engine.counter import PoolCounter
+from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, StoredSample, aggregate
+from extproc.kvfeed.subscriber.settings import KvMode
+
+EngineKey = tuple[str, str]  # (pool, endpoint)
+
+
+class EndpointReadings:
+    """The newest sample and the prompt counter of every engine the feed reads, by pool and endpoint."""
+
+    __slots__ = ("_latest", "_prompted")
+
+    def __init__(self) -> None:
+        self._latest: dict[EngineKey, StoredSample] = {}
+        self._prompted: dict[EngineKey, PoolCounter] = {}
+
+    def observe(self, sample: FeedSample, received_at: float) -> None:
+        """A sample the subscriber stored: the engine's newest, and its prompt counter's reading (a down
+        sample, or one without the counter, makes the next reading a new baseline)."""
+        key = (sample.model, sample.endpoint)
+        self._latest[key] = StoredSample(sample, received_at)
+        value = sample.prompt_tokens_total
+        counter = self._prompted.get(key)
+        if not sample.up or value is None:
+            if counter is not None:
+                counter.forget(sample.endpoint)
+            return
+        if counter is None:
+            counter = self._prompted[key] = PoolCounter()
+        counter.observe(sample.endpoint, value)
+
+    def snapshot(
+        self, pool: str, endpoint: str, now: float, stale_after: Callable[[str], float], kv_mode: KvMode
+    ) -> PoolSnapshot | None:
+        """The engine read as a pool of one at `now` (stale when its newest sample is), None unknown."""
+        stored = self._latest.get((pool, endpoint))
+        if stored is None:
+            return None
+        return aggregate((stored,), now, stale_after, kv_mode).get(pool)
+
+    def prompted(self, pool: str, endpoint: str) -> float | None:
+        """The prompt tokens the engine prefilled since the feed first read it; None without a reading."""
+        counter = self._prompted.get((pool, endpoint))
+        return counter.total if counter is not None and counter.known else None
+
+    def keep(self, known: Set[EngineKey]) -> None:
+        """Forget every engine not in `known` (the subscriber forgot it): memory follows the fleet."""
+        for key in [k for k in self._latest if k not in known]:
+            del self._latest[key]
+        for key in [k for k in self._prompted if k not in known]:
+            del self._prompted[key]

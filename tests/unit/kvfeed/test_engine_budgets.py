@@ -1,0 +1,128 @@
+"""One KV budget per engine where a picker names the engine: fed that engine's readings alone, made only
+for engines the feed reads, and dropped with its series once the feed forgets the engine and nothing holds
+it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from extproc.config import parse_config
+from extproc.kvfeed.engines import ServerKind
+from extproc.kvfeed.sample import FeedSample
+from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
+
+FEED = {"direct_targets": [{"url": "http://127.0.0.1:1/metrics", "kind": "vllm", "model": "m"}]}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sample(endpoint: str, kv: float, cap: int = 1000, t: float = 1.0, running: float = 0.0) -> FeedSample:
+    return FeedSample("node", endpoint, "m", ServerKind.VLLM, kv, 0.0, running, 0.0, cap, t, True)
+
+
+async def engine_runtime(clock: Clock) -> FeedbackRuntime:
+    """A runtime whose budgets book 0.9 of their cache, fair shares off: the caller stops it."""
+    registry = CollectorRegistry()
+    runtime = FeedbackRuntime(registry, lambda key, scale: None, clock)
+    budget_config = {"enabled": True, "target_utilization": 0.9, "fair_shares": False}
+    await runtime.apply(parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback, ["m"])
+    return runtime
+
+
+def test_an_engine_budget_reads_its_engine_alone() -> None:
+    """Engines at 0.8 and 0.1 of 1,000 tokens each: the pool's budget reads the pool as full as its fullest
+    (1,600 of 2,000), the emptier engine's reads 100 of 1,000, so 800 more fit there (900 less 100), while
+    the pool's budget has 200 left (1,800 less 1,600)."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = await engine_runtime(clock)
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample("10.0.0.1:8000", 0.8))
+            runtime.loop.subscriber.ingest(sample("10.0.0.2:8000", 0.1))
+            pool = runtime.budget("m")
+            assert pool is not None and pool.capacity_tokens == 2000
+            found = runtime.endpoint_budget("m", "10.0.0.2:8000")
+            assert found is not None
+            key, engine = found
+            assert key == "m@10.0.0.2:8000" and engine is not pool
+            assert engine.capacity_tokens == 1000
+            # (Each holds a request first: a budget with nothing admitted admits anything, `would_fit`.)
+            pool.admit("p", 90, 10, now=clock.now)
+            assert pool.would_fit(90, 10, now=clock.now) == (True, 100)
+            assert not pool.would_fit(700, 100, now=clock.now)[0]
+            runtime.loop.subscriber.ingest(sample("10.0.0.2:8000", 0.1, t=2.0))  # its budget reads it
+            assert engine.unexplained_tokens == 100
+            engine.admit("e", 90, 10, now=clock.now)
+            assert engine.would_fit(600, 100, now=clock.now) == (True, 700)
+            assert not engine.would_fit(700, 101, now=clock.now)[0]
+            # The other engine's samples move the pool's budget, never this one's.
+            runtime.loop.subscriber.ingest(sample("10.0.0.1:8000", 0.3, t=2.0))
+            assert engine.unexplained_tokens == 100
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+
+
+def test_only_engines_the_feed_reads_get_a_budget() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = await engine_runtime(clock)
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
+            assert runtime.endpoint_budget("m", "10.9.9.9:8000") is None  # not in the feed: the pool's
+            assert runtime.endpoint_budget("other", "10.0.0.1:8000") is None  # a pool without a budget
+            assert runtime.endpoint_budget("m", "10.0.0.1:8000") is not None
+            clock.now += 60.0  # its samples stale: the pool's budget books again
+            assert runtime.endpoint_budget("m", "10.0.0.1:8000") is None
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_the_feed_forgot_loses_its_budget_and_series_once_nothing_holds_it() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        registry = CollectorRegistry()
+        runtime = FeedbackRuntime(registry, lambda key, scale: None, clock)
+        budget_config = {"enabled": True, "fair_shares": False}
+        await runtime.apply(parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback, ["m"])
+        try:
+            loop = runtime.loop
+            assert loop is not None
+            loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
+            loop.subscriber.ingest(sample("10.0.0.2:8000", 0.2))
+            found = runtime.endpoint_budget("m", "10.0.0.1:8000")
+            assert found is not None
+            key, engine = found
+            engine.admit("r", 100, 10, now=clock.now)
+            runtime.budget_changed(key)
+            labels = {"pool": key}
+            assert registry.get_sample_value("extproc_kv_demand_tokens", labels) == 110
+
+            clock.now += loop.subscriber.config.forget_after + 1
+            loop.subscriber.ingest(sample("10.0.0.2:8000", 0.2, t=9e3))  # only this one still publishes
+            loop.tick()  # the subscriber forgets the silent engine, and the loop with it
+            loop.subscriber.ingest(sample("10.0.0.2:8000", 0.2, t=9e3 + 1))
+            assert runtime.endpoint_budget("m", "10.0.0.1:8000") is None
+            assert registry.get_sample_value("extproc_kv_demand_tokens", labels) == 110  # still held
+
+            engine.release("r")
+            loop.subscriber.ingest(sample("10.0.0.2:8000", 0.2, t=9e3 + 2))
+            assert registry.get_sample_value("extproc_kv_demand_tokens", labels) is None
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
