@@ -29,7 +29,9 @@ from bench.common import write_json
 from bench.protection import trace as tr
 from bench.protection.offline import Policy, Replay, policy_for
 from bench.protection.run import Deployment, size_limits
-from extproc.core.limiter.limiter import LimitSpec
+from extproc.core.kv.budget import KvBudget
+from extproc.core.kv.prefix import NO_CHUNKS, PromptChunks
+from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.kvfeed.subscriber.aggregate import spread_tokens
 from extproc.sim.kvcache import BlockPool
 from extproc.sim.scheduler import Scheduler, SchedulerConfig, StepResult, StepTiming
@@ -43,6 +45,11 @@ BALANCERS = ("round_robin", "least_request", "random", "skewed")
 fewest requests in it: with two engines Envoy's two random choices see both); `random`: a ClusterIP Service,
 where Envoy sees one address and kube-proxy picks an engine per new connection; `skewed`: a picker that
 concentrates (`SKEW` of the requests on the first engine, as prefix-aware routing does with a hot prefix)."""
+
+
+READS = ("sum", "fullest", "engine")
+"""What the budget books against: the pool's summed KV in use, that sum plus the spread (the feed's default
+`kv_aggregation: max`), or each engine's own, the request checked against the engine the picker named."""
 
 
 class Engines:
@@ -62,9 +69,11 @@ class Engines:
         self.now = 0.0
         self.pending: list[tuple[float, int, StepResult]] = []  # (end, engine, result): steps under way
         self.peaks = [0.0] * count
+        self.picked: int | None = None  # the engine a picker chose before admission (`pick`), if any
 
-    def add(self, seq: SimSequence) -> None:
-        """Route the sequence as the balancer would: in turn, or to the engine with the fewest requests."""
+    def pick(self) -> int:
+        """The engine the balancer would send a request to now: in turn, at random, mostly the first
+        (`skewed`), or the one with the fewest requests."""
         if self.balancer == "round_robin":
             index = self.turn % len(self.engines)
             self.turn += 1
@@ -75,6 +84,12 @@ class Engines:
             index = 0 if self.random.random() < SKEW else others
         else:
             index = min(range(len(self.engines)), key=lambda i: self._requests(i))
+        return index
+
+    def add(self, seq: SimSequence) -> None:
+        """Route the sequence to the engine picked before its admission, else as the balancer would now."""
+        index = self.pick() if self.picked is None else self.picked
+        self.picked = None
         self.engines[index].add(seq)
 
     def _requests(self, index: int) -> int:
@@ -117,7 +132,10 @@ class Engines:
 
 
 class PoolReplay(Replay):
-    """`Replay` against `Engines`, its budget fed the pool's sum, or that and the spread (`fullest`)."""
+    """`Replay` against `Engines`, its budget fed the pool's sum, or that and the spread (`fullest`); or
+    (`reads="engine"`) the picker chooses the engine first and each engine has a budget of its own, fed
+    that engine's readings alone, as the sidecar books behind a picker it trusts
+    (`admission.inference_pool.trust_destination_endpoint`)."""
 
     def __init__(
         self,
@@ -126,15 +144,51 @@ class PoolReplay(Replay):
         policy: Policy,
         rate: float,
         balancer: str,
-        fullest: bool,
+        reads: str,
         engines: int = ENGINES,
     ) -> None:
         super().__init__(trace, dep, policy, rate)
         self.pool = Engines(engines, dep, balancer)
         self.sched = self.pool  # type: ignore[assignment]  # one scheduler's interface, several engines
-        self.fullest = fullest
+        self.fullest = reads == "fullest"
+        self.budgets: list[KvBudget] = []
+        self.engine_of: dict[int, int] = {}  # a request's engine, where each engine has its budget
         if self.budget is not None:
             self.budget.set_capacity(dep.kv_tokens * engines)
+        if reads == "engine" and policy.budget is not None:
+            self.budgets = [policy.budget(dep.kv_tokens) for _ in range(engines)]
+            for budget in self.budgets:
+                budget.set_block_tokens(dep.block_size)
+
+    def _sample(self, now: float) -> None:
+        """The feed: each engine's own reading to its own budget, where each has one."""
+        policy = self.policy
+        if not self.budgets or policy is None or now < self.next_sample:
+            super()._sample(now)
+            return
+        budgets, self.budgets, self.budget = self.budgets, [], None
+        super()._sample(now)  # the adaptive scale alone
+        self.budgets, self.budget = budgets, budgets[0]
+        for engine, budget in zip(self.pool.engines, budgets, strict=True):
+            used = engine.kv_usage * self.dep.kv_tokens
+            budget.observe_engine(used, now, policy.fresh_for_s, float(len(engine.waiting)))
+
+    def _admit(
+        self, ident: str, prompt: int, max_tokens: int, now: float, chunks: PromptChunks = NO_CHUNKS
+    ) -> Lease | str | None:
+        """The picker first, where each engine has its budget: the request is checked against the budget
+        of the engine it will run on."""
+        if not self.budgets:
+            return super()._admit(ident, prompt, max_tokens, now, chunks)
+        index = self.pool.picked = self.pool.pick()
+        self.budget = self.budgets[index]
+        self.engine_of[int(ident.split(".")[0])] = index
+        return super()._admit(ident, prompt, max_tokens, now, chunks)
+
+    def _emitted(self, seq: SimSequence, now: float) -> None:
+        if self.budgets:
+            self.budget = self.budgets[self.engine_of[seq.seq_id]]
+        super()._emitted(seq, now)
 
     def _kv_used_tokens(self) -> float:
         """The pool's summed use, and with `fullest` its spread (the feed's `kv_aggregation: max`)."""
@@ -176,15 +230,15 @@ def pooled(policy: Policy, engines: int) -> Policy:
     return replace(policy, limits=scaled)
 
 
-def replay(trace: list[tr.TraceRequest], name: str, engines: int, balancer: str, fullest: bool) -> Row:
+def replay(trace: list[tr.TraceRequest], name: str, engines: int, balancer: str, reads: str) -> Row:
     """One row: `trace` at `RATE` per engine through `engines` behind `balancer`, the shipped forecast
-    budget fed the pool's sum or its fullest endpoint's reading."""
+    budget fed the pool's sum (`sum`) or its fullest endpoint's reading (`fullest`), or one budget per
+    engine behind a picker that names the engine first (`engine`)."""
     dep = Deployment()
     policy = policy_for("feedback", size_limits(dep, trace), dep.max_model_len)
     assert policy is not None
-    run = PoolReplay(trace, dep, pooled(policy, engines), RATE * engines, balancer, fullest, engines)
+    run = PoolReplay(trace, dep, pooled(policy, engines), RATE * engines, balancer, reads, engines)
     out = run.run()
-    reads = "fullest" if fullest else "sum"
     peaks = tuple(round(peak, 3) for peak in run.pool.peaks)
     return Row(
         name,
@@ -214,10 +268,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     rows = []
     for name in ("conv", "code"):
         trace = tr.window(tr.load(directory, (name,)), tr.TRACE_START_S, args.requests)
-        runs = [(1, "round_robin", False)]  # one engine alone at the same load per engine
-        runs += [(args.engines, balancer, fullest) for balancer in BALANCERS for fullest in (False, True)]
-        for engines, balancer, fullest in runs:
-            row = replay(trace, name, engines, balancer, fullest)
+        runs = [(1, "round_robin", "sum")]  # one engine alone at the same load per engine
+        runs += [(args.engines, balancer, reads) for balancer in BALANCERS for reads in READS]
+        for engines, balancer, reads in runs:
+            row = replay(trace, name, engines, balancer, reads)
             print(row.line(), flush=True)
             rows.append(asdict(row))
     result = {"requests": args.requests, "engines": args.engines, "rate_per_engine": RATE, "rows": rows}
