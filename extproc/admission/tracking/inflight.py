@@ -139,7 +139,7 @@ class InFlight:
         admitted.booking.when_engine_done(self.engine_done)
         request = admitted.request
         sequences = request.sequences * request.prompt_count
-        tally = service.deps.engine_tally(admitted.pool)
+        tally = service.deps.engine_tally(admitted.booking.pool)  # its engine's, where it was booked there
         self.run = EngineRun(tally, admitted.lease.lease_id, admitted.admitted_at, sequences)
 
     def await_report(self, key: str, forget: Callable[[str], None]) -> None:

@@ -5,7 +5,13 @@ Where an inference pool's picker runs before the sidecar and names the engine a 
 a picker that concentrates work on one engine (a popular prefix) fills that engine while the pool's sum has
 room. Such a budget reads its engine as a pool of one: the engine's newest sample aggregated alone (its
 capacity, KV in use, running and waiting, pace, block size) and its own prompt counter, the evidence the
-downward correction takes (`KvBudget.observe_engine`). Pure: the caller passes `now`.
+downward correction takes (`KvBudget.observe_engine`). And what such a request is charged where its answer was
+not seen whole comes from that engine's generation counter alone (`tally`): the pool's tally splits every
+engine's growth between every run, a picked request's only between the runs on its engine.
+
+An engine's tally is made at the first request booked there, not for every engine the feed reads (each holds
+up to `tally.MAX_POINTS` points), and starts from the engine's newest sample, so that first request's run
+begins after a reading. Pure: the caller passes `now`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Set
 
 from extproc.core.engine.counter import PoolCounter
+from extproc.core.engine.tally import EngineTally
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, StoredSample, aggregate
 from extproc.kvfeed.subscriber.settings import KvMode
@@ -23,17 +30,21 @@ EngineKey = tuple[str, str]  # (pool, endpoint)
 class EndpointReadings:
     """The newest sample and the prompt counter of every engine the feed reads, by pool and endpoint."""
 
-    __slots__ = ("_latest", "_prompted")
+    __slots__ = ("_latest", "_prompted", "_tallies")
 
     def __init__(self) -> None:
         self._latest: dict[EngineKey, StoredSample] = {}
         self._prompted: dict[EngineKey, PoolCounter] = {}
+        self._tallies: dict[EngineKey, EngineTally] = {}
 
     def observe(self, sample: FeedSample, received_at: float) -> None:
-        """A sample the subscriber stored: the engine's newest, and its prompt counter's reading (a down
-        sample, or one without the counter, makes the next reading a new baseline)."""
+        """A sample the subscriber stored: the engine's newest, its prompt counter's reading (a down sample,
+        or one without the counter, makes the next reading a new baseline), and its tally's, if it has one."""
         key = (sample.model, sample.endpoint)
         self._latest[key] = StoredSample(sample, received_at)
+        tally = self._tallies.get(key)
+        if tally is not None:
+            _tally(tally, sample, received_at)
         value = sample.prompt_tokens_total
         counter = self._prompted.get(key)
         if not sample.up or value is None:
@@ -58,9 +69,32 @@ class EndpointReadings:
         counter = self._prompted.get((pool, endpoint))
         return counter.total if counter is not None and counter.known else None
 
+    def tally(self, pool: str, endpoint: str) -> EngineTally | None:
+        """The engine's generation counter over time, made at the first ask from its newest sample; None
+        for an engine the feed has not read."""
+        key = (pool, endpoint)
+        tally = self._tallies.get(key)
+        stored = self._latest.get(key)
+        if tally is None and stored is not None:
+            tally = self._tallies[key] = EngineTally()
+            _tally(tally, stored.sample, stored.received_at)
+        return tally
+
     def keep(self, known: Set[EngineKey]) -> None:
         """Forget every engine not in `known` (the subscriber forgot it): memory follows the fleet."""
-        for key in [k for k in self._latest if k not in known]:
-            del self._latest[key]
-        for key in [k for k in self._prompted if k not in known]:
-            del self._prompted[key]
+        for held in (self._latest, self._prompted, self._tallies):
+            for key in [k for k in held if k not in known]:
+                del held[key]
+
+
+def _tally(tally: EngineTally, sample: FeedSample, received_at: float) -> None:
+    """One reading into an engine's tally, as `FeedbackLoop._tally` takes one into a pool's: a down sample
+    changes nothing, one without the counter or the running count makes the next a new baseline."""
+    if not sample.up:
+        return
+    generated, running = sample.generation_tokens_total, sample.requests_running
+    if generated is None or running is None:
+        tally.forget(sample.endpoint)
+        return
+    waiting = sample.requests_waiting if sample.requests_waiting is not None else 0.0
+    tally.observe(sample.endpoint, generated, running, received_at, waiting)

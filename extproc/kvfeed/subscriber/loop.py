@@ -153,6 +153,10 @@ class FeedbackLoop:
         """`prompted` for one engine of `pool` alone."""
         return self._engines.prompted(pool, endpoint)
 
+    def endpoint_tally(self, pool: str, endpoint: str) -> EngineTally | None:
+        """`engine_tally` for one engine of `pool` alone (`EndpointReadings.tally`)."""
+        return self._engines.tally(pool, endpoint)
+
     def engine_tally(self, pool: str) -> EngineTally | None:
         """The pool's generation counters over time; None before a sample of the pool carried one."""
         return self._tallies.get(pool)

@@ -81,6 +81,7 @@ class FeedbackRuntime:
         self._pools: tuple[str, ...] = ()
         self.loop: FeedbackLoop | None = None
         self._budgets: dict[str, KvBudget] = {}
+        self._engines: dict[str, tuple[str, str]] = {}  # an engine's budget key -> its (pool, endpoint)
         self._scaled: set[str] = set()
         self._fleet: FleetExchange | None = None
         self._fallback_share = 1.0
@@ -224,6 +225,7 @@ class FeedbackRuntime:
             known = self.loop is not None and self.loop.endpoint_snapshot(pool, endpoint) is not None
             if not known and self._budgets[key].leases == 0:
                 del self._budgets[key]
+                self._engines.pop(key, None)
                 self.metrics.forget_budget(key)
 
     def endpoint_budget(self, pool: str, endpoint: str) -> tuple[str, KvBudget] | None:
@@ -240,6 +242,7 @@ class FeedbackRuntime:
         budget = self._budgets.get(key)
         if budget is None:
             budget = self._budgets[key] = self._new_budget(snapshot.kv_capacity_tokens)
+            self._engines[key] = (pool, endpoint)
         return key, budget
 
     def budget(self, pool: str) -> KvBudget | None:
@@ -313,10 +316,14 @@ class FeedbackRuntime:
         fresh one: the fallback of `PoolPaces` while the pool has no pace learned from its streams."""
         return self.loop.decode_tokens_per_second(pool) if self.loop is not None else None
 
-    def engine_tally(self, pool: str) -> EngineTally | None:
-        """The pool's engines' generation counters over time (`core.engine_tally`), None without them: what
-        admission counts a request whose answer was not seen whole with."""
-        return self.loop.engine_tally(pool) if self.loop is not None else None
+    def engine_tally(self, key: str) -> EngineTally | None:
+        """The generation counters over time (`core.engine_tally`) of the pool's engines, or of one engine
+        where `key` is the key of its budget (`endpoint_budget`: the request was booked there), None
+        without them: what admission counts a request whose answer was not seen whole with."""
+        if self.loop is None:
+            return None
+        engine = self._engines.get(key)
+        return self.loop.engine_tally(key) if engine is None else self.loop.endpoint_tally(*engine)
 
     def engine_down_for(self, pool: str) -> float | None:
         """How long (seconds) the feed has shown no live endpoint of `pool` (`FeedbackLoop.engine_down_for`);

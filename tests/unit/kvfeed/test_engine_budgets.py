@@ -126,3 +126,42 @@ def test_an_engine_the_feed_forgot_loses_its_budget_and_series_once_nothing_hold
             await runtime.stop()
 
     asyncio.run(scenario())
+
+
+def counted(endpoint: str, generated: float, running: float, t: float) -> FeedSample:
+    """A sample with the engine's generation counter and running count (what a tally reads)."""
+    return FeedSample(
+        "node", endpoint, "m", ServerKind.VLLM, 0.1, 0.0, running, 0.0, 1000, t, True,
+        generation_tokens_total=generated,
+    )  # fmt: skip
+
+
+def test_a_request_booked_on_an_engine_is_counted_from_that_engine_alone() -> None:
+    """Engine a generates 100 tokens over two seconds for one running request, engine b 900 for three of
+    its own: the pool's tally splits 1,000 over four runs, engine a's gives its one request a's 100. Its
+    tally, made at the first ask, starts from a's newest sample, so a request admitted then is counted."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = await engine_runtime(clock)
+        try:
+            loop = runtime.loop
+            assert loop is not None
+            for endpoint, generated in (("10.0.0.1:8000", 500.0), ("10.0.0.2:8000", 2000.0)):
+                loop.subscriber.ingest(counted(endpoint, generated, 0.0, 1.0))
+            found = runtime.endpoint_budget("m", "10.0.0.1:8000")
+            assert found is not None
+            key = found[0]
+            tally = runtime.engine_tally(key)
+            assert tally is not None and tally is not runtime.engine_tally("m")
+            start = clock.now
+            tally.begin("r", start, 1)
+            clock.now += 2.0
+            loop.subscriber.ingest(counted("10.0.0.1:8000", 600.0, 1.0, 2.0))
+            loop.subscriber.ingest(counted("10.0.0.2:8000", 2900.0, 3.0, 2.0))
+            assert tally.count(start, clock.now, 1, key="r") == 100
+            assert runtime.engine_tally(key) is tally  # one per engine, kept
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
