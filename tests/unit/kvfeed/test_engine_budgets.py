@@ -9,6 +9,7 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from extproc.config import parse_config
+from extproc.core.kv.fleet import Peers
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
@@ -161,6 +162,51 @@ def test_a_request_booked_on_an_engine_is_counted_from_that_engine_alone() -> No
             loop.subscriber.ingest(counted("10.0.0.2:8000", 2900.0, 3.0, 2.0))
             assert tally.count(start, clock.now, 1, key="r") == 100
             assert runtime.engine_tally(key) is tally  # one per engine, kept
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+
+
+class Board:
+    """A `KvBoard` with no other replica, recording what each key published."""
+
+    def __init__(self) -> None:
+        self.kv: list[str] = []
+        self.runs: list[str] = []
+
+    async def exchange(self, pool: str, share: object) -> Peers:
+        self.kv.append(pool)
+        return Peers()
+
+    async def exchange_runs(self, pool: str, figures: object) -> dict[str, object]:
+        self.runs.append(pool)
+        return {}
+
+
+def test_replicas_sharing_a_store_exchange_an_engine_budget_under_its_key() -> None:
+    """Another replica's requests picked to the same engine are in that engine's figures: each replica's
+    engine budget goes out under the engine's key, with its engine tally's runs."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = FeedbackRuntime(CollectorRegistry(), lambda key, scale: None, clock)
+        board = Board()
+        runtime.share_through(board, 0.5)  # type: ignore[arg-type]
+        budget_config = {"enabled": True, "fair_shares": False}
+        await runtime.apply(parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback, ["m"])
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(counted("10.0.0.1:8000", 100.0, 0.0, 1.0))
+            found = runtime.endpoint_budget("m", "10.0.0.1:8000")
+            assert found is not None
+            key, engine = found
+            assert engine.fleet.shared  # it divides the engine with the other replicas, as a pool's does
+            engine.admit("r", 100, 10, now=clock.now)
+            runtime.budget_changed(key)
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert key in board.kv and key in board.runs
         finally:
             await runtime.stop()
 
