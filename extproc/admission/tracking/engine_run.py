@@ -37,28 +37,38 @@ under what passed is lifted to it (`EngineRun.charge`)."""
 
 
 class EngineRun:
-    """One request's `sequences` in its pool's tally from `start` (None: the pool has no tally)."""
+    """One request's `sequences` in its pool's tally from `start` (None: the pool has no tally), or in its
+    engine's where a picker named the engine: then also in the pool's (`beside`), which counts it as a run it
+    knows, not among the others' room that the pool's own requests might be charged for."""
 
-    def __init__(self, tally: EngineTally | None, key: Hashable, start: float, sequences: int) -> None:
+    def __init__(
+        self,
+        tally: EngineTally | None,
+        key: Hashable,
+        start: float,
+        sequences: int,
+        beside: EngineTally | None = None,
+    ) -> None:
         self.tally = tally
         self.key = key
         self.start = start
         self.sequences = sequences
         self.ran_on = 0.0  # what the engine ran on past the request's count (`count`), charged with it
         self.ran_on_charged = 0  # what of it the charge holds (`charge`: within the reservation)
-        if tally is not None:
-            tally.begin(key, start, sequences)
+        self._told = tuple(t for t in (tally, beside) if t is not None)  # the tallies its run is told to
+        for told in self._told:
+            told.begin(key, start, sequences)
 
     def end(self, at: float) -> None:
         """The engine is done with the request (it ended on the proxy, settled, or the feed found it done);
         the first call only counts."""
-        if self.tally is not None:
-            self.tally.end(self.key, at)
+        for told in self._told:
+            told.end(self.key, at)
 
     def ran_until(self, at: float) -> None:
         """The engine ran the request until `at`, later than its end was told (`EngineTally.ran_until`)."""
-        if self.tally is not None:
-            self.tally.ran_until(self.key, at)
+        for told in self._told:
+            told.ran_until(self.key, at)
 
     def stopped_at(self, ended: float) -> float:
         """When the engine stopped the request that `ended` on the proxy: the end it was told first (the

@@ -139,8 +139,10 @@ class InFlight:
         admitted.booking.when_engine_done(self.engine_done)
         request = admitted.request
         sequences = request.sequences * request.prompt_count
-        tally = service.deps.engine_tally(admitted.booking.pool)  # its engine's, where it was booked there
-        self.run = EngineRun(tally, admitted.lease.lease_id, admitted.admitted_at, sequences)
+        key = admitted.booking.pool  # its budget's: the pool's, or its engine's where a picker named it
+        tally = service.deps.engine_tally(key)
+        beside = None if key == admitted.pool else service.deps.engine_tally(admitted.pool)
+        self.run = EngineRun(tally, admitted.lease.lease_id, admitted.admitted_at, sequences, beside)
 
     def await_report(self, key: str, forget: Callable[[str], None]) -> None:
         """Lean: the proxy will report this request's end under `key`; `forget` takes it off the registry

@@ -71,6 +71,13 @@ class KvBudgetMetrics:
             ["pool"],
             registry=registry,
         )
+        self.capacity = Gauge(
+            "extproc_kv_budget_capacity_tokens",
+            "KV capacity in tokens of what the budget books against: its pool's engines, or one engine's "
+            "where the budget is that engine's (pool <pool>@<ip:port>, behind a picker); NaN unknown.",
+            ["pool"],
+            registry=registry,
+        )
         self._fleet_series(registry)
         self._fairness_series(registry)
 
@@ -152,7 +159,7 @@ class KvBudgetMetrics:
     def forget(self, pool: str) -> None:
         """Remove every series of `pool` (a budget dropped: one engine's, gone from the feed)."""
         single = [self.demand, self.booked, self.unexplained, self.forecasting, self.shared, self.finished]
-        single += [self.headroom, self.budget_tokens, self.peers_booked, self.peers_known]
+        single += [self.headroom, self.capacity, self.budget_tokens, self.peers_booked, self.peers_known]
         single += [self.fairness, self.claimed]
         for gauge in single:
             with contextlib.suppress(KeyError):
@@ -174,6 +181,8 @@ class KvBudgetMetrics:
         self.forecasting.labels(pool).set(1.0 if budget.forecasting(now) else 0.0)
         headroom = budget.headroom_tokens
         self.headroom.labels(pool).set(headroom if headroom is not None else float("nan"))
+        capacity = budget.capacity_tokens
+        self.capacity.labels(pool).set(capacity if capacity is not None else float("nan"))
         allowed = budget.budget_tokens
         self.budget_tokens.labels(pool).set(allowed if allowed is not None else float("nan"))
         peers = budget.fleet.peers(now)

@@ -80,11 +80,14 @@ class EndpointReadings:
             _tally(tally, stored.sample, stored.received_at)
         return tally
 
-    def keep(self, known: Set[EngineKey]) -> None:
-        """Forget every engine not in `known` (the subscriber forgot it): memory follows the fleet."""
+    def keep(self, known: Set[EngineKey]) -> set[EngineKey]:
+        """Forget every engine not in `known` (the subscriber forgot it): memory follows the fleet. The
+        engines forgotten."""
+        gone = {key for key in self._latest if key not in known}
         for held in (self._latest, self._prompted, self._tallies):
             for key in [k for k in held if k not in known]:
                 del held[key]
+        return gone
 
 
 def _tally(tally: EngineTally, sample: FeedSample, received_at: float) -> None:

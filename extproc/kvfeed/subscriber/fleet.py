@@ -64,6 +64,13 @@ class FleetExchange:
         self.exchanges = 0
         self.failures = 0
 
+    def forget(self, pool: str) -> None:
+        """`pool`'s budget is gone (an engine's, the feed forgot the engine): what was kept for its exchanges
+        goes, unless one is under way or due."""
+        if pool not in self._tasks and pool not in self._later:
+            self._sent_at.pop(pool, None)
+            self._dirty.discard(pool)
+
     def changed(self, pool: str, budget: KvBudget) -> None:
         """`budget` of `pool` changed: its figures go out now, or as soon as the interval allows."""
         if pool in self._tasks or pool in self._later:

@@ -44,6 +44,8 @@ OnSample = Callable[[str, PoolSnapshot, float], None]
 
 OnEngineSample = Callable[[str, str, float], None]
 
+OnEnginesForgotten = Callable[[set[tuple[str, str]]], None]
+
 
 def _same(a: ControllerState, b: ControllerState) -> bool:
     return (a.kv_usage, a.waiting, a.target_scale, a.scale, a.stale, a.engine_down) == (
@@ -73,6 +75,7 @@ class FeedbackLoop:
         sleeper: Sleeper = asyncio.sleep,
         on_sample: OnSample | None = None,
         on_engine_sample: OnEngineSample | None = None,
+        on_engines_forgotten: OnEnginesForgotten | None = None,
     ) -> None:
         if tick_interval <= 0:
             raise ValueError("feedback.tick_interval: must be > 0")
@@ -82,6 +85,7 @@ class FeedbackLoop:
         self._on_update = on_update
         self._on_fresh = on_sample
         self._on_engine = on_engine_sample
+        self._on_forgotten = on_engines_forgotten
         self._metrics = metrics
         self._tick_interval = tick_interval
         self._kv_mode = kv_aggregation
@@ -307,7 +311,9 @@ class FeedbackLoop:
         for key in [k for k in self._rejections if k not in known]:
             del self._rejections[key]
         endpoints = {_endpoint(key) for key in known}
-        self._engines.keep({(key[2], key[1]) for key in known})
+        forgotten = self._engines.keep({(key[2], key[1]) for key in known})
+        if forgotten and self._on_forgotten is not None:
+            self._on_forgotten(forgotten)
         for tally in self._tallies.values():
             tally.keep(endpoints)
         for counter in self._prompted.values():

@@ -32,6 +32,7 @@ from extproc.core.kv.config import KvBudgetConfig
 from extproc.core.kv.fairness import FairShare
 from extproc.core.ports import KvBoard
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
+from extproc.kvfeed.subscriber.engine_budgets import EngineBudgets, endpoint_key
 from extproc.kvfeed.subscriber.fleet import FleetExchange
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics, register_feedback_metrics
@@ -61,12 +62,6 @@ def pool_key(pool: str) -> str:
     return f"model:{pool}"
 
 
-def endpoint_key(pool: str, endpoint: str) -> str:
-    """The key of one engine's KV budget (a picker named the engine): its series' `pool` label, and what
-    the replicas sharing a store exchange its figures under."""
-    return f"{pool}@{endpoint}"
-
-
 class FeedbackRuntime:
     def __init__(
         self,
@@ -81,7 +76,7 @@ class FeedbackRuntime:
         self._pools: tuple[str, ...] = ()
         self.loop: FeedbackLoop | None = None
         self._budgets: dict[str, KvBudget] = {}
-        self._engines: dict[str, tuple[str, str]] = {}  # an engine's budget key -> its (pool, endpoint)
+        self._engines = EngineBudgets(self._budgets)  # those of them that are one engine's
         self._scaled: set[str] = set()
         self._fleet: FleetExchange | None = None
         self._fallback_share = 1.0
@@ -115,6 +110,8 @@ class FeedbackRuntime:
         await self.stop(reset=config.subscriber is None)
         self._config, self._pools = config, pools
         if not config.kv_budget.enabled:
+            for key in self._engines.clear():
+                self.metrics.forget_budget(key)
             self._budgets.clear()
         if config.subscriber is None:
             return
@@ -129,6 +126,7 @@ class FeedbackRuntime:
             kv_aggregation=config.kv_aggregation,
             on_sample=self._on_sample,
             on_engine_sample=self._on_engine_sample,
+            on_engines_forgotten=self._engines_forgotten,
         )
         await self.loop.start()
         # Controllers start stale; "no change" is never reported for them, so push their scale now.
@@ -177,7 +175,6 @@ class FeedbackRuntime:
             return
         prompted = self.loop.prompted(pool) if self.loop is not None else None
         self._observe(pool, pool, budget, snapshot, now, prompted)
-        self._forget_engines(pool)
 
     def _on_engine_sample(self, pool: str, endpoint: str, now: float) -> None:
         """A fresh sample of one engine whose budget books what a picker sent it: that budget reads it."""
@@ -216,17 +213,16 @@ class FeedbackRuntime:
         self.metrics.observe_budget(key, budget, now)
         self.metrics.observe_fairness(key, budget, now)
 
-    def _forget_engines(self, pool: str) -> None:
-        """Drop the budgets of `pool`'s engines the feed no longer knows and no request holds, with their
-        series: pod addresses change with every rollout, and the budgets and labels must not pile up."""
-        prefix = endpoint_key(pool, "")
-        for key in [k for k in self._budgets if k.startswith(prefix)]:
-            endpoint = key[len(prefix) :]
-            known = self.loop is not None and self.loop.endpoint_snapshot(pool, endpoint) is not None
-            if not known and self._budgets[key].leases == 0:
-                del self._budgets[key]
-                self._engines.pop(key, None)
-                self.metrics.forget_budget(key)
+    def _engines_forgotten(self, engines: set[tuple[str, str]]) -> None:
+        """The feed's loop forgot `engines` (pool, endpoint): their budgets go, with their series, as soon
+        as no request holds them (`EngineBudgets`)."""
+        for key in self._engines.forgotten(engines):
+            self._dropped(key)
+
+    def _dropped(self, key: str) -> None:
+        self.metrics.forget_budget(key)
+        if self._fleet is not None:
+            self._fleet.forget(key)
 
     def endpoint_budget(self, pool: str, endpoint: str) -> tuple[str, KvBudget] | None:
         """The KV budget of one engine of `pool`, which books the requests a picker sent it, and its key
@@ -236,13 +232,12 @@ class FeedbackRuntime:
         if self.budget(pool) is None or self.loop is None:
             return None
         snapshot = self.loop.endpoint_snapshot(pool, endpoint)
-        if snapshot is None or snapshot.stale:
-            return None
-        key = endpoint_key(pool, endpoint)
-        budget = self._budgets.get(key)
+        if snapshot is None or snapshot.stale or snapshot.kv_capacity_tokens is None:
+            return None  # unread, or its capacity unknown: a budget of it would admit anything
+        key, budget = self._engines.get(pool, endpoint)
         if budget is None:
-            budget = self._budgets[key] = self._new_budget(snapshot.kv_capacity_tokens)
-            self._engines[key] = (pool, endpoint)
+            budget = self._new_budget(snapshot.kv_capacity_tokens)
+            self._engines.add(pool, endpoint, budget)
         return key, budget
 
     def budget(self, pool: str) -> KvBudget | None:
@@ -322,7 +317,7 @@ class FeedbackRuntime:
         without them: what admission counts a request whose answer was not seen whole with."""
         if self.loop is None:
             return None
-        engine = self._engines.get(key)
+        engine = self._engines.engine_of(key)
         return self.loop.engine_tally(key) if engine is None else self.loop.endpoint_tally(*engine)
 
     def engine_down_for(self, pool: str) -> float | None:
@@ -350,6 +345,8 @@ class FeedbackRuntime:
             self.metrics.observe_budget(pool, budget, self._clock())
             if self._fleet is not None:
                 self._fleet.changed(pool, budget)
+            if self._engines.drop_if_idle(pool):  # its engine forgotten, its last lease gone
+                self._dropped(pool)
 
 
 def fair_share(settings: KvBudgetConfig) -> FairShare | None:

@@ -121,8 +121,9 @@ def test_an_engine_the_feed_forgot_loses_its_budget_and_series_once_nothing_hold
             assert registry.get_sample_value("extproc_kv_demand_tokens", labels) == 110  # still held
 
             engine.release("r")
-            loop.subscriber.ingest(sample("10.0.0.2:8000", 0.2, t=9e3 + 2))
+            runtime.budget_changed(key)  # as the request's booking tells it
             assert registry.get_sample_value("extproc_kv_demand_tokens", labels) is None
+            assert runtime.budget("m") is not None  # the pool's own budget stays
         finally:
             await runtime.stop()
 
@@ -207,6 +208,82 @@ def test_replicas_sharing_a_store_exchange_an_engine_budget_under_its_key() -> N
             for _ in range(20):
                 await asyncio.sleep(0)
             assert key in board.kv and key in board.runs
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_without_a_capacity_reading_books_the_pool() -> None:
+    """A budget of unknown capacity admits anything: until the engine publishes its capacity, the pool's
+    budget books what the picker sends it."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = await engine_runtime(clock)
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
+            blind = FeedSample(
+                "node", "10.0.0.2:8000", "m", ServerKind.VLLM, 0.2, 0.0, 0.0, 0.0, None, 1.0, True
+            )
+            runtime.loop.subscriber.ingest(blind)
+            assert runtime.endpoint_budget("m", "10.0.0.2:8000") is None
+            assert runtime.endpoint_budget("m", "10.0.0.1:8000") is not None
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_feed_keeps_the_engines_budgets() -> None:
+    """A reload that restarts the feed starts with no reading of any engine: their budgets stay (with what
+    they learned) until the new loop forgets an engine."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = await engine_runtime(clock)
+        try:
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
+            found = runtime.endpoint_budget("m", "10.0.0.1:8000")
+            assert found is not None
+            budget_config = {"enabled": True, "target_utilization": 0.8, "fair_shares": False}
+            await runtime.apply(parse_config({"feedback": FEED, "kv_budget": budget_config}).feedback, ["m"])
+            assert runtime.loop is not None
+            runtime.loop.subscriber.ingest(sample("10.0.0.2:8000", 0.2))  # the pool sampled, not engine 1
+            runtime.loop.tick()
+            runtime.loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2, t=2.0))
+            again = runtime.endpoint_budget("m", "10.0.0.1:8000")
+            assert again is not None and again[1] is found[1]
+        finally:
+            await runtime.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_dropped_budget_a_waiting_request_still_holds_comes_back_with_its_engine() -> None:
+    """A request resolved to an engine's budget may wait in a queue while the feed forgets the engine and
+    the budget goes; what it books there is in the budget the engine's next request gets."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        runtime = await engine_runtime(clock)
+        try:
+            loop = runtime.loop
+            assert loop is not None
+            loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
+            found = runtime.endpoint_budget("m", "10.0.0.1:8000")
+            assert found is not None
+            key, held = found  # a waiter's booking holds this
+            clock.now += loop.subscriber.config.forget_after + 1
+            loop.tick()  # forgotten, and idle: dropped
+            assert runtime.endpoint_budget("m", "10.0.0.1:8000") is None
+            held.admit("w", 100, 10, now=clock.now)  # the waiter's turn comes
+            runtime.budget_changed(key)
+            loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2, t=9e3))  # the engine is back
+            back = runtime.endpoint_budget("m", "10.0.0.1:8000")
+            assert back is not None and back[1] is held and held.leases == 1
         finally:
             await runtime.stop()
 

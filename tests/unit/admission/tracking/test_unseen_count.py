@@ -330,6 +330,19 @@ def test_a_run_is_counted_to_where_the_engine_stopped_it() -> None:
     assert run.stopped_at(5.0) == 4.0
 
 
+def test_a_run_on_a_picked_engine_is_known_to_the_pools_tally_too() -> None:
+    """A request booked on its engine is counted from that engine's tally, and told to the pool's as well:
+    there it is a run the pool's tally knows (its sequence-seconds beside the pool's own requests), not room
+    the pool's running count leaves, which a pool's request stopped lately could be charged for."""
+    engine, pool = EngineTally(), EngineTally()
+    run = engine_run.EngineRun(engine, "lease", 0.0, 2, beside=pool)
+    run.end(3.0)
+    run.ran_until(4.0)
+    assert engine.stop_of("lease") == pool.stop_of("lease") == 4.0
+    assert engine_run.EngineRun(engine, "other", 0.0, 1).tally is engine
+    assert pool.stop_of("other") is None
+
+
 async def test_a_count_cancelled_while_it_waits_for_a_run_on_waits_no_more() -> None:
     """Shutdown cancels a count waiting for the engine to stop running on: the pool's run-ons forget it (it
     is no longer published as waiting, nor told later)."""
