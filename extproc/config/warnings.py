@@ -19,7 +19,25 @@ log = logging.getLogger("extproc.config")
 def config_warnings(config: Config) -> list[str]:
     """Settings that are valid but work against each other: `check-config` prints them, the sidecar logs them
     at every load. Each names the keys to change."""
-    return _limits_matching_nothing(config) + _watermarks_under_budget(config.feedback)
+    return (
+        _limits_matching_nothing(config)
+        + _watermarks_under_budget(config.feedback)
+        + _picked_engine_without_budget(config)
+    )
+
+
+def _picked_engine_without_budget(config: Config) -> list[str]:
+    """`admission.inference_pool.trust_destination_endpoint` reads the engine a picker named only to book the
+    request on that engine's KV budget: without the budget (and its feed) the header changes nothing."""
+    if not config.admission.inference_pool.trust_destination_endpoint:
+        return []
+    if config.feedback.enabled and config.feedback.kv_budget.enabled:
+        return []
+    return [
+        "admission.inference_pool.trust_destination_endpoint: the picked engine is read only to book the "
+        "request on its KV budget, and kv_budget is off (or no KV feed): it changes nothing; set "
+        "kv_budget.enabled with a feed, or drop the flag"
+    ]
 
 
 def _limits_matching_nothing(config: Config) -> list[str]:

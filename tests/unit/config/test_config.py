@@ -670,6 +670,17 @@ def test_watermarks_below_the_budget_target_are_warned(extra: dict[str, Any], na
         assert "both act and stack" in warning
 
 
+@pytest.mark.parametrize(("budget", "warned"), [(True, False), (False, True)])
+def test_trusting_the_picked_engine_without_a_kv_budget_is_warned(budget: bool, warned: bool) -> None:
+    """The picked engine is read only to book it on that engine's budget: without one, the flag is inert."""
+    from extproc.config import config_warnings
+
+    flag = {"admission": {"inference_pool": {"trust_destination_endpoint": True}}}
+    raw = merged(BUDGET, flag) if budget else merged(BUDGET, {**flag, "kv_budget": {"enabled": False}})
+    warnings = [w for w in config_warnings(parse_config(raw)) if "trust_destination_endpoint" in w]
+    assert bool(warnings) is warned, warnings
+
+
 @pytest.mark.parametrize(
     ("raw", "named"),
     [
