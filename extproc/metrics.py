@@ -213,6 +213,15 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.picked_engine_unread = Counter(
+            "extproc_picked_engine_unread",
+            "Requests whose endpoint picker named an engine (admission.inference_pool."
+            "trust_destination_endpoint) that the KV feed has no fresh reading of, by model: booked on the "
+            "pool's KV budget. Steadily above 0: the feed does not read the engines at the addresses the "
+            "picker writes (a metrics port apart from the serving one, another form of the address).",
+            ["model"],
+            registry=r,
+        )
         self.unfinished_answers = Counter(
             "extproc_unfinished_answers",
             "Requests that went upstream and ended before their answer was seen whole at the engine's own "

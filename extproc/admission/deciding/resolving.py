@@ -87,7 +87,11 @@ async def resolve(
     # engine the feed has not read: the pool's budget holds every engine's KV, so it is the safe reading).
     key, budget = pool, deps.kv_budget(pool)
     if endpoint is not None and budget is not None:
-        key, budget = deps.endpoint_budget(pool, endpoint) or (key, budget)
+        picked = deps.endpoint_budget(pool, endpoint)
+        if picked is None:
+            label = rules.model_label(limit_pool)
+            service.child(service.metrics.picked_engine_unread, label).inc()
+        key, budget = picked or (key, budget)
     return Resolved(parsed, policy, pool, budget, limit_pool, rules.model_label(limit_pool), key)
 
 

@@ -54,7 +54,7 @@ class Budgets:
         return (f"{pool}@{endpoint}", self.engine) if endpoint == ENGINE else None
 
 
-async def booked_on(trusted: bool, value: str | None) -> tuple[Budgets, list[str]]:
+async def booked_on(trusted: bool, value: str | None) -> tuple[Budgets, list[str], float]:
     budgets, changed = Budgets(), list[str]()
     config = {"admission": {"inference_pool": {"trust_destination_endpoint": trusted}}}
     sidecar = Sidecar(config=parse_config(config), store=LocalStore(), metrics=Metrics())
@@ -67,18 +67,25 @@ async def booked_on(trusted: bool, value: str | None) -> tuple[Budgets, list[str
     verdicts = [v async for v in exchange.request_body(chat(max_tokens=100))]
     assert len(verdicts) == 1 and isinstance(verdicts[0], Forward)
     await sidecar.admission.drain()
-    return budgets, changed
+    unread = sum(
+        s.value
+        for m in sidecar.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "extproc_picked_engine_unread_total"
+    )
+    return budgets, changed, unread
 
 
 async def test_a_trusted_pick_books_the_engine_and_publishes_its_key() -> None:
-    budgets, changed = await booked_on(True, f"{ENGINE},10.0.0.3:8000")
-    assert budgets.engine.leases == 1 and budgets.pool.leases == 0
+    budgets, changed, unread = await booked_on(True, f"{ENGINE},10.0.0.3:8000")
+    assert budgets.engine.leases == 1 and budgets.pool.leases == 0 and unread == 0
     assert budgets.asked == [("*", ENGINE)]  # the pool of a model the config does not name
     assert changed and set(changed) == {f"*@{ENGINE}"}
 
 
 async def test_an_untrusted_or_unknown_pick_books_the_pool() -> None:
-    for trusted, value in ((False, ENGINE), (True, "10.9.9.9:8000"), (True, None)):
-        budgets, changed = await booked_on(trusted, value)
+    for trusted, value, unknown in ((False, ENGINE, 0), (True, "10.9.9.9:8000", 1), (True, None, 0)):
+        budgets, changed, unread = await booked_on(trusted, value)
         assert budgets.pool.leases == 1 and budgets.engine.leases == 0, (trusted, value)
         assert ENGINE not in "".join(changed)
+        assert unread == unknown, (trusted, value)  # a picked engine the feed does not read is counted
