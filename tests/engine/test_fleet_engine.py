@@ -224,10 +224,14 @@ def test_two_gateways_charge_a_flood_of_streams_left_what_the_engine_generated(
     for attempt in (1, 2):
         flood = flood_through_both(engine, fleet)
         print(flood)
-        assert flood.answered >= FLOOD_CLIENTS and flood.passed >= flood.answered, flood
+        assert flood.passed >= flood.answered, flood
         assert flood.passed <= flood.total <= flood.answered * LONG_ANSWER, flood
         disturbed = flood.missed or flood.estimated
         if not disturbed:
+            # Every client got a stream in. Not where vLLM missed aborts: its 1,000-token run-ons fill the
+            # cache and the budgets rightly refuse, and a clean-clone CI run's first flood (two missed) got
+            # 3 streams in for 4 clients, all through one gateway.
+            assert flood.answered >= FLOOD_CLIENTS, flood
             # With aborts missed the fleet charged up to 1.44x before runs went out every second (a quiet
             # replica's figures expired): held where none was.
             assert flood.total <= FLOOD_CEILING * flood.generated, flood
