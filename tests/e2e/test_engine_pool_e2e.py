@@ -12,20 +12,25 @@ section 12).
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from devstack.processes import Process, free_port, wait_http
 from devstack.stack import LocalStack
 from extproc.envoyconf.upstream import BALANCING, UPSTREAM_CLUSTER
-from tests.support.stack import EnvoyPatch, build_stack, fixed_step_sim, http, metric, wait_fed
+from tests.support.stack import (
+    EnvoyPatch,
+    another_simulator,
+    build_stack,
+    fixed_step_sim,
+    http,
+    metric,
+    wait_fed,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -68,27 +73,21 @@ def both_engines(port: int) -> EnvoyPatch:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
-    port = free_port()
-    workdir: Path = tmp_path_factory.mktemp("second-engine")
-    argv = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(port), *SIM_ARGS]
-    second = Process.start("simulator-b", argv, workdir)
-    url = f"http://127.0.0.1:{port}"
-    stack = build_stack(
-        config=CONFIG,
-        sim_args=SIM_ARGS,
-        profile="lean",
-        with_exporter=True,
-        exporter_args=("--target", f"url={url}/metrics,kind=vllm,model={MODEL}"),
-        envoy_patch=both_engines(port),
-    )
-    try:
-        wait_http(f"{url}/health", proc=second)
-        stack.start()
-        wait_fed(stack, capacity_tokens=2 * BLOCKS * 16)  # one pool of both engines
-        yield EnginePool(stack, url)
-    finally:
-        stack.stop()
-        second.stop()
+    with another_simulator(tmp_path_factory.mktemp("second-engine"), SIM_ARGS) as (url, port):
+        stack = build_stack(
+            config=CONFIG,
+            sim_args=SIM_ARGS,
+            profile="lean",
+            with_exporter=True,
+            exporter_args=("--target", f"url={url}/metrics,kind=vllm,model={MODEL}"),
+            envoy_patch=both_engines(port),
+        )
+        try:
+            stack.start()
+            wait_fed(stack, capacity_tokens=2 * BLOCKS * 16)  # one pool of both engines
+            yield EnginePool(stack, url)
+        finally:
+            stack.stop()
 
 
 def chat(url: str, words: int, output: int, stream: bool = False) -> int:

@@ -11,12 +11,10 @@ the pool's budget, which cannot see which engine a request goes to, books both e
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,10 +24,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from devstack.envoy import trust_client_tenant_header
-from devstack.processes import Process, free_port, wait_http
+from devstack.processes import free_port
 from devstack.stack import LocalStack
 from tests.support.picker import PICKER_FILTER, StandInPicker, behind_the_picker
-from tests.support.stack import build_stack, fixed_step_sim, http, metric, wait_fed
+from tests.support.stack import another_simulator, build_stack, fixed_step_sim, http, metric, wait_fed
 
 pytestmark = pytest.mark.e2e
 
@@ -120,28 +118,24 @@ def pool(profile: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Poo
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     server.add_insecure_port(f"127.0.0.1:{picker_port}")
     server.start()
-    port = free_port()
-    workdir: Path = tmp_path_factory.mktemp("engine-b")
-    argv = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(port), *SIM_ARGS]
-    second = Process.start("simulator-b", argv, workdir)
-    url = f"http://127.0.0.1:{port}"
-    stack = build_stack(
-        config=CONFIG,
-        sim_args=SIM_ARGS,
-        profile=profile,
-        with_exporter=True,
-        exporter_args=("--target", f"url={url}/metrics,kind=vllm,model={MODEL}"),
-        envoy_patch=picker_first(picker_port),
-    )
-    picker.endpoints = {"a": f"127.0.0.1:{stack.ports.upstream}", "b": f"127.0.0.1:{port}"}
     try:
-        wait_http(f"{url}/health", proc=second)
-        stack.start()
-        wait_fed(stack, capacity_tokens=2 * BLOCKS * 16)  # both engines read
-        yield Pool(stack, url, picker)
+        with another_simulator(tmp_path_factory.mktemp("engine-b"), SIM_ARGS) as (url, port):
+            stack = build_stack(
+                config=CONFIG,
+                sim_args=SIM_ARGS,
+                profile=profile,
+                with_exporter=True,
+                exporter_args=("--target", f"url={url}/metrics,kind=vllm,model={MODEL}"),
+                envoy_patch=picker_first(picker_port),
+            )
+            picker.endpoints = {"a": f"127.0.0.1:{stack.ports.upstream}", "b": f"127.0.0.1:{port}"}
+            try:
+                stack.start()
+                wait_fed(stack, capacity_tokens=2 * BLOCKS * 16)  # both engines read
+                yield Pool(stack, url, picker)
+            finally:
+                stack.stop()
     finally:
-        stack.stop()
-        second.stop()
         server.stop(0)
 
 

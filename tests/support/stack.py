@@ -4,8 +4,10 @@ tests/e2e/conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +20,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.envoy import trust_client_tenant_header
-from devstack.processes import Ports
+from devstack.processes import Ports, Process, free_port, wait_http
 from devstack.stack import LocalStack
 from extproc.envoyconf.bootstrap import http_connection_managers
 from extproc.envoyconf.lean import EXTPROC_CLUSTER
@@ -132,6 +134,21 @@ class Stack:
             + self.upstream("vllm:num_requests_running")
             + self.upstream("vllm:num_requests_waiting")
         )
+
+
+@contextlib.contextmanager
+def another_simulator(workdir: Path, sim_args: Sequence[str]) -> Iterator[tuple[str, int]]:
+    """A simulator beside a stack's own (a second engine of its pool), healthy on entry, stopped on exit:
+    its URL and port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(port), *sim_args]
+    second = Process.start("simulator-b", argv, workdir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", proc=second)
+        yield url, port
+    finally:
+        second.stop()
 
 
 def fixed_step_sim(model: str, step_ms: float, *extra: str) -> list[str]:
