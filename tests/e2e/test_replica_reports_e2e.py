@@ -12,7 +12,6 @@ B relays each entry to A through Redis (extproc/protocol/relay.py). Without the 
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from devstack.processes import Ports, Process, wait_http
 from devstack.stack import LocalStack, sidecar_config_with_ports
 from extproc.envoyconf.profiles import REPO
 from tests.component.store.redis_server import RedisServer
-from tests.support.stack import Stack, build_stack, fixed_step_sim, http, metric
+from tests.support.stack import Stack, add_grpc_cluster, build_stack, fixed_step_sim, http, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -82,13 +81,7 @@ def access_log_to(port: int) -> Any:
     the sidecar on `port`."""
 
     def patch(config: dict[str, Any]) -> None:
-        clusters = config["static_resources"]["clusters"]
-        sidecar = next(c for c in clusters if c["name"] == "llm_admission_extproc")
-        other = copy.deepcopy(sidecar)
-        other["name"] = other["load_assignment"]["cluster_name"] = "llm_admission_reports"
-        address = other["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-        address["socket_address"]["port_value"] = port
-        clusters.append(other)
+        add_grpc_cluster(config, "llm_admission_reports", port)
         loggers = 0
         for listener in config["static_resources"]["listeners"]:
             hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]

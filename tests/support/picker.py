@@ -10,7 +10,6 @@ as kgateway builds the pool's cluster). Or it refuses, with the protocol's Immed
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -20,6 +19,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
+
+from tests.support.stack import add_grpc_cluster
 
 DESTINATION = "x-gateway-destination-endpoint"
 VERDICT = "x-test-picker"  # what the stand-in picker does with this request: pick (absent), 429 or 503
@@ -68,13 +69,8 @@ def behind_the_picker(picker_port: int) -> Any:
     cluster routing to the endpoint the picker named."""
 
     def patch(config: dict[str, Any]) -> None:
+        add_grpc_cluster(config, "endpoint_picker", picker_port)
         clusters = config["static_resources"]["clusters"]
-        sidecar = next(c for c in clusters if c["name"] == "llm_admission_extproc")
-        picker = copy.deepcopy(sidecar)
-        picker["name"] = picker["load_assignment"]["cluster_name"] = "endpoint_picker"
-        address = picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-        address["socket_address"]["port_value"] = picker_port
-        clusters.append(picker)
         upstream = next(c for c in clusters if c["name"] == "llm_upstream")
         upstream.pop("load_assignment")
         upstream["type"] = "ORIGINAL_DST"

@@ -5,6 +5,7 @@ tests/e2e/conftest.py."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import socket
 import sys
@@ -134,6 +135,18 @@ class Stack:
             + self.upstream("vllm:num_requests_running")
             + self.upstream("vllm:num_requests_waiting")
         )
+
+
+def add_grpc_cluster(config: dict[str, Any], name: str, port: int) -> None:
+    """A copy of the sidecar's gRPC cluster (its HTTP/2 options and timeouts) named `name`, to a server on
+    `port`: what an Envoy patch points a second ext_proc filter or a logger at."""
+    clusters = config["static_resources"]["clusters"]
+    sidecar = next(c for c in clusters if c["name"] == EXTPROC_CLUSTER)
+    other = copy.deepcopy(sidecar)
+    other["name"] = other["load_assignment"]["cluster_name"] = name
+    address = other["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    address["socket_address"]["port_value"] = port
+    clusters.append(other)
 
 
 @contextlib.contextmanager
