@@ -11,6 +11,7 @@ the pool's budget, which cannot see which engine a request goes to, books both e
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from devstack.envoy import trust_client_tenant_header
 from devstack.processes import free_port
 from devstack.stack import LocalStack
+from tests.support.fleet import Fleet
 from tests.support.picker import PICKER_FILTER, StandInPicker, behind_the_picker
 from tests.support.stack import another_simulator, build_stack, fixed_step_sim, http, metric, wait_fed
 
@@ -95,6 +97,20 @@ def picker_first(picker_port: int) -> Any:
     return patch
 
 
+@contextlib.contextmanager
+def serving(picker: PickByHeader) -> Iterator[int]:
+    """The stand-in picker served on a free port (yielded) until the block ends."""
+    port = free_port()
+    server = grpc.server(ThreadPoolExecutor(max_workers=8))
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(0)
+
+
 class Pool:
     def __init__(self, stack: LocalStack, second: str, picker: PickByHeader) -> None:
         self.stack = stack
@@ -113,30 +129,23 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool(profile: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     picker = PickByHeader()
-    picker_port = free_port()
-    server = grpc.server(ThreadPoolExecutor(max_workers=8))
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-    server.add_insecure_port(f"127.0.0.1:{picker_port}")
-    server.start()
-    try:
-        with another_simulator(tmp_path_factory.mktemp("engine-b"), SIM_ARGS) as (url, port):
-            stack = build_stack(
-                config=CONFIG,
-                sim_args=SIM_ARGS,
-                profile=profile,
-                with_exporter=True,
-                exporter_args=("--target", f"url={url}/metrics,kind=vllm,model={MODEL}"),
-                envoy_patch=picker_first(picker_port),
-            )
-            picker.endpoints = {"a": f"127.0.0.1:{stack.ports.upstream}", "b": f"127.0.0.1:{port}"}
-            try:
-                stack.start()
-                wait_fed(stack, capacity_tokens=2 * BLOCKS * 16)  # both engines read
-                yield Pool(stack, url, picker)
-            finally:
-                stack.stop()
-    finally:
-        server.stop(0)
+    engine_b = another_simulator(tmp_path_factory.mktemp("engine-b"), SIM_ARGS)
+    with serving(picker) as picker_port, engine_b as (url, port):
+        stack = build_stack(
+            config=CONFIG,
+            sim_args=SIM_ARGS,
+            profile=profile,
+            with_exporter=True,
+            exporter_args=("--target", f"url={url}/metrics,kind=vllm,model={MODEL}"),
+            envoy_patch=picker_first(picker_port),
+        )
+        picker.endpoints = {"a": f"127.0.0.1:{stack.ports.upstream}", "b": f"127.0.0.1:{port}"}
+        try:
+            stack.start()
+            wait_fed(stack, capacity_tokens=2 * BLOCKS * 16)  # both engines read
+            yield Pool(stack, url, picker)
+        finally:
+            stack.stop()
 
 
 def chat(url: str, words: int, output: int, engine: str = "b", first: str = "") -> int:
@@ -245,3 +254,37 @@ def test_streams_left_are_charged_from_their_engines_counts(pool: Pool) -> None:
     print(f"picked engines: {charged:.0f} charged of {made:.0f} generated, {counted:.0f} answers counted")
     assert counted == 16, counted
     assert 0.95 * made <= charged <= 1.05 * made, (charged, made)
+
+
+@pytest.fixture(scope="module")
+def picked_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, str]]:
+    """Two gateways (lean) on one Redis, each after the stand-in picker, in front of two engines: the
+    fleet's simulator (a) and another (b), both read by each gateway's exporter. Yields the fleet and b's
+    URL."""
+    picker = PickByHeader()
+    engine_b = another_simulator(tmp_path_factory.mktemp("fleet-engine-b"), SIM_ARGS)
+    with serving(picker) as picker_port, engine_b as (url, port):
+        exporter = ("--target", f"url={url}/metrics,kind=vllm,model={MODEL}")
+        patch = picker_first(picker_port)
+        fleet = Fleet(CONFIG, sim_args=SIM_ARGS, exporter_args=exporter, envoy_patch=patch)
+        picker.endpoints = {"a": f"127.0.0.1:{fleet.sim_port}", "b": f"127.0.0.1:{port}"}
+        with fleet:
+            fleet.wait_fed()
+            yield fleet, url
+
+
+def test_two_gateways_divide_the_engine_their_picker_concentrates_on(
+    picked_fleet: tuple[Fleet, str],
+) -> None:
+    """Eight unshared streams of ~1,000 + 400 tokens at once, four through each gateway, all picked to engine
+    b: the two gateways' budgets of b are one, divided through the store under b's key, so together they
+    admit what b holds (two) and b never preempts. Before each counted on its pool's other gateway, a fresh
+    budget of b took its fallback share (the whole engine by default) and then all of b's room while the
+    other had published nothing under b's key: 3 admitted in two runs of four, and b preempted twice."""
+    fleet, engine_b = picked_fleet
+    preempted = metric(f"{engine_b}/metrics", "vllm:num_preemptions_total")
+    urls = fleet.urls
+    with ThreadPoolExecutor(8) as clients:
+        statuses = list(clients.map(lambda i: chat(urls[i % 2], 1000, 400, first=f"f{i}"), range(8)))
+    assert metric(f"{engine_b}/metrics", "vllm:num_preemptions_total") == preempted
+    assert 1 <= statuses.count(200) <= 2 and statuses.count(429) == 8 - statuses.count(200), statuses

@@ -162,6 +162,16 @@ class Fleet:
         self.shared = True
         self.fallback_share = fallback_share
 
+    def expect(self, replicas: int, now: float) -> None:
+        """Before its first exchange, the store is known to hold `replicas` other live replicas of the pool
+        (one engine's budget, made at the first request a picker sent there: its pool's budget knows them),
+        which may book here at any moment: it asks (its sliver) until its first exchange is answered, rather
+        than take its fallback share, the whole of it by default. Nothing once the store has answered."""
+        if self.shared and self._peers is None and replicas > 0:
+            self._peers, self._read_at = Peers(replicas=replicas), now
+            self._asked_ms = 0  # its ask goes out with its first exchange, heard once every other has
+            # published after it (`_heard`)
+
     def observe(self, peers: Peers | None, now: float, own_booked: int = 0) -> None:
         """The store's answer at `now` (None: it did not answer) to an exchange in which this replica had
         booked `own_booked`."""

@@ -24,11 +24,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from extproc.core.engine.tally import EngineTally, no_tally
 from extproc.core.kv.budget import KvBudget
-from extproc.core.kv.fleet import PUBLISH_EVERY_S
+from extproc.core.kv.fleet import PUBLISH_EVERY_S, Peers
 from extproc.core.ports import KvBoard, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,12 @@ class FleetExchange:
         clock: Callable[[], float] = time.monotonic,
         on_peers: Callable[[str], None] = lambda _pool: None,
         tally_of: Callable[[str], EngineTally | None] = no_tally,
+        replicas_at_least: Callable[[str], int] = lambda _key: 0,
     ) -> None:
         self._board = board
         self._tally_of = tally_of  # the pool's engine tally, whose runs go out with its budget's figures
+        # The fewest other replicas a budget may count on (`_widened`): an engine's, its pool's.
+        self._replicas_at_least = replicas_at_least
         self._clock = clock
         self._on_peers = on_peers  # told after a pool's budget took the others' figures (metrics, waiters)
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -98,6 +102,7 @@ class FleetExchange:
             peers = await self._ask(pool, "kv fleet: exchange failed", self._board.exchange(pool, share))
             if peers is not None:
                 self.exchanges += 1
+                peers = self._widened(pool, peers)
             budget.observe_peers(peers, self._clock())
             if peers is not None and budget.fleet.must_publish:  # an ask, this one's or another's, waits
                 self._dirty.add(pool)
@@ -108,6 +113,15 @@ class FleetExchange:
             self._tasks.pop(pool, None)
         if pool in self._dirty:
             self.changed(pool, budget)
+
+    def _widened(self, key: str, peers: Peers) -> Peers:
+        """`peers` counting at least `replicas_at_least(key)` other replicas. An engine's budget is made at
+        the first request a picker sends there, so a replica that has sent none publishes nothing under the
+        engine's key, and the others read it as absent and took all of the engine's room between them: two
+        gateways each admitted what the engine held, and it preempted. Counted, it is a live replica with
+        nothing booked there, and the room is divided (`Fleet.budget`)."""
+        least = self._replicas_at_least(key)
+        return peers if peers.replicas >= least else replace(peers, replicas=least)
 
     def runs_changed(self, pool: str) -> None:
         """A feed sample of a pool without a KV budget: its runs go out alone (one call in flight per pool,

@@ -87,8 +87,11 @@ class FeedbackRuntime:
         its configured share alone), each booking `fallback_share` of a pool while the board cannot say
         what the others hold (`core.kv_fleet`). Called once, before the feed starts."""
         self._fallback_share = fallback_share
+        floor = self._replicas_at_least
         self._fleet = (
-            None if board is None else FleetExchange(board, self._clock, self._peers_seen, self.engine_tally)
+            None
+            if board is None
+            else FleetExchange(board, self._clock, self._peers_seen, self.engine_tally, floor)
         )
         for budget in self._budgets.values():
             if board is not None:
@@ -237,6 +240,7 @@ class FeedbackRuntime:
         key, budget = self._engines.get(pool, endpoint)
         if budget is None:
             budget = self._new_budget(snapshot.kv_capacity_tokens)
+            budget.fleet.expect(self._replicas_at_least(key, pool), self._clock())
             self._engines.add(pool, endpoint, budget)
         return key, budget
 
@@ -330,6 +334,15 @@ class FeedbackRuntime:
         (`FeedbackLoop.engine_refused`); nothing without the feed, which owns the scales."""
         if self.loop is not None:
             self.loop.engine_refused(pool)
+
+    def _replicas_at_least(self, key: str, pool: str | None = None) -> int:
+        """The other replicas an engine's budget counts on: as many as its pool's budget knows live (they may
+        send a request to that engine at any moment); none for a pool's own."""
+        engine = self._engines.engine_of(key)
+        pool = pool if engine is None else engine[0]
+        budget = None if pool is None else self._budgets.get(pool)
+        peers = None if budget is None else budget.fleet.peers(self._clock())
+        return 0 if peers is None else peers.replicas
 
     def _peers_seen(self, pool: str) -> None:
         """The others' figures reached `pool`'s budget: its gauges (its budget changed with them)."""

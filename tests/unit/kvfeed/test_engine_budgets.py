@@ -143,15 +143,17 @@ async def test_a_request_booked_on_an_engine_is_counted_from_that_engine_alone()
 
 
 class Board:
-    """A `KvBoard` with no other replica, recording what each key published."""
+    """A `KvBoard` recording what each key published; `others` other live replicas of the pool, which have
+    published nothing under any engine's key."""
 
-    def __init__(self) -> None:
+    def __init__(self, others: int = 0) -> None:
         self.kv: list[str] = []
         self.runs: list[str] = []
+        self.others = others
 
     async def exchange(self, pool: str, share: object) -> Peers:
         self.kv.append(pool)
-        return Peers()
+        return Peers(replicas=0 if "@" in pool else self.others, now_ms=len(self.kv), oldest_ms=-1)
 
     async def exchange_runs(self, pool: str, figures: object) -> dict[str, object]:
         self.runs.append(pool)
@@ -175,6 +177,33 @@ async def test_replicas_sharing_a_store_exchange_an_engine_budget_under_its_key(
         for _ in range(20):
             await asyncio.sleep(0)
         assert key in board.kv and key in board.runs
+
+
+async def test_an_engine_budget_counts_on_its_pools_replicas_before_they_publish_under_its_key() -> None:
+    """Two gateways; neither has sent a request to the engine yet, so the store holds no figures under its
+    key. The first request's budget must still count on the other gateway, which may send one there at any
+    moment: before its first exchange it takes its sliver, not its fallback share (the whole engine by
+    default: two gateways each admitted what the engine held, and it preempted), and after it half of the
+    engine's free room, not all of it."""
+
+    clock = Clock()
+    async with engine_runtime(clock, board=Board(others=1)) as (runtime, loop):
+        loop.subscriber.ingest(sample("10.0.0.1:8000", 0.0))
+        pool = runtime.budget("m")
+        assert pool is not None
+        runtime.budget_changed("m")  # the pool's exchange: one other live gateway
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert (peers := pool.fleet.peers(clock.now)) is not None and peers.replicas == 1
+        found = runtime.endpoint_budget("m", "10.0.0.1:8000")
+        assert found is not None
+        key, engine = found
+        assert engine.budget_tokens is not None and engine.budget_tokens < 100  # its sliver of 900
+        engine.admit("r", 100, 10, now=clock.now)
+        runtime.budget_changed(key)  # its first exchange: nobody under its key, the pool's other counted
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert engine.budget_tokens == 110 + (900 - 110) // 2
 
 
 async def test_an_engine_without_a_capacity_reading_books_the_pool() -> None:
