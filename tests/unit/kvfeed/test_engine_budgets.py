@@ -11,24 +11,25 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 
 from extproc.config import parse_config
+from extproc.core.clock import FakeClock
 from extproc.core.kv.fleet import Peers
 from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
 from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
-from tests.unit.kvfeed.test_runtime_budget import FEED, Clock
 
 
 def sample(endpoint: str, kv: float, cap: int = 1000, t: float = 1.0, running: float = 0.0) -> FeedSample:
     return FeedSample("node", endpoint, "m", ServerKind.VLLM, kv, 0.0, running, 0.0, cap, t, True)
 
 
+FEED = {"direct_targets": [{"url": "http://127.0.0.1:1/metrics", "kind": "vllm", "model": "m"}]}
 BUDGETS = {"enabled": True, "target_utilization": 0.9, "fair_shares": False}
 
 
 @contextlib.asynccontextmanager
 async def engine_runtime(
-    clock: Clock, registry: CollectorRegistry | None = None, board: object = None
+    clock: FakeClock, registry: CollectorRegistry | None = None, board: object = None
 ) -> AsyncIterator[tuple[FeedbackRuntime, FeedbackLoop]]:
     """A started runtime whose budgets book 0.9 of their cache, fair shares off (sharing through `board`,
     if given), and its loop; stopped on exit."""
@@ -48,7 +49,7 @@ async def test_an_engine_budget_reads_its_engine_alone() -> None:
     (1,600 of 2,000), the emptier engine's reads 100 of 1,000, so 800 more fit there (900 less 100), while
     the pool's budget has 200 left (1,800 less 1,600)."""
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     async with engine_runtime(clock) as (runtime, loop):
         loop.subscriber.ingest(sample("10.0.0.1:8000", 0.8))
         loop.subscriber.ingest(sample("10.0.0.2:8000", 0.1))
@@ -74,7 +75,7 @@ async def test_an_engine_budget_reads_its_engine_alone() -> None:
 
 
 async def test_only_engines_the_feed_reads_get_a_budget() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     async with engine_runtime(clock) as (runtime, loop):
         loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
         assert runtime.endpoint_budget("m", "10.9.9.9:8000") is None  # not in the feed: the pool's
@@ -85,7 +86,7 @@ async def test_only_engines_the_feed_reads_get_a_budget() -> None:
 
 
 async def test_an_engine_the_feed_forgot_loses_its_budget_and_series_once_nothing_holds_it() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     registry = CollectorRegistry()
     async with engine_runtime(clock, registry) as (runtime, loop):
         loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
@@ -124,7 +125,7 @@ async def test_a_request_booked_on_an_engine_is_counted_from_that_engine_alone()
     its own: the pool's tally splits 1,000 over four runs, engine a's gives its one request a's 100. Its
     tally, made at the first ask, starts from a's newest sample, so a request admitted then is counted."""
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     async with engine_runtime(clock) as (runtime, loop):
         for endpoint, generated in (("10.0.0.1:8000", 500.0), ("10.0.0.2:8000", 2000.0)):
             loop.subscriber.ingest(counted(endpoint, generated, 0.0, 1.0))
@@ -164,7 +165,7 @@ async def test_replicas_sharing_a_store_exchange_an_engine_budget_under_its_key(
     """Another replica's requests picked to the same engine are in that engine's figures: each replica's
     engine budget goes out under the engine's key, with its engine tally's runs."""
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     board = Board()
     async with engine_runtime(clock, board=board) as (runtime, loop):
         loop.subscriber.ingest(counted("10.0.0.1:8000", 100.0, 0.0, 1.0))
@@ -186,7 +187,7 @@ async def test_an_engine_budget_counts_on_its_pools_replicas_before_they_publish
     default: two gateways each admitted what the engine held, and it preempted), and after it half of the
     engine's free room, not all of it."""
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     async with engine_runtime(clock, board=Board(others=1)) as (runtime, loop):
         loop.subscriber.ingest(sample("10.0.0.1:8000", 0.0))
         pool = runtime.budget("m")
@@ -210,7 +211,7 @@ async def test_an_engine_without_a_capacity_reading_books_the_pool() -> None:
     """A budget of unknown capacity admits anything: until the engine publishes its capacity, the pool's
     budget books what the picker sends it."""
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     async with engine_runtime(clock) as (runtime, loop):
         loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
         blind = FeedSample("node", "10.0.0.2:8000", "m", ServerKind.VLLM, 0.2, 0.0, 0.0, 0.0, None, 1.0, True)
@@ -223,7 +224,7 @@ async def test_a_restarted_feed_keeps_the_engines_budgets() -> None:
     """A reload that restarts the feed starts with no reading of any engine: their budgets stay (with what
     they learned) until the new loop forgets an engine."""
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     async with engine_runtime(clock) as (runtime, loop):
         loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
         found = runtime.endpoint_budget("m", "10.0.0.1:8000")
@@ -243,7 +244,7 @@ async def test_a_dropped_budget_a_waiting_request_still_holds_comes_back_with_it
     """A request resolved to an engine's budget may wait in a queue while the feed forgets the engine and
     the budget goes; what it books there is in the budget the engine's next request gets."""
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     async with engine_runtime(clock) as (runtime, loop):
         loop.subscriber.ingest(sample("10.0.0.1:8000", 0.2))
         found = runtime.endpoint_budget("m", "10.0.0.1:8000")
