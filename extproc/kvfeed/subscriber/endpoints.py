@@ -44,16 +44,12 @@ class EndpointReadings:
         self._latest[key] = StoredSample(sample, received_at)
         tally = self._tallies.get(key)
         if tally is not None:
-            _tally(tally, sample, received_at)
-        value = sample.prompt_tokens_total
+            read_generated(tally, sample.endpoint, sample, received_at)
         counter = self._prompted.get(key)
-        if not sample.up or value is None:
-            if counter is not None:
-                counter.forget(sample.endpoint)
-            return
-        if counter is None:
+        if counter is None and prompted_in(sample):
             counter = self._prompted[key] = PoolCounter()
-        counter.observe(sample.endpoint, value)
+        if counter is not None:
+            read_prompted(counter, sample.endpoint, sample)
 
     def snapshot(
         self, pool: str, endpoint: str, now: float, stale_after: Callable[[str], float], kv_mode: KvMode
@@ -77,7 +73,7 @@ class EndpointReadings:
         stored = self._latest.get(key)
         if tally is None and stored is not None:
             tally = self._tallies[key] = EngineTally()
-            _tally(tally, stored.sample, stored.received_at)
+            read_generated(tally, endpoint, stored.sample, stored.received_at)
         return tally
 
     def keep(self, known: Set[EngineKey]) -> set[EngineKey]:
@@ -90,14 +86,35 @@ class EndpointReadings:
         return gone
 
 
-def _tally(tally: EngineTally, sample: FeedSample, received_at: float) -> None:
-    """One reading into an engine's tally, as `FeedbackLoop._tally` takes one into a pool's: a down sample
-    changes nothing, one without the counter or the running count makes the next a new baseline."""
+def generated_in(sample: FeedSample) -> bool:
+    """Whether `sample` carries what a tally reads: up, with the generation counter and the running count."""
+    return sample.up and sample.generation_tokens_total is not None and sample.requests_running is not None
+
+
+def read_generated(tally: EngineTally, endpoint: str, sample: FeedSample, at: float) -> None:
+    """One endpoint's reading at `at` into a tally (a pool's, `FeedbackLoop._tally`, or one engine's): a down
+    sample changes nothing (the growth over the gap counts at the next reading), one without the counter or
+    the running count makes the next reading a new baseline."""
     if not sample.up:
         return
     generated, running = sample.generation_tokens_total, sample.requests_running
     if generated is None or running is None:
-        tally.forget(sample.endpoint)
+        tally.forget(endpoint)
         return
     waiting = sample.requests_waiting if sample.requests_waiting is not None else 0.0
-    tally.observe(sample.endpoint, generated, running, received_at, waiting)
+    tally.observe(endpoint, generated, running, at, waiting)
+
+
+def prompted_in(sample: FeedSample) -> bool:
+    """Whether `sample` carries the prompt counter a `PoolCounter` reads (and is up)."""
+    return sample.up and sample.prompt_tokens_total is not None
+
+
+def read_prompted(counter: PoolCounter, endpoint: str, sample: FeedSample) -> None:
+    """One endpoint's prompt counter into a sum (a pool's, or one engine's): a down sample, or one without
+    the counter, makes its next reading a new baseline."""
+    value = sample.prompt_tokens_total
+    if not sample.up or value is None:
+        counter.forget(endpoint)
+    else:
+        counter.observe(endpoint, value)

@@ -31,7 +31,13 @@ from extproc.core.engine.tally import EngineTally
 from extproc.kvfeed.sample import FeedSample, SampleKey
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot, aggregate
 from extproc.kvfeed.subscriber.client import FeedSubscriber, Sleeper
-from extproc.kvfeed.subscriber.endpoints import EndpointReadings
+from extproc.kvfeed.subscriber.endpoints import (
+    EndpointReadings,
+    generated_in,
+    prompted_in,
+    read_generated,
+    read_prompted,
+)
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
 from extproc.kvfeed.subscriber.served import ServedNames
 from extproc.kvfeed.subscriber.settings import KvMode, SubscriberConfig
@@ -278,31 +284,20 @@ class FeedbackLoop:
         loop busy) errs the other way, past a request's end: its run-on takes those steps (`runon.py`). A
         failed scrape (`up` false) keeps the endpoint's counter as last read, so the growth over the gap
         counts at its next reading; a sample without the counter makes its next reading a new baseline."""
-        if not sample.up:
-            return
         tally = self._tallies.get(sample.model)
-        generated, running = sample.generation_tokens_total, sample.requests_running
-        if generated is None or running is None:
-            if tally is not None:
-                tally.forget(_endpoint(sample.key))
-            return
-        if tally is None:
+        if tally is None and generated_in(sample):
             tally = self._tallies[sample.model] = EngineTally()
-        waiting = sample.requests_waiting if sample.requests_waiting is not None else 0.0
-        tally.observe(_endpoint(sample.key), generated, running, self._clock(), waiting)
+        if tally is not None:
+            read_generated(tally, _endpoint(sample.key), sample, self._clock())
 
     def _count_prompted(self, sample: FeedSample) -> None:
         """An endpoint's prompt counter into its pool's sum; a sample without one, or a down one, makes its
         next reading a new baseline."""
         counter = self._prompted.get(sample.model)
-        value = sample.prompt_tokens_total
-        if not sample.up or value is None:
-            if counter is not None:
-                counter.forget(_endpoint(sample.key))
-            return
-        if counter is None:
+        if counter is None and prompted_in(sample):
             counter = self._prompted[sample.model] = PoolCounter()
-        counter.observe(_endpoint(sample.key), value)
+        if counter is not None:
+            read_prompted(counter, _endpoint(sample.key), sample)
 
     def _forget_endpoints(self) -> None:
         """Rejection counters and tallied counters of endpoints the subscriber forgot: memory follows the

@@ -183,8 +183,10 @@ class FeedbackRuntime:
         """A fresh sample of one engine whose budget books what a picker sent it: that budget reads it."""
         key = endpoint_key(pool, endpoint)
         budget = self._budgets.get(key)
-        snapshot = self.loop.endpoint_snapshot(pool, endpoint) if self.loop is not None else None
-        if budget is None or snapshot is None or snapshot.stale or self.loop is None:
+        if budget is None or self.loop is None:  # most engines: no picker named them
+            return
+        snapshot = self.loop.endpoint_snapshot(pool, endpoint)
+        if snapshot is None or snapshot.stale:
             return
         self._observe(pool, key, budget, snapshot, now, self.loop.endpoint_prompted(pool, endpoint))
 
