@@ -6,7 +6,9 @@ honour `retry-after`) against vLLM 0.32.0's CPU build serving the real-engine ti
 of 128 tokens, prefix caching on as shipped), four ways in one run: straight to the engine, through the
 gateway with the shipped booking (lean profile, forecast, prefix sharing), the same with the shipped classes
 (config/local.yaml: `interactive` queues 25 s), and through the gateway with `kv_budget.prefix_sharing: false`
-(every prompt booked whole, as before). Slots are raised to 128 so only the
+(every prompt booked whole, as before); and `direct-at-target`, straight to the engine with at most as many
+chats in flight as the budget's target holds (`at_target`).
+Slots are raised to 128 so only the
 KV budget decides. Reports preemptions, output tokens/s, KV mean and peak (the engine's gauge every 0.2 s),
 TTFT p50/p99, the engine's prefix hit rate (`vllm:prefix_cache_hits_total` / `..._queries_total`) and the
 sidecar's peak `extproc_kv_booked_tokens` as a share of the cache.
@@ -18,6 +20,7 @@ calibration table of docs/simulator.md. Results: bench/results/prefix-ENGINE.jso
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from collections.abc import Callable
@@ -29,12 +32,26 @@ import yaml
 from bench.common import write_json
 from bench.protection.engine import SIM_TIMING, start_engine, start_simulator
 from devstack.stack import LOCAL_CONFIG
+from extproc.admission.vocabulary.tokens import count_chat_prompt
 from tests.engine.stacks import overload_through, prefix_config, start_gateway, warm_up
 from tests.support import prefix_load
-from tests.support.engine import CACHE_TOKENS, MODEL, Engine
+from tests.support.engine import BLOCK_TOKENS, CACHE_TOKENS, MODEL, Engine
 from tests.support.stack import Stack
 
-MODES = ("direct", "gateway", "gateway-whole-prompts", "gateway-queue")
+MODES = ("direct", "direct-at-target", "gateway", "gateway-whole-prompts", "gateway-queue")
+
+
+def at_target() -> int:
+    """How many of the chats the KV budget's target holds at once, counted as the engine holds them: the
+    system prompt's whole blocks once, and each chat's own prompt and whole answer in its own blocks. The
+    `direct-at-target` mode sends the chats straight to the engine with at most this many in flight: an
+    admission that knows every length and keeps the target, but starts a chat only when another ends (the
+    forecast starts the last ones before the first wave ends)."""
+    target: float = prefix_config()["kv_budget"]["target_utilization"]
+    prompt = count_chat_prompt(prefix_load.chat_body(MODEL, 0)["messages"])
+    shared_blocks = count_chat_prompt([{"role": "system", "content": prefix_load.SYSTEM}]) // BLOCK_TOKENS
+    own_blocks = math.ceil((prompt + prefix_load.OUTPUT_TOKENS) / BLOCK_TOKENS) - shared_blocks
+    return math.floor((target * CACHE_TOKENS / BLOCK_TOKENS - shared_blocks) / own_blocks)
 
 
 def shipped_classes() -> dict[str, Any]:
@@ -48,6 +65,9 @@ def run_mode(mode: str, engine: Engine) -> dict[str, Any]:
     if mode == "direct":
         run = prefix_load.overload(MODEL, engine.url, engine.url, CACHE_TOKENS)
         return {"mode": mode, **run.figures()}
+    if mode == "direct-at-target":
+        run = prefix_load.overload(MODEL, engine.url, engine.url, CACHE_TOKENS, at_once=at_target())
+        return {"mode": mode, "at_once": at_target(), **run.figures()}
     run = through_gateway(mode, engine, lambda stack: overload_through(engine, stack))
     return {"mode": mode, **run.figures()}
 

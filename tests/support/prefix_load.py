@@ -218,12 +218,14 @@ def overload(
     admin_url: str | None = None,
     settle: Callable[[], None] | None = None,
     requests: int = REQUESTS,
+    at_once: int | None = None,
 ) -> Run:
-    """The chats at once against `url` (the engine itself, or a gateway in front of it)."""
+    """The chats at once against `url` (the engine itself, or a gateway in front of it); with `at_once`, at
+    most that many in flight, each sent as one before it ends (an admission that knows every length)."""
 
     def send() -> list[Answer]:
         deadline = time.monotonic() + 300
-        with concurrent.futures.ThreadPoolExecutor(requests) as pool:
+        with concurrent.futures.ThreadPoolExecutor(at_once or requests) as pool:
             return list(pool.map(lambda i: call(url, chat_body(model, i), deadline), range(requests)))
 
     return measured(engine_url, capacity_tokens, send, admin_url, settle)
