@@ -259,5 +259,7 @@ class Decision:
         budget = candidate.booking.budget
         assert budget is not None
         wait = refusals.kv_retry_after(budget, self.service.clock())
+        if budget.fleet.reads_due:  # its replica reads the others' figures when its client comes back
+            candidate.booking.changed(candidate.booking.pool)
         status = await acquisition.status()
         return refusals.kv_budget(candidate.parsed.model, candidate.plan.total, headroom or 0, wait, status)

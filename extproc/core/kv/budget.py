@@ -172,8 +172,7 @@ class KvBudget:
     @property
     def headroom_tokens(self) -> int | None:
         """Budget minus booked tokens; negative when over budget (capacity shrank, estimates too low)."""
-        budget = self.budget_tokens
-        return None if budget is None else budget - self._booker.booked
+        return None if (budget := self.budget_tokens) is None else budget - self._booker.booked
 
     @property
     def completion_ratio(self) -> float:
@@ -199,10 +198,11 @@ class KvBudget:
         return self._booker.forecasting(now)
 
     def retry_after(self, now: float | None) -> float | None:
-        """After a refusal by `would_fit` at `now`: in how many seconds that request is expected to fit, and
-        a promise of that place (`kv_schedule`); None with no pace or nothing admitted (`FairClaims`)."""
-        eta = self._claims.retry_after(now, self.budget_tokens, self._pace, self._booker.booked_with)
-        return self.fleet.told(eta, now)
+        """After a refusal by `would_fit` at `now`: when it is expected to fit (`Fleet.releases` too) and a
+        promise of that place (`kv_schedule`); None with no pace or nothing to wait for."""
+        fleet, booked = self.fleet, self._booker.booked_with
+        eta = self._claims.retry_after(now, self.budget_tokens, self._pace, booked, *fleet.releases(now))
+        return fleet.told(eta, now)
 
     # -- updates -----------------------------------------------------------------------------------------
 

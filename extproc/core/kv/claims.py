@@ -10,6 +10,9 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from extproc.core.kv.fairness import ClaimId, FairShare
 from extproc.core.kv.lease import Lease
 from extproc.core.kv.ledger import Ledger
@@ -101,7 +104,13 @@ class FairClaims:
             self.fairness.served(tenant, tokens, now)
 
     def retry_after(
-        self, now: float | None, budget: int | None, pace: BudgetPace, booked_with: int
+        self,
+        now: float | None,
+        budget: int | None,
+        pace: BudgetPace,
+        booked_with: int,
+        others: Sequence[tuple[float, int]] = (),
+        own_part: float = 1.0,
     ) -> float | None:
         """`KvBudget.retry_after`, at the pace hints take (`BudgetPace.hint_rate`), the refused request having
         been compared with `booked_with` against `budget`.
@@ -109,12 +118,19 @@ class FairClaims:
         Leases end at their forecast ends (`trajectory`: expected completion less tokens done, in steps
         of one token per sequence) at the pace, plus the first-token delay still ahead of a lease with no
         progress yet; each end frees its lifetime footprint from the booking the refused request was
-        compared with. The refused request is expected to run its own expected completion at that pace.
+        compared with, or the part of it this replica may book again (`own_part`, `Fleet.release_part`);
+        the other replicas' ends free its part of theirs (`others`, `Fleet.others_releases`). The refused
+        request is expected to run its own expected completion at that pace. None with no pace, or nothing
+        to wait for.
         """
         rate = pace.hint_rate()
         refused = self._refused
         leases = self._ledger.leases
-        if budget is None or now is None or rate is None or rate <= 0 or not leases or refused is None:
+        if budget is None or now is None or rate is None or rate <= 0 or refused is None:
+            return None
+        own = pace.releases(leases.values(), now) or []
+        releases = [(seconds, math.floor(tokens * own_part)) for seconds, tokens in own] + list(others)
+        if not releases:
             return None
         owner, footprint, completion = refused
         fair = self.fairness
@@ -123,7 +139,6 @@ class FairClaims:
             return self._share_eta(fair, owner, now, rate, delay)
         first = fair is not None and fair.holds(owner, now)
         served = fair.standing(owner.tenant, now) if fair is not None else 0.0
-        releases = [(lease.seconds_left(now, rate, delay), lease.footprint) for lease in leases.values()]
         duration = delay + completion / rate
         priority = (float(owner.rank), served)
         standing = None if fair is None else (lambda tenant: fair.standing(tenant, now))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from extproc.core.engine.done import EngineDone
 from extproc.core.kv.booked import Booker
-from extproc.core.kv.fleet import ReplicaShare
+from extproc.core.kv.fleet import ReplicaShare, frees_by
 from extproc.core.kv.lease import Lease
 from extproc.core.kv.ledger import Ledger
 from extproc.core.kv.pacing import BudgetPace
@@ -114,7 +114,15 @@ class EngineCorrection:
         self._share.sent(booked)
         fleet = self._share.fleet
         yielding = fleet.publishing(now)
-        return ReplicaShare(booked, math.ceil(held), settled, candidates, yielding, fleet.heard_ms)
+        frees = self._frees(now, booked)
+        return ReplicaShare(booked, math.ceil(held), settled, candidates, yielding, fleet.heard_ms, frees)
+
+    def _frees(self, now: float, booked: int) -> tuple[int, ...]:
+        """`ReplicaShare.frees`: what the leases' forecast ends free by each horizon, at the pace this
+        replica's own hints plan on (`BudgetPace.releases`), never more than it has booked."""
+        leases = self._ledger.leases
+        running = (lease for i, lease in leases.items() if i not in self._booker.finished)
+        return frees_by(self._pace.releases(running, now) or (), booked)
 
     def _correction(self, used: float, now: float, waiting: float | None) -> float:
         """`observe`'s correction of the forecasts from the KV in use (`used`, the pool's): upward by what no

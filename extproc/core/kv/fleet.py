@@ -41,7 +41,9 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -74,6 +76,43 @@ REPLICA_TTL_S = 5.0
 """How long a replica's published figures count after their publication: a replica that died, or lost the
 store, stops holding KV in the others' budgets after this."""
 
+FREE_HORIZONS_S = (
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.25,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    8.0,
+    10.0,
+    12.0,
+    15.0,
+    20.0,
+    25.0,
+    30.0,
+)
+"""The moments after its publication at which a replica says how much of its booking its leases' forecast
+ends will have freed (`ReplicaShare.frees`): the same for every replica, so the store sums them. A release
+counts at the first horizon at or after it, so a client sent back on it comes at most a step late: a quarter
+of a second near, a fifth of the wait further out; none past what an SDK waits."""
+
+NO_FREES = (0,) * len(FREE_HORIZONS_S)
+
+OTHERS_LAG_S = 2 * PUBLISH_EVERY_S
+"""How long after another replica's lease ends this replica can count on its part of the room: the other
+publishes within `PUBLISH_EVERY_S` of the change, and this one reads at the moment it told its client to
+come back (`Fleet.take_reads`), the store's round trip ahead of it."""
+
+READS_KEPT = 64
+"""The most reads one pool's budget keeps due at once (`Fleet.take_reads`): more refused clients than that
+within one horizon share the reads already due around their moments."""
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaShare:
@@ -87,7 +126,9 @@ class ReplicaShare:
     - `candidates`: of those, the sequences that may be finished (a stalled stream, an answer nobody sees);
     - `yielding`: 1 while it yields its part of the free room (`Claim.YIELDED`), else 0 (summed: how many);
     - `heard_ms`: the store's time (ms) of the last answer it had taken in when these were taken: what asks it
-      has read (not summed: `Peers.oldest_ms` is the least over the others that do not yield).
+      has read (not summed: `Peers.oldest_ms` is the least over the others that do not yield);
+    - `frees`: of `booked`, what its leases' forecast ends will have freed by each of `FREE_HORIZONS_S` after
+      these were taken (cumulative): when the others' refused clients may find room.
     """
 
     booked: int = 0
@@ -96,13 +137,33 @@ class ReplicaShare:
     candidates: int = 0
     yielding: int = 0
     heard_ms: int = field(default=0, compare=False)
+    frees: tuple[int, ...] = NO_FREES
 
     def plus(self, other: ReplicaShare) -> ReplicaShare:
         """The sum of two replicas' figures (`heard_ms` is not a sum: left out)."""
-        return ReplicaShare(*(a + b for a, b in zip(self.fields(), other.fields(), strict=True)))
+        booked, held, settled, candidates, yielding = (
+            a + b for a, b in zip(self.fields(), other.fields(), strict=True)
+        )
+        frees = tuple(a + b for a, b in zip(self.frees, other.frees, strict=True))
+        return ReplicaShare(booked, held, settled, candidates, yielding, frees=frees)
 
     def fields(self) -> tuple[int, int, int, int, int]:
         return (self.booked, self.held, self.settled, self.candidates, self.yielding)
+
+
+def frees_by(releases: Iterable[tuple[float, int]], booked: int) -> tuple[int, ...]:
+    """`ReplicaShare.frees` of a replica whose leases free `releases` (seconds from now, tokens): what they
+    have freed by each of `FREE_HORIZONS_S`, at most `booked` (its forecast peak: what the others count)."""
+    freed = [0] * len(FREE_HORIZONS_S)
+    for seconds, tokens in releases:
+        first = bisect.bisect_left(FREE_HORIZONS_S, seconds)
+        if first < len(freed):
+            freed[first] += tokens
+    total, out = 0, []
+    for tokens in freed:
+        total += tokens
+        out.append(min(total, max(0, booked)))
+    return tuple(out)
 
 
 NOBODY = ReplicaShare()
@@ -151,6 +212,7 @@ class Fleet:
         self._asked_ms: int | None = None  # the store's time of the exchange that carried the ask
         self._sent_yielding = False  # what its last published figures said
         self._decided_at: float | None = None  # its latest KV decision (`decided`)
+        self._reads: set[float] = set()  # when refused clients come back: the others read by then (`told`)
         self._owes_ack = False  # another replica asked (or joined) since this one last published
         self.heard_ms = 0  # the store's time of the last answer taken in (`ReplicaShare.heard_ms`)
 
@@ -199,12 +261,58 @@ class Fleet:
     def told(self, eta: float | None, now: float | None) -> float | None:
         """The `retry-after` of a request refused at `now`, expected to fit in `eta` seconds: refused on its
         sliver while the others hear the ask, it need wait only until then (`ASKING_HINT_S`); and a replica
-        that told a client when to come back is not quiet before then."""
+        that told a client when to come back is not quiet before then, and reads the others' figures by
+        then (`take_reads`): the room it counted on from their releases is its own only once read."""
         if self.asking(now):
             eta = ASKING_HINT_S if eta is None else min(eta, ASKING_HINT_S)
         if now is not None and eta is not None:
             self.decided(now + eta)
+            if self.peers(now) is not None and len(self._reads) < READS_KEPT:
+                slot = round((now + eta - PUBLISH_EVERY_S) / PUBLISH_EVERY_S)  # a read per interval at most
+                self._reads.add(slot * PUBLISH_EVERY_S)
         return eta
+
+    @property
+    def reads_due(self) -> bool:
+        """Whether a refused client was told to come back at a moment no read is planned for yet."""
+        return bool(self._reads)
+
+    def take_reads(self) -> list[float]:
+        """The moments (the budget's clock) at which refused clients come back, less a round trip: the
+        exchange reads the others' figures then (`FleetExchange`). Each moment is handed out once."""
+        reads, self._reads = sorted(self._reads), set()
+        return reads
+
+    def releases(self, now: float | None) -> tuple[list[tuple[float, int]], float]:
+        """What a refusal's `retry-after` plans on besides this replica's own releases: the others'
+        (`others_releases`), and the part of its own it may book again (`release_part`)."""
+        return self.others_releases(now), self.release_part(now)
+
+    def release_part(self, now: float | None) -> float:
+        """What of a release this replica may book again before the others could take it: all, alone or with
+        the others unknown (its fallback share is fixed); else its part of the free room (`_part`), its own
+        releases as the others' (`budget`: what it released since the exchange is free room too). Planned
+        whole, its own ends sent its clients back when half the room was there, to be refused again."""
+        peers = self.peers(now)
+        return 1.0 if peers is None else self._part(peers)
+
+    def others_releases(self, now: float | None) -> list[tuple[float, int]]:
+        """The room the other replicas' forecast lease ends give this one (seconds from `now`, tokens): their
+        summed `frees` as last read, less the time since, each its part of the room freed (`_part`), once
+        read (`OTHERS_LAG_S`). Without them, a refused client's `retry-after` counted its own replica's
+        leases alone: a replica with few of the cache's leases sent its clients back at their ends, and the
+        busy one's clients, sent back at the moments the room it freed was there, took it: at 50/50
+        without a queue, 171 answers to one gateway's 15 clients, 19 to the other's."""
+        peers = self.peers(now)
+        if peers is None or now is None or self._read_at is None:
+            return []
+        age, part = now - self._read_at, self._part(peers)
+        releases, before = [], 0
+        for horizon, freed in zip(FREE_HORIZONS_S, peers.share.frees, strict=True):
+            if freed > before:
+                releases.append((max(0.0, horizon - age) + OTHERS_LAG_S, math.floor((freed - before) * part)))
+                before = freed
+        return releases
 
     def _heard(self, peers: Peers) -> None:
         """An asking replica's ask went out with the first exchange that did not say it yields; it takes its

@@ -11,7 +11,7 @@ Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from extproc.core.engine.pace import LearnedPace, bounded_by_engines, hint_pace, usable_rate
 from extproc.core.kv.lease import Lease
@@ -148,6 +148,16 @@ class BudgetPace:
         anything freed: 7 of 40 answered on vLLM). The feed's pace is the engines' own under the batch they
         run now, what the leases will end at."""
         return hint_pace(self.learned.tokens_per_second, self._fed_rate, self._assumed_rate)
+
+    def releases(self, leases: Iterable[Lease], now: float) -> list[tuple[float, int]] | None:
+        """When each of `leases` is expected to free its footprint (seconds from `now`, tokens), at the pace
+        hints take: what a refusal's `retry-after` plans on, and the others are told (`ReplicaShare.frees`);
+        None with no pace."""
+        rate = self.hint_rate()
+        if rate is None or rate <= 0:
+            return None
+        delay = self.learned.first_token_delay
+        return [(lease.seconds_left(now, rate, delay), lease.footprint) for lease in leases]
 
     def settle_after(self) -> float:
         """Seconds after admission past which a lease is taken to be in the engine's KV gauge when nothing

@@ -60,6 +60,7 @@ class FleetExchange:
         self._on_peers = on_peers  # told after a pool's budget took the others' figures (metrics, waiters)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._later: dict[str, asyncio.TimerHandle] = {}
+        self._reads: dict[str, dict[float, asyncio.TimerHandle]] = {}  # reads due (`_plan_reads`)
         self._dirty: set[str] = set()
         self._sent_at: dict[str, float] = {}
         self._runs_tasks: dict[str, asyncio.Task[None]] = {}  # runs-only exchanges (`runs_changed`)
@@ -70,13 +71,17 @@ class FleetExchange:
 
     def forget(self, pool: str) -> None:
         """`pool`'s budget is gone (an engine's, the feed forgot the engine): what was kept for its exchanges
-        goes, unless one is under way or due."""
+        goes, unless one is under way or due; the reads planned for its refused clients go (`_plan_reads`)."""
+        for handle in self._reads.pop(pool, {}).values():
+            handle.cancel()
         if pool not in self._tasks and pool not in self._later:
             self._sent_at.pop(pool, None)
             self._dirty.discard(pool)
 
     def changed(self, pool: str, budget: KvBudget) -> None:
-        """`budget` of `pool` changed: its figures go out now, or as soon as the interval allows."""
+        """`budget` of `pool` changed: its figures go out now, or as soon as the interval allows; and the
+        others' are read again at each moment a refused client was told to come back (`Fleet.take_reads`)."""
+        self._plan_reads(pool, budget)
         if pool in self._tasks or pool in self._later:
             self._dirty.add(pool)
             return
@@ -89,6 +94,25 @@ class FleetExchange:
             self._later[pool] = loop.call_later(wait, self._start, pool, budget)
         else:
             self._start(pool, budget)
+
+    def _plan_reads(self, pool: str, budget: KvBudget) -> None:
+        """An exchange at each moment `budget` told a refused client to come back, less a round trip: the
+        room it counted on from the others' releases is there only once read (`Fleet.others_releases`)."""
+        reads = budget.fleet.take_reads()
+        if not reads or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        pending = self._reads.setdefault(pool, {})
+        for at in reads:
+            if at not in pending:
+                pending[at] = loop.call_later(max(0.0, at - self._clock()), self._read_due, pool, budget, at)
+
+    def _read_due(self, pool: str, budget: KvBudget, at: float) -> None:
+        self._reads.get(pool, {}).pop(at, None)
+        self.changed(pool, budget)
 
     def _start(self, pool: str, budget: KvBudget) -> None:
         self._later.pop(pool, None)
@@ -174,9 +198,11 @@ class FleetExchange:
         """Stop publishing: pending publications dropped, calls in flight cancelled (the figures expire in
         the store `REPLICA_TTL_S` after the last one)."""
         self._closed = True
-        for handle in [*self._later.values(), *self._runs_later.values()]:
+        reads = [handle for pending in self._reads.values() for handle in pending.values()]
+        for handle in [*self._later.values(), *self._runs_later.values(), *reads]:
             handle.cancel()
         self._later.clear()
+        self._reads.clear()
         self._runs_later.clear()
         tasks = [*self._tasks.values(), *self._runs_tasks.values()]
         for task in tasks:

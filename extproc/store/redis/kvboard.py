@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 
 from extproc.core.engine.tally import RunFigures
-from extproc.core.kv.fleet import REPLICA_TTL_S, Peers, ReplicaShare
+from extproc.core.kv.fleet import FREE_HORIZONS_S, REPLICA_TTL_S, Peers, ReplicaShare
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
+
+HORIZONS_MS = tuple(round(horizon * 1000) for horizon in FREE_HORIZONS_S)
 
 
 class RedisKvBoard:
@@ -29,13 +31,16 @@ class RedisKvBoard:
         """One KV_POOL call; raises the store's `StoreUnavailable` (`RedisUnavailable`) when Redis does not
         answer within the background bound."""
         ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
-        figures = (*share.fields(), share.heard_ms)
+        figures = (*share.fields(), share.heard_ms, len(FREE_HORIZONS_S), *HORIZONS_MS, *share.frees)
         args = [pool, str(self.calls.replica), ttl_ms, *(str(max(0, int(v))) for v in figures)]
         raw = await self.calls.run(
             self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
         )
         values = [int(v) for v in raw]
-        return Peers(ReplicaShare(*values[1:6]), values[0], now_ms=values[6], oldest_ms=values[7])
+        frees = tuple(values[8 : 8 + len(FREE_HORIZONS_S)])
+        booked, held, settled, candidates, yielding = values[1:6]
+        others = ReplicaShare(booked, held, settled, candidates, yielding, frees=frees)
+        return Peers(others, values[0], now_ms=values[6], oldest_ms=values[7])
 
     async def exchange_runs(self, pool: str, figures: RunFigures) -> dict[str, RunFigures]:
         """One RUNS_POOL call; raises `RedisUnavailable` as `exchange` does."""

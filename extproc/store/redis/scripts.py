@@ -27,8 +27,8 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
   of the fresh proposals (1 when none), recomputed only by the SCALE script; the hash expires a proposal TTL
   after the last proposal, and then the scale is 1 again.
 - `P kv:#p:p` (hash): the KV-budget figures of pool `p` (`extproc.core.kv.fleet`), one field `r:<replica>`
-  per replica, `<expiry ms> <booked> <held> <settled> <candidates>`; a field past its
-  expiry is dropped by the next KV_POOL call, the hash itself a TTL after the last one.
+  per replica, `<expiry ms> <booked> <held> <settled> <candidates> <yielding> <heard ms> <frees...>`; a
+  field past its expiry is dropped by the next KV_POOL call, the hash itself a TTL after the last one.
 - `P wq` (string): present while some replica has requests waiting in its queue; a release then publishes
   on the channel `P wake` so that the other replicas try their waiters at once.
 - `P epoch` (hash): `id`, the run id of the state these keys hold, and `rec`, the server time until which
@@ -710,16 +710,29 @@ KV_POOL = (
     + r"""
 -- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's figures of the pool: booked, held,
 -- settled, candidates, yielding, heard (integers; heard: the server's time of the last answer the replica
--- had taken in). Stores them as this replica's, good for ttl ms of server time, and replies the number of
--- other replicas whose figures are still good, the sums of their first five figures (`P kv` above), the
--- server's time and the least `heard` of those that do not yield (-1 with none), in ms. A field written
--- before `yielding` existed (four figures) sums as not yielding and is left out of the least `heard`: such
--- a replica never counts on a yielded part.
+-- had taken in), then the count n of horizons, the n horizons (ms after publication, ascending) and the n
+-- tokens its leases will have freed by each (`ReplicaShare.frees`, cumulative). Stores them as this
+-- replica's, good for ttl ms of server time, and replies the number of other replicas whose figures are
+-- still good, the sums of their first five figures (`P kv` above), the server's time and the least `heard`
+-- of those that do not yield (-1 with none), in ms, then the others' frees summed by the same horizons
+-- counted from now: each replica's carried forward by the time since it published (its expiry less ttl),
+-- a free already due counted by the first. A field written before `yielding` existed (four figures) sums as
+-- not yielding and is left out of the least `heard`: such a replica never counts on a yielded part; one
+-- written before `frees` (six figures) frees nothing.
 local key = KEYS[1] .. 'kv:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
 local now = now_ms()
+local ttl = tonumber(ARGV[3])
+local n = tonumber(ARGV[10])
+local horizons = {}
 local figures = {ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}
-local others = exchange(key, ARGV[2], tonumber(ARGV[3]), now, figures, 5)
+for i = 1, n do
+  horizons[i] = tonumber(ARGV[10 + i])
+  figures[6 + i] = ARGV[10 + n + i]
+end
+local others = exchange(key, ARGV[2], ttl, now, figures, 5)
 local sums = {0, 0, 0, 0, 0}
+local frees = {}
+for i = 1, n do frees[i] = 0 end
 local oldest = -1
 for _, other in ipairs(others) do
   local v = other[2]
@@ -727,8 +740,23 @@ for _, other in ipairs(others) do
   if (v[6] or 0) == 0 and v[7] ~= nil and (oldest < 0 or v[7] < oldest) then
     oldest = v[7]
   end
+  local age = now - (v[1] - ttl)
+  local before = 0
+  local j = 1
+  for i = 1, n do
+    local freed = v[7 + i] or before
+    while j < n and horizons[j] < horizons[i] - age do j = j + 1 end
+    if freed > before then frees[j] = frees[j] + freed - before end
+    before = math.max(before, freed)
+  end
 end
-return {#others, sums[1], sums[2], sums[3], sums[4], sums[5], now, oldest}
+local reply = {#others, sums[1], sums[2], sums[3], sums[4], sums[5], now, oldest}
+local total = 0
+for i = 1, n do
+  total = total + frees[i]
+  reply[8 + i] = total
+end
+return reply
 """
 )
 

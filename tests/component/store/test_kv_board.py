@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from extproc.core.engine.tally import EngineTally, RunFigures
 from extproc.core.kv.budget import BookingMode, KvBudget
 from extproc.core.kv.completion import CompletionLearner
-from extproc.core.kv.fleet import Peers, ReplicaShare
+from extproc.core.kv.fleet import Claim, Peers, ReplicaShare, frees_by
 from extproc.core.ports import StoreUnavailable
 from extproc.kvfeed.subscriber import fleet as fleet_module
 from extproc.kvfeed.subscriber.fleet import FleetExchange
@@ -59,6 +60,29 @@ async def test_the_answer_says_what_the_others_that_do_not_yield_have_heard(redi
         key = f"{stores[0].calls.base}kv:5:llama"
         await raw.hset(key, "r:old", f"{again.now_ms + 60_000} 5 5 1 0")
         assert (await a.exchange("llama", A)).oldest_ms == 77
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_the_others_frees_are_summed_from_the_moment_of_the_answer(redis_url: str) -> None:
+    """Each replica says what its leases will have freed by each horizon after it published
+    (`ReplicaShare.frees`); the answer sums the others' by the same horizons counted from the server's now,
+    each carried forward by its age, and a field of a version before frees (six figures) frees nothing."""
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(3)]
+    try:
+        a, b, c = (store.kv_board() for store in stores)
+        await a.exchange("llama", ReplicaShare(booked=900, frees=frees_by([(4.0, 900)], 900)))
+        await b.exchange("llama", ReplicaShare(booked=500, frees=frees_by([(15.0, 500)], 500)))
+        read = await c.exchange("llama", ReplicaShare())
+        assert read.share.frees == frees_by([(4.0, 900), (15.0, 500)], 1_400)
+        raw = stores[0].calls.client
+        key = f"{stores[0].calls.base}kv:5:llama"
+        await raw.hset(key, "r:old", f"{read.now_ms + 60_000} 5 5 1 0 0 0")
+        assert (await c.exchange("llama", ReplicaShare())).share.frees == read.share.frees
+        await asyncio.sleep(2.2)  # server time: a's release is under 2 s from now, b's under 12.8 s
+        aged = await c.exchange("llama", ReplicaShare())
+        assert aged.share.frees == frees_by([(2.0, 900), (15.0, 500)], 1_400)
     finally:
         for store in stores:
             await store.close()
@@ -150,6 +174,46 @@ async def test_two_replicas_divide_a_pool_by_demand_through_redis(redis_url: str
     finally:
         await busy.close()
         await idle.close()
+        for store in stores:
+            await store.close()
+
+
+async def test_a_replica_reads_the_others_again_when_its_refused_client_comes_back(redis_url: str) -> None:
+    """A refusal counted on the other replica's releases (`Fleet.others_releases`): the room is this
+    replica's only once it has read them, and a replica that admits nothing meanwhile reads only at its feed's
+    samples; so the exchange reads again at the moment the client was told (`FleetExchange._plan_reads`),
+    and the client, back then, finds the room."""
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
+    start = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - start
+
+    busy_budget, quiet_budget = budget(), budget()
+    busy, quiet = FleetExchange(stores[0].kv_board(), clock), FleetExchange(stores[1].kv_board(), clock)
+    try:
+        for _ in range(3):  # each asks, and hears the other: both take their part (deciding: not yielded)
+            for fleet, deciding in ((busy, busy_budget), (quiet, quiet_budget)):
+                deciding.would_fit(0, 0, now=clock())
+                await exchanged(fleet, deciding)
+        assert busy_budget.fleet.claim is Claim.FULL and quiet_budget.fleet.claim is Claim.FULL
+        for i in range(9):  # 9,000 of 10,000, each answer ~0.5 s at 100 tokens/s
+            busy_budget.admit(f"a{i}", 950, 50, now=clock())
+        await exchanged(busy, busy_budget)
+        await exchanged(quiet, quiet_budget)
+        assert not quiet_budget.would_fit(500, 500, now=clock())[0]
+        hint = quiet_budget.retry_after(clock())
+        assert hint is not None and hint < 1.5  # the busy replica's ends: this one holds nothing
+        back_at = clock() + hint
+        await exchanged(quiet, quiet_budget)  # the refusal's reads planned, and an exchange before the ends
+        for i in range(9):
+            busy_budget.release(f"a{i}", 50)
+        await exchanged(busy, busy_budget)
+        await asyncio.sleep(max(0.0, back_at - clock()))
+        assert quiet_budget.would_fit(500, 500, now=clock())[0]
+    finally:
+        await busy.close()
+        await quiet.close()
         for store in stores:
             await store.close()
 

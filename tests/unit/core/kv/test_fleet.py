@@ -10,7 +10,10 @@ from extproc.core.kv.budget import BookingMode, KvBudget
 from extproc.core.kv.completion import CompletionLearner
 from extproc.core.kv.fleet import (
     ASKING_HINT_S,
+    FREE_HORIZONS_S,
+    OTHERS_LAG_S,
     PEERS_FRESH_S,
+    PUBLISH_EVERY_S,
     REPLICA_TTL_S,
     YIELD_AFTER_S,
     YIELDED_PART,
@@ -305,3 +308,57 @@ def test_even_traffic_never_books_past_the_pool_together() -> None:
                 admitted[name] += 1
         assert a.demand_tokens + b.demand_tokens <= 10_000
     assert admitted["a"] >= 3 and admitted["b"] >= 3, admitted
+
+
+def test_a_refused_client_is_sent_back_when_the_other_replicas_leases_end() -> None:
+    """A replica's hints counted its own leases alone: one holding a single long answer sent its clients
+    back at that answer's end, while the other replica's ends freed the room, which that replica's own
+    clients, sent back at those very moments, took (without a queue, 171 answers to one gateway's fifteen
+    clients and 19 to the other's). Now the others' forecast ends (`ReplicaShare.frees`) count, at this
+    replica's part of the room they free, and it reads the store again when its client comes back."""
+    busy, quiet = budget(), budget()
+    for r in (busy, quiet):
+        r.share_through_store(fallback_share=0.5)
+        r.observe_engine(0, now=0.0, fresh_for=100.0, waiting=0, running=0)
+    for i in range(9):
+        busy.admit(f"a{i}", 500, 500, now=0.0)  # 9,000 of 10,000, each ends after ~5 s of answer
+    quiet.admit("b0", 100, 900, now=0.0)  # ~9 s
+    for t in (0.01, 0.02, 0.03):
+        exchange(busy, quiet, t)
+    assert state(busy.fleet) is Claim.FULL and state(quiet.fleet) is Claim.FULL
+    peers = quiet.fleet.peers(0.04)
+    assert peers is not None
+    frees = peers.share.frees  # as read at 0.03: the busy replica's ends, by horizon
+    first_end = FREE_HORIZONS_S[next(i for i, freed in enumerate(frees) if freed)]
+    assert not quiet.would_fit(500, 500, now=0.04)[0]
+    hint = quiet.retry_after(0.04)
+    assert hint is not None and hint < 8.0  # not its own end (~9 s)
+    assert hint == pytest.approx(first_end - 0.01 + OTHERS_LAG_S)
+    assert quiet.fleet.take_reads() == [pytest.approx(0.04 + hint - PUBLISH_EVERY_S, abs=PUBLISH_EVERY_S)]
+    assert quiet.fleet.take_reads() == []  # handed out once
+    for i in range(9):
+        busy.release(f"a{i}", 500)
+    exchange(busy, quiet, 0.04 + hint - PUBLISH_EVERY_S)  # the read due then
+    assert quiet.would_fit(500, 500, now=0.04 + hint)[0]
+
+
+def test_a_replica_beside_another_plans_on_its_part_of_its_own_releases() -> None:
+    """What a replica releases is free room that the other, wanting it too, may take half of (`Fleet.budget`):
+    its refused client, sent back at its first release, found half the room there and was refused again."""
+    busy, other = budget(), budget()
+    for r in (busy, other):
+        r.share_through_store(fallback_share=0.5)
+        r.would_fit(0, 0, now=0.0)  # deciding: neither yields (no engine sample: lifetimes are booked)
+    for i in range(10):  # the whole pool, the answers ending one after another
+        busy.admit(f"a{i}", 900 - 50 * i, 100 + 50 * i, now=0.0)
+    for t in (0.01, 0.02, 0.03):
+        exchange(busy, other, t)
+    assert state(busy.fleet) is Claim.FULL and state(other.fleet) is Claim.FULL
+    assert busy.fleet.release_part(0.04) == pytest.approx(0.5)
+    assert not busy.would_fit(500, 500, now=0.04)[0]
+    hint = busy.retry_after(0.04)
+    assert hint is not None and hint > 1.25  # the second end (~1.5 s at 100 tokens/s), not the first (~1 s)
+    busy.release("a0", 100)
+    assert not busy.would_fit(500, 500, now=0.04 + 1.0)[0]  # at the first end: half of its 1,000
+    busy.release("a1", 150)
+    assert busy.would_fit(500, 500, now=0.04 + hint)[0]
