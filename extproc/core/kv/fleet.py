@@ -36,6 +36,12 @@ still, and may have booked on it since it took its figures. However the exchange
 replicas take of the room they saw sum to at most one. A replica short of its full part that loses the store
 keeps to its sliver while the others may still count on the room it left (`REPLICA_TTL_S`).
 
+A refused client is told when its replica will have room: after its own releases and the others', each at
+the part of it this replica may take (`releases`). So each replica also publishes when its leases' forecast
+ends free their room (`ReplicaShare.frees`, by fixed horizons the store can sum), and reads the others' again
+when its client is due back (`take_reads`): counting its own ends alone, a replica holding few of the cache's
+leases sent its clients back at those, and the busy one's clients took the room the others' ends freed.
+
 Pure: no I/O, no clock.
 """
 

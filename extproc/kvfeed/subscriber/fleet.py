@@ -4,7 +4,8 @@ A budget's figures go out after it changes (an admission, a release, a stream's 
 at most once per `PUBLISH_EVERY_S` and one call in flight per pool: a burst of decisions is one call, and a
 change made while a call is in flight is sent once it returns. The answer, the other replicas' figures, goes
 to the budget at once; no answer (the store unreachable) leaves the last one, which the budget trusts for
-`PEERS_FRESH_S` before it books on its fallback share.
+`PEERS_FRESH_S` before it books on its fallback share. A budget that told a refused client when to come back
+has the others' figures read again then (`Fleet.take_reads`): its room from their releases is there once read.
 
 Once the store answered, a second call carries the pool's engine-tally figures (`EngineTally.figures`,
 `KvBoard.exchange_runs`) and hands the others' to the tally: the charge of an answer not seen whole is its
