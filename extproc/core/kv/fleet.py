@@ -273,7 +273,8 @@ class Fleet:
             eta = ASKING_HINT_S if eta is None else min(eta, ASKING_HINT_S)
         if now is not None and eta is not None:
             self.decided(now + eta)
-            if self.peers(now) is not None and len(self._reads) < READS_KEPT:
+            peers = self.peers(now)
+            if peers is not None and peers.replicas > 0 and len(self._reads) < READS_KEPT:
                 slot = round((now + eta - PUBLISH_EVERY_S) / PUBLISH_EVERY_S)  # a read per interval at most
                 self._reads.add(slot * PUBLISH_EVERY_S)
         return eta
