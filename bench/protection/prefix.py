@@ -1,7 +1,7 @@
 """Shared prefixes on a real vLLM (or the simulator): `python -m bench.protection.prefix [--engine vllm|sim]`.
 
 The shared-system-prompt overload of tests/support/prefix_load.py (forty streamed chats at once, one
-~1,550-token system prompt, ~30 tokens each of their own, 300 output tokens with `ignore_eos`, clients that
+1,666-token system prompt, ~30 tokens each of their own, 300 output tokens with `ignore_eos`, clients that
 honour `retry-after`) against vLLM 0.32.0's CPU build serving the real-engine tier's tiny Llama (128 blocks
 of 128 tokens, prefix caching on as shipped), four ways in one run: straight to the engine, through the
 gateway with the shipped booking (lean profile, forecast, prefix sharing), the same with the shipped classes

@@ -4,7 +4,7 @@ them start and their answers outgrow the cache), and through the gateway preempt
 lets the cache fill: it books the shared prompt once, as the engine holds it (extproc/core/kv/prefix.py).
 
 The workload (tests/support/prefix_load.py) is the one that showed the budget refusing while two thirds of
-the cache stood empty: a system prompt of ~1,550 tokens (12 of the engine's 128-token blocks), ~30 tokens of
+the cache stood empty: a system prompt of 1,666 tokens (13 of the engine's 128-token blocks), ~30 tokens of
 each request's own, 300 output tokens with `ignore_eos`, clients that honour `retry-after`. vLLM's own
 counters say what it shared (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`,
 v1/metrics/loggers.py) and how full its cache got (`vllm:kv_cache_usage_perc`, sampled while the load runs).

@@ -64,7 +64,7 @@ class PromptChunks:
         in whole blocks), so the run is cut there: where it ends inside a block, that block is the request's
         own. The cut counts from the first text, the engine's from the prompt's first token (the template's
         preamble before it): the engine's shared blocks, counted from further on, are never fewer. Cut as a
-        whole block off the run instead, a request sharing a 1,550-token system prompt in 128-token blocks
+        whole block off the run instead, a request sharing a 1,666-token system prompt in 128-token blocks
         (vLLM's CPU build) was booked 124 tokens of the engine's shared block as its own.
         A prompt booked on its byte bound is credited nothing until its exact count comes
         (`admission/deciding/provisional.py`), then in tokens of that count.
