@@ -26,7 +26,7 @@ OWN_WORDS = 30
 OUTPUT_TOKENS = 300
 WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "maple", "orbit", "falcon", "ember")
 """Words cl100k encodes as one token each with their leading space, but " falcon" (two): the system prompt's
-1,550 words are 1,666 tokens for the sidecar, the simulator and the engine tier's model (which uses cl100k)."""
+1,550 words are 1,666 tokens for the sidecar, the simulator and the engine tier's model (it uses cl100k)."""
 
 
 def words(seed: int, count: int) -> str:
