@@ -106,7 +106,7 @@ FREE_HORIZONS_S = (
 """The moments after its publication at which a replica says how much of its booking its leases' forecast
 ends will have freed (`ReplicaShare.frees`): the same for every replica, so the store sums them. A release
 counts at the first horizon at or after it, so a client sent back on it comes at most a step late: a quarter
-of a second near, a fifth of the wait further out; none past what an SDK waits."""
+of a second near, at most a quarter of the wait further out; none past what an SDK waits."""
 
 NO_FREES = (0,) * len(FREE_HORIZONS_S)
 
@@ -114,6 +114,10 @@ OTHERS_LAG_S = 2 * PUBLISH_EVERY_S
 """How long after another replica's lease ends this replica can count on its part of the room: the other
 publishes within `PUBLISH_EVERY_S` of the change, and this one reads at the moment it told its client to
 come back (`Fleet.take_reads`), the store's round trip ahead of it."""
+
+READS_WITHIN_S = FREE_HORIZONS_S[-1] + OTHERS_LAG_S
+"""The furthest a refused client's return gets a read planned (`Fleet.told`): no later moment comes from the
+others' published ends, so at most one read per `PUBLISH_EVERY_S` up to this is ever pending per pool."""
 
 READS_KEPT = 64
 """The most reads one pool's budget keeps due at once (`Fleet.take_reads`): more refused clients than that
@@ -159,7 +163,9 @@ class ReplicaShare:
 
 def frees_by(releases: Iterable[tuple[float, int]], booked: int) -> tuple[int, ...]:
     """`ReplicaShare.frees` of a replica whose leases free `releases` (seconds from now, tokens): what they
-    have freed by each of `FREE_HORIZONS_S`, at most `booked` (its forecast peak: what the others count)."""
+    have freed by each of `FREE_HORIZONS_S`, at most `booked` (its forecast peak: what the others count).
+    A footprint freed before the peak lowers the peak by less: hints only, and they plan a replica's own
+    releases the same way; its refused clients find out at their return and are planned again."""
     freed = [0] * len(FREE_HORIZONS_S)
     for seconds, tokens in releases:
         first = bisect.bisect_left(FREE_HORIZONS_S, seconds)
@@ -274,8 +280,11 @@ class Fleet:
         if now is not None and eta is not None:
             self.decided(now + eta)
             peers = self.peers(now)
-            if peers is not None and peers.replicas > 0 and len(self._reads) < READS_KEPT:
-                slot = round((now + eta - PUBLISH_EVERY_S) / PUBLISH_EVERY_S)  # a read per interval at most
+            others = peers is not None and peers.replicas > 0
+            if others and eta <= READS_WITHIN_S and len(self._reads) < READS_KEPT:
+                slot = math.ceil(
+                    (now + eta - PUBLISH_EVERY_S) / PUBLISH_EVERY_S
+                )  # a read per interval at most
                 self._reads.add(slot * PUBLISH_EVERY_S)
         return eta
 
@@ -297,15 +306,17 @@ class Fleet:
 
     def release_part(self, now: float | None) -> float:
         """What of a release this replica may book again before the others could take it: all, alone or with
-        the others unknown (its fallback share is fixed); else its part of the free room (`_part`), its own
-        releases as the others' (`budget`: what it released since the exchange is free room too). Planned
-        whole, its own ends sent its clients back when half the room was there, to be refused again."""
+        the others unknown (its fallback share is fixed); else its part of the free room, its own releases
+        as the others' (`budget`: what it released since the exchange is free room too). Planned whole, its
+        own ends sent its clients back when half the room was there, to be refused again. An asking replica
+        plans on the part it takes once heard (`_full_part`): its client is told to come back by then, and
+        a promise planned on its sliver would stand, due later, in the way of its other clients."""
         peers = self.peers(now)
-        return 1.0 if peers is None else self._part(peers)
+        return 1.0 if peers is None else self._full_part(peers)
 
     def others_releases(self, now: float | None) -> list[tuple[float, int]]:
         """The room the other replicas' forecast lease ends give this one (seconds from `now`, tokens): their
-        summed `frees` as last read, less the time since, each its part of the room freed (`_part`), once
+        summed `frees` as last read, less the time since, each its part of the room freed (`_full_part`), once
         read (`OTHERS_LAG_S`). Without them, a refused client's `retry-after` counted its own replica's
         leases alone: a replica with few of the cache's leases sent its clients back at their ends, and the
         busy one's clients, sent back at the moments the room it freed was there, took it: at 50/50
@@ -313,7 +324,7 @@ class Fleet:
         peers = self.peers(now)
         if peers is None or now is None or self._read_at is None:
             return []
-        age, part = now - self._read_at, self._part(peers)
+        age, part = now - self._read_at, self._full_part(peers)
         releases, before = [], 0
         for horizon, freed in zip(FREE_HORIZONS_S, peers.share.frees, strict=True):
             if freed > before:
@@ -400,6 +411,12 @@ class Fleet:
         heard of the other's; so a replica leaves its part only by saying so."""
         if self.claim is not Claim.FULL:
             return YIELDED_PART
+        return self._full_part(peers)
+
+    @staticmethod
+    def _full_part(peers: Peers) -> float:
+        """The part of the free room a replica that does not yield takes: the room less the yielded
+        replicas' slivers, divided between those that do not yield."""
         yielded = min(peers.share.yielding, peers.replicas)
         return (1.0 - YIELDED_PART * yielded) / (1 + peers.replicas - yielded)
 

@@ -13,12 +13,15 @@ tokens against every replica's runs, not its own alone.
 from __future__ import annotations
 
 import math
+import zlib
 
 from extproc.core.engine.tally import RunFigures
 from extproc.core.kv.fleet import FREE_HORIZONS_S, REPLICA_TTL_S, Peers, ReplicaShare
 from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
 
 HORIZONS_MS = tuple(round(horizon * 1000) for horizon in FREE_HORIZONS_S)
+HORIZONS_ID = zlib.crc32(" ".join(map(str, HORIZONS_MS)).encode())
+"""Stored with a replica's frees: a replica of a version with other horizons does not read them as its own."""
 
 
 class RedisKvBoard:
@@ -31,7 +34,8 @@ class RedisKvBoard:
         """One KV_POOL call; raises the store's `StoreUnavailable` (`RedisUnavailable`) when Redis does not
         answer within the background bound."""
         ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
-        figures = (*share.fields(), share.heard_ms, len(FREE_HORIZONS_S), *HORIZONS_MS, *share.frees)
+        horizons = (len(FREE_HORIZONS_S), HORIZONS_ID, *HORIZONS_MS)
+        figures = (*share.fields(), share.heard_ms, *horizons, *share.frees)
         args = [pool, str(self.calls.replica), ttl_ms, *(str(max(0, int(v))) for v in figures)]
         raw = await self.calls.run(
             self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False

@@ -710,24 +710,26 @@ KV_POOL = (
     + r"""
 -- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's figures of the pool: booked, held,
 -- settled, candidates, yielding, heard (integers; heard: the server's time of the last answer the replica
--- had taken in), then the count n of horizons, the n horizons (ms after publication, ascending) and the n
--- tokens its leases will have freed by each (`ReplicaShare.frees`, cumulative). Stores them as this
--- replica's, good for ttl ms of server time, and replies the number of other replicas whose figures are
--- still good, the sums of their first five figures (`P kv` above), the server's time and the least `heard`
--- of those that do not yield (-1 with none), in ms, then the others' frees summed by the same horizons
--- counted from now: each replica's carried forward by the time since it published (its expiry less ttl),
--- a free already due counted by the first. A field written before `yielding` existed (four figures) sums as
--- not yielding and is left out of the least `heard`: such a replica never counts on a yielded part; one
--- written before `frees` (six figures) frees nothing.
+-- had taken in), then the count n of horizons, their id (a checksum), the n horizons (ms after
+-- publication, ascending) and the n tokens its leases will have freed by each (`ReplicaShare.frees`,
+-- cumulative). Stores them as this replica's, good for ttl ms of server time, and replies the number of
+-- other replicas whose figures are still good, the sums of their first five figures (`P kv` above), the
+-- server's time and the least `heard` of those that do not yield (-1 with none), in ms, then the others'
+-- frees summed by the same horizons counted from now: each replica's carried forward by the time since it
+-- published (its expiry less ttl), a free already due counted by the first. A field written before
+-- `yielding` existed (four figures) sums as not yielding and is left out of the least `heard`: such a
+-- replica never counts on a yielded part; one written before `frees`, or with other horizons (another id),
+-- frees nothing.
 local key = KEYS[1] .. 'kv:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[10])
+local id = tonumber(ARGV[11])
 local horizons = {}
-local figures = {ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}
+local figures = {ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[11]}
 for i = 1, n do
-  horizons[i] = tonumber(ARGV[10 + i])
-  figures[6 + i] = ARGV[10 + n + i]
+  horizons[i] = tonumber(ARGV[11 + i])
+  figures[7 + i] = ARGV[11 + n + i]
 end
 local others = exchange(key, ARGV[2], ttl, now, figures, 5)
 local sums = {0, 0, 0, 0, 0}
@@ -743,8 +745,8 @@ for _, other in ipairs(others) do
   local age = now - (v[1] - ttl)
   local before = 0
   local j = 1
-  for i = 1, n do
-    local freed = v[7 + i] or before
+  for i = 1, (v[8] == id and n or 0) do
+    local freed = v[8 + i] or before
     while j < n and horizons[j] < horizons[i] - age do j = j + 1 end
     if freed > before then frees[j] = frees[j] + freed - before end
     before = math.max(before, freed)

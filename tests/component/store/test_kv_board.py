@@ -8,19 +8,20 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from extproc.core.engine.tally import EngineTally, RunFigures
 from extproc.core.kv.budget import BookingMode, KvBudget
 from extproc.core.kv.completion import CompletionLearner
-from extproc.core.kv.fleet import Claim, Peers, ReplicaShare, frees_by
+from extproc.core.kv.fleet import FREE_HORIZONS_S, Claim, Peers, ReplicaShare, frees_by
 from extproc.core.ports import StoreUnavailable
 from extproc.kvfeed.subscriber import fleet as fleet_module
 from extproc.kvfeed.subscriber.fleet import FleetExchange
 from extproc.store.redis import RedisStore
 from extproc.store.redis import kvboard as kvboard_module
+from extproc.store.redis.kvboard import HORIZONS_ID
 from tests.component.store.redis_cluster import RedisClusterNodes
 
 A = ReplicaShare(booked=8_000, held=6_000, settled=8, candidates=2)
@@ -78,9 +79,14 @@ async def test_the_others_frees_are_summed_from_the_moment_of_the_answer(redis_u
         assert read.share.frees == frees_by([(4.0, 900), (15.0, 500)], 1_400)
         raw = stores[0].calls.client
         key = f"{stores[0].calls.base}kv:5:llama"
-        await raw.hset(key, "r:old", f"{read.now_ms + 60_000} 5 5 1 0 0 0")
+        expiry = read.now_ms + 4_000
+        await raw.hset(key, "r:old", f"{expiry} 5 5 1 0 0 77")  # a version before frees: heard 77, no more
+        other = (HORIZONS_ID + 1, *(700 for _ in FREE_HORIZONS_S))
+        other_horizons = f"{expiry} 5 5 1 0 0 77 " + " ".join(map(str, other))
+        await raw.hset(key, "r:other", other_horizons)
         assert (await c.exchange("llama", ReplicaShare())).share.frees == read.share.frees
-        await asyncio.sleep(2.2)  # server time: a's release is under 2 s from now, b's under 12.8 s
+        await raw.hdel(key, "r:old", "r:other")
+        await asyncio.sleep(2.1)  # server time: a's release is under 2 s from now, b's under 12.9 s
         aged = await c.exchange("llama", ReplicaShare())
         assert aged.share.frees == frees_by([(2.0, 900), (15.0, 500)], 1_400)
     finally:
@@ -178,11 +184,14 @@ async def test_two_replicas_divide_a_pool_by_demand_through_redis(redis_url: str
             await store.close()
 
 
-async def test_a_replica_reads_the_others_again_when_its_refused_client_comes_back(redis_url: str) -> None:
-    """A refusal counted on the other replica's releases (`Fleet.others_releases`): the room is this
-    replica's only once it has read them, and a replica that admits nothing meanwhile reads only at its feed's
-    samples; so the exchange reads again at the moment the client was told (`FleetExchange._plan_reads`),
-    and the client, back then, finds the room."""
+Pair = tuple[Callable[[], float], FleetExchange, KvBudget, FleetExchange, KvBudget]
+
+
+@contextlib.asynccontextmanager
+async def busy_beside_quiet(redis_url: str) -> AsyncIterator[Pair]:
+    """Two replicas on one Redis, each taking its part (deciding: neither yields), the busy one holding 9,000
+    of the pool's 10,000 tokens in answers that end ~0.5 s later, the quiet one nothing; their clock is real
+    (the exchange plans its reads on the loop's timers)."""
     stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
     start = time.monotonic()
 
@@ -192,15 +201,29 @@ async def test_a_replica_reads_the_others_again_when_its_refused_client_comes_ba
     busy_budget, quiet_budget = budget(), budget()
     busy, quiet = FleetExchange(stores[0].kv_board(), clock), FleetExchange(stores[1].kv_board(), clock)
     try:
-        for _ in range(3):  # each asks, and hears the other: both take their part (deciding: not yielded)
+        for _ in range(3):  # each asks, and hears the other
             for fleet, deciding in ((busy, busy_budget), (quiet, quiet_budget)):
                 deciding.would_fit(0, 0, now=clock())
                 await exchanged(fleet, deciding)
         assert busy_budget.fleet.claim is Claim.FULL and quiet_budget.fleet.claim is Claim.FULL
-        for i in range(9):  # 9,000 of 10,000, each answer ~0.5 s at 100 tokens/s
+        for i in range(9):
             busy_budget.admit(f"a{i}", 950, 50, now=clock())
         await exchanged(busy, busy_budget)
         await exchanged(quiet, quiet_budget)
+        yield clock, busy, busy_budget, quiet, quiet_budget
+    finally:
+        await busy.close()
+        await quiet.close()
+        for store in stores:
+            await store.close()
+
+
+async def test_a_replica_reads_the_others_again_when_its_refused_client_comes_back(redis_url: str) -> None:
+    """A refusal counted on the other replica's releases (`Fleet.others_releases`): the room is this
+    replica's only once it has read them, and a replica that admits nothing meanwhile reads only at its feed's
+    samples; so the exchange reads again at the moment the client was told (`FleetExchange._plan_reads`),
+    and the client, back then, finds the room."""
+    async with busy_beside_quiet(redis_url) as (clock, busy, busy_budget, quiet, quiet_budget):
         assert not quiet_budget.would_fit(500, 500, now=clock())[0]
         hint = quiet_budget.retry_after(clock())
         assert hint is not None and hint < 1.5  # the busy replica's ends: this one holds nothing
@@ -213,11 +236,20 @@ async def test_a_replica_reads_the_others_again_when_its_refused_client_comes_ba
         while not quiet_budget.would_fit(500, 500, now=clock())[0]:  # the read's round trip, on a loaded host
             assert clock() < back_at + 1.0, "the others' releases were never read"
             await asyncio.sleep(0.02)
-    finally:
-        await busy.close()
-        await quiet.close()
-        for store in stores:
-            await store.close()
+
+
+async def test_a_forgotten_budget_has_its_planned_reads_cancelled(redis_url: str) -> None:
+    """An engine's budget goes once the feed forgets the engine (`FleetExchange.forget`): the reads planned
+    for its refused clients go with it, rather than publish a dropped budget's figures again."""
+    async with busy_beside_quiet(redis_url) as (clock, _busy, _busy_budget, quiet, quiet_budget):
+        assert not quiet_budget.would_fit(500, 500, now=clock())[0]
+        hint = quiet_budget.retry_after(clock())
+        assert hint is not None
+        await exchanged(quiet, quiet_budget)  # the reads planned
+        quiet.forget("llama")
+        before = quiet.exchanges
+        await asyncio.sleep(hint + 0.3)
+        assert quiet.exchanges == before
 
 
 async def test_each_replica_reads_the_others_runs_carried_to_now(redis_url: str) -> None:

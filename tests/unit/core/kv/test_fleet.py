@@ -289,6 +289,9 @@ def test_a_request_refused_while_its_replica_asks_is_told_to_come_back_soon() ->
     r.admit("a", 100, 100, now=0.0)
     assert state(r.fleet) is Claim.ASKING and not r.would_fit(2_000, 2_000, now=0.0)[0]
     assert r.retry_after(0.0) == ASKING_HINT_S
+    # Its promise is planned on the half it takes once heard, not on its sliver: a promise due later than its
+    # client's return would stand in the way of its other clients.
+    assert r.fleet.release_part(0.0) == pytest.approx(0.5)
     heard(r, ReplicaShare(booked=2_000), 1, now=0.1)
     assert r.fleet.publishing(ASKING_HINT_S + YIELD_AFTER_S - 0.01) == 0
 
