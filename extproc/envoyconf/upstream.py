@@ -59,7 +59,7 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 TLS_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 CONNECT_TIMEOUT = "2s"
 """Time to open a connection to one engine endpoint, the in-cluster value shipped before (a Service hop)."""
-IDLE_TIMEOUT = "4s"
+IDLE_TIMEOUT = "2s"
 """How long an engine connection may sit idle before Envoy closes it: under the engine's own keep-alive (5 s).
 The same as envoy/envoy.yaml's llm_upstream (tests/unit/envoyconf/test_engine_connections.py)."""
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
