@@ -22,6 +22,8 @@ from extproc.store.redis.calls import BACKGROUND_TIMEOUT_S, Calls
 HORIZONS_MS = tuple(round(horizon * 1000) for horizon in FREE_HORIZONS_S)
 HORIZONS_ID = zlib.crc32(" ".join(map(str, HORIZONS_MS)).encode())
 """Stored with a replica's frees: a replica of a version with other horizons does not read them as its own."""
+HORIZONS = (len(FREE_HORIZONS_S), HORIZONS_ID, *HORIZONS_MS)
+"""What every KV_POOL call sends before its frees: how many horizons, their id, and each in ms."""
 
 
 class RedisKvBoard:
@@ -34,8 +36,7 @@ class RedisKvBoard:
         """One KV_POOL call; raises the store's `StoreUnavailable` (`RedisUnavailable`) when Redis does not
         answer within the background bound."""
         ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
-        horizons = (len(FREE_HORIZONS_S), HORIZONS_ID, *HORIZONS_MS)
-        figures = (*share.fields(), share.heard_ms, *horizons, *share.frees)
+        figures = (*share.fields(), share.heard_ms, *HORIZONS, *share.frees)
         args = [pool, str(self.calls.replica), ttl_ms, *(str(max(0, int(v))) for v in figures)]
         raw = await self.calls.run(
             self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False

@@ -27,8 +27,9 @@ of the limiter key `k`, which keeps `k` and the share name apart whatever charac
   of the fresh proposals (1 when none), recomputed only by the SCALE script; the hash expires a proposal TTL
   after the last proposal, and then the scale is 1 again.
 - `P kv:#p:p` (hash): the KV-budget figures of pool `p` (`extproc.core.kv.fleet`), one field `r:<replica>`
-  per replica, `<expiry ms> <booked> <held> <settled> <candidates> <yielding> <heard ms> <frees...>`; a
-  field past its expiry is dropped by the next KV_POOL call, the hash itself a TTL after the last one.
+  per replica, `<expiry ms> <booked> <held> <settled> <candidates> <yielding> <heard ms> <horizons' id>
+  <frees...>`; a field past its expiry is dropped by the next KV_POOL call, the hash itself a TTL after the
+  last one.
 - `P wq` (string): present while some replica has requests waiting in its queue; a release then publishes
   on the channel `P wake` so that the other replicas try their waiters at once.
 - `P epoch` (hash): `id`, the run id of the state these keys hold, and `rec`, the server time until which
