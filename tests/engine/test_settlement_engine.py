@@ -273,13 +273,13 @@ def test_client_disconnect_charges_what_the_engine_generated(stack: Stack) -> No
     steps later, and the sidecar charges what the engine's own counter says it generated. Where the engine
     missed the abort and decoded on, its run-on is charged too (`core/engine/runon.py`)."""
     left = leave_after_five_chunks(stack)
-    missed = stack.stack.profile == "lean" and ignored_the_reset(left.delta)
-    if missed:
+    if ignored_the_reset(left.delta):
         # vLLM missed the reset once in a clean-clone run (Envoy logged the client gone after 67 ms and 21
         # tokens; the engine decoded all 4,000 over 12 s; vLLM issue #54947 reports the same of v0.22). Left
         # once more for a measurement with the abort honoured; a second miss is the engine's again, and its
-        # run-on is what is asserted of it.
-        print(f"lean: the engine missed the reset: {left.delta}")
+        # run-on is what is asserted of it. Both profiles: an inline run charged a run-on 3,419 of 4,000 in a
+        # clean-clone CI run (0.85, on a saturated host), not reproduced on demand.
+        print(f"{stack.stack.profile}: the engine missed the reset: {left.delta}")
         left = leave_after_five_chunks(stack)
     delta = left.delta
     missed = ignored_the_reset(delta)
