@@ -367,7 +367,9 @@ class EngineTally:
         engine ran on for it past its count, at most `room` (`runon.RunOns.follow`). Its baseline is the
         least lingering the points showed over `runon.RECENT_S` before its stop, its own time included:
         traffic sent around the gateway that runs throughout, never a run-on that started lately (nor an
-        abort seen late at one reading)."""
+        abort seen late at one reading). A `room` below zero (its count past its allowance) is the steps of
+        others' run-ons it took: spilled to the requests waiting (`runon.RunOns.spill`)."""
+        self.run_ons.spill(-room)
         points = self._points
         start, stop = span
         first = max(0, points.at_or_before(min(start, stop - RECENT_S)))

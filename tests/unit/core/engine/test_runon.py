@@ -4,6 +4,7 @@ stopped (`runon.RunOns` through `EngineTally.follow_run_on`), with one gateway r
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -132,6 +133,31 @@ def test_two_replicas_split_a_run_on_by_the_requests_each_has_waiting() -> None:
     generated = engine.generated(40.0)
     assert engine.counted < 0.85 * generated
     assert engine.charged == pytest.approx(generated, rel=0.03)
+
+
+def test_a_count_past_its_allowance_spills_the_run_ons_it_took_to_the_requests_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three clients leave 150-token streams after 0.15-0.4 s, one after another; every third stream runs on
+    to its end. The last one, itself a run-on, is counted while three others decode on, shown as stopped
+    (`SHOWN_AFTER_STOP_S`): its count took their steps, 381 tokens of its 150, and the flood was charged
+    0.81 of what the engine generated. Spilled to the requests waiting, all of it."""
+    monkeypatch.setattr(sys.modules[__name__], "PACE", 50.0)
+    monkeypatch.setattr(sys.modules[__name__], "ALLOWANCE", 150)
+    stops = {  # client: (start, stop) of each stream, the engine's stop for the ones that run on
+        0: ((1.05, 1.35), (1.4, 1.75), (1.8, 2.05, 4.8), (2.1, 2.35), (2.4, 2.6), (2.65, 3.05, 5.65)),
+        1: ((1.1, 1.3), (1.35, 1.5), (1.55, 1.75, 4.55), (1.8, 2.0), (2.05, 2.25), (2.3, 2.5, 5.3)),
+        2: ((1.15, 1.3), (1.35, 1.55), (1.6, 1.8, 4.6), (1.85, 2.1), (2.15, 2.3), (2.35, 2.45, 5.35)),
+    }
+    runs = [
+        Run(f"A{client}-{i}", "A", span[0], span[1], span[2] if len(span) > 2 else span[1] + 0.3)
+        for client, spans in stops.items()
+        for i, span in enumerate(spans)
+    ]
+    engine = Engine(runs)
+    engine.play(40.0)
+    assert max(run.counted or 0.0 for run in runs) > 2 * 150
+    assert engine.charged == pytest.approx(engine.generated(40.0), rel=0.01)
 
 
 @pytest.mark.parametrize("lag", [2.0, 3.0])
