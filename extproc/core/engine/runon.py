@@ -256,13 +256,14 @@ class RunOns:
         floor = min(w.baseline for w in self._waiting.values())
         interval.given += self._hand_out(interval.run_on(floor, math.inf))
 
-    def spill(self, tokens: float) -> float:
+    def spill(self, tokens: float) -> None:
         """A count took `tokens` past its request's allowance: steps of sequences it took for its own that
         were not (the engine generates no more than the allowance), run-ons shown as stopped or past every
         count. They go to the requests waiting here (`_hand_out`), not to nobody: the last stream of a
         flood, counted while the run-ons of three others decoded on, took 381 tokens of its 150 in
-        process, and the flood was charged 0.81 of what the engine generated. What they took."""
-        return self._hand_out(tokens) if tokens > 0.0 else 0.0
+        process, and the flood was charged 0.81 of what the engine generated."""
+        if tokens > 0.0:
+            self._hand_out(tokens)
 
     def _hand_out(self, tokens: float) -> float:
         """`tokens` between the waiting requests by their sequences, none past its room; what one cannot
