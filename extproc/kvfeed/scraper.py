@@ -132,10 +132,11 @@ class Scraper:
         page: _Page,
         served: dict[str, tuple[str, ...]],
     ) -> ScrapeResult:
-        """Samples of a parsed page; one holding an impossible reading is sent down (reason `invalid`)."""
-        done = self._mono()
-        duration = done - start
-        now = self._wall()
+        """Samples of a parsed page; one holding an impossible reading is sent down (reason `invalid`). Each
+        is stamped when the page had been read, not after its parsing and the model list's read: its values
+        are the engine's then (a sidecar's charge tally places the counter there: `readtime.py`)."""
+        duration = self._mono() - start
+        done, now = page.read_at if page.read_at is not None else (self._mono(), self._wall())
         samples = [
             checked(
                 FeedSample.from_signals(
@@ -223,6 +224,7 @@ class Scraper:
             if resp.status != 200:
                 raise _HttpStatusError(f"HTTP {resp.status}")
             await read_bounded(resp, self._max_bytes, page.feed)
+        page.read_at = (self._mono(), self._wall())
 
     def _down(self, target: Target, start: float, reason: str, error: str, page: _Page) -> ScrapeResult:
         if reason in ("connect", "timeout", "http_status"):
@@ -245,6 +247,7 @@ class _Page(PageFilter):
     def __init__(self) -> None:
         super().__init__()
         self.size = 0
+        self.read_at: tuple[float, float] | None = None  # monotonic and wall clock once read whole
 
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)

@@ -24,7 +24,8 @@ T = TypeVar("T")
 ENGINE_COUNT_WAIT_S = 8.0
 """The longest a lease whose answer was not seen whole waits for that reading before it is charged by the
 rules without a count: past `ENGINE_STOP_S`, the exporter's interval (1 s shipped, 2 s in the real-engine
-tier) and a scrape slowed by a saturated host."""
+tier), a scrape slowed by a saturated host and a sample delivered late (the reading is timed when it was read:
+`kvfeed/subscriber/readtime.py`)."""
 
 
 MISSED_READING_SHARE = 0.5

@@ -30,8 +30,8 @@ tokens count as those the points show running. The split takes every running seq
 pace (nearly so on a GPU; on a CPU engine a sequence among eight runs at a fraction of one alone).
 
 A count needs a point at or before `start` and one at or after `stop + tail`: the caller waits for the latter
-(`after(t, callback)`, called at the first point at or after `t`). Points are read at the sidecar's clock
-when the sample arrived (a busy engine reads its counters as it sends the page: `FeedbackLoop._tally`). Memory
+(`after(t, callback)`, called at the first point at or after `t`). Points are at the sidecar's clock when
+the exporter read the page, not when its sample arrived (`kvfeed/subscriber/readtime.py`). Memory
 is bounded (`series.Series`, as for the other replicas' runs below): at most `max_points` per pool, one per
 `min_spacing_s` (a newer one replaces a last one that came sooner), 20,000 at 0.1 s, over half an hour at ten
 samples a second: a request older than the points kept gets no count (None), and the caller charges its pace

@@ -30,21 +30,24 @@ EngineKey = tuple[str, str]  # (pool, endpoint)
 class EndpointReadings:
     """The newest sample and the prompt counter of every engine the feed reads, by pool and endpoint."""
 
-    __slots__ = ("_latest", "_prompted", "_tallies")
+    __slots__ = ("_latest", "_prompted", "_read_at", "_tallies")
 
     def __init__(self) -> None:
         self._latest: dict[EngineKey, StoredSample] = {}
+        self._read_at: dict[EngineKey, float] = {}  # when the newest sample was read (`ReadTimes`)
         self._prompted: dict[EngineKey, PoolCounter] = {}
         self._tallies: dict[EngineKey, EngineTally] = {}
 
-    def observe(self, sample: FeedSample, received_at: float) -> None:
-        """A sample the subscriber stored: the engine's newest, its prompt counter's reading (a down sample,
-        or one without the counter, makes the next reading a new baseline), and its tally's, if it has one."""
+    def observe(self, sample: FeedSample, received_at: float, read_at: float) -> None:
+        """A sample the subscriber stored at `received_at`, read by its exporter at `read_at` (`ReadTimes`):
+        the engine's newest, its prompt counter's reading (a down sample, or one without the counter, makes
+        the next reading a new baseline), and its tally's, if it has one."""
         key = (sample.model, sample.endpoint)
         self._latest[key] = StoredSample(sample, received_at)
+        self._read_at[key] = read_at
         tally = self._tallies.get(key)
         if tally is not None:
-            read_generated(tally, sample.endpoint, sample, received_at)
+            read_generated(tally, sample.endpoint, sample, read_at)
         counter = self._prompted.get(key)
         if counter is None and prompted_in(sample):
             counter = self._prompted[key] = PoolCounter()
@@ -73,14 +76,14 @@ class EndpointReadings:
         stored = self._latest.get(key)
         if tally is None and stored is not None:
             tally = self._tallies[key] = EngineTally()
-            read_generated(tally, endpoint, stored.sample, stored.received_at)
+            read_generated(tally, endpoint, stored.sample, self._read_at[key])
         return tally
 
     def keep(self, known: Set[EngineKey]) -> set[EngineKey]:
         """Forget every engine not in `known` (the subscriber forgot it): memory follows the fleet. The
         engines forgotten."""
         gone = {key for key in self._latest if key not in known}
-        for held in (self._latest, self._prompted, self._tallies):
+        for held in (self._latest, self._read_at, self._prompted, self._tallies):
             for key in [k for k in held if k not in known]:
                 del held[key]
         return gone

@@ -39,6 +39,7 @@ from extproc.kvfeed.subscriber.endpoints import (
     read_prompted,
 )
 from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
+from extproc.kvfeed.subscriber.readtime import ReadTimes
 from extproc.kvfeed.subscriber.served import ServedNames
 from extproc.kvfeed.subscriber.settings import KvMode, SubscriberConfig
 
@@ -82,12 +83,14 @@ class FeedbackLoop:
         on_sample: OnSample | None = None,
         on_engine_sample: OnEngineSample | None = None,
         on_engines_forgotten: OnEnginesForgotten | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if tick_interval <= 0:
             raise ValueError("feedback.tick_interval: must be > 0")
         self._configs = dict(adaptive or {})
         self._default = default_adaptive or AdaptiveConfig()
         self._clock = clock
+        self._wall = wall_clock  # what a sample's `sample_time` is read against (`ReadTimes`)
         self._on_update = on_update
         self._on_fresh = on_sample
         self._on_engine = on_engine_sample
@@ -101,6 +104,7 @@ class FeedbackLoop:
         self._tallies: dict[str, EngineTally] = {}  # per pool: its engines' generation counters
         self._prompted: dict[str, PoolCounter] = {}  # per pool: its engines' prefilled prompt tokens
         self._engines = EndpointReadings()  # each engine read alone (a picker named it: `endpoints.py`)
+        self._read_times = ReadTimes()  # when each endpoint's samples were read, on `clock`
         self._tick_task: asyncio.Task[None] | None = None
         self.served = ServedNames(subscriber.forget_after)
         self.subscriber = FeedSubscriber(
@@ -243,12 +247,14 @@ class FeedbackLoop:
         return ctl
 
     def _on_sample(self, sample: FeedSample) -> None:
-        self.served.observe(sample, self._clock())
+        now = self._clock()
+        read_at = self._read_times.read_at(_endpoint(sample.key), sample.sample_time, now, self._wall())
+        self.served.observe(sample, now)
         self.evaluate({sample.model})
         self._count_rejections(sample)
-        self._tally(sample)
+        self._tally(sample, read_at)
         self._count_prompted(sample)
-        self._engines.observe(sample, self._clock())
+        self._engines.observe(sample, now, read_at)
         snap = self._snapshots.get(sample.model)
         if self._on_fresh is None or snap is None or snap.stale or not sample.up:
             return
@@ -275,20 +281,20 @@ class FeedbackLoop:
             self._metrics.engine_rejections.labels(sample.model).inc(total - before)
         self.engine_refused(sample.model)
 
-    def _tally(self, sample: FeedSample) -> None:
-        """An endpoint's generation counter into its pool's tally, read when the sample arrived: a busy
-        engine answers its metrics page late because the request waits for its server's loop, then renders
-        and sends the page at once (measured on two loaded cores: the counter read at 0.93-0.99 of a 0.2-5.3 s
-        scrape, its first byte with its last), so the scrape's start, which this once took, stamped a reading
-        seconds before its values (a count lost the steps its run took then). A late stamp (the sidecar's
-        loop busy) errs the other way, past a request's end: its run-on takes those steps (`runon.py`). A
-        failed scrape (`up` false) keeps the endpoint's counter as last read, so the growth over the gap
-        counts at its next reading; a sample without the counter makes its next reading a new baseline."""
+    def _tally(self, sample: FeedSample, read_at: float) -> None:
+        """An endpoint's generation counter into its pool's tally at `read_at`, when its exporter read the
+        page (`ReadTimes`), not when the sample arrived: on a saturated host samples came seconds after
+        their reading, and a point stamped on arrival put a stream's tokens after its stop. A busy engine
+        answers its metrics page late, then renders and sends it at once (measured on two loaded cores: the
+        counter read at 0.93-0.99 of a 0.2-5.3 s scrape), so the exporter stamps the page's end, never the
+        scrape's start. A failed scrape (`up` false) keeps the endpoint's counter as last read, so the growth
+        over the gap counts at its next reading; a sample without the counter makes its next reading a new
+        baseline."""
         tally = self._tallies.get(sample.model)
         if tally is None and generated_in(sample):
             tally = self._tallies[sample.model] = EngineTally()
         if tally is not None:
-            read_generated(tally, _endpoint(sample.key), sample, self._clock())
+            read_generated(tally, _endpoint(sample.key), sample, read_at)
 
     def _count_prompted(self, sample: FeedSample) -> None:
         """An endpoint's prompt counter into its pool's sum; a sample without one, or a down one, makes its
@@ -309,6 +315,7 @@ class FeedbackLoop:
         forgotten = self._engines.keep({(key[2], key[1]) for key in known})
         if forgotten and self._on_forgotten is not None:
             self._on_forgotten(forgotten)
+        self._read_times.keep(set(endpoints))
         for tally in self._tallies.values():
             tally.keep(endpoints)
         for counter in self._prompted.values():

@@ -152,6 +152,24 @@ async def test_vllm_samples_carry_every_name_the_model_list_gives_refreshed_ever
         await server.stop()
 
 
+async def test_a_sample_is_stamped_when_its_page_was_read_not_after_the_model_list(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The page's values are the engine's when it was read; the model list read after it (up to the scrape
+    timeout on a busy server) must not make the reading look later (a sidecar's charge tally places the
+    counter at `sample_time`)."""
+    server = FakeInferenceServer.from_file("vllm_0.33.0_dp2.txt", models=[{"id": VLLM_MODEL}])
+    await server.start()
+    try:
+        scraper = Scraper(http, "n", timeout=2.0, wall_clock=lambda: 100.0 + 10 * server.model_list_hits)
+        result = await scraper.scrape(Target(server.url, ServerKind.VLLM))
+        assert result.reason is None, result.error
+        assert server.model_list_hits == 1
+        assert [s.sample_time for s in result.samples] == [100.0]
+    finally:
+        await server.stop()
+
+
 async def test_engines_without_a_known_list_send_no_names(http: aiohttp.ClientSession) -> None:
     server = await served(UNDEFINED_PAGE, PATH, ["Qwen3-8B", "other"])
     try:

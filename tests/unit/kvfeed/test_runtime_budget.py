@@ -217,12 +217,12 @@ def test_the_loop_sums_the_pools_prefilled_prompt_tokens_as_growth() -> None:
     assert loop.prompted("m") is None
 
 
-def test_the_tally_reads_a_sample_when_it_arrived_and_over_a_failed_scrape() -> None:
+def test_the_tally_reads_a_sample_when_it_was_read_and_over_a_failed_scrape() -> None:
     """A slow scrape's counter was read when the busy server got to the page, just before it came (measured:
-    at 0.93-0.99 of its duration), so its reading is stamped on arrival, never its start; a failed scrape
-    between two readings keeps the counter, so the growth over the gap counts at the next one."""
+    at 0.93-0.99 of its duration), so its reading is stamped at the page's end, never its start; a failed
+    scrape between two readings keeps the counter, so the growth over the gap counts at the next one."""
     clock = Clock()
-    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock)
+    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, wall_clock=clock)
 
     def read(counter: float, duration: float = 0.0, running: float = 1.0) -> FeedSample:
         base = dataclasses.replace(sample(0.1, t=clock.now), generation_tokens_total=counter)
@@ -243,6 +243,34 @@ def test_the_tally_reads_a_sample_when_it_arrived_and_over_a_failed_scrape() -> 
     tally.begin("x", 100.5, 1)  # alone on the engine from just after the first reading to 107
     tally.end("x", 107.0)
     assert tally.count(100.5, 107.0, 1, 0.5, key="x") == 1_300.0
+
+
+def test_a_sample_that_came_late_is_read_into_the_tally_when_its_exporter_read_it() -> None:
+    """Two requests one after the other, alone on the engine: x from 100.5 to 102 generates 500 tokens, y
+    from 102.5 to 104 300. The readings at 102.2 and 104.2 reach the sidecar at 104.5 and 104.6 (a saturated
+    host delivered samples seconds late, two at once): stamped on arrival, x's 500 tokens would fall in
+    one interval with y's run, and x be counted 250 of them."""
+    clock = Clock()
+    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, wall_clock=clock)
+
+    def arrives(at: float, read_at: float, counter: float) -> None:
+        clock.now = at
+        base = dataclasses.replace(sample(0.1, t=read_at), generation_tokens_total=counter)
+        loop.subscriber.ingest(dataclasses.replace(base, requests_running=0.0))
+
+    arrives(100.0, 100.0, 1_000.0)
+    tally = loop.engine_tally("m")
+    assert tally is not None
+    tally.begin("x", 100.5, 1)
+    tally.end("x", 102.0)
+    tally.begin("y", 102.5, 1)
+    tally.end("y", 104.0)
+    arrives(104.5, 102.2, 1_500.0)
+    assert not tally.covers(104.0)  # read at 102.2: what came after is not in it
+    arrives(104.6, 104.2, 1_800.0)
+    arrives(106.0, 106.0, 1_800.0)
+    assert tally.count(100.5, 102.0, 1, key="x") == 500.0
+    assert tally.count(102.5, 104.0, 1, key="y") == 300.0
 
 
 def test_the_feeds_pace_reaches_the_budget_with_the_running_count_it_was_read_at() -> None:
