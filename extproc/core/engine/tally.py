@@ -307,18 +307,28 @@ class EngineTally:
         run = self._runs.get(key)
         return None if run is None else run.stop
 
-    def figures(self, now: float) -> RunFigures:
-        """This sidecar's runs as the other replicas' tallies need them (`RunFigures`), at `now`: what it
-        publishes through the shared store."""
-        seconds = self._seconds(now)
-        shown, since = float(self._running), now - SHOWN_AFTER_STOP_S
+    def figures(self, at: float) -> RunFigures:
+        """This sidecar's runs as the other replicas' tallies need them (`RunFigures`) at `at`: now where it
+        publishes them through the shared store; a reading's time in `observe`, seconds back where its sample
+        came late (`kvfeed/subscriber/readtime.py`), so the runs begun or ended since are taken back."""
+        seconds, running = self._seconds(at), float(self._running)
+        for begun in reversed(self._runs.values()):  # begun in order
+            if begun.start <= at:
+                break
+            if begun.stop is None:  # begun since and running: `_seconds` gave it (at - start), below zero
+                seconds += begun.sequences * (begun.start - at)
+                running -= begun.sequences
+        shown, since = 0.0, at - SHOWN_AFTER_STOP_S
         for key in reversed(self._ended):  # ended in order; a stop moved later by `ran_until` is rare
             run = self._runs.get(key)
             if run is None or run.until <= since - SHOWN_AFTER_STOP_S:
                 break
-            if run.until > since:
+            if run.until > at:  # ended since: what it ran after `at` is taken back; it ran then
+                seconds -= run.sequences * (run.until - max(at, run.start))
+                running += run.sequences if run.start < at else 0
+            elif run.until > since:
                 shown += run.sequences
-        return RunFigures(max(0.0, seconds), float(self._running), shown, self.run_ons.sequences)
+        return RunFigures(max(0.0, seconds), running, running + shown, self.run_ons.sequences)
 
     def _seconds(self, now: float) -> float:
         """The sequence-seconds this sidecar's runs ran by `now` (a counter)."""
@@ -338,14 +348,15 @@ class EngineTally:
         self._engine_running[endpoint] = running
         self._engine_waiting[endpoint] = waiting
         running = sum(self._engine_running.values())
-        peers = self.peers.fresh_at(at)
-        held = self._running + peers.running
+        last = self._points.last_at()
+        at = at if last is None else max(at, last)  # as `Series.add` keeps it
+        ours, peers = self.figures(at), self.peers.fresh_at(at)
+        held = ours.running + peers.running
         # Other replicas not heard from lately may run anything: no interval is taken for unshared then.
         live = held if self.peers.seen_at(at) else math.inf
         in_engine = running + sum(self._engine_waiting.values())
         point = TallyPoint(self._generated.total, running, max(0.0, min(running, in_engine - held)))
-        at = self._points.add(at, point)
-        ours = self.figures(at)
+        self._points.add(at, point)
         ran = ours.seconds + self.peers.seconds_at(at)
         mine, theirs = ours.shown + ours.left, peers.shown + peers.left
         share = mine / (mine + theirs) if mine + theirs > 0 else 1.0

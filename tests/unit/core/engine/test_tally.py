@@ -302,6 +302,24 @@ def test_the_figures_a_replica_publishes_sum_its_runs() -> None:
     assert tally.figures(5.0).running == 1.0
 
 
+def test_the_figures_at_a_reading_that_came_late_are_those_of_its_time() -> None:
+    """A sample read at 2.5 reaches the tally at 4.6 (`kvfeed/subscriber/readtime.py`): its point is at 2.5,
+    and the runs begun or ended since are taken back from the figures it is read with."""
+    tally = EngineTally()
+    tally.begin("a", 0.0, 2)
+    tally.begin("b", 1.0, 1)
+    tally.end("a", 2.0)
+    then = tally.figures(2.5)
+    assert then == engine_tally.RunFigures(seconds=5.5, running=1.0, shown=3.0)
+    tally.begin("c", 3.0, 1)
+    tally.end("b", 3.5)
+    tally.begin("d", 4.0, 2)
+    tally.end("d", 4.5)
+    tally.begin("e", 4.6, 1)
+    assert tally.figures(2.5) == then
+    assert tally.figures(4.6) == engine_tally.RunFigures(seconds=9.1, running=2.0, shown=7.0)
+
+
 def test_the_other_replicas_figures_are_a_counter_each_and_carried_forward_a_while() -> None:
     peers = engine_tally.PeerRuns()
     peers.observe({"b": engine_tally.RunFigures(100.0, 2.0, 3.0)}, at=0.0)
