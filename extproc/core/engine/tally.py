@@ -70,7 +70,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extproc.core.engine.counter import PoolCounter
 from extproc.core.engine.runon import RECENT_S, Reading, RunOns
@@ -94,6 +94,14 @@ PEER_STALE_S = 3.0
 sequence-seconds growing at the sequences they then ran): the store publishes them every
 `kv_fleet.PUBLISH_EVERY_S` while a pool changes and at each feed sample, and a budget trusts the last answer
 as long (`kv_fleet.PEERS_FRESH_S`); past it, a store gone says nothing of them."""
+PEER_GAP_S = 60.0
+"""How long a replica missing from the store's answers is remembered (`PeerRuns.observe`): its figures
+expire there `kv_fleet.REPLICA_TTL_S` after its last publication, so a store or a replica stalled that long,
+or a host frozen for seconds, drops it from the answers while its requests run on. Its counter is its own
+since it started (a replica that restarts has a new name), so the growth it shows on its return is what it
+ran meanwhile: taken for a new baseline, that was lost, and the other replica's counts took those steps (a
+fleet flood on the real-engine tier, both sidecars frozen 9 s while three streams ran on, charged 1.43 times
+what vLLM counted; replayed from its logs with the gap spread, 1.26). Past this, a new baseline."""
 ENGINE_STOP_S = 1.5
 """How long after a request ended on the proxy its engine may still run it, and its counter grow for it: the
 client's reset must reach vLLM's API server, its abort the engine core between two steps
@@ -155,19 +163,27 @@ class PeerRuns:
     (`series.Series`)."""
 
     def __init__(self, max_points: int = MAX_POINTS, min_spacing_s: float = MIN_SPACING_S) -> None:
-        self._last: dict[str, float] = {}  # replica -> its seconds last read
+        self._last: dict[str, tuple[float, float]] = {}  # replica -> its seconds last read, and when
         self._heard: float | None = None  # when the store last answered
         self._seconds = 0.0
         self._readings: Series[RunFigures] = Series(max_points, min_spacing_s)
 
     def observe(self, replicas: Mapping[str, RunFigures], at: float) -> None:
-        """The figures of every other live replica, read at `at`; a replica not among them is gone."""
+        """The figures of every other live replica, read at `at`. One missing from them is gone, or its
+        figures expired in the store (it, or the store, stalled past `kv_fleet.REPLICA_TTL_S`): back within
+        `PEER_GAP_S`, the sequence-seconds it ran meanwhile are spread over the readings it missed."""
         self._heard = at
+        last = self._readings.last_at()
         for name, figures in replicas.items():
             before = self._last.get(name)
-            if before is not None and figures.seconds >= before:
-                self._seconds += figures.seconds - before
-        self._last = {name: figures.seconds for name, figures in replicas.items()}
+            if before is None or figures.seconds < before[0]:
+                continue
+            grown = figures.seconds - before[0]
+            if last is not None and before[1] < last:
+                self._spread(before[1], max(at, last), grown)
+            self._seconds += grown
+        remembered = {name: seen for name, seen in self._last.items() if at - seen[1] <= PEER_GAP_S}
+        self._last = remembered | {name: (figures.seconds, at) for name, figures in replicas.items()}
         values = replicas.values()
         self._readings.add(
             at,
@@ -178,6 +194,15 @@ class PeerRuns:
                 sum(f.left for f in values),
             ),
         )
+
+    def _spread(self, since: float, until: float, grown: float) -> None:
+        """`grown` sequence-seconds of a replica missing from the readings after `since`, up to `until`:
+        added to each along the line from `since` (nothing) to `until` (all of it)."""
+        readings = self._readings
+        times, items = readings.times, readings.items
+        for i in range(readings.at_or_before(since) + 1, len(times)):
+            part = grown * (times[i] - since) / (until - since) if until > since else grown
+            items[i] = replace(items[i], seconds=items[i].seconds + part)
 
     def seconds_at(self, at: float) -> float:
         """Their sequence-seconds by `at`: between two readings, along the line between them; before the

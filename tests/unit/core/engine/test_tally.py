@@ -288,6 +288,24 @@ def test_beside_another_replica_each_charges_only_its_share_of_the_late_steps() 
     assert alone > 1.5 * generated
 
 
+def test_a_replica_missing_from_the_stores_answers_a_while_keeps_its_counter() -> None:
+    """b's figures expire in the store while it runs two sequences (both replicas frozen, or the store
+    stalled): the answers at 1 and 2 miss it. Back at 4 with 8 s more, those 8 s are spread over its gap,
+    not taken for a new baseline (lost: the other replica's counts took those steps). Missing past
+    `PEER_GAP_S`, it starts a new baseline."""
+    peers = engine_tally.PeerRuns()
+    peers.observe({"b": engine_tally.RunFigures(100.0, 2.0, 2.0)}, at=0.0)
+    peers.observe({}, at=1.0)
+    peers.observe({}, at=2.0)
+    peers.observe({"b": engine_tally.RunFigures(108.0, 2.0, 2.0)}, at=4.0)
+    assert peers.seconds_at(2.0) - peers.seconds_at(0.0) == pytest.approx(4.0)
+    assert peers.seconds_at(4.0) - peers.seconds_at(0.0) == pytest.approx(8.0)
+    gone = 4.0 + engine_tally.PEER_GAP_S + 1.0
+    peers.observe({}, at=gone)
+    peers.observe({"b": engine_tally.RunFigures(500.0, 1.0, 1.0)}, at=gone + 1.0)
+    assert peers.seconds_at(gone + 1.0) - peers.seconds_at(4.0) == pytest.approx(0.0)
+
+
 def test_the_figures_a_replica_publishes_sum_its_runs() -> None:
     tally = EngineTally()
     tally.begin("a", 0.0, 2)
