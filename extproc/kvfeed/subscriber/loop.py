@@ -249,6 +249,8 @@ class FeedbackLoop:
     def _on_sample(self, sample: FeedSample) -> None:
         now = self._clock()
         read_at = self._read_times.read_at(_endpoint(sample.key), sample.sample_time, now, self._wall())
+        if self._metrics is not None:
+            self._metrics.sample_delay.observe(now - read_at)
         self.served.observe(sample, now)
         self.evaluate({sample.model})
         self._count_rejections(sample)

@@ -6,7 +6,7 @@ controller series, the KV budget's own series are `KvBudgetMetrics` (core/kv/met
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.core.engine.adaptive import ControllerState
 from extproc.core.kv.budget import KvBudget
@@ -34,10 +34,7 @@ class FeedbackMetrics:
             "extproc_requests_waiting", "Requests waiting in the pool's servers.", ["pool"], registry=registry
         )
         self.scale = Gauge(
-            "extproc_adaptive_scale_ratio",
-            "Factor applied to the pool's base limits.",
-            ["pool"],
-            registry=registry,
+            "extproc_adaptive_scale_ratio", "Factor on the pool's base limits.", ["pool"], registry=registry
         )
         self.stale = Gauge(
             "extproc_feed_stale", "1 when the pool has no fresh sample.", ["pool"], registry=registry
@@ -72,6 +69,7 @@ class FeedbackMetrics:
             "Feed stream (re)connection attempts after a failure.",
             registry=registry,
         )
+        self.sample_delay = _sample_delay(registry)
         self.capacity = Gauge(
             "extproc_kv_capacity_tokens", "KV capacity of the pool in tokens.", ["pool"], registry=registry
         )
@@ -109,3 +107,15 @@ class FeedbackMetrics:
 def register_feedback_metrics(registry: CollectorRegistry) -> FeedbackMetrics:
     """Create the feedback metrics in `registry` (call once per registry)."""
     return FeedbackMetrics(registry)
+
+
+def _sample_delay(registry: CollectorRegistry) -> Histogram:
+    """`extproc_feed_sample_delay_seconds` (`readtime.ReadTimes`)."""
+    return Histogram(
+        "extproc_feed_sample_delay_seconds",
+        "How long after its exporter read the engine's page a sample arrived, beyond the endpoint's most "
+        "timely recent one (the clocks' skew cancelled): the charge tally times the reading, not the "
+        "arrival; seconds here mean a starved exporter, sidecar or network between them.",
+        buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
+        registry=registry,
+    )

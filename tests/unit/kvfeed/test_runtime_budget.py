@@ -15,6 +15,7 @@ from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
+from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
 from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
 from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
@@ -251,7 +252,9 @@ def test_a_sample_that_came_late_is_read_into_the_tally_when_its_exporter_read_i
     host delivered samples seconds late, two at once): stamped on arrival, x's 500 tokens would fall in
     one interval with y's run, and x be counted 250 of them."""
     clock = Clock()
-    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, wall_clock=clock)
+    registry = CollectorRegistry()
+    metrics = FeedbackMetrics(registry)
+    loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, wall_clock=clock, metrics=metrics)
 
     def arrives(at: float, read_at: float, counter: float) -> None:
         clock.now = at
@@ -271,6 +274,10 @@ def test_a_sample_that_came_late_is_read_into_the_tally_when_its_exporter_read_i
     arrives(106.0, 106.0, 1_800.0)
     assert tally.count(100.5, 102.0, 1, key="x") == 500.0
     assert tally.count(102.5, 104.0, 1, key="y") == 300.0
+    delay = "extproc_feed_sample_delay_seconds"
+    assert registry.get_sample_value(f"{delay}_count") == 4
+    assert registry.get_sample_value(f"{delay}_sum") == pytest.approx(2.3 + 0.4)
+    assert registry.get_sample_value(f"{delay}_bucket", {"le": "0.5"}) == 3
 
 
 def test_the_feeds_pace_reaches_the_budget_with_the_running_count_it_was_read_at() -> None:
