@@ -103,7 +103,7 @@ class Scraper:
         page = _Page()
         try:
             async with asyncio.timeout(self._timeout):
-                await self._fetch(target, page)
+                read_at = await self._fetch(target, page)
                 signals = await self._parse(target, page.text())
         except TimeoutError:
             return self._down(target, start, "timeout", f"no answer within {self._timeout:g}s", page)
@@ -122,21 +122,23 @@ class Scraper:
         except UnicodeDecodeError:
             return self._down(target, start, "parse", "page is not UTF-8", page)
         served = await self._served_names(target, signals)
-        return self._up(target, start, signals, page, served)
+        return self._up(target, start, read_at, signals, page, served)
 
     def _up(
         self,
         target: Target,
         start: float,
+        read_at: tuple[float, float],
         signals: dict[str, ModelSignals],
         page: _Page,
         served: dict[str, tuple[str, ...]],
     ) -> ScrapeResult:
         """Samples of a parsed page; one holding an impossible reading is sent down (reason `invalid`). Each
         is stamped when the page had been read, not after its parsing and the model list's read: its values
-        are the engine's then (a sidecar's charge tally places the counter there: `readtime.py`)."""
+        are the engine's then (a sidecar's charge tally places the counter there: `readtime.py`): `read_at`,
+        on the monotonic and the wall clock (`_fetch`)."""
+        done, now = read_at
         duration = self._mono() - start
-        done, now = page.read_at if page.read_at is not None else (self._mono(), self._wall())
         samples = [
             checked(
                 FeedSample.from_signals(
@@ -217,14 +219,15 @@ class Scraper:
             raise _NoModelError(f"{why} lists no usable model id: set model on the target")
         return name
 
-    async def _fetch(self, target: Target, page: _Page) -> None:
+    async def _fetch(self, target: Target, page: _Page) -> tuple[float, float]:
+        """The page into `page`; when it had been read whole, on the monotonic and the wall clock."""
         async with self._session.get(
             target.url, headers={"Accept": "text/plain;version=0.0.4"}, allow_redirects=False
         ) as resp:
             if resp.status != 200:
                 raise _HttpStatusError(f"HTTP {resp.status}")
             await read_bounded(resp, self._max_bytes, page.feed)
-        page.read_at = (self._mono(), self._wall())
+        return self._mono(), self._wall()
 
     def _down(self, target: Target, start: float, reason: str, error: str, page: _Page) -> ScrapeResult:
         if reason in ("connect", "timeout", "http_status"):
@@ -247,7 +250,6 @@ class _Page(PageFilter):
     def __init__(self) -> None:
         super().__init__()
         self.size = 0
-        self.read_at: tuple[float, float] | None = None  # monotonic and wall clock once read whole
 
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
