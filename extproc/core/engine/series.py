@@ -26,10 +26,14 @@ class Series(Generic[T]):
         self.times: list[float] = []
         self.items: list[T] = []
 
+    def kept_at(self, at: float) -> float:
+        """The time a reading at `at` would be kept at: never before the last one's."""
+        return max(at, self.times[-1]) if self.times else at
+
     def add(self, at: float, item: T) -> float:
-        """A reading at `at`; the time it is kept at (never before the last one's)."""
+        """A reading at `at`; the time it is kept at (`kept_at`)."""
         times, items = self.times, self.items
-        at = max(at, times[-1]) if times else at
+        at = self.kept_at(at)
         if len(times) > 1 and times[-1] - times[-2] < self.min_spacing_s:
             items[-1], times[-1] = item, at  # the last one came too soon after its predecessor
         else:

@@ -373,8 +373,7 @@ class EngineTally:
         self._engine_running[endpoint] = running
         self._engine_waiting[endpoint] = waiting
         running = sum(self._engine_running.values())
-        last = self._points.last_at()
-        at = at if last is None else max(at, last)  # as `Series.add` keeps it
+        at = self._points.kept_at(at)
         ours, peers = self.figures(at), self.peers.fresh_at(at)
         held = ours.running + peers.running
         # Other replicas not heard from lately may run anything: no interval is taken for unshared then.
