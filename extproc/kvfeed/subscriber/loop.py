@@ -317,7 +317,7 @@ class FeedbackLoop:
         forgotten = self._engines.keep({(key[2], key[1]) for key in known})
         if forgotten and self._on_forgotten is not None:
             self._on_forgotten(forgotten)
-        self._read_times.keep(set(endpoints))
+        self._read_times.keep(endpoints)
         for tally in self._tallies.values():
             tally.keep(endpoints)
         for counter in self._prompted.values():

@@ -18,7 +18,7 @@ back within the window. The delay is capped at `MAX_DELAY_S`. Pure: the caller p
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Set
 
 WINDOW = 120
 """Samples of one endpoint whose least offset is taken for a timely delivery: two minutes at the shipped
@@ -66,7 +66,7 @@ class ReadTimes:
         delay = offset - offsets.add(offset)
         return received - min(delay, MAX_DELAY_S)
 
-    def keep(self, endpoints: set[Hashable]) -> None:
+    def keep(self, endpoints: Set[Hashable]) -> None:
         """Forget every endpoint not in `endpoints` (the feed forgot it)."""
         for endpoint in [e for e in self._offsets if e not in endpoints]:
             del self._offsets[endpoint]
