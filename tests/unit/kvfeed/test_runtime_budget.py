@@ -15,7 +15,7 @@ from extproc.kvfeed.engines import ServerKind
 from extproc.kvfeed.sample import FeedSample
 from extproc.kvfeed.subscriber.aggregate import PoolSnapshot
 from extproc.kvfeed.subscriber.loop import FeedbackLoop
-from extproc.kvfeed.subscriber.metrics import FeedbackMetrics
+from extproc.kvfeed.subscriber.metrics import register_feedback_metrics
 from extproc.kvfeed.subscriber.runtime import FeedbackRuntime
 from extproc.kvfeed.subscriber.settings import SubscriberConfig
 
@@ -253,7 +253,7 @@ def test_a_sample_that_came_late_is_read_into_the_tally_when_its_exporter_read_i
     one interval with y's run, and x be counted 250 of them."""
     clock = Clock()
     registry = CollectorRegistry()
-    metrics = FeedbackMetrics(registry)
+    metrics = register_feedback_metrics(registry)
     loop = FeedbackLoop(SubscriberConfig(exporters=("h:1",)), {}, clock, wall_clock=clock, metrics=metrics)
 
     def arrives(at: float, read_at: float, counter: float) -> None:
