@@ -7,7 +7,8 @@ The workload (tests/support/prefix_load.py) is the one that showed the budget re
 the cache stood empty: a system prompt of 1,666 tokens (13 of the engine's 128-token blocks), ~30 tokens of
 each request's own, 300 output tokens with `ignore_eos`, clients that honour `retry-after`. vLLM's own
 counters say what it shared (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`,
-v1/metrics/loggers.py) and how full its cache got (`vllm:kv_cache_usage_perc`, sampled while the load runs).
+v1/metrics/loggers.py) and how full its cache got (`vllm:kv_cache_usage_perc`, sampled while the load runs,
+reported); how many streams the gateway let decode at once is asserted.
 
 That the load overflows the cache is the test's premise, asserted from the engine's own numbers (its prompts
 as it tokenizes them, its block size and block count from `vllm:cache_config_info`), not from the straight
@@ -42,12 +43,16 @@ REQUESTS = 48
 just over, and in one run of seven the engine alone, its arrivals spread by the host, finished some before
 the others grew and preempted nothing. Forty-eight need 157 (`overload_demand`), 1.24 times the cache."""
 
-KV_PEAK_FLOOR = 0.5
-"""How full the gateway lets the engine's cache get at the peak, the credit's measure: 0.59-0.98 measured (the
-gauge is sampled every second or so), 0.27-0.35 with every prompt booked whole (0.27 again on a host twice as
-fast, beside 0.67-0.69 with the credit less a block, 0.84-0.88 with the credit cut to whole blocks); the
-budget's target (0.9) and the half block per sequence it books for the engine's whole-block rounding keep it
-below the engine's own peak (1.0, with preemptions)."""
+STREAMS_FLOOR = 20
+"""How many streams the gateway lets decode at once at the peak, timed by the clients: the credit's measure.
+The budget's target (0.9 of 16,384 tokens) holds 33 of these chats with the system prompt booked once and ~30
+own prompt tokens, 300 answer tokens and half a block of rounding each; 7 with every prompt booked whole.
+Measured: 28-36 with the credit, 11 without (`prefix_sharing: false`), 40-48 straight to the engine.
+
+It replaced the engine's KV gauge at its peak (floor 0.5; 0.76-0.85 here, 0.30 without the credit): sampled
+every 0.2 s, the gauge is served by the engine's API server, which a CPU engine starves while it decodes; on
+one host it answered 6 times in 23 s, and the straight run's peak read 0.48 beside 10 preemptions. The gauge's
+peak is still reported."""
 THROUGHPUT_FLOOR = 0.45
 """The gateway's output tokens per second against the engine alone in the same run: a guard against a gateway
 that stalls, not the credit's measure. The share depends on the host: 0.76-1.05 where the engine alone gave
@@ -86,5 +91,5 @@ def test_shared_prefix_overload(engine: Engine, gateway: Stack) -> None:
     assert direct.statuses == served and through.statuses == served, report
     assert direct.hit_rate > 0.5, report
     assert through.preemptions == 0, report
-    assert through.kv_peak >= KV_PEAK_FLOOR, report
+    assert through.streams_peak >= STREAMS_FLOOR, report
     assert through.tokens_per_second >= THROUGHPUT_FLOOR * direct.tokens_per_second, report

@@ -56,6 +56,7 @@ class Answer:
     refusals: int
     ttft: float | None  # seconds from the first attempt to the first streamed byte of the served one
     resets: int = 0  # 503s of a connection reset, tried again as the `openai` SDK does
+    decoding: tuple[float, float] | None = None  # monotonic times of the served stream's first event and end
 
 
 def stream_once(url: str, body: dict[str, Any]) -> tuple[int, float | None, dict[str, str]]:
@@ -96,14 +97,19 @@ def call(url: str, body: dict[str, Any], deadline: float) -> Answer:
             time.sleep(0.5)
             continue
         if status != 429 or time.monotonic() > deadline:
-            return Answer(status, refusals, None if first is None else attempt - started + first, resets)
+            if first is None:
+                return Answer(status, refusals, None, resets)
+            decoding = (attempt + first, time.monotonic())
+            return Answer(status, refusals, attempt - started + first, resets, decoding)
         refusals += 1
         time.sleep(min(float(headers.get("retry-after-ms", "1000")) / 1000, 10.0))
 
 
 @dataclass
 class Sampler:
-    """Every 0.2 s while a load runs: the engine's KV usage and, behind a gateway, the sidecar's booking."""
+    """Every 0.2 s while a load runs: the engine's KV usage and, behind a gateway, the sidecar's booking, each
+    read by its own thread, so an engine whose API server stalls while it decodes (seconds on a two-core host)
+    does not thin the booking's samples too."""
 
     engine_url: str
     admin_url: str | None = None
@@ -112,24 +118,27 @@ class Sampler:
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        sources = [(f"{self.engine_url}/metrics", "vllm:kv_cache_usage_perc", self.kv)]
+        if self.admin_url is not None:
+            sources.append((f"{self.admin_url}/metrics", "extproc_kv_booked_tokens", self.booked))
+        self._threads = [threading.Thread(target=self._run, args=source, daemon=True) for source in sources]
 
-    def _run(self) -> None:
+    def _run(self, url: str, name: str, into: list[float]) -> None:
         while not self._stop.wait(0.2):
             try:
-                self.kv.append(metric(f"{self.engine_url}/metrics", "vllm:kv_cache_usage_perc"))
-                if self.admin_url is not None:
-                    self.booked.append(metric(f"{self.admin_url}/metrics", "extproc_kv_booked_tokens"))
+                into.append(metric(url, name))
             except OSError:
                 continue
 
     def __enter__(self) -> Sampler:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
 
 @dataclass
@@ -152,6 +161,19 @@ class Run:
     @property
     def kv_peak(self) -> float:
         return max(self.kv, default=0.0)
+
+    @property
+    def streams_peak(self) -> int:
+        """The most served streams decoding at once (between their first event and their end), timed by the
+        clients: a measure of how much the engine was let hold that no sampled gauge can miss."""
+        edges = sorted(
+            edge for a in self.answers if a.decoding for edge in ((a.decoding[0], 1), (a.decoding[1], -1))
+        )
+        running = peak = 0
+        for _, step in edges:
+            running += step
+            peak = max(peak, running)
+        return peak
 
     @property
     def kv_mean(self) -> float:
@@ -179,6 +201,8 @@ class Run:
             "preemptions": self.preemptions,
             "kv_mean": round(self.kv_mean, 3),
             "kv_peak": round(self.kv_peak, 3),
+            "kv_samples": len(self.kv),
+            "streams_peak": self.streams_peak,
             "ttft_p50_s": round(self.ttft(0.5), 2),
             "ttft_p99_s": round(self.ttft(0.99), 2),
             "prefix_hit_rate": round(self.hit_rate, 3),
@@ -191,7 +215,8 @@ class Run:
         f = self.figures()
         return (
             f"{f['served']}/{f['requests']} in {f['seconds']}s, {f['output_tok_s']} output tok/s, "
-            f"{f['preemptions']:.0f} preemptions, KV mean {f['kv_mean']} peak {f['kv_peak']}, "
+            f"{f['preemptions']:.0f} preemptions, KV mean {f['kv_mean']} peak {f['kv_peak']} "
+            f"({f['kv_samples']} samples), {f['streams_peak']} streams at once, "
             f"TTFT p50 {f['ttft_p50_s']}s p99 {f['ttft_p99_s']}s, prefix hits {f['prefix_hit_rate']:.0%}, "
             f"booked peak {f['booked_peak_of_capacity']}, {f['refusals']} refusals, {f['resets']} resets"
         )
