@@ -71,14 +71,15 @@ def warm_up(gateway: Stack) -> None:
 
 
 def overload_through(engine: Engine, gateway: Stack, requests: int = prefix_load.REQUESTS) -> prefix_load.Run:
-    """The shared-prefix overload through `gateway`, its booking sampled beside the engine's KV."""
+    """The shared-prefix overload through `gateway`, its booking sampled beside the engine's KV, from an idle
+    engine that the sidecar has read idle (`wait_read_idle`)."""
     return prefix_load.overload(
         MODEL,
         engine.url,
         gateway.url,
         CACHE_TOKENS,
         admin_url=gateway.stack.admin_url,
-        settle=lambda: wait_idle(gateway),
+        settle=lambda: wait_read_idle(gateway),
         requests=requests,
     )
 
@@ -178,6 +179,19 @@ def wait_idle(stack: Stack, limit_s: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"not idle after {limit_s}s")
+
+
+def wait_read_idle(stack: Stack, limit_s: float = 30.0) -> None:
+    """`wait_idle`, then until the sidecar's feed has read the engine's cache empty. A load run straight to
+    the engine just before leaves the sidecar its last reading until the next (every 2 s on the tier, often
+    seconds late on its saturated host): up to the whole cache in use that no lease of the sidecar explains,
+    which it must keep counting (another gateway's or a direct client's), so a load through it that starts
+    then starts behind somebody else's."""
+    wait_idle(stack, limit_s)
+    deadline = time.monotonic() + limit_s
+    while stack.sidecar("extproc_kv_usage_ratio") > 0.01:
+        assert time.monotonic() < deadline, f"the feed did not read the idle engine in {limit_s}s"
+        time.sleep(0.1)
 
 
 def assert_settled_as_engine(delta: Ledger, prompt: int, completion: int) -> None:
