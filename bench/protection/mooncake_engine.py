@@ -33,7 +33,7 @@ from bench.protection import trace as tr
 from bench.protection.engine import start_engine
 from bench.protection.mooncake import START_S, TRACES, records, scaled_prompt
 from bench.protection.prefix import MODES, through_gateway
-from tests.engine.stacks import wait_idle
+from tests.engine.stacks import wait_read_idle
 from tests.support import prefix_load
 from tests.support.engine import BLOCK_TOKENS, CACHE_TOKENS, MAX_MODEL_LEN, MODEL, Engine
 from tests.support.stack import Stack
@@ -103,7 +103,7 @@ def replay(
 
     if gateway is None:
         return prefix_load.measured(engine.url, CACHE_TOKENS, send)
-    settle = functools.partial(wait_idle, gateway)
+    settle = functools.partial(wait_read_idle, gateway)
     return prefix_load.measured(engine.url, CACHE_TOKENS, send, gateway.stack.admin_url, settle)
 
 
