@@ -265,19 +265,21 @@ class Exchange:
         end_of_stream: bool,
         from_router: bool = True,
         engine_unreachable: bool = False,
+        upstream_reset: bool = False,
     ) -> Forward | Refusal:
         """Record the upstream status, choose how to read usage, and add the `x-ratelimit-*` headers.
         `from_router` False: the response lacks what Envoy's router adds to every upstream answer, so a picker
         refusal status (`answer.PICKER_REFUSALS`) came from a filter after the sidecar and the request was not
         forwarded. An engine's own refusal (a 503, its queue full) is made a retryable one
         (`_engine_busy`); so is the proxy's own answer when it could not connect to any engine
-        (`engine_unreachable`, its response flags: `_engine_unreachable`)."""
+        (`engine_unreachable`, its response flags: `_engine_unreachable`). `upstream_reset`: its flags say
+        the engine's connection was reset after the request went to it (`Answer.open`)."""
         inflight = self.inflight
         if inflight is None or self.phase is not Phase.ADMITTED:
             return FORWARD
         admitted = inflight.admitted
         self.response = response = Answer.open(
-            admitted, status, content_type, end_of_stream, from_router, engine_unreachable
+            admitted, status, content_type, end_of_stream, from_router, engine_unreachable, upstream_reset
         )
         self._phase = Phase.RESPONDING
         seen = response.seen()

@@ -24,6 +24,7 @@ from extproc.protocol.messages import (
     on_request_headers,
     request_body_reply,
     response_body_reply,
+    upstream_reset,
 )
 
 __all__ = ["InlineTranslator"]
@@ -53,6 +54,7 @@ class InlineTranslator:
                 request.response_headers.end_of_stream,
                 from_router=UPSTREAM_SERVICE_TIME in headers,
                 engine_unreachable=engine_unreachable(request),
+                upstream_reset=upstream_reset(request),
             )
             if isinstance(verdict, Refusal):  # the engine's refusal or its outage, answered in its place
                 yield immediate(verdict)

@@ -142,24 +142,38 @@ def client_address(request: pb.ProcessingRequest) -> str | None:
 
 
 NO_HEALTHY_UPSTREAM = 0x2
+UPSTREAM_REMOTE_RESET = 0x10
 UPSTREAM_CONNECTION_FAILURE = 0x20
-"""Envoy's response flags UH and UF as the `response.flags` attribute carries them: one bit per flag, in
-the order of `StreamInfo::CoreResponseFlag` (envoy/stream_info/stream_info.h: NoHealthyUpstream is 1,
-UpstreamConnectionFailure 5). Envoy 1.40 sends 32800 (UF | URX, 0x8020) for a 503 after the retries of
-a refused connection (tests/e2e/test_engine_down_e2e.py)."""
+UPSTREAM_CONNECTION_TERMINATION = 0x40
+"""Envoy's response flags UH, UR, UF and UC as the `response.flags` attribute carries them: one bit per flag,
+in the order of `StreamInfo::CoreResponseFlag` (envoy/stream_info/stream_info.h: NoHealthyUpstream is 1,
+UpstreamRemoteReset 4, UpstreamConnectionFailure 5, UpstreamConnectionTermination 6). Envoy 1.40 sends 32800
+(UF | URX, 0x8020) for a 503 after the retries of a refused connection (tests/e2e/test_engine_down_e2e.py)."""
+
+
+def _response_flags(request: pb.ProcessingRequest) -> int:
+    """The `response.flags` attribute (`response_attributes` in the inline profile's ext_proc filter), 0
+    where it is missing."""
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None:
+        return 0
+    value = attributes.fields.get(RESPONSE_FLAGS_ATTRIBUTE)
+    if value is None or value.WhichOneof("kind") != "number_value":
+        return 0
+    return int(value.number_value)
 
 
 def engine_unreachable(request: pb.ProcessingRequest) -> bool:
-    """Whether Envoy says (the `response.flags` attribute, `response_attributes` in the inline profile's
-    ext_proc filter) that it answered because it could not connect to any engine: UF or UH."""
-    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
-    if attributes is None:
-        return False
-    value = attributes.fields.get(RESPONSE_FLAGS_ATTRIBUTE)
-    if value is None or value.WhichOneof("kind") != "number_value":
-        return False
-    flags = int(value.number_value)
-    return bool(flags & (UPSTREAM_CONNECTION_FAILURE | NO_HEALTHY_UPSTREAM))
+    """Whether Envoy says (its response flags) that it answered because it could not connect to any
+    engine: UF or UH."""
+    return bool(_response_flags(request) & (UPSTREAM_CONNECTION_FAILURE | NO_HEALTHY_UPSTREAM))
+
+
+def upstream_reset(request: pb.ProcessingRequest) -> bool:
+    """Whether Envoy says (its response flags) that the engine's connection was reset or closed after the
+    request went to it: UR or UC (an engine stopping, or closing a kept-alive connection as the request
+    came)."""
+    return bool(_response_flags(request) & (UPSTREAM_REMOTE_RESET | UPSTREAM_CONNECTION_TERMINATION))
 
 
 def on_request_headers(exchange: Exchange, request: pb.ProcessingRequest) -> pb.ProcessingResponse:

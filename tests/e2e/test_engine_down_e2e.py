@@ -193,7 +193,10 @@ def test_an_engine_outage_is_refused_by_name_leaks_nothing_and_ends_within_2_s(
     up_front = stack.sidecar("extproc_requests_total", decision="rejected", reason="engine_down")
     unreachable = stack.sidecar("extproc_settlements_total", outcome="engine_unreachable")
     assert up_front >= len(down) / 2 and up_front + unreachable >= len(down)
-    assert stack.sidecar("extproc_settlements_total", outcome="not_forwarded") == 0
+    # Sent while the simulator stopped: Envoy's 503 after it closed their connection (UC) keeps the
+    # backend-error rule in both profiles, never a picker's `not_forwarded` (seen once in CI, inline).
+    failed = [(s.reply.status, s.reply.body[:120]) for s in load.since(0.0, stopped) if s.reply.status != 200]
+    assert stack.sidecar("extproc_settlements_total", outcome="not_forwarded") == 0, failed
     assert_nothing_leaked(stack)
     wait_for(lambda: stack.sidecar("extproc_kv_demand_tokens", pool=MODEL) == 0, 5.0, "KV given back")
     assert stack.sidecar("extproc_engine_down", pool=MODEL) == 0

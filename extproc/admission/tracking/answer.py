@@ -17,9 +17,12 @@ PICKER_REFUSALS = frozenset({429, 503})
 endpoint; gateway-api-inference-extension v1.6.0 docs/proposals/004-endpoint-picker-protocol). Inline, only
 these, without the router's header, count as never forwarded: Envoy's router makes its own 502 and 504
 without that header too, after the backend may have read the prompt, and they keep the backend-error rule.
-Its own 503 (a reset before the response) is refunded in full like a picker's; one it made because it could
-not connect to any engine says so by its response flags (UF, UH: the `response.flags` attribute) and settles
-as the engine's outage (`engine_unreachable`)."""
+Its own 503s say why by its response flags (the `response.flags` attribute): one made because it could not
+connect to any engine (UF, UH) settles as the engine's outage (`engine_unreachable`); one made after the
+engine's connection was reset or closed with the request sent (UR, UC: an engine stopping) keeps the
+backend-error rule, as the lean profile's end report settles it (forwarded, no status from the engine).
+Counted never forwarded, those had an engine's stop page whoever watches for a picker's refusals
+(`ExtprocRequestsNotForwarded`)."""
 
 
 @dataclass(slots=True)
@@ -33,6 +36,7 @@ class Answer:
     first_chunk_at: float | None = None
     forwarded: bool = True
     engine_unreachable: bool = False  # the proxy answered: it could not connect to any engine
+    engine_answered: bool = True  # False: the proxy answered after the engine's connection was reset
     passed_bytes: int = 0  # the body's bytes seen so far
 
     @classmethod
@@ -44,12 +48,16 @@ class Answer:
         end_of_stream: bool,
         from_router: bool,
         engine_unreachable: bool = False,
+        upstream_reset: bool = False,
     ) -> Answer:
         """Response headers arrived: choose how to read usage (SSE or JSON, removing the usage event the
         client did not ask for), and whether the request reached the backend at all (`engine_unreachable`:
-        the proxy could not connect to any engine)."""
+        the proxy could not connect to any engine) and the backend answered it (`upstream_reset`: the
+        proxy's own answer after the engine's connection was reset)."""
         streaming = "text/event-stream" in content_type
         ok = status is not None and status < 400
+        reset = upstream_reset and not from_router
+        sent = from_router or ok or reset or status not in PICKER_REFUSALS
         tracker = ResponseUsageTracker(
             streaming=streaming,
             encoding=admitted.policy.encoding,
@@ -61,8 +69,9 @@ class Answer:
             tracker=tracker,
             streaming=streaming,
             completed=end_of_stream,
-            forwarded=not engine_unreachable and (from_router or ok or status not in PICKER_REFUSALS),
+            forwarded=not engine_unreachable and sent,
             engine_unreachable=engine_unreachable,
+            engine_answered=not reset,
         )
 
     def seen(self, live: bool = False, decode_s: float | None = None) -> Seen:
@@ -74,6 +83,7 @@ class Answer:
             usage=tracker.usage,
             error_seen=tracker.error_seen,
             forwarded=self.forwarded,
+            engine_answered=self.engine_answered,
             engine_unreachable=self.engine_unreachable,
         )
         return Seen(

@@ -15,7 +15,7 @@ from extproc.admission.exchange import Exchange
 from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking.reading import ResponseReading
 from extproc.core.kv.budget import KvBudget
-from extproc.protocol.messages import EXT_PROC_ATTRIBUTES, engine_unreachable
+from extproc.protocol.messages import EXT_PROC_ATTRIBUTES, engine_unreachable, upstream_reset
 from tests.unit.admission.exchange_rig import CONFIG, Rig, chat
 
 
@@ -120,6 +120,21 @@ async def test_inline_a_pickers_503_is_still_not_forwarded() -> None:
     assert rig.leaked() == []
 
 
+async def test_inline_envoys_503_after_the_engines_connection_closed_keeps_the_backend_error_rule() -> None:
+    """A 503 Envoy made after the engine's connection closed with the request sent (UC: an engine stopping
+    as it came): forwarded and charged its prompt, as the lean profile's end report settles it, never
+    counted as a picker's refusal (`not_forwarded`, the alert that sends on-call to the picker)."""
+    rig = await DownRig().start()
+    exchange, _ = await admitted(rig)
+    reply = exchange.response_headers(503, "text/plain", False, from_router=False, upstream_reset=True)
+    assert isinstance(reply, Forward)
+    exchange.stream_ended()
+    await rig.settled()
+    assert rig.metric("extproc_settlements_total", outcome="upstream_error") == 1
+    assert rig.metric("extproc_settlements_total", outcome="not_forwarded") == 0
+    assert rig.total_prompt() > 0 and rig.leaked() == []
+
+
 async def test_lean_an_end_report_with_envoys_connection_failure_settles_as_the_engine_unreachable() -> None:
     rig = await DownRig().start()
     exchange, verdict = await admitted(rig, reported=True)
@@ -150,3 +165,10 @@ def test_envoys_response_flags_say_unreachable_for_uf_and_uh_only() -> None:
     assert not engine_unreachable(with_flags(0x10))  # UR: the engine reset after it had the request
     assert not engine_unreachable(with_flags(0))
     assert not engine_unreachable(with_flags(None))
+
+
+def test_envoys_response_flags_say_reset_for_ur_and_uc_only() -> None:
+    assert upstream_reset(with_flags(0x10))  # UR: the engine reset the stream
+    assert upstream_reset(with_flags(0x40))  # UC: the engine's connection closed
+    assert not upstream_reset(with_flags(32800))  # UF | URX: never connected
+    assert not upstream_reset(with_flags(0x2)) and not upstream_reset(with_flags(None))
