@@ -29,7 +29,8 @@ pool's generation counters over time: a request's share of what its engines gene
 over time, bounded: the tally's counters and the other replicas' runs), `done.py` (the requests the engine is
 done with, confirmed over feed samples), `counter.py` (one counter of a pool's engines summed as growth: the
 prompt tokens they prefilled), `runon.py` (steps an engine ran past a request's count, charged to the requests
-that stopped)); `queue/` (waiting for capacity: `waitqueue.py` (`WaitQueue`, the admission order),
+that stopped), `steps.py` (the engines' step time against their batch: the pace a batch of another size runs
+at, for hints)); `queue/` (waiting for capacity: `waitqueue.py` (`WaitQueue`, the admission order),
 `slot_eta.py` (when a slot frees), `slip.py` (`ForecastSlip`: how late capacity comes against the forecast),
 `drain.py` (`DrainPace`: how fast a class's queue has lately drained)); and on top `ports.py` (the
 `LimiterStore` interface stores implement), `clock.py` (injected time)."""

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from extproc.core.engine.pace import LearnedPace, bounded_by_engines, hint_pace, usable_rate
+from extproc.core.engine.steps import StepTimes
 from extproc.core.kv.lease import Lease
 
 SETTLE_AFTER_S = 2.0
@@ -33,6 +34,7 @@ class BudgetPace:
         self._running: float | None = None  # the engines' running sequences at the last sample
         self._booked_sequences = booked_sequences or (lambda: 0)  # this replica's leases' sequences
         self._assumed_rate: float | None = None  # the pace hints take with no other (`assume_pace`)
+        self._steps = StepTimes()  # the engines' step time against their batch, from the fed paces
 
     def forecast(self) -> tuple[float | None, float]:
         """The pace and the first-token delay a lease's trajectory is forecast with (`Lease.trajectory`):
@@ -93,6 +95,8 @@ class BudgetPace:
         if rate != self._fed_rate:
             usable = running is not None and math.isfinite(running) and running > 0.0
             self._fed_batch = running if usable else None
+            if rate is not None and running is not None and usable:
+                self._steps.observe(rate, running)
         self._fed_rate = rate
         if running is not None and math.isfinite(running):
             self._running = max(0.0, running)
@@ -137,16 +141,27 @@ class BudgetPace:
         self._assumed_rate = usable_rate(tokens_per_second)
 
     def hint_rate(self) -> float | None:
-        """The pace a refusal's `retry-after` is forecast at: the one the leases are taken to progress at
-        (`progress`: read, not taken down to the batch as the forecast's peak is, since a hint late by the
-        scaling costs every refused client that wait), else the engines' pace from the feed, else the
-        assumed one; None with none of them.
+        """The pace a refusal's `retry-after` is forecast at: the engines' step times fitted against their
+        batch (`StepTimes`), at the batch the leases run in now, once paces at two batch sizes have been
+        read; else the one the leases are taken to progress at (`progress`: read, not taken down to the
+        batch as the forecast's peak is, since a hint late by the scaling costs every refused client that
+        wait), else the engines' pace from the feed, else the assumed one; None with none of them.
+
+        The feed's pace is the last one read, held while the engines drain: read at another batch, it is
+        off by the ratio of their step times, a pace held from a batch of forty-eight told a burst behind
+        thirty-three to come back 20 s after its first try where the room was there at about 12 (the
+        real-engine tier's shared-prefix overload, `steps.py`). A learned pace is a mean over the streams'
+        batches, which the fit reads no better.
 
         Before a stream has shown a pace the forecast has none (its unseen leases book their whole footprint,
         the safe side), but a hint still needs one: without it the first burst after a start was told a flat
         second while the answers it waited for ran four (the `openai` SDK's two retries spent before
         anything freed: 7 of 40 answered on vLLM). The feed's pace is the engines' own under the batch they
         run now, what the leases will end at."""
+        batch = max(self._running or 0.0, float(self._booked_sequences()))
+        fitted = self._steps.pace_at(batch)
+        if fitted is not None:
+            return fitted
         return hint_pace(self.learned.tokens_per_second, self._fed_rate, self._assumed_rate)
 
     def releases(self, leases: Iterable[Lease], now: float) -> list[tuple[float, int]] | None:

@@ -202,3 +202,36 @@ def test_without_a_fed_pace_the_assumed_one_forecasts() -> None:
     budget.observe_fed_pace(50.0)
     budget.pace.observe_stream(100, 1.0)  # a learned pace faster than the engines' now: the slower one
     assert budget.hint_rate() == 50.0
+
+
+def step_pace(batch: float) -> float:
+    """The modeled engine's pace per sequence at `batch`: a step of 4.5 ms plus 1 ms a sequence (80 tokens/s
+    at the burst's eight, `ENGINE_PACE`; 19 at forty-eight)."""
+    return 1.0 / (0.0045 + 0.001 * batch)
+
+
+def drained_pool(*batches: int) -> tuple[KvBudget, FakeClock]:
+    """A pool whose feed read the engines' pace at `batches` (the last a load of that many), then saw them
+    drain: the feed holds the last pace read, with nothing running."""
+    clock = FakeClock()
+    budget = KvBudget(CACHE, target_utilization=0.9, booking=BookingMode.FORECAST, fairness=FairShare())
+    for batch in batches:
+        budget.observe_fed_pace(step_pace(batch), running=batch)
+    budget.observe_fed_pace(step_pace(batches[-1]), running=0)
+    budget.observe_engine(0.0, clock(), fresh_for=2.0, waiting=0, running=0)
+    return budget, clock
+
+
+def test_a_pace_held_from_a_larger_batch_is_taken_at_the_batch_that_runs() -> None:
+    """After a load of forty-eight the feed holds their pace (19 tokens/s); a burst of forty then runs eight
+    at 80. Read at two batch sizes (a warm-up's one and the load's forty-eight), the engine's step time is
+    fitted against its batch and the hints take the pace of the eight: each within 2x of its admission.
+    Held as read, the first refused client was told 16 s for an admission 3.75 s away."""
+    budget, clock = drained_pool(1, 48)
+    hints, admitted = burst_until_admitted(budget, clock, 40)
+    assert step_pace(8) == pytest.approx(ENGINE_PACE)
+    assert all(within_twice(hint, at) for hint, at in zip(hints, admitted, strict=True)), (hints, admitted)
+    held, clock = drained_pool(48)
+    hints, admitted = burst_until_admitted(held, clock, 40)
+    assert held.hint_rate() == pytest.approx(step_pace(48))
+    assert not within_twice(hints[0], admitted[0]), (hints[0], admitted[0])
