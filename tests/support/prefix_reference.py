@@ -105,17 +105,17 @@ class ListPrefixCredit(PrefixCredit):
             self._set_credit(lease, index.credited(lease_id, lease.chunks.hashes))
         return True
 
-    def book_with(self, candidate: Lease, book: Booking) -> tuple[int, int]:
+    def book_with(self, candidate: Lease, book: Booking) -> tuple[int, int, int]:
         hashes = candidate.chunks.hashes
         if not hashes or not self._index.shared_run(hashes):
-            return book(candidate)
+            return (*book(candidate), 0)
         alone = book(None)[0]
-        self._credit(self._index.add("", hashes), 1)
+        spared = self._credit(self._index.add("", hashes), 1)
         try:
             together = book(candidate)[1]
         finally:
             self._credit(self._index.remove("", hashes), -1)
-        return alone, together
+        return alone, together, spared
 
 
 class ListBudget(KvBudget):

@@ -39,23 +39,31 @@ class FairClaims:
         self._over_share = False  # whether the last refusal was for its tenant's share (`kv_fairness`)
 
     def fits(
-        self, candidate: Lease, rank: int, booked_with: int, budget: int, now: float | None, claim: bool
+        self,
+        candidate: Lease,
+        rank: int,
+        booked_with: int,
+        budget: int,
+        now: float | None,
+        claim: bool,
+        adds: int | None = None,
     ) -> bool:
         """Whether `candidate`, booked to `booked_with` with it, fits `budget` (`KvBudget.would_fit`); a
-        refusal is remembered for its `retry_after`."""
+        refusal is remembered for its `retry_after`. `adds`: the KV it adds to the booking (its footprint
+        less the shared prefixes the leases hold already pay, `PrefixCredit.book_with`), what its claim and
+        its promised place hold; its footprint where not given. Planned at its whole footprint, each of a
+        burst's refused chats that share a 1,666-token system prompt held the prompt again in its place:
+        seven places a wave where the cache held thirty (the real-engine tier's shared-prefix overload)."""
+        footprint = candidate.footprint if adds is None else adds
         claimant = claim_id(candidate, rank)
         fair = self.fairness
         if fair is None or now is None:
             fits = booked_with <= budget
         else:
-            fits = self._fits_fairly(fair, claimant, candidate, booked_with, budget, now, claim)
+            fits = self._fits_fairly(fair, claimant, footprint, booked_with, budget, now, claim)
         if not fits:
-            # What `retry_after` fits in the schedule: this request, its footprint, its run in engine steps.
-            self._refused = (
-                claimant,
-                candidate.footprint,
-                candidate.expected_completion / candidate.sequences,
-            )
+            # What `retry_after` fits in the schedule: this request, what it adds, its run in engine steps.
+            self._refused = (claimant, footprint, candidate.expected_completion / candidate.sequences)
         return fits
 
     def unrefused(self) -> None:
@@ -66,7 +74,7 @@ class FairClaims:
         self,
         fair: FairShare,
         claimant: ClaimId,
-        candidate: Lease,
+        footprint: int,
         booked_with: int,
         budget: int,
         now: float,
@@ -75,7 +83,6 @@ class FairClaims:
         """`fits` with fair shares: the candidate fits beside another tenant's claim, and its tenant is not
         over its share while another tenant waits (`kv_fairness`). A refusal claims only for a tenant
         within its share (not on a bound's check, nor beyond the whole budget), and its tenant waits."""
-        footprint = candidate.footprint
         over = fair.others_wait(claimant, now) and fair.over_share(
             claimant, self._ledger.held_by_tenant(), footprint, now
         )

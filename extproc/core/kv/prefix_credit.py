@@ -44,21 +44,22 @@ class PrefixCredit:
         """`lease`, just dropped from the ledger, holds its chunks no more: the next holders pay again."""
         self._credit(self._index.remove(lease_id, lease.chunks.hashes), -1)
 
-    def book_with(self, candidate: Lease, book: Booking) -> tuple[int, int]:
+    def book_with(self, candidate: Lease, book: Booking) -> tuple[int, int, int]:
         """`book` with `candidate` added, the chunks it would credit to the leases that hold them credited
-        for as long as the sum takes (then as before: the candidate is not admitted yet). The index is only
-        read (`PrefixIndex.would_credit`): the check costs the candidate's chunks, not their holders."""
+        for as long as the sum takes (then as before: the candidate is not admitted yet), and the prompt
+        tokens that credit spares those leases: the candidate adds its footprint less these. The index is
+        only read (`PrefixIndex.would_credit`): the check costs the candidate's chunks, not their holders."""
         hashes = candidate.chunks.hashes
         changes = self._index.would_credit(hashes) if hashes else None
         if not changes:
-            return book(candidate)
+            return (*book(candidate), 0)
         alone = book(None)[0]
-        self._credit(changes, 1)
+        spared = self._credit(changes, 1)
         try:
             together = book(candidate)[1]
         finally:
             self._credit(changes, -1)
-        return alone, together
+        return alone, together, spared
 
     def set_replicas(self, replicas: int) -> bool:
         """How many replicas serve the pool (from the feed): a shared chunk is booked once per replica at
@@ -87,12 +88,17 @@ class PrefixCredit:
             lease.chunks = NO_CHUNKS
         return True
 
-    def _credit(self, changes: dict[str, int], sign: int) -> None:
-        """Shared chunks newly credited to (`sign` 1) or paid again by (-1) the leases named."""
+    def _credit(self, changes: dict[str, int], sign: int) -> int:
+        """Shared chunks newly credited to (`sign` 1) or paid again by (-1) the leases named; returns by how
+        much their footprints fell."""
+        fell = 0
         for lease_id, chunks in changes.items():
             lease = self._ledger.leases.get(lease_id)
             if lease is not None:
+                before = lease.footprint
                 self._set_credit(lease, lease.credited + sign * chunks)
+                fell += before - lease.footprint
+        return fell
 
     def _set_credit(self, lease: Lease, credited: int) -> None:
         before = lease.footprint

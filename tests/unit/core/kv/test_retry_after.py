@@ -9,6 +9,7 @@ from extproc.admission.replies import refusals
 from extproc.core.clock import FakeClock
 from extproc.core.kv.budget import BookingMode, KvBudget
 from extproc.core.kv.fairness import FairShare
+from extproc.core.kv.prefix import PromptChunks
 
 
 def budget_at_pace(tokens_per_second: float | None) -> KvBudget:
@@ -235,3 +236,32 @@ def test_a_pace_held_from_a_larger_batch_is_taken_at_the_batch_that_runs() -> No
     hints, admitted = burst_until_admitted(held, clock, 40)
     assert held.hint_rate() == pytest.approx(step_pace(48))
     assert not within_twice(hints[0], admitted[0]), (hints[0], admitted[0])
+
+
+SYSTEM_TOKENS, OWN_TOKENS = 1_600, 30
+
+
+def shared_prompt() -> PromptChunks:
+    """A chat's prompt chunks: one system text of `SYSTEM_TOKENS` every chat shares, cut in sixteen chunks."""
+    hashes = tuple(hash(("system", i)) for i in range(16))
+    return PromptChunks(hashes, 100, 1_700, (16,), (SYSTEM_TOKENS,))
+
+
+def test_a_burst_that_shares_a_prefix_is_planned_at_what_each_adds() -> None:
+    """Chats sharing a 1,600-token system prompt: the cache holds the prompt once and thirty-nine answers.
+    The twenty refused after them all fit once the first wave ends, as each adds its own 330 tokens, and
+    are all told that moment. Planned at their whole footprints (the system prompt again in every place),
+    eight were told the first wave's end and the others one or two waves later."""
+    budget = KvBudget(capacity_tokens=16_384, target_utilization=0.9)
+    budget.pace.observe_stream(100, 1.0)  # 100 tokens/s: a 300-token answer runs 3 s
+    prompt, chunks = SYSTEM_TOKENS + OWN_TOKENS, shared_prompt()
+    admitted = 0
+    while budget.would_fit(prompt, 300, now=0.0, chunks=chunks)[0]:
+        budget.admit(f"r{admitted}", prompt, 300, now=0.0, chunks=chunks)
+        admitted += 1
+    assert admitted == 39
+    hints = []
+    for index in range(20):
+        assert not budget.would_fit(prompt + index, 300, f"t{index}", now=0.0, chunks=chunks)[0]
+        hints.append(budget.retry_after(0.0))
+    assert hints == [3.0] * 20
