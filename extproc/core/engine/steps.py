@@ -9,9 +9,10 @@ is, only its readings say, so both parts are fitted from them.
 
 The feed gives a pace read over a window with the engines' running sequences (`EnginePaceMeter`); the last
 pace read is held while the engine drains or idles. A retry hint taken at that held pace is off by the
-ratio of the batches: after a burst of forty-eight chats on the real-engine tier's vLLM (17 tokens/s per
-sequence), the next burst's refused clients were told the end of a first wave of thirty-three at 17 where
-it ran at about 26, and came back 20 s after their first try where the room was there at about 12.
+ratio of their step times: after forty-eight chats on the real-engine tier's vLLM (16.8 tokens/s per
+sequence), the next burst's refused clients were told the end of its first wave of thirty-two at that pace,
+17.9 s, where it ended at 10.3-10.9 s (about 30 tokens/s); fitted, the hints took 28.3 and were 10.7 s, and
+the burst's slowest first token came at 10.9-11.5 s in three runs against 11.3-23.2 s held.
 
 Readings are kept per batch band (powers of two), each an exponentially weighted mean of its step times, so
 a band last read an hour ago still says what a step of that size costs while the engine runs another. The

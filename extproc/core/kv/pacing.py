@@ -148,8 +148,8 @@ class BudgetPace:
         wait), else the engines' pace from the feed, else the assumed one; None with none of them.
 
         The feed's pace is the last one read, held while the engines drain: read at another batch, it is
-        off by the ratio of their step times, a pace held from a batch of forty-eight told a burst behind
-        thirty-three to come back 20 s after its first try where the room was there at about 12 (the
+        off by the ratio of their step times: a pace held from a batch of forty-eight (16.8 tokens/s) told
+        a burst's refused clients 17.9 s where its first wave of thirty-two ended at 10.3-10.9 s (the
         real-engine tier's shared-prefix overload, `steps.py`). A learned pace is a mean over the streams'
         batches, which the fit reads no better.
 
