@@ -55,6 +55,7 @@ Pure and synchronous (no asyncio, no clock): callers pass `now` from their own c
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from extproc.core.engine.pace import LearnedPace
 from extproc.core.kv.booked import Booker, BookingMode
@@ -311,9 +312,7 @@ class KvBudget:
             prompt_tokens, max_completion, learner_key, now, sequences, committed
         )
         candidate.chunks = self._prefix.chunks(chunks)
-        booked, booked_with, spared = self._prefix.book_with(
-            candidate, lambda extra: self._booker.book(now, extra)
-        )
+        booked, booked_with, spared = self._prefix.book_with(candidate, partial(self._booker.book, now))
         # admit() right after this decision books the same request: it reuses the sum just computed.
         self._booker.decided(candidate.fit_key(now), booked, booked_with)
         budget = self.budget_tokens or 0  # after the booking: a fleet's budget reads what is booked now
@@ -321,8 +320,7 @@ class KvBudget:
         self._claims.unrefused()
         if not self._ledger.leases and self.fleet.others_booked(now) <= 0:
             return True, headroom
-        adds = max(0, candidate.footprint - spared)  # what it adds: the prefixes held already spared
-        return self._claims.fits(candidate, rank, booked_with, budget, now, claim, adds), headroom
+        return self._claims.fits(candidate, rank, booked_with, budget, now, claim, spared), headroom
 
     def admit(
         self,

@@ -46,15 +46,15 @@ class FairClaims:
         budget: int,
         now: float | None,
         claim: bool,
-        adds: int | None = None,
+        spared: int = 0,
     ) -> bool:
         """Whether `candidate`, booked to `booked_with` with it, fits `budget` (`KvBudget.would_fit`); a
-        refusal is remembered for its `retry_after`. `adds`: the KV it adds to the booking (its footprint
-        less the shared prefixes the leases hold already pay, `PrefixCredit.book_with`), what its claim and
-        its promised place hold; its footprint where not given. Planned at its whole footprint, each of a
-        burst's refused chats that share a 1,666-token system prompt held the prompt again in its place:
-        seven places a wave where the cache held thirty (the real-engine tier's shared-prefix overload)."""
-        footprint = candidate.footprint if adds is None else adds
+        refusal is remembered for its `retry_after`. Its claim and its promised place hold what it adds to
+        the booking: its footprint less the tokens its shared prefixes spare the leases that hold them
+        (`spared`, `PrefixCredit.book_with`). Planned at its whole footprint, each of a burst's refused
+        chats that share a 1,666-token system prompt held the prompt again in its place: seven places a
+        wave where the cache held thirty (the real-engine tier's shared-prefix overload)."""
+        footprint = max(0, candidate.footprint - spared)
         claimant = claim_id(candidate, rank)
         fair = self.fairness
         if fair is None or now is None:
