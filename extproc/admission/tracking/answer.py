@@ -21,7 +21,7 @@ Its own 503s say why by its response flags (the `response.flags` attribute): one
 connect to any engine (UF, UH) settles as the engine's outage (`engine_unreachable`); one made after the
 engine's connection was reset or closed with the request sent (UR, UC: an engine stopping) keeps the
 backend-error rule, as the lean profile's end report settles it (forwarded, no status from the engine).
-Counted never forwarded, those had an engine's stop page whoever watches for a picker's refusals
+Counted never forwarded, an engine's stop raised the alert meant for a picker's refusals
 (`ExtprocRequestsNotForwarded`)."""
 
 

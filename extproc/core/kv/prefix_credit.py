@@ -95,12 +95,12 @@ class PrefixCredit:
         for lease_id, chunks in changes.items():
             lease = self._ledger.leases.get(lease_id)
             if lease is not None:
-                before = lease.footprint
-                self._set_credit(lease, lease.credited + sign * chunks)
-                fell += before - lease.footprint
+                fell += self._set_credit(lease, lease.credited + sign * chunks)
         return fell
 
-    def _set_credit(self, lease: Lease, credited: int) -> None:
+    def _set_credit(self, lease: Lease, credited: int) -> int:
+        """`lease` credited `credited` chunks, through the ledger; returns by how much its footprint fell."""
         before = lease.footprint
         lease.credited = max(0, credited)
         self._ledger.resized(lease, before)
+        return before - lease.footprint
