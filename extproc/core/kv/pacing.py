@@ -132,8 +132,13 @@ class BudgetPace:
         proportion, so this errs slow, keeping KV longer, until the feed reads the new batch's pace)."""
         if rate is None or read_at is None:
             return rate
-        batch = max(self._running or 0.0, float(self._booked_sequences()))
+        batch = self._batch()
         return rate * read_at / batch if batch > read_at else rate
+
+    def _batch(self) -> float:
+        """The batch the leases run in: the sequences running at the last sample or, where more, those this
+        replica's leases hold."""
+        return max(self._running or 0.0, float(self._booked_sequences()))
 
     def assume_pace(self, tokens_per_second: float | None) -> None:
         """The pace a refusal's `retry-after` is forecast at where neither a learned nor a fed one exists
@@ -158,8 +163,7 @@ class BudgetPace:
         second while the answers it waited for ran four (the `openai` SDK's two retries spent before
         anything freed: 7 of 40 answered on vLLM). The feed's pace is the engines' own under the batch they
         run now, what the leases will end at."""
-        batch = max(self._running or 0.0, float(self._booked_sequences()))
-        fitted = self._steps.pace_at(batch)
+        fitted = self._steps.pace_at(self._batch())
         if fitted is not None:
             return fitted
         return hint_pace(self.learned.tokens_per_second, self._fed_rate, self._assumed_rate)
