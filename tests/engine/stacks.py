@@ -18,6 +18,7 @@ from extproc.envoyconf.bootstrap import http_connection_managers
 from tests.support import prefix_load
 from tests.support.engine import CACHE_TOKENS, MAX_MODEL_LEN, MODEL, Engine
 from tests.support.stack import Stack, http, start_stack
+from tests.support.waiting import wait_for
 
 LLAMA3_TEMPLATE = {"per_message": 4, "per_request": 5, "bos": 1}
 """Llama-3's template costs as measured on this engine (docs/configuration.md, template costs): a message is
@@ -188,10 +189,9 @@ def wait_read_idle(stack: Stack, limit_s: float = 30.0) -> None:
     which it must keep counting (another gateway's or a direct client's), so a load through it that starts
     then starts behind somebody else's."""
     wait_idle(stack, limit_s)
-    deadline = time.monotonic() + limit_s
-    while stack.sidecar("extproc_kv_usage_ratio") > 0.01:
-        assert time.monotonic() < deadline, f"the feed did not read the idle engine in {limit_s}s"
-        time.sleep(0.1)
+    wait_for(
+        lambda: stack.sidecar("extproc_kv_usage_ratio") <= 0.01, limit_s, "the feed reading the idle engine"
+    )
 
 
 def assert_settled_as_engine(delta: Ledger, prompt: int, completion: int) -> None:
