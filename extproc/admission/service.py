@@ -124,6 +124,7 @@ class AdmissionService:
             per_lane=tokenizing.per_client,
             backlog=tokenizing.backlog_per_client,
             max_wait_s=tokenizing.max_wait_seconds,
+            clock=deps.clock,
         )
 
     # -- counting ------------------------------------------------------------------------------------------
@@ -149,8 +150,8 @@ class AdmissionService:
 
         A small prompt is counted on the event loop (cheaper than a thread hop, and it never queues behind
         large ones). A large prompt goes to the tokenizer threads through its client's lane (`lanes.py`):
-        fair turns between clients, a bounded backlog per client (LaneFull beyond it). Counting itself
-        stops once a prompt is proven larger than the context window.
+        fair turns between clients, a backlog per client bounded by the time it takes (LaneFull beyond it).
+        Counting itself stops once a prompt is proven larger than the context window.
         """
         if req.text_bytes <= self.rules().tokenizing.inline_count_bytes:
             return count_prompt_tokens(req, policy)

@@ -147,7 +147,7 @@ class Admission(Section):
     allow_stored_context: Flag = False
     # Large prompts of one tenant (or one anonymous client address) counted at the same time, and waiting.
     tokenizer_per_client: PosInt = 1
-    tokenizer_backlog_per_client: NonNegInt = 4
+    tokenizer_backlog_per_client: NonNegInt = 64
     tokenizer_max_wait_seconds: Seconds = 0.5
     # Prompts with at most this many bytes of text are counted on the event loop, without a thread hop.
     inline_count_bytes: NonNegInt = 8 * 1024

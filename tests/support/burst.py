@@ -31,9 +31,26 @@ SDK_DEFAULT_RETRIES = 2
 MODEL = "llama-3-8b"
 
 
-def prompt(seed: int) -> str:
+LONG_PROMPT_WORDS = 2_500
+"""A burst of longer prompts (about 12 KB of text each): past `admission.inline_count_bytes` (8 KB), they are
+counted on the tokenizer threads, one client's at a time, not on the event loop."""
+
+
+def prompt(seed: int, words: int = PROMPT_WORDS) -> str:
     """A distinct prompt per request: identical ones would share cached prefix blocks."""
-    return "".join(generate_tokens(PROMPT_WORDS, f"burst-{seed}"))
+    return "".join(generate_tokens(words, f"burst-{seed}"))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Each chat's prompt words and answer tokens."""
+
+    prompt_words: int = PROMPT_WORDS
+    output_tokens: int = OUTPUT_TOKENS
+
+
+CHATS = Shape()
+"""Issue 41's chats: about 1,500 prompt and 300 output tokens."""
 
 
 @dataclass
@@ -77,7 +94,8 @@ class BurstResult:
 
 
 class _Burst:
-    def __init__(self, url: str, retries: int, seed: int, model: str) -> None:
+    def __init__(self, url: str, retries: int, seed: int, model: str, shape: Shape) -> None:
+        self.shape = shape
         self.url = url
         self.retries = retries
         self.seed = seed
@@ -98,6 +116,9 @@ class _Burst:
         with self.lock:
             self.attempts.append(attempt)
 
+    def prompt(self, index: int) -> str:
+        return prompt(self.seed + index, self.shape.prompt_words)
+
     def one(self, index: int) -> str:
         http_client = httpx.Client(event_hooks={"response": [self._record]}, timeout=600)
         with openai.OpenAI(
@@ -108,8 +129,10 @@ class _Burst:
             try:
                 stream = client.chat.completions.create(
                     model=self.model,
-                    messages=[{"role": "user", "content": prompt(self.seed + index)}],
-                    max_tokens=OUTPUT_TOKENS,
+                    messages=[
+                        {"role": "user", "content": prompt(self.seed + index, self.shape.prompt_words)}
+                    ],
+                    max_tokens=self.shape.output_tokens,
                     stream=True,
                 )
                 for chunk in stream:
@@ -139,6 +162,8 @@ class _Burst:
         )
 
 
-def burst(url: str, retries: int = SDK_DEFAULT_RETRIES, seed: int = 0, model: str = MODEL) -> BurstResult:
+def burst(
+    url: str, retries: int = SDK_DEFAULT_RETRIES, seed: int = 0, model: str = MODEL, shape: Shape = CHATS
+) -> BurstResult:
     """Send the burst to `url` (Envoy's, or the engine's own) at once and wait for every client to finish."""
-    return _Burst(url, retries, seed, model).run()
+    return _Burst(url, retries, seed, model, shape).run()

@@ -173,7 +173,7 @@ class Decision:
         if isinstance(exc, LaneFull):
             acquisition = Acquisition(self.service, self.request, self.limit_pool, rules)
             status = await acquisition.status(acquisition.keys(model=resolved))
-            return self.refuse(refusals.tokenizer_busy(status))
+            return self.refuse(refusals.tokenizer_busy(exc.retry_after_s, status))
         return self.refuse(refusals.invalid(exc))
 
     async def admit(

@@ -242,15 +242,17 @@ def deadline_unmet(
     return Refusal(429, body, DEADLINE_UNMET, headers, f"{DETAILS_PREFIX}rate_limited_{DEADLINE_UNMET}")
 
 
-def tokenizer_busy(status: RateLimitStatus | None = None) -> Refusal:
-    """The client already has its share of large prompts being counted and waiting: come back shortly.
-    `status`: the limiter's view of its keys (`x-ratelimit-*`)."""
+def tokenizer_busy(retry_after_s: float, status: RateLimitStatus | None = None) -> Refusal:
+    """The client's large prompts already waiting to be counted would not let this one start in time: come
+    back when its lane is forecast to have drained (`lanes.py` `Lanes.drained_in_s`). `status`: the
+    limiter's view of its keys (`x-ratelimit-*`)."""
     body = error_body(
-        "Too many large prompts from this client are being processed. Please try again shortly.",
+        "Too many large prompts from this client are being processed. Please try again in "
+        f"{format_duration(retry_after_s)}.",
         type=REQUESTS_LIMIT,
         code=RATE_LIMIT_EXCEEDED,
     )
-    headers = _reason("tokenizer_busy", (*retry_headers(1.0), *_limits(status)))
+    headers = _reason("tokenizer_busy", (*retry_headers(retry_after_s), *_limits(status)))
     return Refusal(429, body, "tokenizer_busy", headers, DETAILS_PREFIX + "rate_limited_tokenizer_busy")
 
 

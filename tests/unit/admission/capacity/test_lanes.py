@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from extproc.admission.capacity.lanes import LaneFull, Lanes
+from extproc.admission.capacity.lanes import FIRST_JOB_S, LaneFull, Lanes
 
 
 class Gate:
@@ -95,9 +95,67 @@ async def test_a_waiter_not_started_within_the_bound_is_refused() -> None:
         lanes = Lanes(pool, threads=1, per_lane=1, backlog=5, max_wait_s=0.05)
         running = asyncio.ensure_future(lanes.run("a", gate.job, "a0"))
         await until(lambda: gate.started == ["a0"])
-        with pytest.raises(LaneFull):
+        with pytest.raises(LaneFull) as refused:
             await lanes.run("b", gate.job, "b0")
+        assert refused.value.retry_after_s == FIRST_JOB_S  # one job's time: nothing timed yet
         assert lanes.queued == 0
         gate.release("a0")
         await running
         assert lanes.running == 0 and gate.started == ["a0"]
+
+
+class Timed(Gate):
+    """Gated jobs that each take `seconds` of a clock of their own (the lanes' injected clock)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def job(self, name: str) -> str:
+        done = super().job(name)
+        self.now += self.seconds
+        return done
+
+
+async def test_a_burst_of_one_clients_large_prompts_waits_its_turns_instead_of_being_refused() -> None:
+    """Forty 10 KB prompts of one tenant at once (an SDK's `asyncio.gather`) take ~0.4 ms each to count:
+    all of them wait their turn, with the shipped defaults. (The backlog of four refused thirty-five.)"""
+    jobs = Timed(0.0004)
+    with ThreadPoolExecutor(2) as pool:
+        lanes = Lanes(pool, threads=2, clock=jobs.clock)
+        burst = [asyncio.ensure_future(lanes.run("tenant:t", jobs.job, f"p{i}")) for i in range(40)]
+        await until(lambda: jobs.started == ["p0"])
+        assert lanes.queued == 39
+        for i in range(40):
+            jobs.release(f"p{i}")
+        assert await asyncio.gather(*burst) == [f"p{i}" for i in range(40)]
+        assert lanes.running == lanes.queued == 0
+
+
+async def test_a_lane_whose_backlog_would_not_start_in_time_is_refused_at_once_with_when_it_drains() -> None:
+    """At 0.2 s a job, the fourth waiter of a lane would start 0.7 s out, past the 0.5 s bound: refused at
+    once, told to come back when the lane's backlog leaves a newcomer 0.5 s to wait (0.2 s)."""
+    jobs = Timed(0.2)
+    with ThreadPoolExecutor(1) as pool:
+        lanes = Lanes(pool, threads=1, per_lane=1, max_wait_s=0.5, clock=jobs.clock)
+        first = [asyncio.ensure_future(lanes.run("a", jobs.job, f"a{i}")) for i in range(3)]
+        await until(lambda: jobs.started == ["a0"])
+        jobs.release("a0")  # its 0.2 s teach the lane; a1 runs, a2 waits
+        await until(lambda: jobs.started == ["a0", "a1"])
+        first += [asyncio.ensure_future(lanes.run("a", jobs.job, "a3"))]  # 1.5 jobs ahead: 0.3 s
+        first += [asyncio.ensure_future(lanes.run("a", jobs.job, "a4"))]  # 2.5 jobs ahead: 0.5 s
+        await until(lambda: lanes.queued == 3)
+        with pytest.raises(LaneFull) as refused:
+            await lanes.run("a", jobs.job, "a5")  # 3.5 jobs ahead: 0.7 s
+        assert refused.value.retry_after_s == pytest.approx(0.2)
+        other = asyncio.ensure_future(lanes.run("b", jobs.job, "b0"))  # another lane is not behind a's
+        await asyncio.sleep(0.01)
+        assert lanes.queued == 3 + 1
+        for name in ("a1", "a2", "a3", "a4", "b0"):
+            jobs.release(name)
+        await asyncio.gather(*first, other)
+        assert "a5" not in jobs.started and lanes.running == lanes.queued == 0

@@ -326,7 +326,7 @@ async def test_a_count_that_fails_keeps_the_bound_and_settles_on_it() -> None:
     r = await rig()
 
     async def busy(*_args: Any, **_kwargs: Any) -> Any:
-        raise LaneFull("tenant:default")
+        raise LaneFull("tenant:default", 0.25)
 
     exchange, _ = await r.decide(body())
     r.service.count_prompts = busy

@@ -111,7 +111,7 @@ async def test_a_busy_tokenizer_refusal_carries_them_its_models_once_its_body_wa
     service = rig.admission.service
 
     async def full(*_args: Any) -> Any:
-        raise LaneFull("tenant:default")
+        raise LaneFull("tenant:default", 0.25)
 
     if resolved:
         monkeypatch.setattr(service, "count_prompts", full)  # its prompt waits to be counted

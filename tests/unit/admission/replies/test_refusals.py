@@ -47,7 +47,7 @@ BUILDERS: dict[str, Callable[[], Refusal]] = {
     "queue_full": lambda: refusals.queue_refused("queue_full", "batch", 10.0, status=STATUS),
     "queue_timeout": lambda: refusals.queue_refused("queue_timeout", "batch", 10.0, status=STATUS),
     "deadline_unmet": lambda: refusals.deadline_unmet("interactive", 500, 2.0, STATUS),
-    "tokenizer_busy": lambda: refusals.tokenizer_busy(STATUS),
+    "tokenizer_busy": lambda: refusals.tokenizer_busy(0.25, STATUS),
     "store_unavailable": refusals.store_unavailable,
     "engine_busy": lambda: refusals.engine_busy(2.0, ratelimit_headers(STATUS)),
     "engine_down": lambda: refusals.engine_down("m", refusals.engine_down_retry_after(12.0)),
