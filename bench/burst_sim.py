@@ -6,7 +6,8 @@ the simulator's 16,384-token cache, the KV-cache exporter) from a cold start (no
 straight to the same simulator. Once per `--retries` value (the SDK's default is 2). Prints one row per run:
 answered, the 429s the clients met, time to first token p99, wall time, and the simulator's preemptions.
 `--config` runs another sidecar config instead (the rows in bench/RESULTS.md compare with the config before
-its queue).
+its queue); `--prompt-words 2500 --output-tokens 100` sends prompts long enough (~12 KB) to be counted on the
+tokenizer threads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import yaml
 
 from devstack.run import LOCAL_SIM_ARGS
 from devstack.stack import LOCAL_CONFIG
-from tests.support.burst import burst
+from tests.support.burst import CHATS, Shape, burst
 from tests.support.stack import Stack, start_stack
 
 CACHE_TOKENS = 1024 * 16
@@ -45,14 +46,14 @@ def _wait_idle(stack: Stack) -> None:
         time.sleep(0.2)
 
 
-def run(config_path: Path, retries: int, profile: str, direct: bool) -> None:
+def run(config_path: Path, retries: int, profile: str, direct: bool, shape: Shape = CHATS) -> None:
     config = yaml.safe_load(config_path.read_text())
     local = start_stack(config, LOCAL_SIM_ARGS, profile=profile, with_exporter=True, envoy_patch=None)
     try:
         stack = Stack(local)
         _wait_feed(stack)
         before = _preemptions(stack)
-        result = burst(stack.url, retries)
+        result = burst(stack.url, retries, shape=shape)
         print(f"{result.row(f'gateway ({config_path}, {profile}, max_retries={retries})')}, "
               f"preemptions {_preemptions(stack) - before:g}; 429s by reason {dict(result.reasons())}",
               flush=True)  # fmt: skip
@@ -60,7 +61,7 @@ def run(config_path: Path, retries: int, profile: str, direct: bool) -> None:
         if direct:
             _wait_idle(stack)
             before = _preemptions(stack)
-            result = burst(local.upstream_url, retries, seed=1_000)
+            result = burst(local.upstream_url, retries, seed=1_000, shape=shape)
             print(f"{result.row(f'straight to the simulator (max_retries={retries})')}, "
                   f"preemptions {_preemptions(stack) - before:g}", flush=True)  # fmt: skip
     finally:
@@ -73,9 +74,12 @@ def main() -> None:
     parser.add_argument("--retries", type=int, nargs="+", default=[2, 0], help="the SDK's max_retries")
     parser.add_argument("--profile", default="lean", choices=["lean", "inline"])
     parser.add_argument("--no-direct", action="store_true", help="skip the burst straight to the simulator")
+    parser.add_argument("--prompt-words", type=int, default=CHATS.prompt_words, help="each chat's prompt")
+    parser.add_argument("--output-tokens", type=int, default=CHATS.output_tokens, help="each chat's answer")
     args = parser.parse_args()
+    shape = Shape(args.prompt_words, args.output_tokens)
     for retries in args.retries:
-        run(args.config, retries, args.profile, not args.no_direct)
+        run(args.config, retries, args.profile, not args.no_direct, shape)
 
 
 if __name__ == "__main__":
