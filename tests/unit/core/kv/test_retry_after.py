@@ -3,6 +3,8 @@ requests refused before it (`KvBudget.retry_after`), and the hint a refusal carr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from extproc.admission.replies import refusals
@@ -119,12 +121,13 @@ def cold_pool() -> tuple[KvBudget, FakeClock]:
 
 
 def burst_until_admitted(
-    budget: KvBudget, clock: FakeClock, requests: int
+    budget: KvBudget, clock: FakeClock, requests: int, foreign: Callable[[float], float] = lambda _t: 0.0
 ) -> tuple[list[float], list[float]]:
     """`requests` chats sent at once to a modeled engine behind `budget` (the lean profile: no progress seen,
     each answer runs `ANSWER` tokens at `ENGINE_PACE` and ends; the feed samples the KV it holds every
-    `SAMPLE_S`). Returns, for each refused request in order of arrival, the `retry-after` it got, and how
-    long after its refusal it was in fact admitted when tried again at every sample."""
+    `SAMPLE_S`, and `foreign(t)`, the KV of requests that did not pass this gateway). Returns, for each
+    refused request in order of arrival, the `retry-after` it got, and how long after its refusal it was in
+    fact admitted when tried again at every sample."""
     ends: dict[str, float] = {}
     hints: list[float] = []
     waiting: list[int] = []
@@ -152,6 +155,7 @@ def burst_until_admitted(
             budget.release(lease_id, ANSWER)
             del ends[lease_id]
         held = sum(PROMPT + ENGINE_PACE * (clock() - (end - ANSWER / ENGINE_PACE)) for end in ends.values())
+        held += foreign(clock())
         budget.observe_engine(held, clock(), fresh_for=2.0, waiting=0, running=len(ends))
         while waiting and try_admit(waiting[0]):
             waiting.pop(0)
@@ -183,6 +187,24 @@ def test_the_first_refusal_after_a_cold_start_is_told_when_it_fits() -> None:
     assert not within_twice(refusals.KV_RETRY_AFTER_S, first)
     # Successive refused clients are sent to successive waves, each hint within 2x of its own admission.
     assert hints == sorted(hints) and hints[-1] > 3 * hints[0]
+    assert all(within_twice(hint, at) for hint, at in zip(hints, admitted, strict=True)), (hints, admitted)
+
+
+def test_kv_no_lease_explains_is_planned_to_free_as_requests_end() -> None:
+    """The engine already holds 10,800 tokens of requests that did not pass this gateway (another gateway's,
+    or clients sent straight to it), six chats at random points of their answers that end within one answer's
+    time and are not replaced. A burst of forty arrives: two fit beside them. Planning that KV as never freed
+    sent the refused to the ends of the two, waves of two, up to the 60 s cap; the engine in fact admits
+    eight at a time once the others end. Each refusal is now told within 2x of when it was admitted."""
+    budget, clock = cold_pool()
+    ends = [clock() + ANSWER / ENGINE_PACE * (i + 1) / 6 for i in range(6)]
+
+    def foreign(t: float) -> float:
+        return sum(PROMPT + ANSWER for end in ends if end > t)
+
+    budget.observe_engine(foreign(0.0), clock(), fresh_for=2.0, waiting=0, running=6)
+    hints, admitted = burst_until_admitted(budget, clock, 40, foreign)
+    assert len(hints) == 38
     assert all(within_twice(hint, at) for hint, at in zip(hints, admitted, strict=True)), (hints, admitted)
 
 
