@@ -60,11 +60,6 @@ class Booker:
             and now <= self.fresh_until
         )
 
-    def refused_at(self, now: float | None) -> tuple[int, float]:
-        """What the last decision, at `now`, compared with the budget (`booked_with`), and the engine's
-        correction in it (none unless forecasting): a refusal's hint plans both (`FairClaims.retry_after`)."""
-        return self._booked_with, self.unexplained if self.forecasting(now) else 0.0
-
     def demand_tokens(self) -> int:
         """The leases' lifetime footprints, less those the engine has finished."""
         leases = self._ledger.leases

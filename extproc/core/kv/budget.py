@@ -199,11 +199,11 @@ class KvBudget:
         return self._booker.forecasting(now)
 
     def retry_after(self, now: float | None) -> float | None:
-        """After a `would_fit` refusal at `now`: when it should fit, a promise of that place, or None."""
-        eta = self._claims.retry_after(
-            now, self.budget_tokens, self._pace, *self._booker.refused_at(now), *self.fleet.releases(now)
-        )
-        return self.fleet.told(eta, now)
+        """After a refusal by `would_fit` at `now`: when it is expected to fit (`Fleet.releases` too) and a
+        promise of that place (`kv_schedule`); None with no pace or nothing to wait for."""
+        fleet, booked = self.fleet, self._booker.booked_with
+        eta = self._claims.retry_after(now, self.budget_tokens, self._pace, booked, *fleet.releases(now))
+        return fleet.told(eta, now)
 
     # -- updates -----------------------------------------------------------------------------------------
 

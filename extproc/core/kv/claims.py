@@ -28,23 +28,6 @@ def claim_id(lease: Lease, rank: int) -> ClaimId:
     return ClaimId(rank, lease.learner_key, lease.sequences, (lease.prompt, lease.allowance))
 
 
-FOREIGN_STEPS = 4
-
-
-def foreign_releases(tokens: float, duration: float) -> list[tuple[float, int]]:
-    """When the KV in use that no lease explains (`tokens`: requests that did not pass this replica, or
-    progress its forecast missed) is planned to free: evenly over one run of the refused request
-    (`duration`), in `FOREIGN_STEPS` steps, as requests at random points of answers like it end. Planned as
-    never freed, a refusal behind a load that had ended (another gateway's, or clients sent straight to the
-    engine) was told the ends of this replica's own few leases, one wave after another: 12-60 s on the
-    real-engine tier where the cache freed within one answer. Where the load goes on, the next sample books
-    it again and the client is refused once more, about one run later."""
-    if tokens <= 0 or duration <= 0:
-        return []
-    part = math.floor(tokens / FOREIGN_STEPS)
-    return [(duration * step / FOREIGN_STEPS, part) for step in range(1, FOREIGN_STEPS + 1)]
-
-
 class FairClaims:
     """One pool's refusals and their claims, against its tenants' fair shares where it has them."""
 
@@ -133,7 +116,6 @@ class FairClaims:
         budget: int | None,
         pace: BudgetPace,
         booked_with: int,
-        unexplained: float = 0.0,
         others: Sequence[tuple[float, int]] = (),
         own_part: float = 1.0,
     ) -> float | None:
@@ -144,29 +126,27 @@ class FairClaims:
         of one token per sequence) at the pace, plus the first-token delay still ahead of a lease with no
         progress yet; each end frees its lifetime footprint from the booking the refused request was
         compared with, or the part of it this replica may book again (`own_part`, `Fleet.release_part`);
-        the other replicas' ends free its part of theirs (`others`, `Fleet.others_releases`), and the KV
-        in use that no lease explains (`unexplained`) frees as `foreign_releases` plans. The refused request
-        is expected to run its own expected completion at that pace. None with no pace, or nothing to wait
-        for.
+        the other replicas' ends free its part of theirs (`others`, `Fleet.others_releases`). The refused
+        request is expected to run its own expected completion at that pace. None with no pace, or nothing
+        to wait for.
         """
         rate = pace.hint_rate()
         refused = self._refused
         leases = self._ledger.leases
         if budget is None or now is None or rate is None or rate <= 0 or refused is None:
             return None
-        owner, footprint, completion = refused
-        delay = pace.learned.first_token_delay
-        duration = delay + completion / rate
         own = pace.releases(leases.values(), now) or []
         releases = [(seconds, math.floor(tokens * own_part)) for seconds, tokens in own] + list(others)
-        releases += foreign_releases(unexplained * own_part, duration)
         if not releases:
             return None
+        owner, footprint, completion = refused
         fair = self.fairness
+        delay = pace.learned.first_token_delay
         if fair is not None and self._over_share:
             return self._share_eta(fair, owner, now, rate, delay)
         first = fair is not None and fair.holds(owner, now)
         served = fair.standing(owner.tenant, now) if fair is not None else 0.0
+        duration = delay + completion / rate
         priority = (float(owner.rank), served)
         standing = None if fair is None else (lambda tenant: fair.standing(tenant, now))
         eta = self.schedule.eta(

@@ -121,13 +121,12 @@ def cold_pool() -> tuple[KvBudget, FakeClock]:
 
 
 def burst_until_admitted(
-    budget: KvBudget, clock: FakeClock, requests: int, foreign: Callable[[float], float] = lambda _t: 0.0
+    budget: KvBudget, clock: FakeClock, requests: int
 ) -> tuple[list[float], list[float]]:
     """`requests` chats sent at once to a modeled engine behind `budget` (the lean profile: no progress seen,
     each answer runs `ANSWER` tokens at `ENGINE_PACE` and ends; the feed samples the KV it holds every
-    `SAMPLE_S`, and `foreign(t)`, the KV of requests that did not pass this gateway). Returns, for each
-    refused request in order of arrival, the `retry-after` it got, and how long after its refusal it was in
-    fact admitted when tried again at every sample."""
+    `SAMPLE_S`). Returns, for each refused request in order of arrival, the `retry-after` it got, and how
+    long after its refusal it was in fact admitted when tried again at every sample."""
     ends: dict[str, float] = {}
     hints: list[float] = []
     waiting: list[int] = []
@@ -155,7 +154,6 @@ def burst_until_admitted(
             budget.release(lease_id, ANSWER)
             del ends[lease_id]
         held = sum(PROMPT + ENGINE_PACE * (clock() - (end - ANSWER / ENGINE_PACE)) for end in ends.values())
-        held += foreign(clock())
         budget.observe_engine(held, clock(), fresh_for=2.0, waiting=0, running=len(ends))
         while waiting and try_admit(waiting[0]):
             waiting.pop(0)
@@ -187,24 +185,6 @@ def test_the_first_refusal_after_a_cold_start_is_told_when_it_fits() -> None:
     assert not within_twice(refusals.KV_RETRY_AFTER_S, first)
     # Successive refused clients are sent to successive waves, each hint within 2x of its own admission.
     assert hints == sorted(hints) and hints[-1] > 3 * hints[0]
-    assert all(within_twice(hint, at) for hint, at in zip(hints, admitted, strict=True)), (hints, admitted)
-
-
-def test_kv_no_lease_explains_is_planned_to_free_as_requests_end() -> None:
-    """The engine already holds 10,800 tokens of requests that did not pass this gateway (another gateway's,
-    or clients sent straight to it), six chats at random points of their answers that end within one answer's
-    time and are not replaced. A burst of forty arrives: two fit beside them. Planning that KV as never freed
-    sent the refused to the ends of the two, waves of two, up to the 60 s cap; the engine in fact admits
-    eight at a time once the others end. Each refusal is now told within 2x of when it was admitted."""
-    budget, clock = cold_pool()
-    ends = [clock() + ANSWER / ENGINE_PACE * (i + 1) / 6 for i in range(6)]
-
-    def foreign(t: float) -> float:
-        return sum(PROMPT + ANSWER for end in ends if end > t)
-
-    budget.observe_engine(foreign(0.0), clock(), fresh_for=2.0, waiting=0, running=6)
-    hints, admitted = burst_until_admitted(budget, clock, 40, foreign)
-    assert len(hints) == 38
     assert all(within_twice(hint, at) for hint, at in zip(hints, admitted, strict=True)), (hints, admitted)
 
 
@@ -287,3 +267,62 @@ def test_a_burst_that_shares_a_prefix_is_planned_at_what_each_adds() -> None:
         assert not budget.would_fit(prompt + index, 300, f"t{index}", now=0.0, chunks=chunks)[0]
         hints.append(budget.retry_after(0.0))
     assert hints == [3.0] * 20
+
+
+# -- KV in use that no lease explains ------------------------------------------------------------------------
+
+SDK_ATTEMPTS = 3
+"""The `openai` SDK's default: the first attempt and two retries, each after the `retry-after` it was told."""
+
+
+def sdk_burst(foreign: Callable[[float], float], requests: int = 40) -> tuple[int, float]:
+    """`requests` chats sent at once beside `foreign(t)` KV tokens of requests that did not pass this gateway
+    (`t` s after the burst; the engine model of `burst_until_admitted`), each client coming back when its
+    refusal says. Returns how
+    many needed more attempts than the SDK makes, and when the last was admitted."""
+    budget, clock = cold_pool()
+    start = clock()
+    budget.observe_engine(foreign(0.0), start, fresh_for=2.0, waiting=0, running=6)
+    ends: dict[str, float] = {}
+    attempts: dict[int, int] = {}
+    back_at: dict[int, float] = {}
+    admitted: list[float] = []
+
+    def attempt(index: int) -> None:
+        attempts[index] = attempts.get(index, 0) + 1
+        if budget.would_fit(PROMPT + index, ANSWER, "tenant", now=clock())[0]:
+            budget.admit(f"r{index}", PROMPT + index, ANSWER, "tenant", now=clock())
+            ends[f"r{index}"] = clock() + ANSWER / ENGINE_PACE
+            admitted.append(clock() - start)
+        else:
+            back_at[index] = clock() + refusals.kv_retry_after(budget, clock())
+
+    for index in range(requests):
+        attempt(index)
+        clock.advance(ARRIVAL_S)
+    while back_at:
+        clock.advance(SAMPLE_S)
+        for lease_id in [lid for lid, end in ends.items() if end <= clock()]:
+            budget.release(lease_id, ANSWER)
+            del ends[lease_id]
+        held = sum(PROMPT + ENGINE_PACE * (clock() - (end - ANSWER / ENGINE_PACE)) for end in ends.values())
+        foreign_now = foreign(clock() - start)
+        budget.observe_engine(held + foreign_now, clock(), fresh_for=2.0, waiting=0, running=len(ends))
+        for index in sorted((i for i, at in back_at.items() if at <= clock()), key=back_at.__getitem__):
+            del back_at[index]
+            attempt(index)
+    return sum(1 for count in attempts.values() if count > SDK_ATTEMPTS), max(admitted)
+
+
+def test_kv_no_lease_explains_is_planned_held_so_hint_following_clients_are_not_sent_back_early() -> None:
+    """The engine holds 10,800 tokens of requests that did not pass this gateway (six chats); a cold burst of
+    forty arrives and two fit beside them. A refusal's hint plans that KV as held until the next sample
+    says otherwise. Planned to free evenly over one answer (tried), the hints came sooner, but clients that
+    follow them with the SDK's two retries were sent back before their KV freed: 30 of 40 needed more
+    attempts where the load went on (9 planned held), and 3 where it ended within one answer (0)."""
+    lasting_lost, _ = sdk_burst(lambda _t: 10_800.0)
+    assert lasting_lost <= 10
+    ends = [ANSWER / ENGINE_PACE * (i + 1) / 6 for i in range(6)]
+    ended_lost, last = sdk_burst(lambda t: sum(PROMPT + ANSWER for end in ends if end > t))
+    assert ended_lost == 0
+    assert last <= 60 + ANSWER / ENGINE_PACE  # told at most the 60 s cap, then admitted
