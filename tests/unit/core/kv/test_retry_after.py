@@ -120,6 +120,19 @@ def cold_pool() -> tuple[KvBudget, FakeClock]:
     return budget, clock
 
 
+def engine_sample(
+    budget: KvBudget, clock: FakeClock, ends: dict[str, float], foreign: Callable[[], float] = lambda: 0.0
+) -> None:
+    """`SAMPLE_S` later: the answers due by then end (`ends`: each lease's end), and the feed reads the KV the
+    engine holds, the running answers' and `foreign()`, that of requests that did not pass the gateway."""
+    clock.advance(SAMPLE_S)
+    for lease_id in [lid for lid, end in ends.items() if end <= clock()]:
+        budget.release(lease_id, ANSWER)
+        del ends[lease_id]
+    held = sum(PROMPT + ENGINE_PACE * (clock() - (end - ANSWER / ENGINE_PACE)) for end in ends.values())
+    budget.observe_engine(held + foreign(), clock(), fresh_for=2.0, waiting=0, running=len(ends))
+
+
 def burst_until_admitted(
     budget: KvBudget, clock: FakeClock, requests: int
 ) -> tuple[list[float], list[float]]:
@@ -149,12 +162,7 @@ def burst_until_admitted(
             refused_at[index] = clock()
         clock.advance(ARRIVAL_S)
     while waiting:
-        clock.advance(SAMPLE_S)
-        for lease_id in [lid for lid, end in ends.items() if end <= clock()]:
-            budget.release(lease_id, ANSWER)
-            del ends[lease_id]
-        held = sum(PROMPT + ENGINE_PACE * (clock() - (end - ANSWER / ENGINE_PACE)) for end in ends.values())
-        budget.observe_engine(held, clock(), fresh_for=2.0, waiting=0, running=len(ends))
+        engine_sample(budget, clock, ends)
         while waiting and try_admit(waiting[0]):
             waiting.pop(0)
     return hints, [admitted_at[i] - refused_at[i] for i in sorted(refused_at)]
@@ -301,13 +309,7 @@ def sdk_burst(foreign: Callable[[float], float], requests: int = 40) -> tuple[in
         attempt(index)
         clock.advance(ARRIVAL_S)
     while back_at:
-        clock.advance(SAMPLE_S)
-        for lease_id in [lid for lid, end in ends.items() if end <= clock()]:
-            budget.release(lease_id, ANSWER)
-            del ends[lease_id]
-        held = sum(PROMPT + ENGINE_PACE * (clock() - (end - ANSWER / ENGINE_PACE)) for end in ends.values())
-        foreign_now = foreign(clock() - start)
-        budget.observe_engine(held + foreign_now, clock(), fresh_for=2.0, waiting=0, running=len(ends))
+        engine_sample(budget, clock, ends, lambda: foreign(clock() - start))
         for index in sorted((i for i, at in back_at.items() if at <= clock()), key=back_at.__getitem__):
             del back_at[index]
             attempt(index)
