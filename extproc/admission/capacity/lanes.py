@@ -14,8 +14,8 @@ proxy's message timer fires (504). So work is queued per lane (a tenant, or an a
   backlog is forecast to have drained to what a job may wait behind.
 
 A lane's backlog is its own client's work, so it may be long: a tenant's burst of forty 10 KB prompts (an
-SDK's `asyncio.gather`) takes under a millisecond each and waits its turns; only a backlog that cannot start in
-time is refused. Small prompts never come here: they are counted on the event loop (see
+SDK's `asyncio.gather`) takes under a millisecond each and waits its turns; only a backlog that cannot start
+in time is refused. Small prompts never come here: they are counted on the event loop (see
 `AdmissionService.count_prompts`).
 """
 
