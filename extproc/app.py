@@ -126,11 +126,7 @@ class Sidecar:
         self.config = config
         admission = config.admission
         self.admission.paces.default_tokens_per_second = admission.assumed_decode_tokens_per_second
-        self.admission.lanes.configure(
-            admission.tokenizer_per_client,
-            admission.tokenizer_backlog_per_client,
-            admission.tokenizer_max_wait_seconds,
-        )
+        self.admission.lanes.configure(config.admission_rules.tokenizing)
         for model in config.model_labels():
             self.metrics.touch_model(model)  # the label values requests are counted under
         self.queue.configure(

@@ -117,15 +117,8 @@ class AdmissionService:
             lambda pool: deps.engine_refused(pool),
             deps.queue,
         )
-        tokenizing = self.deps.rules().tokenizing
-        self.lanes = Lanes(
-            self.deps.executor,
-            threads=tokenizing.threads,
-            per_lane=tokenizing.per_client,
-            backlog=tokenizing.backlog_per_client,
-            max_wait_s=tokenizing.max_wait_seconds,
-            clock=deps.clock,
-        )
+        self.lanes = Lanes(self.deps.executor, self.deps.rules().tokenizing.threads, clock=deps.clock)
+        self.lanes.configure(self.deps.rules().tokenizing)
 
     # -- counting ------------------------------------------------------------------------------------------
 
@@ -155,7 +148,7 @@ class AdmissionService:
         """
         if req.text_bytes <= self.rules().tokenizing.inline_count_bytes:
             return count_prompt_tokens(req, policy)
-        return await self.lanes.run(lane, count_prompt_tokens, req, policy)
+        return await self.lanes.run(lane, req.text_bytes, count_prompt_tokens, req, policy)
 
     # -- retry hints ----------------------------------------------------------------------------------------
 

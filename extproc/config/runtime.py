@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from extproc.admission.intake.paths import DEFAULT_TABLE, PathTable
 from extproc.admission.intake.rules import (
+    BACKLOG_BODIES,
     DEFAULT_MODEL,
     AdmissionRules,
     PoolHeaders,
@@ -209,6 +210,7 @@ def admission_rules(config: Config) -> AdmissionRules:
             backlog_per_client=adm.tokenizer_backlog_per_client,
             max_wait_seconds=adm.tokenizer_max_wait_seconds,
             inline_count_bytes=adm.inline_count_bytes,
+            backlog_bytes_per_client=BACKLOG_BODIES * adm.max_body_bytes,
         ),
         per_step=adm.per_step,
         max_body_bytes=adm.max_body_bytes,

@@ -10,8 +10,8 @@ proxy's message timer fires (504). So work is queued per lane (a tenant, or an a
 * a lane's jobs wait at most `max_wait_s` for their turn, so a refusal comes before the proxy's message
   timeout (504). A job whose lane's backlog is forecast to take longer than that, at the lane's own job
   times while it is busy, is refused at once rather than after the wait (`LaneFull`), and so is one past
-  `backlog` waiting jobs, the bound on the bodies a lane holds. Both refusals carry the moment the lane's
-  backlog is forecast to have drained to what a job may wait behind.
+  `backlog` waiting jobs or `backlog_bytes` of their bodies (what a flood of large bodies holds). Every
+  refusal carries the moment the lane's backlog is forecast to have drained to what a job may wait behind.
 
 A lane's backlog is its own client's work, so it may be long: a tenant's burst of forty 10 KB prompts (an
 SDK's `asyncio.gather`) takes under a millisecond each and waits its turns; only a backlog that cannot start
@@ -28,6 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from extproc.admission.intake.rules import Tokenizing
 from extproc.core.clock import Clock, monotonic
 
 T = TypeVar("T")
@@ -57,21 +58,24 @@ class Lanes:
     per_lane: int = 1
     backlog: int = 64
     max_wait_s: float = 0.5
+    backlog_bytes: int = 4 << 20
     clock: Clock = monotonic
     _running: dict[str, int] = field(default_factory=dict)
     _waiting: OrderedDict[str, deque[asyncio.Future[None]]] = field(default_factory=OrderedDict)
+    _waiting_bytes: dict[str, int] = field(default_factory=dict)
     _job_s: dict[str, float] = field(default_factory=dict)  # busy lanes' mean job time
     _any_job_s: float = FIRST_JOB_S  # every lane's, the start of a newly busy lane's
     _total: int = 0
 
-    def configure(self, per_lane: int, backlog: int, max_wait_s: float) -> None:
-        self.per_lane, self.backlog, self.max_wait_s = per_lane, backlog, max_wait_s
+    def configure(self, rules: Tokenizing) -> None:
+        self.per_lane, self.backlog = rules.per_client, rules.backlog_per_client
+        self.max_wait_s, self.backlog_bytes = rules.max_wait_seconds, rules.backlog_bytes_per_client
         self._dispatch()
 
-    async def run(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on a worker thread when the lane's turn comes; LaneFull if it would not come in
-        time."""
-        await self._enter(lane)
+    async def run(self, lane: str, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)`, the work on a body of `size` bytes, on a worker thread when the lane's turn
+        comes; LaneFull if it would not come in time."""
+        await self._enter(lane, size)
         started = self.clock()
         try:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -79,22 +83,24 @@ class Lanes:
             self._learn(lane, self.clock() - started)
             self._leave(lane)
 
-    async def _enter(self, lane: str) -> None:
+    async def _enter(self, lane: str, size: int) -> None:
         if lane not in self._waiting and self._can_start(lane):
             # Waiting lanes that could start have been started already: this one is not overtaking.
             self._start(lane)
             return
         queue = self._waiting.get(lane)
         waiting = 0 if queue is None else len(queue)
-        if waiting >= self.backlog or self._too_late(lane):
+        held = self._waiting_bytes.get(lane, 0)
+        if waiting >= self.backlog or held + size > self.backlog_bytes or self._too_late(lane):
             raise LaneFull(lane, self.drained_in_s(lane))
         if queue is None:
             queue = self._waiting[lane] = deque()
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue.append(turn)
+        self._waiting_bytes[lane] = held + size
         self._dispatch()
         try:
-            await asyncio.wait_for(asyncio.shield(turn), self.max_wait_s)
+            await self._wait(lane, turn, size)
         except (asyncio.CancelledError, TimeoutError) as exc:
             if turn.done() and not turn.cancelled():
                 self._leave(lane)  # started in the same instant the caller left: give the thread back
@@ -104,6 +110,17 @@ class Lanes:
             if isinstance(exc, TimeoutError):
                 raise LaneFull(lane, self.drained_in_s(lane)) from None
             raise
+
+    async def _wait(self, lane: str, turn: asyncio.Future[None], size: int) -> None:
+        """Wait for the lane's turn, its body counted as waiting until the turn comes or the wait ends."""
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), self.max_wait_s)
+        finally:
+            left = self._waiting_bytes[lane] - size
+            if left:
+                self._waiting_bytes[lane] = left
+            else:
+                del self._waiting_bytes[lane]
 
     def forecast_s(self, lane: str) -> float:
         """Seconds until a job joining `lane` now is forecast to start: the lane's waiting jobs, and its

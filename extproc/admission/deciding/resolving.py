@@ -69,7 +69,7 @@ async def resolve(
     if len(raw) > OFF_LOOP_PARSE_BYTES:
         # A large body can hold tens of thousands of small messages: parsing it takes tens of ms, on a
         # worker thread, through the client's lane like its counting.
-        parsed = await service.lanes.run(lane, parse, api, raw)
+        parsed = await service.lanes.run(lane, len(raw), parse, api, raw)
     else:
         parsed = parse(api, raw)
     deps = service.deps

@@ -57,6 +57,13 @@ class Tokenizing:
     backlog_per_client: int
     max_wait_seconds: float
     inline_count_bytes: int
+    backlog_bytes_per_client: int = 4 << 20
+    """The bodies one client's waiting prompts may hold, in bytes: `BACKLOG_BODIES` at `max_body_bytes`."""
+
+
+BACKLOG_BODIES = 4
+"""Bodies at `admission.max_body_bytes` one client's lane may hold waiting: what its backlog of four prompts
+held at most before the backlog counted its prompts' wait instead."""
 
 
 class LimitKeys(Protocol):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from extproc.admission.capacity.lanes import FIRST_JOB_S, LaneFull, Lanes
+from extproc.config.build import parse_config
 
 
 class Gate:
@@ -42,10 +44,10 @@ async def test_a_newcomer_overtakes_a_flooding_lane() -> None:
     gate = Gate()
     with ThreadPoolExecutor(2) as pool:
         lanes = Lanes(pool, threads=2, per_lane=1, backlog=10, max_wait_s=10)
-        flood = [asyncio.ensure_future(lanes.run("flood", gate.job, f"f{i}")) for i in range(6)]
+        flood = [asyncio.ensure_future(lanes.run("flood", 1, gate.job, f"f{i}")) for i in range(6)]
         await until(lambda: gate.started == ["f0"])
         assert lanes.running == 1 and lanes.queued == 5  # one thread per lane: the other stays free
-        other = asyncio.ensure_future(lanes.run("other", gate.job, "o0"))
+        other = asyncio.ensure_future(lanes.run("other", 1, gate.job, "o0"))
         await until(lambda: "o0" in gate.started)  # started at once on the free thread
         gate.release("o0")
         assert await other == "o0"
@@ -59,10 +61,10 @@ async def test_free_threads_go_to_waiting_lanes_in_turn() -> None:
     gate = Gate()
     with ThreadPoolExecutor(1) as pool:
         lanes = Lanes(pool, threads=1, per_lane=1, backlog=10, max_wait_s=10)
-        first = asyncio.ensure_future(lanes.run("a", gate.job, "a0"))
+        first = asyncio.ensure_future(lanes.run("a", 1, gate.job, "a0"))
         await until(lambda: gate.started == ["a0"])
-        jobs = [asyncio.ensure_future(lanes.run("a", gate.job, f"a{i}")) for i in (1, 2)]
-        jobs += [asyncio.ensure_future(lanes.run("b", gate.job, "b0"))]
+        jobs = [asyncio.ensure_future(lanes.run("a", 1, gate.job, f"a{i}")) for i in (1, 2)]
+        jobs += [asyncio.ensure_future(lanes.run("b", 1, gate.job, "b0"))]
         await asyncio.sleep(0.01)
         for name in ("a0", "a1", "b0", "a2"):
             gate.release(name)
@@ -74,12 +76,12 @@ async def test_a_full_backlog_refuses_at_once_and_a_cancelled_waiter_leaves_no_t
     gate = Gate()
     with ThreadPoolExecutor(1) as pool:
         lanes = Lanes(pool, threads=1, per_lane=1, backlog=1, max_wait_s=10)
-        running = asyncio.ensure_future(lanes.run("a", gate.job, "a0"))
+        running = asyncio.ensure_future(lanes.run("a", 1, gate.job, "a0"))
         await until(lambda: gate.started == ["a0"])
-        waiting = asyncio.ensure_future(lanes.run("a", gate.job, "a1"))
+        waiting = asyncio.ensure_future(lanes.run("a", 1, gate.job, "a1"))
         await asyncio.sleep(0.01)
         with pytest.raises(LaneFull):
-            await lanes.run("a", gate.job, "a2")
+            await lanes.run("a", 1, gate.job, "a2")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -93,10 +95,10 @@ async def test_a_waiter_not_started_within_the_bound_is_refused() -> None:
     gate = Gate()
     with ThreadPoolExecutor(1) as pool:
         lanes = Lanes(pool, threads=1, per_lane=1, backlog=5, max_wait_s=0.05)
-        running = asyncio.ensure_future(lanes.run("a", gate.job, "a0"))
+        running = asyncio.ensure_future(lanes.run("a", 1, gate.job, "a0"))
         await until(lambda: gate.started == ["a0"])
         with pytest.raises(LaneFull) as refused:
-            await lanes.run("b", gate.job, "b0")
+            await lanes.run("b", 1, gate.job, "b0")
         assert refused.value.retry_after_s == FIRST_JOB_S  # one job's time: nothing timed yet
         assert lanes.queued == 0
         gate.release("a0")
@@ -121,13 +123,20 @@ class Timed(Gate):
         return done
 
 
+def shipped(pool: ThreadPoolExecutor, clock: Callable[[], float]) -> Lanes:
+    """Lanes as the shipped defaults configure them (`admission.tokenizer_*`, `max_body_bytes`)."""
+    lanes = Lanes(pool, threads=2, clock=clock)
+    lanes.configure(parse_config({}).admission_rules.tokenizing)
+    return lanes
+
+
 async def test_a_burst_of_one_clients_large_prompts_waits_its_turns_instead_of_being_refused() -> None:
-    """Forty 10 KB prompts of one tenant at once (an SDK's `asyncio.gather`) take ~0.4 ms each to count:
+    """Forty 12 KB prompts of one tenant at once (an SDK's `asyncio.gather`) take ~0.4 ms each to count:
     all of them wait their turn, with the shipped defaults. (The backlog of four refused thirty-five.)"""
     jobs = Timed(0.0004)
     with ThreadPoolExecutor(2) as pool:
-        lanes = Lanes(pool, threads=2, clock=jobs.clock)
-        burst = [asyncio.ensure_future(lanes.run("tenant:t", jobs.job, f"p{i}")) for i in range(40)]
+        lanes = shipped(pool, jobs.clock)
+        burst = [asyncio.ensure_future(lanes.run("tenant:t", 12_000, jobs.job, f"p{i}")) for i in range(40)]
         await until(lambda: jobs.started == ["p0"])
         assert lanes.queued == 39
         for i in range(40):
@@ -142,20 +151,41 @@ async def test_a_lane_whose_backlog_would_not_start_in_time_is_refused_at_once_w
     jobs = Timed(0.2)
     with ThreadPoolExecutor(1) as pool:
         lanes = Lanes(pool, threads=1, per_lane=1, max_wait_s=0.5, clock=jobs.clock)
-        first = [asyncio.ensure_future(lanes.run("a", jobs.job, f"a{i}")) for i in range(3)]
+        first = [asyncio.ensure_future(lanes.run("a", 1, jobs.job, f"a{i}")) for i in range(3)]
         await until(lambda: jobs.started == ["a0"])
         jobs.release("a0")  # its 0.2 s teach the lane; a1 runs, a2 waits
         await until(lambda: jobs.started == ["a0", "a1"])
-        first += [asyncio.ensure_future(lanes.run("a", jobs.job, "a3"))]  # 1.5 jobs ahead: 0.3 s
-        first += [asyncio.ensure_future(lanes.run("a", jobs.job, "a4"))]  # 2.5 jobs ahead: 0.5 s
+        first += [asyncio.ensure_future(lanes.run("a", 1, jobs.job, "a3"))]  # 1.5 jobs ahead: 0.3 s
+        first += [asyncio.ensure_future(lanes.run("a", 1, jobs.job, "a4"))]  # 2.5 jobs ahead: 0.5 s
         await until(lambda: lanes.queued == 3)
         with pytest.raises(LaneFull) as refused:
-            await lanes.run("a", jobs.job, "a5")  # 3.5 jobs ahead: 0.7 s
+            await lanes.run("a", 1, jobs.job, "a5")  # 3.5 jobs ahead: 0.7 s
         assert refused.value.retry_after_s == pytest.approx(0.2)
-        other = asyncio.ensure_future(lanes.run("b", jobs.job, "b0"))  # another lane is not behind a's
+        other = asyncio.ensure_future(lanes.run("b", 1, jobs.job, "b0"))  # another lane is not behind a's
         await asyncio.sleep(0.01)
         assert lanes.queued == 3 + 1
         for name in ("a1", "a2", "a3", "a4", "b0"):
             jobs.release(name)
         await asyncio.gather(*first, other)
         assert "a5" not in jobs.started and lanes.running == lanes.queued == 0
+
+
+async def test_a_flood_of_large_bodies_holds_at_most_four_at_the_body_bound_waiting() -> None:
+    """Megabyte bodies of one client that count fast would fit the wait by their job times: the lane holds
+    at most four bodies at `admission.max_body_bytes` (1 MiB) waiting, as its backlog of four did, and
+    refuses the fifth at once, while a burst of small prompts queues past four."""
+    jobs = Timed(0.0004)
+    with ThreadPoolExecutor(2) as pool:
+        lanes = shipped(pool, jobs.clock)
+        flood = [asyncio.ensure_future(lanes.run("client:m", 1 << 20, jobs.job, f"m{i}")) for i in range(5)]
+        await until(lambda: jobs.started == ["m0"])
+        assert lanes.queued == 4
+        with pytest.raises(LaneFull):
+            await lanes.run("client:m", 1 << 20, jobs.job, "m5")
+        small = [asyncio.ensure_future(lanes.run("client:a", 12_000, jobs.job, f"a{i}")) for i in range(9)]
+        await until(lambda: "a0" in jobs.started)
+        assert lanes.queued == 4 + 8
+        for name in [f"m{i}" for i in range(5)] + [f"a{i}" for i in range(9)]:
+            jobs.release(name)
+        await asyncio.gather(*flood, *small)
+        assert lanes.running == lanes.queued == 0
