@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from extproc.core.limiter.limiter import Lease, LimitSpec
 from extproc.metrics import Metrics
 from extproc.store.redis import RedisStore
 from extproc.store.redis import scales as redis_scales
+from tests.support.waiting import until
 
 LIMITS = {"model:m": LimitSpec(max_concurrency=100), "global": LimitSpec(max_concurrency=1)}
 
@@ -99,7 +101,9 @@ async def test_a_dead_replicas_proposal_ages_out(
 async def test_a_release_wakes_a_waiter_on_another_replica(
     pair: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the queue's own tick at 30 s, only the wake-up can admit the waiter in time."""
+    """With the queue's own tick at 30 s, only the wake-up can admit the waiter in time. The release comes
+    once the waiter's first try has been refused: a try still in flight at the release (a loaded CI host, the
+    cluster's round trips) admitted it with no wake-up at all."""
     monkeypatch.setattr(queueing, "PUMP_INTERVAL_S", 30.0)
     a, b = pair
     queue = AdmissionQueue(b, time.monotonic, Metrics())
@@ -107,9 +111,19 @@ async def test_a_release_wakes_a_waiter_on_another_replica(
     b.on_wake(queue.kick)
     held = await a.acquire(["global"], 0)
     assert isinstance(held, Lease)
+    refused: list[object] = []
+    acquire = b.acquire
+
+    async def tried(*args: Any, **kwargs: Any) -> Any:
+        result = await acquire(*args, **kwargs)
+        refused.extend([result] if not isinstance(result, Lease) else [])
+        return result
+
+    monkeypatch.setattr(b, "acquire", tried)
     waiter = asyncio.create_task(queue.wait(["global"], 0, "c", "t", 10.0))
-    await asyncio.sleep(0.3)  # queued and announced
-    assert not waiter.done()
+    await until(lambda: bool(refused), 10.0)  # its first try refused: it waits
+    await asyncio.sleep(0.3)  # and is announced
+    assert refused and not waiter.done()
     t0 = time.monotonic()
     await a.release(held, 0)
     lease = await asyncio.wait_for(waiter, 5.0)
