@@ -129,9 +129,7 @@ class _Burst:
             try:
                 stream = client.chat.completions.create(
                     model=self.model,
-                    messages=[
-                        {"role": "user", "content": prompt(self.seed + index, self.shape.prompt_words)}
-                    ],
+                    messages=[{"role": "user", "content": self.prompt(index)}],
                     max_tokens=self.shape.output_tokens,
                     stream=True,
                 )
