@@ -117,8 +117,9 @@ class AdmissionService:
             lambda pool: deps.engine_refused(pool),
             deps.queue,
         )
-        self.lanes = Lanes(self.deps.executor, self.deps.rules().tokenizing.threads, clock=deps.clock)
-        self.lanes.configure(self.deps.rules().tokenizing)
+        tokenizing = deps.rules().tokenizing
+        self.lanes = Lanes(deps.executor, tokenizing.threads, clock=deps.clock)
+        self.lanes.configure(tokenizing)
 
     # -- counting ------------------------------------------------------------------------------------------
 

@@ -116,11 +116,7 @@ class Lanes:
         try:
             await asyncio.wait_for(asyncio.shield(turn), self.max_wait_s)
         finally:
-            left = self._waiting_bytes[lane] - size
-            if left:
-                self._waiting_bytes[lane] = left
-            else:
-                del self._waiting_bytes[lane]
+            _lower(self._waiting_bytes, lane, size)
 
     def forecast_s(self, lane: str) -> float:
         """Seconds until a job joining `lane` now is forecast to start: the lane's waiting jobs, and its
@@ -161,11 +157,7 @@ class Lanes:
 
     def _leave(self, lane: str) -> None:
         self._total -= 1
-        left = self._running[lane] - 1
-        if left:
-            self._running[lane] = left
-        else:
-            del self._running[lane]
+        _lower(self._running, lane, 1)
         self._dispatch()
         self._idle(lane)
 
@@ -213,3 +205,12 @@ class Lanes:
     @property
     def running(self) -> int:
         return self._total
+
+
+def _lower(counts: dict[str, int], lane: str, by: int) -> None:
+    """Take `by` off `lane`'s count, forgetting the lane at zero (a lane's entry exists only while busy)."""
+    left = counts[lane] - by
+    if left:
+        counts[lane] = left
+    else:
+        del counts[lane]

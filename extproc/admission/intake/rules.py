@@ -57,7 +57,7 @@ class Tokenizing:
     backlog_per_client: int
     max_wait_seconds: float
     inline_count_bytes: int
-    backlog_bytes_per_client: int = 4 << 20
+    backlog_bytes_per_client: int
     """The bodies one client's waiting prompts may hold, in bytes: `BACKLOG_BODIES` at `max_body_bytes`."""
 
 
