@@ -11,7 +11,10 @@ near the model's window (8,192) then takes 8,000 steps, seconds even for the tie
 in well under a millisecond: 7,000 tokens in 16-token chunks were prefilled within 0.3 s), and the feed
 samples it mid-prefill. The engine freezes this two-core host while it runs (a sampler of the sidecar's
 gauges got one reading in 33 s), so the test reads the sidecar's correction once, right after two samples
-past `settle_after`.
+past `settle_after`, and then the engine's prompt counter: a run counts as sampled mid-prefill only where that
+counter had not yet grown by the prompt, so no sample the sidecar had taken in can have come after it. The
+client's first token is not that evidence: a clean-clone CI run read the gauges 2 ms before it, from a sample
+taken after the prefill had ended, and its correction (-1,067) was the evidence rule at work.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import pytest
 from extproc.sim.textgen import generate_tokens
 from tests.engine.stacks import prefix_config, start_gateway, wait_idle
 from tests.support.engine import CACHE_TOKENS, ENGINE_TEST_TIMEOUT_S, MODEL, Engine, running_engine
-from tests.support.stack import Stack, http
+from tests.support.stack import Stack, http, metric
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
@@ -104,15 +107,24 @@ class Prefill:
     first_token: float  # seconds from the send to the stream's first data event
     correction: float  # the sidecar's last correction (negative: KV taken off)
     booked: float
+    prompt_counted: float  # the engine's prompt counter's growth since the send, read after the gauges
 
     @property
     def sampled(self) -> bool:
-        """Whether the feed's samples reached the sidecar while the prompt was still being prefilled."""
-        return self.first_token > self.read_at
+        """Whether every feed sample the sidecar had taken in was read while the prompt was still being
+        prefilled: the engine's prompt counter, read after the sidecar's gauges, had not grown by the prompt
+        (it grows by a prompt's whole length when its prefill completes)."""
+        return self.prompt_counted < PROMPT_TOKENS and self.first_token > self.read_at
 
 
-def prefill_once(gateway: Stack, seed: str) -> Prefill:
-    """One long prompt; the sidecar's correction read once two feed samples came past `settle_after`."""
+def prompt_tokens(engine: Engine) -> float:
+    return metric(f"{engine.url}/metrics", "vllm:prompt_tokens_total")
+
+
+def prefill_once(engine: Engine, gateway: Stack, seed: str) -> Prefill:
+    """One long prompt; the sidecar's correction read once two feed samples came past `settle_after`, then
+    the engine's prompt counter."""
+    counted = prompt_tokens(engine)
     sent = time.monotonic()
     first: list[float] = []
     body = long_prompt(seed)
@@ -123,8 +135,9 @@ def prefill_once(gateway: Stack, seed: str) -> Prefill:
     correction = gateway.sidecar("extproc_kv_unexplained_tokens", pool=MODEL)
     booked = gateway.sidecar("extproc_kv_booked_tokens", pool=MODEL)
     read_at = time.monotonic() - sent
+    counted = prompt_tokens(engine) - counted
     sender.join()
-    return Prefill(read_at, first[0], correction, booked)
+    return Prefill(read_at, first[0], correction, booked, counted)
 
 
 def test_a_prompt_in_chunked_prefill_keeps_its_booking(chunked_engine: Engine, gateway: Stack) -> None:
@@ -139,7 +152,7 @@ def test_a_prompt_in_chunked_prefill_keeps_its_booking(chunked_engine: Engine, g
     so and passes on what holds anyway, the booking after the prefill."""
     warm_up(gateway)
     for attempt, seed in enumerate(("a", "b"), start=1):
-        run = prefill_once(gateway, seed)
+        run = prefill_once(chunked_engine, gateway, seed)
         print(f"attempt {attempt}: {run}")
         if run.sampled:
             assert run.correction >= 0, run
