@@ -69,6 +69,7 @@ class Sidecar:
         self.feedback.share_through(self.store.kv_board(), self.config.store.fallback_share)
         self.queue = AdmissionQueue(self.store, self.clock, self.metrics)
         self.store.on_wake(self.queue.kick)  # a shared store: capacity freed on other replicas
+        self.feedback.on_room = self.queue.kick  # the fleet's order puts a waiter here first
         built = build_admission(
             lambda: self.config.admission_rules,  # converted once per load; swapped with the config
             self.store,

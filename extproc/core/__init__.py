@@ -17,8 +17,9 @@ leases are booked for: lifetime demand or forecast peak, with the engine's corre
 samples: KV the leases do not explain, leases it has finished, this replica's figures for the others),
 `pool_share.py` (this replica's share of the pool's capacity, beside the other replicas'), `claims.py` (fair
 shares: a refusal's claim and its `retry-after`), `credit.py` (the bound on what one tenant's requests may be
-booked below their allowances), `fleet.py` (one pool's budget across the gateway replicas), `prefill.py`
-(evidence from the engines' prompt counter that a lease is prefilled, for the downward correction),
+booked below their allowances), `fleet.py` (one pool's budget across the gateway replicas), `order.py` (one
+order across them for the requests that wait for KV), `prefill.py` (evidence from the engines' prompt counter
+that a lease is prefilled, for the downward correction),
 `forecast.py` (forecast peak of decoding requests), `prefix.py` (the prompt prefixes in-flight requests share,
 booked once per replica), `fairness.py` (tenants' attained KV service and the one claim per pool),
 `schedule.py` (a KV refusal's `retry-after`), `completion.py` (expected completion per tenant)); `engine/`

@@ -12,8 +12,9 @@ pool's KV state.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from extproc.admission.intake.request import ParsedRequest
 from extproc.admission.intake.reservation import Reservation
@@ -119,6 +120,22 @@ class KvBooking:
         if self.budget is not None:
             chunks = self._chunks if self._counted(text_tokens) else None
             self.budget.correct_prompt(self.id, prompt_tokens, self.clock(), chunks)
+            self.changed(self.pool)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """While the request waits in its class's queue for its KV: its place in the fleet's order of
+        waiting requests (`FleetOrder`), published as it begins and ends."""
+        if self.budget is None:
+            yield
+            return
+        order = self.budget.fleet.order
+        order.begins(self.id, self.clock())
+        self.changed(self.pool)
+        try:
+            yield
+        finally:
+            order.ends(self.id)
             self.changed(self.pool)
 
     def give_back(self) -> None:

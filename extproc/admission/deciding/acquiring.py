@@ -10,6 +10,7 @@ outcome. It takes nothing it does not give back: the KV booking is given back wi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncIterator, Callable
 
@@ -100,19 +101,23 @@ class Acquisition:
         yield Hold(math.ceil(max_wait) + 1)
         request, plan = self.request, gate.plan
         klass = request.klass
+        # Not refused by the limiter: it waits for KV (its own, or the waiters' ahead of it), in the fleet's
+        # order too.
+        in_order = gate.booking.waiting() if refused is None else contextlib.nullcontext()
         try:
-            result = await queue.wait(
-                keys,
-                plan.total,
-                klass.name,
-                request.tenant,
-                max_wait,
-                request.deadline,
-                refused,
-                run_s,
-                gate,
-                plan.completion_tokens,
-            )
+            with in_order:
+                result = await queue.wait(
+                    keys,
+                    plan.total,
+                    klass.name,
+                    request.tenant,
+                    max_wait,
+                    request.deadline,
+                    refused,
+                    run_s,
+                    gate,
+                    plan.completion_tokens,
+                )
         except QueueFull as exc:
             status = await self.status()
             told = klass.max_wait_seconds if exc.eta is None else max_wait

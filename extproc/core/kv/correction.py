@@ -115,7 +115,10 @@ class EngineCorrection:
         fleet = self._share.fleet
         yielding = fleet.publishing(now)
         frees = self._frees(now, booked)
-        return ReplicaShare(booked, math.ceil(held), settled, candidates, yielding, fleet.heard_ms, frees)
+        head = fleet.order.publishing()
+        return ReplicaShare(
+            booked, math.ceil(held), settled, candidates, yielding, fleet.heard_ms, frees, head_ms=head
+        )
 
     def _frees(self, now: float, booked: int) -> tuple[int, ...]:
         """`ReplicaShare.frees`: what the leases' forecast ends free by each horizon, at the pace this

@@ -53,6 +53,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from extproc.core.kv.order import FleetOrder
+
 PUBLISH_EVERY_S = 0.05
 """The shortest interval between two publications of one pool's figures by one replica: a burst of decisions
 is published once per interval, not once per decision."""
@@ -138,7 +140,9 @@ class ReplicaShare:
     - `heard_ms`: the store's time (ms) of the last answer it had taken in when these were taken: what asks it
       has read (not summed: `Peers.oldest_ms` is the least over the others that do not yield);
     - `frees`: of `booked`, what its leases' forecast ends will have freed by each of `FREE_HORIZONS_S` after
-      these were taken (cumulative): when the others' refused clients may find room.
+      these were taken (cumulative): when the others' refused clients may find room;
+    - `head_ms`: the store's time stamped on its oldest request waiting for the pool's KV, 0 with none
+      (`FleetOrder`; not summed: the store compares them, `Peers.bound`).
     """
 
     booked: int = 0
@@ -148,9 +152,10 @@ class ReplicaShare:
     yielding: int = 0
     heard_ms: int = field(default=0, compare=False)
     frees: tuple[int, ...] = NO_FREES
+    head_ms: int = field(default=0, compare=False)
 
     def plus(self, other: ReplicaShare) -> ReplicaShare:
-        """The sum of two replicas' figures (`heard_ms` is not a sum: left out)."""
+        """The sum of two replicas' figures (`heard_ms` and `head_ms` are not sums: left out)."""
         booked, held, settled, candidates, yielding = (
             a + b for a, b in zip(self.fields(), other.fields(), strict=True)
         )
@@ -189,12 +194,18 @@ class Peers:
     not yield (`oldest_ms`, -1 where none does): an ask is heard once that is later than the ask's own
     exchange. A replica that says it yields takes only its sliver until it has heard this one again, so it
     need not have read the ask; nor need one of a version before yielding (it never counts on a yielded
-    part). The two times are when, not what: left out of equality."""
+    part). `bound`: the first stamp (ms) of this replica's waiting requests that does not come before every
+    other replica's head (the least of them, ties to the lesser name), 0 where no other has a head, -1
+    where the store does not order them (`FleetOrder`); `heard_all_ms`, as `oldest_ms` over every other
+    replica, yielding or not: a yielded replica's request may wait too, stamped before it read a run.
+    The times and `bound` are when and where, not what: left out of equality."""
 
     share: ReplicaShare = NOBODY
     replicas: int = 0
     now_ms: int = field(default=0, compare=False)
     oldest_ms: int = field(default=0, compare=False)
+    bound: int = field(default=-1, compare=False)
+    heard_all_ms: int = field(default=-1, compare=False)
 
 
 class Claim(Enum):
@@ -227,6 +238,7 @@ class Fleet:
         self._reads: set[float] = set()  # when refused clients come back: the others read by then (`told`)
         self._owes_ack = False  # another replica asked (or joined) since this one last published
         self.heard_ms = 0  # the store's time of the last answer taken in (`ReplicaShare.heard_ms`)
+        self.order = FleetOrder()  # where its requests waiting for KV stand in the fleet
 
     def share_through_store(self, fallback_share: float) -> None:
         """Replicas share this pool through a store; `fallback_share` of the pool is this replica's while the
@@ -250,6 +262,7 @@ class Fleet:
         """The store's answer at `now` (None: it did not answer) to an exchange in which this replica had
         booked `own_booked`."""
         if peers is not None:
+            self.order.observe(peers.now_ms, peers.heard_all_ms, peers.bound)
             before = self._peers
             if before is not None and (
                 peers.share.yielding < before.share.yielding or peers.replicas > before.replicas
@@ -264,7 +277,7 @@ class Fleet:
     def must_publish(self) -> bool:
         """Whether this replica's figures should go out now rather than at its next change: while it asks (the
         ask, then again until the others have heard it), or another replica's ask it has not yet answered."""
-        return self.shared and (self._owes_ack or self.claim is Claim.ASKING)
+        return self.shared and (self._owes_ack or self.claim is Claim.ASKING or self.order.unsent)
 
     def asking(self, now: float | None) -> bool:
         """Whether this replica books on its sliver while the others it knows hear its ask."""
@@ -408,9 +421,13 @@ class Fleet:
         """This replica's part of the free room (`Claim`). Every live replica that does not yield may admit at
         any moment: counting only those heard to be active, two gateways whose bursts came at once each took
         the whole cache (booked 28,504 tokens of 14,745 together, and the engine preempted) before either had
-        heard of the other's; so a replica leaves its part only by saying so."""
-        if self.claim is not Claim.FULL:
+        heard of the other's; so a replica leaves its part only by saying so. Where requests wait, the
+        replica whose head is the fleet's oldest takes all but the others' slivers, and they their slivers
+        (`FleetOrder`)."""
+        if self.claim is not Claim.FULL or self.order.behind:
             return YIELDED_PART
+        if self.order.first:
+            return max(YIELDED_PART, 1.0 - YIELDED_PART * peers.replicas)
         return self._full_part(peers)
 
     @staticmethod

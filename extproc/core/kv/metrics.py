@@ -14,6 +14,9 @@ from prometheus_client import CollectorRegistry, Gauge
 from extproc.core.kv.budget import KvBudget
 from extproc.core.kv.fleet import Claim
 
+ORDER_STATES = ("first", "behind")
+"""`extproc_kv_fleet_order`'s states (`FleetOrder.first`, `FleetOrder.behind`)."""
+
 TENANT_SERIES = 20
 """Tenants shown by name in `extproc_kv_attained_service_share`, per pool: those who received most lately;
 the rest are summed as `other`, so the label set stays bounded however many tenants send."""
@@ -112,6 +115,15 @@ class KvBudgetMetrics:
             ["pool", "state"],
             registry=registry,
         )
+        self.order = Gauge(
+            "extproc_kv_fleet_order",
+            "1 for where this replica's oldest request waiting for the pool's KV stands in the fleet (state: "
+            "first, the fleet's oldest, heard by every other replica: it takes the free room but the others' "
+            "slivers; behind, another replica's is older: a sliver), 0 for the other state; both 0 where "
+            "nothing waits anywhere. Only read where replicas share a store.",
+            ["pool", "state"],
+            registry=registry,
+        )
 
     def _fairness_series(self, registry: CollectorRegistry) -> None:
         self.fairness = Gauge(
@@ -167,6 +179,9 @@ class KvBudgetMetrics:
         for claim in Claim:
             with contextlib.suppress(KeyError):
                 self.claim.remove(pool, claim.value)
+        for state in ORDER_STATES:
+            with contextlib.suppress(KeyError):
+                self.order.remove(pool, state)
         for tenant in self._tenants_shown.pop(pool, set()):
             with contextlib.suppress(KeyError):
                 self.attained.remove(pool, tenant)
@@ -191,3 +206,6 @@ class KvBudgetMetrics:
         for claim in Claim:
             held = budget.fleet.shared and budget.fleet.claim is claim
             self.claim.labels(pool, claim.value).set(1.0 if held else 0.0)
+        order = budget.fleet.order
+        for state, held in zip(ORDER_STATES, (order.first, order.behind), strict=True):
+            self.order.labels(pool, state).set(1.0 if budget.fleet.shared and held else 0.0)

@@ -81,21 +81,19 @@ class FeedbackRuntime:
         self._fleet: FleetExchange | None = None
         self._fallback_share = 1.0
         self._down: set[str] = set()  # pools last seen with no live endpoint (logged when that changes)
+        self.on_room: Callable[[], None] = lambda: None  # the admission queue's pump (`_peers_seen`)
 
     def share_through(self, board: KvBoard | None, fallback_share: float) -> None:
         """Replicas share the pools' KV budgets through `board` (a shared store's; None: this replica books
         its configured share alone), each booking `fallback_share` of a pool while the board cannot say
         what the others hold (`core.kv_fleet`). Called once, before the feed starts."""
         self._fallback_share = fallback_share
+        if board is None:
+            return
         floor = self._replicas_at_least
-        self._fleet = (
-            None
-            if board is None
-            else FleetExchange(board, self._clock, self._peers_seen, self.engine_tally, floor)
-        )
+        self._fleet = FleetExchange(board, self._clock, self._peers_seen, self.engine_tally, floor)
         for budget in self._budgets.values():
-            if board is not None:
-                budget.share_through_store(fallback_share)
+            budget.share_through_store(fallback_share)
 
     @property
     def config(self) -> FeedbackConfig:
@@ -347,10 +345,12 @@ class FeedbackRuntime:
         return 0 if peers is None else peers.replicas
 
     def _peers_seen(self, pool: str) -> None:
-        """The others' figures reached `pool`'s budget: its gauges (its budget changed with them)."""
+        """The others' figures reached `pool`'s budget: its gauges; the queue pumped (`FleetOrder.first`)."""
         budget = self._budgets.get(pool)
         if budget is not None:
             self.metrics.observe_budget(pool, budget, self._clock())
+        if budget is not None and budget.fleet.order.first:
+            self.on_room()
 
     def budget_changed(self, pool: str) -> None:
         """A pool's budget changed (a decision, a release, progress, the others' figures): its gauges, and

@@ -36,16 +36,18 @@ class RedisKvBoard:
         """One KV_POOL call; raises the store's `StoreUnavailable` (`RedisUnavailable`) when Redis does not
         answer within the background bound."""
         ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
-        figures = (*share.fields(), share.heard_ms, *HORIZONS, *share.frees)
+        figures = (*share.fields(), share.heard_ms, *HORIZONS, *share.frees, share.head_ms)
         args = [pool, str(self.calls.replica), ttl_ms, *(str(max(0, int(v))) for v in figures)]
         raw = await self.calls.run(
             self.calls.scripts.kv_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
         )
         values = [int(v) for v in raw]
-        frees = tuple(values[8 : 8 + len(FREE_HORIZONS_S)])
+        horizons = len(FREE_HORIZONS_S)
+        frees = tuple(values[8 : 8 + horizons])
         booked, held, settled, candidates, yielding = values[1:6]
         others = ReplicaShare(booked, held, settled, candidates, yielding, frees=frees)
-        return Peers(others, values[0], now_ms=values[6], oldest_ms=values[7])
+        order = {"bound": values[8 + horizons], "heard_all_ms": values[9 + horizons]}
+        return Peers(others, values[0], now_ms=values[6], oldest_ms=values[7], **order)
 
     async def exchange_runs(self, pool: str, figures: RunFigures) -> dict[str, RunFigures]:
         """One RUNS_POOL call; raises `RedisUnavailable` as `exchange` does."""

@@ -713,11 +713,17 @@ KV_POOL = (
 -- settled, candidates, yielding, heard (integers; heard: the server's time of the last answer the replica
 -- had taken in), then the count n of horizons, their id (a checksum), the n horizons (ms after
 -- publication, ascending) and the n tokens its leases will have freed by each (`ReplicaShare.frees`,
--- cumulative). Stores them as this replica's, good for ttl ms of server time, and replies the number of
+-- cumulative), then its head (the stamp of its oldest request waiting for the pool's KV, 0: none;
+-- `FleetOrder`). Stores them as this replica's, good for ttl ms of server time, and replies the number of
 -- other replicas whose figures are still good, the sums of their first five figures (`P kv` above), the
 -- server's time and the least `heard` of those that do not yield (-1 with none), in ms, then the others'
 -- frees summed by the same horizons counted from now: each replica's carried forward by the time since it
--- published (its expiry less ttl), a free already due counted by the first. A field written before
+-- published (its expiry less ttl), a free already due counted by the first; last, the first stamp of this
+-- replica's that does not come before every other head (the least other head, plus one where this replica's
+-- field name is the lesser: a tie goes to it), 0 where no other has a head, or -1 where some other's field
+-- has no head (a version before the order, or other horizons): such a replica divides the room as before,
+-- so no replica takes it ahead of the others; then the least `heard` of all the others, yielding or not
+-- (-1 with none): a run ahead is confirmed only once every other has read it. A field written before
 -- `yielding` existed (four figures) sums as not yielding and is left out of the least `heard`: such a
 -- replica never counts on a yielded part; one written before `frees`, or with other horizons (another id),
 -- frees nothing.
@@ -732,16 +738,29 @@ for i = 1, n do
   horizons[i] = tonumber(ARGV[11 + i])
   figures[7 + i] = ARGV[11 + n + i]
 end
+figures[8 + n] = tonumber(ARGV[12 + 2 * n]) or 0
+local own = 'r:' .. ARGV[2]
+local bound = 0
 local others = exchange(key, ARGV[2], ttl, now, figures, 5)
 local sums = {0, 0, 0, 0, 0}
 local frees = {}
 for i = 1, n do frees[i] = 0 end
 local oldest = -1
+local oldest_all = -1
 for _, other in ipairs(others) do
   local v = other[2]
   for i = 1, 5 do sums[i] = sums[i] + (v[i + 1] or 0) end
+  if v[7] ~= nil and (oldest_all < 0 or v[7] < oldest_all) then oldest_all = v[7] end
   if (v[6] or 0) == 0 and v[7] ~= nil and (oldest < 0 or v[7] < oldest) then
     oldest = v[7]
+  end
+  local theirs = v[8] == id and #v == 9 + n and v[9 + n] or nil
+  if theirs == nil then
+    bound = -1
+  elseif bound >= 0 and theirs > 0 then
+    local first = theirs
+    if own < other[1] then first = theirs + 1 end
+    if bound == 0 or first < bound then bound = first end
   end
   local age = now - (v[1] - ttl)
   local before = 0
@@ -759,6 +778,8 @@ for i = 1, n do
   total = total + frees[i]
   reply[8 + i] = total
 end
+reply[9 + n] = bound
+reply[10 + n] = oldest_all
 return reply
 """
 )

@@ -348,3 +348,32 @@ async def test_a_pool_whose_runs_went_out_once_keeps_them_fresh_without_a_feed_s
             if tallies[1].peers.shown_at(5.0) == 3.0:
                 break
         assert tallies[1].peers.shown_at(5.0) == 3.0
+
+
+async def test_the_answer_says_where_this_replicas_stamps_stop_coming_first(redis_url: str) -> None:
+    """The fleet's order of waiting requests (`FleetOrder`): each answer carries the bound below which the
+    caller's stamps come before every other replica's head (the least of them; one more where the caller's
+    name is the lesser, which a tie goes to), 0 where no other has a head, and the least `heard` of all
+    the others, yielding or not. A replica of a version before the order (no head in its figures) makes
+    the bound -1: nobody takes the room ahead of it."""
+    stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(3)]
+    try:
+        a, b, c = (store.kv_board() for store in stores)
+        assert (await a.exchange("llama", ReplicaShare(head_ms=500))).bound == 0  # alone
+        name = [f"r:{store.calls.replica}" for store in stores]  # the field names Lua compares, as strings
+        assert (await b.exchange("llama", ReplicaShare(head_ms=400, heard_ms=7, yielding=1))).bound == 500 + (
+            name[1] < name[0]
+        )
+        answer = await c.exchange("llama", ReplicaShare(heard_ms=9))
+        assert answer.bound == 400 + (name[2] < name[1])
+        assert answer.heard_all_ms == 0 and answer.oldest_ms == 0  # a had heard nothing; b yields
+        again = await a.exchange("llama", ReplicaShare(head_ms=500, heard_ms=answer.now_ms))
+        assert again.heard_all_ms == 7 and again.oldest_ms == 9
+        raw = stores[0].calls.client  # a replica of the version before the order: no head in its figures
+        frees = " ".join(["0"] * len(FREE_HORIZONS_S))
+        old = f"{again.now_ms + 60_000} 0 0 0 0 0 0 {HORIZONS_ID} {frees}"
+        await raw.hset(f"{stores[0].calls.base}kv:5:llama", "r:old", old)
+        assert (await a.exchange("llama", ReplicaShare(head_ms=300))).bound == -1
+    finally:
+        for store in stores:
+            await store.close()
