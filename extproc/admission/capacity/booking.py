@@ -130,7 +130,7 @@ class KvBooking:
             yield
             return
         order = self.budget.fleet.order
-        order.begins(self.id, self.clock())
+        order.begins(self.id)
         self.changed(self.pool)
         try:
             yield

@@ -27,7 +27,6 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 UNORDERED = -1
 """`Peers.bound` where the store does not order the heads."""
@@ -36,33 +35,23 @@ CARRIED_KEPT = 8
 """The most runs awaiting confirmation kept at once (one per exchange: the oldest go first)."""
 
 
-@dataclass(slots=True)
-class _Wait:
-    since: float  # this replica's clock, where it began
-    stamp_ms: int | None = None  # the store's time of the first answer taken in after it began
-
-
 class FleetOrder:
     """The requests that wait here for one pool's KV, and where this replica's oldest stands in the fleet."""
 
     def __init__(self) -> None:
-        self._waits: dict[object, _Wait] = {}
+        self._waits: dict[object, int | None] = {}  # each waiting request's stamp (None: no answer since)
         self._bound = UNORDERED  # as of the last answer: 0, no other head; else the first stamp not ahead
         self._run = 0  # the run sent with the exchange in flight (0: none)
         self._carried: deque[tuple[int, int]] = deque(maxlen=CARRIED_KEPT)  # (run, exchange's store time)
         self._confirmed = 0  # the latest stamp of a confirmed run: its requests go first
 
-    def begins(self, key: object, now: float) -> None:
-        """A request (`key`) began to wait for the pool's KV at `now`."""
-        self._waits.setdefault(key, _Wait(now))
+    def begins(self, key: object) -> None:
+        """A request (`key`) began to wait for the pool's KV: stamped by the next answer."""
+        self._waits.setdefault(key, None)
 
     def ends(self, key: object) -> None:
         """`key` no longer waits (admitted, refused, gone)."""
         self._waits.pop(key, None)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waits)
 
     def head_ms(self) -> int:
         """The stamp of its oldest stamped request; 0 where none is stamped (a request stamped by no answer
@@ -70,7 +59,7 @@ class FleetOrder:
         return min(self._stamps(), default=0)
 
     def _stamps(self) -> list[int]:
-        return [wait.stamp_ms for wait in self._waits.values() if wait.stamp_ms is not None]
+        return [stamp for stamp in self._waits.values() if stamp is not None]
 
     @property
     def first(self) -> bool:
@@ -111,9 +100,9 @@ class FleetOrder:
         least store time of the last answer the others had taken in when they took their figures, yielding
         or not (-1: no other); `bound`, the first stamp not ahead of every other head (0: no other head;
         `UNORDERED` where the store does not order them)."""
-        for wait in self._waits.values():
-            if wait.stamp_ms is None:
-                wait.stamp_ms = now_ms
+        for key, stamp in self._waits.items():
+            if stamp is None:
+                self._waits[key] = now_ms
         self._bound = bound
         if bound == UNORDERED:
             self._carried.clear()

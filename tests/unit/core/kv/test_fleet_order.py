@@ -72,7 +72,7 @@ def step(rng: random.Random, store: Store, replicas: list[Replica], now: float, 
     if event < 0.2:
         keys[0] += 1
         r.waits.append(keys[0])
-        r.fleet.order.begins(keys[0], now)
+        r.fleet.order.begins(keys[0])
     elif event < 0.35 and r.waits:
         r.fleet.order.ends(r.waits.pop(rng.randrange(len(r.waits))))
     elif r.taken is None and r.answer is None:
@@ -121,15 +121,15 @@ def answer(f: Fleet, now_ms: int, bound: int = 0) -> None:
 
 def test_a_replica_takes_the_room_ahead_only_once_every_other_has_read_its_run() -> None:
     f = full_fleet()
-    f.order.begins("x", 0.0)
-    f.order.begins("y", 0.0)
+    f.order.begins("x")
+    f.order.begins("y")
     answer(f, 10)  # both stamped 10; the run (up to 10) not sent yet
     assert f.order.head_ms() == 10 and f.must_publish and not f.order.first
     answer(f, 12)  # the run goes out with the exchange at 12; the other had read no later than 11
     assert not f.order.first and f._part(Peers(replicas=1)) == pytest.approx(0.5)
     answer(f, 14)  # the other took its figures after reading the answer at 13
     assert f.order.first and f._part(Peers(replicas=1)) == pytest.approx(1 - YIELDED_PART)
-    f.order.begins("z", 0.0)
+    f.order.begins("z")
     f.order.ends("x")  # y, of the same run, goes first without another exchange
     assert f.order.first
     answer(f, 16)  # z stamped 16: after the run
@@ -142,7 +142,7 @@ def test_a_replica_takes_the_room_ahead_only_once_every_other_has_read_its_run()
 
 def test_a_replica_whose_head_comes_after_anothers_keeps_to_its_sliver() -> None:
     f = full_fleet()
-    f.order.begins("x", 0.0)
+    f.order.begins("x")
     answer(f, 10, bound=8)  # x stamped 10; another replica's head is 8
     assert f.order.behind and not f.order.first and f._part(Peers(replicas=1)) == YIELDED_PART
     f.order.ends("x")
@@ -153,7 +153,7 @@ def test_a_replica_whose_head_comes_after_anothers_keeps_to_its_sliver() -> None
 
 def test_a_run_the_others_came_before_meanwhile_is_not_confirmed() -> None:
     f = full_fleet()
-    f.order.begins("x", 0.0)
+    f.order.begins("x")
     answer(f, 10)  # x stamped 10
     answer(f, 12)  # the run up to 10 carried
     answer(f, 14, bound=9)  # heard, but the other published a head of 9 before reading it
@@ -162,7 +162,7 @@ def test_a_run_the_others_came_before_meanwhile_is_not_confirmed() -> None:
 
 def test_a_store_that_does_not_order_divides_the_room_as_before() -> None:
     f = full_fleet()
-    f.order.begins("x", 0.0)
+    f.order.begins("x")
     for ms in (10, 20, 30):
         answer(f, ms, bound=-1)
     assert not f.order.first and not f.order.behind and not f.order.unsent
@@ -203,7 +203,7 @@ def test_the_oldest_waiting_request_gets_the_room_half_of_it_would_not_hold() ->
     for i in range(3):  # both take their part
         exchange(i * 0.1)
     assert not busy.would_fit(1_000, 1_000, now=0.3)[0]
-    busy.fleet.order.begins("waiting", 0.3)
+    busy.fleet.order.begins("waiting")
     for i in range(4, 8):
         exchange(i * 0.1)
         busy.fleet.decided(i * 0.1)
