@@ -71,8 +71,9 @@ class FleetOrder:
 
     @property
     def behind(self) -> bool:
-        """Another replica's head comes before its own (or it has none): a sliver of the free room."""
-        if self._bound <= 0 or self.first:
+        """Another replica's head comes before its own (or it has none): a sliver of the free room. Never
+        while `first`: a head in a confirmed run lies below the bound."""
+        if self._bound <= 0:
             return False
         head = self.head_ms()
         return head == 0 or head >= self._bound

@@ -46,8 +46,10 @@ class RedisKvBoard:
         frees = tuple(values[8 : 8 + horizons])
         booked, held, settled, candidates, yielding = values[1:6]
         others = ReplicaShare(booked, held, settled, candidates, yielding, frees=frees)
-        order = {"bound": values[8 + horizons], "heard_all_ms": values[9 + horizons]}
-        return Peers(others, values[0], now_ms=values[6], oldest_ms=values[7], **order)
+        bound, heard_all = values[8 + horizons : 10 + horizons]
+        return Peers(
+            others, values[0], now_ms=values[6], oldest_ms=values[7], bound=bound, heard_all_ms=heard_all
+        )
 
     async def exchange_runs(self, pool: str, figures: RunFigures) -> dict[str, RunFigures]:
         """One RUNS_POOL call; raises `RedisUnavailable` as `exchange` does."""
