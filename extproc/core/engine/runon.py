@@ -15,8 +15,9 @@ more lingering than the least of the last `RECENT_S` before its stop (its *basel
 gateway that runs throughout, not a run-on that started lately nor an abort seen late at one reading) may be
 one of them, and its settlement waits here (`follow`), holding its reservation a while longer; at most
 `WAITING_PER_SEQUENCE` requests per lingering sequence wait, the longest waiting settling first. An interval
-between two readings is *unshared* where no replica held a request running at either end nor ran one inside it
-(their sequence-seconds did not grow): no count takes its steps. In a *shared* one the counts take the steps
+between two readings is *unshared* where no replica ran a request inside it: their sequence-seconds, read
+again at its end (the other replicas' figures heard since revise its start), grew by less than one step of one
+sequence; no count takes its steps. In a *shared* one the counts take the steps
 of the sequences they know (running, or stopped within `tally.SHOWN_AFTER_STOP_S`: `Reading.shown`), and those
 of the ones beyond them, *unclaimed*, go to nobody: a run-on that outlasts that while other requests come and
 go (in process, eight streams 1.5 s apart, every other one run on 20 s: 0.78-0.91 of what was generated,
@@ -62,8 +63,11 @@ takes what it was given so far, and the rest of a run-on goes uncharged."""
 ROOM_EPSILON = 0.5
 """Less room than this (tokens) is none: the request's allowance is used."""
 
-RAN_EPSILON_S = 1e-6
-"""Sequence-seconds below this are none (a run's seconds are sums of floats)."""
+RAN_EPSILON_S = 0.02
+"""Sequence-seconds in an interval below this are none: less than one decode step of one sequence. Another
+replica's counter moves by milliseconds after the fact (a stop it heard late from Envoy, `ran_until`): the
+interval after a flood's last stop, its run-ons' steps in it, was taken for shared, and no count took them
+(a fleet of two charged 0.91-0.97 of what the engine generated end to end)."""
 
 WAITING_PER_SEQUENCE = 4
 """At most this many requests wait here per sequence lingering above their baseline (and four at least): a
@@ -82,11 +86,12 @@ MAX_RECENT = 3000
 class Reading:
     """The pool at one reading as the run-on split needs it: tokens generated so far, sequences running; of
     them `lingering`, those no replica held running, and `live`, those every replica holds running
-    (`math.inf` while the other replicas go unheard); `ran`, the sequence-seconds every replica's runs ran so
-    far (a request that came and went between two readings ran in their interval); `share`, this replica's
-    part of a run-on then: its runs stopped lately and its requests waiting, against every replica's
-    (`RunFigures.shown` and `left`: the replicas whose clients left are the ones whose runs ran on; each
-    takes its part whether or not its requests were counted yet, so two never both take all)."""
+    (`math.inf` while the other replicas go unheard); `ran`, the sequence-seconds every replica's runs ran
+    since the reading before, that reading read again (`tally.EngineTally._ran_since`; a request that came
+    and went between two readings ran in their interval); `share`, this replica's part of a run-on then:
+    its runs stopped lately and its requests waiting, against every replica's (`RunFigures.shown` and
+    `left`: the replicas whose clients left are the ones whose runs ran on; each takes its part whether or
+    not its requests were counted yet, so two never both take all)."""
 
     at: float
     generated: float
@@ -100,8 +105,11 @@ class Reading:
     for known at this reading. The running ones beyond them are *unclaimed*: no count takes their steps."""
 
     def unshared_since(self, last: Reading) -> bool:
-        """Whether no replica ran a request at any time since `last`: no count takes this interval's steps."""
-        return last.live <= 0.0 and self.live <= 0.0 and self.ran - last.ran <= RAN_EPSILON_S
+        """Whether no replica ran a request at any time since `last`: no count takes this interval's steps.
+        Their sequence-seconds decide, not the runs held at either end: those are the other replicas' figures
+        as last heard, and a run they had stopped just before (its end not yet published) made the interval
+        after a flood's last stop shared, its run-ons' steps taken by no count."""
+        return not math.isinf(last.live) and not math.isinf(self.live) and self.ran <= RAN_EPSILON_S
 
     @property
     def unclaimed(self) -> float:
@@ -120,7 +128,7 @@ class Reading:
         if math.isinf(last.live) or math.isinf(self.live) or span <= 0.0:
             return None
         unclaimed = (last.unclaimed + self.unclaimed) / 2
-        known = max(0.0, self.ran - last.ran) / span
+        known = max(0.0, self.ran) / span
         return _Interval(last.at, self.at, grown, grown / max(known + unclaimed, 1e-9), unclaimed, self.share)
 
 
@@ -181,6 +189,11 @@ class RunOns:
         self._last: Reading | None = None
         self._closed = False
         self._recent: deque[_Interval] = deque()  # the unshared intervals of the last `RECENT_S`
+
+    @property
+    def last_at(self) -> float | None:
+        """The time of the last reading, if any: where the next one's `Reading.ran` starts."""
+        return None if self._last is None else self._last.at
 
     @property
     def sequences(self) -> float:

@@ -31,12 +31,16 @@ class Run:
 @dataclass
 class Engine:
     """One engine and the gateway replicas in front of it, on a 0.05 s tick: the replicas' tallies told
-    each run's begin and end, each other's figures (`exchange`), and the engine read every `read_every_s`;
-    each run counted at the first reading `ENGINE_STOP_S` past its stop, as `EngineRun.count` does."""
+    each run's begin and end (`told_after_s` after it: the lean profile's end report comes through Envoy's
+    access log), each other's figures every `exchange_every_s` (`exchange`), and the engine read every
+    `read_every_s`; each run counted at the first reading `ENGINE_STOP_S` past its stop, as
+    `EngineRun.count` does."""
 
     runs: list[Run]
     exchange: bool = True
     read_every_s: float = 1.0
+    exchange_every_s: float = 0.05
+    told_after_s: float = 0.0
     foreign: float = 0.0  # sequences sent around the gateway, running throughout
     now: float = 0.0
     tallies: dict[str, EngineTally] = field(default_factory=dict)
@@ -54,15 +58,16 @@ class Engine:
     def play(self, until: float) -> None:
         ticks = round(until / 0.05)
         read_every = round(self.read_every_s / 0.05)
+        exchange_every = round(self.exchange_every_s / 0.05)
         for tick in range(ticks + 1):
             at = self.now = tick * 0.05
             for run in self.runs:
                 tally = self.tallies[run.replica]
                 if abs(run.start - at) < 0.025:
                     tally.begin(run.key, run.start, 1)
-                if abs(run.stop - at) < 0.025:
+                if abs(run.stop + self.told_after_s - at) < 0.025:
                     tally.end(run.key, run.stop)
-            if self.exchange:
+            if self.exchange and tick % exchange_every == 0:
                 for name, tally in self.tallies.items():
                     others = {o: t.figures(at) for o, t in self.tallies.items() if o != name}
                     tally.observe_peers(others, at)
@@ -157,20 +162,38 @@ def short_streams(seed: int, replicas: str) -> list[Run]:
     return runs
 
 
-@pytest.mark.parametrize(("replicas", "within"), [("AAA", 40), ("ABA", 38)])
+@pytest.mark.parametrize(
+    ("replicas", "exchange_every_s", "told_after_s", "within"),
+    [
+        ("AAA", 0.05, 0.0, 40),
+        ("ABA", 0.05, 0.0, 40),
+        ("ABA", 0.1, 0.0, 40),
+        ("AAA", 0.05, 0.1, 40),
+        ("ABA", 0.05, 0.1, 40),
+        ("ABA", 0.05, 0.2, 37),
+    ],
+)
 def test_forty_floods_of_short_streams_are_charged_what_the_engine_generated(
-    short_stream_pace: None, replicas: str, within: int
+    short_stream_pace: None, replicas: str, exchange_every_s: float, told_after_s: float, within: int
 ) -> None:
-    """Forty seeded floods (`short_streams`), through one gateway and through two: each within 5 % of what
-    the engine generated in `within` of them, none above. Before counts past their allowance spilled to
-    the requests waiting (`RunOns.spill`), 16 and 15 of 40 (0.81-1.00)."""
+    """Forty seeded floods (`short_streams`), through one gateway and through two, the replicas' figures
+    exchanged every `exchange_every_s` and each end told `told_after_s` late: each within 5 % of what the
+    engine generated in `within` of them, none more than 8 % above. Before counts past their allowance
+    spilled to the requests waiting (`RunOns.spill`), 16 and 15 of 40 (0.81-1.00). Before each answer of
+    the other replicas was kept and an interval's sequence-seconds read again at its end (a stop told late
+    makes a replica's counter go back), in the rows' order 40, 39, 38, 33, 30 and 0 of 40 (0.80-0.95 in
+    the last)."""
     ratios = []
     for seed in range(40):
-        engine = Engine(short_streams(seed, replicas))
+        engine = Engine(
+            short_streams(seed, replicas),
+            exchange_every_s=exchange_every_s,
+            told_after_s=told_after_s,
+        )
         engine.play(40.0)
         ratios.append(engine.charged / engine.generated(40.0))
     assert sum(1 for r in ratios if abs(r - 1.0) <= 0.05) >= within, sorted(ratios)[:5]
-    assert max(ratios) <= 1.05
+    assert max(ratios) <= 1.08
 
 
 def test_a_count_past_its_allowance_spills_the_run_ons_it_took_to_the_requests_waiting(

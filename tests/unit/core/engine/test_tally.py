@@ -338,6 +338,21 @@ def test_the_figures_at_a_reading_that_came_late_are_those_of_its_time() -> None
     assert tally.figures(4.6) == engine_tally.RunFigures(seconds=9.1, running=2.0, shown=7.0)
 
 
+def test_a_stop_told_late_takes_its_seconds_back_from_the_readings_since() -> None:
+    """Another replica counted two runs as running past their stops, told later (the lean profile's end
+    report): its counter goes back, and the readings since the stops no longer show seconds it never ran.
+    Before, the drop was a new baseline and the interval after the stops kept their seconds: the run-ons
+    took it for shared, and two gateways charged a flood 0.91-0.97 of what the engine generated."""
+    peers = engine_tally.PeerRuns()
+    peers.observe({"b": engine_tally.RunFigures(10.0, 2.0, 2.0)}, at=0.0)
+    peers.observe({"b": engine_tally.RunFigures(10.4, 2.0, 2.0)}, at=0.2)  # they stopped at 0.1
+    peers.observe({"b": engine_tally.RunFigures(10.2, 0.0, 2.0)}, at=0.3)  # told now
+    peers.observe({"b": engine_tally.RunFigures(10.2, 0.0, 2.0)}, at=0.8)
+    assert peers.seconds_at(0.8) - peers.seconds_at(0.3) == pytest.approx(0.0)
+    assert peers.seconds_at(0.3) - peers.seconds_at(0.0) == pytest.approx(0.2)
+    assert peers.seconds_at(0.2) <= peers.seconds_at(0.3)  # a counter: it never goes back
+
+
 def test_the_other_replicas_figures_are_a_counter_each_and_carried_forward_a_while() -> None:
     peers = engine_tally.PeerRuns()
     peers.observe({"b": engine_tally.RunFigures(100.0, 2.0, 3.0)}, at=0.0)
@@ -350,7 +365,8 @@ def test_the_other_replicas_figures_are_a_counter_each_and_carried_forward_a_whi
     peers.observe(
         {"c": engine_tally.RunFigures(51.0, 0.0, 0.0), "b": engine_tally.RunFigures(1.0, 1.0, 1.0)}, 3.0
     )
-    # b restarted (its counter went back): a new baseline; c ran 1 s more.
+    # b's tally began again (its counter went back by more than its runs told late could): a new baseline;
+    # c ran 1 s more.
     assert peers.seconds_at(3.0) - peers.seconds_at(2.0) == pytest.approx(1.0)
     assert peers.shown_at(2.5) == 3.0 and peers.shown_at(-1.0) == 0.0
     # Past the last reading: grown at the sequences then running (one), for `PEER_STALE_S` at most.
