@@ -195,10 +195,9 @@ class RunOns:
         """The time of the last reading, if any: where the next one's `Reading.ran` starts."""
         return None if self._last is None else self._last.at
 
-    @property
-    def sequences(self) -> float:
-        """The sequences waiting here: this replica's `RunFigures.left`."""
-        return float(sum(w.sequences for w in self._waiting.values()))
+    def stopped_by(self, at: float) -> float:
+        """The sequences waiting here whose requests stopped by `at`: this replica's `RunFigures.left`."""
+        return float(sum(w.sequences for w in self._waiting.values() if w.stop <= at))
 
     def follow(
         self,

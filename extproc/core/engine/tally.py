@@ -161,7 +161,10 @@ class RunFigures:
     they ran since its tally began (a counter: only its growth between two readings means anything);
     `running`, the sequences running now; `shown`, those and the ones stopped within `SHOWN_AFTER_STOP_S`
     (what a reading's running count may still hold of them); `left`, the sequences of its counted requests
-    waiting for a run-on (`runon.RunOns`)."""
+    waiting for a run-on (`runon.RunOns`) that stopped before those: each request weighs once in a
+    replica's part of a run-on (`Reading.share`). Counted twice, a replica's part jumped as it counted its
+    requests, and the others, which had read its figures just before, took theirs as if they were not
+    there: two gateways charged a flood 1.003-1.023 of what the engine generated, end to end."""
 
     seconds: float = 0.0
     running: float = 0.0
@@ -386,7 +389,8 @@ class EngineTally:
                 running += run.sequences if run.start < at else 0
             elif run.until > since:
                 shown += run.sequences
-        return RunFigures(max(0.0, seconds), running, running + shown, self.run_ons.sequences)
+        left = self.run_ons.stopped_by(since)  # the others are shown already
+        return RunFigures(max(0.0, seconds), running, running + shown, left)
 
     def _seconds(self, now: float) -> float:
         """The sequence-seconds this sidecar's runs ran by `now` (a counter)."""
@@ -414,12 +418,11 @@ class EngineTally:
         in_engine = running + sum(self._engine_waiting.values())
         point = TallyPoint(self._generated.total, running, max(0.0, min(running, in_engine - held)))
         self._points.add(at, point)
-        ran = self._ran_since(self.run_ons.last_at, at, ours.seconds)
         mine, theirs = ours.shown + ours.left, peers.shown + peers.left
         share = mine / (mine + theirs) if mine + theirs > 0 else 1.0
-        reading = Reading(
-            at, point.generated, running, point.lingering, live, ran, share, ours.shown + peers.shown
-        )
+        shown = ours.shown + peers.shown
+        ran = self._ran_since(self.run_ons.last_at, at, ours.seconds)
+        reading = Reading(at, point.generated, running, point.lingering, live, ran, share, shown)
         self.run_ons.observe(reading)
         self._wake(at)
 
