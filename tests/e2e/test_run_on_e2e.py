@@ -12,7 +12,12 @@ Measured here: one gateway 945-951 of 948 generated in twelve runs of fourteen (
 (each replica's share of a run-on is read from the other's figures, one exchange late); the counts alone,
 before the run-ons, about 150. Since the feed's readings are timed when they arrive (3a2a1e4): lean 930-952 in
 26 runs, once 795; inline 948-949; two gateways 919-921. `BOUNDS` holds what every run met and what the counts
-alone miss by far; issue 39's 5 % is met by one gateway in most runs, not by the fleet (bench/RESULTS.md).
+alone miss by far; issue 39's 5 % is met by one gateway in most runs (bench/RESULTS.md). Two gateways charged
+863-925 in thirteen runs before each replica read an interval's seconds again at its end, kept each of the
+other's answers and took back the seconds of stops told late (951-970 in fifteen runs after), and weighed a
+request counted while shown once (936-943, and 843, 886 and 893 in twenty runs: the other replica told a
+stop over half a second late, past the next reading); since the shared intervals are read again when the
+other's figures go back, 926-943 in 19 runs. `FLEET_BOUNDS` is issue 39's 5 %.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
 
 BOUNDS = (0.5, 1.05)
 """The completion charged against the simulator's generation count."""
+FLEET_BOUNDS = (0.95, 1.05)
+"""The same, two gateways."""
 SIM_ARGS = fixed_step_sim(MODEL, STEP_MS, "--missed-abort-every", "3")
 
 
@@ -111,14 +118,15 @@ def test_streams_the_engine_ran_on_after_their_clients_left_are_charged_what_it_
 
 
 def test_two_gateways_charge_a_run_on_once(fleet: Fleet) -> None:
-    flood_of_streams_left(
-        "fleet of two", fleet.urls, [f"{url}/metrics" for url in fleet.admin_urls], f"{fleet.sim_url}/metrics"
-    )
+    sidecars = [f"{url}/metrics" for url in fleet.admin_urls]
+    flood_of_streams_left("fleet of two", fleet.urls, sidecars, f"{fleet.sim_url}/metrics", FLEET_BOUNDS)
 
 
-def flood_of_streams_left(name: str, urls: list[str], sidecars: list[str], engine: str) -> None:
+def flood_of_streams_left(
+    name: str, urls: list[str], sidecars: list[str], engine: str, bounds: tuple[float, float] = BOUNDS
+) -> None:
     """`CLIENTS` clients, client i through gateway i % len(urls), each leaving `STREAMS` streams: the
-    completion the gateways charged within `BOUNDS` of what the engine generated, some of it as run-ons."""
+    completion the gateways charged within `bounds` of what the engine generated, some of it as run-ons."""
     time.sleep(1.5)  # a reading before the first stream: its count reaches back to its start
 
     def sums(name: str, **labels: str) -> float:
@@ -146,4 +154,4 @@ def flood_of_streams_left(name: str, urls: list[str], sidecars: list[str], engin
     print(f"{name}: {charged:.0f} charged ({ran_on:.0f} as run-ons) of {generated:.0f} generated")
     assert missed >= CLIENTS * STREAMS // 3 - 1  # the simulator ran those on to their end
     assert ran_on > 0
-    assert BOUNDS[0] * generated <= charged <= BOUNDS[1] * generated, (charged, generated, ran_on)
+    assert bounds[0] * generated <= charged <= bounds[1] * generated, (charged, generated, ran_on)

@@ -51,7 +51,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,19 @@ class Reading:
         return _Interval(last.at, self.at, grown, grown / max(known + unclaimed, 1e-9), unclaimed, self.share)
 
 
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """An interval taken for shared at its end (some replica's runs ran in it, as known then): kept a while
+    (`RECENT_S`) in case those seconds go back (`RunOns.revise`): a stop told half a second late made the
+    interval after a flood's last stop shared, its run-ons' steps taken by no count (a fleet of two charged
+    0.89-0.94 of what the engine generated, end to end). `interval`: the one kept for its unclaimed
+    sequences, if any."""
+
+    start: Reading
+    end: Reading
+    interval: _Interval | None
+
+
 @dataclass(slots=True)
 class _Waiting:
     """One counted request that may still run in the engine."""
@@ -189,6 +202,7 @@ class RunOns:
         self._last: Reading | None = None
         self._closed = False
         self._recent: deque[_Interval] = deque()  # the unshared intervals of the last `RECENT_S`
+        self._shared: deque[_Shared] = deque()  # the shared ones, in case they were not (`revise`)
 
     @property
     def last_at(self) -> float | None:
@@ -245,10 +259,17 @@ class RunOns:
             self._recent.append(interval)
             if self._waiting:
                 self._split(interval)
+        if last is not None and interval is not None and not reading.unshared_since(last):
+            kept = interval if interval.lingering > 0.0 else None
+            self._shared.append(_Shared(last, reading, kept))
         while self._recent and (
             len(self._recent) > MAX_RECENT or reading.at - self._recent[0].start > RECENT_S
         ):
             self._recent.popleft()
+        while self._shared and (
+            len(self._shared) > MAX_RECENT or reading.at - self._shared[0].start.at > RECENT_S
+        ):
+            self._shared.popleft()
         for key, waiting in list(self._waiting.items()):
             if (
                 waiting.left < ROOM_EPSILON
@@ -256,6 +277,49 @@ class RunOns:
                 or reading.at - waiting.stop >= RUN_ON_WAIT_S
             ):
                 self._settle(self._waiting.pop(key))
+
+    def revise(self, since: float, seconds_at: Callable[[float], float]) -> None:
+        """The replicas' sequence-seconds changed after the fact from `since` on (a stop told late: another
+        replica's figures went back, or this sidecar's own end report came after a reading): each shared
+        interval kept that ends past it is read again with `seconds_at` (every replica's seconds by a time,
+        as known now), and one in which no replica ran after all is a run-on's whole (`_Shared`)."""
+        seconds: dict[float, float] = {}
+        still: deque[_Shared] = deque()
+        for shared in self._shared:
+            if shared.end.at > since:
+                for at in (shared.start.at, shared.end.at):
+                    if at not in seconds:
+                        seconds[at] = seconds_at(at)
+                end = replace(shared.end, ran=seconds[shared.end.at] - seconds[shared.start.at])
+                if end.unshared_since(shared.start):  # what ran in it was no replica's
+                    start = replace(shared.start, lingering=shared.start.running)
+                    end = replace(end, lingering=end.running)
+                    self._unshare(end.interval_since(start), shared.interval)
+                    continue
+            still.append(shared)
+        self._shared = still
+
+    def _unshare(self, interval: _Interval | None, instead: _Interval | None) -> None:
+        """An interval found unshared after the fact: kept and split as one (`observe`)."""
+        if interval is None or interval.lingering <= 0.0:
+            return
+        self._keep(interval, instead)
+        if self._waiting:
+            self._split(interval)
+
+    def _keep(self, interval: _Interval, instead: _Interval | None) -> None:
+        """`interval` among the recent ones, in its place by its start: `instead` of the one kept for that
+        time, whose gifts it carries."""
+        recent = self._recent
+        for i, kept in enumerate(recent):
+            if kept is instead:
+                interval.given = kept.given
+                del recent[i]
+                break
+        i = len(recent)
+        while i > 0 and recent[i - 1].start > interval.start:
+            i -= 1
+        recent.insert(i, interval)
 
     @staticmethod
     def _settle(waiting: _Waiting) -> None:

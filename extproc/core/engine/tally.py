@@ -183,6 +183,7 @@ class PeerRuns:
         self._heard: float | None = None  # when the store last answered
         self._seconds = 0.0
         self._readings: Series[RunFigures] = Series(max_points, min_spacing_s)
+        self.revised_from = math.inf  # the earliest reading `_revise` lowered, until the tally reads it
 
     def observe(self, replicas: Mapping[str, RunFigures], at: float) -> None:
         """The figures of every other live replica, read at `at`. One missing from them is gone, or its
@@ -224,11 +225,12 @@ class PeerRuns:
         lean profile's access log): the readings since that stop held those seconds. Kept, they made the
         intervals after a flood's last stop look shared, and their run-ons' steps went to no count: two
         gateways charged a flood 0.91-0.97 of what the engine generated, end to end."""
-        items = self._readings.items
+        times, items = self._readings.times, self._readings.items
         for i in range(len(items) - 2, -1, -1):
             if items[i].seconds <= items[i + 1].seconds:
                 return
             items[i] = replace(items[i], seconds=items[i + 1].seconds)
+            self.revised_from = min(self.revised_from, times[i])
 
     def _spread(self, since: float, until: float, grown: float) -> None:
         """`grown` sequence-seconds of a replica missing from the readings after `since`, up to `until`:
@@ -423,8 +425,20 @@ class EngineTally:
         shown = ours.shown + peers.shown
         ran = self._ran_since(self.run_ons.last_at, at, ours.seconds)
         reading = Reading(at, point.generated, running, point.lingering, live, ran, share, shown)
+        self._revise()
         self.run_ons.observe(reading)
         self._wake(at)
+
+    def _revise(self) -> None:
+        """The shared intervals the run-ons kept read again where the other replicas' figures went back
+        since the last reading (a stop told late: `PeerRuns._revise`)."""
+        since, self.peers.revised_from = self.peers.revised_from, math.inf
+        if since < math.inf:
+            self.run_ons.revise(since, self._seconds_at)
+
+    def _seconds_at(self, at: float) -> float:
+        """Every replica's sequence-seconds by `at`, as known now."""
+        return self.figures(at).seconds + self.peers.seconds_at(at)
 
     def _ran_since(self, since: float | None, at: float, ours: float) -> float:
         """The sequence-seconds every replica's runs ran from the last run-on reading (`since`) to `at`

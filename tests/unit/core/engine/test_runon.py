@@ -425,3 +425,35 @@ def test_a_run_on_beside_other_requests_is_charged_too(replicas: str, read_every
     generated = engine.generated(70.0)
     assert engine.counted < 0.4 * generated
     assert engine.charged == pytest.approx(generated, rel=0.03)
+
+
+def test_a_stop_another_replica_told_late_leaves_its_run_on_to_the_requests_that_stopped() -> None:
+    """x here and y on the other replica run from 0.5 s; both clients leave at 1.0 s, and the engine runs x
+    on to 5.5 s. The other replica publishes y as running until it is told its stop (the lean profile's end
+    report), 1.2 s late: the readings in between took the intervals after the stops for shared, and the
+    run-on's steps in them went to no count. Read again once its figures went back (`RunOns.revise`), they
+    are the run-on's: x takes its part (half: y stopped then too, and which one ran on is not known), 42.5
+    tokens; before, 32.5."""
+    tally = EngineTally()
+    tally.observe("engine", 0.0, 0.0, 0.0)
+    tally.observe_peers({"b": RunFigures(0.0, 0.0, 0.0)}, 0.0)
+    tally.begin("x", 0.5, 1)
+    tally.observe_peers({"b": RunFigures(0.0, 1.0, 1.0)}, 0.5)
+    tally.end("x", 1.0)
+
+    def generated(at: float) -> float:  # both at 20 tokens a second until 1.0, x alone until 5.5
+        return 20.0 + 20.0 * (min(at, 5.5) - 1.0)
+
+    for at in (1.0, 1.5, 2.0):  # y stopped at 1.0; its replica still says it runs
+        tally.observe_peers({"b": RunFigures(at - 0.5, 1.0, 1.0)}, at)
+        tally.observe("engine", generated(at + 0.01), 1.0, at + 0.01)
+    tally.observe_peers({"b": RunFigures(0.5, 0.0, 1.0)}, 2.2)  # told
+    told: list[float] = []
+    for at in (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0):
+        tally.observe_peers({"b": RunFigures(0.5, 0.0, 1.0 if at < 6.0 else 0.0)}, at)
+        tally.observe("engine", generated(at + 0.01), 1.0 if at < 5.5 else 0.0, at + 0.01)
+        if at == 2.5:
+            counted = tally.count(0.5, 1.0, 1, ENGINE_STOP_S, "x")
+            assert counted is not None and counted == pytest.approx(10.0, abs=0.5)
+            tally.follow_run_on("x", (0.5, 1.0), 1, ALLOWANCE - counted, told.append)
+    assert told == [pytest.approx(42.5, abs=1.0)]
