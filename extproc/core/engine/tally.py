@@ -220,9 +220,9 @@ class PeerRuns:
 
     def _revise(self) -> None:
         """The readings before the last one no higher than it: the sum of counters that only grow. A
-        replica's counter is its own since it started (one that restarts has a new name), so it goes back
-        only where it had counted a run as running past a stop it was told later (Envoy's end report, the
-        lean profile's access log): the readings since that stop held those seconds. Kept, they made the
+        replica's counter goes back by a little (`TOLD_LATE_S`) only where it had counted a run as running
+        past a stop it was told later (Envoy's end report, the lean profile's access log): the readings since
+        that stop held those seconds. Kept, they made the
         intervals after a flood's last stop look shared, and their run-ons' steps went to no count: two
         gateways charged a flood 0.91-0.97 of what the engine generated, end to end."""
         times, items = self._readings.times, self._readings.items
