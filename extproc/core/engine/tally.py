@@ -222,9 +222,9 @@ class PeerRuns:
         """The readings before the last one no higher than it: the sum of counters that only grow. A
         replica's counter goes back by a little (`TOLD_LATE_S`) only where it had counted a run as running
         past a stop it was told later (Envoy's end report, the lean profile's access log): the readings since
-        that stop held those seconds. Kept, they made the
-        intervals after a flood's last stop look shared, and their run-ons' steps went to no count: two
-        gateways charged a flood 0.91-0.97 of what the engine generated, end to end."""
+        that stop held those seconds. Kept, they made the intervals after a flood's last stop look shared,
+        and their run-ons' steps went to no count: two gateways charged a flood 0.91-0.97 of what the
+        engine generated, end to end."""
         times, items = self._readings.times, self._readings.items
         for i in range(len(items) - 2, -1, -1):
             if items[i].seconds <= items[i + 1].seconds:
@@ -448,8 +448,7 @@ class EngineTally:
         after a flood's last stop shared, and its run-ons' steps went to no count."""
         if since is None:
             return 0.0
-        then = self.figures(since).seconds + self.peers.seconds_at(since)
-        return ours + self.peers.seconds_at(at) - then
+        return ours + self.peers.seconds_at(at) - self._seconds_at(since)
 
     def follow_run_on(
         self,
