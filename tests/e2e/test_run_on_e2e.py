@@ -17,7 +17,7 @@ alone miss by far; issue 39's 5 % is met by one gateway in most runs (bench/RESU
 other's answers and took back the seconds of stops told late (951-970 in fifteen runs after), and weighed a
 request counted while shown once (936-943, and 843, 886 and 893 in twenty runs: the other replica told a
 stop over half a second late, past the next reading); since the shared intervals are read again when the
-other's figures go back, 926-943 in 19 runs. `FLEET_BOUNDS` is issue 39's 5 %.
+other's figures go back, 912-943 in 21 runs. `FLEET_BOUNDS` is issue 39's 5 %.
 """
 
 from __future__ import annotations
