@@ -12,6 +12,7 @@ of the leases in Redis, tests/support/fleet.py `Sample`).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ def wait_fleet_idle(fleet: Fleet, limit_s: float = 60.0) -> None:
     no slot held anywhere (CI saw 5 running, 0 held, at this test's start)."""
     deadline = time.monotonic() + limit_s
     engine_page = f"{fleet.sim_url}/metrics"
+    held = busy = math.nan
     while time.monotonic() < deadline:
         held = sum(metric(f"{url}/metrics", "extproc_active_requests") for url in fleet.admin_urls)
         busy = metric(engine_page, "vllm:num_requests_running") + metric(
@@ -70,7 +72,7 @@ def wait_fleet_idle(fleet: Fleet, limit_s: float = 60.0) -> None:
         if held == 0 and busy == 0:
             return
         time.sleep(0.1)
-    raise AssertionError(f"the fleet or its engine still busy after {limit_s}s")
+    raise AssertionError(f"still busy after {limit_s}s: {held} held by the fleet, {busy} in the engine")
 
 
 def test_two_gateways_serve_the_overload_and_preempt_nothing(engine: Engine, fleet: Fleet) -> None:
