@@ -427,3 +427,20 @@ async def test_lean_a_stream_envoy_read_on_after_its_client_left_is_counted_to_i
     # From 3 s to 7.5 s, 150 tokens: ours ran 4 sequences for 3 s of it, the other one for 1 s (150 / 13);
     # with ours stopped at 1 s, all 150 would be the other's.
     assert tally.count(start + 4.0, start + 5.0, 1, key="beside") == pytest.approx(150.0 / 13.0)
+
+
+async def test_a_reading_queued_behind_a_held_up_loop_is_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar's event loop was held up past `ENGINE_COUNT_WAIT_S` (7.5 s on the real-engine tier's
+    saturated host): its timer fires first, the sample read in time comes just after. The count takes it
+    (`QUEUED_READING_S`); before, 44 answers of a flood were charged the pace estimate so."""
+    monkeypatch.setattr(engine_run, "ENGINE_COUNT_WAIT_S", 0.01)
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    tally.observe("node ep", 1000.0, 0.0, start - 0.7)
+    await left_after(rig, 1.5)
+    tally.observe("node ep", 1200.0, 4.0, start + 1.3)
+    await asyncio.sleep(0.05)  # past the wait: the reading comes now
+    tally.observe("node ep", 1281.0, 0.0, start + 3.1)
+    await asyncio.wait_for(rig.settled(), 2.0)
+    assert completion(rig) == 281 and basis(rig, "engine_count") == 1
