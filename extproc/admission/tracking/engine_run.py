@@ -31,6 +31,12 @@ QUEUED_READING_S = 1.0
 loop was held up past the wait (the real-engine tier's saturated host froze one 7.5 s) fires the timer
 before it reads the samples queued behind it, and charged 44 answers of a flood by estimate so."""
 
+PEERS_COUNT_WAIT_S = 20.0
+"""The longest a count waits in all where its reading came but the other gateway replicas have not answered
+since (`EngineTally.covers`: the store's exchange stalled, for 7-10 s at a time on the real-engine tier's
+saturated host): counted on their last answer, a request took their runs since for its own; charged the
+estimate instead, a fleet flood on that tier was charged 1.17 times what vLLM generated (54 answers). Within
+`runon.RECENT_S`, so the run-ons since its stop are still kept when it is counted."""
 
 MISSED_READING_SHARE = 0.5
 """A count below this share of the tokens that passed for the request is taken for a missed reading (an
@@ -108,8 +114,9 @@ class EngineRun:
     def count(self, stop: float, allowance: int) -> Awaitable[float | None]:
         """The tokens the engines generated for the request, which ended on the proxy at `stop`: once the
         feed has read them `ENGINE_STOP_S` past it, at most `ENGINE_COUNT_WAIT_S` (and `QUEUED_READING_S`)
-        later; None where no such reading came (the feed stopped, or is slower than that). Where the engine
-        may be running it on past that reading, what it generates then too, up to the request's `allowance` (its completion
+        later, and the other gateway replicas answered since, at most `PEERS_COUNT_WAIT_S` later; None where
+        neither came (the feed or the store stopped, or is slower than that). Where the engine may be running
+        it on past that reading, what it generates then too, up to the request's `allowance` (its completion
         reservation; `runon.py`), once it stops, at most `RUN_ON_WAIT_S` later: `ran_on` says how much. The
         wait is registered now."""
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -124,6 +131,8 @@ class EngineRun:
         await asyncio.wait({ready}, timeout=ENGINE_COUNT_WAIT_S)
         if not ready.done():
             await asyncio.wait({ready}, timeout=QUEUED_READING_S)
+        if not ready.done() and tally.read_past(stop + ENGINE_STOP_S):  # the other replicas have not answered
+            await asyncio.wait({ready}, timeout=PEERS_COUNT_WAIT_S - ENGINE_COUNT_WAIT_S)
         if not tally.covers(stop + ENGINE_STOP_S):
             return None
         counted = tally.count(self.start, stop, self.sequences, ENGINE_STOP_S, self.key)

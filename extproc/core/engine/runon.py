@@ -28,8 +28,10 @@ split between the replicas by their runs stopped lately and their requests waiti
 their sequences, none past its room (the allowance less its count); a request counted after such intervals
 since its stop takes its part of what no request here took of them (`_catch_up`). A request stops waiting at
 the first reading with no more lingering than its baseline (whatever ran on has stopped), its room used, or
-`RUN_ON_WAIT_S` past its stop; then it is charged its count and what it took here. Nothing is taken, nor
-waited for, while the other replicas go unheard (the store slow or gone): they may be running anything.
+`RUN_ON_WAIT_S` past its stop; then it is charged its count and what it took here. Nothing is taken while
+the other replicas go unheard (the store slow or gone): they may be running anything. The requests wait, and
+once they are heard again, an interval read meanwhile in which no replica ran (their figures say since when
+each ran nothing: `tally.RunFigures.idle`) is split as any unshared one (`RunOns._hear`).
 
 Which of the waiting requests ran on is not known, only how many sequences did: each takes its part of the
 tokens, so a flood is charged what the engine generated while one request may pay a little of another's run-on
@@ -76,8 +78,8 @@ reservation. Past it the one waiting longest settles with what it took."""
 
 RECENT_S = 30.0
 """How far back the intervals with a run-on are kept for a request counted after them (`RunOns._catch_up`):
-past the longest a count waits for its reading (`engine_run.ENGINE_COUNT_WAIT_S`, 8 s) after
-`ENGINE_STOP_S`."""
+past the longest a count waits for its reading and the other replicas' answer
+(`engine_run.PEERS_COUNT_WAIT_S`, 20 s) after `ENGINE_STOP_S`."""
 MAX_RECENT = 3000
 """At most this many of them (ten readings a second over `RECENT_S`)."""
 
@@ -124,12 +126,14 @@ class Reading:
         grown, span = self.generated - last.generated, self.at - last.at
         if self.unshared_since(last):
             running, lingering = (last.running + self.running) / 2, (last.lingering + self.lingering) / 2
-            return _Interval(last.at, self.at, grown, grown / max(running, 1e-9), lingering, self.share)
+            pace = grown / max(running, 1e-9)
+            return _Interval(last.at, self.at, grown, pace, lingering, self.share, running=running)
         if math.isinf(last.live) or math.isinf(self.live) or span <= 0.0:
             return None
         unclaimed = (last.unclaimed + self.unclaimed) / 2
         known = max(0.0, self.ran) / span
-        return _Interval(last.at, self.at, grown, grown / max(known + unclaimed, 1e-9), unclaimed, self.share)
+        pace, running = grown / max(known + unclaimed, 1e-9), (last.running + self.running) / 2
+        return _Interval(last.at, self.at, grown, pace, unclaimed, self.share, running=running)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +186,7 @@ class _Interval:
     lingering: float
     share: float
     given: float = 0.0
+    running: float = 0.0  # the sequences running, the two readings' mean
 
     def run_on(self, floor: float, sequences: float) -> float:
         """The tokens of `sequences` of the lingering sequences above `floor`, within this replica's share of
@@ -203,6 +208,7 @@ class RunOns:
         self._closed = False
         self._recent: deque[_Interval] = deque()  # the unshared intervals of the last `RECENT_S`
         self._shared: deque[_Shared] = deque()  # the shared ones, in case they were not (`revise`)
+        self._unheard: deque[tuple[Reading, Reading]] = deque()  # intervals read while not heard (`_hear`)
 
     @property
     def last_at(self) -> float | None:
@@ -225,17 +231,22 @@ class RunOns:
     ) -> None:
         """The request `key`, stopped at `stop`, was counted, its count taking the sequences running at a
         reading before `counted_to` for its own where nothing else could be them (`tally._Window`);
-        `done(tokens)` is called with what it ran on, at once (0) where the newest reading shows no more
-        lingering sequences than `baseline` (nothing stopped still runs) or the other replicas go unheard
-        (nothing could be taken), or it has no `room`, or it waits already. It takes its part of the intervals
-        since its stop at once (they came before it was counted: `_catch_up`)."""
+        `done(tokens)` is called with what it ran on, at once where it has no `room` or waits already (0),
+        or where the newest reading shows no more lingering sequences than `baseline` (nothing stopped still
+        runs) and no interval read while the other replicas went unheard waits for them (`_hear`): then with
+        its part of the intervals since its stop, which came before it was counted (`_catch_up`)."""
         last = self._last
-        lingering = 0.0 if last is None or math.isinf(last.live) else last.lingering
-        if self._closed or room < ROOM_EPSILON or lingering <= baseline or key in self._waiting:
+        lingering = 0.0 if last is None else last.lingering
+        if self._closed or room < ROOM_EPSILON or key in self._waiting:
             call_safely(done, 0.0)
             return
-        waiting = self._waiting[key] = _Waiting(max(1, sequences), stop, counted_to, baseline, room, done)
+        waiting = _Waiting(max(1, sequences), stop, counted_to, baseline, room, done)
         self._catch_up(waiting)
+        if lingering <= baseline and not self._unheard:
+            self._settle(waiting)
+            return
+        self._waiting[key] = waiting
+        lingering = max([lingering, *(end.lingering for _, end in self._unheard)])
         bound = WAITING_PER_SEQUENCE * max(1, math.ceil(lingering - baseline))
         while len(self._waiting) > bound:
             self._settle(self._waiting.pop(next(iter(self._waiting))))
@@ -249,10 +260,11 @@ class RunOns:
             if interval.start >= waiting.stop or interval.end >= waiting.counted_to:
                 interval.given += waiting.take(interval.run_on(waiting.baseline, waiting.sequences))
 
-    def observe(self, reading: Reading) -> None:
+    def observe(self, reading: Reading, seconds_at: Callable[[float], float] | None = None) -> None:
         """A new reading of the pool: the interval since the last one kept and split where some sequences
-        ran in it whose steps no count takes (`Reading.interval_since`), the requests that stop waiting
-        told."""
+        ran in it whose steps no count takes (`Reading.interval_since`), the intervals read while the other
+        replicas went unheard split once they are heard again (`_hear`, `seconds_at` as `revise` takes
+        it), the requests that stop waiting told."""
         last, self._last = self._last, reading
         interval = None if last is None else reading.interval_since(last)
         if interval is not None and interval.lingering > 0.0:
@@ -262,29 +274,78 @@ class RunOns:
         if last is not None and interval is not None and not reading.unshared_since(last):
             kept = interval if interval.lingering > 0.0 else None
             self._shared.append(_Shared(last, reading, kept))
-        while self._recent and (
-            len(self._recent) > MAX_RECENT or reading.at - self._recent[0].start > RECENT_S
-        ):
-            self._recent.popleft()
-        while self._shared and (
-            len(self._shared) > MAX_RECENT or reading.at - self._shared[0].start.at > RECENT_S
-        ):
-            self._shared.popleft()
+        if last is not None and interval is None and reading.generated > last.generated:
+            self._unheard.append((last, reading))
+        self._drop_old(reading.at)
+        if seconds_at is not None and self._unheard and not math.isinf(reading.live):
+            self._hear(seconds_at, reading.share)
         for key, waiting in list(self._waiting.items()):
             if (
                 waiting.left < ROOM_EPSILON
-                or reading.lingering <= waiting.baseline
+                or (reading.lingering <= waiting.baseline and not self._unheard)
                 or reading.at - waiting.stop >= RUN_ON_WAIT_S
             ):
                 self._settle(self._waiting.pop(key))
 
-    def revise(self, since: float, seconds_at: Callable[[float], float]) -> None:
+    def _drop_old(self, now: float) -> None:
+        """The intervals kept past `RECENT_S` (or `MAX_RECENT` of a kind) go."""
+        recent, shared, unheard = self._recent, self._shared, self._unheard
+        while recent and (len(recent) > MAX_RECENT or now - recent[0].start > RECENT_S):
+            recent.popleft()
+        while shared and (len(shared) > MAX_RECENT or now - shared[0].start.at > RECENT_S):
+            shared.popleft()
+        while unheard and (len(unheard) > MAX_RECENT or now - unheard[0][0].at > RECENT_S):
+            unheard.popleft()
+
+    def _hear(self, seconds_at: Callable[[float], float], share: float) -> None:
+        """The other replicas are heard again: each interval read while they were not is read again with
+        `seconds_at` (every replica's sequence-seconds by a time, as known now: their figures say since when
+        they ran nothing, `tally.RunFigures.idle`), and one in which no replica ran is a run-on's whole,
+        split by this replica's `share` now (its part in the gap is not known: the others' runs stopped
+        then and requests waiting were not heard; now each replica reads the others' at once, and the
+        requests counted in the gap wait for it). One in which some replica ran is left: which of its
+        sequences the counts took is not known. Left unread, the steps an engine ran on while the store's
+        exchange stalled at a flood's end went to no count (a fleet flood on the real-engine tier charged
+        0.669 of what vLLM generated)."""
+        unheard, self._unheard = self._unheard, deque()
+        for start, end in unheard:
+            if seconds_at(end.at) - seconds_at(start.at) > RAN_EPSILON_S:
+                continue
+            running, grown = (start.running + end.running) / 2, end.generated - start.generated
+            pace = grown / max(running, 1e-9)
+            self._unshare(_Interval(start.at, end.at, grown, pace, running, share, running=running), None)
+
+    def rethink(
+        self, since: float, seconds_at: Callable[[float], float], shown_at: Callable[[float], float]
+    ) -> None:
+        """The other replicas answered after a gap from `since`: the intervals kept that end past it were
+        read with their figures from before it, and a run they began since was taken for nobody's (in
+        process, a 3.5 s stall of the store's exchange over a flood: charged 1.16-1.41 of what the engine
+        generated). Each is read again with `seconds_at` and `shown_at` (every replica's sequence-seconds
+        by a time, and sequences it may have held running then, as known now): where some replica ran in
+        it, its sequences beyond those shown are what no count takes, if fewer than it held. Only fewer:
+        what the others' answer cannot show (runs begun and stopped in the gap) is not made a run-on."""
+        for interval in self._recent:
+            if interval.end <= since:
+                continue
+            ran = seconds_at(interval.end) - seconds_at(interval.start)
+            if ran <= RAN_EPSILON_S:
+                continue  # no replica ran in it: its lingering sequences were nobody's
+            shown = (shown_at(interval.start) + shown_at(interval.end)) / 2
+            unclaimed = max(0.0, interval.running - shown)
+            if unclaimed < interval.lingering:
+                interval.lingering = unclaimed
+                interval.pace = interval.grown / max(ran / (interval.end - interval.start) + unclaimed, 1e-9)
+
+    def revise(self, since: float, seconds_at: Callable[[float], float], share: float) -> None:
         """The replicas' sequence-seconds changed after the fact from `since` on (another replica's figures
-        went back: a stop it was told late, `tally.PeerRuns._revise`): each shared interval kept that ends
-        past it is read again with `seconds_at` (every replica's seconds by a time, as known now), and one in
-        which no replica ran after all is a run-on's whole (`_Shared`). This sidecar's own runs are exact at
-        each reading's time already (`tally.EngineTally.figures` looks back); revised here too, a single
-        inline gateway was charged 1,202 of the 948 tokens generated once."""
+        went back: a stop it was told late, `tally.PeerRuns._revise`; or came after a gap in the answers,
+        `tally.PeerRuns._bend`): each shared interval kept that ends past it is read again with `seconds_at`
+        (every replica's seconds by a time, as known now), and one in which no replica ran after all is a
+        run-on's whole (`_Shared`), split by this replica's `share` now (as `_hear` splits, and for its
+        reason: read in a gap, the others' part was their figures before it). This sidecar's own runs are
+        exact at each reading's time already (`tally.EngineTally.figures` looks back); revised here too, a
+        single inline gateway was charged 1,202 of the 948 tokens generated once."""
         seconds: dict[float, float] = {}
         still: deque[_Shared] = deque()
         for shared in self._shared:
@@ -292,7 +353,8 @@ class RunOns:
                 for at in (shared.start.at, shared.end.at):
                     if at not in seconds:
                         seconds[at] = seconds_at(at)
-                end = replace(shared.end, ran=seconds[shared.end.at] - seconds[shared.start.at])
+                ran = seconds[shared.end.at] - seconds[shared.start.at]
+                end = replace(shared.end, ran=ran, share=share)
                 if end.unshared_since(shared.start):  # what ran in it was no replica's
                     start = replace(shared.start, lingering=shared.start.running)
                     end = replace(end, lingering=end.running)

@@ -54,13 +54,13 @@ class RedisKvBoard:
     async def exchange_runs(self, pool: str, figures: RunFigures) -> dict[str, RunFigures]:
         """One RUNS_POOL call; raises `RedisUnavailable` as `exchange` does."""
         ttl_ms = str(math.ceil(REPLICA_TTL_S * 1000))
-        own = (figures.seconds, figures.running, figures.shown, figures.left)
+        own = (figures.seconds, figures.running, figures.shown, figures.left, figures.idle)
         args = [pool, str(self.calls.replica), ttl_ms, *(repr(max(0.0, float(v))) for v in own)]
         raw = await self.calls.run(
             self.calls.scripts.runs_pool, lambda: args, [], BACKGROUND_TIMEOUT_S, fail_fast=False
         )
         values = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
-        width = 5  # the name and the four figures
+        width = 6  # the name and the five figures
         return {
             values[i]: RunFigures(*(float(v) for v in values[i + 1 : i + width]))
             for i in range(0, len(values) - width + 1, width)

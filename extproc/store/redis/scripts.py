@@ -788,23 +788,26 @@ RUNS_POOL = (
     REPLICA_FIGURES
     + r"""
 -- KEYS[1]: the prefix. ARGV: pool, replica, ttl ms, then the replica's runs of the pool: sequence-seconds
--- (a counter), sequences running, shown and left (`RunFigures`). `P runs:#p:p` (hash): one field
--- `r:<replica>` per replica, `<expiry ms> <published ms> <seconds> <running> <shown> <left>`, expiring as
--- the KV_POOL figures do. Replies, for each other replica whose figures are still good: its field name, its
--- seconds carried to now at its running sequences, its running, shown and left sequences (as strings: Redis
--- would truncate Lua numbers to integers). A field written before `left` existed (three figures) replies
--- it as 0.
+-- (a counter), sequences running, shown and left, and seconds idle (`RunFigures`). `P runs:#p:p` (hash): one
+-- field `r:<replica>` per replica, `<expiry ms> <published ms> <seconds> <running> <shown> <left> <idle>`,
+-- expiring as the KV_POOL figures do. Replies, for each other replica whose figures are still good: its
+-- field name, its seconds carried to now at its running sequences, its running, shown and left sequences,
+-- and its idle seconds carried to now where it ran none (as strings: Redis would truncate Lua numbers to
+-- integers). A field written before `left` or `idle` existed (three or four figures) replies them as 0.
 local key = KEYS[1] .. 'runs:' .. string.len(ARGV[1]) .. ':' .. ARGV[1]
 local now = now_ms()
-local own = {now, ARGV[4], ARGV[5], ARGV[6], ARGV[7]}
+local own = {now, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]}
 local others = exchange(key, ARGV[2], tonumber(ARGV[3]), now, own, 5)
 local out = {}
 for _, other in ipairs(others) do
   local v = other[2]
-  local seconds = v[3] + v[4] * math.max(0, now - v[2]) / 1000
+  local since = math.max(0, now - v[2]) / 1000
+  local idle = v[7] or 0
+  if v[4] == 0 and idle > 0 then idle = idle + since end
   out[#out + 1] = other[1]
-  out[#out + 1] = string.format('%.6f', seconds)
+  out[#out + 1] = string.format('%.6f', v[3] + v[4] * since)
   for i = 4, 6 do out[#out + 1] = string.format('%.6f', v[i] or 0) end
+  out[#out + 1] = string.format('%.6f', idle)
 end
 return out
 """

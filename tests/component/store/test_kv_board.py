@@ -254,20 +254,23 @@ async def test_a_forgotten_budget_has_its_planned_reads_cancelled(redis_url: str
 
 async def test_each_replica_reads_the_others_runs_carried_to_now(redis_url: str) -> None:
     """The engine tally's figures (`RUNS_POOL`): each other live replica's by name, its sequence-seconds
-    grown at its running sequences since it published (Redis's clock), its own figures left out."""
+    grown at its running sequences since it published (Redis's clock), and where it runs none its seconds
+    idle grown too, its own figures left out."""
     stores = [RedisStore.from_url(redis_url, timeout_s=1.0) for _ in range(2)]
     try:
         a, b = (store.kv_board() for store in stores)
         assert await a.exchange_runs("llama", RunFigures(10.0, 4.0, 6.0, 2.0)) == {}
         await asyncio.sleep(0.25)
-        others = await b.exchange_runs("llama", RunFigures(1.5, 0.0, 1.0))
+        others = await b.exchange_runs("llama", RunFigures(1.5, 0.0, 1.0, idle=2.0))
         ((name, figures),) = others.items()
         assert name == f"r:{stores[0].calls.replica}"
-        assert (figures.running, figures.shown, figures.left) == (4.0, 6.0, 2.0)
+        assert (figures.running, figures.shown, figures.left, figures.idle) == (4.0, 6.0, 2.0, 0.0)
         assert 10.0 + 4 * 0.2 <= figures.seconds <= 10.0 + 4 * 1.0  # 0.25 s of four sequences, Redis's time
-        assert await a.exchange_runs("llama", RunFigures(11.0, 0.0, 0.0)) == {
-            f"r:{stores[1].calls.replica}": RunFigures(1.5, 0.0, 1.0)
-        }
+        await asyncio.sleep(0.25)
+        ((name, figures),) = (await a.exchange_runs("llama", RunFigures(11.0, 0.0, 0.0))).items()
+        assert name == f"r:{stores[1].calls.replica}"
+        assert (figures.seconds, figures.running, figures.shown, figures.left) == (1.5, 0.0, 1.0, 0.0)
+        assert 2.0 + 0.2 <= figures.idle <= 2.0 + 1.0  # idle 0.25 s longer, Redis's time
         assert await a.exchange_runs("mistral", RunFigures()) == {}  # pools apart
     finally:
         for store in stores:

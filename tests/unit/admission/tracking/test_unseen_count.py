@@ -16,7 +16,7 @@ from extproc.admission.exchange import Exchange, RequestHead
 from extproc.admission.replies.verdicts import Forward, Refusal
 from extproc.admission.tracking import engine_run
 from extproc.admission.tracking.reading import ReportedTiming, ResponseReading
-from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally
+from extproc.core.engine.tally import ENGINE_STOP_S, EngineTally, RunFigures
 from tests.support.admission import AdmissionRig
 
 CONFIG = {"models": {"*": {"context_window": 8000, "default_max_tokens": 100}}}
@@ -427,6 +427,33 @@ async def test_lean_a_stream_envoy_read_on_after_its_client_left_is_counted_to_i
     # From 3 s to 7.5 s, 150 tokens: ours ran 4 sequences for 3 s of it, the other one for 1 s (150 / 13);
     # with ours stopped at 1 s, all 150 would be the other's.
     assert tally.count(start + 4.0, start + 5.0, 1, key="beside") == pytest.approx(150.0 / 13.0)
+
+
+async def test_a_count_whose_reading_came_waits_longer_for_the_other_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store's exchange stalls past `ENGINE_COUNT_WAIT_S` (7-10 s at a time on the real-engine tier's
+    saturated host): the reading past the end came, the other replica's answer did not. The count waits for
+    it (`PEERS_COUNT_WAIT_S`) and is charged the engines' count, not the pace estimate (a fleet flood charged
+    1.17 times what vLLM generated so, 54 answers by estimate)."""
+    monkeypatch.setattr(engine_run, "ENGINE_COUNT_WAIT_S", 0.01)
+    monkeypatch.setattr(engine_run, "PEERS_COUNT_WAIT_S", 5.0)
+    tally = EngineTally()
+    rig = await rig_with(tally)
+    start = rig.clock()
+    tally.observe_peers({"b": RunFigures(0.0, 0.0, 0.0)}, start - 1.0)
+    tally.observe("node ep", 1000.0, 0.0, start - 0.7)
+    await left_after(rig, 1.5)
+    tally.observe("node ep", 1200.0, 4.0, start + 1.3)
+    tally.observe("node ep", 1281.0, 0.0, start + 3.1)  # read past its end; b last heard before it
+    await asyncio.sleep(0.05)
+    assert completion(rig) == 0 and basis(rig, "estimate") == 0  # waits past `ENGINE_COUNT_WAIT_S`
+    tally.observe_peers({"b": RunFigures(0.0, 0.0, 0.0)}, start + 3.2)  # b ran nothing
+    await asyncio.sleep(0)
+    tally.observe_peers({"b": RunFigures(0.0, 0.0, 0.0)}, start + 3.3)
+    tally.observe("node ep", 1281.0, 0.0, start + 4.0)  # nothing ran on
+    await asyncio.wait_for(rig.settled(), 2.0)
+    assert completion(rig) == 281 and basis(rig, "engine_count") == 1
 
 
 async def test_a_reading_queued_behind_a_held_up_loop_is_still_read(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -374,3 +374,51 @@ def test_the_other_replicas_figures_are_a_counter_each_and_carried_forward_a_whi
     stale = engine_tally.PEER_STALE_S
     assert peers.seconds_at(3.0 + stale + 10) - peers.seconds_at(3.0) == pytest.approx(stale)
     assert peers.shown_at(3.0 + stale + 0.1) == 0.0
+
+
+def test_a_count_waits_for_the_other_replicas_answer_past_its_time() -> None:
+    """The store's exchange stalls: carried from b's last answer, the sequences it showed then fill the
+    running count while its seconds stay as they were, and a request counted on that took the steps of the
+    runs b began meanwhile (in process, a stream that generated 35 tokens counted 165). The count waits for
+    b's next answer past its time, as for the reading; with no other replica in the store, it does not."""
+    tally = EngineTally()
+    tally.observe_peers({"b": engine_tally.RunFigures(0.0, 0.0, 0.0)}, 0.0)
+    tally.observe("a", 0.0, 0.0, 0.0)
+    tally.begin("x", 0.5, 1)
+    tally.end("x", 1.0)
+    called: list[str] = []
+    tally.after(2.5, lambda: called.append("x"))
+    tally.observe("a", 60.0, 2.0, 3.0)
+    assert called == [] and not tally.covers(2.5)
+    tally.observe_peers({"b": engine_tally.RunFigures(3.0, 1.0, 1.0)}, 3.2)
+    assert called == ["x"] and tally.covers(2.5)
+    alone = EngineTally()
+    alone.observe_peers({}, 0.0)
+    alone.observe("a", 0.0, 0.0, 0.0)
+    alone.observe("a", 10.0, 1.0, 3.0)
+    assert alone.covers(2.5)
+
+
+def test_a_replica_says_how_long_none_of_its_runs_has_run() -> None:
+    """`RunFigures.idle`: 0 while a run runs (at the time asked, looked back), the time since its last stop
+    after, at most `IDLE_SEEN_S`."""
+    tally = EngineTally()
+    longest = engine_tally.IDLE_SEEN_S
+    assert tally.figures(1.0).idle == longest  # nothing ran: at least that
+    tally.begin("a", 0.0, 1)
+    assert tally.figures(0.5).idle == 0.0
+    tally.end("a", 2.0)
+    assert tally.figures(5.0).idle == pytest.approx(3.0)
+    assert tally.figures(1.5).idle == 0.0  # it ran then
+    assert tally.figures(2.0 + longest + 1.0).idle == longest
+
+
+def test_a_replica_idle_since_a_gap_in_its_answers_ran_its_seconds_before_idling() -> None:
+    """b's answers stop for 4 s (the store's exchange stalled); back, it ran 1 s more and has been idle
+    3 s: that second is put before its idling (a reading bent there), not spread over the gap. Spread, the
+    intervals after a flood's last stop looked shared, and their run-ons' steps went to no count."""
+    peers = engine_tally.PeerRuns()
+    peers.observe({"b": engine_tally.RunFigures(10.0, 1.0, 1.0)}, at=0.0)
+    peers.observe({"b": engine_tally.RunFigures(11.0, 0.0, 1.0, idle=3.0)}, at=4.0)
+    ran = [peers.seconds_at(at) - peers.seconds_at(0.0) for at in (0.5, 1.0, 3.5, 4.0)]
+    assert ran == [pytest.approx(0.5), pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.0)]
