@@ -78,13 +78,20 @@ async def left_after(rig: Rig, seconds: float, reported: bool = False) -> Exchan
     return exchange
 
 
-async def test_inline_a_body_left_is_charged_the_engines_count_once_the_feed_is_past_its_end() -> None:
-    tally = EngineTally()
+async def four_left_while_read(tally: EngineTally) -> tuple[Rig, float]:
+    """`four_sequences` left after 1.5 s, the engines read idle 0.7 s before it came and running its four at
+    1.3 s: its rig, and when it came."""
     rig = await rig_with(tally)
     start = rig.clock()
-    tally.observe("node ep", 1000.0, 0.0, start - 0.7)  # idle before it came
+    tally.observe("node ep", 1000.0, 0.0, start - 0.7)
     await left_after(rig, 1.5)
-    tally.observe("node ep", 1200.0, 4.0, start + 1.3)  # read while it ran
+    tally.observe("node ep", 1200.0, 4.0, start + 1.3)
+    return rig, start
+
+
+async def test_inline_a_body_left_is_charged_the_engines_count_once_the_feed_is_past_its_end() -> None:
+    tally = EngineTally()
+    rig, start = await four_left_while_read(tally)
     for _ in range(3):
         await asyncio.sleep(0)  # the store's release runs on the loop
     assert rig.active == 0  # its slot is back at once: the engine stops within a step
@@ -103,11 +110,7 @@ async def test_a_body_the_engine_decoded_on_after_its_client_left_is_charged_the
     for; the lease settles once the engine stops, charged its count and the steps after it (the run-on,
     `extproc_tokens_run_on_total`), within its reservation."""
     tally = EngineTally()
-    rig = await rig_with(tally)
-    start = rig.clock()
-    tally.observe("node ep", 1000.0, 0.0, start - 0.7)
-    await left_after(rig, 1.5)
-    tally.observe("node ep", 1200.0, 4.0, start + 1.3)
+    rig, start = await four_left_while_read(tally)
     tally.observe("node ep", 1400.0, 4.0, start + 1.5 + ENGINE_STOP_S)
     await rig.settled_soon()
     assert rig.metric("extproc_settlements_total", outcome="aborted") == 0  # it waits for the run-on
@@ -439,12 +442,8 @@ async def test_a_count_whose_reading_came_waits_longer_for_the_other_replicas(
     monkeypatch.setattr(engine_run, "ENGINE_COUNT_WAIT_S", 0.01)
     monkeypatch.setattr(engine_run, "PEERS_COUNT_WAIT_S", 5.0)
     tally = EngineTally()
-    rig = await rig_with(tally)
-    start = rig.clock()
+    rig, start = await four_left_while_read(tally)
     tally.observe_peers({"b": RunFigures(0.0, 0.0, 0.0)}, start - 1.0)
-    tally.observe("node ep", 1000.0, 0.0, start - 0.7)
-    await left_after(rig, 1.5)
-    tally.observe("node ep", 1200.0, 4.0, start + 1.3)
     tally.observe("node ep", 1281.0, 0.0, start + 3.1)  # read past its end; b last heard before it
     await asyncio.sleep(0.05)
     assert completion(rig) == 0 and basis(rig, "estimate") == 0  # waits past `ENGINE_COUNT_WAIT_S`
@@ -462,11 +461,7 @@ async def test_a_reading_queued_behind_a_held_up_loop_is_still_read(monkeypatch:
     (`QUEUED_READING_S`); before, 44 answers of a flood were charged the pace estimate so."""
     monkeypatch.setattr(engine_run, "ENGINE_COUNT_WAIT_S", 0.01)
     tally = EngineTally()
-    rig = await rig_with(tally)
-    start = rig.clock()
-    tally.observe("node ep", 1000.0, 0.0, start - 0.7)
-    await left_after(rig, 1.5)
-    tally.observe("node ep", 1200.0, 4.0, start + 1.3)
+    rig, start = await four_left_while_read(tally)
     await asyncio.sleep(0.05)  # past the wait: the reading comes now
     tally.observe("node ep", 1281.0, 0.0, start + 3.1)
     await asyncio.wait_for(rig.settled(), 2.0)
