@@ -118,6 +118,11 @@ TOLD_LATE_S = 10.0
 through Envoy's access log): a replica's counter that goes back by at most its running sequences times this
 counted them past their stops (`PeerRuns._revise`); by more, its tally began again (the feed restarted on a
 reload: the same name, a new counter), a new baseline."""
+MISSING_S = 10.0
+"""How long a replica missing from the store's answers keeps the counts waiting (`PeerRuns.known_by`): past
+`kv_fleet.REPLICA_TTL_S`, after which a stalled replica's figures expire from the store. Taken for one running
+nothing, a sidecar held up 5.3 s on the real-engine tier counted a 70 ms stream 407 tokens. A replica gone for
+good holds them this long, then not."""
 PEER_GAP_S = 60.0
 """How long a replica missing from the store's answers is remembered (`PeerRuns.observe`): its figures
 expire there `kv_fleet.REPLICA_TTL_S` after its last publication, so a store or a replica stalled that long,
@@ -316,11 +321,16 @@ class PeerRuns:
         return self._heard is None or self._heard > at
 
     def known_by(self, at: float) -> bool:
-        """Whether their runs up to `at` are known: an answer came at or after it, or none of them is left to
-        tell (no store, no other replica lately). Carried forward from an earlier answer, the sequences it
-        showed stopped lately fill the running count while their seconds stay flat, and the runs they began
-        since are nobody's."""
-        return self._heard is None or self._heard >= at or not self._last
+        """Whether their runs up to `at` are known: an answer came at or after it with every replica seen in
+        the last `MISSING_S` (one missing is not known to have run nothing: its figures expired from the
+        store while it or the store stalled), or none of them is left to tell (no store, no other replica
+        lately). Carried forward from an earlier answer, the sequences it showed stopped lately fill the
+        running count while their seconds stay flat, and the runs they began since are nobody's."""
+        heard = self._heard
+        if heard is None or not self._last:
+            return True
+        missing = any(heard - MISSING_S < seen < heard for _, seen, _ in self._last.values())
+        return heard >= at and not missing
 
     def seen_at(self, at: float) -> bool:
         """Whether their runs at `at` are known: never exchanged (no store: no other replica), or the last
