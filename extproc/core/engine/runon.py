@@ -311,9 +311,7 @@ class RunOns:
         for start, end in unheard:
             if seconds_at(end.at) - seconds_at(start.at) > RAN_EPSILON_S:
                 continue
-            running, grown = (start.running + end.running) / 2, end.generated - start.generated
-            pace = grown / max(running, 1e-9)
-            self._unshare(_Interval(start.at, end.at, grown, pace, running, share, running=running), None)
+            self._unshare(_nobodys(start, end, share), None)
 
     def rethink(
         self, since: float, seconds_at: Callable[[float], float], shown_at: Callable[[float], float]
@@ -356,16 +354,14 @@ class RunOns:
                 ran = seconds[shared.end.at] - seconds[shared.start.at]
                 end = replace(shared.end, ran=ran, share=share)
                 if end.unshared_since(shared.start):  # what ran in it was no replica's
-                    start = replace(shared.start, lingering=shared.start.running)
-                    end = replace(end, lingering=end.running)
-                    self._unshare(end.interval_since(start), shared.interval)
+                    self._unshare(_nobodys(shared.start, end, share), shared.interval)
                     continue
             still.append(shared)
         self._shared = still
 
-    def _unshare(self, interval: _Interval | None, instead: _Interval | None) -> None:
+    def _unshare(self, interval: _Interval, instead: _Interval | None) -> None:
         """An interval found unshared after the fact: kept and split as one (`observe`)."""
-        if interval is None or interval.lingering <= 0.0:
+        if interval.lingering <= 0.0:
             return
         self._keep(interval, instead)
         if self._waiting:
@@ -429,6 +425,15 @@ class RunOns:
         waiting, self._waiting = self._waiting, {}
         for item in waiting.values():
             self._settle(item)
+
+
+def _nobodys(start: Reading, end: Reading, share: float) -> _Interval:
+    """The interval between two readings found after the fact to be one in which no replica ran
+    (`RunOns.revise`, `RunOns._hear`): every sequence running in it lingered, split by this replica's
+    `share`."""
+    running, grown = (start.running + end.running) / 2, end.generated - start.generated
+    pace = grown / max(running, 1e-9)
+    return _Interval(start.at, end.at, grown, pace, running, share, running=running)
 
 
 def call_safely(done: Callable[[float], None], tokens: float) -> None:
